@@ -1,0 +1,171 @@
+"""The public Ulysses attention op, its module, and the lower-level all-to-all ops."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .backends import default_scale, resolve_backend
+from .checks import Signature, signature, validate
+from .comm import get_communicator
+from .layout import Layout
+from .ops import HeadToSeq, SeqToHead, UlyssesAttentionFunction
+from .plan import HeadPlan
+
+__all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
+
+
+def _prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check):
+    """Validate (on every rank when ``check``), then build the plan and the layout."""
+    rank, world = comm.rank, comm.world_size
+    sig = signature(
+        q, k, v, rank=rank, world_size=world, causal=causal, scale=softmax_scale, seq_lens=seq_lens,
+        plan_heads=None if plan is None else (plan.q_heads, plan.kv_heads),
+    )  # fmt: skip
+    if check and world > 1:
+        validate([Signature.decode(x) for x in comm.all_gather_ints(sig.encode(), q.device)], gathered=True)
+    else:
+        validate([sig], gathered=False)
+    if plan is None:
+        plan = HeadPlan.build(q.shape[2], k.shape[2], world)
+    elif plan.world_size != world:
+        raise ValueError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
+    lens = tuple(int(s) for s in seq_lens) if seq_lens is not None else (q.shape[1],) * world
+    return plan, Layout(plan, rank, lens, q.shape[0], q.shape[3])
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group=None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    seq_lens: Sequence[int] | None = None,
+    attn_fn=None,
+    *,
+    plan: HeadPlan | None = None,
+    comm=None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Exact attention over a sequence sharded across ``group``.
+
+    Args:
+        q: ``[batch, seq_local, q_heads, head_dim]``; rank r holds the r-th contiguous slice
+            of the global sequence, for all heads.
+        k, v: ``[batch, seq_local, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``.
+            q, k and v share dtype (any float) and device.
+        group: the sequence-parallel process group (default: the world; without
+            ``torch.distributed`` initialized, a group of one).
+        causal: causal mask over the *global* sequence.
+        softmax_scale: default ``head_dim ** -0.5``.
+        seq_lens: tokens per rank when the shards are uneven (the same list on every rank).
+            Default: every rank holds ``q.shape[1]`` tokens (checked when ``check``).
+        attn_fn: ``None`` (flash-attn on CUDA when importable, else SDPA), ``"flash"``,
+            ``"sdpa"``, ``"math"``, a callable ``fn(q, k, v, causal=, softmax_scale=)`` over
+            ``[B, S, H, D]`` grouped heads, or a backend object (see ``backends``).
+        plan: a prebuilt ``HeadPlan`` (default: ``HeadPlan.build(q_heads, kv_heads, world)``).
+        comm: a communicator (default: torch.distributed on ``group``).
+        check: exchange a small signature of every rank's inputs first (one tiny
+            all-gather and a host sync) so that bad or mismatched inputs raise the same
+            error on every rank. ``False`` skips the exchange: then all ranks must pass
+            matching shapes and options, or the collectives may fail or hang.
+
+    Returns:
+        ``[batch, seq_local, q_heads, head_dim]``: full attention over the global sequence,
+        this rank's rows. Differentiable in q, k and v.
+    """
+    comm = get_communicator(group, comm)
+    plan, layout = _prepare(
+        q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check
+    )
+    backend = resolve_backend(attn_fn, q)
+    scale = default_scale(q.shape[3], softmax_scale)
+    kv_map = plan.local_kv_map(comm.rank)
+    return UlyssesAttentionFunction.apply(q, k, v, layout, comm, backend, causal, scale, kv_map)
+
+
+class UlyssesAttention(nn.Module):
+    """``ulysses_attention`` as a module that holds its plan and group.
+
+    ``check="once"`` (default) validates each new input signature (shapes, dtype, options)
+    across ranks once per module and skips the exchange afterwards; ``"always"`` checks every
+    call; ``"never"`` does not exchange (see ``ulysses_attention(check=False)``).
+    """
+
+    def __init__(
+        self,
+        q_heads: int,
+        kv_heads: int,
+        group=None,
+        *,
+        causal: bool = True,
+        softmax_scale: float | None = None,
+        attn_fn=None,
+        comm=None,
+        check: str = "once",
+    ):
+        super().__init__()
+        if check not in ("once", "always", "never"):
+            raise ValueError(f"UlyssesAttention: check expected 'once', 'always' or 'never', got {check!r}")
+        self.comm = get_communicator(group, comm)
+        self.plan = HeadPlan.build(q_heads, kv_heads, self.comm.world_size)
+        self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check
+        self._checked: set[tuple] = set()
+
+    def forward(self, q, k, v, seq_lens: Sequence[int] | None = None) -> torch.Tensor:
+        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device, None if seq_lens is None else tuple(seq_lens))
+        check = self.check == "always" or (self.check == "once" and key not in self._checked)
+        out = ulysses_attention(
+            q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, seq_lens=seq_lens,
+            attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, check=check,
+        )  # fmt: skip
+        if check:
+            self._checked.add(key)
+        return out
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return f"q_heads={p.q_heads}, kv_heads={p.kv_heads}, world_size={p.world_size}, causal={self.causal}"
+
+
+def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm=None, check=True):
+    """Sequence-sharded -> head-sharded, differentiable (one collective for q, k, v).
+
+    ``q`` ``[B, s_r, Hq, D]`` (and ``k``, ``v`` ``[B, s_r, Hkv, D]``) -> this rank's heads over
+    the whole sequence: ``q`` ``[B, S, hq, D]`` (``k``, ``v`` ``[B, S, hkv, D]``), strided views
+    of one receive buffer; ``plan.q_ranges[rank]``/``kv_ranges[rank]`` say which heads.
+    Gradients of KV heads that several ranks hold are summed once per replica.
+    Pass ``k=v=None`` to move q alone.
+    """
+    comm = get_communicator(group, comm)
+    if (k is None) != (v is None):
+        raise ValueError("seq_to_head: pass both k and v, or neither")
+    kk, vv = (k, v) if k is not None else (q[:, :, :1], q[:, :, :1])
+    plan, layout = _prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
+    outs = SeqToHead.apply(layout, comm, *((q, k, v) if k is not None else (q,)))
+    return outs if k is not None else outs[0]
+
+
+def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None):
+    """Head-sharded ``[B, S, hq, D]`` (this rank's ``plan.q_ranges``) -> ``[B, s_r, Hq, D]``.
+
+    The inverse of ``seq_to_head`` for query-head tensors (the attention output).
+    ``seq_lens`` as given to ``seq_to_head``; the default assumes equal shards.
+    """
+    comm = get_communicator(group, comm)
+    rank, world = comm.rank, comm.world_size
+    if plan.world_size != world:
+        raise ValueError(f"head_to_seq: plan.world_size expected {world} (the group), got {plan.world_size}")
+    if x.dim() != 4 or x.shape[2] != plan.q_count(rank):
+        raise ValueError(f"head_to_seq: x.shape expected [B, S, {plan.q_count(rank)}, D] (rank {rank}'s heads), got {list(x.shape)}")
+    if seq_lens is None:
+        if x.shape[1] % world:
+            raise ValueError(f"head_to_seq: x.shape[1] ({x.shape[1]}) is not divisible by world_size ({world}); pass seq_lens")
+        seq_lens = (x.shape[1] // world,) * world
+    elif sum(seq_lens) != x.shape[1]:
+        raise ValueError(f"head_to_seq: x.shape[1] expected sum(seq_lens) = {sum(seq_lens)}, got {x.shape[1]}")
+    layout = Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])
+    return HeadToSeq.apply(layout, comm, x)

@@ -1,0 +1,159 @@
+"""Local attention backends behind one small interface.
+
+After the sequence-to-head all-to-all each rank holds, for its heads, the whole sequence:
+``q`` ``[B, S, hq, D]``, ``k``/``v`` ``[B, S, hkv, D]`` (strided views, last dim contiguous),
+and ``kv_map[i]``, the local KV head of local query head ``i``. A backend computes full
+(optionally causal) softmax attention and, later, its gradients:
+
+    out, state = backend.forward(q, k, v, causal=..., scale=..., kv_map=..., needs_grad=...)
+    dq, dk, dv = backend.backward(state, dout)
+
+Backends: ``"flash"`` (flash-attn, CUDA, fp16/bf16), ``"sdpa"`` (torch
+``scaled_dot_product_attention``, any device), ``"math"`` (explicit softmax, exact in
+float64), any callable ``fn(q, k, v, causal=, softmax_scale=) -> out`` over ``[B, S, H, D]``
+with uniform grouped heads, or any object with ``forward``/``backward`` as above.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionBackend", "resolve_backend", "expand_kv", "BACKENDS"]
+
+
+def _uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
+    """True when query head ``i`` uses KV head ``i // (hq // hkv)`` (plain GQA)."""
+    if hq % hkv:
+        return False
+    g = hq // hkv
+    return all(j == i // g for i, j in enumerate(kv_map))
+
+
+def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int]):
+    """k, v as plain grouped heads for ``kv_map``.
+
+    A rank whose query heads straddle a KV group boundary unevenly (for example 3 query
+    heads, 2 from one group and 1 from the next) cannot use a uniform GQA kernel; its KV
+    heads are gathered to one per query head here, locally, after the wire.
+    """
+    if _uniform_group(len(kv_map), k.shape[2], kv_map):
+        return k, v
+    index = torch.tensor(kv_map, device=k.device)
+    return k.index_select(2, index), v.index_select(2, index)
+
+
+class AttentionBackend:
+    """Base class: forward through ``attend`` under autograd, backward with autograd.grad."""
+
+    name = "base"
+
+    def attend(self, q, k, v, causal: bool, scale: float) -> torch.Tensor:
+        """``[B, S, hq, D]`` attention with ``hq % hkv == 0`` grouped heads."""
+        raise NotImplementedError
+
+    def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad):
+        if not needs_grad:
+            with torch.no_grad():
+                k2, v2 = expand_kv(k, v, kv_map)
+                return self.attend(q, k2, v2, causal, scale), None
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        with torch.enable_grad():
+            k2, v2 = expand_kv(leaves[1], leaves[2], kv_map)
+            out = self.attend(leaves[0], k2, v2, causal, scale)
+        return out.detach(), (leaves, out)
+
+    def backward(self, state, dout):
+        leaves, out = state
+        return torch.autograd.grad(out, leaves, dout)
+
+
+class SDPABackend(AttentionBackend):
+    name = "sdpa"
+
+    def attend(self, q, k, v, causal, scale):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return out.transpose(1, 2)
+
+
+def math_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """Explicit softmax attention over ``[B, S, H, D]``; the accumulation dtype is the
+    input's for float32/float64 and float32 for half types."""
+    acc = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    g = q.shape[2] // k.shape[2]
+    k = k.to(acc).repeat_interleave(g, dim=2)
+    v = v.to(acc).repeat_interleave(g, dim=2)
+    scores = torch.einsum("bshd,bthd->bhst", q.to(acc), k) * scale
+    if causal:
+        s, t = scores.shape[-2:]
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhst,bthd->bshd", probs, v).to(q.dtype)
+
+
+class MathBackend(AttentionBackend):
+    name = "math"
+
+    def attend(self, q, k, v, causal, scale):
+        return math_attention(q, k, v, causal, scale)
+
+
+class FlashBackend(AttentionBackend):
+    """flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, grouped heads natively)."""
+
+    name = "flash"
+
+    def attend(self, q, k, v, causal, scale):
+        from flash_attn import flash_attn_func
+
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+
+class CallableBackend(AttentionBackend):
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "callable")
+
+    def attend(self, q, k, v, causal, scale):
+        return self.fn(q, k, v, causal=causal, softmax_scale=scale)
+
+
+BACKENDS = {"sdpa": SDPABackend, "math": MathBackend, "flash": FlashBackend}
+
+
+def flash_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_backend(attn_fn, q: torch.Tensor):
+    """The backend object for ``attn_fn`` (None, a name, a callable or a backend)."""
+    if attn_fn is None:
+        use_flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_available()
+        return FlashBackend() if use_flash else SDPABackend()
+    if isinstance(attn_fn, str):
+        if attn_fn not in BACKENDS:
+            raise ValueError(f"ulysses_attention: attn_fn={attn_fn!r}; expected one of {sorted(BACKENDS)}, a callable or a backend")
+        if attn_fn == "flash" and not flash_available():
+            raise ValueError("ulysses_attention: attn_fn='flash' but flash_attn is not importable")
+        return BACKENDS[attn_fn]()
+    if hasattr(attn_fn, "forward") and hasattr(attn_fn, "backward"):
+        return attn_fn
+    if callable(attn_fn):
+        return CallableBackend(attn_fn)
+    raise TypeError(f"ulysses_attention: attn_fn must be None, a name, a callable or a backend, got {type(attn_fn).__name__}")
+
+
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)

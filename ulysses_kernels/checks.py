@@ -1,0 +1,210 @@
+"""Input checks that raise the same error on every rank.
+
+Each rank encodes what it was given (shapes, dtypes, devices, options) as a short list of
+ints. With ``check=True`` the lists are exchanged in one small all-gather and every rank
+runs the same pure-Python validator over all of them, so a bad tensor on rank 3 raises the
+same error (naming rank 3, the tensor, the expected and the actual value) on every rank
+instead of raising on rank 3 and leaving the others waiting in the all-to-all.
+
+With ``check=False`` only the local list is validated: cheaper (no collective, no host
+sync), but a rank-local error then raises on that rank alone and the contract that all
+ranks pass the same shapes and options is the caller's.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["UlyssesInputError", "Signature", "signature", "validate"]
+
+_DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+_DEVICES = ["cpu", "cuda", "meta", "xpu", "mps"]
+
+
+class UlyssesInputError(ValueError):
+    """Inputs that the sequence-parallel group cannot run, raised on every rank."""
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).replace("torch.", "") if code < len(_DTYPES) else "other"
+
+
+def _device_code(device: torch.device) -> int:
+    return _DEVICES.index(device.type) if device.type in _DEVICES else len(_DEVICES)
+
+
+def _device_name(code: int, index: int) -> str:
+    name = _DEVICES[code] if code < len(_DEVICES) else "other"
+    return name if index < 0 else f"{name}:{index}"
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+@dataclass
+class Signature:
+    """What one rank was given, as ints (see ``encode``/``decode``)."""
+
+    rank: int
+    world_size: int
+    shapes: tuple[tuple[int, ...], ...]  # q, k, v
+    dtypes: tuple[int, int, int]
+    devices: tuple[tuple[int, int], ...]  # (type code, index) per tensor
+    causal: int
+    scale_bits: int
+    seq_lens: tuple[int, ...] | None
+    plan_heads: tuple[int, int] | None  # (q_heads, kv_heads) of a prebuilt plan
+
+    def encode(self) -> list[int]:
+        vals = [self.rank, self.world_size]
+        for shape in self.shapes:
+            vals += [len(shape)] + list(shape[:4]) + [-1] * (4 - min(len(shape), 4))
+        vals += list(self.dtypes)
+        for dev in self.devices:
+            vals += list(dev)
+        vals += [self.causal, self.scale_bits]
+        vals += [-1, -1] if self.plan_heads is None else list(self.plan_heads)
+        vals += [0] + [0] * self.world_size if self.seq_lens is None else [1] + list(self.seq_lens)
+        return vals
+
+    @classmethod
+    def decode(cls, vals: Sequence[int]) -> "Signature":
+        it = iter(vals)
+        rank, world = next(it), next(it)
+        shapes = []
+        for _ in range(3):
+            n = next(it)
+            dims = [next(it) for _ in range(4)]
+            shapes.append(tuple(dims[: min(n, 4)]) + (("...",) if n > 4 else ()))
+        dtypes = tuple(next(it) for _ in range(3))
+        devices = tuple((next(it), next(it)) for _ in range(3))
+        causal, scale_bits = next(it), next(it)
+        ph = (next(it), next(it))
+        plan_heads = None if ph[0] < 0 else ph
+        given = next(it)
+        lens = tuple(next(it) for _ in range(world))
+        return cls(rank, world, tuple(shapes), dtypes, devices, causal, scale_bits, lens if given else None, plan_heads)
+
+
+def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads) -> Signature:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"ulysses_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if seq_lens is not None:
+        seq_lens = tuple(int(s) for s in seq_lens)
+        if len(seq_lens) != world_size:
+            # Lengths of other size cannot be encoded; this is the same on every rank
+            # that passes the same list, which is the contract for seq_lens.
+            raise UlyssesInputError(
+                f"ulysses_attention: seq_lens has {len(seq_lens)} entries, expected one per rank ({world_size})"
+            )
+    return Signature(
+        rank=rank,
+        world_size=world_size,
+        shapes=tuple(tuple(x.shape) for x in (q, k, v)),
+        dtypes=tuple(_dtype_code(x.dtype) for x in (q, k, v)),
+        devices=tuple((_device_code(x.device), -1 if x.device.index is None else x.device.index) for x in (q, k, v)),
+        causal=int(bool(causal)),
+        scale_bits=_float_bits(scale) if scale is not None else 0,
+        seq_lens=seq_lens,
+        plan_heads=plan_heads,
+    )
+
+
+def _local_problems(sig: Signature) -> list[str]:
+    """Problems visible from one rank's own inputs."""
+    out = []
+    names = ("q", "k", "v")
+    for name, shape in zip(names, sig.shapes):
+        if len(shape) != 4 or "..." in shape:
+            out.append(f"{name} must be 4-D [batch, seq_local, heads, head_dim], got shape {list(shape)}")
+    if out:
+        return out
+    (b, s, hq, d), kshape, vshape = sig.shapes
+    if kshape != vshape:
+        out.append(f"v.shape expected {list(kshape)} (k.shape), got {list(vshape)}")
+    for name, shape in (("k", kshape), ("v", vshape)):
+        if shape[0] != b:
+            out.append(f"{name}.shape[0] (batch) expected {b} (q.shape[0]), got {shape[0]}")
+        if shape[1] != s:
+            out.append(f"{name}.shape[1] (seq_local) expected {s} (q.shape[1]), got {shape[1]}")
+        if shape[3] != d:
+            out.append(f"{name}.shape[3] (head_dim) expected {d} (q.shape[3]), got {shape[3]}")
+    hkv = kshape[2]
+    if hkv < 1 or hq < 1:
+        out.append(f"head counts must be positive, got q_heads={hq}, kv_heads={hkv}")
+    elif hq % hkv:
+        out.append(f"q_heads ({hq}, q.shape[2]) must be a multiple of kv_heads ({hkv}, k.shape[2])")
+    if sig.plan_heads is not None and sig.plan_heads != (hq, hkv):
+        out.append(f"(q_heads, kv_heads) expected {sig.plan_heads} (the plan), got ({hq}, {hkv}) from q.shape[2], k.shape[2]")
+    if hq >= 1 and sig.world_size > hq:
+        out.append(
+            f"world_size ({sig.world_size}) > q_heads ({hq}): Ulysses needs at least one query head "
+            f"per rank (a hybrid with ring attention is not implemented yet)"
+        )
+    for name, code in zip(names[1:], sig.dtypes[1:]):
+        if code != sig.dtypes[0]:
+            out.append(f"{name}.dtype expected {_dtype_name(sig.dtypes[0])} (q.dtype), got {_dtype_name(code)}")
+    for name, dev in zip(names[1:], sig.devices[1:]):
+        if dev != sig.devices[0]:
+            out.append(f"{name}.device expected {_device_name(*sig.devices[0])} (q.device), got {_device_name(*dev)}")
+    if sig.seq_lens is not None:
+        if any(x < 0 for x in sig.seq_lens) or sum(sig.seq_lens) < 1:
+            out.append(f"seq_lens must be >= 0 with a positive total, got {list(sig.seq_lens)}")
+        elif sig.seq_lens[sig.rank] != s:
+            out.append(f"q.shape[1] (seq_local) expected seq_lens[{sig.rank}] = {sig.seq_lens[sig.rank]}, got {s}")
+    return out
+
+
+def _global_problems(sigs: Sequence[Signature]) -> list[str]:
+    """Disagreements between ranks (each rank's own inputs already valid)."""
+    ref = sigs[0]
+    out = []
+    fields = (
+        ("batch (q.shape[0])", lambda g: g.shapes[0][0]),
+        ("q_heads (q.shape[2])", lambda g: g.shapes[0][2]),
+        ("kv_heads (k.shape[2])", lambda g: g.shapes[1][2]),
+        ("head_dim (q.shape[3])", lambda g: g.shapes[0][3]),
+        ("dtype", lambda g: _dtype_name(g.dtypes[0])),
+        ("device type", lambda g: _device_name(g.devices[0][0], -1)),
+        ("causal", lambda g: bool(g.causal)),
+        ("softmax_scale", lambda g: struct.unpack("<d", struct.pack("<q", g.scale_bits))[0]),
+        ("seq_lens", lambda g: g.seq_lens),
+    )
+    for what, get in fields:
+        values = [get(g) for g in sigs]
+        if any(x != values[0] for x in values):
+            bad = [g.rank for g, x in zip(sigs, values) if x != values[0]]
+            out.append(f"ranks disagree on {what}: rank 0 has {values[0]}, ranks {bad} have {[values[r] for r in bad]}")
+    if ref.seq_lens is None:
+        lens = [g.shapes[0][1] for g in sigs]
+        if any(x != lens[0] for x in lens):
+            out.append(
+                f"ranks hold different sequence lengths {lens} (q.shape[1] per rank) but seq_lens was "
+                f"not given; pass seq_lens={lens} (the default assumes equal shards)"
+            )
+    return out
+
+
+def validate(sigs: Sequence[Signature], *, gathered: bool) -> None:
+    """Raise ``UlyssesInputError`` listing every problem, the same text on every rank."""
+    problems = []
+    for g in sigs:
+        problems += [f"rank {g.rank}: {p}" if gathered else p for p in _local_problems(g)]
+    if not problems and gathered and len(sigs) > 1:
+        problems = _global_problems(sigs)
+    if problems:
+        raise UlyssesInputError("ulysses_attention: " + "; ".join(problems))

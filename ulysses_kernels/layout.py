@@ -1,0 +1,191 @@
+"""The layout math of the two all-to-alls, in one place, with the pure-PyTorch reference
+pack and unpack that every kernel (Triton, C++/CUDA) must match bit for bit.
+
+Notation: ``P`` ranks, rank ``r`` holds ``s_r`` tokens (``seq_lens[r]``), ``S = sum(s_r)``,
+``B`` batch, ``D`` head_dim. A *stream* is one tensor family moved together: ``"q"`` moves
+the query-head ranges of the plan, ``"kv"`` the KV-head ranges. The q/k/v all-to-all moves
+the streams ``("q", "kv", "kv")``; the output and dout move ``("q",)``.
+
+Sequence-sharded to head-sharded (q/k/v forward, dout backward), seen from rank ``r``::
+
+    send buffer (1-D, one collective)       block for peer p, seq-major:
+    +---------+---------+-----+              [s_r][B][h_q(p) | h_k(p) | h_v(p)][D]
+    | peer 0  | peer 1  | ... |              heads of the streams side by side
+    +---------+---------+-----+
+
+    receive buffer = [S][B][h_q(r) | h_k(r) | h_v(r)][D]
+    (the blocks of sources 0..P-1 stack along S, so no receive-side copy is needed:
+    q, k, v are strided ``[B, S, h, D]`` views of it)
+
+Head-sharded to sequence-sharded (output forward, dq/dk/dv backward). Wire format of the
+block rank ``p`` sends to rank ``r`` for one stream: ``[s_r][B][h(p)][D]``. A local tensor
+``[B, S, h, D]`` whose memory is seq-major (``x.permute(1, 0, 2, 3)`` contiguous; always
+true for batch 1) is sent in place, its peer blocks are slices; otherwise it is packed.
+The receiver writes each block into ``[B, s_r, H, D]`` and sums KV heads that several
+ranks hold, in rank order (deterministic, once per replica).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .plan import HeadPlan
+
+__all__ = ["Layout", "QKV", "Q_ONLY"]
+
+QKV = ("q", "kv", "kv")
+Q_ONLY = ("q",)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of one all-to-all call as seen from ``rank``."""
+
+    plan: HeadPlan
+    rank: int
+    seq_lens: tuple[int, ...]
+    batch: int
+    head_dim: int
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def seq_total(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def seq_local(self) -> int:
+        return self.seq_lens[self.rank]
+
+    def seq_offset(self, rank: int) -> int:
+        return sum(self.seq_lens[:rank])
+
+    def head_range(self, stream: str, rank: int) -> tuple[int, int]:
+        return self.plan.q_ranges[rank] if stream == "q" else self.plan.kv_ranges[rank]
+
+    def head_count(self, stream: str, rank: int) -> int:
+        a, b = self.head_range(stream, rank)
+        return b - a
+
+    def heads(self, streams: Sequence[str], rank: int) -> int:
+        return sum(self.head_count(s, rank) for s in streams)
+
+    def total_heads(self, stream: str) -> int:
+        return self.plan.q_heads if stream == "q" else self.plan.kv_heads
+
+    # ---- sequence-sharded -> head-sharded -------------------------------------------
+    def s2h_send_splits(self, streams: Sequence[str]) -> list[int]:
+        """Elements this rank sends to each peer."""
+        per_token = self.batch * self.head_dim
+        return [self.seq_local * per_token * self.heads(streams, p) for p in range(self.world_size)]
+
+    def s2h_recv_splits(self, streams: Sequence[str]) -> list[int]:
+        """Elements this rank receives from each source."""
+        per_token = self.batch * self.head_dim * self.heads(streams, self.rank)
+        return [s * per_token for s in self.seq_lens]
+
+    def s2h_send_views(self, send: torch.Tensor, streams: Sequence[str]):
+        """Per peer, per stream: ``[s_r, B, h, D]`` views of the flat send buffer."""
+        views, start = [], 0
+        for p, n in enumerate(self.s2h_send_splits(streams)):
+            block = send[start : start + n].view(self.seq_local, self.batch, self.heads(streams, p), self.head_dim)
+            views.append(_split_heads(block, [self.head_count(s, p) for s in streams]))
+            start += n
+        return views
+
+    def s2h_recv_views(self, recv: torch.Tensor, streams: Sequence[str]) -> list[torch.Tensor]:
+        """The received tensors as ``[B, S, h, D]`` views of the flat receive buffer."""
+        full = recv.view(self.seq_total, self.batch, self.heads(streams, self.rank), self.head_dim)
+        parts = _split_heads(full, [self.head_count(s, self.rank) for s in streams])
+        return [x.permute(1, 0, 2, 3) for x in parts]
+
+    # ---- head-sharded -> sequence-sharded -------------------------------------------
+    def h2s_splits(self, streams: Sequence[str]) -> tuple[list[int], list[int]]:
+        """(send, receive) elements per peer for the head-to-sequence all-to-all."""
+        per = self.batch * self.head_dim
+        send = [self.seq_lens[p] * per * self.heads(streams, self.rank) for p in range(self.world_size)]
+        recv = [self.seq_local * per * self.heads(streams, p) for p in range(self.world_size)]
+        return send, recv
+
+    def h2s_send_blocks(self, local: torch.Tensor, peer: int) -> torch.Tensor:
+        """Rows of a local ``[B, S, h, D]`` tensor bound for ``peer``, as ``[s_p, B, h, D]``."""
+        start = self.seq_offset(peer)
+        return local.permute(1, 0, 2, 3)[start : start + self.seq_lens[peer]]
+
+    def h2s_recv_slices(self, recv: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
+        """Per source, per stream: the flat slice of the receive buffer it lands in
+        (source-major, then stream-major)."""
+        slices, start = [], 0
+        for p in range(self.world_size):
+            per_stream = []
+            for s in streams:
+                n = self.seq_local * self.batch * self.head_count(s, p) * self.head_dim
+                per_stream.append(recv[start : start + n])
+                start += n
+            slices.append(per_stream)
+        return slices
+
+    def h2s_recv_views(self, recv: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
+        """Per source, per stream: the received wire-format block as ``[B, s_r, h, D]``."""
+        return [
+            [
+                x.view(self.seq_local, self.batch, self.head_count(s, p), self.head_dim).permute(1, 0, 2, 3)
+                for x, s in zip(per_stream, streams)
+            ]
+            for p, per_stream in enumerate(self.h2s_recv_slices(recv, streams))
+        ]
+
+def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for c in counts:
+        out.append(x[:, :, start : start + c])
+        start += c
+    return out
+
+
+def is_seq_major(x: torch.Tensor) -> bool:
+    """True when ``x`` (``[B, S, h, D]``) can be sent in wire format without a copy."""
+    return x.permute(1, 0, 2, 3).is_contiguous()
+
+
+# ---- reference kernels (pure PyTorch): one copy per byte -------------------------------
+def pack_s2h(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], send: torch.Tensor) -> None:
+    """Write ``tensors`` (``[B, s_r, H, D]`` each) into the flat send buffer ``send``."""
+    for p, views in enumerate(layout.s2h_send_views(send, streams)):
+        for x, s, dst in zip(tensors, streams, views):
+            a, b = layout.head_range(s, p)
+            dst.copy_(x[:, :, a:b].transpose(0, 1))
+
+
+def pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
+    """Write a local ``[B, S, h, D]`` tensor into a flat wire-format send buffer."""
+    send.view(layout.seq_total, layout.batch, local.shape[2], layout.head_dim).copy_(local.transpose(0, 1))
+
+
+def unpack_h2s(
+    layout: Layout,
+    blocks: Sequence[Sequence[torch.Tensor]],
+    streams: Sequence[str],
+    outs: Sequence[torch.Tensor],
+) -> None:
+    """Write received blocks (per source, per stream, ``[B, s_r, h, D]``) into ``outs``
+    (``[B, s_r, H, D]`` each). KV heads held by several sources are summed in rank order:
+    the lowest holder is copied, the others added, so every byte is written once per
+    replica received."""
+    for i, (s, out) in enumerate(zip(streams, outs)):
+        filled = 0  # heads [0, filled) of `out` already hold a value
+        for p in range(layout.world_size):
+            a, b = layout.head_range(s, p)
+            block = blocks[p][i]
+            overlap = max(0, min(b, filled) - a)
+            if overlap:
+                out[:, :, a : a + overlap].add_(block[:, :, :overlap])
+            if a + overlap < b:
+                out[:, :, a + overlap : b].copy_(block[:, :, overlap:])
+            filled = max(filled, b)
+

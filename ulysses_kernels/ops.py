@@ -1,0 +1,139 @@
+"""The two all-to-alls and the autograd functions built on them.
+
+Data movement per call (the budget of one copy per byte on the wire):
+
+* ``a2a_seq_to_head``: one pack into one send buffer (all streams together), one collective,
+  no receive-side copy (the results are strided views of the receive buffer).
+* ``a2a_head_to_seq``: the local tensors are sent in place when their memory is seq-major
+  (see ``layout.is_seq_major``), then one unpack writes the receive buffer into the
+  ``[B, s_r, H, D]`` outputs, summing replicated KV heads.
+
+Buffers: each call allocates one send buffer (``a2a_seq_to_head`` only) and one receive buffer
+from the caching allocator; the receive buffer of ``a2a_seq_to_head`` lives as long as the
+views of it (for attention, until the backward has used them).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import layout as L
+from .layout import Layout, Q_ONLY, QKV
+
+__all__ = ["a2a_seq_to_head", "a2a_head_to_seq", "SeqToHead", "HeadToSeq", "UlyssesAttentionFunction"]
+
+
+def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(n, dtype=like.dtype, device=like.device)
+
+
+def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, packer=None) -> list[torch.Tensor]:
+    """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views."""
+    send_splits = layout.s2h_send_splits(streams)
+    send = _flat(sum(send_splits), tensors[0])
+    (packer or L.pack_s2h)(layout, tensors, streams, send)
+    if layout.world_size == 1:
+        recv = send
+    else:
+        recv_splits = layout.s2h_recv_splits(streams)
+        recv = _flat(sum(recv_splits), tensors[0])
+        comm.all_to_all(recv, send, recv_splits, send_splits)
+    return layout.s2h_recv_views(recv, streams)
+
+
+def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence[str], comm) -> list[torch.Tensor]:
+    """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]``."""
+    if layout.world_size == 1:
+        return list(local)
+    rank, like = layout.rank, local[0]
+    wire = []
+    for x in local:
+        if not L.is_seq_major(x):
+            # NOTE: a backend whose output is batch-major with batch > 1 costs this extra copy.
+            packed = _flat(x.numel(), x)
+            L.pack_h2s(layout, x, packed)
+            x = packed.view(layout.seq_total, layout.batch, x.shape[2], layout.head_dim).permute(1, 0, 2, 3)
+        wire.append(x)
+    send_splits, recv_splits = layout.h2s_splits(streams)
+    recv = _flat(sum(recv_splits), like)
+    if len(wire) == 1:
+        comm.all_to_all(recv, wire[0].permute(1, 0, 2, 3).reshape(-1), recv_splits, send_splits)
+        blocks = layout.h2s_recv_views(recv, streams)
+    else:
+        slices = layout.h2s_recv_slices(recv, streams)
+        sends, recvs = [], []
+        for p in range(layout.world_size):
+            if p == rank:
+                continue
+            for i, x in enumerate(wire):
+                sends.append((p, layout.h2s_send_blocks(x, p)))
+                recvs.append((p, slices[p][i]))
+        comm.send_recv(sends, recvs)
+        blocks = layout.h2s_recv_views(recv, streams)
+        # Our own rows never touch the wire: unpack reads them from the local tensors.
+        blocks[rank] = [layout.h2s_send_blocks(x, rank).permute(1, 0, 2, 3) for x in local]
+    outs = [
+        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
+        for s in streams
+    ]
+    L.unpack_h2s(layout, blocks, streams, outs)
+    return outs
+
+
+class SeqToHead(torch.autograd.Function):
+    """``(q[, k, v])`` sequence-sharded -> head-sharded; backward sums KV replicas."""
+
+    @staticmethod
+    def forward(ctx, layout, comm, *tensors):
+        ctx.layout, ctx.comm = layout, comm
+        ctx.streams = QKV if len(tensors) == 3 else Q_ONLY
+        outs = a2a_seq_to_head(layout, tensors, ctx.streams, comm)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lay = ctx.layout
+        like = next(g for g in grads if g is not None)
+        grads = [
+            g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim)
+            for g, s in zip(grads, ctx.streams)
+        ]
+        return (None, None, *a2a_head_to_seq(lay, grads, ctx.streams, ctx.comm))
+
+
+class HeadToSeq(torch.autograd.Function):
+    """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
+
+    @staticmethod
+    def forward(ctx, layout, comm, local):
+        ctx.layout, ctx.comm = layout, comm
+        return a2a_head_to_seq(layout, [local], Q_ONLY, comm)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, a2a_seq_to_head(ctx.layout, [grad], Q_ONLY, ctx.comm)[0]
+
+
+class UlyssesAttentionFunction(torch.autograd.Function):
+    """All-to-all, local attention, all-to-all; the backward mirrors it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, comm, backend, causal, scale, kv_map):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm)
+        out_l, state = backend.forward(q_l, k_l, v_l, causal=causal, scale=scale, kv_map=kv_map, needs_grad=needs_grad)
+        del q_l, k_l, v_l
+        ctx.layout, ctx.comm, ctx.backend, ctx.state = layout, comm, backend, state
+        return a2a_head_to_seq(layout, [out_l], Q_ONLY, comm)[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        layout, comm = ctx.layout, ctx.comm
+        (dout_l,) = a2a_seq_to_head(layout, [dout], Q_ONLY, comm)
+        grads = ctx.backend.backward(ctx.state, dout_l)
+        ctx.state = None
+        dq, dk, dv = a2a_head_to_seq(layout, list(grads), QKV, comm)
+        return dq, dk, dv, None, None, None, None, None, None
