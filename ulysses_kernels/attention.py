@@ -10,6 +10,7 @@ from torch import nn
 from .backends import default_scale, resolve_backend
 from .checks import Signature, signature, validate
 from .comm import get_communicator
+from .kernels import get_kernels
 from .layout import Layout
 from .ops import HeadToSeq, SeqToHead, UlyssesAttentionFunction
 from .plan import HeadPlan
@@ -48,6 +49,8 @@ def ulysses_attention(
     *,
     plan: HeadPlan | None = None,
     comm=None,
+    kernels=None,
+    chunks: int | str = 1,
     check: bool = True,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across ``group``.
@@ -68,6 +71,10 @@ def ulysses_attention(
             ``[B, S, H, D]`` grouped heads, or a backend object (see ``backends``).
         plan: a prebuilt ``HeadPlan`` (default: ``HeadPlan.build(q_heads, kv_heads, world)``).
         comm: a communicator (default: torch.distributed on ``group``).
+        kernels: the pack/unpack kernels: ``None``/``"auto"``, ``"torch"``, ``"triton"``,
+            ``"cuda"`` (see ``ulysses_kernels.kernels``).
+        chunks: split each rank's heads into this many chunks whose all-to-alls overlap
+            with attention (``"auto"`` picks from a cost model); ``1`` is no overlap.
         check: exchange a small signature of every rank's inputs first (one tiny
             all-gather and a host sync) so that bad or mismatched inputs raise the same
             error on every rank. ``False`` skips the exchange: then all ranks must pass
@@ -82,9 +89,14 @@ def ulysses_attention(
         q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check
     )
     backend = resolve_backend(attn_fn, q)
+    kern = get_kernels(kernels, q.device)
     scale = default_scale(q.shape[3], softmax_scale)
+    if chunks != 1:
+        from .pipeline import chunked_attention
+
+        return chunked_attention(q, k, v, layout, comm, kern, backend, causal, scale, chunks)
     kv_map = plan.local_kv_map(comm.rank)
-    return UlyssesAttentionFunction.apply(q, k, v, layout, comm, backend, causal, scale, kv_map)
+    return UlyssesAttentionFunction.apply(q, k, v, layout, comm, kern, backend, causal, scale, kv_map)
 
 
 class UlyssesAttention(nn.Module):
@@ -105,6 +117,8 @@ class UlyssesAttention(nn.Module):
         softmax_scale: float | None = None,
         attn_fn=None,
         comm=None,
+        kernels=None,
+        chunks: int | str = 1,
         check: str = "once",
     ):
         super().__init__()
@@ -113,6 +127,7 @@ class UlyssesAttention(nn.Module):
         self.comm = get_communicator(group, comm)
         self.plan = HeadPlan.build(q_heads, kv_heads, self.comm.world_size)
         self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check
+        self.kernels, self.chunks = kernels, chunks
         self._checked: set[tuple] = set()
 
     def forward(self, q, k, v, seq_lens: Sequence[int] | None = None) -> torch.Tensor:
@@ -120,7 +135,7 @@ class UlyssesAttention(nn.Module):
         check = self.check == "always" or (self.check == "once" and key not in self._checked)
         out = ulysses_attention(
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, seq_lens=seq_lens,
-            attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, check=check,
+            attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, kernels=self.kernels, chunks=self.chunks, check=check,
         )  # fmt: skip
         if check:
             self._checked.add(key)
@@ -131,7 +146,7 @@ class UlyssesAttention(nn.Module):
         return f"q_heads={p.q_heads}, kv_heads={p.kv_heads}, world_size={p.world_size}, causal={self.causal}"
 
 
-def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm=None, check=True):
+def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm=None, kernels=None, check=True):
     """Sequence-sharded -> head-sharded, differentiable (one collective for q, k, v).
 
     ``q`` ``[B, s_r, Hq, D]`` (and ``k``, ``v`` ``[B, s_r, Hkv, D]``) -> this rank's heads over
@@ -145,11 +160,11 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
         raise ValueError("seq_to_head: pass both k and v, or neither")
     kk, vv = (k, v) if k is not None else (q[:, :, :1], q[:, :, :1])
     plan, layout = _prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
-    outs = SeqToHead.apply(layout, comm, *((q, k, v) if k is not None else (q,)))
+    outs = SeqToHead.apply(layout, comm, get_kernels(kernels, q.device), *((q, k, v) if k is not None else (q,)))
     return outs if k is not None else outs[0]
 
 
-def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None):
+def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None, kernels=None):
     """Head-sharded ``[B, S, hq, D]`` (this rank's ``plan.q_ranges``) -> ``[B, s_r, Hq, D]``.
 
     The inverse of ``seq_to_head`` for query-head tensors (the attention output).
@@ -168,4 +183,4 @@ def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None):
     elif sum(seq_lens) != x.shape[1]:
         raise ValueError(f"head_to_seq: x.shape[1] expected sum(seq_lens) = {sum(seq_lens)}, got {x.shape[1]}")
     layout = Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])
-    return HeadToSeq.apply(layout, comm, x)
+    return HeadToSeq.apply(layout, comm, get_kernels(kernels, x.device), x)

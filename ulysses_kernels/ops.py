@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from . import layout as L
+from .kernels import TorchKernels
 from .layout import Layout, Q_ONLY, QKV
 
 __all__ = ["a2a_seq_to_head", "a2a_head_to_seq", "SeqToHead", "HeadToSeq", "UlyssesAttentionFunction"]
@@ -29,11 +30,11 @@ def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(n, dtype=like.dtype, device=like.device)
 
 
-def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, packer=None) -> list[torch.Tensor]:
+def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views."""
     send_splits = layout.s2h_send_splits(streams)
     send = _flat(sum(send_splits), tensors[0])
-    (packer or L.pack_s2h)(layout, tensors, streams, send)
+    kernels.pack_s2h(layout, tensors, streams, send)
     if layout.world_size == 1:
         recv = send
     else:
@@ -43,7 +44,7 @@ def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Se
     return layout.s2h_recv_views(recv, streams)
 
 
-def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence[str], comm) -> list[torch.Tensor]:
+def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
     """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]``."""
     if layout.world_size == 1:
         return list(local)
@@ -53,7 +54,7 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequ
         if not L.is_seq_major(x):
             # NOTE: a backend whose output is batch-major with batch > 1 costs this extra copy.
             packed = _flat(x.numel(), x)
-            L.pack_h2s(layout, x, packed)
+            kernels.pack_h2s(layout, x, packed)
             x = packed.view(layout.seq_total, layout.batch, x.shape[2], layout.head_dim).permute(1, 0, 2, 3)
         wire.append(x)
     send_splits, recv_splits = layout.h2s_splits(streams)
@@ -78,7 +79,7 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequ
         torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
         for s in streams
     ]
-    L.unpack_h2s(layout, blocks, streams, outs)
+    kernels.unpack_h2s(layout, blocks, streams, outs)
     return outs
 
 
@@ -86,10 +87,10 @@ class SeqToHead(torch.autograd.Function):
     """``(q[, k, v])`` sequence-sharded -> head-sharded; backward sums KV replicas."""
 
     @staticmethod
-    def forward(ctx, layout, comm, *tensors):
-        ctx.layout, ctx.comm = layout, comm
+    def forward(ctx, layout, comm, kernels, *tensors):
+        ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
         ctx.streams = QKV if len(tensors) == 3 else Q_ONLY
-        outs = a2a_seq_to_head(layout, tensors, ctx.streams, comm)
+        outs = a2a_seq_to_head(layout, tensors, ctx.streams, comm, kernels)
         return tuple(outs)
 
     @staticmethod
@@ -100,40 +101,40 @@ class SeqToHead(torch.autograd.Function):
             g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim)
             for g, s in zip(grads, ctx.streams)
         ]
-        return (None, None, *a2a_head_to_seq(lay, grads, ctx.streams, ctx.comm))
+        return (None, None, None, *a2a_head_to_seq(lay, grads, ctx.streams, ctx.comm, ctx.kernels))
 
 
 class HeadToSeq(torch.autograd.Function):
     """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
 
     @staticmethod
-    def forward(ctx, layout, comm, local):
-        ctx.layout, ctx.comm = layout, comm
-        return a2a_head_to_seq(layout, [local], Q_ONLY, comm)[0]
+    def forward(ctx, layout, comm, kernels, local):
+        ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
+        return a2a_head_to_seq(layout, [local], Q_ONLY, comm, kernels)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, a2a_seq_to_head(ctx.layout, [grad], Q_ONLY, ctx.comm)[0]
+        return None, None, None, a2a_seq_to_head(ctx.layout, [grad], Q_ONLY, ctx.comm, ctx.kernels)[0]
 
 
 class UlyssesAttentionFunction(torch.autograd.Function):
     """All-to-all, local attention, all-to-all; the backward mirrors it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, comm, backend, causal, scale, kv_map):
+    def forward(ctx, q, k, v, layout, comm, kernels, backend, causal, scale, kv_map):
         needs_grad = any(ctx.needs_input_grad[:3])
-        q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm)
+        q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels)
         out_l, state = backend.forward(q_l, k_l, v_l, causal=causal, scale=scale, kv_map=kv_map, needs_grad=needs_grad)
         del q_l, k_l, v_l
-        ctx.layout, ctx.comm, ctx.backend, ctx.state = layout, comm, backend, state
-        return a2a_head_to_seq(layout, [out_l], Q_ONLY, comm)[0]
+        ctx.layout, ctx.comm, ctx.kernels, ctx.backend, ctx.state = layout, comm, kernels, backend, state
+        return a2a_head_to_seq(layout, [out_l], Q_ONLY, comm, kernels)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        layout, comm = ctx.layout, ctx.comm
-        (dout_l,) = a2a_seq_to_head(layout, [dout], Q_ONLY, comm)
+        layout, comm, kernels = ctx.layout, ctx.comm, ctx.kernels
+        (dout_l,) = a2a_seq_to_head(layout, [dout], Q_ONLY, comm, kernels)
         grads = ctx.backend.backward(ctx.state, dout_l)
         ctx.state = None
-        dq, dk, dv = a2a_head_to_seq(layout, list(grads), QKV, comm)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = a2a_head_to_seq(layout, list(grads), QKV, comm, kernels)
+        return dq, dk, dv, None, None, None, None, None, None, None
