@@ -1,0 +1,472 @@
+"""All-to-all bandwidth, the way people already read it (nccl-tests' alltoall_perf table).
+
+    torchrun --nproc-per-node 8 bench/bench_alltoall.py -b 1K -e 1G -f 2 -w 5 -n 20 -d bf16
+    python bench/bench_alltoall.py --spawn 4 -b 1K -e 1M     # gloo ranks on the CPU
+
+Every size is run by each selected ``--op`` and checked element by element:
+
+  a2a          bare ``torch.distributed.all_to_all_single`` on one flat buffer (the ceiling)
+  nccl         bare all-to-all through our native NCCL communicator (when importable, CUDA)
+  symm         torch symmetric-memory all-to-all (when this torch and backend have one)
+  chain        Ulysses as DeepSpeed/yunchang prepare it: per tensor permute+contiguous,
+               all_to_all_single, permute+contiguous (KV heads repeated when they do not
+               divide over the ranks)
+  fused-<k>    ours: one pack (kernel set <k>: torch, triton, cuda) + one all-to-all for
+               q, k and v + zero-copy receive views (``ops.a2a_seq_to_head``)
+  fused-nccl   ours over the native NCCL communicator
+
+``--dir s2h`` (default) moves q, k and v from sequence- to head-sharded, ``--dir h2s`` moves
+an attention output back. The size of a row is the bytes each rank holds before the move
+(q+k+v, or the output), rounded to whole tokens; the bare rows move the same bytes
+(rounded to a multiple of the world size). algbw = size / time; busbw = algbw * (n-1)/n.
+#wrong: elements (summed over ranks) that differ from the expected result.
+``x_chain`` = chain time / this row's time (speed-up over the chain in this run);
+``x_a2a`` = this row's time / bare a2a time (overhead over the bare collective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+try:
+    import ulysses_kernels  # noqa: F401
+except ImportError:  # run from a checkout without an install
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch
+import torch.distributed as dist
+
+from ulysses_kernels.bench import common as C
+from ulysses_kernels.comm import TorchCommunicator
+from ulysses_kernels.kernels import available_kernels, get_kernels
+from ulysses_kernels.layout import Q_ONLY, QKV, Layout
+from ulysses_kernels.ops import a2a_head_to_seq, a2a_seq_to_head
+from ulysses_kernels.plan import HeadPlan
+from ulysses_kernels.reference import _chain_h2s, _chain_s2h
+
+# The chain baseline (reference.py) uses torch.distributed.nn.functional, deprecated in new torch.
+warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
+
+SALT_Q, SALT_K, SALT_V, SALT_OUT, SALT_FLAT = 1, 2, 3, 4, 5
+ALL_OPS = ("a2a", "nccl", "symm", "chain", "fused-torch", "fused-triton", "fused-cuda", "fused-nccl")
+
+
+class Skip(Exception):
+    """This op cannot run here; the message says why (printed once, recorded in the JSON)."""
+
+
+@dataclass
+class Shape:
+    """Per-rank tensors of one row: ``seq`` tokens per rank, ``head_dim`` maybe shrunk."""
+
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    direction: str
+    world: int
+
+    @property
+    def count(self) -> int:
+        """Elements each rank holds before the move."""
+        per_token = self.heads + 2 * self.kv_heads if self.direction == "s2h" else self.heads
+        return self.batch * self.seq * per_token * self.head_dim
+
+
+def shape_for(size: int, elem: int, args, world: int) -> Shape:
+    """Whole tokens that fill ``size`` bytes; below one token of ``--head-dim``, a smaller head_dim."""
+    heads, kv, d = args.heads, args.kv_heads, args.head_dim
+    per_token = (heads + 2 * kv) if args.dir == "s2h" else heads
+    n = max(1, size // elem)
+    if n < per_token * d:
+        return Shape(1, 1, heads, kv, max(1, n // per_token), args.dir, world)
+    return Shape(1, n // (per_token * d), heads, kv, d, args.dir, world)
+
+
+@dataclass
+class Case:
+    op: str
+    count: int  # elements per rank (the row's size / element size)
+    run: Callable[[], Any]
+    check: Callable[[Any], int]  # wrong elements on this rank
+    note: str | None = None  # which implementation ran (symm)
+
+
+# ---- communicators other than torch.distributed ------------------------------------------
+def native_nccl_comm(device: torch.device):
+    """Our native NCCL communicator over the world, or ``Skip`` with the reason."""
+    if device.type != "cuda":
+        raise Skip("native NCCL communicator needs CUDA")
+    try:
+        import ulysses_kernels.nccl_comm as mod
+    except ImportError as e:
+        raise Skip(f"ulysses_kernels.nccl_comm not importable ({e})") from None
+    cls = getattr(mod, "NcclCommunicator", None) or getattr(mod, "NCCLCommunicator", None)
+    if cls is None:
+        raise Skip("ulysses_kernels.nccl_comm has no NcclCommunicator")
+    factory = getattr(cls, "from_group", None) or cls
+    try:
+        return factory(None)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise Skip(f"NcclCommunicator could not be created ({e})") from None
+
+
+def symmetric_all_to_all(flat_in: torch.Tensor, out: torch.Tensor, world: int):
+    """A callable running torch's symmetric-memory all-to-all of ``flat_in`` into ``out``
+    (equal splits), or ``Skip``. Probed at run time: ``all_to_all_nd`` (NCCL symmetric
+    memory) first, then ``nvshmem_all_to_all`` when NVSHMEM is available."""
+    if flat_in.device.type != "cuda":
+        raise Skip("symmetric memory needs CUDA")
+    try:
+        import torch.distributed._symmetric_memory as symm
+    except ImportError as e:
+        raise Skip(f"torch.distributed._symmetric_memory not importable ({e})") from None
+    group_name = dist.group.WORLD.group_name
+    n = flat_in.numel() // world
+    errors = []
+    if hasattr(symm, "all_to_all_nd"):
+        try:
+            if hasattr(symm, "set_backend"):
+                symm.set_backend("NCCL")
+            buf = symm.empty((1, world, n), dtype=flat_in.dtype, device=flat_in.device)
+            symm.rendezvous(buf, group_name)
+            buf.view(-1).copy_(flat_in)
+            out3 = out.view(world, 1, n)
+            return lambda: symm.all_to_all_nd(buf, out3, 1, 0, group=group_name), "all_to_all_nd (NCCL)"
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError) as e:
+            errors.append(f"all_to_all_nd: {e}")
+    if getattr(symm, "is_nvshmem_available", lambda: False)():
+        try:
+            symm.set_backend("NVSHMEM")
+            src = symm.empty(flat_in.numel(), dtype=flat_in.dtype, device=flat_in.device)
+            dst = symm.empty(flat_in.numel(), dtype=flat_in.dtype, device=flat_in.device)
+            symm.rendezvous(src, group_name)
+            symm.rendezvous(dst, group_name)
+            src.copy_(flat_in)
+
+            def run():
+                torch.ops.symm_mem.nvshmem_all_to_all(src, dst, group_name)
+                return dst
+
+            return run, "nvshmem_all_to_all"
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError) as e:
+            errors.append(f"nvshmem_all_to_all: {e}")
+    raise Skip("no usable symmetric-memory all-to-all in this torch" + (f" ({'; '.join(errors)})" if errors else ""))
+
+
+# ---- the rows ----------------------------------------------------------------------------
+def bare_case(op: str, sh: Shape, dtype, device, rank: int, world: int, comm=None) -> Case:
+    """A flat all-to-all of ``count`` elements (rounded down to a multiple of the world)."""
+    count = max(world, sh.count // world * world)
+    chunk = count // world
+    idx = torch.arange(rank * count, (rank + 1) * count, dtype=torch.int64, device=device)
+    send = C.pattern(idx, SALT_FLAT).to(dtype)
+    del idx
+    recv = torch.empty_like(send)
+    splits = [chunk] * world
+    note = None
+    if op == "a2a":
+        def run():
+            dist.all_to_all_single(recv, send)
+            return recv
+    elif op == "nccl":
+        def run():
+            comm.all_to_all(recv, send, splits, splits)
+            return recv
+    else:  # symm
+        run, note = symmetric_all_to_all(send, recv, world)
+
+    def check(out):
+        # out[j*chunk + k] = peer j's element rank*chunk + k, i.e. global j*count + rank*chunk + k.
+        wrong = 0
+        for j in range(world):
+            idx = torch.arange(j * count + rank * chunk, j * count + (rank + 1) * chunk, dtype=torch.int64, device=device)
+            wrong += int((out.view(-1)[j * chunk : (j + 1) * chunk] != C.pattern(idx, SALT_FLAT).to(out.dtype)).sum().item())
+        return wrong
+
+    return Case(op, count, run, check, note)
+
+
+def _inputs_s2h(sh: Shape, dtype, device, rank: int):
+    """This rank's rows of the global q, k, v ``[B, S, H, D]`` (pattern data)."""
+    S, t0 = sh.seq * sh.world, rank * sh.seq
+    q = torch.empty(sh.batch, sh.seq, sh.heads, sh.head_dim, dtype=dtype, device=device)
+    k = torch.empty(sh.batch, sh.seq, sh.kv_heads, sh.head_dim, dtype=dtype, device=device)
+    v = torch.empty_like(k)
+    C.fill_pattern_4d(q, SALT_Q, S, sh.heads, t0, range(sh.heads))
+    C.fill_pattern_4d(k, SALT_K, S, sh.kv_heads, t0, range(sh.kv_heads))
+    C.fill_pattern_4d(v, SALT_V, S, sh.kv_heads, t0, range(sh.kv_heads))
+    return q, k, v
+
+
+def _input_h2s(sh: Shape, plan: HeadPlan, dtype, device, rank: int):
+    """This rank's heads (``plan.q_ranges[rank]``) of the global output, all rows."""
+    S = sh.seq * sh.world
+    a, b = plan.q_ranges[rank]
+    x = torch.empty(sh.batch, S, b - a, sh.head_dim, dtype=dtype, device=device)
+    return C.fill_pattern_4d(x, SALT_OUT, S, sh.heads, 0, range(a, b))
+
+
+def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernels: str | None = None, comm=None) -> Case:
+    """``chain`` or ``fused-*`` on q/k/v (s2h) or on an output (h2s)."""
+    S = sh.seq * sh.world
+    plan = HeadPlan.build(sh.heads, sh.kv_heads, world)
+    if op == "chain":
+        if sh.heads % world:
+            raise Skip(f"chain needs heads ({sh.heads}) divisible by the world size ({world})")
+        g = sh.heads // sh.kv_heads
+        repeat = sh.kv_heads % world != 0
+        per = sh.heads // world
+        q_heads = list(range(rank * per, (rank + 1) * per))
+        if sh.direction == "s2h":
+            q, k, v = _inputs_s2h(sh, dtype, device, rank)
+            kv_per = (sh.heads if repeat else sh.kv_heads) // world
+            kv_heads = [h // g for h in q_heads] if repeat else list(range(rank * kv_per, (rank + 1) * kv_per))
+
+            def run():
+                kk, vv = (k, v) if not repeat else (k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2))
+                return [_chain_s2h(x, world, None) for x in (q, kk, vv)]
+
+            def check(outs):
+                return sum(
+                    C.count_wrong_4d(o, salt, S, H, 0, heads)
+                    for o, salt, H, heads in zip(outs, (# The chain baseline (reference.py) uses torch.distributed.nn.functional, deprecated in new torch.
+warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
+
+SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), (q_heads, kv_heads, kv_heads))
+                )  # fmt: skip
+        else:
+            x = _input_h2s(sh, plan, dtype, device, rank) if plan.q_ranges[rank] == (q_heads[0], q_heads[-1] + 1) else None
+            if x is None:  # the plan's ranges equal the chain's whenever heads divide
+                raise Skip("chain and plan head ranges differ")
+
+            def run():
+                return _chain_h2s(x, world, None)
+
+            def check(out):
+                return C.count_wrong_4d(out, SALT_OUT, S, sh.heads, rank * sh.seq, range(sh.heads))
+
+        return Case(op, sh.count, run, check)
+
+    kern = get_kernels(kernels, device)
+    layout = Layout(plan, rank, (sh.seq,) * world, sh.batch, sh.head_dim)
+    if sh.direction == "s2h":
+        q, k, v = _inputs_s2h(sh, dtype, device, rank)
+        (qa, qb), (ka, kb) = plan.q_ranges[rank], plan.kv_ranges[rank]
+
+        def run():
+            return a2a_seq_to_head(layout, (q, k, v), QKV, comm, kern)
+
+        def check(outs):
+            return sum(
+                C.count_wrong_4d(o, salt, S, H, 0, range(a, b))
+                for o, salt, H, (a, b) in zip(outs, (# The chain baseline (reference.py) uses torch.distributed.nn.functional, deprecated in new torch.
+warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
+
+SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), ((qa, qb), (ka, kb), (ka, kb)))
+            )  # fmt: skip
+    else:
+        x = _input_h2s(sh, plan, dtype, device, rank)
+
+        def run():
+            return a2a_head_to_seq(layout, [x], Q_ONLY, comm, kern)[0]
+
+        def check(out):
+            return C.count_wrong_4d(out, SALT_OUT, S, sh.heads, rank * sh.seq, range(sh.heads))
+
+    return Case(op, sh.count, run, check)
+
+
+# ---- the sweep -----------------------------------------------------------------------------
+COLUMNS = [
+    ("size", "size(B)", "d"),
+    ("count", "count", "d"),
+    ("type", "type", ""),
+    ("op", "op", ""),
+    ("time_us", "time(us)", ".1f"),
+    ("algbw", "algbw(GB/s)", ".2f"),
+    ("busbw", "busbw(GB/s)", ".2f"),
+    ("wrong", "#wrong", "d"),
+    ("x_chain", "x_chain", ".2f"),
+    ("x_a2a", "x_a2a", ".2f"),
+]
+
+
+def select_ops(spec: str, device: torch.device) -> list[str]:
+    if spec in ("all", ""):
+        wanted = list(ALL_OPS)
+    else:
+        wanted = [s.strip() for s in spec.split(",") if s.strip()]
+        bad = [s for s in wanted if s not in ALL_OPS]
+        if bad:
+            raise SystemExit(f"bench_alltoall: unknown --op {bad}; choose from {', '.join(ALL_OPS)} or all")
+    # Kernel sets that are not importable here are dropped silently only when the
+    # selection is "all"; naming one explicitly and not having it is reported as a skip.
+    if spec in ("all", ""):
+        have = set(available_kernels())
+        wanted = [op for op in wanted if not op.startswith("fused-") or op == "fused-nccl" or op[6:] in have]
+    return wanted
+
+
+def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -> list[dict]:
+    dtype = C.parse_dtype(args.datatype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    sizes = C.size_sweep(C.parse_size(args.minbytes), C.parse_size(args.maxbytes), args.stepfactor)
+    ops = select_ops(args.op, device)
+    torch_comm = TorchCommunicator(None)
+    notes: dict[str, str] = {}
+    native = None
+    if any(op in ("nccl", "fused-nccl") for op in ops):
+        try:
+            native = native_nccl_comm(device)
+        except Skip as e:
+            notes["nccl"] = notes["fused-nccl"] = str(e)
+    is0 = rank == 0
+    if is0:
+        cpu = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
+        print(f"# bench_alltoall: {world} ranks, {backend}, {device.type}, dtype {C.dtype_name(dtype)}, "
+              f"dir {args.dir}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
+              f"warmup {args.warmup_iters}, iters {args.iters}{cpu}", flush=True)
+        print(f"# ops: {', '.join(ops)}", flush=True)
+    rows, seen = [], set()
+    progress = C.Progress(len(sizes), is0 and args.progress, "alltoall")
+    for size in sizes:
+        sh = shape_for(size, elem, args, world)
+        if sh.count in seen:
+            continue
+        seen.add(sh.count)
+        size_rows = []
+        for op in ops:
+            if op in notes:
+                continue
+            row = {"size": None, "count": None, "type": C.dtype_name(dtype), "op": op, "dir": args.dir}
+            try:
+                if op in ("a2a", "nccl", "symm"):
+                    case = bare_case(op, sh, dtype, device, rank, world, comm=native)
+                else:
+                    kern = None if op == "fused-nccl" else op[len("fused-"):]
+                    comm = native if op == "fused-nccl" else torch_comm
+                    case = layout_case(op, sh, dtype, device, rank, world, kernels=kern, comm=comm)
+                case.run()  # one untimed call: a kernel set that cannot run here fails now
+                ok, err = True, None
+            except (Skip, ValueError, RuntimeError, NotImplementedError) as e:
+                ok, err = False, str(e)
+            if not C.all_ok(ok):
+                notes[op] = err or "skipped on another rank"
+                continue
+            holder = {}
+
+            def timed():
+                holder["out"] = case.run()
+
+            times = C.time_iters(timed, device=device, warmup=args.warmup_iters, iters=args.iters)
+            t = C.reduce_max(C.median(times))
+            wrong = int(C.reduce_sum(case.check(holder["out"]))) if args.check else None
+            holder.clear()
+            nbytes = case.count * elem
+            algbw = nbytes / t / 1e9
+            row.update(size=nbytes, count=case.count, time_us=t * 1e6, algbw=algbw, busbw=algbw * (world - 1) / world,
+                       wrong=wrong, seq_per_rank=sh.seq, head_dim=sh.head_dim,
+                       impl=case.note)  # fmt: skip
+            size_rows.append(row)
+            del case
+        by_op = {r["op"]: r for r in size_rows}
+        for r in size_rows:
+            r["x_chain"] = by_op["chain"]["time_us"] / r["time_us"] if "chain" in by_op else None
+            r["x_a2a"] = r["time_us"] / by_op["a2a"]["time_us"] if "a2a" in by_op else None
+        rows.extend(size_rows)
+        progress.step(f"size {sh.count * elem} B done")
+    if is0:
+        title = None if device.type == "cuda" else f"# times: {C.CPU_LABEL}"
+        C.print_table(COLUMNS, rows, title=title)
+        for op, why in notes.items():
+            print(f"# skipped {op}: {why}", flush=True)
+        bad = sum(r["wrong"] or 0 for r in rows)
+        print(f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    return rows, notes
+
+
+def plot(rows: list[dict], path: str, env: dict) -> bool:
+    plt = C.load_pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        pts = [(r["size"], r["busbw"]) for r in rows if r["op"] == op]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per rank")
+    ax.set_ylabel("busbw (GB/s)")
+    label = env["gpu"] if env["device"] == "cuda" else C.CPU_LABEL
+    ax.set_title(f"all-to-all, {env['world_size']} ranks, {label}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _body(args, rank, world, device, backend):
+    rows, notes = run_bench(args, rank, world, device, backend)
+    if rank == 0 and not args.no_write:
+        env = C.env_record(device, world, backend)
+        meta = {k: v for k, v in vars(args).items()}
+        meta["skipped"] = notes
+        paths = C.write_results(args.out_dir, "bench_alltoall", env, rows, meta)
+        png = paths["json"][: -len(".json")] + ".png"
+        if plot(rows, png, env):
+            paths["png"] = png
+        print(f"# wrote {', '.join(paths.values())}", flush=True)
+    bad = sum(r["wrong"] or 0 for r in rows)
+    if bad:
+        raise SystemExit(f"bench_alltoall: {bad} wrong elements")
+
+
+def _spawned(rank, world, args):
+    _body(args, rank, world, torch.device("cpu"), "gloo")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-b", "--minbytes", default="1K", help="smallest size per rank (default 1K)")
+    p.add_argument("-e", "--maxbytes", default="64M", help="largest size per rank (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplier (default 2)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5)
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-d", "--datatype", default="bf16", help="bf16, fp16, fp32, fp64")
+    p.add_argument("-c", "--check", type=int, default=1, help="check every row (1, default) or not (0)")
+    p.add_argument("--op", default="all", help=f"comma list of {', '.join(ALL_OPS)} (default: all available)")
+    p.add_argument("--dir", choices=("s2h", "h2s"), default="s2h", help="q/k/v seq->head (default) or output head->seq")
+    p.add_argument("--heads", type=int, default=32, help="query heads (default 32, Llama-3-8B)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N gloo ranks on the CPU instead of torchrun")
+    p.add_argument("--out-dir", default=str(C.DEFAULT_OUT_DIR), help="where the CSV/JSON/PNG go (default bench/results)")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--progress", action="store_true", help="a progress line per size on stderr")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.spawn:
+        from ulysses_kernels.testing import run_ranks
+
+        run_ranks(_spawned, args.spawn, args)
+        return 0
+    rank, world, device, backend = C.init_from_env()
+    try:
+        _body(args, rank, world, device, backend)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

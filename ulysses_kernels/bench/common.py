@@ -1,0 +1,413 @@
+"""Shared pieces of the benchmark scripts: environment record, sizes, timing, output.
+
+Conventions (every script under ``bench/`` follows them):
+
+* Launch: ``torchrun --nproc-per-node N bench/<script>.py ...`` (NCCL on GPUs), or
+  ``python bench/<script>.py --spawn N ...`` which spawns ``N`` gloo ranks on the CPU.
+* Timing: on CUDA, events around each iteration after a barrier, median over iterations,
+  then the maximum of the per-rank medians (the slowest rank sets the pace of a
+  collective). On the CPU, ``time.perf_counter`` the same way; those numbers are labelled
+  ``CPU_LABEL`` everywhere they are printed or written.
+* Output: a table on stdout from rank 0, and ``<name>_<date>_<device>.csv``/``.json`` under
+  ``--out-dir`` (default ``bench/results/``) with the environment record of ``env_record``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CPU_LABEL",
+    "REPO_ROOT",
+    "DEFAULT_OUT_DIR",
+    "parse_size",
+    "format_size",
+    "size_sweep",
+    "parse_dtype",
+    "dtype_name",
+    "env_record",
+    "git_sha",
+    "init_from_env",
+    "time_iters",
+    "median",
+    "reduce_max",
+    "reduce_min",
+    "reduce_sum",
+    "pattern",
+    "fill_pattern_4d",
+    "count_wrong_4d",
+    "all_ok",
+    "print_table",
+    "write_results",
+    "load_pyplot",
+    "Progress",
+]
+
+CPU_LABEL = "CPU (not a GPU claim)"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT_DIR = REPO_ROOT / "bench" / "results"
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+# ---- sizes and dtypes -------------------------------------------------------------------
+def parse_size(text: str | int) -> int:
+    """``"1K"`` -> 1024, ``"4M"`` -> 4194304, ``"512"`` -> 512 (binary units, as nccl-tests;
+    an optional trailing ``B`` is ignored, ``"1.5K"`` is allowed when it is a whole number)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)[bB]?\s*", str(text))
+    if not m:
+        raise ValueError(f"parse_size: expected a size like 512, 1K, 4M or 1G, got {text!r}")
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value != int(value) or value < 1:
+        raise ValueError(f"parse_size: {text!r} is not a positive whole number of units")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """The shortest exact binary-unit spelling: 1024 -> ``"1K"``, 1536 -> ``"1536"``."""
+    for unit in ("T", "G", "M", "K"):
+        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return str(n)
+
+
+def size_sweep(begin: int, end: int, factor: float) -> list[int]:
+    """``begin, begin*factor, ...`` up to and including ``end`` (nccl-tests ``-b -e -f``)."""
+    if begin < 1 or end < begin:
+        raise ValueError(f"size_sweep: need 1 <= begin <= end, got {begin}..{end}")
+    if factor <= 1 and begin != end:
+        raise ValueError(f"size_sweep: factor must be > 1 for a sweep, got {factor}")
+    sizes, s = [], begin
+    while s <= end:
+        sizes.append(int(s))
+        if begin == end:
+            break
+        s = int(math.floor(s * factor)) if s * factor > s + 0.5 else s + 1
+    return sizes
+
+
+_DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "half": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float": torch.float32, "float32": torch.float32,
+    "fp64": torch.float64, "double": torch.float64, "float64": torch.float64,
+}  # fmt: skip
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"parse_dtype: expected one of {sorted(set(_DTYPES))}, got {name!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}.get(
+        dtype, str(dtype).replace("torch.", "")
+    )
+
+
+# ---- environment --------------------------------------------------------------------
+def git_sha(repo: Path | str = REPO_ROOT) -> str:
+    """``git rev-parse HEAD`` of ``repo`` (``"unknown"`` outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=str(repo), capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def _git_dirty(repo: Path | str = REPO_ROOT) -> bool | None:
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=str(repo), capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip())
+
+
+def _versions() -> dict:
+    nccl = None
+    if hasattr(torch.cuda, "nccl"):
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+        except (RuntimeError, AttributeError, TypeError):
+            nccl = None
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl, "triton": triton_version}
+
+
+def env_record(device: torch.device, world_size: int, backend: str | None, **extra) -> dict:
+    """What a result needs to be compared later: hardware, versions, git sha, date."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rec = {
+        "gpu": gpu,
+        "device": device.type,
+        "timer": "cuda-events" if device.type == "cuda" else f"perf_counter, {CPU_LABEL}",
+        **_versions(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "git_sha": git_sha(),
+        "git_dirty": _git_dirty(),
+        "world_size": world_size,
+        "backend": backend,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:],
+    }
+    rec.update(extra)
+    return rec
+
+
+def init_from_env() -> tuple[int, int, torch.device, str]:
+    """Initialise torch.distributed for a torchrun launch (or a single process without one).
+
+    Returns ``(rank, world_size, device, backend)``: NCCL and ``cuda:LOCAL_RANK`` when CUDA
+    is available, else gloo on the CPU. Without ``RANK`` in the environment a group of one
+    is created on a private file store, so every script runs unchanged as one process.
+    """
+    use_cuda = torch.cuda.is_available() and os.environ.get("ULYSSES_KERNELS_BENCH_CPU", "0") != "1"
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            import tempfile
+
+            store = os.path.join(tempfile.mkdtemp(prefix="ulysses_bench_"), "init")
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device, backend
+
+
+# ---- timing -------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_iters(
+    fn: Callable,
+    *,
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    setup: Callable | None = None,
+    barrier: bool = True,
+) -> list[float]:
+    """Seconds per iteration of ``fn`` on this rank (one value per timed iteration).
+
+    Each iteration: ``state = setup()`` if given (untimed), a barrier over the world
+    (so that no rank starts early and times its peers' lateness), then ``fn(state)``
+    (or ``fn()``) between two CUDA events (GPU) or two ``perf_counter`` reads (CPU).
+    """
+    use_events = device.type == "cuda"
+    times = []
+    for i in range(warmup + iters):
+        state = setup() if setup is not None else None
+        _sync(device)
+        if barrier and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+            _sync(device)
+        if use_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(state) if setup is not None else fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn(state) if setup is not None else fn()
+            elapsed = time.perf_counter() - t0
+        del state
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _reduce(value: float, op) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(value)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([float(value)], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def reduce_max(value: float) -> float:
+    """The maximum of ``value`` over all ranks (every rank gets it)."""
+    return _reduce(value, dist.ReduceOp.MAX)
+
+
+def reduce_min(value: float) -> float:
+    return _reduce(value, dist.ReduceOp.MIN)
+
+
+def all_ok(ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (so that all ranks take the same branch)."""
+    return reduce_min(1.0 if ok else 0.0) > 0.5
+
+
+# ---- output -------------------------------------------------------------------------
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    if isinstance(value, str):
+        return value
+    return format(value, spec) if spec else str(value)
+
+
+def print_table(columns: Sequence[tuple[str, str, str]], rows: Iterable[dict], file=None, title: str | None = None) -> str:
+    """Right-aligned columns as nccl-tests prints them.
+
+    ``columns``: ``(key, header, format spec)``; missing or NaN values print ``n/a``.
+    Returns the text (and prints it to ``file``, default stdout).
+    """
+    rows = list(rows)
+    cells = [[h for _, h, _ in columns]] + [[_fmt(r.get(k), spec) for k, _, spec in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = [] if title is None else [title]
+    for j, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    text = "\n".join(lines)
+    print(text, file=file or sys.stdout, flush=True)
+    return text
+
+
+def write_results(out_dir: Path | str, name: str, env: dict, rows: Sequence[dict], meta: dict | None = None) -> dict:
+    """Write ``rows`` as CSV and ``{"env", "meta", "rows"}`` as JSON; returns the paths.
+
+    File names: ``<name>_<UTC date-time>_<gpu or cpu>.{csv,json}``; the same content is
+    also written to ``<name>_latest.json`` so that later tools find the newest run.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dev = re.sub(r"[^A-Za-z0-9]+", "-", str(env.get("gpu", "cpu"))).strip("-").lower() or "cpu"
+    stem = f"{name}_{stamp}_{dev}_w{env.get('world_size', 1)}"
+    keys: list[str] = []
+    for r in rows:
+        keys.extend(k for k in r if k not in keys)
+    csv_path, json_path = out / f"{stem}.csv", out / f"{stem}.json"
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+    doc = {"name": name, "env": env, "meta": meta or {}, "rows": list(rows)}
+    text = json.dumps(doc, indent=1, default=str)
+    json_path.write_text(text)
+    (out / f"{name}_latest.json").write_text(text)
+    return {"csv": str(csv_path), "json": str(json_path)}
+
+
+def load_pyplot():
+    """matplotlib's pyplot with a file-only backend, or None when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+class Progress:
+    """One line per step of a long sweep, on rank 0, to stderr, with elapsed time."""
+
+    def __init__(self, total: int, enabled: bool, label: str = ""):
+        self.total, self.enabled, self.label = total, enabled, label
+        self.done, self.t0 = 0, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            el = time.perf_counter() - self.t0
+            print(f"[{self.label} {self.done}/{self.total} {el:7.1f}s] {what}", file=sys.stderr, flush=True)
+
+
+def reduce_sum(value: float) -> float:
+    """The sum of ``value`` over all ranks."""
+    return _reduce(value, dist.ReduceOp.SUM)
+
+
+# ---- deterministic data with a known answer -------------------------------------------
+def pattern(index: torch.Tensor, salt: int) -> torch.Tensor:
+    """Small pseudo-random integers in [-125, 125] from int64 global element indices.
+
+    Exactly representable in every float dtype (bf16 holds integers up to 256), and not
+    periodic at block scale, so a block delivered to the wrong place or from the wrong
+    peer does not match by accident. ``salt`` tells tensors apart (q, k, v, out, ...).
+    """
+    x = index * 1103515245 + (12345 + salt * 2654435761)
+    return ((x >> 16) % 251 - 125).to(torch.int64)
+
+
+def fill_pattern_4d(out: torch.Tensor, salt: int, seq_total: int, heads_total: int, t0: int, heads, chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """Fill ``out`` ``[B, s, h, D]`` with the pattern of the global tensor ``[B, seq_total,
+    heads_total, D]`` at rows ``t0 .. t0+s`` and heads ``heads`` (a list of global head
+    indices, one per local head; repeats allowed). Works in chunks of rows."""
+    for part, ref in _pattern_chunks(out, salt, seq_total, heads_total, t0, heads, chunk_elems):
+        part.copy_(ref)
+    return out
+
+
+def count_wrong_4d(actual: torch.Tensor, salt: int, seq_total: int, heads_total: int, t0: int, heads, chunk_elems: int = 1 << 24) -> int:
+    """Elements of ``actual`` ``[B, s, h, D]`` that differ from the pattern (see ``fill_pattern_4d``)."""
+    wrong = 0
+    for part, ref in _pattern_chunks(actual, salt, seq_total, heads_total, t0, heads, chunk_elems):
+        wrong += int((part != ref.to(part.dtype)).sum().item())
+    return wrong
+
+
+def _pattern_chunks(x, salt, seq_total, heads_total, t0, heads, chunk_elems):
+    b, s, h, d = x.shape
+    dev = x.device
+    head_idx = torch.as_tensor(list(heads), dtype=torch.int64, device=dev).view(1, 1, h, 1)
+    dd = torch.arange(d, dtype=torch.int64, device=dev).view(1, 1, 1, d)
+    bb = torch.arange(b, dtype=torch.int64, device=dev).view(b, 1, 1, 1)
+    rows = max(1, chunk_elems // max(1, b * h * d))
+    for start in range(0, s, rows):
+        stop = min(s, start + rows)
+        tt = torch.arange(t0 + start, t0 + stop, dtype=torch.int64, device=dev).view(1, -1, 1, 1)
+        index = ((bb * seq_total + tt) * heads_total + head_idx) * d + dd
+        yield x[:, start:stop], pattern(index, salt).to(x.dtype)
