@@ -236,10 +236,7 @@ def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernel
             def check(outs):
                 return sum(
                     C.count_wrong_4d(o, salt, S, H, 0, heads)
-                    for o, salt, H, heads in zip(outs, (# The chain baseline (reference.py) uses torch.distributed.nn.functional, deprecated in new torch.
-warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
-
-SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), (q_heads, kv_heads, kv_heads))
+                    for o, salt, H, heads in zip(outs, (SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), (q_heads, kv_heads, kv_heads))
                 )  # fmt: skip
         else:
             x = _input_h2s(sh, plan, dtype, device, rank) if plan.q_ranges[rank] == (q_heads[0], q_heads[-1] + 1) else None
@@ -266,10 +263,7 @@ SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), (q_heads, kv_head
         def check(outs):
             return sum(
                 C.count_wrong_4d(o, salt, S, H, 0, range(a, b))
-                for o, salt, H, (a, b) in zip(outs, (# The chain baseline (reference.py) uses torch.distributed.nn.functional, deprecated in new torch.
-warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
-
-SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), ((qa, qb), (ka, kb), (ka, kb)))
+                for o, salt, H, (a, b) in zip(outs, (SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), ((qa, qb), (ka, kb), (ka, kb)))
             )  # fmt: skip
     else:
         x = _input_h2s(sh, plan, dtype, device, rank)
