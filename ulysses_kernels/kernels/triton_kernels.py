@@ -1,0 +1,343 @@
+"""Triton pack/unpack kernels: bit-exact twins of the reference in ``ulysses_kernels.layout``.
+
+Every operation of the kernel set is the same gather: for each *column* (one head of one
+destination tensor) copy a ``[n_tok, B, D]`` tile of rows from one source column, or, for a
+KV head that several ranks hold, from several source columns summed in rank order. One
+``@triton.jit`` kernel does all three operations in **one launch each**::
+
+    grid = (cdiv(n_tok * B, BLOCK_R), n_columns)
+
+    column table (int64, 7 per column, cached per Layout/streams/strides):
+        dst_tensor, dst_off, dst_s_tok, dst_s_batch, dst_s_d, n_src, first_src
+    source table (int64, 5 per source, same cache):
+        src_tensor, src_off, src_s_tok, src_s_batch, src_s_d
+    address table (int64, one per tensor, built per call): data_ptr() of every tensor
+
+Offsets and strides are in elements; a program loads its column's descriptors (scalars),
+turns the tensor's address into a typed pointer, and moves ``BLOCK_R`` rows of ``D``
+contiguous elements (``BLOCK_D`` = next power of two). Bytes are moved as same-width
+integers, so any dtype moves (bf16, fp16, fp32, fp64, fp8, ints) and NaN payloads survive.
+Replica sums bitcast to the float type and add in fp32 (fp64 for fp64): for bf16/fp16 the
+sum of two values rounded once from fp32 is the correctly rounded sum, as PyTorch's CPU and
+CUDA ``add_`` compute it; dtypes PyTorch cannot add (fp8) raise like the reference.
+
+Column descriptors are cached on the class (a bounded LRU keyed by the frozen ``Layout``,
+the streams and the tensors' strides); only the tensors' addresses travel per call (on
+CUDA through a pinned buffer, with no host sync).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import Layout
+
+__all__ = ["TritonKernels"]
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TL_INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+_TL_FLOAT = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
+_COL, _SRC = 7, 5
+
+
+@triton.jit
+def _to_acc(x, FLOAT: tl.constexpr, ACC: tl.constexpr, IS_BF16: tl.constexpr):
+    """Same-width integers holding FLOAT values -> ACC values (exact)."""
+    if IS_BF16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(FLOAT, bitcast=True).to(ACC)
+
+
+@triton.jit
+def _from_acc(x, FLOAT: tl.constexpr, ELEM: tl.constexpr, IS_BF16: tl.constexpr):
+    """ACC values -> FLOAT rounded to nearest even, as same-width integers.
+
+    bf16 is rounded with integer operations, the way c10::BFloat16 does it (NaN -> 0x7FC0),
+    so the result does not depend on the compiler's (or the interpreter's) conversion.
+    """
+    if IS_BF16:
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(x != x, 0x7FC0, r)
+        return r.to(tl.uint16).to(ELEM, bitcast=True)
+    else:
+        return x.to(FLOAT).to(ELEM, bitcast=True)
+
+
+@triton.jit
+def _gather_columns_kernel(
+    addr_ptr,  # int64 [n_tensors]: data_ptr of every tensor
+    col_ptr,  # int64 [n_cols, 7]
+    src_ptr,  # int64 [n_srcs, 5]
+    n_rows,  # n_tok * batch
+    batch,
+    D,
+    ELEM: tl.constexpr,  # integer type of the element width
+    FLOAT: tl.constexpr,  # float type for replica sums (unused when not HAS_SUM)
+    ACC: tl.constexpr,  # accumulation type of a sum
+    HAS_SUM: tl.constexpr,
+    IS_BF16: tl.constexpr,  # bf16 <-> fp32 by bit operations (see _from_acc)
+    D_CONTIG: tl.constexpr,  # every tensor has stride 1 along D
+    VEC: tl.constexpr,  # elements per 16 bytes when offsets/strides/addresses allow it, else 1
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    col = tl.program_id(1).to(tl.int64)
+    c = col_ptr + col * 7
+    dst_t = tl.load(c)
+    dst_off = tl.load(c + 1)
+    dst_st = tl.load(c + 2)
+    dst_sb = tl.load(c + 3)
+    dst_sd = tl.load(c + 4)
+    n_src = tl.load(c + 5)
+    s0 = tl.load(c + 6)
+
+    r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    tok = r // batch
+    b = r % batch
+    d = tl.arange(0, BLOCK_D)
+    mask = (r < n_rows)[:, None] & (d < D)[None, :]
+
+    s = src_ptr + s0 * 5
+    src_addr = tl.multiple_of(tl.load(addr_ptr + tl.load(s)), VEC)
+    src_row = tl.load(s + 1) + tok * tl.load(s + 2) + b * tl.load(s + 3)
+    if D_CONTIG:
+        src_d = d
+    else:
+        src_d = d * tl.load(s + 4)
+    src_row = tl.multiple_of(src_row, VEC)
+    base = src_addr.to(tl.pointer_type(ELEM))
+    vals = tl.load(base + src_row[:, None] + src_d[None, :], mask=mask)
+
+    if HAS_SUM:
+        acc = _to_acc(vals, FLOAT, ACC, IS_BF16)
+        for k in range(1, n_src):
+            s = src_ptr + (s0 + k) * 5
+            src_addr = tl.load(addr_ptr + tl.load(s))
+            src_row = tl.load(s + 1) + tok * tl.load(s + 2) + b * tl.load(s + 3)
+            if D_CONTIG:
+                src_d = d
+            else:
+                src_d = d * tl.load(s + 4)
+            x = tl.load(src_addr.to(tl.pointer_type(ELEM)) + src_row[:, None] + src_d[None, :], mask=mask)
+            # Round after every add: the reference adds replicas one `add_` at a time.
+            acc = _to_acc(_from_acc(acc + _to_acc(x, FLOAT, ACC, IS_BF16), FLOAT, ELEM, IS_BF16), FLOAT, ACC, IS_BF16)
+        vals = _from_acc(acc, FLOAT, ELEM, IS_BF16)
+
+    dst_addr = tl.multiple_of(tl.load(addr_ptr + dst_t), VEC)
+    dst_row = tl.multiple_of(dst_off + tok * dst_st + b * dst_sb, VEC)
+    if D_CONTIG:
+        dst_d = d
+    else:
+        dst_d = d * dst_sd
+    tl.store(dst_addr.to(tl.pointer_type(ELEM)) + dst_row[:, None] + dst_d[None, :], vals, mask=mask)
+
+
+class _Plan:
+    """Cached column/source descriptors of one operation (host lists; device copies per device)."""
+
+    __slots__ = ("cols", "srcs", "n_cols", "has_sum", "d_contig", "struct_vec_ok", "device_tables")
+
+    def __init__(self, cols: list[int], srcs: list[int], head_dim: int, itemsize: int):
+        self.cols, self.srcs = cols, srcs
+        self.n_cols = len(cols) // _COL
+        self.has_sum = any(cols[i * _COL + 5] > 1 for i in range(self.n_cols))
+        strides_d = [cols[i * _COL + 4] for i in range(self.n_cols)] + [srcs[i * _SRC + 4] for i in range(len(srcs) // _SRC)]
+        self.d_contig = all(x == 1 for x in strides_d)
+        vec = max(1, 16 // itemsize)
+        offsets = [cols[i * _COL + j] for i in range(self.n_cols) for j in (1, 2, 3)]
+        offsets += [srcs[i * _SRC + j] for i in range(len(srcs) // _SRC) for j in (1, 2, 3)]
+        self.struct_vec_ok = self.d_contig and head_dim % vec == 0 and all(x % vec == 0 for x in offsets)
+        self.device_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, device: torch.device):
+        if device not in self.device_tables:
+            self.device_tables[device] = (
+                torch.tensor(self.cols, dtype=torch.int64, device=device),
+                torch.tensor(self.srcs, dtype=torch.int64, device=device),
+            )
+        return self.device_tables[device]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonKernels:
+    """The Triton kernel set (see the module docstring). Stateless apart from a class-level
+    LRU of column descriptors keyed by ``Layout`` (a value, not a process group)."""
+
+    name = "triton"
+    _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+    _max_plans = 256
+
+    @staticmethod
+    def available() -> bool:
+        return _interpreting() or torch.cuda.is_available()
+
+    # ---- the three operations ---------------------------------------------------------
+    @classmethod
+    def pack_s2h(cls, layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], send: torch.Tensor) -> None:
+        """``tensors`` (``[B, s_r, H, D]`` each, any strides) -> flat send buffer (peer-major)."""
+        key = ("s2h", layout, tuple(streams), tuple(t.stride() for t in tensors))
+        plan = cls._get(key, lambda: _plan_pack_s2h(layout, tensors, streams), layout.head_dim, send.element_size())
+        cls._launch(plan, [*tensors, send], layout.seq_local, layout.batch, layout.head_dim, send)
+
+    @classmethod
+    def pack_h2s(cls, layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
+        """A local ``[B, S, h, D]`` tensor (any strides) -> flat ``[S][B][h][D]`` wire format."""
+        key = ("h2s", layout, local.shape[2], local.stride())
+        plan = cls._get(key, lambda: _plan_pack_h2s(layout, local), layout.head_dim, send.element_size())
+        cls._launch(plan, [local, send], layout.seq_total, layout.batch, layout.head_dim, send)
+
+    @classmethod
+    def unpack_h2s(
+        cls,
+        layout: Layout,
+        blocks: Sequence[Sequence[torch.Tensor]],
+        streams: Sequence[str],
+        outs: Sequence[torch.Tensor],
+    ) -> None:
+        """Received blocks (per source, per stream, ``[B, s_r, h, D]``) -> ``outs``
+        (``[B, s_r, H, D]``); replicated KV heads summed in rank order."""
+        flat = [blk for per_stream in blocks for blk in per_stream]
+        key = ("unpack", layout, tuple(streams), tuple(t.stride() for t in flat), tuple(o.stride() for o in outs))
+        plan = cls._get(key, lambda: _plan_unpack_h2s(layout, blocks, streams, outs), layout.head_dim, outs[0].element_size())
+        cls._launch(plan, [*flat, *outs], layout.seq_local, layout.batch, layout.head_dim, outs[0])
+
+    # ---- host side ----------------------------------------------------------------------
+    @classmethod
+    def _get(cls, key, build, head_dim: int, itemsize: int) -> _Plan:
+        key = (*key, itemsize)
+        plan = cls._plans.get(key)
+        if plan is None:
+            cols, srcs = build()
+            plan = _Plan(cols, srcs, head_dim, itemsize)
+            cls._plans[key] = plan
+            while len(cls._plans) > cls._max_plans:
+                cls._plans.popitem(last=False)
+        else:
+            cls._plans.move_to_end(key)
+        return plan
+
+    @staticmethod
+    def _launch(plan: _Plan, tensors: list[torch.Tensor], n_tok: int, batch: int, head_dim: int, like: torch.Tensor) -> None:
+        n_rows = n_tok * batch
+        if plan.n_cols == 0 or n_rows == 0 or head_dim == 0:
+            return
+        dtype, device = like.dtype, like.device
+        for t in tensors:
+            if t.dtype != dtype or t.device != device:
+                raise ValueError(
+                    f"TritonKernels: every tensor must be {dtype} on {device}, got {t.dtype} on {t.device}"
+                )
+        itemsize = like.element_size()
+        if plan.has_sum and dtype not in _TL_FLOAT:
+            raise TypeError(f"TritonKernels: summing replicated KV heads needs a float dtype with add, got {dtype}")
+        addrs = [t.data_ptr() for t in tensors]
+        vec = max(1, 16 // itemsize)
+        aligned = plan.struct_vec_ok and all(a % 16 == 0 for a in addrs)
+        cols, srcs = plan.tables(device)
+        if device.type == "cuda":
+            # Pinned + non_blocking: no host sync; the caching host allocator keeps the
+            # pinned block alive until the copy on the current stream has run.
+            addr_t = torch.tensor(addrs, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        else:
+            addr_t = torch.tensor(addrs, dtype=torch.int64)
+        block_d = triton.next_power_of_2(head_dim)
+        # ~4K elements per program on a GPU; bigger tiles in the interpreter, where each
+        # program instance costs ~4 ms regardless of its size.
+        target = 1 << 14 if _interpreting() else 4096
+        block_r = max(1, min(triton.next_power_of_2(n_rows), max(1, target // block_d)))
+        grid = (triton.cdiv(n_rows, block_r), plan.n_cols)
+        float_ty = _TL_FLOAT.get(dtype, tl.float32)
+        acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
+        with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+            _gather_columns_kernel[grid](
+                addr_t, cols, srcs, n_rows, batch, head_dim,
+                ELEM=_TL_INT[itemsize], FLOAT=float_ty, ACC=acc_ty, HAS_SUM=plan.has_sum, IS_BF16=dtype == torch.bfloat16,
+                D_CONTIG=plan.d_contig, VEC=vec if aligned else 1, BLOCK_R=block_r, BLOCK_D=block_d,
+                num_warps=4,
+            )  # fmt: skip
+        # Keep the address table (and through the caller, the tensors) alive for the launch.
+        del addr_t
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- descriptor builders (the layout math of layout.py, as columns) ---------------------
+def _plan_pack_s2h(layout: Layout, tensors, streams) -> tuple[list[int], list[int]]:
+    D, B = layout.head_dim, layout.batch
+    send_idx = len(tensors)
+    cols, srcs = [], []
+    block_off = 0
+    for p in range(layout.world_size):
+        hp = layout.heads(streams, p)
+        hoff = 0
+        for i, s in enumerate(streams):
+            sb, ss, sh, sd = tensors[i].stride()
+            a, b = layout.head_range(s, p)
+            for h in range(a, b):
+                dst_off = block_off + (hoff + h - a) * D
+                cols += [send_idx, dst_off, B * hp * D, hp * D, 1, 1, len(srcs) // _SRC]
+                srcs += [i, h * sh, ss, sb, sd]
+            hoff += b - a
+        block_off += layout.seq_local * B * hp * D
+    return cols, srcs
+
+
+def _plan_pack_h2s(layout: Layout, local: torch.Tensor) -> tuple[list[int], list[int]]:
+    D, B, h = layout.head_dim, layout.batch, local.shape[2]
+    sb, ss, sh, sd = local.stride()
+    cols, srcs = [], []
+    for hh in range(h):
+        cols += [1, hh * D, B * h * D, h * D, 1, 1, len(srcs) // _SRC]
+        srcs += [0, hh * sh, ss, sb, sd]
+    return cols, srcs
+
+
+def _plan_unpack_h2s(layout: Layout, blocks, streams, outs) -> tuple[list[int], list[int]]:
+    n = len(streams)
+    out_base = layout.world_size * n
+    cols, srcs = [], []
+    for i, (s, out) in enumerate(zip(streams, outs)):
+        # The reference's walk: heads below `filled` already hold a value (add), others copy.
+        sources: dict[int, list[tuple[int, int]]] = {}
+        filled = 0
+        for p in range(layout.world_size):
+            a, b = layout.head_range(s, p)
+            overlap = max(0, min(b, filled) - a)
+            for h in range(a, b):
+                entry = (p * n + i, h - a)
+                if h < a + overlap:
+                    sources[h].append(entry)
+                else:
+                    sources[h] = [entry]
+            filled = max(filled, b)
+        ob, os_, oh, od = out.stride()
+        for h in sorted(sources):
+            cols += [out_base + i, h * oh, os_, ob, od, len(sources[h]), len(srcs) // _SRC]
+            for t_idx, lh in sources[h]:
+                p = t_idx // n
+                bb, bs, bh, bd = blocks[p][i].stride()
+                srcs += [t_idx, lh * bh, bs, bb, bd]
+    return cols, srcs
