@@ -153,12 +153,15 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     the whole sequence: ``q`` ``[B, S, hq, D]`` (``k``, ``v`` ``[B, S, hkv, D]``), strided views
     of one receive buffer; ``plan.q_ranges[rank]``/``kv_ranges[rank]`` say which heads.
     Gradients of KV heads that several ranks hold are summed once per replica.
-    Pass ``k=v=None`` to move q alone.
+    Pass ``k=v=None`` to move q alone; then the heads follow ``plan`` (default: a plan
+    with ``kv_heads = q_heads``), so pass the plan of your attention layer.
     """
     comm = get_communicator(group, comm)
     if (k is None) != (v is None):
         raise ValueError("seq_to_head: pass both k and v, or neither")
-    kk, vv = (k, v) if k is not None else (q[:, :, :1], q[:, :, :1])
+    # q alone: stand-in k/v views with the plan's KV head count, for the checks only.
+    kv_heads = plan.kv_heads if plan is not None else q.shape[2] if q.dim() == 4 else 1
+    kk, vv = (k, v) if k is not None else (q[:, :, :kv_heads], q[:, :, :kv_heads])
     plan, layout = _prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
     outs = SeqToHead.apply(layout, comm, get_kernels(kernels, q.device), *((q, k, v) if k is not None else (q,)))
     return outs if k is not None else outs[0]

@@ -1,0 +1,136 @@
+"""The layout math and the reference pack/unpack, all ranks simulated in one process:
+the collective is replaced by concatenating the blocks each rank sends, so every byte's
+destination is checked bit-exact for many plans without spawning ranks."""
+
+import pytest
+import torch
+
+from ulysses_kernels.layout import QKV, Q_ONLY, Layout, pack_s2h, unpack_h2s
+from ulysses_kernels.plan import HeadPlan
+
+PLANS = [
+    # (q_heads, kv_heads, world, seq_lens, batch)
+    (4, 4, 1, [5], 2),
+    (4, 4, 2, [3, 4], 2),
+    (8, 2, 2, [4, 4], 1),
+    (10, 2, 4, [3, 1, 4, 2], 2),
+    (40, 8, 3, [2, 3, 2], 1),
+    (40, 8, 5, [1, 2, 1, 2, 1], 2),
+    (40, 8, 8, [1] * 7 + [2], 1),
+    (8, 1, 8, [2] * 8, 2),
+    (6, 2, 4, [2, 0, 3, 1], 3),
+]
+
+
+def _shard(x, seq_lens, r):
+    start = sum(seq_lens[:r])
+    return x[:, start : start + seq_lens[r]]
+
+
+def simulate_seq_to_head(plan, seq_lens, full, streams, kernels_pack=pack_s2h):
+    """Every rank packs, blocks are exchanged, every rank's received views are returned."""
+    B, D, P = full[0].shape[0], full[0].shape[3], plan.world_size
+    sends = []
+    for r in range(P):
+        lay = Layout(plan, r, tuple(seq_lens), B, D)
+        send = torch.full((sum(lay.s2h_send_splits(streams)),), float("nan"), dtype=full[0].dtype)
+        kernels_pack(lay, [_shard(x, seq_lens, r) for x in full], streams, send)
+        sends.append((lay, send.split(lay.s2h_send_splits(streams))))
+    received = []
+    for p in range(P):
+        lay = Layout(plan, p, tuple(seq_lens), B, D)
+        recv = torch.cat([blocks[p] for _, blocks in sends])
+        assert recv.numel() == sum(lay.s2h_recv_splits(streams))
+        received.append(lay.s2h_recv_views(recv, streams))
+    return received
+
+
+def simulate_head_to_seq(plan, seq_lens, locals_per_rank, streams, unpack=unpack_h2s):
+    """``locals_per_rank[p]``: rank p's ``[B, S, h_p, D]`` tensors, one per stream."""
+    x0 = locals_per_rank[0][0]
+    B, D, P = x0.shape[0], x0.shape[3], plan.world_size
+    outs = []
+    for r in range(P):
+        lay = Layout(plan, r, tuple(seq_lens), B, D)
+        pieces = []
+        for p in range(P):
+            src = Layout(plan, p, tuple(seq_lens), B, D)
+            pieces += [src.h2s_send_blocks(x, r).reshape(-1) for x in locals_per_rank[p]]
+        recv = torch.cat(pieces)
+        assert recv.numel() == sum(lay.h2s_splits(streams)[1])
+        blocks = lay.h2s_recv_views(recv, streams)
+        result = [torch.full((B, seq_lens[r], lay.total_heads(s), D), float("nan"), dtype=x0.dtype) for s in streams]
+        unpack(lay, blocks, streams, result)
+        outs.append(result)
+    return outs
+
+
+@pytest.mark.parametrize("hq,hkv,P,seq_lens,B", PLANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seq_to_head_moves_every_head_to_its_owner(hq, hkv, P, seq_lens, B, dtype):
+    plan = HeadPlan.build(hq, hkv, P)
+    S, D = sum(seq_lens), 4
+    q, k, v = (torch.randn(B, S, h, D).to(dtype) for h in (hq, hkv, hkv))
+    for p, (ql, kl, vl) in enumerate(simulate_seq_to_head(plan, seq_lens, [q, k, v], QKV)):
+        assert torch.equal(ql, q[:, :, slice(*plan.q_ranges[p])])
+        assert torch.equal(kl, k[:, :, slice(*plan.kv_ranges[p])])
+        assert torch.equal(vl, v[:, :, slice(*plan.kv_ranges[p])])
+        assert ql.stride(-1) == 1 and kl.stride(-1) == 1
+
+
+@pytest.mark.parametrize("hq,hkv,P,seq_lens,B", PLANS)
+def test_seq_to_head_accepts_views_of_a_fused_projection(hq, hkv, P, seq_lens, B):
+    plan = HeadPlan.build(hq, hkv, P)
+    S, D = sum(seq_lens), 4
+    fused = torch.randn(B, S, (hq + 2 * hkv) * D)
+    q, k, v = fused.view(B, S, hq + 2 * hkv, D).split([hq, hkv, hkv], dim=2)
+    assert not q.is_contiguous()
+    for p, (ql, kl, vl) in enumerate(simulate_seq_to_head(plan, seq_lens, [q, k, v], QKV)):
+        assert torch.equal(ql, q[:, :, slice(*plan.q_ranges[p])])
+        assert torch.equal(vl, v[:, :, slice(*plan.kv_ranges[p])])
+
+
+@pytest.mark.parametrize("hq,hkv,P,seq_lens,B", PLANS)
+def test_head_to_seq_sums_kv_replicas_once_in_rank_order(hq, hkv, P, seq_lens, B):
+    plan = HeadPlan.build(hq, hkv, P)
+    S, D = sum(seq_lens), 4
+    dq = torch.randn(B, S, hq, D)
+    # Each holder of a KV head has its own partial gradient.
+    dk_parts = [torch.randn(B, S, plan.kv_count(p), D) for p in range(P)]
+    dv_parts = [torch.randn(B, S, plan.kv_count(p), D) for p in range(P)]
+    locals_ = [[dq[:, :, slice(*plan.q_ranges[p])], dk_parts[p], dv_parts[p]] for p in range(P)]
+    # Batch-major local tensors exercise the strided read of the wire blocks.
+    outs = simulate_head_to_seq(plan, seq_lens, locals_, QKV)
+    for parts, got_index in ((dk_parts, 1), (dv_parts, 2)):
+        expected = torch.empty(B, S, hkv, D)
+        for j in range(hkv):
+            holders = plan.kv_holders(j)
+            acc = parts[holders[0]][:, :, j - plan.kv_ranges[holders[0]][0]].clone()
+            for p in holders[1:]:
+                acc += parts[p][:, :, j - plan.kv_ranges[p][0]]
+            expected[:, :, j] = acc
+        for r in range(P):
+            assert torch.equal(outs[r][got_index], _shard(expected, seq_lens, r))
+    for r in range(P):
+        assert torch.equal(outs[r][0], _shard(dq, seq_lens, r))
+
+
+@pytest.mark.parametrize("hq,hkv,P,seq_lens,B", PLANS)
+def test_round_trip_is_bit_exact(hq, hkv, P, seq_lens, B):
+    plan = HeadPlan.build(hq, hkv, P)
+    S, D = sum(seq_lens), 8
+    x = torch.randn(B, S, hq, D, dtype=torch.float16)
+    there = simulate_seq_to_head(plan, seq_lens, [x], Q_ONLY)
+    back = simulate_head_to_seq(plan, seq_lens, [[views[0]] for views in there], Q_ONLY)
+    for r in range(P):
+        assert torch.equal(back[r][0], _shard(x, seq_lens, r))
+
+
+def test_split_sizes_match_buffer_sizes():
+    plan = HeadPlan.build(40, 8, 3)
+    lay = Layout(plan, 1, (5, 6, 7), 2, 16)
+    assert lay.s2h_send_splits(QKV) == [6 * 2 * 16 * (plan.q_count(p) + 2 * plan.kv_count(p)) for p in range(3)]
+    assert lay.s2h_recv_splits(QKV) == [s * 2 * 16 * (13 + 2 * 4) for s in (5, 6, 7)]
+    send, recv = lay.h2s_splits(Q_ONLY)
+    assert send == [s * 2 * 16 * 13 for s in (5, 6, 7)]
+    assert recv == [6 * 2 * 16 * plan.q_count(p) for p in range(3)]
