@@ -1,0 +1,656 @@
+"""The attention layer: forward, backward and forward+backward time, TFLOP/s and peak memory.
+
+    torchrun --nproc-per-node 8 bench/bench_attention.py --min-seq 4K --max-seq 1M
+    python bench/bench_attention.py --sp 8 --min-seq 4K --max-seq 1M   # one GPU, rank 0 of 8
+    python bench/bench_attention.py --spawn 2 --layouts 8/2 --seqs 64,128 --head-dim 16  # CPU
+
+Head layouts (``--models``): Llama-3-8B (32 query / 8 KV heads), Qwen2.5-14B (40/8),
+Llama-3-70B (64/8), head_dim 128, or any ``--layouts Hq/Hkv,...``. Sequence lengths double
+from ``--min-seq`` to ``--max-seq`` (global tokens, batch ``--batch``); a size whose estimated
+memory does not fit is skipped, and a method that runs out of memory stops there.
+
+Methods (``--methods``, default all that can run):
+
+  local        the compute floor: this rank's heads (HeadPlan) over the full sequence,
+               the same attention backend as ours, no communication and no layout work
+  chain        ``reference.permute_chain_attention`` (DeepSpeed/yunchang's three permutes),
+               when the query heads divide over the ranks
+  ulysses-<k>  ``ulysses_attention`` with kernel set <k> (torch, triton, cuda)
+  deepspeed    ``deepspeed.sequence.layer.DistributedAttention`` when importable
+  yunchang     ``yunchang.UlyssesAttention`` when importable
+  layout-<k>   ours, data movement only: the packs/unpacks of one layer without the
+               collectives (fwd: q/k/v pack + output unpack; bwd: dout pack + dq/dk/dv unpack)
+  chain-layout the chain's permute copies without the collectives
+
+With one process and ``--sp P`` the local and layout rows are those of rank 0 of a ``P``-way
+group (the input of ``bench/perf_model.py``); the communicating methods need real ranks.
+
+TFLOP/s: causal attention FLOPs of this rank's heads, 4*B*S^2*h*D/2 forward, 2.5x that
+backward, 3.5x forward+backward (the FlashAttention convention), over the time of the
+slowest rank. ``x_chain`` = chain time / this time (speed-up over the chain, same run);
+``x_floor`` = this time / local time. #wrong: elements of the output and of dq, on a sample
+of rows on every rank, outside the dtype's tolerance against a float32 reference computed
+from the same inputs. Breakdown rows (per kernel set): compute = local, layout = layout-<k>,
+exposed communication = ulysses-<k> - local - layout-<k>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import warnings
+
+try:
+    import ulysses_kernels  # noqa: F401
+except ImportError:  # run from a checkout without an install
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch
+import torch.distributed as dist
+
+from ulysses_kernels import ulysses_attention
+from ulysses_kernels.backends import default_scale, resolve_backend
+from ulysses_kernels.bench import common as C
+from ulysses_kernels.kernels import available_kernels, get_kernels
+from ulysses_kernels.layout import Q_ONLY, QKV, Layout
+from ulysses_kernels.plan import HeadPlan
+from ulysses_kernels.reference import permute_chain_attention
+
+warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
+
+MODELS = {"llama3-8b": (32, 8), "qwen2.5-14b": (40, 8), "llama3-70b": (64, 8)}
+PASSES = ("fwd", "bwd", "fwdbwd")
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+# (rtol, atol relative to the largest reference value) per dtype for the sampled-row check.
+TOLERANCE = {torch.float64: (1e-7, 1e-7), torch.float32: (1e-3, 1e-3), torch.bfloat16: (3e-2, 3e-2), torch.float16: (1e-2, 1e-2)}
+COMM_METHODS = ("chain", "deepspeed", "yunchang")
+
+
+class Skip(Exception):
+    """This method cannot run here (message says why)."""
+
+
+# ---- inputs ------------------------------------------------------------------------------
+class Inputs:
+    """Random q, k, v, dout of one run, reproducible block by block on every rank.
+
+    The global tensors are ``[B, S, H, D]``; the rows of rank ``p`` (``s = S/P`` tokens) come
+    from a generator seeded with ``(seed, p, tensor)``, so any rank can rebuild any block
+    (the local floor needs every row of its heads; the check needs all of k and v).
+    """
+
+    def __init__(self, batch, seq_total, heads, kv_heads, head_dim, world, dtype, device, seed=1234):
+        self.B, self.S, self.H, self.Hkv, self.D = batch, seq_total, heads, kv_heads, head_dim
+        self.P, self.s = world, seq_total // world
+        self.dtype, self.device, self.seed = dtype, device, seed
+
+    def block(self, p: int, name: str) -> torch.Tensor:
+        which = "qkvo".index(name[0] if name != "dout" else "o")
+        heads = self.H if name in ("q", "dout") else self.Hkv
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 1000 + p * 10 + which)
+        x = torch.randn(self.B, self.s, heads, self.D, generator=g, device=self.device, dtype=torch.float32)
+        return x.to(self.dtype)
+
+    def full(self, name: str, heads) -> torch.Tensor:
+        """All rows, the given global heads: ``[B, S, len(heads), D]``."""
+        idx = list(heads)
+        return torch.cat([self.block(p, name)[:, :, idx] for p in range(self.P)], dim=1)
+
+
+def sample_rows(n_rows: int, count: int) -> list[int]:
+    """Up to ``count`` row indices spread over ``range(n_rows)``, first and last included."""
+    if n_rows <= count:
+        return list(range(n_rows))
+    return sorted({round(i * (n_rows - 1) / (count - 1)) for i in range(count)})
+
+
+def reference_rows(inp: Inputs, rows, heads, scale, k_full, v_full):
+    """float32 causal attention output and dq for global ``rows`` x global query ``heads``."""
+    g = inp.H // inp.Hkv
+    rows_t = torch.tensor(rows, device=inp.device)
+    per_block = {}
+    for t in rows:
+        per_block.setdefault(t // inp.s, []).append(t)
+    q_rows = torch.cat([inp.block(p, "q")[:, [t - p * inp.s for t in ts]] for p, ts in sorted(per_block.items())], 1)
+    do_rows = torch.cat([inp.block(p, "dout")[:, [t - p * inp.s for t in ts]] for p, ts in sorted(per_block.items())], 1)
+    cols = torch.arange(inp.S, device=inp.device)
+    mask = cols.view(1, -1) > rows_t.view(-1, 1)  # [n, S] causal
+    outs, dqs = [], []
+    for h in heads:
+        kk = k_full[:, :, h // g].float()  # [B, S, D]
+        vv = v_full[:, :, h // g].float()
+        qh, doh = q_rows[:, :, h].float(), do_rows[:, :, h].float()  # [B, n, D]
+        p = torch.softmax((qh @ kk.transpose(1, 2) * scale).masked_fill(mask, float("-inf")), dim=-1)
+        o = p @ vv
+        dp = doh @ vv.transpose(1, 2)
+        ds = p * (dp - (doh * o).sum(-1, keepdim=True))
+        outs.append(o)
+        dqs.append(ds @ kk * scale)
+    return torch.stack(outs, 2), torch.stack(dqs, 2)  # [B, n, h, D]
+
+
+def count_wrong(actual: torch.Tensor, ref: torch.Tensor, dtype) -> int:
+    rtol, atol = TOLERANCE.get(dtype, (3e-2, 3e-2))
+    a = actual.float()
+    bound = atol * max(1.0, float(ref.abs().max())) + rtol * ref.abs()
+    return int(((a - ref).abs() > bound).sum().item()) + int((~torch.isfinite(a)).sum().item())
+
+
+# ---- one method: build, run, time ------------------------------------------------------------
+class Method:
+    """A callable ``forward(q, k, v) -> out`` with autograd, plus what it needs to check itself.
+
+    ``seq_sharded``: inputs are this rank's rows for all heads (ours, chain, peers); else
+    (``local``) the rank's heads over all rows. ``layout_only`` methods expose ``fwd()`` and
+    ``bwd()`` instead and are not checked against attention.
+    """
+
+    def __init__(self, name, fn=None, seq_sharded=True, layout_only=False, fwd=None, bwd=None):
+        self.name, self.fn, self.seq_sharded, self.layout_only = name, fn, seq_sharded, layout_only
+        self.fwd_only, self.bwd_only = fwd, bwd
+
+
+def local_method(plan, rank, backend, scale):
+    kv_map = plan.local_kv_map(rank)
+
+    class _Local(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, state = backend.forward(q, k, v, causal=True, scale=scale, kv_map=kv_map, needs_grad=True)
+            ctx.state = state
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            grads = backend.backward(ctx.state, dout)
+            ctx.state = None
+            return tuple(grads)
+
+    return Method("local", lambda q, k, v: _Local.apply(q, k, v), seq_sharded=False)
+
+
+def layout_method(name, kern, layout: Layout, like: torch.Tensor):
+    """Our packs and unpacks of one layer, without the collectives (rank ``layout.rank``)."""
+    B, D, s = layout.batch, layout.head_dim, layout.seq_local
+    dev, dt = like.device, like.dtype
+    q = torch.randn(B, s, layout.total_heads("q"), D, device=dev).to(dt)
+    k = torch.randn(B, s, layout.total_heads("kv"), D, device=dev).to(dt)
+    v = torch.randn_like(k)
+    n_qkv, n_q = sum(layout.s2h_send_splits(QKV)), sum(layout.s2h_send_splits(Q_ONLY))
+    send_qkv, send_q = torch.empty(n_qkv, dtype=dt, device=dev), torch.empty(n_q, dtype=dt, device=dev)
+    # Receive buffers of the head-to-sequence direction, filled once; unpack reads them.
+    recv_q = torch.randn(sum(layout.h2s_splits(Q_ONLY)[1]), device=dev).to(dt)
+    recv_qkv = torch.randn(sum(layout.h2s_splits(QKV)[1]), device=dev).to(dt)
+    out = [torch.empty(B, s, layout.total_heads("q"), D, dtype=dt, device=dev)]
+    grads = [torch.empty(B, s, layout.total_heads(x), D, dtype=dt, device=dev) for x in ("q", "kv", "kv")]
+    dout_local = torch.randn(B, s, layout.total_heads("q"), D, device=dev).to(dt)
+
+    def fwd():
+        kern.pack_s2h(layout, (q, k, v), QKV, send_qkv)
+        kern.unpack_h2s(layout, layout.h2s_recv_views(recv_q, Q_ONLY), Q_ONLY, out)
+
+    def bwd():
+        kern.pack_s2h(layout, (dout_local,), Q_ONLY, send_q)
+        kern.unpack_h2s(layout, layout.h2s_recv_views(recv_qkv, QKV), QKV, grads)
+
+    return Method(name, layout_only=True, fwd=fwd, bwd=bwd)
+
+
+def chain_layout_method(inp: Inputs, P: int):
+    """The chain's permute+contiguous copies for one layer, without the collectives."""
+    B, s, H, Hkv, D, S = inp.B, inp.s, inp.H, inp.Hkv, inp.D, inp.S
+    if H % P:
+        raise Skip(f"chain needs query heads ({H}) divisible by {P}")
+    repeat = Hkv % P != 0
+    kv_h = H if repeat else Hkv
+    dev, dt = inp.device, inp.dtype
+    q = torch.randn(B, s, H, D, device=dev).to(dt)
+    k = torch.randn(B, s, Hkv, D, device=dev).to(dt)
+    out_l = torch.randn(B, S, H // P, D, device=dev).to(dt)
+
+    def s2h(x):  # the two copies of _chain_s2h, the collective replaced by nothing
+        b, n, h, d = x.shape
+        send = x.reshape(b, n, P, h // P, d).permute(2, 1, 0, 3, 4).contiguous()
+        return send.permute(2, 0, 1, 3, 4).reshape(b, P * n, h // P, d).contiguous()
+
+    def h2s(x):
+        b, n, h, d = x.shape
+        send = x.reshape(b, P, n // P, h, d).permute(1, 2, 0, 3, 4).contiguous()
+        return send.permute(2, 1, 0, 3, 4).reshape(b, n // P, P * h, d).contiguous()
+
+    def fwd():
+        kk = k.repeat_interleave(H // Hkv, dim=2) if repeat else k
+        s2h(q), s2h(kk), s2h(kk)
+        h2s(out_l)
+
+    dk_l = torch.randn(B, S, kv_h // P, D, device=dev).to(dt)
+    dk_rep = torch.randn(B, s, H, D, device=dev).to(dt) if repeat else None
+
+    def bwd():
+        s2h(q)  # dout has the shape of q
+        h2s(out_l), h2s(dk_l), h2s(dk_l)
+        if repeat:  # the backward of repeat_interleave sums the copies, for dk and dv
+            dk_rep.view(B, s, Hkv, H // Hkv, D).sum(3), dk_rep.view(B, s, Hkv, H // Hkv, D).sum(3)
+
+    return Method("chain-layout", layout_only=True, fwd=fwd, bwd=bwd)
+
+
+def peer_method(name, backend, scale, P, H, Hkv):
+    """DeepSpeed's DistributedAttention or yunchang's UlyssesAttention, or ``Skip``."""
+
+    def local_attn(q, k, v, *args, **kwargs):
+        return backend.attend(q, k, v, True, scale)
+
+    repeat = Hkv % P != 0
+    g = H // Hkv
+    if name == "deepspeed":
+        try:
+            import deepspeed
+            from deepspeed.sequence.layer import DistributedAttention
+        except Exception as e:  # noqa: BLE001 - any import-time failure means "not available"
+            raise Skip(f"deepspeed not importable ({type(e).__name__}: {e})") from None
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        layer = DistributedAttention(local_attn, None, scatter_idx=2, gather_idx=1)
+    else:
+        try:
+            from yunchang import UlyssesAttention
+        except Exception as e:  # noqa: BLE001
+            raise Skip(f"yunchang not importable ({type(e).__name__}: {e})") from None
+        layer = UlyssesAttention(None, scatter_idx=2, gather_idx=1)
+
+    def fn(q, k, v):
+        if repeat:  # both assume KV heads divide over the ranks; repeat them as the chain does
+            k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+        if name == "deepspeed":
+            return layer(q, k, v)
+        return layer(q, k, v, softmax_scale=scale, causal=True)
+
+    return Method(name, fn)
+
+
+# ---- the sweep --------------------------------------------------------------------------------
+def parse_layouts(args) -> list[tuple[str, int, int]]:
+    if args.layouts:
+        out = []
+        for spec in args.layouts.split(","):
+            hq, hkv = (int(x) for x in spec.split("/"))
+            out.append((f"{hq}/{hkv}", hq, hkv))
+        return out
+    names = list(MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",")]
+    bad = [m for m in names if m not in MODELS]
+    if bad:
+        raise SystemExit(f"bench_attention: unknown --models {bad}; choose from {', '.join(MODELS)} or all")
+    return [(m, *MODELS[m]) for m in names]
+
+
+def seq_lengths(args, P: int) -> list[int]:
+    if args.seqs:
+        seqs = [C.parse_size(x) for x in args.seqs.split(",")]
+    else:
+        seqs = C.size_sweep(C.parse_size(args.min_seq), C.parse_size(args.max_seq), 2)
+    return [-(-s // P) * P for s in seqs]  # equal shards: round up to a multiple of P
+
+
+def method_names(args, world: int, P: int) -> list[str]:
+    kernels = available_kernels()
+    names = ["local"]
+    if world > 1 or P == 1:
+        names += ["chain"] + [f"ulysses-{k}" for k in kernels] + ["deepspeed", "yunchang"]
+    names += [f"layout-{k}" for k in kernels] + ["chain-layout"]
+    if args.methods != "all":
+        wanted = [m.strip() for m in args.methods.split(",")]
+        names = [m for m in wanted]
+    return names
+
+
+def estimate_bytes(name: str, inp: Inputs, plan: HeadPlan, rank: int) -> int:
+    """A rough per-rank peak for one fwd+bwd (a pre-check so that big sizes skip, not OOM)."""
+    e, B, D, S, s = torch.empty((), dtype=inp.dtype).element_size(), inp.B, inp.D, inp.S, inp.s
+    heads_local = plan.q_count(rank) + 2 * plan.kv_count(rank)
+    if name.startswith("chain") or name in COMM_METHODS:
+        heads_local = 3 * -(-inp.H // inp.P)
+    seq_side = B * s * (inp.H + 2 * inp.Hkv) * D * e  # q/k/v or their grads, one copy
+    head_side = B * S * heads_local * D * e  # received q/k/v, or their grads
+    return int(4 * head_side + 6 * seq_side)
+
+
+def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
+    if name == "local":
+        return local_method(plan, rank, backend, scale)
+    if name == "chain":
+        if inp.H % world:
+            raise Skip(f"chain needs query heads ({inp.H}) divisible by the world size ({world})")
+        attn = lambda q, k, v, causal, softmax_scale: backend.attend(q, k, v, causal, softmax_scale)  # noqa: E731
+        return Method("chain", lambda q, k, v: permute_chain_attention(q, k, v, causal=True, attn_fn=attn))
+    if name.startswith("ulysses-"):
+        kern = name[len("ulysses-"):]
+        get_kernels(kern, inp.device)  # raises ValueError when the set is not available
+
+        def fn(q, k, v):
+            return ulysses_attention(q, k, v, causal=True, attn_fn=backend, kernels=kern, chunks=args.chunks, check=False)
+
+        return Method(name, fn)
+    if name in ("deepspeed", "yunchang"):
+        return peer_method(name, backend, scale, world, inp.H, inp.Hkv)
+    if name.startswith("layout-"):
+        kern = get_kernels(name[len("layout-"):], inp.device)
+        return layout_method(name, kern, layout, torch.empty(0, dtype=inp.dtype, device=inp.device))
+    if name == "chain-layout":
+        return chain_layout_method(inp, P)
+    raise Skip(f"unknown method {name!r}")
+
+
+def make_inputs(m: Method, inp: Inputs, plan: HeadPlan, rank: int):
+    if m.seq_sharded:
+        q, k, v, dout = (inp.block(rank, n) for n in ("q", "k", "v", "dout"))
+    else:
+        (qa, qb), (ka, kb) = plan.q_ranges[rank], plan.kv_ranges[rank]
+        q, dout = inp.full("q", range(qa, qb)), inp.full("dout", range(qa, qb))
+        k, v = inp.full("k", range(ka, kb)), inp.full("v", range(ka, kb))
+    return [x.requires_grad_() for x in (q, k, v)], dout
+
+
+def time_method(m: Method, args, inp, plan, rank, device):
+    """{pass: (seconds, peak bytes or None)} and the (out, dq) of the last fwd+bwd."""
+    res, keep = {}, {}
+    cuda = device.type == "cuda"
+    if m.layout_only:
+        fns = {"fwd": m.fwd_only, "bwd": m.bwd_only, "fwdbwd": lambda: (m.fwd_only(), m.bwd_only())}
+        for p in args.passes:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            t = C.time_iters(fns[p], device=device, warmup=args.warmup_iters, iters=args.iters)
+            res[p] = (C.median(t), torch.cuda.max_memory_allocated(device) if cuda else None)
+        return res, None
+    (q, k, v), dout = make_inputs(m, inp, plan, rank)
+
+    def clear():
+        for x in (q, k, v):
+            x.grad = None
+
+    def fwd():
+        m.fn(q, k, v)  # the graph is built (training forward) and dropped
+
+    def bwd(out):
+        out.backward(dout)
+
+    def fwdbwd():
+        clear()
+        out = m.fn(q, k, v)
+        out.backward(dout)
+        keep["out"], keep["dq"] = out.detach(), q.grad
+
+    def setup_bwd():
+        clear()
+        return m.fn(q, k, v)
+
+    # The check needs one fwd+bwd: run that pass (untimed in the table) when not selected.
+    extra = ("fwdbwd",) if args.check and "fwdbwd" not in args.passes else ()
+    for p in args.passes + extra:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        if p == "fwd":
+            t = C.time_iters(fwd, device=device, warmup=args.warmup_iters, iters=args.iters)
+        elif p == "bwd":
+            t = C.time_iters(bwd, device=device, warmup=args.warmup_iters, iters=args.iters, setup=setup_bwd)
+        else:
+            t = C.time_iters(fwdbwd, device=device, warmup=args.warmup_iters, iters=args.iters)
+        res[p] = (C.median(t), torch.cuda.max_memory_allocated(device) if cuda else None)
+    return {p: res[p] for p in args.passes}, ((keep["out"], keep["dq"]) if keep else None)
+
+
+def check_method(m: Method, outs, inp: Inputs, plan: HeadPlan, rank: int, scale: float, kv_full, n_rows: int) -> int:
+    out, dq = outs
+    if m.seq_sharded:
+        local = sample_rows(inp.s, n_rows)
+        rows = [rank * inp.s + t for t in local]
+        heads = list(range(inp.H))
+    else:
+        local = sample_rows(inp.S, n_rows)
+        rows = local
+        heads = list(range(*plan.q_ranges[rank]))
+    ref_o, ref_dq = reference_rows(inp, rows, heads, scale, *kv_full)
+    return count_wrong(out[:, local], ref_o, inp.dtype) + count_wrong(dq[:, local], ref_dq, inp.dtype)
+
+
+def run_bench(args, rank: int, world: int, device: torch.device, backend_name: str):
+    dtype = C.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
+    P = world if world > 1 else args.sp
+    rank_p = rank  # rank within the (possibly emulated) group: rank 0 has the most heads
+    layouts = parse_layouts(args)
+    seqs = seq_lengths(args, P)
+    names = method_names(args, world, P)
+    is0 = rank == 0
+    cuda = device.type == "cuda"
+    rows, notes, dead = [], {}, set()
+    if is0:
+        lab = "" if cuda else f"  [{C.CPU_LABEL}]"
+        emu = f" (one process: rank 0 of an emulated {P}-way group)" if world == 1 and P > 1 else ""
+        print(f"# bench_attention: {world} ranks{emu}, {backend_name}, {device.type}, {C.dtype_name(dtype)}, "
+              f"batch {args.batch}, head_dim {args.head_dim}, causal, warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)
+        print(f"# methods: {', '.join(names)}", flush=True)
+    progress = C.Progress(len(layouts) * len(seqs) * len(names), is0, "attention")
+    for model, H, Hkv in layouts:
+        try:
+            plan = HeadPlan.build(H, Hkv, P)
+        except ValueError as e:
+            notes[model] = str(e)
+            continue
+        for S in seqs:
+            inp = Inputs(args.batch, S, H, Hkv, args.head_dim, P if world == 1 else world, dtype, device)
+            scale = default_scale(args.head_dim, None)
+            probe = torch.empty(1, 1, 1, args.head_dim, dtype=dtype, device=device)
+            backend = resolve_backend(args.attn_fn, probe)
+            layout = Layout(plan, rank_p, (inp.s,) * P, args.batch, args.head_dim)
+            kv_full = None
+            group_rows = []
+            for name in names:
+                key = (model, name)
+                progress.step(f"{model} S={S} {name}")
+                if key in dead:
+                    continue
+                ok, why, m = True, None, None
+                try:
+                    if name in COMM_METHODS or name.startswith("ulysses-"):
+                        if world == 1 and P > 1:
+                            raise Skip("needs real ranks (one process emulates only local/layout rows)")
+                    m = build_method(name, args, inp, plan, rank_p, world, P, backend, scale, layout)
+                    if cuda:
+                        need, free = estimate_bytes(name, inp, plan, rank_p), torch.cuda.mem_get_info(device)[0]
+                        if need > args.mem_fraction * free:
+                            raise Skip(f"estimated {need / 2**30:.1f} GiB > {args.mem_fraction:.0%} of free {free / 2**30:.1f} GiB")
+                except (Skip, ValueError, RuntimeError) as e:
+                    ok, why = False, f"{type(e).__name__}: {e}" if not isinstance(e, Skip) else str(e)
+                if not C.all_ok(ok):
+                    notes[f"{model} S={S} {name}"] = why or "skipped on another rank"
+                    if why and "estimated" not in why and "needs real ranks" not in why:
+                        dead.add(key)
+                    continue
+                try:
+                    res, outs = time_method(m, args, inp, plan, rank_p, device)
+                    ok, why = True, None
+                except torch.OutOfMemoryError as e:
+                    ok, why, res, outs = False, f"OOM: {str(e).splitlines()[0]}", None, None
+                except (RuntimeError, NotImplementedError, AssertionError, TypeError) as e:
+                    ok, why, res, outs = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None, None
+                if not C.all_ok(ok):
+                    notes[f"{model} S={S} {name}"] = why or "failed on another rank"
+                    dead.add(key)
+                    res = outs = None
+                    if cuda:
+                        torch.cuda.empty_cache()
+                    continue
+                wrong = None
+                if outs is not None and args.check:
+                    if kv_full is None:
+                        kv_full = (inp.full("k", range(Hkv)), inp.full("v", range(Hkv)))
+                    wrong = int(C.reduce_sum(check_method(m, outs, inp, plan, rank_p, scale, kv_full, args.check_rows)))
+                del outs
+                hq_max = max(plan.q_count(r) for r in range(P))  # the slowest rank sets the pace
+                flops_fwd = 4 * args.batch * S * S * hq_max * args.head_dim / 2
+                for p in args.passes:
+                    t = C.reduce_max(res[p][0])
+                    mem = C.reduce_max(res[p][1]) if res[p][1] is not None else None
+                    tf = None if m.layout_only else flops_fwd * FLOP_FACTOR[p] / t / 1e12
+                    group_rows.append({
+                        "model": model, "heads": f"{H}/{Hkv}", "seq": S, "world": P, "method": name, "pass": p,
+                        "time_ms": t * 1e3, "tflops": tf, "mem_gib": None if mem is None else mem / 2**30,
+                        "wrong": wrong, "dtype": C.dtype_name(dtype), "backend": backend.name,
+                    })  # fmt: skip
+                del m
+                if cuda:
+                    torch.cuda.empty_cache()
+            kv_full = None
+            _ratios(group_rows)
+            rows.extend(group_rows)
+    breakdown = _breakdown(rows)
+    if is0:
+        title = None if cuda else f"# times: {C.CPU_LABEL}; peak memory n/a on the CPU"
+        C.print_table(COLUMNS, rows, title=title)
+        if breakdown:
+            C.print_table(BREAKDOWN_COLUMNS, breakdown, title="# layer time = compute (local) + layout + exposed communication")
+        for k, why in notes.items():
+            print(f"# skipped {k}: {why}", flush=True)
+        bad = sum(r["wrong"] or 0 for r in rows)
+        print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    return rows, breakdown, notes
+
+
+def _ratios(rows):
+    """x_chain: the chain's time over this row's (layout rows: chain-layout's over this);
+    x_floor: this row's time over the local floor's (attention rows only)."""
+    by = {(r["method"], r["pass"]): r for r in rows}
+    for r in rows:
+        is_layout = r["method"].startswith("layout-") or r["method"] == "chain-layout"
+        chain = by.get(("chain-layout" if is_layout else "chain", r["pass"]))
+        local = by.get(("local", r["pass"]))
+        r["x_chain"] = chain["time_ms"] / r["time_ms"] if chain else None
+        r["x_floor"] = r["time_ms"] / local["time_ms"] if local and not is_layout else None
+
+
+def _breakdown(rows):
+    out = []
+    by = {(r["model"], r["seq"], r["method"], r["pass"]): r for r in rows}
+    for r in rows:
+        if not r["method"].startswith("ulysses-"):
+            continue
+        kern = r["method"][len("ulysses-"):]
+        local = by.get((r["model"], r["seq"], "local", r["pass"]))
+        lay = by.get((r["model"], r["seq"], f"layout-{kern}", r["pass"]))
+        if not local or not lay:
+            continue
+        out.append({
+            "model": r["model"], "seq": r["seq"], "pass": r["pass"], "kernels": kern, "total_ms": r["time_ms"],
+            "compute_ms": local["time_ms"], "layout_ms": lay["time_ms"],
+            "exposed_comm_ms": r["time_ms"] - local["time_ms"] - lay["time_ms"],
+        })  # fmt: skip
+    return out
+
+
+COLUMNS = [
+    ("model", "model", ""), ("seq", "seq", "d"), ("world", "P", "d"), ("method", "method", ""), ("pass", "pass", ""),
+    ("time_ms", "time(ms)", ".3f"), ("tflops", "TFLOP/s", ".1f"), ("x_chain", "x_chain", ".2f"),
+    ("x_floor", "x_floor", ".2f"), ("mem_gib", "mem(GiB)", ".2f"), ("wrong", "#wrong", "d"),
+]  # fmt: skip
+BREAKDOWN_COLUMNS = [
+    ("model", "model", ""), ("seq", "seq", "d"), ("pass", "pass", ""), ("kernels", "kernels", ""),
+    ("total_ms", "total(ms)", ".3f"), ("compute_ms", "compute", ".3f"), ("layout_ms", "layout", ".3f"),
+    ("exposed_comm_ms", "exposed comm", ".3f"),
+]  # fmt: skip
+
+
+def plot(breakdown, path, env) -> bool:
+    plt = C.load_pyplot()
+    if plt is None or not breakdown:
+        return False
+    sel = [b for b in breakdown if b["pass"] == "fwdbwd"] or breakdown
+    labels = [f"{b['model']}\n{b['seq']}\n{b['kernels']}" for b in sel]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(sel)), 4.5))
+    x = list(range(len(sel)))
+    c = [b["compute_ms"] for b in sel]
+    lay = [b["layout_ms"] for b in sel]
+    com = [max(0.0, b["exposed_comm_ms"]) for b in sel]
+    ax.bar(x, c, label="compute (local floor)")
+    ax.bar(x, lay, bottom=c, label="layout (pack/unpack)")
+    ax.bar(x, com, bottom=[a + b for a, b in zip(c, lay)], label="exposed communication")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_ylabel("ms per layer (" + sel[0]["pass"] + ")")
+    ax.set_title(f"Ulysses attention, {env['world_size']} ranks, {env['gpu'] if env['device'] == 'cuda' else C.CPU_LABEL}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _body(args, rank, world, device, backend):
+    rows, breakdown, notes = run_bench(args, rank, world, device, backend)
+    if rank == 0 and not args.no_write:
+        env = C.env_record(device, world, backend, emulated_group=args.sp if world == 1 else None)
+        meta = dict(vars(args), skipped=notes, breakdown=breakdown)
+        paths = C.write_results(args.out_dir, "bench_attention", env, rows, meta)
+        png = paths["json"][: -len(".json")] + ".png"
+        if plot(breakdown, png, env):
+            paths["png"] = png
+        print(f"# wrote {', '.join(paths.values())}", flush=True)
+    bad = sum(r["wrong"] or 0 for r in rows)
+    if bad:
+        raise SystemExit(f"bench_attention: {bad} wrong elements")
+
+
+def _spawned(rank, world, args):
+    _body(args, rank, world, torch.device("cpu"), "gloo")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="all", help=f"comma list of {', '.join(MODELS)} (default all)")
+    p.add_argument("--layouts", default=None, help="custom head layouts Hq/Hkv,... (overrides --models)")
+    p.add_argument("--min-seq", default="4K", help="smallest global sequence (default 4K)")
+    p.add_argument("--max-seq", default="1M", help="largest global sequence (default 1M)")
+    p.add_argument("--seqs", default=None, help="explicit global sequence lengths, e.g. 4K,32K")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("-d", "--datatype", default=None, help="bf16 (GPU default), fp16, fp32 (CPU default)")
+    p.add_argument("--methods", default="all", help="comma list (see above; default all that can run)")
+    p.add_argument("--passes", default="fwd,bwd,fwdbwd", help="comma list of fwd, bwd, fwdbwd")
+    p.add_argument("--attn-fn", default=None, help="attention backend: flash, sdpa, math (default: flash if importable, else sdpa)")
+    p.add_argument("--chunks", default=1, help="ulysses_attention(chunks=...) (default 1)")
+    p.add_argument("--sp", type=int, default=8, help="with one process: the group size to emulate (default 8)")
+    p.add_argument("-w", "--warmup-iters", dest="warmup_iters", type=int, default=2)
+    p.add_argument("-n", "--iters", type=int, default=5)
+    p.add_argument("--check", type=int, default=1, help="check every row against a float32 reference (1) or not (0)")
+    p.add_argument("--check-rows", type=int, default=8, help="rows per rank the check samples (default 8)")
+    p.add_argument("--mem-fraction", type=float, default=0.85, help="skip a size whose estimate exceeds this share of free memory")
+    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N gloo ranks on the CPU instead of torchrun")
+    p.add_argument("--out-dir", default=str(C.DEFAULT_OUT_DIR))
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    args.passes = tuple(x.strip() for x in args.passes.split(","))
+    if any(x not in PASSES for x in args.passes):
+        p.error(f"--passes: choose from {', '.join(PASSES)}")
+    if args.chunks != "auto":
+        args.chunks = int(args.chunks)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.spawn:
+        from ulysses_kernels.testing import run_ranks
+
+        run_ranks(_spawned, args.spawn, args)
+        return 0
+    rank, world, device, backend = C.init_from_env()
+    try:
+        _body(args, rank, world, device, backend)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
