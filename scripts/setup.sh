@@ -8,9 +8,9 @@ TORCH_SPEC=${ULYSSES_KERNELS_TORCH:-torch==2.14.1}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, ninja" 2>/dev/null; then
-  echo "[setup] installing $TORCH_SPEC numpy pytest ninja into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check "$TORCH_SPEC" numpy pytest ninja 2>&1 | grep -v "^WARNING: Location" || true
+if ! .venv/bin/python -c "import torch, numpy, pytest, ninja, transformers" 2>/dev/null; then
+  echo "[setup] installing $TORCH_SPEC numpy pytest ninja transformers==5.23.0 into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check "$TORCH_SPEC" numpy pytest ninja transformers==5.23.0 2>&1 | grep -v "^WARNING: Location" || true
 fi
 if ! .venv/bin/python -c "import ulysses_kernels" 2>/dev/null; then
   echo "[setup] installing ulysses_kernels (editable)"
