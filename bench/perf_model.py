@@ -1,0 +1,190 @@
+"""The performance model of docs/performance.md, as a table you can re-run.
+
+    python bench/perf_model.py                                  # 8 GPUs, NVLink, defaults
+    python bench/perf_model.py --worlds 8,16,32 --seqs 32K,1M   # 2 and 4 nodes over InfiniBand
+    python bench/perf_model.py --attention-json bench/results/bench_attention_latest.json
+
+Per rank and per attention layer (batch B, global sequence S over P ranks, s = S/P tokens
+per rank, head_dim D, e bytes per element, the plan of ``HeadPlan.build(Hq, Hkv, P)``):
+
+  compute   fwd: 4*B*S^2*h*D/2 FLOPs (causal) / fwd TFLOP/s, h = most query heads on a rank;
+            bwd: 2.5x the FLOPs / bwd TFLOP/s
+  wire      ours fwd: q/k/v s2h, rank r sends e*B*s*D*sum_{p!=r}(hq(p)+2*hkv(p)) (KV heads
+            replicated per the plan) and receives e*B*s*D*(P-1)*(hq(r)+2*hkv(r)); output h2s
+            sends e*B*s*D*(P-1)*hq(r). chain fwd: e*B*s*D*(Hq + 2*Hkv')*(P-1)/P for q/k/v
+            (Hkv' = Hq when Hkv % P != 0: the chain repeats KV heads) plus the output.
+            bwd mirrors fwd. time = max over ranks of max(sent, received) bytes over the link:
+            NVLink busbw for peers in the node, one NIC's bandwidth for peers off the node
+            (the two run concurrently: the larger wins).
+  layout    bytes read + written by copies / HBM copy bandwidth. ours fwd: one pack of q/k/v
+            (send bytes) + one unpack of the output; chain fwd: two copies per tensor
+            (permute+contiguous before and after the collective) for q, k, v and the output,
+            plus the KV repeat. bwd mirrors fwd.
+  total     compute + wire + layout (chunks=1: nothing overlaps, all communication exposed)
+
+Constants default to published figures (see docs/performance.md for the sources) and are
+all options; ``--attention-json`` replaces compute and layout times by those measured by
+``bench/bench_attention.py`` (rows ``local``, ``layout-<k>``, ``chain-layout`` with the same
+model, sequence, pass and group size). Nothing here is a measurement unless it says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+try:
+    import ulysses_kernels  # noqa: F401
+except ImportError:  # run from a checkout without an install
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ulysses_kernels.bench.common import parse_size, print_table
+from ulysses_kernels.plan import HeadPlan, PlanError
+
+MODELS = {"llama3-8b": (32, 8), "qwen2.5-14b": (40, 8), "llama3-70b": (64, 8)}
+
+
+def wire_seconds(send_to: list[float], recv_from: list[float], rank: int, gpus_per_node: int, nvl: float, ib: float) -> float:
+    """One rank's all-to-all time: per-peer bytes split into in-node (NVLink) and off-node
+    (InfiniBand) traffic, sent and received concurrently; bandwidths in bytes/s."""
+    node = rank // gpus_per_node
+    t = 0.0
+    for per_peer in (send_to, recv_from):
+        intra = sum(b for p, b in enumerate(per_peer) if p != rank and p // gpus_per_node == node)
+        inter = sum(b for p, b in enumerate(per_peer) if p // gpus_per_node != node)
+        t = max(t, intra / nvl, inter / ib if inter else 0.0)
+    return t
+
+
+def model_layer(Hq, Hkv, P, S, args) -> dict | None:
+    """Seconds per layer for one pass direction set; None when the plan is impossible."""
+    try:
+        plan = HeadPlan.build(Hq, Hkv, P)
+    except PlanError:
+        return None
+    B, D, e, G = args.batch, args.head_dim, args.bytes, args.gpus_per_node
+    s = S / P
+    tok = e * B * D  # bytes of one head of one token
+    nvl, ib, hbm = args.nvlink_busbw * 1e9, args.ib_busbw * 1e9, args.hbm_bw * 1e12
+    hq = [plan.q_count(r) for r in range(P)]
+    hkv = [plan.kv_count(r) for r in range(P)]
+    qkv = [hq[r] + 2 * hkv[r] for r in range(P)]
+
+    # ours: s2h of q/k/v (fwd) and of dout (bwd); h2s of the output (fwd) and dq/dk/dv (bwd)
+    def ours_wire(heads_s2h, heads_h2s):
+        t = 0.0
+        for r in range(P):
+            s2h = wire_seconds([s * tok * heads_s2h[p] for p in range(P)], [s * tok * heads_s2h[r]] * P, r, G, nvl, ib)
+            h2s = wire_seconds([s * tok * heads_h2s[r]] * P, [s * tok * heads_h2s[p] for p in range(P)], r, G, nvl, ib)
+            t = max(t, s2h + h2s)
+        return t
+
+    wire = {"fwd": ours_wire(qkv, hq), "bwd": ours_wire(hq, qkv)}
+    send_qkv = s * tok * (Hq + 2 * plan.kv_sent)  # the pack writes every byte sent, once
+    lay = {"fwd": 2 * (send_qkv + s * tok * Hq) / hbm, "bwd": 2 * (s * tok * Hq + send_qkv) / hbm}
+
+    chain = None
+    if Hq % P == 0:
+        kv_c = Hkv if Hkv % P == 0 else Hq
+        per = [s * tok * (Hq + 2 * kv_c) / P] * P
+        out = [s * tok * Hq / P] * P
+        t_in = max(wire_seconds(per, per, r, G, nvl, ib) for r in range(P))
+        t_out = max(wire_seconds(out, out, r, G, nvl, ib) for r in range(P))
+        rep = 2 * s * tok * (Hkv + Hq) if kv_c != Hkv else 0.0  # read Hkv, write Hq, for k and v
+        copies = 2 * 2 * s * tok * (Hq + 2 * kv_c + Hq)  # two copies (read+write) per tensor
+        chain = {"wire": {"fwd": t_in + t_out, "bwd": t_in + t_out}, "layout": {"fwd": (copies + rep) / hbm, "bwd": (copies + rep) / hbm}}
+
+    flops_fwd = 4 * B * S * S * max(hq) * D / 2
+    compute = {"fwd": flops_fwd / (args.fwd_tflops * 1e12), "bwd": 2.5 * flops_fwd / (args.bwd_tflops * 1e12)}
+    return {"plan": plan, "compute": compute, "wire": wire, "layout": lay, "chain": chain}
+
+
+def measured(path: str | None) -> dict:
+    """(model, seq, P, pass, method) -> seconds from a bench_attention JSON."""
+    if not path:
+        return {}
+    doc = json.loads(open(path).read())
+    return {(r["model"], int(r["seq"]), int(r["world"]), r["pass"], r["method"]): r["time_ms"] / 1e3 for r in doc["rows"]}
+
+
+def table(args) -> list[dict]:
+    meas = measured(args.attention_json)
+    rows = []
+    names = list(MODELS) if args.models == "all" else args.models.split(",")
+    for model in names:
+        Hq, Hkv = MODELS[model]
+        for P in (int(x) for x in args.worlds.split(",")):
+            for S in (parse_size(x) for x in args.seqs.split(",")):
+                m = model_layer(Hq, Hkv, P, S, args)
+                if m is None:
+                    continue
+                for p in args.passes.split(","):
+                    parts = ("fwd", "bwd") if p == "fwdbwd" else (p,)
+                    comp = sum(m["compute"][x] for x in parts)
+                    lay = sum(m["layout"][x] for x in parts)
+                    src = "model"
+                    if (model, S, P, p, "local") in meas:
+                        comp, src = meas[(model, S, P, p, "local")], "measured"
+                    lk = next((meas[k] for k in meas if k[:4] == (model, S, P, p) and k[4].startswith("layout-")), None)
+                    if lk is not None:
+                        lay = lk
+                    wire = sum(m["wire"][x] for x in parts)
+                    ours = comp + wire + lay
+                    row = {"model": model, "P": P, "seq": S, "pass": p, "compute_ms": comp * 1e3, "source": src,
+                           "wire_ms": wire * 1e3, "layout_ms": lay * 1e3, "ours_ms": ours * 1e3,
+                           "exposed": (wire + lay) / ours, "kv_repl": m["plan"].kv_replication}  # fmt: skip
+                    if m["chain"] is not None:
+                        cl = sum(m["chain"]["layout"][x] for x in parts)
+                        if (model, S, P, p, "chain-layout") in meas:
+                            cl = meas[(model, S, P, p, "chain-layout")]
+                        cw = sum(m["chain"]["wire"][x] for x in parts)
+                        chain = comp + cw + cl
+                        row.update(chain_wire_ms=cw * 1e3, chain_layout_ms=cl * 1e3, chain_ms=chain * 1e3, speedup=chain / ours)
+                    else:
+                        row.update(chain_wire_ms=None, chain_layout_ms=None, chain_ms=None, speedup=None)
+                    rows.append(row)
+    return rows
+
+
+COLUMNS = [
+    ("model", "model", ""), ("P", "P", "d"), ("seq", "seq", "d"), ("pass", "pass", ""),
+    ("compute_ms", "compute(ms)", ".2f"), ("wire_ms", "wire(ms)", ".2f"), ("layout_ms", "layout(ms)", ".3f"),
+    ("ours_ms", "ours(ms)", ".2f"), ("exposed", "exposed", ".1%"), ("chain_wire_ms", "chain wire", ".2f"),
+    ("chain_layout_ms", "chain layout", ".3f"), ("chain_ms", "chain(ms)", ".2f"), ("speedup", "x_chain", ".3f"),
+    ("kv_repl", "kv_repl", ".2f"), ("source", "compute", ""),
+]  # fmt: skip
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="all", help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--worlds", default="8", help="sequence-parallel group sizes (default 8)")
+    p.add_argument("--seqs", default="32K,64K,128K,256K,512K,1M", help="global sequence lengths")
+    p.add_argument("--passes", default="fwd,bwd,fwdbwd")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--bytes", type=int, default=2, help="bytes per element (2: bf16)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nvlink-busbw", type=float, default=370.0, help="all-to-all busbw inside a node, GB/s (default 370)")
+    p.add_argument("--ib-busbw", type=float, default=48.0, help="per-GPU NIC bandwidth off the node, GB/s (default 48)")
+    p.add_argument("--hbm-bw", type=float, default=3.0, help="HBM copy bandwidth, TB/s (default 3.0; H100 SXM nominal 3.35)")
+    p.add_argument("--fwd-tflops", type=float, default=350.0, help="attention forward TFLOP/s (default 350: FA2-class on H100)")
+    p.add_argument("--bwd-tflops", type=float, default=260.0, help="attention backward TFLOP/s (default 260: an assumption, 0.75x fwd)")
+    p.add_argument("--attention-json", default=None, help="bench_attention JSON whose local/layout rows replace the model")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = table(args)
+    print(f"# perf model (formulas, not measurements): NVLink busbw {args.nvlink_busbw} GB/s, IB {args.ib_busbw} GB/s/GPU, "
+          f"HBM copy {args.hbm_bw} TB/s, attention fwd {args.fwd_tflops} / bwd {args.bwd_tflops} TFLOP/s, "
+          f"{args.gpus_per_node} GPUs per node, batch {args.batch}, head_dim {args.head_dim}, {args.bytes} B/element")
+    print_table(COLUMNS, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

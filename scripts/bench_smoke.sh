@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# A short CPU run of the benchmarks (2 gloo ranks, tiny sizes): every row is checked
+# (#wrong must be 0) and the CSV/JSON land in ${ULYSSES_KERNELS_BENCH_OUT:-bench/results/smoke}.
+# CPU timings only (not a GPU claim). Run scripts/setup.sh first (scripts/test.sh does).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=${ULYSSES_KERNELS_BENCH_OUT:-bench/results/smoke}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# All-to-all: bare, chain and ours with the torch kernel set (the Triton interpreter is slow).
+"$PY" bench/bench_alltoall.py --spawn 2 -b 1K -e 64K -f 4 -w 1 -n 3 --op a2a,chain,fused-torch --out-dir "$OUT"
+"$PY" bench/bench_alltoall.py --spawn 2 -b 1K -e 64K -f 4 -w 1 -n 3 --op a2a,chain,fused-torch --dir h2s --out-dir "$OUT"
+# Attention layer: a Llama-3-8B-shaped layout scaled down (8 query / 2 KV heads).
+"$PY" bench/bench_attention.py --spawn 2 --layouts 8/2 --seqs 64,128 --head-dim 16 -w 1 -n 2 \
+  --methods local,chain,ulysses-torch,deepspeed,yunchang,layout-torch,chain-layout --out-dir "$OUT"
+# The performance model's table (formulas and published constants; no measurement).
+"$PY" bench/perf_model.py --seqs 32K,1M

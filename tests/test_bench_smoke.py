@@ -1,0 +1,174 @@
+"""The benchmarks run end to end on the CPU (2 gloo ranks, tiny sizes), every row is
+correct, the result files are written; and the helpers they share do what they claim
+(including noticing a wrong result)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ulysses_kernels.bench import common as C
+from ulysses_kernels.reference import attention_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- helpers ---------------------------------------------------------------------------
+def test_sizes():
+    assert [C.parse_size(x) for x in ("512", "1K", "4M", "1G", "2KB", "1.5K")] == [512, 1024, 4 << 20, 1 << 30, 2048, 1536]
+    with pytest.raises(ValueError):
+        C.parse_size("1.3K")
+    with pytest.raises(ValueError):
+        C.parse_size("lots")
+    assert C.size_sweep(1024, 8192, 2) == [1024, 2048, 4096, 8192]
+    assert C.size_sweep(1000, 5000, 3) == [1000, 3000]
+    assert C.size_sweep(7, 7, 2) == [7]
+    assert [C.format_size(n) for n in (1024, 1536, 3 << 30)] == ["1K", "1536", "3G"]
+
+
+def test_pattern_is_exact_and_finds_a_misplaced_block():
+    x = torch.empty(2, 6, 3, 4, dtype=torch.bfloat16)
+    C.fill_pattern_4d(x, salt=1, seq_total=12, heads_total=5, t0=6, heads=[4, 0, 2], chunk_elems=7)
+    assert C.count_wrong_4d(x, 1, 12, 5, 6, [4, 0, 2]) == 0
+    # every value is an integer in [-125, 125], so bf16 holds it exactly
+    assert torch.equal(x.float(), x.float().round()) and x.float().abs().max() <= 125
+    wrong_rows = C.count_wrong_4d(x, 1, 12, 5, 0, [4, 0, 2])  # the same data, claimed to be rows 0..5
+    swapped = x.clone()
+    swapped[:, :, [0, 1]] = x[:, :, [1, 0]]  # two heads swapped
+    assert wrong_rows > 0.9 * x.numel()
+    assert C.count_wrong_4d(swapped, 1, 12, 5, 6, [4, 0, 2]) > 0.9 * 2 * 2 * 6 * 4
+    one = x.clone()
+    one[1, 5, 2, 3] += 1
+    assert C.count_wrong_4d(one, 1, 12, 5, 6, [4, 0, 2]) == 1
+
+
+def test_write_results_and_table(tmp_path, capsys):
+    rows = [{"size": 1024, "op": "a2a", "time_us": 1.5}, {"size": 2048, "op": "chain", "time_us": float("nan"), "extra": 1}]
+    env = C.env_record(torch.device("cpu"), 2, "gloo")
+    assert env["gpu"] == "cpu" and C.CPU_LABEL in env["timer"] and env["torch"] == torch.__version__
+    paths = C.write_results(tmp_path, "demo", env, rows, {"note": "x"})
+    doc = json.loads(Path(paths["json"]).read_text())
+    assert doc["env"]["world_size"] == 2 and doc["rows"][1]["extra"] == 1 and doc["meta"]["note"] == "x"
+    with open(paths["csv"]) as f:
+        got = list(csv.DictReader(f))
+    assert [r["op"] for r in got] == ["a2a", "chain"] and got[0]["extra"] == ""
+    assert (tmp_path / "demo_latest.json").exists()
+    text = C.print_table([("size", "size", "d"), ("time_us", "time", ".1f")], rows)
+    assert "n/a" in text and "1.5" in capsys.readouterr().out
+
+
+def test_attention_check_matches_float64_reference_and_catches_errors():
+    att = _load("bench_attention")
+    inp = att.Inputs(1, 24, 4, 2, 8, 3, torch.float64, torch.device("cpu"))
+    q, k, v, dout = (inp.full(n, range(h)) for n, h in (("q", 4), ("k", 2), ("v", 2), ("dout", 4)))
+    q.requires_grad_()
+    ref = attention_reference(q, k, v, causal=True)
+    ref.backward(dout)
+    rows, heads = [0, 7, 8, 23], [1, 3]
+    scale = 8 ** -0.5
+    o, dq = att.reference_rows(inp, rows, heads, scale, k, v)
+    torch.testing.assert_close(o.double(), ref[:, rows][:, :, heads], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dq.double(), q.grad[:, rows][:, :, heads], rtol=1e-4, atol=1e-4)
+    good = ref[:, rows][:, :, heads].float()
+    assert att.count_wrong(good, o, torch.float32) == 0
+    bad = good.clone()
+    bad[0, 2, 1, :3] += 0.5
+    assert att.count_wrong(bad, o, torch.float32) == 3
+    assert att.count_wrong(good[:, [1, 0, 2, 3]], o, torch.float32) > 0  # rows swapped
+
+
+# ---- the scripts, end to end -------------------------------------------------------------
+def _main(script: str, args: list[str]) -> None:
+    """``bench/<script>.py``'s ``main(args)`` in this process (the spawned ranks import the
+    script by its own name, so ``bench/`` goes on ``sys.path`` for them)."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    mod = importlib.import_module(script)
+    assert mod.main(args) == 0
+
+
+def _result(out_dir: Path, name: str) -> dict:
+    jsons = sorted(p for p in out_dir.glob(f"{name}_*.json") if not p.name.endswith("_latest.json"))
+    csvs = sorted(out_dir.glob(f"{name}_*.csv"))
+    assert len(jsons) == 1 and len(csvs) == 1, sorted(p.name for p in out_dir.iterdir())
+    with open(csvs[0]) as f:
+        assert len(list(csv.DictReader(f))) == len(json.loads(jsons[0].read_text())["rows"])
+    return json.loads(jsons[0].read_text())
+
+
+def test_bench_alltoall_smoke(tmp_path, capfd):
+    # Every kernel set available here runs (Triton under the interpreter: ~1 s a call).
+    _main(
+        "bench_alltoall",
+        ["--spawn", "2", "-b", "1K", "-e", "4K", "-f", "4", "-w", "0", "-n", "1", "--heads", "6", "--kv-heads", "2",
+         "--head-dim", "8", "--out-dir", str(tmp_path)],
+    )  # fmt: skip
+    out = capfd.readouterr().out
+    doc = _result(tmp_path, "bench_alltoall")
+    rows = doc["rows"]
+    assert doc["env"]["world_size"] == 2 and doc["env"]["gpu"] == "cpu" and doc["env"]["git_sha"]
+    ops = {r["op"] for r in rows}
+    assert {"a2a", "chain", "fused-torch"} <= ops
+    assert all(r["wrong"] == 0 for r in rows), rows
+    assert len({r["size"] for r in rows if r["op"] == "chain"}) == 2
+    for r in rows:
+        assert r["time_us"] > 0 and r["busbw"] == pytest.approx(r["algbw"] / 2)
+    assert "#wrong" in out and C.CPU_LABEL in out
+    assert "skipped symm" in out  # no CUDA: the symmetric-memory row says why
+
+
+def test_bench_attention_smoke(tmp_path, capfd):
+    # The torch kernel set only: the Triton interpreter would take most of a minute here.
+    methods = "local,chain,ulysses-torch,deepspeed,yunchang,layout-torch,chain-layout"
+    _main(
+        "bench_attention",
+        ["--spawn", "2", "--layouts", "6/2", "--seqs", "32", "--head-dim", "8", "-w", "0", "-n", "1",
+         "--methods", methods, "--out-dir", str(tmp_path)],
+    )  # fmt: skip
+    out = capfd.readouterr().out
+    doc = _result(tmp_path, "bench_attention")
+    rows = doc["rows"]
+    methods = {r["method"] for r in rows}
+    assert {"local", "chain", "ulysses-torch", "layout-torch", "chain-layout"} <= methods
+    assert {r["pass"] for r in rows} == {"fwd", "bwd", "fwdbwd"}
+    checked = [r for r in rows if r["wrong"] is not None]
+    assert {r["method"] for r in checked} >= {"local", "chain", "ulysses-torch"}
+    assert all(r["wrong"] == 0 for r in checked), checked
+    assert all(r["mem_gib"] is None for r in rows)  # no peak memory claims on the CPU
+    assert doc["meta"]["breakdown"] and "exposed comm" in out
+    assert "skipped 6/2 S=32 deepspeed" in out or "deepspeed" in methods_seen(rows)
+
+
+def methods_seen(rows):
+    return {r["method"] for r in rows}
+
+
+def test_perf_model_formulas():
+    pm = _load("perf_model")
+    args = pm.parse_args(["--worlds", "8"])
+    m = pm.model_layer(32, 8, 8, 32768, args)
+    # Llama-3-8B over 8 GPUs: each rank sends 7/8 of its q/k/v and of its output.
+    s, tok = 32768 / 8, 2 * 128
+    fwd = (s * tok * 48 * 7 / 8 + s * tok * 32 * 7 / 8) / 370e9
+    assert m["wire"]["fwd"] == pytest.approx(fwd) and m["chain"]["wire"]["fwd"] == pytest.approx(fwd)
+    assert m["compute"]["fwd"] == pytest.approx(4 * 32768**2 * 4 * 128 / 2 / 350e12)
+    assert m["chain"]["layout"]["fwd"] > m["layout"]["fwd"]  # two copies per tensor vs one pack
+    assert pm.model_layer(40, 8, 16, 32768, args)["chain"] is None  # 40 heads do not divide by 16
+    # 16 ranks: the chain repeats each KV head 4x, the plan sends each KV head to 2 ranks.
+    m16 = pm.model_layer(32, 8, 16, 32768, args)
+    assert m16["plan"].kv_replication == 2 and m16["chain"]["wire"]["fwd"] > m16["wire"]["fwd"]
+    assert pm.model_layer(8, 8, 16, 1024, args) is None  # more ranks than heads
