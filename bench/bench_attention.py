@@ -471,7 +471,7 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
                 try:
                     res, outs = time_method(m, args, inp, plan, rank_p, device)
                     ok, why = True, None
-                except torch.OutOfMemoryError as e:
+                except torch.cuda.OutOfMemoryError as e:
                     ok, why, res, outs = False, f"OOM: {str(e).splitlines()[0]}", None, None
                 except (RuntimeError, NotImplementedError, AssertionError, TypeError) as e:
                     ok, why, res, outs = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None, None

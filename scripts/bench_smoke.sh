@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A short CPU run of the benchmarks (2 gloo ranks, tiny sizes): every row is checked
-# (#wrong must be 0) and the CSV/JSON land in ${ULYSSES_KERNELS_BENCH_OUT:-bench/results/smoke}.
+# (#wrong must be 0) and the CSV/JSON land in $ULYSSES_KERNELS_BENCH_OUT (default: a new temporary directory).
 # CPU timings only (not a GPU claim). Run scripts/setup.sh first (scripts/test.sh does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-OUT=${ULYSSES_KERNELS_BENCH_OUT:-bench/results/smoke}
+OUT=${ULYSSES_KERNELS_BENCH_OUT:-$(mktemp -d -t ulysses_bench_smoke.XXXXXX)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # All-to-all: bare, chain and ours with the torch kernel set (the Triton interpreter is slow).
 "$PY" bench/bench_alltoall.py --spawn 2 -b 1K -e 64K -f 4 -w 1 -n 3 --op a2a,chain,fused-torch --out-dir "$OUT"
