@@ -1,0 +1,185 @@
+// The Python module ulysses_kernels._C: build facts and the NCCL communicator lifecycle.
+// The ops themselves are registered with TORCH_LIBRARY (ops.cpp, nccl_ops.cpp) and called
+// through torch.ops.ulysses_kernels; import torch before this module.
+//
+// Written against the plain CPython API (no pybind11, no torch headers): it compiles in
+// about a second instead of a minute.
+//
+// NCCL communicators cross into Python as integers (the ncclComm_t pointer) and unique
+// ids as 128 bytes; the Python side (ulysses_kernels/nccl_comm.py) owns their lifetime.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#ifdef ULYSSES_KERNELS_WITH_NCCL
+#include "nccl_check.h"
+#endif
+
+// setup.py passes the arch list as a bare token (";" -> "_", e.g. 8.0_9.0).
+#define UK_STR2(x) #x
+#define UK_STR(x) UK_STR2(x)
+
+namespace {
+
+int set_item(PyObject* d, const char* key, PyObject* value) {
+  if (value == nullptr) return -1;
+  const int rc = PyDict_SetItemString(d, key, value);
+  Py_DECREF(value);
+  return rc;
+}
+
+PyObject* build_info(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  if (d == nullptr) return nullptr;
+#ifdef ULYSSES_KERNELS_WITH_CUDA
+  const bool cuda = true;
+#else
+  const bool cuda = false;
+#endif
+#ifdef ULYSSES_KERNELS_ARCHS
+  const char* archs = UK_STR(ULYSSES_KERNELS_ARCHS);
+#else
+  const char* archs = "";
+#endif
+  int rc = set_item(d, "cuda", PyBool_FromLong(cuda));
+  rc |= set_item(d, "archs", PyUnicode_FromString(archs));
+#ifdef ULYSSES_KERNELS_WITH_NCCL
+  rc |= set_item(d, "nccl", PyBool_FromLong(1));
+  rc |= set_item(d, "nccl_header_version", PyLong_FromLong(NCCL_VERSION_CODE));
+  rc |= set_item(d, "nccl_alltoall", PyBool_FromLong(UK_NCCL_HAS_ALLTOALL));
+#else
+  rc |= set_item(d, "nccl", PyBool_FromLong(0));
+#endif
+  if (rc != 0) {
+    Py_DECREF(d);
+    return nullptr;
+  }
+  return d;
+}
+
+#ifdef ULYSSES_KERNELS_WITH_NCCL
+// Runs `body` (which may throw) and turns a C++ exception into a Python RuntimeError.
+template <class F>
+PyObject* guarded(F body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+bool parse_comm(PyObject* arg, ncclComm_t* comm) {
+  const long long handle = PyLong_AsLongLong(arg);
+  if (handle == -1 && PyErr_Occurred()) return false;
+  if (handle == 0) {
+    PyErr_SetString(PyExc_ValueError, "ulysses_kernels: NCCL communicator handle is 0 (destroyed or never created)");
+    return false;
+  }
+  *comm = reinterpret_cast<ncclComm_t>(static_cast<uintptr_t>(handle));
+  return true;
+}
+
+PyObject* nccl_version(PyObject*, PyObject*) {
+  return guarded([] {
+    int v = 0;
+    UK_NCCL_CHECK(ncclGetVersion(&v), nullptr);
+    return PyLong_FromLong(v);
+  });
+}
+
+PyObject* nccl_unique_id(PyObject*, PyObject*) {
+  return guarded([] {
+    ncclUniqueId id;
+    UK_NCCL_CHECK(ncclGetUniqueId(&id), nullptr);
+    return PyBytes_FromStringAndSize(id.internal, sizeof(id.internal));
+  });
+}
+
+// nccl_comm_init_rank(unique_id: bytes, nranks: int, rank: int) -> int. Blocks until all
+// ranks have joined (without the GIL); uses the calling thread's current CUDA device.
+PyObject* nccl_comm_init_rank(PyObject*, PyObject* args) {
+  const char* raw = nullptr;
+  Py_ssize_t len = 0;
+  int nranks = 0, rank = 0;
+  if (!PyArg_ParseTuple(args, "y#ii:nccl_comm_init_rank", &raw, &len, &nranks, &rank)) return nullptr;
+  ncclUniqueId id;
+  if (len != static_cast<Py_ssize_t>(sizeof(id.internal))) {
+    PyErr_Format(PyExc_ValueError, "ulysses_kernels.nccl_comm_init_rank: unique_id expected %d bytes, got %zd",
+                 static_cast<int>(sizeof(id.internal)), len);
+    return nullptr;
+  }
+  if (nranks < 1 || rank < 0 || rank >= nranks) {
+    PyErr_Format(PyExc_ValueError, "ulysses_kernels.nccl_comm_init_rank: rank expected in [0, %d), got %d", nranks,
+                 rank);
+    return nullptr;
+  }
+  std::memcpy(id.internal, raw, sizeof(id.internal));
+  ncclComm_t comm = nullptr;
+  std::string error;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    UK_NCCL_CHECK(ncclCommInitRank(&comm, nranks, id, rank), nullptr);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (!error.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, error.c_str());
+    return nullptr;
+  }
+  return PyLong_FromLongLong(static_cast<long long>(reinterpret_cast<uintptr_t>(comm)));
+}
+
+template <ncclResult_t (*Fn)(ncclComm_t)>
+PyObject* comm_call(PyObject*, PyObject* arg) {
+  ncclComm_t comm = nullptr;
+  if (!parse_comm(arg, &comm)) return nullptr;
+  ncclResult_t result = ncclSuccess;
+  Py_BEGIN_ALLOW_THREADS
+  result = Fn(comm);
+  Py_END_ALLOW_THREADS
+  return guarded([&] {
+    UK_NCCL_CHECK(result, nullptr);
+    Py_RETURN_NONE;
+  });
+}
+
+// (nranks, rank, cuda device) of a communicator.
+PyObject* nccl_comm_info(PyObject*, PyObject* arg) {
+  ncclComm_t comm = nullptr;
+  if (!parse_comm(arg, &comm)) return nullptr;
+  return guarded([&] {
+    int count = 0, rank = 0, device = 0;
+    UK_NCCL_CHECK(ncclCommCount(comm, &count), comm);
+    UK_NCCL_CHECK(ncclCommUserRank(comm, &rank), comm);
+    UK_NCCL_CHECK(ncclCommCuDevice(comm, &device), comm);
+    return Py_BuildValue("(iii)", count, rank, device);
+  });
+}
+#endif
+
+PyMethodDef methods[] = {
+    {"build_info", build_info, METH_NOARGS, "How this extension was built: cuda, archs, nccl, nccl_header_version"},
+#ifdef ULYSSES_KERNELS_WITH_NCCL
+    {"nccl_version", nccl_version, METH_NOARGS, "ncclGetVersion() of the NCCL library loaded in this process"},
+    {"nccl_unique_id", nccl_unique_id, METH_NOARGS, "A new ncclUniqueId as 128 bytes"},
+    {"nccl_comm_init_rank", nccl_comm_init_rank, METH_VARARGS,
+     "nccl_comm_init_rank(unique_id, nranks, rank) -> int handle, on the current CUDA device"},
+    {"nccl_comm_destroy", comm_call<ncclCommDestroy>, METH_O, "ncclCommDestroy(handle)"},
+    {"nccl_comm_abort", comm_call<ncclCommAbort>, METH_O, "ncclCommAbort(handle)"},
+    {"nccl_comm_info", nccl_comm_info, METH_O, "(nranks, rank, cuda device) of a communicator"},
+#endif
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
+                          "ulysses_kernels C++/CUDA extension (ops under torch.ops.ulysses_kernels)", -1, methods,
+                          nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module_def); }

@@ -1,0 +1,315 @@
+// Host layer of the pack/unpack ops: the op schemas (TORCH_LIBRARY), input checks, and
+// the CPU and CUDA implementations, which fill the parameter structs of
+// kernels/layout_math.h and call the torch-free kernels. Fake kernels live in
+// ulysses_kernels/kernels/cuda_kernels.py.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/pack.h"
+
+#ifdef ULYSSES_KERNELS_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/pack.cuh"
+#endif
+
+namespace ulysses_kernels {
+namespace {
+
+// Byte stride of `dim`; a dimension of size 1 contributes nothing, so its (arbitrary)
+// stride must not spoil the alignment choice.
+int64_t byte_stride(const at::Tensor& t, int64_t dim) {
+  return t.size(dim) == 1 ? 0 : t.stride(dim) * static_cast<int64_t>(t.element_size());
+}
+
+Strided4 strided4(const at::Tensor& t) {
+  return Strided4{static_cast<const char*>(t.const_data_ptr()), byte_stride(t, 0), byte_stride(t, 1),
+                  byte_stride(t, 2), t.size(3) == 1 ? t.element_size() : byte_stride(t, 3)};
+}
+
+// Largest unit (16, 8, 4, 2 or 1 bytes, at least one element) that divides every value
+// in `bits` (pointers, strides, row length ORed together); one element when a row is not
+// contiguous.
+int64_t pick_unit(uint64_t bits, int64_t elem, bool rows_contiguous) {
+  if (!rows_contiguous) return elem;
+  for (int64_t unit = 16; unit > elem; unit >>= 1) {
+    if (bits % static_cast<uint64_t>(unit) == 0) return unit;
+  }
+  return elem;
+}
+
+uint64_t strided_bits(const Strided4& s) {
+  return reinterpret_cast<uintptr_t>(s.ptr) | static_cast<uint64_t>(s.sb) | static_cast<uint64_t>(s.ss) |
+         static_cast<uint64_t>(s.sh);
+}
+
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+void check_same(const at::Tensor& t, const at::Tensor& like, const char* op, const std::string& name,
+                const char* like_name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "ulysses_kernels.", op, ": ", name, ".dtype expected ",
+              like.scalar_type(), " (the dtype of ", like_name, "), got ", t.scalar_type());
+  TORCH_CHECK(t.device() == like.device(), "ulysses_kernels.", op, ": ", name, ".device expected ", like.device(),
+              " (the device of ", like_name, "), got ", t.device());
+}
+
+void check_send(const at::Tensor& send, int64_t expected, const char* op) {
+  TORCH_CHECK(send.dim() == 1 && send.is_contiguous(), "ulysses_kernels.", op,
+              ": send expected a contiguous 1-D tensor, got shape ", shape_str(send), " strides ", send.strides());
+  TORCH_CHECK(send.numel() == expected, "ulysses_kernels.", op, ": send.numel() expected ", expected, ", got ",
+              send.numel());
+}
+
+// pack_s2h: tensors [B, s, H_i, D] -> send, peer-major [B][s][heads of peer p][D] blocks;
+// with `recv`, the block of peer `rank` goes to recv viewed as [B][S][h(rank)][D] at
+// tokens [seq_offset, seq_offset + s) instead.
+PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, const at::Tensor& send,
+                         const std::optional<at::Tensor>& recv = std::nullopt, int64_t rank = -1,
+                         int64_t seq_offset = 0) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  TORCH_CHECK(n >= 1 && n <= kMaxStreams, "ulysses_kernels.pack_s2h: tensors expected 1 to ", kMaxStreams,
+              " tensors, got ", n);
+  const int64_t len = static_cast<int64_t>(head_ranges.size());
+  TORCH_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.pack_s2h: head_ranges expected 2 * ", n,
+              " * world_size values ([peer][stream][start, end]), got ", len);
+  const int64_t peers = len / (2 * n);
+  TORCH_CHECK(peers <= kMaxPeers, "ulysses_kernels.pack_s2h: world_size expected at most ", kMaxPeers, ", got ",
+              peers);
+  const at::Tensor& x0 = tensors[0];
+  TORCH_CHECK(x0.dim() == 4, "ulysses_kernels.pack_s2h: tensors[0] expected 4 dims [B, s, H, D], got shape ",
+              shape_str(x0));
+  const int64_t B = x0.size(0), S = x0.size(1), D = x0.size(3), elem = x0.element_size();
+  PackParams p{};
+  p.n_streams = static_cast<int32_t>(n);
+  p.n_peers = static_cast<int32_t>(peers);
+  p.batch = B;
+  p.seq = S;
+  p.row_bytes = D * elem;
+  bool rows_contiguous = true;
+  uint64_t bits = reinterpret_cast<uintptr_t>(send.const_data_ptr()) | static_cast<uint64_t>(p.row_bytes);
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& x = tensors[i];
+    const std::string name = "tensors[" + std::to_string(i) + "]";
+    TORCH_CHECK(x.dim() == 4 && x.size(0) == B && x.size(1) == S && x.size(3) == D, "ulysses_kernels.pack_s2h: ",
+                name, ".shape expected [", B, ", ", S, ", *, ", D, "] (batch, seq_local, head_dim of tensors[0]), got ",
+                shape_str(x));
+    check_same(x, send, "pack_s2h", name, "send");
+    p.src[i] = strided4(x);
+    rows_contiguous = rows_contiguous && p.src[i].sd == elem;
+    bits |= strided_bits(p.src[i]);
+  }
+  int64_t rows = 0;
+  for (int64_t peer = 0; peer < peers; ++peer) {
+    p.peer_row0[peer] = rows;
+    int64_t h = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = head_ranges[(peer * n + i) * 2], b = head_ranges[(peer * n + i) * 2 + 1];
+      TORCH_CHECK(0 <= a && a <= b && b <= tensors[i].size(2), "ulysses_kernels.pack_s2h: head range of peer ", peer,
+                  ", tensors[", i, "] expected within [0, ", tensors[i].size(2), "], got [", a, ", ", b, ")");
+      p.head0[peer][i] = static_cast<int32_t>(a);
+      p.heads[peer][i] = static_cast<int32_t>(b - a);
+      h += b - a;
+    }
+    p.peer_heads[peer] = static_cast<int32_t>(h);
+    rows += S * B * h;
+  }
+  p.peer_row0[peers] = rows;
+  check_send(send, rows * D, "pack_s2h");
+  p.redirect_peer = -1;
+  if (recv.has_value()) {
+    const at::Tensor& r = *recv;
+    TORCH_CHECK(0 <= rank && rank < peers, "ulysses_kernels.pack_s2h: rank expected in [0, ", peers,
+                ") when recv is given, got ", rank);
+    check_same(r, send, "pack_s2h", "recv", "send");
+    const int64_t h = p.peer_heads[rank], per_token = B * h * D;
+    TORCH_CHECK(r.dim() == 1 && r.is_contiguous() && per_token > 0 && r.numel() % per_token == 0,
+                "ulysses_kernels.pack_s2h: recv expected a contiguous 1-D tensor of B * S * h * D = ", B, " * S * ", h,
+                " * ", D, " elements, got shape ", shape_str(r));
+    const int64_t total = r.numel() / per_token;
+    TORCH_CHECK(0 <= seq_offset && seq_offset + S <= total, "ulysses_kernels.pack_s2h: seq_offset expected in [0, ",
+                total - S, "] (recv holds ", total, " tokens, tensors[0] ", S, "), got ", seq_offset);
+    p.redirect_peer = static_cast<int32_t>(rank);
+    p.redirect_ss = h * p.row_bytes;
+    p.redirect_sb = total * p.redirect_ss;
+    p.redirect_ptr = static_cast<char*>(r.mutable_data_ptr()) + seq_offset * p.redirect_ss;
+    bits |= reinterpret_cast<uintptr_t>(p.redirect_ptr);
+  }
+  p.unit = pick_unit(bits, elem, rows_contiguous);
+  p.units_per_row = p.row_bytes / p.unit;
+  for (int64_t i = 0; i < n; ++i) p.src_unit_stride[i] = p.unit / elem * p.src[i].sd;
+  p.dst = static_cast<char*>(send.mutable_data_ptr());
+  return p;
+}
+
+// pack_h2s: a local [B, S, h, D] tensor -> send [S][B][h][D]: a pack with one peer.
+PackParams make_pack_h2s(const at::Tensor& local, const at::Tensor& send) {
+  TORCH_CHECK(local.dim() == 4, "ulysses_kernels.pack_h2s: local expected 4 dims [B, S, h, D], got shape ",
+              shape_str(local));
+  check_same(send, local, "pack_h2s", "send", "local");
+  const int64_t h = local.size(2);
+  return make_pack_s2h({local}, {0, h}, send);
+}
+
+struct UnpackPlan {
+  std::vector<UnpackParams> params;  // one per stream
+  std::vector<AddType> adds;
+};
+
+AddType add_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return AddType::kF32;
+    case at::kDouble: return AddType::kF64;
+    case at::kHalf: return AddType::kF16;
+    case at::kBFloat16: return AddType::kBF16;
+    default: return AddType::kCopyOnly;
+  }
+}
+
+// unpack_h2s: blocks (source-major, then stream) [B, s, h_p, D] -> outs [B, s, H, D].
+UnpackPlan make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
+  const int64_t n = static_cast<int64_t>(outs.size());
+  TORCH_CHECK(n >= 1 && n <= kMaxStreams, "ulysses_kernels.unpack_h2s: outs expected 1 to ", kMaxStreams,
+              " tensors, got ", n);
+  const int64_t len = static_cast<int64_t>(head_ranges.size());
+  TORCH_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.unpack_h2s: head_ranges expected 2 * ", n,
+              " * world_size values ([source][stream][start, end]), got ", len);
+  const int64_t peers = len / (2 * n);
+  TORCH_CHECK(peers <= kMaxPeers, "ulysses_kernels.unpack_h2s: world_size expected at most ", kMaxPeers, ", got ",
+              peers);
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == peers * n, "ulysses_kernels.unpack_h2s: blocks expected ",
+              peers * n, " tensors (world_size ", peers, " x ", n, " streams), got ", blocks.size());
+  UnpackPlan plan;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& out = outs[i];
+    const std::string oname = "outs[" + std::to_string(i) + "]";
+    TORCH_CHECK(out.dim() == 4, "ulysses_kernels.unpack_h2s: ", oname, " expected 4 dims [B, s, H, D], got shape ",
+                shape_str(out));
+    check_same(out, outs[0], "unpack_h2s", oname, "outs[0]");
+    const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3), elem = out.element_size();
+    UnpackParams p{};
+    p.out = static_cast<char*>(out.mutable_data_ptr());
+    p.ob = byte_stride(out, 0);
+    p.os = byte_stride(out, 1);
+    p.oh = byte_stride(out, 2);
+    p.od = D == 1 ? elem : byte_stride(out, 3);
+    p.batch = B;
+    p.seq = S;
+    p.out_heads = H;
+    p.d = D;
+    p.elem = elem;
+    p.n_src = static_cast<int32_t>(peers);
+    bool rows_contiguous = p.od == elem;
+    uint64_t bits = reinterpret_cast<uintptr_t>(p.out) | static_cast<uint64_t>(p.ob) | static_cast<uint64_t>(p.os) |
+                    static_cast<uint64_t>(p.oh) | static_cast<uint64_t>(D * elem);
+    bool replicas = false;
+    int64_t filled = 0;
+    for (int64_t src = 0; src < peers; ++src) {
+      const at::Tensor& blk = blocks[src * n + i];
+      const std::string bname = "blocks[" + std::to_string(src * n + i) + "] (source " + std::to_string(src) +
+                                ", stream " + std::to_string(i) + ")";
+      const int64_t a = head_ranges[(src * n + i) * 2], b = head_ranges[(src * n + i) * 2 + 1];
+      TORCH_CHECK(0 <= a && a <= b && b <= H, "ulysses_kernels.unpack_h2s: head range of ", bname,
+                  " expected within [0, ", H, "], got [", a, ", ", b, ")");
+      TORCH_CHECK(blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == b - a && blk.size(3) == D,
+                  "ulysses_kernels.unpack_h2s: ", bname, ".shape expected [", B, ", ", S, ", ", b - a, ", ", D,
+                  "], got ", shape_str(blk));
+      check_same(blk, out, "unpack_h2s", bname, oname.c_str());
+      p.blk[src] = strided4(blk);
+      p.head0[src] = static_cast<int32_t>(a);
+      p.head1[src] = static_cast<int32_t>(b);
+      rows_contiguous = rows_contiguous && p.blk[src].sd == elem;
+      bits |= strided_bits(p.blk[src]);
+      if (a < b) {
+        replicas = replicas || a < filled;
+        filled = std::max(filled, b);
+      }
+    }
+    AddType add = AddType::kCopyOnly;
+    if (replicas) {
+      add = add_type(out.scalar_type());
+      TORCH_CHECK(add != AddType::kCopyOnly, "ulysses_kernels.unpack_h2s: ", oname,
+                  ".dtype expected float32, float64, float16 or bfloat16 to sum replicated heads, got ",
+                  out.scalar_type());
+    }
+    p.unit = pick_unit(bits, elem, rows_contiguous);
+    p.units_per_row = D * elem / p.unit;
+    plan.params.push_back(p);
+    plan.adds.push_back(add);
+  }
+  return plan;
+}
+
+void pack_s2h_cpu(at::TensorList tensors, at::IntArrayRef head_ranges, const at::Tensor& send,
+                  const std::optional<at::Tensor>& recv, int64_t rank, int64_t seq_offset) {
+  pack_cpu(make_pack_s2h(tensors, head_ranges, send, recv, rank, seq_offset));
+}
+
+void pack_h2s_cpu(const at::Tensor& local, const at::Tensor& send) { pack_cpu(make_pack_h2s(local, send)); }
+
+void unpack_h2s_cpu(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
+  const UnpackPlan plan = make_unpack(blocks, head_ranges, outs);
+  for (size_t i = 0; i < plan.params.size(); ++i) unpack_cpu(plan.params[i], plan.adds[i]);
+}
+
+#ifdef ULYSSES_KERNELS_WITH_CUDA
+void check_cuda(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "ulysses_kernels.", op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+void pack_s2h_cuda(at::TensorList tensors, at::IntArrayRef head_ranges, const at::Tensor& send,
+                   const std::optional<at::Tensor>& recv, int64_t rank, int64_t seq_offset) {
+  const PackParams p = make_pack_s2h(tensors, head_ranges, send, recv, rank, seq_offset);
+  const c10::cuda::CUDAGuard guard(send.device());
+  check_cuda(launch_pack(p, c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_s2h");
+}
+
+void pack_h2s_cuda(const at::Tensor& local, const at::Tensor& send) {
+  const PackParams p = make_pack_h2s(local, send);
+  const c10::cuda::CUDAGuard guard(send.device());
+  check_cuda(launch_pack(p, c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_h2s");
+}
+
+void unpack_h2s_cuda(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
+  const UnpackPlan plan = make_unpack(blocks, head_ranges, outs);
+  const c10::cuda::CUDAGuard guard(outs[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(outs[0].device().index()).stream();
+  for (size_t i = 0; i < plan.params.size(); ++i) check_cuda(launch_unpack(plan.params[i], plan.adds[i], stream), "unpack_h2s");
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY(ulysses_kernels, m) {
+  m.def(
+      "pack_s2h(Tensor[] tensors, int[] head_ranges, Tensor(a!) send, Tensor(b!)? recv=None, int rank=-1, "
+      "int seq_offset=0) -> ()");
+  m.def("pack_h2s(Tensor local, Tensor(a!) send) -> ()");
+  m.def("unpack_h2s(Tensor[] blocks, int[] head_ranges, Tensor(a!)[] outs) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ulysses_kernels, CPU, m) {
+  m.impl("pack_s2h", &pack_s2h_cpu);
+  m.impl("pack_h2s", &pack_h2s_cpu);
+  m.impl("unpack_h2s", &unpack_h2s_cpu);
+}
+
+#ifdef ULYSSES_KERNELS_WITH_CUDA
+TORCH_LIBRARY_IMPL(ulysses_kernels, CUDA, m) {
+  m.impl("pack_s2h", &pack_s2h_cuda);
+  m.impl("pack_h2s", &pack_h2s_cuda);
+  m.impl("unpack_h2s", &unpack_h2s_cuda);
+}
+#endif
+
+}  // namespace ulysses_kernels

@@ -1,0 +1,313 @@
+"""The "cuda" kernel set (C++ extension) against the pure-PyTorch reference, bit for bit.
+
+On the CPU this runs the CPU twin of the CUDA kernels (the same index math,
+csrc/kernels/layout_math.h); on a GPU the CUDA kernels are also checked against the twin.
+Every plan is checked from every rank: world sizes 1..8, MHA/GQA/MQA, uneven heads,
+batch > 1, uneven sequence shards, non-contiguous and fused-QKV inputs.
+"""
+
+import pytest
+import torch
+
+from ulysses_kernels import layout as L
+from ulysses_kernels.kernels import available_kernels, get_kernels
+from ulysses_kernels.layout import Layout, Q_ONLY, QKV
+from ulysses_kernels.plan import HeadPlan
+
+cuda_kernels = pytest.importorskip("ulysses_kernels.kernels.cuda_kernels")
+pytestmark = pytest.mark.skipif(not cuda_kernels.CudaKernels.available(), reason="ulysses_kernels._C is not built")
+CK = cuda_kernels.CudaKernels
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FILL = 1234.5  # initial value of every output, so bytes a kernel forgets are caught
+
+# (q_heads, kv_heads, world_size, batch, head_dim, dtype): every world size 1..8.
+PLANS = [
+    (8, 2, 1, 2, 16, torch.float32),
+    (4, 1, 2, 3, 8, torch.bfloat16),  # MQA
+    (40, 8, 3, 2, 16, torch.float16),  # uneven heads
+    (10, 2, 4, 2, 8, torch.float32),
+    (40, 8, 5, 1, 8, torch.bfloat16),
+    (12, 3, 6, 2, 6, torch.float16),  # head_dim 6: 4-byte units in fp16
+    (14, 14, 7, 1, 4, torch.float32),  # MHA
+    (40, 8, 8, 2, 8, torch.float16),
+    (8, 1, 8, 2, 8, torch.float32),  # MQA, one KV head on 8 ranks
+    (6, 6, 4, 2, 5, torch.float64),  # MHA, uneven heads, odd head_dim
+]
+
+
+def _seq_lens(world):
+    return tuple(1 + (3 * r + 1) % 4 for r in range(world))  # uneven, e.g. (2, 1, 4, 3, ...)
+
+
+def _cases():
+    for hq, hkv, world, batch, d, dtype in PLANS:
+        plan = HeadPlan.build(hq, hkv, world)
+        for rank in range(world):
+            yield pytest.param(plan, rank, batch, d, dtype, id=f"{hq}/{hkv}-P{world}-r{rank}-B{batch}-D{d}-{str(dtype)[6:]}")
+
+
+CASES = list(_cases())
+
+
+def _layout(plan, rank, batch, d):
+    return Layout(plan, rank, _seq_lens(plan.world_size), batch, d)
+
+
+def _qkv(lay, dtype, device, kind):
+    """q, k, v ``[B, s_r, H, D]``: contiguous, fused-QKV views, or other strided views."""
+    B, s, D = lay.batch, lay.seq_local, lay.head_dim
+    hq, hkv = lay.plan.q_heads, lay.plan.kv_heads
+    g = torch.Generator().manual_seed(hq * 1000 + lay.rank * 10 + B)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    if kind == "fused":
+        x = rnd(B, s, (hq + 2 * hkv) * D)
+        q, k, v = x.split([hq * D, hkv * D, hkv * D], dim=-1)
+        return q.unflatten(-1, (hq, D)), k.unflatten(-1, (hkv, D)), v.unflatten(-1, (hkv, D))
+    if kind == "strided":
+        q = rnd(s, B, hq, D).transpose(0, 1)  # seq-major memory
+        k = rnd(B, s, hkv, 2 * D)[..., ::2]  # head_dim stride 2
+        v = rnd(B, hkv, s, D).transpose(1, 2)  # head-major memory
+        return q, k, v
+    return rnd(B, s, hq, D), rnd(B, s, hkv, D), rnd(B, s, hkv, D)
+
+
+def _pack_both(lay, tensors, streams, kernels, with_recv):
+    dtype, device = tensors[0].dtype, tensors[0].device
+    n = sum(lay.s2h_send_splits(streams))
+    sends = [torch.full((n,), FILL, dtype=dtype, device=device) for _ in range(2)]
+    recvs = [torch.full((sum(lay.s2h_recv_splits(streams)),), FILL, dtype=dtype, device=device) for _ in range(2)]
+    L.pack_s2h(lay, tensors, streams, sends[0], **({"recv": recvs[0]} if with_recv else {}))
+    kernels.pack_s2h(lay, tensors, streams, sends[1], **({"recv": recvs[1]} if with_recv else {}))
+    return sends, recvs
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "fused", "strided"])
+@pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
+def test_pack_s2h_matches_reference(plan, rank, batch, d, dtype, kind):
+    lay = _layout(plan, rank, batch, d)
+    q, k, v = _qkv(lay, dtype, "cpu", kind)
+    for tensors, streams in (((q, k, v), QKV), ((q,), Q_ONLY)):
+        for with_recv in (False, True):
+            (ref, got), (ref_r, got_r) = _pack_both(lay, tensors, streams, CK, with_recv)
+            assert torch.equal(ref, got), f"send differs ({streams}, recv={with_recv})"
+            assert torch.equal(ref_r, got_r), f"recv differs ({streams}, recv={with_recv})"
+
+
+def _blocks(lay, streams, dtype, device, seed):
+    """What unpack reads: the received blocks (strided views of a receive buffer) and, for
+    this rank, its own rows of local ``[B, S, h, D]`` tensors (batch-strided views)."""
+    g = torch.Generator().manual_seed(seed)
+    recv = torch.randn(sum(lay.h2s_splits(streams)[1]), generator=g).to(dtype).to(device)
+    blocks = lay.h2s_recv_views(recv, streams)
+    local = [
+        torch.randn(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim, generator=g).to(dtype).to(device)
+        for s in streams
+    ]
+    blocks[lay.rank] = [lay.h2s_send_blocks(x, lay.rank) for x in local]
+    return blocks
+
+
+def _outs(lay, streams, dtype, device):
+    return [torch.full((lay.batch, lay.seq_local, lay.total_heads(s), lay.head_dim), FILL, dtype=dtype, device=device) for s in streams]
+
+
+@pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
+def test_unpack_h2s_matches_reference(plan, rank, batch, d, dtype):
+    lay = _layout(plan, rank, batch, d)
+    for streams in (QKV, Q_ONLY):
+        blocks = _blocks(lay, streams, dtype, "cpu", seed=plan.q_heads + 7 * rank)
+        ref, got = _outs(lay, streams, dtype, "cpu"), _outs(lay, streams, dtype, "cpu")
+        L.unpack_h2s(lay, blocks, streams, ref)
+        CK.unpack_h2s(lay, blocks, streams, got)
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert torch.equal(a, b), f"stream {i} of {streams} differs"
+
+
+def test_unpack_sums_replicas_in_rank_order():
+    # MQA over 8 ranks: every rank holds KV head 0, so the output is ((b0 + b1) + b2) + ...
+    # rounded after each addition; the operands are chosen so a different order or a
+    # single final rounding gives a different fp16 result.
+    plan = HeadPlan.build(8, 1, 8)
+    lay = Layout(plan, 0, (1,) * 8, 1, 8)
+    vals = torch.tensor([2048.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    blocks = [[torch.full((1, 1, 1, 8), float(x), dtype=torch.float16)] for x in vals]
+    (out,) = _outs(lay, ("kv",), torch.float16, "cpu")
+    CK.unpack_h2s(lay, blocks, ("kv",), [out])
+    # 2048 + 1 rounds to 2048 in fp16 (spacing 2) at every step; summing in fp32 would give 2055 -> 2056.
+    assert torch.equal(out, torch.full_like(out, 2048.0))
+    (ref,) = _outs(lay, ("kv",), torch.float16, "cpu")
+    L.unpack_h2s(lay, blocks, ("kv",), [ref])
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pack_h2s_matches_reference(dtype):
+    plan = HeadPlan.build(10, 2, 4)
+    lay = Layout(plan, 1, (3, 2, 4, 1), 3, 8)
+    for local in (
+        torch.randn(3, 10, 3, 8).to(dtype),
+        torch.randn(10, 3, 3, 8).to(dtype).transpose(0, 1),
+        torch.randn(3, 3, 10, 8).to(dtype).transpose(1, 2),
+    ):
+        ref = torch.full((local.numel(),), FILL, dtype=dtype)
+        got = ref.clone()
+        L.pack_h2s(lay, local, ref)
+        CK.pack_h2s(lay, local, got)
+        assert torch.equal(ref, got)
+
+
+def test_alignment_fallbacks():
+    # Offsets that break 16-byte alignment force smaller units; results stay exact.
+    plan = HeadPlan.build(6, 2, 3)
+    lay = Layout(plan, 2, (2, 3, 2), 2, 8)
+    for offset in (1, 2, 4):
+        base = torch.randn(2 * 2 * 10 * 8 + offset)
+        x = base[offset:].view(2, 2, 10, 8)
+        q, k, v = x[:, :, :6], x[:, :, 6:8], x[:, :, 8:]
+        (ref, got), _ = _pack_both(lay, (q, k, v), QKV, CK, with_recv=False)
+        assert torch.equal(ref, got), offset
+
+
+def test_auto_prefers_cuda_only_on_gpu_tensors():
+    assert "cuda" in available_kernels()
+    assert get_kernels("cuda", torch.device("cpu")).name == "cuda"
+    assert get_kernels(None, torch.device("cpu")).name == "torch"
+
+
+# ---- errors ---------------------------------------------------------------------------------
+def test_errors_name_the_tensor():
+    ops = torch.ops.ulysses_kernels
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8)
+    send = torch.empty(2 * 3 * 6 * 8)
+    with pytest.raises(RuntimeError, match=r"tensors\[1\]\.shape expected \[2, 3, \*, 8\].*got \[2, 4, 2, 8\]"):
+        ops.pack_s2h([q, torch.randn(2, 4, 2, 8)], [0, 4, 0, 2], send)
+    with pytest.raises(RuntimeError, match=r"send\.numel\(\) expected 288, got 10"):
+        ops.pack_s2h([q, k], [0, 4, 0, 2], torch.empty(10))
+    with pytest.raises(RuntimeError, match=r"tensors\[1\]\.dtype expected Float.*got Half"):
+        ops.pack_s2h([q, k.half()], [0, 4, 0, 2], send)
+    with pytest.raises(RuntimeError, match=r"head range of peer 0, tensors\[1\] expected within \[0, 2\], got \[0, 3\)"):
+        ops.pack_s2h([q, k], [0, 4, 0, 3], send)
+    with pytest.raises(RuntimeError, match=r"head_ranges expected"):
+        ops.pack_s2h([q, k], [0, 4, 0], send)
+    out = torch.empty(2, 3, 4, 8)
+    with pytest.raises(RuntimeError, match=r"blocks\[1\] \(source 1, stream 0\)\.shape expected \[2, 3, 2, 8\], got \[2, 3, 3, 8\]"):
+        ops.unpack_h2s([torch.randn(2, 3, 2, 8), torch.randn(2, 3, 3, 8)], [0, 2, 2, 4], [out])
+    with pytest.raises(RuntimeError, match=r"expected float32, float64, float16 or bfloat16 to sum replicated heads, got Int"):
+        ops.unpack_h2s([torch.ones(2, 3, 2, 8, dtype=torch.int32)] * 2, [0, 2, 1, 3], [torch.empty(2, 3, 4, 8, dtype=torch.int32)])
+
+
+def test_integer_dtypes_move_bit_exact_without_replicas():
+    plan = HeadPlan.build(6, 6, 3)
+    lay = Layout(plan, 1, (2, 1, 3), 2, 4)
+    q = torch.randint(-(2**31), 2**31 - 1, (2, 1, 6, 4), dtype=torch.int32)
+    (ref, got), _ = _pack_both(lay, (q,), Q_ONLY, CK, with_recv=False)
+    assert torch.equal(ref, got)
+
+
+# ---- opcheck and torch.compile ------------------------------------------------------------
+def _op_samples():
+    plan = HeadPlan.build(10, 2, 4)
+    lay = Layout(plan, 1, (3, 2, 4, 1), 2, 8)
+    q, k, v = _qkv(lay, torch.float32, "cpu", "fused")
+    ranges = cuda_kernels.s2h_head_ranges(lay, QKV)
+    send = torch.empty(sum(lay.s2h_send_splits(QKV)))
+    recv = torch.empty(sum(lay.s2h_recv_splits(QKV)))
+    blocks = [b for per in _blocks(lay, QKV, torch.float32, "cpu", seed=3) for b in per]
+    outs = _outs(lay, QKV, torch.float32, "cpu")
+    local = torch.randn(10, 2, 3, 8).transpose(0, 1)
+    ops = torch.ops.ulysses_kernels
+    return [
+        (ops.pack_s2h.default, ([q, k, v], ranges, send), {}),
+        (ops.pack_s2h.default, ([q, k, v], ranges, send, recv, 1, lay.seq_offset(1)), {}),
+        (ops.pack_h2s.default, (local, torch.empty(local.numel())), {}),
+        (ops.unpack_h2s.default, (blocks, ranges, outs), {}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_opcheck(index):
+    op, args, kwargs = _op_samples()[index]
+    torch.library.opcheck(op, args, kwargs)
+
+
+def test_torch_compile_fullgraph_pack():
+    plan = HeadPlan.build(10, 2, 4)
+    lay = Layout(plan, 2, (3, 2, 4, 1), 2, 8)
+
+    def f(q, k, v):
+        send = torch.empty(sum(lay.s2h_send_splits(QKV)), dtype=q.dtype)
+        CK.pack_s2h(lay, (q, k, v), QKV, send)
+        return send * 2
+
+    q, k, v = _qkv(lay, torch.float32, "cpu", "contiguous")
+    send = torch.empty(sum(lay.s2h_send_splits(QKV)))
+    L.pack_s2h(lay, (q, k, v), QKV, send)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(out, send * 2)
+
+
+# ---- GPU: CUDA kernels against the CPU twin ------------------------------------------------
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["contiguous", "fused", "strided"])
+@pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
+def test_gpu_pack_matches_cpu_twin(plan, rank, batch, d, dtype, kind):
+    lay = _layout(plan, rank, batch, d)
+    cpu = _qkv(lay, dtype, "cpu", kind)
+    gpu = _qkv(lay, dtype, "cuda", kind)
+    for streams, n in ((QKV, 3), (Q_ONLY, 1)):
+        for with_recv in (False, True):
+            (_, want), (_, want_r) = _pack_both(lay, cpu[:n], streams, CK, with_recv)
+            (ref, got), (ref_r, got_r) = _pack_both(lay, gpu[:n], streams, CK, with_recv)
+            assert torch.equal(got.cpu(), want) and torch.equal(got_r.cpu(), want_r)
+            assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
+def test_gpu_unpack_matches_cpu_twin(plan, rank, batch, d, dtype):
+    lay = _layout(plan, rank, batch, d)
+    for streams in (QKV, Q_ONLY):
+        seed = plan.q_heads + 7 * rank
+        want = _outs(lay, streams, dtype, "cpu")
+        CK.unpack_h2s(lay, _blocks(lay, streams, dtype, "cpu", seed), streams, want)
+        got = _outs(lay, streams, dtype, "cuda")
+        CK.unpack_h2s(lay, _blocks(lay, streams, dtype, "cuda", seed), streams, got)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b.cpu())
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_large_pack_uses_vector_path_and_matches():
+    plan = HeadPlan.build(40, 8, 8)
+    lay = Layout(plan, 3, (4096,) * 8, 2, 128)
+    q, k, v = _qkv(lay, torch.bfloat16, "cuda", "fused")
+    (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv=True)
+    assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_attention_world_size_1(dtype):
+    from ulysses_kernels import ulysses_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 64, 8, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 64, 2, 64, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 64, 2, 64, device="cuda", dtype=dtype, requires_grad=True)
+    outs, grads = [], []
+    for kernels in ("cuda", "torch"):
+        out = ulysses_attention(q, k, v, kernels=kernels, attn_fn="sdpa")
+        out.float().square().sum().backward()
+        outs.append(out.detach())
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert get_kernels(None, q.device).name == "cuda"
