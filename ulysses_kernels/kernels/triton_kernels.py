@@ -61,16 +61,18 @@ def _to_acc(x, FLOAT: tl.constexpr, ACC: tl.constexpr, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _from_acc(x, FLOAT: tl.constexpr, ELEM: tl.constexpr, IS_BF16: tl.constexpr):
+def _from_acc(x, FLOAT: tl.constexpr, ELEM: tl.constexpr, IS_BF16: tl.constexpr, BF16_NAN: tl.constexpr):
     """ACC values -> FLOAT rounded to nearest even, as same-width integers.
 
-    bf16 is rounded with integer operations, the way c10::BFloat16 does it (NaN -> 0x7FC0),
-    so the result does not depend on the compiler's (or the interpreter's) conversion.
+    bf16 is rounded with integer operations so the result does not depend on the
+    compiler's (or the interpreter's, which does not round to nearest even) conversion.
+    A NaN sum becomes BF16_NAN: what PyTorch's own bf16 add writes on that device (0x7FFF
+    from CUDA's cvt.rn.bf16.f32, 0xFFFF from ATen's vectorized CPU conversion).
     """
     if IS_BF16:
         u = x.to(tl.uint32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where(x != x, 0x7FC0, r)
+        r = tl.where(x != x, BF16_NAN, r)
         return r.to(tl.uint16).to(ELEM, bitcast=True)
     else:
         return x.to(FLOAT).to(ELEM, bitcast=True)
@@ -89,6 +91,7 @@ def _gather_columns_kernel(
     ACC: tl.constexpr,  # accumulation type of a sum
     HAS_SUM: tl.constexpr,
     IS_BF16: tl.constexpr,  # bf16 <-> fp32 by bit operations (see _from_acc)
+    BF16_NAN: tl.constexpr,
     D_CONTIG: tl.constexpr,  # every tensor has stride 1 along D
     VEC: tl.constexpr,  # elements per 16 bytes when offsets/strides/addresses allow it, else 1
     BLOCK_R: tl.constexpr,
@@ -134,8 +137,8 @@ def _gather_columns_kernel(
                 src_d = d * tl.load(s + 4)
             x = tl.load(src_addr.to(tl.pointer_type(ELEM)) + src_row[:, None] + src_d[None, :], mask=mask)
             # Round after every add: the reference adds replicas one `add_` at a time.
-            acc = _to_acc(_from_acc(acc + _to_acc(x, FLOAT, ACC, IS_BF16), FLOAT, ELEM, IS_BF16), FLOAT, ACC, IS_BF16)
-        vals = _from_acc(acc, FLOAT, ELEM, IS_BF16)
+            acc = _to_acc(_from_acc(acc + _to_acc(x, FLOAT, ACC, IS_BF16), FLOAT, ELEM, IS_BF16, BF16_NAN), FLOAT, ACC, IS_BF16)
+        vals = _from_acc(acc, FLOAT, ELEM, IS_BF16, BF16_NAN)
 
     dst_addr = tl.multiple_of(tl.load(addr_ptr + dst_t), VEC)
     dst_row = tl.multiple_of(dst_off + tok * dst_st + b * dst_sb, VEC)
@@ -190,18 +193,28 @@ class TritonKernels:
 
     # ---- the three operations ---------------------------------------------------------
     @classmethod
-    def pack_s2h(cls, layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], send: torch.Tensor) -> None:
-        """``tensors`` (``[B, s_r, H, D]`` each, any strides) -> flat send buffer (peer-major)."""
-        key = ("s2h", layout, tuple(streams), tuple(t.stride() for t in tensors))
-        plan = cls._get(key, lambda: _plan_pack_s2h(layout, tensors, streams), layout.head_dim, send.element_size())
-        cls._launch(plan, [*tensors, send], layout.seq_local, layout.batch, layout.head_dim, send)
+    def pack_s2h(
+        cls,
+        layout: Layout,
+        tensors: Sequence[torch.Tensor],
+        streams: Sequence[str],
+        send: torch.Tensor,
+        recv: torch.Tensor | None = None,
+    ) -> None:
+        """``tensors`` (``[B, s_r, H, D]`` each, any strides) -> flat send buffer (peer-major);
+        with ``recv``, this rank's own heads go straight into its rows of ``recv``."""
+        key = ("s2h", layout, tuple(streams), tuple(t.stride() for t in tensors), recv is not None)
+        plan = cls._get(key, lambda: _plan_pack_s2h(layout, tensors, streams, recv is not None), layout.head_dim, send.element_size())
+        bufs = [send] if recv is None else [send, recv]
+        cls._launch(plan, [*tensors, *bufs], layout.seq_local, layout.batch, layout.head_dim, send)
 
     @classmethod
     def pack_h2s(cls, layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
-        """A local ``[B, S, h, D]`` tensor (any strides) -> flat ``[S][B][h][D]`` wire format."""
-        key = ("h2s", layout, local.shape[2], local.stride())
-        plan = cls._get(key, lambda: _plan_pack_h2s(layout, local), layout.head_dim, send.element_size())
-        cls._launch(plan, [local, send], layout.seq_total, layout.batch, layout.head_dim, send)
+        """A local ``[B, S, h, D]`` tensor (any strides) -> its flat wire format
+        (``send.view(local.shape)``)."""
+        key = ("h2s", layout, tuple(local.shape), local.stride())
+        plan = cls._get(key, lambda: _plan_pack_h2s(local), local.shape[3], send.element_size())
+        cls._launch(plan, [local, send], local.shape[1], local.shape[0], local.shape[3], send)
 
     @classmethod
     def unpack_h2s(
@@ -269,6 +282,7 @@ class TritonKernels:
             _gather_columns_kernel[grid](
                 addr_t, cols, srcs, n_rows, batch, head_dim,
                 ELEM=_TL_INT[itemsize], FLOAT=float_ty, ACC=acc_ty, HAS_SUM=plan.has_sum, IS_BF16=dtype == torch.bfloat16,
+                BF16_NAN=0x7FFF if device.type == "cuda" else 0xFFFF,
                 D_CONTIG=plan.d_contig, VEC=vec if aligned else 1, BLOCK_R=block_r, BLOCK_D=block_d,
                 num_warps=4,
             )  # fmt: skip
@@ -285,32 +299,39 @@ class _nullcontext:
 
 
 # ---- descriptor builders (the layout math of layout.py, as columns) ---------------------
-def _plan_pack_s2h(layout: Layout, tensors, streams) -> tuple[list[int], list[int]]:
-    D, B = layout.head_dim, layout.batch
-    send_idx = len(tensors)
+def _view_geometry(view: torch.Tensor, base: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """(element offset from ``base``, strides) of a view of ``base``'s storage."""
+    return view.storage_offset() - base.storage_offset(), view.stride()
+
+
+def _plan_pack_s2h(layout: Layout, tensors, streams, with_recv: bool) -> tuple[list[int], list[int]]:
+    # The destinations are whatever views the layout defines (layout.s2h_send_views), taken
+    # on meta buffers: the kernel follows the layout math instead of restating it.
+    meta = {"device": "meta", "dtype": torch.float32}
+    send = torch.empty(sum(layout.s2h_send_splits(streams)), **meta)
+    recv = torch.empty(sum(layout.s2h_recv_splits(streams)), **meta) if with_recv else None
+    send_idx, recv_idx = len(tensors), len(tensors) + 1
     cols, srcs = [], []
-    block_off = 0
-    for p in range(layout.world_size):
-        hp = layout.heads(streams, p)
-        hoff = 0
-        for i, s in enumerate(streams):
+    for p, views in enumerate(layout.s2h_send_views(send, streams, recv)):
+        for i, (s, dst) in enumerate(zip(streams, views)):
             sb, ss, sh, sd = tensors[i].stride()
             a, b = layout.head_range(s, p)
+            on_recv = recv is not None and p == layout.rank  # as s2h_send_views places it
+            base = recv if on_recv else send
+            off, (db, ds, dh, dd) = _view_geometry(dst, base)
             for h in range(a, b):
-                dst_off = block_off + (hoff + h - a) * D
-                cols += [send_idx, dst_off, B * hp * D, hp * D, 1, 1, len(srcs) // _SRC]
+                cols += [recv_idx if on_recv else send_idx, off + (h - a) * dh, ds, db, dd, 1, len(srcs) // _SRC]
                 srcs += [i, h * sh, ss, sb, sd]
-            hoff += b - a
-        block_off += layout.seq_local * B * hp * D
     return cols, srcs
 
 
-def _plan_pack_h2s(layout: Layout, local: torch.Tensor) -> tuple[list[int], list[int]]:
-    D, B, h = layout.head_dim, layout.batch, local.shape[2]
+def _plan_pack_h2s(local: torch.Tensor) -> tuple[list[int], list[int]]:
+    dst = torch.empty(local.shape, device="meta")  # the reference's send.view(local.shape)
+    db, ds, dh, dd = dst.stride()
     sb, ss, sh, sd = local.stride()
     cols, srcs = [], []
-    for hh in range(h):
-        cols += [1, hh * D, B * h * D, h * D, 1, 1, len(srcs) // _SRC]
+    for hh in range(local.shape[2]):
+        cols += [1, hh * dh, ds, db, dd, 1, len(srcs) // _SRC]
         srcs += [0, hh * sh, ss, sb, sd]
     return cols, srcs
 

@@ -1,0 +1,217 @@
+"""Chunked overlap (ulysses_kernels.pipeline): bit-identical to chunks=1, forward and backward.
+
+Distributed checks run on gloo ranks with asynchronous collectives; each spawn runs many
+cases (spawning costs ~10-20 s on 2 cores). The backend is SDPA, which computes each head
+independently of the others present (see the pipeline docstring for why "math" is not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ulysses_kernels.comm import LocalCommunicator
+from ulysses_kernels.layout import Layout
+from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans
+from ulysses_kernels.plan import HeadPlan
+from ulysses_kernels.testing import run_ranks
+
+
+# ---- the chunk plans ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "hq,hkv,world",
+    [(8, 8, 2), (10, 2, 4), (40, 8, 3), (40, 8, 5), (40, 8, 8), (8, 1, 4), (7, 7, 3), (32, 8, 2), (12, 4, 1)],
+)
+@pytest.mark.parametrize("chunks", [1, 2, 3, 8])
+def test_chunk_plans_partition_heads_on_group_boundaries(hq, hkv, world, chunks):
+    plan = HeadPlan.build(hq, hkv, world)
+    parts = chunk_plans(plan, chunks)
+    assert 1 <= len(parts) <= chunks
+    g = plan.group_size
+    for r in range(world):
+        q_seen, kv_seen = [], []
+        for cp in parts:
+            a, b = cp.q_ranges[r]
+            k0, k1 = cp.kv_ranges[r]
+            q_seen += range(a, b)
+            kv_seen += range(k0, k1)
+            if a < b:
+                # Whole local groups: the KV heads are exactly those its query heads use,
+                # and no other chunk of this rank uses them.
+                assert (k0, k1) == (a // g, (b - 1) // g + 1)
+        assert q_seen == list(range(*plan.q_ranges[r]))
+        assert kv_seen == list(range(*plan.kv_ranges[r]))
+        # A rank uses min(chunks, its KV-group count) chunks.
+        used = sum(cp.q_ranges[r][0] < cp.q_ranges[r][1] for cp in parts)
+        assert used == min(chunks, plan.kv_count(r))
+
+
+def test_single_kv_head_ranks_are_not_split():
+    # MQA, and 40/8 on 8 ranks (each rank: 5 query heads of one KV head): one chunk.
+    assert len(chunk_plans(HeadPlan.build(8, 1, 4), 4)) == 1
+    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4)) == 1
+    # 40/8 on 5 ranks: 8 query heads over 2-3 groups per rank.
+    assert len(chunk_plans(HeadPlan.build(40, 8, 5), 4)) == 3
+
+
+# ---- the cost model ------------------------------------------------------------------------
+def _layout(hq, hkv, world, seq, batch=1, head_dim=128):
+    return Layout(HeadPlan.build(hq, hkv, world), 0, (seq // world,) * world, batch, head_dim)
+
+
+def test_auto_short_sequences_and_fast_links_keep_one_chunk(monkeypatch):
+    for var in ("ULYSSES_KERNELS_LINK_GBPS", "ULYSSES_KERNELS_ATTN_TFLOPS", "ULYSSES_KERNELS_LINK_LATENCY_US"):
+        monkeypatch.delenv(var, raising=False)
+    # Short sequence: latency dominates.
+    assert choose_chunks(_layout(32, 8, 8, 2048), 2, True, "cuda") == 1
+    # Long sequence on NVLink-class bandwidth: comm is a few % of attention, overlap slows
+    # attention more than it hides.
+    assert choose_chunks(_layout(32, 8, 8, 131072), 2, True, "cuda") == 1
+    # The same on a slow link (PCIe / inter-node class): chunking pays.
+    slow = CostModel(link_gbps=20, attn_tflops=300, latency_us=25, overlap_slowdown=0.15, min_gain=0.03)
+    n = choose_chunks(_layout(64, 16, 4, 32768), 2, True, "cuda", slow)
+    assert 2 <= n <= 4  # 4 KV groups per rank: at most 4 chunks
+    # ... unless every rank holds one KV head (32/8 on 8 ranks): the plan cannot split.
+    assert choose_chunks(_layout(32, 8, 8, 131072), 2, True, "cuda", slow) == 1
+    # World size 1: nothing to overlap.
+    assert choose_chunks(_layout(32, 8, 1, 131072), 2, True, "cuda", slow) == 1
+
+
+def test_auto_respects_env_and_plan_limits(monkeypatch):
+    lay = _layout(64, 8, 4, 16384)
+    monkeypatch.setenv("ULYSSES_KERNELS_LINK_GBPS", "10")
+    monkeypatch.setenv("ULYSSES_KERNELS_ATTN_TFLOPS", "400")
+    n_slow = choose_chunks(lay, 2, False, "cuda")
+    assert 2 <= n_slow <= len(chunk_plans(lay.plan, 8))
+    monkeypatch.setenv("ULYSSES_KERNELS_LINK_GBPS", "100000")
+    assert choose_chunks(lay, 2, False, "cuda") == 1
+    monkeypatch.setenv("ULYSSES_KERNELS_LINK_GBPS", "fast")
+    with pytest.raises(ValueError, match="ULYSSES_KERNELS_LINK_GBPS"):
+        choose_chunks(lay, 2, False, "cuda")
+
+
+def test_auto_is_the_same_on_every_rank():
+    plan = HeadPlan.build(40, 8, 5)
+    lens = (9000, 8000, 7000, 9500, 8100)
+    model = CostModel(link_gbps=5, attn_tflops=100, latency_us=25, overlap_slowdown=0.1, min_gain=0.03)
+    picks = {choose_chunks(Layout(plan, r, lens, 2, 128), 2, True, "cuda", model) for r in range(5)}
+    assert len(picks) == 1 and picks.pop() > 1
+
+
+# ---- bit-identity, one process (world size 1, both kernel sets) ----------------------------
+def _run(q, k, v, dout, chunks, kernels, comm, seq_lens=None, causal=True):
+    from ulysses_kernels import ulysses_attention
+
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    out = ulysses_attention(
+        *leaves, causal=causal, seq_lens=seq_lens, attn_fn="sdpa", comm=comm, kernels=kernels, chunks=chunks
+    )
+    out.backward(dout)
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_world_one_chunked_equals_unchunked(kernels):
+    if kernels == "triton":
+        pytest.importorskip("ulysses_kernels.kernels.triton_kernels")
+        from ulysses_kernels.kernels.triton_kernels import TritonKernels
+
+        if not TritonKernels.available():
+            pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(2, 9, 6, 8, generator=g), torch.randn(2, 9, 6, 8, generator=g)
+    k, v = torch.randn(2, 9, 3, 8, generator=g), torch.randn(2, 9, 3, 8, generator=g)
+    ref = _run(q, k, v, dout, 1, kernels, LocalCommunicator())
+    got = _run(q, k, v, dout, 3, kernels, LocalCommunicator())
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_bad_chunks_value():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="chunks"):
+        _run(q, q, q, q, 0, "torch", LocalCommunicator())
+
+
+# ---- bit-identity on gloo ranks ---------------------------------------------------------------
+def _dist_cases(rank, world, cases):
+    from ulysses_kernels.comm import TorchCommunicator
+    from ulysses_kernels.pipeline import chunk_plans as _cp
+
+    comm = TorchCommunicator()
+    for hq, hkv, lens, batch, causal, dtype, chunks, kernels in cases:
+        g = torch.Generator().manual_seed(hq * 7 + batch)
+        D = 8
+        full = [torch.randn(batch, sum(lens), h, D, generator=g).to(dtype) for h in (hq, hkv, hkv, hq)]
+        off = sum(lens[:rank])
+        q, k, v, dout = (x[:, off : off + lens[rank]] for x in full)
+        ref = _run(q, k, v, dout, 1, kernels, comm, lens, causal)
+        got = _run(q, k, v, dout, chunks, kernels, comm, lens, causal)
+        same = [torch.equal(a, b) for a, b in zip(ref, got)]
+        n = len(_cp(HeadPlan.build(hq, hkv, world), chunks)) if chunks != "auto" else chunks
+        assert all(same), f"rank {rank}: {hq}/{hkv} lens={lens} B={batch} causal={causal} {dtype} chunks={chunks}->{n} {kernels}: out,dq,dk,dv equal={same}"
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+DIST = {
+    2: [
+        (8, 8, (5, 3), 2, True, F32, 2, "torch"),
+        (8, 8, (4, 4), 1, False, BF16, 4, "torch"),
+        (6, 2, (3, 6), 2, True, F32, 2, "torch"),
+        (8, 8, (5, 3), 1, True, F32, "auto", "torch"),
+    ],
+    3: [
+        (40, 8, (3, 2, 4), 2, True, F32, 3, "torch"),
+        (40, 8, (3, 2, 4), 1, False, BF16, 2, "torch"),
+        (7, 7, (2, 3, 2), 2, True, F32, 3, "torch"),
+        (6, 6, (2, 3, 2), 2, True, F32, 2, "triton"),
+    ],
+    4: [
+        (10, 2, (3, 4, 5, 2), 2, False, F32, 2, "torch"),  # KV groups split: replica sums
+        (10, 2, (3, 4, 5, 2), 1, True, BF16, 3, "torch"),
+        (8, 1, (2, 3, 2, 3), 2, True, F32, 4, "torch"),  # MQA: falls back to one chunk
+        (16, 4, (3, 3, 3, 3), 2, True, F32, 4, "torch"),
+        (12, 12, (2, 1, 3, 2), 1, True, F32, 3, "torch"),
+    ],
+    5: [
+        (40, 8, (2, 3, 2, 1, 3), 2, True, F32, 3, "torch"),
+        (40, 8, (2, 3, 2, 1, 3), 1, False, BF16, 2, "torch"),
+        (10, 5, (1, 2, 2, 1, 2), 2, True, F32, 2, "torch"),
+    ],
+    8: [
+        (40, 8, (2, 1, 2, 1, 2, 1, 2, 1), 2, True, F32, 2, "torch"),  # one KV head per rank
+        (16, 16, (1, 2, 1, 2, 1, 2, 1, 2), 2, False, F32, 2, "torch"),
+        (16, 4, (2,) * 8, 1, True, F32, 2, "torch"),  # 2 query heads per rank, 1 KV head
+    ],
+}
+
+
+@pytest.mark.parametrize("world", sorted(DIST))
+def test_chunked_bit_identical_on_gloo(world):
+    cases = DIST[world]
+    if any(c[-1] == "triton" for c in cases):
+        from ulysses_kernels.kernels import available_kernels
+
+        cases = [c for c in cases if c[-1] != "triton" or "triton" in available_kernels()]
+    run_ranks(_dist_cases, world, cases)
+
+
+# ---- GPU stress: stream safety -------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_stress_no_corruption_across_changing_shapes():
+    """Many iterations, changing shapes and chunk counts, on the side-stream path: the
+    receive/send buffers of in-flight collectives must never be handed out again early.
+    Allocations of other sizes between iterations churn the caching allocator."""
+    device = torch.device("cuda")
+    comm = LocalCommunicator()
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = [(1, 256, 8, 4, 64), (2, 128, 12, 4, 64), (1, 512, 16, 8, 128), (3, 64, 6, 2, 32)]
+    for it in range(60):
+        B, S, hq, hkv, D = shapes[it % len(shapes)]
+        x = [torch.randn(B, S, h, D, device=device, generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)]
+        ref = _run(*x, 1, "auto", comm)
+        junk = [torch.randn(1 << (12 + it % 5), device=device) for _ in range(4)]  # allocator churn
+        got = _run(*x, 2 + it % 3, "auto", comm)
+        del junk
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b), f"iteration {it} shape {(B, S, hq, hkv, D)}"
+    torch.cuda.synchronize()

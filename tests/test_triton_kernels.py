@@ -1,0 +1,219 @@
+"""The Triton kernel set against the reference in ``ulysses_kernels.layout``, bit for bit.
+
+Runs on the CPU under ``TRITON_INTERPRET=1`` (set by conftest.py when there is no GPU) and
+on a GPU as is. Every program instance costs ~4 ms in the interpreter, so the shapes are
+small (the grid is one program per head column) and big plans check a few ranks only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ulysses_kernels import layout as L
+from ulysses_kernels.layout import Layout, Q_ONLY, QKV
+from ulysses_kernels.plan import HeadPlan
+
+triton_kernels = pytest.importorskip("ulysses_kernels.kernels.triton_kernels")
+TritonKernels = triton_kernels.TritonKernels
+
+if not TritonKernels.available():
+    pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (q_heads, kv_heads, world, ranks to check: None = all)
+PLANS = [
+    (4, 4, 1, None),
+    (6, 6, 2, None),
+    (7, 7, 3, None),  # uneven MHA
+    (10, 2, 4, None),  # GQA with groups split across ranks (KV replicas)
+    (40, 8, 3, (0, 1)),
+    (40, 8, 5, (0, 3)),
+    (40, 8, 8, (2, 7)),
+    (8, 1, 4, (0, 3)),  # MQA: every rank holds the one KV head
+    (11, 11, 5, (4,)),
+]
+
+
+def _rand(shape, dtype, gen):
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if dtype.is_floating_point:
+        return x.to(dtype).to(DEVICE)
+    return (x * 50).to(dtype).to(DEVICE)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Same bytes as an integer tensor: torch.equal on bits (NaN payloads, fp8)."""
+    return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _layouts(hq, hkv, world, ranks, batch=2, head_dim=8):
+    plan = HeadPlan.build(hq, hkv, world)
+    lens = tuple(2 + (3 * r) % 4 for r in range(world))  # uneven: 2, 5, 4, 3, ...
+    for r in range(world) if ranks is None else ranks:
+        yield Layout(plan, r, lens, batch, head_dim)
+
+
+def _check_pack_s2h(lay: Layout, dtype, gen, fused=False):
+    hq, hkv = lay.plan.q_heads, lay.plan.kv_heads
+    B, s, D = lay.batch, lay.seq_local, lay.head_dim
+    if fused:
+        # Views of one fused QKV projection output [B, s, (hq + 2 hkv) * D].
+        qkv = _rand((B, s, (hq + 2 * hkv) * D), dtype, gen)
+        q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
+        q, k, v = q.unflatten(-1, (hq, D)), k.unflatten(-1, (hkv, D)), v.unflatten(-1, (hkv, D))
+    else:
+        q = _rand((B, s, hq, D), dtype, gen)
+        # Non-contiguous: seq-major storage, and a head_dim slice of a wider tensor.
+        k = _rand((s, B, hkv, D), dtype, gen).transpose(0, 1)
+        v = _rand((B, s, hkv, D + 3), dtype, gen)[..., 1 : D + 1]
+    n = sum(lay.s2h_send_splits(QKV))
+    ref = torch.full((n,), 3, dtype=dtype, device=DEVICE) if dtype.is_floating_point else torch.zeros(n, dtype=dtype, device=DEVICE)
+    got = ref.clone()
+    L.pack_s2h(lay, (q, k, v), QKV, ref)
+    TritonKernels.pack_s2h(lay, (q, k, v), QKV, got)
+    assert torch.equal(_bits(ref), _bits(got)), (lay, dtype, fused)
+    # This rank's own heads straight into the receive buffer (the batch > 1 path).
+    nr = sum(lay.s2h_recv_splits(QKV))
+    ref_r, got_r = torch.zeros(nr, dtype=dtype, device=DEVICE), torch.zeros(nr, dtype=dtype, device=DEVICE)
+    L.pack_s2h(lay, (q, k, v), QKV, ref, recv=ref_r)
+    TritonKernels.pack_s2h(lay, (q, k, v), QKV, got, recv=got_r)
+    assert torch.equal(_bits(ref), _bits(got)) and torch.equal(_bits(ref_r), _bits(got_r)), (lay, dtype, fused)
+    # One stream (dout in the backward).
+    n1 = sum(lay.s2h_send_splits(Q_ONLY))
+    ref1, got1 = torch.zeros(n1, dtype=dtype, device=DEVICE), torch.ones(n1, dtype=dtype, device=DEVICE)
+    L.pack_s2h(lay, (q,), Q_ONLY, ref1)
+    TritonKernels.pack_s2h(lay, (q,), Q_ONLY, got1)
+    assert torch.equal(_bits(ref1), _bits(got1)), (lay, dtype, fused)
+
+
+def _check_h2s(lay: Layout, dtype, gen, streams=QKV, self_blocks=False, same_start=False):
+    r, B, S, D = lay.rank, lay.batch, lay.seq_total, lay.head_dim
+    _, recv_splits = lay.h2s_splits(streams)
+    recv = _rand((sum(recv_splits),), dtype, gen)
+    blocks = lay.h2s_recv_views(recv, streams)
+    if self_blocks:
+        # As a2a_head_to_seq does: this rank's own rows come from batch-major local tensors.
+        local = [_rand((B, S, lay.head_count(s, r), D), dtype, gen) for s in streams]
+        blocks[r] = [lay.h2s_send_blocks(x, r) for x in local]
+    shapes = [(B, lay.seq_local, lay.total_heads(s), D) for s in streams]
+    ref = [torch.zeros(sh, dtype=dtype, device=DEVICE) for sh in shapes]
+    # Different starting values catch an unwritten head, unless the layout leaves heads
+    # out on purpose (a head chunk): then both start equal and those heads must stay.
+    got = [x.clone() if same_start else torch.full(sh, 5, dtype=dtype, device=DEVICE) for x, sh in zip(ref, shapes)]
+    L.unpack_h2s(lay, blocks, streams, ref)
+    TritonKernels.unpack_h2s(lay, blocks, streams, got)
+    for a, b in zip(ref, got):
+        assert torch.equal(_bits(a), _bits(b)), (lay, dtype, streams)
+    # pack_h2s: a batch-major local tensor (not seq-major when B > 1) -> wire format.
+    local = _rand((B, S, lay.head_count("q", r) + 1, D), dtype, gen)[:, :, 1:]
+    n = local.numel()
+    ref_w, got_w = torch.zeros(n, dtype=dtype, device=DEVICE), torch.ones(n, dtype=dtype, device=DEVICE)
+    L.pack_h2s(lay, local, ref_w)
+    TritonKernels.pack_h2s(lay, local, got_w)
+    assert torch.equal(_bits(ref_w), _bits(got_w))
+
+
+@pytest.mark.parametrize("hq,hkv,world,ranks", PLANS)
+def test_plans_fp32(hq, hkv, world, ranks):
+    gen = torch.Generator().manual_seed(hq * 100 + world)
+    for lay in _layouts(hq, hkv, world, ranks):
+        _check_pack_s2h(lay, torch.float32, gen)
+        _check_h2s(lay, torch.float32, gen, self_blocks=lay.rank % 2 == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_dtypes_with_replica_sums(dtype):
+    # 10/2 on 4 ranks and MQA on 3: every KV head is summed over 2-3 replicas.
+    gen = torch.Generator().manual_seed(7)
+    for hq, hkv, world in ((10, 2, 4), (6, 1, 3)):
+        for lay in _layouts(hq, hkv, world, None, batch=3, head_dim=16):
+            _check_pack_s2h(lay, dtype, gen, fused=lay.rank == 1)
+            _check_h2s(lay, dtype, gen)
+
+
+def test_bf16_sum_rounding_ties_and_specials():
+    # Values whose fp32 sum sits exactly halfway between two bf16 values (ties to even),
+    # plus inf, nan and signed zeros, summed over three replicas (MQA, 3 ranks).
+    plan = HeadPlan.build(3, 1, 3)
+    lay = Layout(plan, 0, (4, 4, 4), 1, 8)
+    a = torch.tensor([1.0, 1.0078125, 256.0, float("inf"), -0.0, 1e38, 3.0, float("nan")])
+    b = torch.tensor([0.00390625, 0.00390625, 1.0, 1.0, -0.0, 3e38, -3.0, 1.0])
+    c = torch.tensor([2.0 ** -9, 0.0, 0.5, float("-inf"), 0.0, -1e38, 2.0 ** -20, 0.0])
+    blocks = []
+    for x in (a, b, c):
+        blk = x.to(torch.bfloat16).to(DEVICE).expand(1, 4, 1, 8).contiguous()
+        blocks.append([blk])
+    ref = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16, device=DEVICE)
+    got = torch.ones_like(ref)
+    L.unpack_h2s(lay, blocks, ("kv",), [ref])
+    TritonKernels.unpack_h2s(lay, blocks, ("kv",), [got])
+    # NaN sums: same positions; their bits are the device's own (PyTorch's CPU scalar and
+    # vector paths already disagree on them), every other value bit-exact.
+    nan = torch.isnan(ref)
+    assert torch.equal(nan, torch.isnan(got)) and nan.any()
+    assert torch.equal(_bits(ref)[~nan], _bits(got)[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int32, torch.uint8])
+def test_bit_movers(dtype):
+    """Pure data movement works for any element width, fp8 included."""
+    gen = torch.Generator().manual_seed(3)
+    for lay in _layouts(8, 8, 4, (1, 2)):
+        _check_pack_s2h(lay, dtype, gen)
+        # 8/8 has no replicas: unpack is pure movement too.
+        _check_h2s(lay, dtype, gen, streams=Q_ONLY)
+
+
+def test_nan_payloads_move_unchanged():
+    lay = next(_layouts(4, 4, 2, (0,)))
+    q = torch.randint(-(2 ** 15), 2 ** 15, (2, lay.seq_local, 4, 8), dtype=torch.int16).view(torch.float16).to(DEVICE)
+    send_ref = torch.zeros(sum(lay.s2h_send_splits(Q_ONLY)), dtype=torch.float16, device=DEVICE)
+    send = torch.ones_like(send_ref)
+    L.pack_s2h(lay, (q,), Q_ONLY, send_ref)
+    TritonKernels.pack_s2h(lay, (q,), Q_ONLY, send)
+    assert torch.isnan(q).any()
+    assert torch.equal(_bits(send_ref), _bits(send))
+
+
+def test_fp8_replica_sum_raises_like_reference():
+    lay = next(_layouts(6, 1, 3, (0,)))
+    _, recv_splits = lay.h2s_splits(("kv",))
+    recv = torch.zeros(sum(recv_splits), dtype=torch.float8_e4m3fn, device=DEVICE)
+    out = torch.zeros(lay.batch, lay.seq_local, 1, lay.head_dim, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises((TypeError, RuntimeError, NotImplementedError)):
+        TritonKernels.unpack_h2s(lay, lay.h2s_recv_views(recv, ("kv",)), ("kv",), [out])
+
+
+def test_chunk_layout_subset_of_heads():
+    """A head chunk (a plan restricted to sub-ranges, as the pipeline builds) packs and
+    unpacks only its heads and leaves the others untouched."""
+    from ulysses_kernels.pipeline import chunk_plans
+
+    plan = HeadPlan.build(40, 8, 3)
+    gen = torch.Generator().manual_seed(11)
+    chunks = chunk_plans(plan, 3)
+    assert len(chunks) >= 2
+    for cp in chunks:
+        lay = Layout(cp, 1, (3, 2, 4), 2, 8)
+        _check_pack_s2h(lay, torch.float32, gen)
+        _check_h2s(lay, torch.float32, gen, streams=Q_ONLY, same_start=True)
+
+
+def test_descriptor_cache_is_per_layout_and_bounded():
+    gen = torch.Generator().manual_seed(1)
+    before = len(TritonKernels._plans)
+    lay = next(_layouts(6, 6, 2, (0,)))
+    _check_pack_s2h(lay, torch.float32, gen)
+    n = len(TritonKernels._plans)
+    _check_pack_s2h(lay, torch.float32, gen)  # same layout and strides: no new entry
+    assert len(TritonKernels._plans) == n >= before
+    assert len(TritonKernels._plans) <= TritonKernels._max_plans
+
+
+def test_registry_resolves_triton():
+    from ulysses_kernels.kernels import get_kernels
+
+    kern = get_kernels("triton", torch.device(DEVICE))
+    assert kern.name == "triton"

@@ -1,0 +1,530 @@
+"""Chunked Ulysses attention: the all-to-alls of one head chunk overlap attention on another.
+
+Each rank's heads are split into ``n`` chunks; chunk ``c`` is a ``HeadPlan`` whose per-rank
+ranges are sub-ranges of the full plan's (``chunk_plans``), so the layout math of
+``ulysses_kernels.layout`` and every kernel set apply to a chunk unchanged (global head
+indices; a rank may hold no head of a chunk). Schedule of the forward (every rank issues
+the collectives in the same order)::
+
+    s2h(0)
+    for c in 0..n-1:   wait s2h(c); start s2h(c+1); attention(c); start h2s(c); finish h2s(c-1)
+    finish h2s(n-1)
+
+The backward does the same with dout (s2h) and dq/dk/dv (h2s, one collective per tensor).
+"Start" runs the collective asynchronously: on CUDA on a side stream ordered by events
+(the buffers are ``record_stream``-ed on it, so the caching allocator cannot hand them out
+while the collective may still touch them; no host sync); elsewhere with
+``async_op=True`` work handles, whose buffers are referenced until ``wait()``.
+
+Bit-identity with ``chunks=1``: chunks follow local KV-group boundaries, so every local KV
+head (and its gradient) belongs to one chunk, and the attention backend sees whole groups.
+A KV head that several ranks hold (a group split across ranks) gets its gradient summed in
+rank order once all chunks have arrived, exactly as the unchunked unpack does. A rank whose
+query heads use a single KV head (MQA, or ``kv_heads == world_size`` with whole groups) cannot
+be split without splitting that head's gradient sum, so it keeps its heads in one chunk;
+when every rank is like that, the op runs unchunked. Bit-identity also needs the backend to
+compute each head independently of the others present (true of SDPA and flash-attn; the
+``"math"`` backend's einsum picks shape-dependent BLAS kernels on the CPU).
+
+``chunks="auto"`` uses ``choose_chunks``: a cost model from globally agreed numbers only
+(layout sizes, dtype, env vars), so every rank picks the same count.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .backends import AttentionBackend
+from .layout import Layout, Q_ONLY, QKV, rows_contiguous
+from .plan import HeadPlan
+
+__all__ = ["chunk_plans", "choose_chunks", "chunked_attention", "ChunkedAttentionFunction", "CostModel"]
+
+_MAX_CHUNKS = 8
+
+
+# ---- chunking the plan --------------------------------------------------------------------
+def _rank_groups(plan: HeadPlan, rank: int) -> list[tuple[int, int, int]]:
+    """Local KV groups of ``rank``: ``(kv_head, q_start, q_end)`` with global indices."""
+    g = plan.group_size
+    q0, q1 = plan.q_ranges[rank]
+    out = []
+    for kv in range(*plan.kv_ranges[rank]):
+        a, b = max(q0, kv * g), min(q1, (kv + 1) * g)
+        out.append((kv, a, b))
+    return out
+
+
+def _split_groups(groups, k: int) -> list[list]:
+    """``k`` contiguous runs of ``groups``, balanced by query heads."""
+    cum = [0]
+    for _, a, b in groups:
+        cum.append(cum[-1] + b - a)
+    edges, prev = [0], 0
+    for c in range(1, k):
+        target = cum[-1] * c / k
+        lo, hi = prev + 1, len(groups) - (k - c)
+        best = min(range(lo, hi + 1), key=lambda e: (abs(cum[e] - target), e))
+        edges.append(best)
+        prev = best
+    edges.append(len(groups))
+    return [groups[edges[i] : edges[i + 1]] for i in range(k)]
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_plans(plan: HeadPlan, chunks: int) -> tuple[HeadPlan, ...]:
+    """Split every rank's heads into at most ``chunks`` chunks on local KV-group boundaries.
+
+    Rank ``r`` uses ``min(chunks, kv_count(r))`` chunks (its first ones; later chunks give
+    it empty ranges). Returns one ``HeadPlan`` per chunk (``q_heads``/``kv_heads`` stay the
+    global counts, ranges are sub-ranges); a single plan equal in ranges to ``plan`` when
+    no rank can be split.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunk_plans: chunks must be >= 1, got {chunks}")
+    per_rank = []
+    for r in range(plan.world_size):
+        groups = _rank_groups(plan, r)
+        per_rank.append(_split_groups(groups, min(chunks, len(groups))))
+    n = max(len(parts) for parts in per_rank)
+    out = []
+    for c in range(n):
+        q_ranges, kv_ranges = [], []
+        for r, parts in enumerate(per_rank):
+            if c < len(parts):
+                part = parts[c]
+                q_ranges.append((part[0][1], part[-1][2]))
+                kv_ranges.append((part[0][0], part[-1][0] + 1))
+            else:
+                # Empty, placed at the range start: harmless to the unpack's replica walk.
+                q_ranges.append((plan.q_ranges[r][0],) * 2)
+                kv_ranges.append((plan.kv_ranges[r][0],) * 2)
+        out.append(HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, tuple(q_ranges), tuple(kv_ranges)))
+    return tuple(out)
+
+
+# ---- the cost model ---------------------------------------------------------------------
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r} is not a number") from exc
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Numbers behind ``chunks="auto"`` (the same on every rank: env vars, not timings).
+
+    link_gbps: all-to-all bandwidth per rank, GB/s (``ULYSSES_KERNELS_LINK_GBPS``; default
+        150 on CUDA, an NVLink-class node; 1 elsewhere, gloo over loopback).
+    attn_tflops: attention throughput, TFLOP/s (``ULYSSES_KERNELS_ATTN_TFLOPS``; default 300
+        on CUDA, flash-attn bf16 on an H100; 0.05 elsewhere).
+    latency_us: fixed cost per collective (``ULYSSES_KERNELS_LINK_LATENCY_US``; 25 / 300).
+    overlap_slowdown: fraction by which attention slows while a collective runs beside it
+        (``ULYSSES_KERNELS_OVERLAP_SLOWDOWN``; 0.15 on CUDA where NCCL kernels take SMs and
+        memory bandwidth; 0.5 on the CPU where they share cores).
+    min_gain: relative gain below which one chunk is kept (``ULYSSES_KERNELS_MIN_GAIN``; 0.03).
+    """
+
+    link_gbps: float
+    attn_tflops: float
+    latency_us: float
+    overlap_slowdown: float
+    min_gain: float
+
+    @classmethod
+    def from_env(cls, device_type: str) -> "CostModel":
+        cuda = device_type == "cuda"
+        return cls(
+            link_gbps=_env_float("ULYSSES_KERNELS_LINK_GBPS", 150.0 if cuda else 1.0),
+            attn_tflops=_env_float("ULYSSES_KERNELS_ATTN_TFLOPS", 300.0 if cuda else 0.05),
+            latency_us=_env_float("ULYSSES_KERNELS_LINK_LATENCY_US", 25.0 if cuda else 300.0),
+            overlap_slowdown=_env_float("ULYSSES_KERNELS_OVERLAP_SLOWDOWN", 0.15 if cuda else 0.5),
+            min_gain=_env_float("ULYSSES_KERNELS_MIN_GAIN", 0.03),
+        )
+
+
+def _a2a_seconds(layout: Layout, streams, itemsize: int, model: CostModel) -> float:
+    """Time of one seq->head all-to-all of ``streams`` (head->seq moves the same bytes back):
+    the busiest rank's off-rank bytes over the link bandwidth."""
+    worst = 0
+    for r in range(layout.world_size):
+        lay = Layout(layout.plan, r, layout.seq_lens, layout.batch, layout.head_dim)
+        send = lay.s2h_send_splits(streams)
+        recv = lay.s2h_recv_splits(streams)
+        off = max(sum(send) - send[r], sum(recv) - recv[r])
+        worst = max(worst, off * itemsize)
+    return worst / (model.link_gbps * 1e9)
+
+
+def _pipeline_seconds(c_in: float, compute: float, c_out: float, n: int, n_coll: int, model: CostModel) -> float:
+    lat = model.latency_us * 1e-6 * n_coll * n
+    if n == 1:
+        return c_in + compute + c_out + lat
+    total = c_in / n + c_out / n + lat
+    for i in range(n):
+        comm = (c_in / n if i < n - 1 else 0.0) + (c_out / n if i > 0 else 0.0)
+        total += max(compute / n * (1.0 + model.overlap_slowdown), comm)
+    return total
+
+
+def estimate_seconds(layout: Layout, n: int, itemsize: int, causal: bool, model: CostModel) -> float:
+    """Modelled forward + backward time of the layer with ``n`` chunks."""
+    plan, S = layout.plan, layout.seq_total
+    q_most = max(plan.q_count(r) for r in range(plan.world_size))
+    flops = 4.0 * layout.batch * S * S * layout.head_dim * q_most * (0.5 if causal else 1.0)
+    fwd = flops / (model.attn_tflops * 1e12)
+    t_qkv = _a2a_seconds(layout, QKV, itemsize, model)
+    t_q = _a2a_seconds(layout, Q_ONLY, itemsize, model)
+    return _pipeline_seconds(t_qkv, fwd, t_q, n, 2, model) + _pipeline_seconds(t_q, 2.5 * fwd, t_qkv, n, 4, model)
+
+
+def choose_chunks(layout: Layout, itemsize: int, causal: bool, device_type: str, model: CostModel | None = None) -> int:
+    """The chunk count ``chunks="auto"`` uses: the modelled best among 1..8 (capped by
+    what the plan can split), or 1 when chunking gains less than ``min_gain``."""
+    model = model or CostModel.from_env(device_type)
+    if layout.world_size == 1:
+        return 1
+    most = len(chunk_plans(layout.plan, _MAX_CHUNKS))
+    base = estimate_seconds(layout, 1, itemsize, causal, model)
+    best_n, best_t = 1, base
+    for n in range(2, most + 1):
+        t = estimate_seconds(layout, n, itemsize, causal, model)
+        if t < best_t:
+            best_n, best_t = n, t
+    return best_n if best_t < base * (1.0 - model.min_gain) else 1
+
+
+# ---- asynchronous collectives -----------------------------------------------------------
+class _Pending:
+    """One started all-to-all; ``wait()`` orders its result before later work."""
+
+    __slots__ = ("work", "event", "tensors")
+
+    def __init__(self, work, event, tensors):
+        self.work, self.event, self.tensors = work, event, tensors
+
+    def wait(self) -> None:
+        if self.event is not None:
+            # The stream that consumes the result waits on the GPU; the host does not.
+            torch.cuda.current_stream(self.tensors[0].device).wait_event(self.event)
+        if self.work is not None:
+            self.work.wait()
+        self.work = self.event = None
+        self.tensors = None  # the buffers may go now (CUDA: record_stream guards them)
+
+
+class _Channel:
+    """Starts collectives that overlap with the caller's compute."""
+
+    def __init__(self, comm, device: torch.device):
+        self.comm = comm
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def start(self, tensors, call) -> _Pending:
+        """Run ``call(async_op)`` (one collective over ``tensors``) asynchronously."""
+        if not self.cuda:
+            return _Pending(call(True), None, tensors)
+        main = torch.cuda.current_stream(tensors[0].device)
+        self.stream.wait_stream(main)  # the pack that filled the send buffer ran on `main`
+        with torch.cuda.stream(self.stream):
+            call(False)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        # Memory allocated on `main` and used on the side stream: the allocator must not
+        # hand it out again until the side stream's work queued so far has run.
+        for t in tensors:
+            t.record_stream(self.stream)
+        return _Pending(None, event, tensors)
+
+
+# ---- the chunk schedule (per layout and count; pure data) -----------------------------------
+@dataclass(frozen=True)
+class _Chunk:
+    layout: Layout  # the chunk's plan, this rank
+    kv_map: tuple[int, ...]  # local query head -> local KV head, within the chunk
+    expand: tuple[int, ...] | None  # index_select of KV heads done here (see _attend)
+    unpack: Layout  # for dq/dk/dv: replicated KV heads trimmed from every rank's range
+    trim: tuple[tuple[int, int], ...]  # per source: KV heads [lo, hi) of its block unpacked here
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    chunks: tuple[_Chunk, ...]
+    replicas: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (kv head, ((rank, chunk, index in block), ...))
+
+
+def _uniform(kv_map) -> bool:
+    hkv = max(kv_map) + 1
+    if len(kv_map) % hkv:
+        return False
+    g = len(kv_map) // hkv
+    return all(j == i // g for i, j in enumerate(kv_map))
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(layout: Layout, n: int) -> _Schedule:
+    plan, rank = layout.plan, layout.rank
+    plans = chunk_plans(plan, n)
+    replicated = {h for h in range(plan.kv_heads) if len(plan.kv_holders(h)) > 1}
+    full_map = plan.local_kv_map(rank)
+    full_uniform = _uniform(full_map)
+    chunks, where = [], {}
+    for c, cp in enumerate(plans):
+        lay = Layout(cp, rank, layout.seq_lens, layout.batch, layout.head_dim)
+        q0, q1 = cp.q_ranges[rank]
+        k0 = cp.kv_ranges[rank][0]
+        kv_map = tuple(h // plan.group_size - k0 for h in range(q0, q1))
+        # The unchunked backend gathers KV heads per query head when the rank's map is not
+        # uniform; a chunk's map may be uniform, so gather here to run the same kernels.
+        expand = None if full_uniform or not kv_map else kv_map
+        trim, trimmed = [], []
+        for p in range(plan.world_size):
+            a, b = cp.kv_ranges[p]
+            lo, hi = a, b
+            while lo < hi and lo in replicated:
+                lo += 1
+            while hi > lo and (hi - 1) in replicated:
+                hi -= 1
+            trim.append((lo - a, hi - a))
+            trimmed.append((lo, hi))
+            for h in range(a, b):
+                if h in replicated:
+                    where[(h, p)] = (c, h - a)
+        unpack_plan = HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, cp.q_ranges, tuple(trimmed))
+        chunks.append(
+            _Chunk(lay, kv_map, expand, Layout(unpack_plan, rank, layout.seq_lens, layout.batch, layout.head_dim), tuple(trim))
+        )
+    replicas = tuple(
+        (h, tuple((p, *where[(h, p)]) for p in plan.kv_holders(h))) for h in sorted(replicated)
+    )
+    return _Schedule(tuple(chunks), replicas)
+
+
+# ---- the pieces of one chunk --------------------------------------------------------------
+def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(n, dtype=like.dtype, device=like.device)
+
+
+def _start_s2h(chan: _Channel, lay: Layout, tensors, streams, kernels):
+    """Pack and start one seq->head exchange (as ``ops.a2a_seq_to_head``, asynchronous).
+    Returns (pending, receive buffer)."""
+    like, comm = tensors[0], chan.comm
+    send_splits, recv_splits = lay.s2h_send_splits(streams), lay.s2h_recv_splits(streams)
+    recv = _flat(sum(recv_splits), like)
+    send = _flat(sum(send_splits), like)
+    if lay.batch == 1:
+        kernels.pack_s2h(lay, tensors, streams, send)
+        return chan.start((recv, send), lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)), recv
+    # One piece per (peer, batch element); our own rows are packed in place.
+    kernels.pack_s2h(lay, tensors, streams, send, recv=recv)
+    send_p, recv_p = lay.s2h_send_pieces(send, streams), lay.s2h_recv_pieces(recv, streams)
+    peers = [p for p in range(lay.world_size) if p != lay.rank]
+    sends = [(p, x) for p in peers for x in send_p[p]]
+    recvs = [(p, x) for p in peers for x in recv_p[p]]
+    return chan.start((recv, send), lambda a: comm.send_recv(sends, recvs, async_op=a)), recv
+
+
+def _start_h2s(chan: _Channel, lay: Layout, local: torch.Tensor, stream: str, kernels):
+    """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``stream``'s heads),
+    as ``ops.a2a_head_to_seq`` does. Returns (pending, receive buffer, wire tensor)."""
+    comm = chan.comm
+    if not rows_contiguous(local):
+        packed = _flat(local.numel(), local)
+        kernels.pack_h2s(lay, local, packed)
+        local = packed.view(local.shape)
+    send_splits, recv_splits = lay.h2s_splits((stream,))
+    recv = _flat(sum(recv_splits), local)
+    if lay.batch == 1:
+        wire = local.reshape(-1)
+        return chan.start((recv, local), lambda a: comm.all_to_all(recv, wire, recv_splits, send_splits, async_op=a)), recv, local
+    blocks = lay.h2s_recv_views(recv, (stream,))
+    sends, recvs = [], []
+    for p in range(lay.world_size):
+        if p == lay.rank:
+            continue
+        src, dst = lay.h2s_send_blocks(local, p), blocks[p][0]
+        sends += [(p, src[b].reshape(-1)) for b in range(lay.batch)]
+        recvs += [(p, dst[b].reshape(-1)) for b in range(lay.batch)]
+    return chan.start((recv, local), lambda a: comm.send_recv(sends, recvs, async_op=a)), recv, local
+
+
+def _h2s_blocks(lay: Layout, recv, local, stream: str):
+    """Per source: the received ``[B, s_r, h, D]`` block (our own read from ``local``)."""
+    blocks = [per[0] for per in lay.h2s_recv_views(recv, (stream,))]
+    if lay.batch > 1:
+        blocks[lay.rank] = lay.h2s_send_blocks(local, lay.rank)
+    return blocks
+
+
+def _attend(backend, chunk: _Chunk, q, k, v, causal, scale, needs_grad):
+    # Only backends built on AttentionBackend gather KV heads the known way (expand_kv).
+    if chunk.expand is None or not isinstance(backend, AttentionBackend):
+        out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
+        return out, (state, None)
+    index = torch.tensor(chunk.expand, device=k.device)
+    k2, v2 = k.index_select(2, index), v.index_select(2, index)
+    ident = tuple(range(q.shape[2]))
+    out, state = backend.forward(q, k2, v2, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
+    return out, (state, (index, k.shape[2]))
+
+
+def _attend_backward(backend, saved, dout):
+    state, expanded = saved
+    dq, dk, dv = backend.backward(state, dout)
+    if expanded is not None:
+        # As autograd's index_select backward: zeros, then index_add_ in query-head order.
+        index, hkv = expanded
+        shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
+        dk = dk.new_zeros(shape).index_add_(2, index, dk)
+        dv = dv.new_zeros(shape).index_add_(2, index, dv)
+    return dq, dk, dv
+
+
+# ---- the autograd function -----------------------------------------------------------------
+class ChunkedAttentionFunction(torch.autograd.Function):
+    """``UlyssesAttentionFunction`` with the all-to-alls of head chunks overlapping attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, comm, kernels, backend, causal, scale, n):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        sched = _schedule(layout, n)
+        chan = _Channel(comm, q.device)
+        rank, B, D = layout.rank, layout.batch, layout.head_dim
+        out = q.new_empty(B, layout.seq_local, layout.plan.q_heads, D)
+        states = []
+        pending_in = _start_s2h(chan, sched.chunks[0].layout, (q, k, v), QKV, kernels)
+        pending_out = None
+        for c, chunk in enumerate(sched.chunks):
+            work, recv = pending_in
+            work.wait()
+            if c + 1 < len(sched.chunks):
+                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (q, k, v), QKV, kernels)
+            q_c, k_c, v_c = chunk.layout.s2h_recv_views(recv, QKV)
+            del recv
+            if q_c.shape[2]:
+                out_c, saved = _attend(backend, chunk, q_c, k_c, v_c, causal, scale, needs_grad)
+            else:
+                out_c, saved = q_c, None  # no head of this chunk here: an empty [B, S, 0, D]
+            del q_c, k_c, v_c
+            states.append(saved)
+            started = (_start_h2s(chan, chunk.layout, out_c, "q", kernels), chunk)
+            del out_c
+            if pending_out is not None:
+                _finish_out(pending_out, out, kernels)
+            pending_out = started
+        _finish_out(pending_out, out, kernels)
+        ctx.layout, ctx.comm, ctx.kernels, ctx.backend, ctx.n = layout, comm, kernels, backend, n
+        ctx.states = states
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        layout, comm, kernels, backend = ctx.layout, ctx.comm, ctx.kernels, ctx.backend
+        sched = _schedule(layout, ctx.n)
+        chan = _Channel(comm, dout.device)
+        B, s, D, plan = layout.batch, layout.seq_local, layout.head_dim, layout.plan
+        dq = dout.new_empty(B, s, plan.q_heads, D)
+        dk = dout.new_empty(B, s, plan.kv_heads, D)
+        dv = dout.new_empty(B, s, plan.kv_heads, D)
+        kv_blocks = {}  # (chunk, source) -> (dk block, dv block) for the replica sums
+        pending_in = _start_s2h(chan, sched.chunks[0].layout, (dout,), Q_ONLY, kernels)
+        pending_out = None
+        for c, chunk in enumerate(sched.chunks):
+            work, recv = pending_in
+            work.wait()
+            if c + 1 < len(sched.chunks):
+                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (dout,), Q_ONLY, kernels)
+            (dout_c,) = chunk.layout.s2h_recv_views(recv, Q_ONLY)
+            del recv
+            saved = ctx.states[c]
+            ctx.states[c] = None
+            if saved is not None:
+                grads = _attend_backward(backend, saved, dout_c)
+            else:
+                hkv = chunk.layout.head_count("kv", layout.rank)
+                empty = dout_c.new_empty(B, layout.seq_total, hkv, D)
+                grads = (dout_c, empty, empty)
+            del dout_c, saved
+            started = ([_start_h2s(chan, chunk.layout, g, st, kernels) for g, st in zip(grads, QKV)], c)
+            del grads
+            if pending_out is not None:
+                _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
+            pending_out = started
+        _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
+        _sum_replicas(layout, sched, (dk, dv), kv_blocks, kernels)
+        ctx.states = None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _finish_out(pending, out, kernels) -> None:
+    (work, recv, local), chunk = pending
+    work.wait()
+    blocks = [[x] for x in _h2s_blocks(chunk.layout, recv, local, "q")]
+    kernels.unpack_h2s(chunk.layout, blocks, Q_ONLY, [out])
+
+
+def _finish_grads(pending, sched: _Schedule, outs, kv_blocks, kernels) -> None:
+    started, c = pending
+    chunk = sched.chunks[c]
+    per_stream = []
+    for (work, recv, local), st in zip(started, QKV):
+        work.wait()
+        per_stream.append(_h2s_blocks(chunk.layout, recv, local, st))
+    world = chunk.layout.world_size
+    blocks = []
+    for p in range(world):
+        lo, hi = chunk.trim[p]
+        dq_b, dk_b, dv_b = (per_stream[i][p] for i in range(3))
+        blocks.append([dq_b, dk_b[:, :, lo:hi], dv_b[:, :, lo:hi]])
+        kv_blocks[(c, p)] = (dk_b, dv_b)
+    kernels.unpack_h2s(chunk.unpack, blocks, QKV, list(outs))
+
+
+def _sum_replicas(layout: Layout, sched: _Schedule, outs, kv_blocks, kernels) -> None:
+    """KV heads several ranks hold: first holder copied, the others added, in rank order
+    (the unchunked unpack's order), one unpack per such head."""
+    plan = layout.plan
+    for h, holders in sched.replicas:
+        ranges = [(h, h)] * plan.world_size
+        like = kv_blocks[(holders[0][1], holders[0][0])][0]
+        empty = like[:, :, :0]
+        blocks = [[empty, empty] for _ in range(plan.world_size)]
+        for p, c, idx in holders:
+            ranges[p] = (h, h + 1)
+            dk_b, dv_b = kv_blocks[(c, p)]
+            blocks[p] = [dk_b[:, :, idx : idx + 1], dv_b[:, :, idx : idx + 1]]
+        rep = HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, plan.q_ranges, tuple(ranges))
+        lay = Layout(rep, layout.rank, layout.seq_lens, layout.batch, layout.head_dim)
+        kernels.unpack_h2s(lay, blocks, ("kv", "kv"), list(outs))
+
+
+def chunked_attention(q, k, v, layout: Layout, comm, kernels, backend, causal: bool, scale: float, chunks):
+    """Ulysses attention with head chunks overlapping the all-to-alls (see module docstring).
+
+    ``q`` ``[B, s_r, Hq, D]``, ``k``/``v`` ``[B, s_r, Hkv, D]`` as for ``ulysses_attention``;
+    ``chunks``: an int >= 1 or ``"auto"``. Falls back to the unchunked op when the plan
+    allows one chunk only. Returns ``[B, s_r, Hq, D]``.
+    """
+    from .ops import UlyssesAttentionFunction
+
+    if chunks == "auto":
+        n = choose_chunks(layout, q.element_size(), causal, q.device.type)
+    elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
+        n = chunks
+    else:
+        raise ValueError(f"ulysses_attention: chunks expected an int >= 1 or 'auto', got {chunks!r}")
+    n = len(chunk_plans(layout.plan, n))
+    if n == 1:
+        kv_map = layout.plan.local_kv_map(layout.rank)
+        return UlyssesAttentionFunction.apply(q, k, v, layout, comm, kernels, backend, causal, scale, kv_map)
+    return ChunkedAttentionFunction.apply(q, k, v, layout, comm, kernels, backend, causal, scale, n)
