@@ -107,14 +107,12 @@ def native_nccl_comm(device: torch.device):
         import ulysses_kernels.nccl_comm as mod
     except ImportError as e:
         raise Skip(f"ulysses_kernels.nccl_comm not importable ({e})") from None
-    cls = getattr(mod, "NcclCommunicator", None) or getattr(mod, "NCCLCommunicator", None)
-    if cls is None:
-        raise Skip("ulysses_kernels.nccl_comm has no NcclCommunicator")
-    factory = getattr(cls, "from_group", None) or cls
+    if not mod.nccl_available():
+        raise Skip("ulysses_kernels._C was built without NCCL, or no CUDA device")
     try:
-        return factory(None)
+        return mod.NCCLCommunicator(None)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise Skip(f"NcclCommunicator could not be created ({e})") from None
+        raise Skip(f"NCCLCommunicator could not be created ({e})") from None
 
 
 def symmetric_all_to_all(flat_in: torch.Tensor, out: torch.Tensor, world: int):
@@ -318,9 +316,12 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -
     native = None
     if any(op in ("nccl", "fused-nccl") for op in ops):
         try:
-            native = native_nccl_comm(device)
+            native, why = native_nccl_comm(device), None
         except Skip as e:
-            notes["nccl"] = notes["fused-nccl"] = str(e)
+            native, why = None, str(e)
+        if not C.all_ok(native is not None):
+            notes["nccl"] = notes["fused-nccl"] = why or "NCCLCommunicator failed on another rank"
+            native = None
     is0 = rank == 0
     if is0:
         cpu = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
@@ -383,6 +384,8 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -
             print(f"# skipped {op}: {why}", flush=True)
         bad = sum(r["wrong"] or 0 for r in rows)
         print(f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    if native is not None:
+        native.close()
     return rows, notes
 
 
