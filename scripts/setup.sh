@@ -14,6 +14,23 @@ if ! .venv/bin/python -c "import torch, numpy, pytest, ninja, transformers" 2>/d
 fi
 if ! .venv/bin/python -c "import ulysses_kernels" 2>/dev/null; then
   echo "[setup] installing ulysses_kernels (editable)"
-  .venv/bin/pip install -q --disable-pip-version-check --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+  # The extension is built below, once and incrementally, not by pip (which rebuilds from scratch).
+  ULYSSES_KERNELS_SKIP_EXTENSION=1 .venv/bin/pip install -q --disable-pip-version-check --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+fi
+# ---- the C++/CUDA extension ulysses_kernels._C (no GPU needed; see docs/build.md) ----------
+if [ "${ULYSSES_KERNELS_SKIP_EXTENSION:-0}" != "1" ]; then
+  if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+  export ULYSSES_KERNELS_CUDA_ARCHS="${ULYSSES_KERNELS_CUDA_ARCHS:-8.0;9.0}"
+  export TORCH_CUDA_ARCH_LIST="$ULYSSES_KERNELS_CUDA_ARCHS" MAX_JOBS="${MAX_JOBS:-2}"
+  log=build/setup_build_ext.log
+  mkdir -p build
+  echo "[setup] building ulysses_kernels._C (incremental, MAX_JOBS=$MAX_JOBS, archs $ULYSSES_KERNELS_CUDA_ARCHS)"
+  if ! .venv/bin/python setup.py build_ext --inplace >"$log" 2>&1; then
+    tail -40 "$log"
+    echo "[setup] building ulysses_kernels._C failed (full log: $log); ULYSSES_KERNELS_SKIP_EXTENSION=1 skips it" >&2
+    exit 1
+  fi
+  grep "^\[ulysses_kernels build\]" "$log" | sed 's/^\[ulysses_kernels build\]/[setup]/' || true
+  .venv/bin/python -m ulysses_kernels.info | sed 's/^/[setup] /'
 fi
 .venv/bin/python -c "import torch, ulysses_kernels; print('[setup] torch', torch.__version__, '| ulysses_kernels', ulysses_kernels.__version__)"

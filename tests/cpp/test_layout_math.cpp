@@ -1,0 +1,206 @@
+// C++ unit tests of the CPU twin (csrc/kernels/pack_cpu.cpp) and the shared index math
+// (csrc/kernels/layout_math.h), without torch: reduced-float rounding, and pack/unpack
+// against naive loops written from the layout definition. Run by CTest (scripts/ctest.sh).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/pack.h"
+
+using namespace ulysses_kernels;
+
+static int failures = 0;
+#define EXPECT(cond)                                                     \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
+      std::fprintf(stderr, "%s:%d: EXPECT(%s) failed\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                        \
+    }                                                                    \
+  } while (0)
+
+static void test_half_rounding() {
+  // Every finite half survives half -> float -> half; NaNs stay NaN.
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float f = half_to_float((uint16_t)h);
+    if (std::isnan(f)) {
+      EXPECT((float_to_half(f) & 0x7c00u) == 0x7c00u && (float_to_half(f) & 0x3ffu) != 0);
+    } else if (float_to_half(f) != h) {
+      EXPECT(float_to_half(f) == h);
+      break;
+    }
+  }
+  EXPECT(float_to_half(65504.0f) == 0x7bffu);
+  EXPECT(float_to_half(65519.0f) == 0x7bffu);
+  EXPECT(float_to_half(65520.0f) == 0x7c00u);  // halfway to 65536: ties to even -> inf
+  EXPECT(float_to_half(-65520.0f) == 0xfc00u);
+  EXPECT(float_to_half(std::ldexp(1.0f, -25)) == 0x0000u);           // tie -> even (0)
+  EXPECT(float_to_half(std::ldexp(1.0f, -25) * 1.001f) == 0x0001u);  // just above the tie
+  EXPECT(float_to_half(std::ldexp(3.0f, -25)) == 0x0002u);           // 1.5 units: tie -> 2
+  EXPECT(float_to_half(std::ldexp(5.0f, -25)) == 0x0002u);           // 2.5 units: tie -> 2
+  EXPECT(float_to_half(1.0f + std::ldexp(1.0f, -11)) == 0x3c00u);    // tie -> even mantissa
+  EXPECT(float_to_half(1.0f + std::ldexp(3.0f, -11)) == 0x3c02u);
+  EXPECT(float_to_half(2048.0f + 1.0f) == 0x6800u);                   // 2049 -> 2048
+}
+
+static void test_bf16_rounding() {
+  EXPECT(float_to_bf16(1.0f) == 0x3f80u);
+  EXPECT(float_to_bf16(1.0f + std::ldexp(1.0f, -8)) == 0x3f80u);  // tie -> even
+  EXPECT(float_to_bf16(1.0f + std::ldexp(3.0f, -8)) == 0x3f82u);
+  EXPECT(float_to_bf16(NAN) == 0x7fc0u);
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float f = bf16_to_float((uint16_t)h);
+    if (!std::isnan(f) && float_to_bf16(f) != h) {
+      EXPECT(float_to_bf16(f) == h);
+      break;
+    }
+  }
+}
+
+// Plan 40 query / 8 KV heads on 3 ranks: q [0,14) [14,27) [27,40), group 5.
+struct Plan {
+  int q0[3], q1[3], k0[3], k1[3];
+};
+
+static Plan plan_40_8_3() {
+  Plan p{};
+  const int bounds[4] = {0, 14, 27, 40};
+  for (int r = 0; r < 3; ++r) {
+    p.q0[r] = bounds[r];
+    p.q1[r] = bounds[r + 1];
+    p.k0[r] = bounds[r] / 5;
+    p.k1[r] = (bounds[r + 1] - 1) / 5 + 1;
+  }
+  return p;
+}
+
+static void test_pack(int unit, bool redirect) {
+  const Plan pl = plan_40_8_3();
+  const int B = 2, s = 3, D = 6, H[3] = {40, 8, 8}, pad = 2, rank = 1, S = 7, off = 2;
+  // Sources [B][s][H][D + pad]: rows strided, D contiguous.
+  std::vector<std::vector<float>> src(3);
+  for (int i = 0; i < 3; ++i) {
+    src[i].resize((size_t)B * s * H[i] * (D + pad));
+    for (size_t e = 0; e < src[i].size(); ++e) src[i][e] = (float)(i * 100000 + e);
+  }
+  PackParams p{};
+  p.n_streams = 3;
+  p.n_peers = 3;
+  p.batch = B;
+  p.seq = s;
+  p.row_bytes = D * 4;
+  p.unit = unit;
+  p.units_per_row = p.row_bytes / unit;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t sh = (D + pad) * 4;
+    p.src[i] = Strided4{(const char*)src[i].data(), s * H[i] * sh, H[i] * sh, sh, 4};
+    p.src_unit_stride[i] = unit;
+  }
+  int64_t rows = 0;
+  for (int r = 0; r < 3; ++r) {
+    const int a[3] = {pl.q0[r], pl.k0[r], pl.k0[r]}, b[3] = {pl.q1[r], pl.k1[r], pl.k1[r]};
+    p.peer_row0[r] = rows;
+    int h = 0;
+    for (int i = 0; i < 3; ++i) {
+      p.head0[r][i] = a[i];
+      p.heads[r][i] = b[i] - a[i];
+      h += b[i] - a[i];
+    }
+    p.peer_heads[r] = h;
+    rows += (int64_t)B * s * h;
+  }
+  p.peer_row0[3] = rows;
+  std::vector<float> send((size_t)rows * D, -1.0f);
+  const int h_r = p.peer_heads[rank];
+  std::vector<float> recv((size_t)B * S * h_r * D, -1.0f);
+  p.dst = (char*)send.data();
+  p.redirect_peer = redirect ? rank : -1;
+  p.redirect_ss = (int64_t)h_r * D * 4;
+  p.redirect_sb = S * p.redirect_ss;
+  p.redirect_ptr = (char*)recv.data() + off * p.redirect_ss;
+  pack_cpu(p);
+  // Naive: block of peer r is [B][s][q heads | k heads | v heads][D].
+  size_t g = 0;
+  for (int r = 0; r < 3; ++r) {
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < s; ++t) {
+        int j = 0;
+        for (int i = 0; i < 3; ++i)
+          for (int head = p.head0[r][i]; head < p.head0[r][i] + p.heads[r][i]; ++head, ++j)
+            for (int d = 0; d < D; ++d, ++g) {
+              const float want = src[i][(((size_t)b * s + t) * H[i] + head) * (D + pad) + d];
+              if (redirect && r == rank) {
+                EXPECT(send[g] == -1.0f);
+                EXPECT(recv[(((size_t)b * S + off + t) * h_r + j) * D + d] == want);
+              } else {
+                EXPECT(send[g] == want);
+              }
+            }
+      }
+  }
+  EXPECT(g == send.size());
+}
+
+static void test_unpack_sums_in_rank_order() {
+  // Three sources hold heads [0,2) [1,3) [1,2): head 1 is held three times.
+  const int B = 1, s = 2, D = 4, H = 4;
+  const int a[3] = {0, 1, 1}, b[3] = {2, 3, 2};
+  std::vector<std::vector<uint16_t>> blk(3);
+  for (int p = 0; p < 3; ++p) {
+    blk[p].resize((size_t)B * s * (b[p] - a[p]) * D);
+    for (size_t e = 0; e < blk[p].size(); ++e) blk[p][e] = float_to_half(p == 0 ? 2048.0f : 1.0f + (float)e);
+  }
+  std::vector<uint16_t> out((size_t)B * s * H * D, 0x7777u);
+  UnpackParams u{};
+  u.out = (char*)out.data();
+  u.ob = s * H * D * 2;
+  u.os = H * D * 2;
+  u.oh = D * 2;
+  u.od = 2;
+  u.batch = B;
+  u.seq = s;
+  u.out_heads = H;
+  u.d = D;
+  u.elem = 2;
+  u.unit = 8;
+  u.units_per_row = D * 2 / 8;
+  u.n_src = 3;
+  for (int p = 0; p < 3; ++p) {
+    const int h = b[p] - a[p];
+    u.blk[p] = Strided4{(const char*)blk[p].data(), s * h * D * 2, h * D * 2, D * 2, 2};
+    u.head0[p] = a[p];
+    u.head1[p] = b[p];
+  }
+  unpack_cpu(u, AddType::kF16);
+  for (int t = 0; t < s; ++t)
+    for (int head = 0; head < H; ++head)
+      for (int d = 0; d < D; ++d) {
+        uint16_t acc = 0;
+        bool any = false;
+        for (int p = 0; p < 3; ++p) {
+          if (head < a[p] || head >= b[p]) continue;
+          const uint16_t x = blk[p][((size_t)t * (b[p] - a[p]) + head - a[p]) * D + d];
+          acc = any ? float_to_half(half_to_float(acc) + half_to_float(x)) : x;
+          any = true;
+        }
+        const uint16_t got = out[((size_t)t * H + head) * D + d];
+        EXPECT(got == (any ? acc : 0x7777u));
+      }
+}
+
+int main() {
+  test_half_rounding();
+  test_bf16_rounding();
+  for (int unit : {4, 8}) {
+    test_pack(unit, false);
+    test_pack(unit, true);
+  }
+  test_unpack_sums_in_rank_order();
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("test_layout_math: all checks passed\n");
+  return 0;
+}

@@ -1,0 +1,185 @@
+"""The native NCCL communicator (ulysses_kernels.nccl_comm) and the extension's NCCL checks.
+
+Without a GPU: the NCCL version and unique-id calls, the linked-vs-loaded version check,
+and clean errors (no crash, no hang) when a communicator cannot be made. With one GPU and
+NCCL >= 2.30: two ranks share it (NCCL_MULTI_RANK_GPU_ENABLE=1) and run the collectives,
+a CUDA-graph capture, and the attention op end to end.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ulysses_kernels import _C_loader
+
+pytestmark = pytest.mark.skipif(
+    not (_C_loader.available() and _C_loader.load().build_info().get("nccl")), reason="ulysses_kernels._C without NCCL"
+)
+
+
+def _torch_nccl():
+    return tuple(torch.cuda.nccl.version())[:3]
+
+
+def test_versions_match_torch():
+    C = _C_loader.load()
+    info = _C_loader.build_info()
+    assert info["nccl_header_version"] == _torch_nccl()
+    assert info["nccl_runtime_version"] == _C_loader.decode_nccl_version(C.nccl_version()) == _torch_nccl()
+
+
+def test_decode_nccl_version():
+    assert _C_loader.decode_nccl_version(23007) == (2, 30, 7)
+    assert _C_loader.decode_nccl_version(2708) == (2, 7, 8)
+
+
+def test_version_mismatch_is_a_clear_import_error():
+    _C_loader.check_nccl_versions((2, 30, 7), (2, 30, 7, "+cuda13"))
+    with pytest.raises(ImportError, match=r"built against NCCL 2\.28\.3 but torch .* loaded NCCL 2\.30\.7.*rebuild"):
+        _C_loader.check_nccl_versions((2, 28, 3), (2, 30, 7))
+
+
+def test_unique_id_is_128_fresh_bytes():
+    C = _C_loader.load()
+    a, b = C.nccl_unique_id(), C.nccl_unique_id()
+    assert isinstance(a, bytes) and len(a) == 128 and a != b
+
+
+def test_bad_arguments_raise_value_errors():
+    C = _C_loader.load()
+    with pytest.raises(ValueError, match="unique_id expected 128 bytes, got 3"):
+        C.nccl_comm_init_rank(b"abc", 1, 0)
+    with pytest.raises(ValueError, match=r"rank expected in \[0, 2\), got 2"):
+        C.nccl_comm_init_rank(bytes(128), 2, 2)
+    with pytest.raises(ValueError, match="handle is 0"):
+        C.nccl_comm_destroy(0)
+
+
+_NO_GPU_SCRIPT = textwrap.dedent(
+    """
+    import os, re, tempfile
+    import torch, torch.distributed as dist
+    from ulysses_kernels import _C_loader
+    from ulysses_kernels.nccl_comm import NCCLCommunicator, default_cuda_comm
+    C = _C_loader.load()
+    try:
+        C.nccl_comm_init_rank(C.nccl_unique_id(), 1, 0)
+        raise SystemExit("ncclCommInitRank succeeded without a GPU")
+    except RuntimeError as e:
+        msg = str(e)
+        assert re.search(r"NCCL error at .*module\\.cpp:\\d+: ncclCommInitRank.* returned \\d+ \\(", msg), msg
+        print("INIT_ERROR", msg)
+    try:
+        NCCLCommunicator()
+        raise SystemExit("NCCLCommunicator without torch.distributed")
+    except RuntimeError as e:
+        assert "torch.distributed is not initialized" in str(e), e
+    f = tempfile.mktemp()
+    dist.init_process_group("gloo", init_method="file://" + f, rank=0, world_size=1)
+    try:
+        NCCLCommunicator()
+        raise SystemExit("NCCLCommunicator without a GPU")
+    except RuntimeError as e:
+        assert "needs a CUDA device" in str(e), e
+    assert default_cuda_comm() is None  # gloo group: the torch communicator stays the default
+    dist.destroy_process_group()
+    print("OK")
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without a GPU")
+def test_without_gpu_communicator_creation_fails_cleanly():
+    # In a subprocess with a timeout: a crash or a hang fails the test instead of the suite.
+    env = dict(os.environ, NCCL_DEBUG="WARN")
+    res = subprocess.run([sys.executable, "-c", _NO_GPU_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "OK" in res.stdout and "INIT_ERROR" in res.stdout
+
+
+def test_default_cuda_comm_without_distributed_is_none():
+    from ulysses_kernels.nccl_comm import default_cuda_comm
+
+    assert default_cuda_comm() is None
+
+
+# ---- GPU: two ranks on one GPU --------------------------------------------------------------
+def _multi_rank_gpu_ok():
+    return torch.cuda.is_available() and _torch_nccl() >= (2, 30, 0)
+
+
+def _two_ranks_body(rank, world):
+    import torch.distributed as dist
+
+    from ulysses_kernels import ulysses_attention
+    from ulysses_kernels.nccl_comm import NCCLCommunicator
+    from ulysses_kernels.reference import attention_reference
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    with NCCLCommunicator(device=0) as comm:
+        assert (comm.rank, comm.world_size) == (rank, world)
+        # Uneven splits: rank r sends (r + 1) * (p + 1) elements to rank p.
+        in_splits = [(rank + 1) * (p + 1) for p in range(world)]
+        out_splits = [(p + 1) * (rank + 1) for p in range(world)]
+        x = torch.arange(sum(in_splits), device=dev, dtype=torch.float32) + 1000 * rank
+        y = torch.full((sum(out_splits),), -1.0, device=dev)
+        comm.all_to_all(y, x, out_splits, in_splits)
+        expected, off = [], 0
+        for p in range(world):
+            src_splits = [(p + 1) * (q + 1) for q in range(world)]
+            start = sum(src_splits[:rank])
+            expected.append(torch.arange(start, start + src_splits[rank], device=dev, dtype=torch.float32) + 1000 * p)
+        assert torch.equal(y, torch.cat(expected))
+        # Even splits (ncclAlltoAll where available), bf16, async with wait().
+        x = torch.randn(world * 1000, device=dev).to(torch.bfloat16)
+        y = torch.empty_like(x)
+        comm.all_to_all(y, x, [1000] * world, [1000] * world, async_op=True).wait()
+        xs = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather_object(xs, x.cpu())
+        assert torch.equal(y.cpu(), torch.cat([xs[p][rank * 1000 : (rank + 1) * 1000] for p in range(world)]))
+        # Grouped send/recv.
+        peer = 1 - rank
+        s, r = torch.full((77,), float(rank), device=dev), torch.empty(77, device=dev)
+        comm.send_recv([(peer, s)], [(peer, r)])
+        assert torch.equal(r, torch.full_like(r, float(peer)))
+        # CUDA graph capture of an all-to-all, replayed on new data.
+        x = torch.randn(world * 256, device=dev)
+        y = torch.empty_like(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            comm.all_to_all(y, x, [256] * world, [256] * world)  # warm-up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            comm.all_to_all(y, x, [256] * world, [256] * world)
+        x.copy_(torch.full_like(x, float(rank + 1)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.cat([torch.full((256,), float(p + 1), device=dev) for p in range(world)]))
+        # The attention op end to end with native NCCL and the fused kernels.
+        g = torch.Generator().manual_seed(0)
+        seq_lens = (40, 24)
+        S = sum(seq_lens)
+        q, k, v = (torch.randn(2, S, h, 32, generator=g) for h in (6, 2, 2))
+        off = sum(seq_lens[:rank])
+        shard = [t[:, off : off + seq_lens[rank]].to(dev, torch.float16).requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(*shard, seq_lens=seq_lens, comm=comm, kernels="cuda", attn_fn="sdpa")
+        ref = attention_reference(q, k, v, causal=True)[:, off : off + seq_lens[rank]]
+        assert (out.double().cpu() - ref).abs().max().item() < 2e-2
+        out.float().sum().backward()
+        assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in shard)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _multi_rank_gpu_ok(), reason="needs a CUDA GPU and NCCL >= 2.30 (two ranks on one GPU)")
+def test_two_ranks_on_one_gpu():
+    from ulysses_kernels.testing import run_ranks
+
+    os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # inherited by the spawned ranks
+    run_ranks(_two_ranks_body, 2)
