@@ -157,30 +157,24 @@ DIST = {
         (8, 8, (5, 3), 2, True, F32, 2, "torch"),
         (8, 8, (4, 4), 1, False, BF16, 4, "torch"),
         (6, 2, (3, 6), 2, True, F32, 2, "torch"),
-        (8, 8, (5, 3), 1, True, F32, "auto", "torch"),
     ],
     3: [
         (40, 8, (3, 2, 4), 2, True, F32, 3, "torch"),
         (40, 8, (3, 2, 4), 1, False, BF16, 2, "torch"),
-        (7, 7, (2, 3, 2), 2, True, F32, 3, "torch"),
         (6, 6, (2, 3, 2), 2, True, F32, 2, "triton"),
     ],
     4: [
         (10, 2, (3, 4, 5, 2), 2, False, F32, 2, "torch"),  # KV groups split: replica sums
         (10, 2, (3, 4, 5, 2), 1, True, BF16, 3, "torch"),
         (8, 1, (2, 3, 2, 3), 2, True, F32, 4, "torch"),  # MQA: falls back to one chunk
-        (16, 4, (3, 3, 3, 3), 2, True, F32, 4, "torch"),
-        (12, 12, (2, 1, 3, 2), 1, True, F32, 3, "torch"),
     ],
     5: [
         (40, 8, (2, 3, 2, 1, 3), 2, True, F32, 3, "torch"),
         (40, 8, (2, 3, 2, 1, 3), 1, False, BF16, 2, "torch"),
-        (10, 5, (1, 2, 2, 1, 2), 2, True, F32, 2, "torch"),
     ],
     8: [
-        (40, 8, (2, 1, 2, 1, 2, 1, 2, 1), 2, True, F32, 2, "torch"),  # one KV head per rank
+        (40, 8, (2, 1, 2, 1, 2, 1, 2, 1), 2, True, F32, 2, "torch"),  # one KV head per rank: 1 chunk
         (16, 16, (1, 2, 1, 2, 1, 2, 1, 2), 2, False, F32, 2, "torch"),
-        (16, 4, (2,) * 8, 1, True, F32, 2, "torch"),  # 2 query heads per rank, 1 KV head
     ],
 }
 
