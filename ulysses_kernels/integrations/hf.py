@@ -43,6 +43,7 @@ import torch.distributed as dist
 from ..attention import ulysses_attention
 from ..checks import UlyssesInputError
 from ..comm import get_communicator
+from ..demo import split_lengths  # the project's one rule for uneven shards (re-exported here)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -69,12 +70,6 @@ class HFIntegrationError(UlyssesInputError):
 # --------------------------------------------------------------------------------------
 # The per-step context and the data side
 # --------------------------------------------------------------------------------------
-
-
-def split_lengths(total: int, world: int) -> list[int]:
-    """Contiguous shards as even as possible (the first ranks take the remainder)."""
-    base, extra = divmod(total, world)
-    return [base + (r < extra) for r in range(world)]
 
 
 @dataclass(eq=False)
