@@ -27,22 +27,28 @@ def _shard(x, seq_lens, r):
     return x[:, start : start + seq_lens[r]]
 
 
-def simulate_seq_to_head(plan, seq_lens, full, streams, kernels_pack=pack_s2h):
-    """Every rank packs, blocks are exchanged, every rank's received views are returned."""
+def simulate_seq_to_head(plan, seq_lens, full, streams, pack=pack_s2h, own_rows_in_place=False):
+    """Every rank packs, pieces are exchanged, every rank's received views are returned.
+
+    ``own_rows_in_place``: each rank packs its own block straight into its receive buffer
+    (the batch > 1 path), the rest through the send buffer."""
     B, D, P = full[0].shape[0], full[0].shape[3], plan.world_size
+    layouts = [Layout(plan, r, tuple(seq_lens), B, D) for r in range(P)]
+    nan = float("nan")
+    recvs = [torch.full((sum(lay.s2h_recv_splits(streams)),), nan, dtype=full[0].dtype) for lay in layouts]
     sends = []
-    for r in range(P):
-        lay = Layout(plan, r, tuple(seq_lens), B, D)
-        send = torch.full((sum(lay.s2h_send_splits(streams)),), float("nan"), dtype=full[0].dtype)
-        kernels_pack(lay, [_shard(x, seq_lens, r) for x in full], streams, send)
-        sends.append((lay, send.split(lay.s2h_send_splits(streams))))
-    received = []
-    for p in range(P):
-        lay = Layout(plan, p, tuple(seq_lens), B, D)
-        recv = torch.cat([blocks[p] for _, blocks in sends])
-        assert recv.numel() == sum(lay.s2h_recv_splits(streams))
-        received.append(lay.s2h_recv_views(recv, streams))
-    return received
+    for r, lay in enumerate(layouts):
+        send = torch.full((sum(lay.s2h_send_splits(streams)),), nan, dtype=full[0].dtype)
+        pack(lay, [_shard(x, seq_lens, r) for x in full], streams, send, **({"recv": recvs[r]} if own_rows_in_place else {}))
+        sends.append(lay.s2h_send_pieces(send, streams))
+    for p, lay in enumerate(layouts):
+        pieces = lay.s2h_recv_pieces(recvs[p], streams)
+        for r in range(P):
+            if own_rows_in_place and r == p:
+                continue
+            for b in range(B):
+                pieces[r][b].copy_(sends[r][p][b])
+    return [lay.s2h_recv_views(recv, streams) for lay, recv in zip(layouts, recvs)]
 
 
 def simulate_head_to_seq(plan, seq_lens, locals_per_rank, streams, unpack=unpack_h2s):
@@ -67,11 +73,12 @@ def simulate_head_to_seq(plan, seq_lens, locals_per_rank, streams, unpack=unpack
 
 @pytest.mark.parametrize("hq,hkv,P,seq_lens,B", PLANS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_seq_to_head_moves_every_head_to_its_owner(hq, hkv, P, seq_lens, B, dtype):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_seq_to_head_moves_every_head_to_its_owner(hq, hkv, P, seq_lens, B, dtype, in_place):
     plan = HeadPlan.build(hq, hkv, P)
     S, D = sum(seq_lens), 4
     q, k, v = (torch.randn(B, S, h, D).to(dtype) for h in (hq, hkv, hkv))
-    for p, (ql, kl, vl) in enumerate(simulate_seq_to_head(plan, seq_lens, [q, k, v], QKV)):
+    for p, (ql, kl, vl) in enumerate(simulate_seq_to_head(plan, seq_lens, [q, k, v], QKV, own_rows_in_place=in_place)):
         assert torch.equal(ql, q[:, :, slice(*plan.q_ranges[p])])
         assert torch.equal(kl, k[:, :, slice(*plan.kv_ranges[p])])
         assert torch.equal(vl, v[:, :, slice(*plan.kv_ranges[p])])

@@ -4,25 +4,31 @@ pack and unpack that every kernel (Triton, C++/CUDA) must match bit for bit.
 Notation: ``P`` ranks, rank ``r`` holds ``s_r`` tokens (``seq_lens[r]``), ``S = sum(s_r)``,
 ``B`` batch, ``D`` head_dim. A *stream* is one tensor family moved together: ``"q"`` moves
 the query-head ranges of the plan, ``"kv"`` the KV-head ranges. The q/k/v all-to-all moves
-the streams ``("q", "kv", "kv")``; the output and dout move ``("q",)``.
+the streams ``("q", "kv", "kv")``; the output and dout move ``("q",)``. Everything is
+batch-major, the layout attention kernels read and write (``[B, S, h, D]``, rows of ``D``
+contiguous), so neither side of an all-to-all needs a second copy.
 
 Sequence-sharded to head-sharded (q/k/v forward, dout backward), seen from rank ``r``::
 
-    send buffer (1-D, one collective)       block for peer p, seq-major:
-    +---------+---------+-----+              [s_r][B][h_q(p) | h_k(p) | h_v(p)][D]
+    send buffer (1-D)                       block for peer p, batch-major:
+    +---------+---------+-----+              [B][s_r][h_q(p) | h_k(p) | h_v(p)][D]
     | peer 0  | peer 1  | ... |              heads of the streams side by side
     +---------+---------+-----+
 
-    receive buffer = [S][B][h_q(r) | h_k(r) | h_v(r)][D]
-    (the blocks of sources 0..P-1 stack along S, so no receive-side copy is needed:
-    q, k, v are strided ``[B, S, h, D]`` views of it)
+    receive buffer = [B][S][h_q(r) | h_k(r) | h_v(r)][D]
+    q, k, v are ``[B, S, h, D]`` views of it (no receive-side copy). Source p's rows for
+    batch element b, ``[b, off_p : off_p + s_p]``, are one contiguous piece, as is the
+    send block's ``[b]`` slice: with batch 1 one ``all_to_all`` moves everything; with a
+    larger batch one grouped send/recv per (peer, batch element) does, and the rank's own
+    block is packed straight into its rows of the receive buffer (``pack_s2h(recv=...)``).
 
 Head-sharded to sequence-sharded (output forward, dq/dk/dv backward). Wire format of the
-block rank ``p`` sends to rank ``r`` for one stream: ``[s_r][B][h(p)][D]``. A local tensor
-``[B, S, h, D]`` whose memory is seq-major (``x.permute(1, 0, 2, 3)`` contiguous; always
-true for batch 1) is sent in place, its peer blocks are slices; otherwise it is packed.
-The receiver writes each block into ``[B, s_r, H, D]`` and sums KV heads that several
-ranks hold, in rank order (deterministic, once per replica).
+block rank ``p`` sends to rank ``r`` for one stream: ``[B][s_r][h(p)][D]``. A local tensor
+``[B, S, h, D]`` whose rows are contiguous per batch element (``x[b]`` contiguous, what
+attention kernels return) is sent in place, one piece per (peer, batch element);
+otherwise it is first made contiguous. The receiver writes each block into
+``[B, s_r, H, D]`` and sums KV heads that several ranks hold, in rank order
+(deterministic, once per replica); its own block is read from the local tensor.
 """
 
 from __future__ import annotations
@@ -89,20 +95,45 @@ class Layout:
         per_token = self.batch * self.head_dim * self.heads(streams, self.rank)
         return [s * per_token for s in self.seq_lens]
 
-    def s2h_send_views(self, send: torch.Tensor, streams: Sequence[str]):
-        """Per peer, per stream: ``[s_r, B, h, D]`` views of the flat send buffer."""
+    def s2h_send_views(self, send: torch.Tensor, streams: Sequence[str], recv: torch.Tensor | None = None):
+        """Per peer, per stream: the ``[B, s_r, h, D]`` destination of that peer's heads.
+
+        Blocks of the flat send buffer; with ``recv`` given, this rank's own block is its
+        rows of the receive buffer instead (its part of ``send`` is then left unused)."""
         views, start = [], 0
         for p, n in enumerate(self.s2h_send_splits(streams)):
-            block = send[start : start + n].view(self.seq_local, self.batch, self.heads(streams, p), self.head_dim)
-            views.append(_split_heads(block, [self.head_count(s, p) for s in streams]))
+            counts = [self.head_count(s, p) for s in streams]
+            if p == self.rank and recv is not None:
+                off = self.seq_offset(p)
+                block = self._recv4(recv, streams)[:, off : off + self.seq_local]
+            else:
+                block = send[start : start + n].view(self.batch, self.seq_local, sum(counts), self.head_dim)
+            views.append(_split_heads(block, counts))
             start += n
         return views
 
+    def _recv4(self, recv: torch.Tensor, streams: Sequence[str]) -> torch.Tensor:
+        return recv.view(self.batch, self.seq_total, self.heads(streams, self.rank), self.head_dim)
+
+    def s2h_send_pieces(self, send: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
+        """Per peer, per batch element: the contiguous piece of the send buffer."""
+        pieces, start = [], 0
+        for n in self.s2h_send_splits(streams):
+            pieces.append(list(send[start : start + n].view(self.batch, -1).unbind(0)))
+            start += n
+        return pieces
+
+    def s2h_recv_pieces(self, recv: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
+        """Per source, per batch element: the contiguous piece of the receive buffer."""
+        full = self._recv4(recv, streams)
+        return [
+            [full[b, self.seq_offset(p) : self.seq_offset(p) + self.seq_lens[p]].reshape(-1) for b in range(self.batch)]
+            for p in range(self.world_size)
+        ]
+
     def s2h_recv_views(self, recv: torch.Tensor, streams: Sequence[str]) -> list[torch.Tensor]:
         """The received tensors as ``[B, S, h, D]`` views of the flat receive buffer."""
-        full = recv.view(self.seq_total, self.batch, self.heads(streams, self.rank), self.head_dim)
-        parts = _split_heads(full, [self.head_count(s, self.rank) for s in streams])
-        return [x.permute(1, 0, 2, 3) for x in parts]
+        return _split_heads(self._recv4(recv, streams), [self.head_count(s, self.rank) for s in streams])
 
     # ---- head-sharded -> sequence-sharded -------------------------------------------
     def h2s_splits(self, streams: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -113,9 +144,9 @@ class Layout:
         return send, recv
 
     def h2s_send_blocks(self, local: torch.Tensor, peer: int) -> torch.Tensor:
-        """Rows of a local ``[B, S, h, D]`` tensor bound for ``peer``, as ``[s_p, B, h, D]``."""
+        """Rows of a local ``[B, S, h, D]`` tensor bound for ``peer``: ``[B, s_p, h, D]``."""
         start = self.seq_offset(peer)
-        return local.permute(1, 0, 2, 3)[start : start + self.seq_lens[peer]]
+        return local[:, start : start + self.seq_lens[peer]]
 
     def h2s_recv_slices(self, recv: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
         """Per source, per stream: the flat slice of the receive buffer it lands in
@@ -133,10 +164,7 @@ class Layout:
     def h2s_recv_views(self, recv: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
         """Per source, per stream: the received wire-format block as ``[B, s_r, h, D]``."""
         return [
-            [
-                x.view(self.seq_local, self.batch, self.head_count(s, p), self.head_dim).permute(1, 0, 2, 3)
-                for x, s in zip(per_stream, streams)
-            ]
+            [x.view(self.batch, self.seq_local, self.head_count(s, p), self.head_dim) for x, s in zip(per_stream, streams)]
             for p, per_stream in enumerate(self.h2s_recv_slices(recv, streams))
         ]
 
@@ -148,23 +176,30 @@ def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
     return out
 
 
-def is_seq_major(x: torch.Tensor) -> bool:
+def rows_contiguous(x: torch.Tensor) -> bool:
     """True when ``x`` (``[B, S, h, D]``) can be sent in wire format without a copy."""
-    return x.permute(1, 0, 2, 3).is_contiguous()
+    return x.shape[0] == 0 or x[0].is_contiguous()
 
 
 # ---- reference kernels (pure PyTorch): one copy per byte -------------------------------
-def pack_s2h(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], send: torch.Tensor) -> None:
-    """Write ``tensors`` (``[B, s_r, H, D]`` each) into the flat send buffer ``send``."""
-    for p, views in enumerate(layout.s2h_send_views(send, streams)):
+def pack_s2h(
+    layout: Layout,
+    tensors: Sequence[torch.Tensor],
+    streams: Sequence[str],
+    send: torch.Tensor,
+    recv: torch.Tensor | None = None,
+) -> None:
+    """Write ``tensors`` (``[B, s_r, H, D]`` each, any strides) into the flat send buffer;
+    with ``recv``, this rank's own heads go straight into its rows of the receive buffer."""
+    for p, views in enumerate(layout.s2h_send_views(send, streams, recv)):
         for x, s, dst in zip(tensors, streams, views):
             a, b = layout.head_range(s, p)
-            dst.copy_(x[:, :, a:b].transpose(0, 1))
+            dst.copy_(x[:, :, a:b])
 
 
 def pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
-    """Write a local ``[B, S, h, D]`` tensor into a flat wire-format send buffer."""
-    send.view(layout.seq_total, layout.batch, local.shape[2], layout.head_dim).copy_(local.transpose(0, 1))
+    """Write a local ``[B, S, h, D]`` tensor (any strides) into a flat wire-format buffer."""
+    send.view(local.shape).copy_(local)
 
 
 def unpack_h2s(

@@ -4,8 +4,8 @@ Data movement per call (the budget of one copy per byte on the wire):
 
 * ``a2a_seq_to_head``: one pack into one send buffer (all streams together), one collective,
   no receive-side copy (the results are strided views of the receive buffer).
-* ``a2a_head_to_seq``: the local tensors are sent in place when their memory is seq-major
-  (see ``layout.is_seq_major``), then one unpack writes the receive buffer into the
+* ``a2a_head_to_seq``: the local tensors are sent in place when their rows are contiguous
+  (see ``layout.rows_contiguous``), then one unpack writes the receive buffer into the
   ``[B, s_r, H, D]`` outputs, summing replicated KV heads.
 
 Buffers: each call allocates one send buffer (``a2a_seq_to_head`` only) and one receive buffer
@@ -32,15 +32,27 @@ def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
 
 def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views."""
+    like, rank = tensors[0], layout.rank
     send_splits = layout.s2h_send_splits(streams)
-    send = _flat(sum(send_splits), tensors[0])
-    kernels.pack_s2h(layout, tensors, streams, send)
     if layout.world_size == 1:
-        recv = send
-    else:
-        recv_splits = layout.s2h_recv_splits(streams)
-        recv = _flat(sum(recv_splits), tensors[0])
+        send = _flat(sum(send_splits), like)
+        kernels.pack_s2h(layout, tensors, streams, send)
+        return layout.s2h_recv_views(send, streams)
+    recv_splits = layout.s2h_recv_splits(streams)
+    recv = _flat(sum(recv_splits), like)
+    send = _flat(sum(send_splits), like)
+    if layout.batch == 1:
+        kernels.pack_s2h(layout, tensors, streams, send)
         comm.all_to_all(recv, send, recv_splits, send_splits)
+    else:
+        # One piece per (peer, batch element); our own rows are packed in place.
+        kernels.pack_s2h(layout, tensors, streams, send, recv=recv)
+        send_pieces, recv_pieces = layout.s2h_send_pieces(send, streams), layout.s2h_recv_pieces(recv, streams)
+        peers = [p for p in range(layout.world_size) if p != rank]
+        comm.send_recv(
+            [(p, x) for p in peers for x in send_pieces[p]],
+            [(p, x) for p in peers for x in recv_pieces[p]],
+        )
     return layout.s2h_recv_views(recv, streams)
 
 
@@ -51,30 +63,29 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequ
     rank, like = layout.rank, local[0]
     wire = []
     for x in local:
-        if not L.is_seq_major(x):
-            # NOTE: a backend whose output is batch-major with batch > 1 costs this extra copy.
+        if not L.rows_contiguous(x):
+            # NOTE: a backend that returns rows that are not contiguous costs this copy.
             packed = _flat(x.numel(), x)
             kernels.pack_h2s(layout, x, packed)
-            x = packed.view(layout.seq_total, layout.batch, x.shape[2], layout.head_dim).permute(1, 0, 2, 3)
+            x = packed.view(x.shape)
         wire.append(x)
     send_splits, recv_splits = layout.h2s_splits(streams)
     recv = _flat(sum(recv_splits), like)
-    if len(wire) == 1:
-        comm.all_to_all(recv, wire[0].permute(1, 0, 2, 3).reshape(-1), recv_splits, send_splits)
-        blocks = layout.h2s_recv_views(recv, streams)
+    blocks = layout.h2s_recv_views(recv, streams)
+    if len(wire) == 1 and layout.batch == 1:
+        comm.all_to_all(recv, wire[0].reshape(-1), recv_splits, send_splits)
     else:
-        slices = layout.h2s_recv_slices(recv, streams)
         sends, recvs = [], []
         for p in range(layout.world_size):
             if p == rank:
                 continue
-            for i, x in enumerate(wire):
-                sends.append((p, layout.h2s_send_blocks(x, p)))
-                recvs.append((p, slices[p][i]))
+            for x, dst in zip(wire, blocks[p]):
+                src = layout.h2s_send_blocks(x, p)
+                sends += [(p, src[b].reshape(-1)) for b in range(layout.batch)]
+                recvs += [(p, dst[b].reshape(-1)) for b in range(layout.batch)]
         comm.send_recv(sends, recvs)
-        blocks = layout.h2s_recv_views(recv, streams)
         # Our own rows never touch the wire: unpack reads them from the local tensors.
-        blocks[rank] = [layout.h2s_send_blocks(x, rank).permute(1, 0, 2, 3) for x in local]
+        blocks[rank] = [layout.h2s_send_blocks(x, rank) for x in wire]
     outs = [
         torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
         for s in streams

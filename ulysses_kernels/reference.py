@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 from .backends import default_scale, math_attention
 
@@ -33,11 +32,17 @@ def shard_sequence(x: torch.Tensor, seq_lens, rank: int) -> torch.Tensor:
     return x[:, start : start + seq_lens[rank]]
 
 
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
 def _chain_s2h(x, world, group):
     # [B, s, H, D] -> [P, s, B, H/P, D] (copy) -> all-to-all -> [B, P*s, H/P, D] (copy)
     b, s, h, d = x.shape
     send = x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
-    recv = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)
+    recv = _all_to_all(send, group)
     return recv.permute(2, 0, 1, 3, 4).reshape(b, world * s, h // world, d).contiguous()
 
 
@@ -45,8 +50,21 @@ def _chain_h2s(x, world, group):
     # [B, S, h, D] -> [P, s, B, h, D] (copy) -> all-to-all -> [B, s, P*h, D] (copy)
     b, S, h, d = x.shape
     send = x.reshape(b, world, S // world, h, d).permute(1, 2, 0, 3, 4).contiguous()
-    recv = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)
+    recv = _all_to_all(send, group)
     return recv.permute(2, 1, 0, 3, 4).reshape(b, S // world, world * h, d).contiguous()
+
+
+class _ChainAllToAll(torch.autograd.Function):
+    """The peers' autograd all-to-all: the backward runs the opposite chain."""
+
+    @staticmethod
+    def forward(ctx, x, to_heads, world, group):
+        ctx.to_heads, ctx.world, ctx.group = to_heads, world, group
+        return (_chain_s2h if to_heads else _chain_h2s)(x, world, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_chain_h2s if ctx.to_heads else _chain_s2h)(grad, ctx.world, ctx.group), None, None, None
 
 
 def permute_chain_attention(q, k, v, group=None, causal=True, softmax_scale=None, attn_fn=None):
@@ -57,7 +75,7 @@ def permute_chain_attention(q, k, v, group=None, causal=True, softmax_scale=None
         raise ValueError(f"permute_chain_attention: q_heads ({hq}) must be divisible by world_size ({world})")
     if hkv % world:
         k, v = (x.repeat_interleave(hq // hkv, dim=2) for x in (k, v))
-    q_l, k_l, v_l = (_chain_s2h(x, world, group) for x in (q, k, v))
+    q_l, k_l, v_l = (_ChainAllToAll.apply(x, True, world, group) for x in (q, k, v))
     scale = default_scale(q.shape[3], softmax_scale)
     if attn_fn is None:
         out_l = torch.nn.functional.scaled_dot_product_attention(
@@ -66,4 +84,4 @@ def permute_chain_attention(q, k, v, group=None, causal=True, softmax_scale=None
         ).transpose(1, 2)  # fmt: skip
     else:
         out_l = attn_fn(q_l, k_l, v_l, causal=causal, softmax_scale=scale)
-    return _chain_h2s(out_l, world, group)
+    return _ChainAllToAll.apply(out_l, False, world, group)
