@@ -16,15 +16,10 @@ import time
 import torch
 
 from .attention import ulysses_attention
+from .layout import split_lengths
 from .plan import HeadPlan
 from .reference import attention_reference, shard_sequence
 from .testing import run_ranks
-
-
-def split_lengths(total: int, world: int) -> list[int]:
-    """Contiguous shards as even as possible (the first ranks take the remainder)."""
-    base, extra = divmod(total, world)
-    return [base + (r < extra) for r in range(world)]
 
 
 def _job(rank, world, args):

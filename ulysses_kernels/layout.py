@@ -40,10 +40,17 @@ import torch
 
 from .plan import HeadPlan
 
-__all__ = ["Layout", "QKV", "Q_ONLY"]
+__all__ = ["Layout", "QKV", "Q_ONLY", "split_lengths"]
 
 QKV = ("q", "kv", "kv")
 Q_ONLY = ("q",)
+
+
+def split_lengths(total: int, world: int) -> list[int]:
+    """The project's rule for uneven shards: contiguous, as even as possible, the first
+    ``total % world`` ranks one token longer."""
+    base, extra = divmod(total, world)
+    return [base + (r < extra) for r in range(world)]
 
 
 @dataclass(frozen=True)

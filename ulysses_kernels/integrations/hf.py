@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ..attention import ulysses_attention
 from ..checks import UlyssesInputError
 from ..comm import get_communicator
-from ..demo import split_lengths  # the project's one rule for uneven shards (re-exported here)
+from ..layout import split_lengths  # the project's one rule for uneven shards (re-exported here)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
