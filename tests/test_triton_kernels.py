@@ -30,9 +30,8 @@ PLANS = [
     (10, 2, 4, None),  # GQA with groups split across ranks (KV replicas)
     (40, 8, 3, (0, 1)),
     (40, 8, 5, (0, 3)),
-    (40, 8, 8, (2, 7)),
+    (40, 8, 8, (7,)),
     (8, 1, 4, (0, 3)),  # MQA: every rank holds the one KV head
-    (11, 11, 5, (4,)),
 ]
 
 
