@@ -30,37 +30,50 @@ def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(n, dtype=like.dtype, device=like.device)
 
 
-def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
-    """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views."""
+def _run_now(tensors, call):
+    """``start`` for a blocking exchange: run the collective, no handle."""
+    call(False)
+    return None
+
+
+def post_seq_to_head(layout: Layout, tensors, streams, comm, kernels=TorchKernels, start=_run_now):
+    """Pack ``tensors`` (``[B, s_r, H, D]``) and post the sequence-to-head exchange.
+
+    ``start(buffers, call)`` runs ``call(async_op)`` (blocking by default; the chunked
+    pipeline passes one that overlaps it with compute) and returns a handle.
+    Returns ``(handle, recv)``; ``layout.s2h_recv_views(recv, streams)`` are the results
+    once the handle is waited.
+    """
     like, rank = tensors[0], layout.rank
-    send_splits = layout.s2h_send_splits(streams)
-    if layout.world_size == 1:
-        send = _flat(sum(send_splits), like)
-        kernels.pack_s2h(layout, tensors, streams, send)
-        return layout.s2h_recv_views(send, streams)
-    recv_splits = layout.s2h_recv_splits(streams)
+    send_splits, recv_splits = layout.s2h_send_splits(streams), layout.s2h_recv_splits(streams)
     recv = _flat(sum(recv_splits), like)
     send = _flat(sum(send_splits), like)
-    if layout.batch == 1:
+    if layout.batch == 1 and layout.world_size > 1:
         kernels.pack_s2h(layout, tensors, streams, send)
-        comm.all_to_all(recv, send, recv_splits, send_splits)
+        call = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
         # One piece per (peer, batch element); our own rows are packed in place.
         kernels.pack_s2h(layout, tensors, streams, send, recv=recv)
-        send_pieces, recv_pieces = layout.s2h_send_pieces(send, streams), layout.s2h_recv_pieces(recv, streams)
+        send_p, recv_p = layout.s2h_send_pieces(send, streams), layout.s2h_recv_pieces(recv, streams)
         peers = [p for p in range(layout.world_size) if p != rank]
-        comm.send_recv(
-            [(p, x) for p in peers for x in send_pieces[p]],
-            [(p, x) for p in peers for x in recv_pieces[p]],
-        )
-    return layout.s2h_recv_views(recv, streams)
+        sends = [(p, x) for p in peers for x in send_p[p]]
+        recvs = [(p, x) for p in peers for x in recv_p[p]]
+        call = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
+    return start((recv, send), call), recv
 
 
-def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
-    """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]``."""
-    if layout.world_size == 1:
-        return list(local)
-    rank, like = layout.rank, local[0]
+def _one_collective(layout: Layout, n_tensors: int) -> bool:
+    """Head-to-seq of one tensor at batch 1 is one all_to_all (own rows included)."""
+    return n_tensors == 1 and layout.batch == 1 and layout.world_size > 1
+
+
+def post_head_to_seq(layout: Layout, local, streams, comm, kernels=TorchKernels, start=_run_now):
+    """Post the head-to-sequence exchange of local ``[B, S, h, D]`` tensors (one per stream).
+
+    Rows that are contiguous per batch element go on the wire in place; others are packed
+    first. Returns ``(handle, recv, wire)``; pass ``recv`` and ``wire`` to
+    ``head_to_seq_blocks`` once the handle is waited.
+    """
     wire = []
     for x in local:
         if not L.rows_contiguous(x):
@@ -70,27 +83,50 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequ
             x = packed.view(x.shape)
         wire.append(x)
     send_splits, recv_splits = layout.h2s_splits(streams)
-    recv = _flat(sum(recv_splits), like)
-    blocks = layout.h2s_recv_views(recv, streams)
-    if len(wire) == 1 and layout.batch == 1:
-        comm.all_to_all(recv, wire[0].reshape(-1), recv_splits, send_splits)
+    recv = _flat(sum(recv_splits), wire[0])
+    if _one_collective(layout, len(wire)):
+        flat = wire[0].reshape(-1)
+        call = lambda a: comm.all_to_all(recv, flat, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
+        blocks = layout.h2s_recv_views(recv, streams)
         sends, recvs = [], []
         for p in range(layout.world_size):
-            if p == rank:
+            if p == layout.rank:
                 continue
             for x, dst in zip(wire, blocks[p]):
                 src = layout.h2s_send_blocks(x, p)
                 sends += [(p, src[b].reshape(-1)) for b in range(layout.batch)]
                 recvs += [(p, dst[b].reshape(-1)) for b in range(layout.batch)]
-        comm.send_recv(sends, recvs)
+        call = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
+    return start((recv, *wire), call), recv, wire
+
+
+def head_to_seq_blocks(layout: Layout, recv, wire, streams) -> list[list[torch.Tensor]]:
+    """Per source, per stream: the ``[B, s_r, h, D]`` block to unpack."""
+    blocks = layout.h2s_recv_views(recv, streams)
+    if not _one_collective(layout, len(wire)):
         # Our own rows never touch the wire: unpack reads them from the local tensors.
-        blocks[rank] = [layout.h2s_send_blocks(x, rank) for x in wire]
+        blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
+    return blocks
+
+
+def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
+    """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views."""
+    _, recv = post_seq_to_head(layout, tensors, streams, comm, kernels)
+    return layout.s2h_recv_views(recv, streams)
+
+
+def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
+    """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]``."""
+    if layout.world_size == 1:
+        return list(local)
+    _, recv, wire = post_head_to_seq(layout, local, streams, comm, kernels)
+    like = wire[0]
     outs = [
         torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
         for s in streams
     ]
-    kernels.unpack_h2s(layout, blocks, streams, outs)
+    kernels.unpack_h2s(layout, head_to_seq_blocks(layout, recv, wire, streams), streams, outs)
     return outs
 
 

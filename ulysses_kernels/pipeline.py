@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from .backends import AttentionBackend
-from .layout import Layout, Q_ONLY, QKV, rows_contiguous
+from .layout import Layout, Q_ONLY, QKV
+from .ops import UlyssesAttentionFunction, head_to_seq_blocks, post_head_to_seq, post_seq_to_head
 from .plan import HeadPlan
 
 __all__ = ["chunk_plans", "choose_chunks", "chunked_attention", "ChunkedAttentionFunction", "CostModel"]
@@ -310,59 +311,21 @@ def _schedule(layout: Layout, n: int) -> _Schedule:
 
 
 # ---- the pieces of one chunk --------------------------------------------------------------
-def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(n, dtype=like.dtype, device=like.device)
-
-
 def _start_s2h(chan: _Channel, lay: Layout, tensors, streams, kernels):
-    """Pack and start one seq->head exchange (as ``ops.a2a_seq_to_head``, asynchronous).
-    Returns (pending, receive buffer)."""
-    like, comm = tensors[0], chan.comm
-    send_splits, recv_splits = lay.s2h_send_splits(streams), lay.s2h_recv_splits(streams)
-    recv = _flat(sum(recv_splits), like)
-    send = _flat(sum(send_splits), like)
-    if lay.batch == 1:
-        kernels.pack_s2h(lay, tensors, streams, send)
-        return chan.start((recv, send), lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)), recv
-    # One piece per (peer, batch element); our own rows are packed in place.
-    kernels.pack_s2h(lay, tensors, streams, send, recv=recv)
-    send_p, recv_p = lay.s2h_send_pieces(send, streams), lay.s2h_recv_pieces(recv, streams)
-    peers = [p for p in range(lay.world_size) if p != lay.rank]
-    sends = [(p, x) for p in peers for x in send_p[p]]
-    recvs = [(p, x) for p in peers for x in recv_p[p]]
-    return chan.start((recv, send), lambda a: comm.send_recv(sends, recvs, async_op=a)), recv
+    """Pack and start one seq->head exchange. Returns (pending, receive buffer)."""
+    return post_seq_to_head(lay, tensors, streams, chan.comm, kernels, chan.start)
 
 
 def _start_h2s(chan: _Channel, lay: Layout, local: torch.Tensor, stream: str, kernels):
-    """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``stream``'s heads),
-    as ``ops.a2a_head_to_seq`` does. Returns (pending, receive buffer, wire tensor)."""
-    comm = chan.comm
-    if not rows_contiguous(local):
-        packed = _flat(local.numel(), local)
-        kernels.pack_h2s(lay, local, packed)
-        local = packed.view(local.shape)
-    send_splits, recv_splits = lay.h2s_splits((stream,))
-    recv = _flat(sum(recv_splits), local)
-    if lay.batch == 1:
-        wire = local.reshape(-1)
-        return chan.start((recv, local), lambda a: comm.all_to_all(recv, wire, recv_splits, send_splits, async_op=a)), recv, local
-    blocks = lay.h2s_recv_views(recv, (stream,))
-    sends, recvs = [], []
-    for p in range(lay.world_size):
-        if p == lay.rank:
-            continue
-        src, dst = lay.h2s_send_blocks(local, p), blocks[p][0]
-        sends += [(p, src[b].reshape(-1)) for b in range(lay.batch)]
-        recvs += [(p, dst[b].reshape(-1)) for b in range(lay.batch)]
-    return chan.start((recv, local), lambda a: comm.send_recv(sends, recvs, async_op=a)), recv, local
+    """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``stream``'s heads).
+    Returns (pending, receive buffer, wire tensor)."""
+    pending, recv, wire = post_head_to_seq(lay, [local], (stream,), chan.comm, kernels, chan.start)
+    return pending, recv, wire[0]
 
 
 def _h2s_blocks(lay: Layout, recv, local, stream: str):
     """Per source: the received ``[B, s_r, h, D]`` block (our own read from ``local``)."""
-    blocks = [per[0] for per in lay.h2s_recv_views(recv, (stream,))]
-    if lay.batch > 1:
-        blocks[lay.rank] = lay.h2s_send_blocks(local, lay.rank)
-    return blocks
+    return [per[0] for per in head_to_seq_blocks(lay, recv, [local], (stream,))]
 
 
 def _attend(backend, chunk: _Chunk, q, k, v, causal, scale, needs_grad):
@@ -515,8 +478,6 @@ def chunked_attention(q, k, v, layout: Layout, comm, kernels, backend, causal: b
     ``chunks``: an int >= 1 or ``"auto"``. Falls back to the unchunked op when the plan
     allows one chunk only. Returns ``[B, s_r, Hq, D]``.
     """
-    from .ops import UlyssesAttentionFunction
-
     if chunks == "auto":
         n = choose_chunks(layout, q.element_size(), causal, q.device.type)
     elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
