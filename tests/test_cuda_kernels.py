@@ -325,7 +325,8 @@ def test_gpu_attention_world_size_1(dtype):
         grads.append([t.grad.clone() for t in (q, k, v)])
         for t in (q, k, v):
             t.grad = None
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1])  # same bytes into the same attention kernel
     for a, b in zip(*grads):
-        assert torch.equal(a, b)
+        # The attention backward may accumulate dq with atomics: allow its rounding noise.
+        torch.testing.assert_close(a, b)
     assert get_kernels(None, q.device).name == "cuda"
