@@ -109,26 +109,35 @@ struct RowCopy {
   int64_t src_unit_stride;
 };
 
+// Index arithmetic runs in `I`: uint32_t when all the work of a launch has fewer than
+// kNarrowLimit units (then a grid-stride index cannot wrap), else int64_t. 32-bit integer
+// division is several times cheaper than 64-bit on the GPU and each unit needs a few.
+constexpr int64_t kNarrowLimit = int64_t(1) << 31;
+
+UK_HD bool narrow_index(int64_t work) { return work < kNarrowLimit; }
+
 // Where send-buffer row `row` comes from and goes to.
-UK_HD RowCopy pack_row(const PackParams& p, int64_t row) {
-  const int peer = find_peer(p.peer_row0, p.n_peers, row);
-  const int64_t local = row - p.peer_row0[peer];
-  const int64_t h = p.peer_heads[peer];
-  const int64_t j0 = local % h;
-  const int64_t bt = local / h;
-  const int64_t t = bt % p.seq;
-  const int64_t b = bt / p.seq;
-  int64_t j = j0;
+template <class I>
+UK_HD RowCopy pack_row(const PackParams& p, I row) {
+  const int peer = find_peer(p.peer_row0, p.n_peers, (int64_t)row);
+  const I local = row - (I)p.peer_row0[peer];
+  const I h = (I)p.peer_heads[peer];
+  const I j0 = local % h;
+  const I bt = local / h;
+  const I t = bt % (I)p.seq;
+  const I b = bt / (I)p.seq;
+  I j = j0;
   int i = 0;
-  while (j >= p.heads[peer][i]) {
-    j -= p.heads[peer][i];
+  while (j >= (I)p.heads[peer][i]) {
+    j -= (I)p.heads[peer][i];
     ++i;
   }
   const Strided4& s = p.src[i];
   RowCopy r;
-  r.src = s.ptr + b * s.sb + t * s.ss + (p.head0[peer][i] + j) * s.sh;
-  r.dst = peer == p.redirect_peer ? p.redirect_ptr + b * p.redirect_sb + t * p.redirect_ss + j0 * p.row_bytes
-                                  : p.dst + row * p.row_bytes;
+  r.src = s.ptr + (int64_t)b * s.sb + (int64_t)t * s.ss + ((int64_t)p.head0[peer][i] + (int64_t)j) * s.sh;
+  r.dst = peer == p.redirect_peer
+              ? p.redirect_ptr + (int64_t)b * p.redirect_sb + (int64_t)t * p.redirect_ss + (int64_t)j0 * p.row_bytes
+              : p.dst + (int64_t)row * p.row_bytes;
   r.src_unit_stride = p.src_unit_stride[i];
   return r;
 }
@@ -138,12 +147,14 @@ struct OutRow {
   int64_t b, t, head;
 };
 
-UK_HD OutRow unpack_out_row(const UnpackParams& p, int64_t row) {
+template <class I>
+UK_HD OutRow unpack_out_row(const UnpackParams& p, I row) {
+  const I h = (I)p.out_heads;
+  const I bt = row / h;
   OutRow r;
-  r.head = row % p.out_heads;
-  const int64_t bt = row / p.out_heads;
-  r.t = bt % p.seq;
-  r.b = bt / p.seq;
+  r.head = (int64_t)(row - bt * h);
+  r.t = (int64_t)(bt % (I)p.seq);
+  r.b = (int64_t)(bt / (I)p.seq);
   return r;
 }
 

@@ -14,25 +14,28 @@ int blocks_for(int64_t work) {
   return (int)(b < kMaxBlocks ? b : kMaxBlocks);
 }
 
-template <int UNIT>
+// I: the index type (uint32_t when narrow_index(n), see layout_math.h).
+template <int UNIT, class I>
 __global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ PackParams p) {
-  const int64_t n = p.peer_row0[p.n_peers] * p.units_per_row;
-  const int64_t step = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t row = i / p.units_per_row;
-    const int64_t u = i - row * p.units_per_row;
-    const RowCopy r = pack_row(p, row);
-    copy_unit<UNIT>(r.dst + u * UNIT, r.src + u * r.src_unit_stride);
+  const I n = (I)(p.peer_row0[p.n_peers] * p.units_per_row);
+  const I upr = (I)p.units_per_row;
+  const I step = (I)gridDim.x * blockDim.x;
+  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    const I row = i / upr;
+    const I u = i - row * upr;
+    const RowCopy r = pack_row<I>(p, row);
+    copy_unit<UNIT>(r.dst + (int64_t)u * UNIT, r.src + (int64_t)u * r.src_unit_stride);
   }
 }
 
-template <class Op, int UNIT>
+template <class Op, int UNIT, class I>
 __global__ void __launch_bounds__(kThreads) unpack_kernel(const __grid_constant__ UnpackParams p) {
-  const int64_t n = p.batch * p.seq * p.out_heads * p.units_per_row;
-  const int64_t step = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t row = i / p.units_per_row;
-    unpack_unit<Op, UNIT>(p, unpack_out_row(p, row), i - row * p.units_per_row);
+  const I n = (I)(p.batch * p.seq * p.out_heads * p.units_per_row);
+  const I upr = (I)p.units_per_row;
+  const I step = (I)gridDim.x * blockDim.x;
+  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    const I row = i / upr;
+    unpack_unit<Op, UNIT>(p, unpack_out_row<I>(p, row), (int64_t)(i - row * upr));
   }
 }
 
@@ -40,8 +43,21 @@ template <class Op, int UNIT>
 cudaError_t launch_unpack_t(const UnpackParams& p, cudaStream_t stream) {
   const int64_t n = p.batch * p.seq * p.out_heads * p.units_per_row;
   if (n == 0) return cudaSuccess;
-  unpack_kernel<Op, UNIT><<<blocks_for(n), kThreads, 0, stream>>>(p);
+  if (narrow_index(n)) {
+    unpack_kernel<Op, UNIT, uint32_t><<<blocks_for(n), kThreads, 0, stream>>>(p);
+  } else {
+    unpack_kernel<Op, UNIT, int64_t><<<blocks_for(n), kThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
+}
+
+template <int UNIT>
+void launch_pack_t(const PackParams& p, int64_t n, cudaStream_t stream) {
+  if (narrow_index(n)) {
+    pack_kernel<UNIT, uint32_t><<<blocks_for(n), kThreads, 0, stream>>>(p);
+  } else {
+    pack_kernel<UNIT, int64_t><<<blocks_for(n), kThreads, 0, stream>>>(p);
+  }
 }
 
 template <class Op>
@@ -60,13 +76,12 @@ cudaError_t launch_unpack_op(const UnpackParams& p, cudaStream_t stream) {
 cudaError_t launch_pack(const PackParams& p, cudaStream_t stream) {
   const int64_t n = p.peer_row0[p.n_peers] * p.units_per_row;
   if (n == 0) return cudaSuccess;
-  const int blocks = blocks_for(n);
   switch (p.unit) {
-    case 16: pack_kernel<16><<<blocks, kThreads, 0, stream>>>(p); break;
-    case 8: pack_kernel<8><<<blocks, kThreads, 0, stream>>>(p); break;
-    case 4: pack_kernel<4><<<blocks, kThreads, 0, stream>>>(p); break;
-    case 2: pack_kernel<2><<<blocks, kThreads, 0, stream>>>(p); break;
-    default: pack_kernel<1><<<blocks, kThreads, 0, stream>>>(p); break;
+    case 16: launch_pack_t<16>(p, n, stream); break;
+    case 8: launch_pack_t<8>(p, n, stream); break;
+    case 4: launch_pack_t<4>(p, n, stream); break;
+    case 2: launch_pack_t<2>(p, n, stream); break;
+    default: launch_pack_t<1>(p, n, stream); break;
   }
   return cudaGetLastError();
 }

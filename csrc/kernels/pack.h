@@ -10,7 +10,8 @@ namespace ulysses_kernels {
 // How an unpack combines KV replicas (the element type of the sum).
 enum class AddType { kCopyOnly = 0, kF32, kF64, kF16, kBF16 };
 
-void pack_cpu(const PackParams& p);
-void unpack_cpu(const UnpackParams& p, AddType add);
+// force_wide_index: use 64-bit index math even where 32 bits suffice (for tests).
+void pack_cpu(const PackParams& p, bool force_wide_index = false);
+void unpack_cpu(const UnpackParams& p, AddType add, bool force_wide_index = false);
 
 }  // namespace ulysses_kernels

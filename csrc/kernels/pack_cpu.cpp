@@ -6,10 +6,13 @@
 
 namespace ulysses_kernels {
 
-void pack_cpu(const PackParams& p) {
-  const int64_t rows = p.peer_row0[p.n_peers];
-  for (int64_t row = 0; row < rows; ++row) {
-    const RowCopy r = pack_row(p, row);
+namespace {
+
+template <class I>
+void pack_rows(const PackParams& p) {
+  const I rows = (I)p.peer_row0[p.n_peers];
+  for (I row = 0; row < rows; ++row) {
+    const RowCopy r = pack_row<I>(p, row);
     if (r.src_unit_stride == p.unit) {
       memcpy(r.dst, r.src, (size_t)p.row_bytes);
     } else {
@@ -18,39 +21,57 @@ void pack_cpu(const PackParams& p) {
   }
 }
 
-namespace {
-
-template <class Op, int UNIT>
-void unpack_rows(const UnpackParams& p) {
-  const int64_t rows = p.batch * p.seq * p.out_heads;
-  for (int64_t row = 0; row < rows; ++row) {
-    const OutRow r = unpack_out_row(p, row);
+template <class Op, int UNIT, class I>
+void unpack_rows_t(const UnpackParams& p) {
+  const I rows = (I)(p.batch * p.seq * p.out_heads);
+  for (I row = 0; row < rows; ++row) {
+    const OutRow r = unpack_out_row<I>(p, row);
     for (int64_t u = 0; u < p.units_per_row; ++u) {
       if (!unpack_unit<Op, UNIT>(p, r, u)) break;  // no source holds this head
     }
   }
 }
 
+// The same index width the CUDA launch would use (pack.cu), unless forced wide.
+bool narrow(int64_t work, bool force_wide) { return !force_wide && narrow_index(work); }
+
+template <class Op, int UNIT>
+void unpack_rows(const UnpackParams& p, bool force_wide) {
+  if (narrow(p.batch * p.seq * p.out_heads * p.units_per_row, force_wide)) {
+    unpack_rows_t<Op, UNIT, uint32_t>(p);
+  } else {
+    unpack_rows_t<Op, UNIT, int64_t>(p);
+  }
+}
+
 template <class Op>
-void unpack_dispatch_unit(const UnpackParams& p) {
+void unpack_dispatch_unit(const UnpackParams& p, bool wide) {
   switch (p.unit) {
-    case 16: return unpack_rows<Op, 16>(p);
-    case 8: return unpack_rows<Op, 8>(p);
-    case 4: return unpack_rows<Op, 4>(p);
-    case 2: return unpack_rows<Op, 2>(p);
-    default: return unpack_rows<Op, 1>(p);
+    case 16: return unpack_rows<Op, 16>(p, wide);
+    case 8: return unpack_rows<Op, 8>(p, wide);
+    case 4: return unpack_rows<Op, 4>(p, wide);
+    case 2: return unpack_rows<Op, 2>(p, wide);
+    default: return unpack_rows<Op, 1>(p, wide);
   }
 }
 
 }  // namespace
 
-void unpack_cpu(const UnpackParams& p, AddType add) {
+void pack_cpu(const PackParams& p, bool force_wide_index) {
+  if (narrow(p.peer_row0[p.n_peers] * p.units_per_row, force_wide_index)) {
+    pack_rows<uint32_t>(p);
+  } else {
+    pack_rows<int64_t>(p);
+  }
+}
+
+void unpack_cpu(const UnpackParams& p, AddType add, bool force_wide_index) {
   switch (add) {
-    case AddType::kF32: return unpack_dispatch_unit<AddF32>(p);
-    case AddType::kF64: return unpack_dispatch_unit<AddF64>(p);
-    case AddType::kF16: return unpack_dispatch_unit<AddF16>(p);
-    case AddType::kBF16: return unpack_dispatch_unit<AddBF16>(p);
-    default: return unpack_dispatch_unit<CopyOnly>(p);
+    case AddType::kF32: return unpack_dispatch_unit<AddF32>(p, force_wide_index);
+    case AddType::kF64: return unpack_dispatch_unit<AddF64>(p, force_wide_index);
+    case AddType::kF16: return unpack_dispatch_unit<AddF16>(p, force_wide_index);
+    case AddType::kBF16: return unpack_dispatch_unit<AddBF16>(p, force_wide_index);
+    default: return unpack_dispatch_unit<CopyOnly>(p, force_wide_index);
   }
 }
 

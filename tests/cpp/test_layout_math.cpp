@@ -75,7 +75,7 @@ static Plan plan_40_8_3() {
   return p;
 }
 
-static void test_pack(int unit, bool redirect) {
+static void test_pack(int unit, bool redirect, bool wide) {
   const Plan pl = plan_40_8_3();
   const int B = 2, s = 3, D = 6, H[3] = {40, 8, 8}, pad = 2, rank = 1, S = 7, off = 2;
   // Sources [B][s][H][D + pad]: rows strided, D contiguous.
@@ -119,7 +119,7 @@ static void test_pack(int unit, bool redirect) {
   p.redirect_ss = (int64_t)h_r * D * 4;
   p.redirect_sb = S * p.redirect_ss;
   p.redirect_ptr = (char*)recv.data() + off * p.redirect_ss;
-  pack_cpu(p);
+  pack_cpu(p, wide);
   // Naive: block of peer r is [B][s][q heads | k heads | v heads][D].
   size_t g = 0;
   for (int r = 0; r < 3; ++r) {
@@ -142,7 +142,7 @@ static void test_pack(int unit, bool redirect) {
   EXPECT(g == send.size());
 }
 
-static void test_unpack_sums_in_rank_order() {
+static void test_unpack_sums_in_rank_order(bool wide) {
   // Three sources hold heads [0,2) [1,3) [1,2): head 1 is held three times.
   const int B = 1, s = 2, D = 4, H = 4;
   const int a[3] = {0, 1, 1}, b[3] = {2, 3, 2};
@@ -172,7 +172,7 @@ static void test_unpack_sums_in_rank_order() {
     u.head0[p] = a[p];
     u.head1[p] = b[p];
   }
-  unpack_cpu(u, AddType::kF16);
+  unpack_cpu(u, AddType::kF16, wide);
   for (int t = 0; t < s; ++t)
     for (int head = 0; head < H; ++head)
       for (int d = 0; d < D; ++d) {
@@ -192,11 +192,13 @@ static void test_unpack_sums_in_rank_order() {
 int main() {
   test_half_rounding();
   test_bf16_rounding();
-  for (int unit : {4, 8}) {
-    test_pack(unit, false);
-    test_pack(unit, true);
+  for (bool wide : {false, true}) {  // 32-bit and 64-bit index math
+    for (int unit : {4, 8}) {
+      test_pack(unit, false, wide);
+      test_pack(unit, true, wide);
+    }
+    test_unpack_sums_in_rank_order(wide);
   }
-  test_unpack_sums_in_rank_order();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
