@@ -133,10 +133,11 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
                 ") when recv is given, got ", rank);
     check_same(r, send, "pack_s2h", "recv", "send");
     const int64_t h = p.peer_heads[rank], per_token = B * h * D;
-    TORCH_CHECK(r.dim() == 1 && r.is_contiguous() && per_token > 0 && r.numel() % per_token == 0,
+    TORCH_CHECK(r.dim() == 1 && r.is_contiguous() && (per_token == 0 ? r.numel() == 0 : r.numel() % per_token == 0),
                 "ulysses_kernels.pack_s2h: recv expected a contiguous 1-D tensor of B * S * h * D = ", B, " * S * ", h,
                 " * ", D, " elements, got shape ", shape_str(r));
-    const int64_t total = r.numel() / per_token;
+    // With no heads for this rank (a chunk may give it none) there is nothing to redirect.
+    const int64_t total = per_token == 0 ? S + seq_offset : r.numel() / per_token;
     TORCH_CHECK(0 <= seq_offset && seq_offset + S <= total, "ulysses_kernels.pack_s2h: seq_offset expected in [0, ",
                 total - S, "] (recv holds ", total, " tokens, tensors[0] ", S, "), got ", seq_offset);
     p.redirect_peer = static_cast<int32_t>(rank);
