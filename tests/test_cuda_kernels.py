@@ -325,6 +325,40 @@ def test_gpu_large_pack_uses_vector_path_and_matches():
 
 @needs_gpu
 @pytest.mark.gpu
+def test_gpu_pack_unpack_capture_in_cuda_graph():
+    # Stream-ordered with no host sync: a captured pack/unpack replays on new inputs.
+    plan = HeadPlan.build(40, 8, 3)
+    lay = Layout(plan, 1, (64, 48, 80), 2, 64)
+    q, k, v = _qkv(lay, torch.bfloat16, "cuda", "fused")
+    send = torch.empty(sum(lay.s2h_send_splits(QKV)), device="cuda", dtype=torch.bfloat16)
+    blocks = _blocks(lay, QKV, torch.bfloat16, "cuda", seed=1)
+    outs = _outs(lay, QKV, torch.bfloat16, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        CK.pack_s2h(lay, (q, k, v), QKV, send)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        CK.pack_s2h(lay, (q, k, v), QKV, send)
+        CK.unpack_h2s(lay, blocks, QKV, outs)
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    for per_source in blocks:
+        for b in per_source:
+            b.copy_(torch.randn_like(b))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.empty_like(send)
+    L.pack_s2h(lay, (q, k, v), QKV, ref)
+    assert torch.equal(send, ref)
+    want = _outs(lay, QKV, torch.bfloat16, "cuda")
+    L.unpack_h2s(lay, blocks, QKV, want)
+    assert all(torch.equal(a, b) for a, b in zip(want, outs))
+
+
+@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_attention_world_size_1(dtype):
     from ulysses_kernels import ulysses_attention
