@@ -13,5 +13,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Attention layer: a Llama-3-8B-shaped layout scaled down (8 query / 2 KV heads).
 "$PY" bench/bench_attention.py --spawn 2 --layouts 8/2 --seqs 64,128 --head-dim 16 -w 1 -n 2 \
   --methods local,chain,ulysses-torch,deepspeed,yunchang,layout-torch,chain-layout --out-dir "$OUT"
+# Pack/unpack against a copy of the same bytes and the permute chain.
+"$PY" bench/bench_pack.py --device cpu --iters 3 --out "$OUT"
 # The performance model's table (formulas and published constants; no measurement).
 "$PY" bench/perf_model.py --seqs 32K,1M

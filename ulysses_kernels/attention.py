@@ -70,11 +70,15 @@ def ulysses_attention(
             ``"sdpa"``, ``"math"``, a callable ``fn(q, k, v, causal=, softmax_scale=)`` over
             ``[B, S, H, D]`` grouped heads, or a backend object (see ``backends``).
         plan: a prebuilt ``HeadPlan`` (default: ``HeadPlan.build(q_heads, kv_heads, world)``).
-        comm: a communicator (default: torch.distributed on ``group``).
+        comm: a communicator (default: torch.distributed on ``group``; ``UlyssesAttention``
+            and ``integrations.hf.apply`` own a native ``NCCLCommunicator`` by default on
+            NCCL groups, as can a caller: ``comm=NCCLCommunicator(group)``).
         kernels: the pack/unpack kernels: ``None``/``"auto"``, ``"torch"``, ``"triton"``,
             ``"cuda"`` (see ``ulysses_kernels.kernels``).
         chunks: split each rank's heads into this many chunks whose all-to-alls overlap
             with attention (``"auto"`` picks from a cost model); ``1`` is no overlap.
+            Chunked results equal ``chunks=1`` bit for bit with backends that compute each
+            head independently (SDPA, flash-attn; not the ``"math"`` einsum).
         check: exchange a small signature of every rank's inputs first (one tiny
             all-gather and a host sync) so that bad or mismatched inputs raise the same
             error on every rank. ``False`` skips the exchange: then all ranks must pass
@@ -124,7 +128,9 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         if check not in ("once", "always", "never"):
             raise ValueError(f"UlyssesAttention: check expected 'once', 'always' or 'never', got {check!r}")
-        self.comm = get_communicator(group, comm)
+        # The module owns its communicator: the native NCCL one on NCCL groups when the
+        # extension has it (made here, collectively), else torch.distributed's.
+        self.comm = get_communicator(group, comm, native=True)
         self.plan = HeadPlan.build(q_heads, kv_heads, self.comm.world_size)
         self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check
         self.kernels, self.chunks = kernels, chunks

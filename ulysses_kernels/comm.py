@@ -137,10 +137,18 @@ class LocalCommunicator:
         return [list(values)]
 
 
-def get_communicator(group=None, comm: Communicator | None = None) -> Communicator:
-    """The communicator for ``group``: ``comm`` if given, else torch.distributed's."""
+def get_communicator(group=None, comm: Communicator | None = None, native: bool = False) -> Communicator:
+    """The communicator for ``group``: ``comm`` if given; with ``native``, a new native NCCL
+    communicator where the group is NCCL and the extension has NCCL (the caller owns it:
+    making one is collective); else torch.distributed's."""
     if comm is not None:
         return comm
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return LocalCommunicator()
+    if native:
+        from .nccl_comm import default_cuda_comm
+
+        made = default_cuda_comm(group)
+        if made is not None:
+            return made
     return TorchCommunicator(group)

@@ -18,7 +18,6 @@ NCCL errors are raised as ``RuntimeError`` with NCCL's error string and the C++ 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Sequence
 
 import torch
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from . import _C_loader
 
-__all__ = ["NCCLCommunicator", "default_cuda_comm", "nccl_available", "clear_default_cuda_comms"]
+__all__ = ["NCCLCommunicator", "default_cuda_comm", "nccl_available"]
 
 
 def _extension():
@@ -135,26 +134,14 @@ class NCCLCommunicator:
         return f"NCCLCommunicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, open={bool(self.handle)})"
 
 
-# One communicator per (group, device), made on first use by default_cuda_comm: creating one
-# is collective and costs milliseconds, too much for every attention call.
-_DEFAULT_COMMS: dict[tuple[str, int], NCCLCommunicator] = {}
-_LOCK = threading.Lock()
-
-
-def _group_key(group) -> str:
-    if group is None:
-        group = dist.group.WORLD
-    name = getattr(group, "group_name", None)
-    return name if name else f"id{id(group)}"
-
-
 def default_cuda_comm(group=None) -> NCCLCommunicator | None:
-    """The native NCCL communicator for ``group``, or None where it does not apply.
+    """A new native NCCL communicator for ``group``, or None where it does not apply.
 
     Applies when ``group``'s backend is NCCL (so the tensors are on CUDA), the extension has
-    NCCL, and ``ULYSSES_KERNELS_NATIVE_NCCL`` is not ``0``. Made on the first call for a
-    (group, device) and reused; every rank of the group must make that first call together
-    (``ulysses_attention`` does). ``clear_default_cuda_comms()`` destroys them.
+    NCCL, and ``ULYSSES_KERNELS_NATIVE_NCCL`` is not ``0``. Creating one is collective and
+    costs milliseconds, so it is made once by an owner that lives as long as it is used
+    (``UlyssesAttention``, ``integrations.hf.apply``), never cached per group in a module
+    global. Every rank of the group must call it at the same point.
     """
     if os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "1") == "0":
         return None
@@ -162,18 +149,4 @@ def default_cuda_comm(group=None) -> NCCLCommunicator | None:
         return None
     if dist.get_backend(group) != "nccl" or not nccl_available():
         return None
-    key = (_group_key(group), torch.cuda.current_device())
-    with _LOCK:
-        comm = _DEFAULT_COMMS.get(key)
-        if comm is None:
-            comm = _DEFAULT_COMMS[key] = NCCLCommunicator(group)
-    return comm
-
-
-def clear_default_cuda_comms() -> None:
-    """Destroy the communicators made by ``default_cuda_comm`` (call on every rank)."""
-    with _LOCK:
-        comms = list(_DEFAULT_COMMS.values())
-        _DEFAULT_COMMS.clear()
-    for comm in comms:
-        comm.close()
+    return NCCLCommunicator(group)

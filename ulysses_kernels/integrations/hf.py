@@ -496,7 +496,8 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
         check: ``"step"`` (default): validate the inputs across ranks at the first attention
             call of each step (one tiny all-gather per step); ``"always"``: every layer;
             ``"never"``: no exchange.
-        comm: a communicator (default: torch.distributed on ``group``).
+        comm: a communicator (default: a native NCCLCommunicator on NCCL groups when the
+            extension has NCCL, made here and owned by the model; else torch.distributed's).
 
     Returns the model (changed in place: ``config._attn_implementation == "ulysses"``). Its
     forward then expects ``shard_batch(...).model_inputs()``. The model's GQA layout,
@@ -533,7 +534,7 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
     if wrong:
         raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
-    settings = _Settings(group, get_communicator(group, comm), attn_fn, kernels, chunks, check)
+    settings = _Settings(group, get_communicator(group, comm, native=True), attn_fn, kernels, chunks, check)
     for m in modules:
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
