@@ -425,10 +425,6 @@ def _body(args, rank, world, device, backend):
         raise SystemExit(f"bench_alltoall: {bad} wrong elements")
 
 
-def _spawned(rank, world, args):
-    _body(args, rank, world, torch.device("cpu"), "gloo")
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-b", "--minbytes", default="1K", help="smallest size per rank (default 1K)")
@@ -451,18 +447,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.spawn:
-        from ulysses_kernels.testing import run_ranks
-
-        run_ranks(_spawned, args.spawn, args)
-        return 0
-    rank, world, device, backend = C.init_from_env()
-    try:
-        _body(args, rank, world, device, backend)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return C.launch(_body, parse_args(argv))
 
 
 if __name__ == "__main__":

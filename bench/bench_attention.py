@@ -601,10 +601,6 @@ def _body(args, rank, world, device, backend):
         raise SystemExit(f"bench_attention: {bad} wrong elements")
 
 
-def _spawned(rank, world, args):
-    _body(args, rank, world, torch.device("cpu"), "gloo")
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="all", help=f"comma list of {', '.join(MODELS)} (default all)")
@@ -638,18 +634,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.spawn:
-        from ulysses_kernels.testing import run_ranks
-
-        run_ranks(_spawned, args.spawn, args)
-        return 0
-    rank, world, device, backend = C.init_from_env()
-    try:
-        _body(args, rank, world, device, backend)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return C.launch(_body, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -411,3 +411,18 @@ def test_attention_on_gloo_ranks_cuda_kernels_equal_torch():
     from ulysses_kernels.testing import run_ranks
 
     run_ranks(_ranks_cuda_vs_torch, 3)
+
+
+def test_auto_passes_over_the_cuda_kernels_beyond_their_peer_limit():
+    import re
+    from pathlib import Path
+
+    from ulysses_kernels.kernels.cuda_kernels import MAX_WORLD_SIZE
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "kernels" / "layout_math.h").read_text()
+    assert int(re.search(r"constexpr int kMaxPeers = (\d+);", header).group(1)) == MAX_WORLD_SIZE
+    cuda = torch.device("cuda")  # a device object only: no GPU is touched
+    small = Layout(HeadPlan.build(128, 8, 8), 0, (1,) * 8, 1, 8)
+    large = Layout(HeadPlan.build(128, 8, MAX_WORLD_SIZE + 1), 0, (1,) * (MAX_WORLD_SIZE + 1), 1, 8)
+    assert get_kernels("auto", cuda, small).name == "cuda"
+    assert get_kernels("auto", cuda, large).name != "cuda"

@@ -93,7 +93,7 @@ def ulysses_attention(
         q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check
     )
     backend = resolve_backend(attn_fn, q)
-    kern = get_kernels(kernels, q.device)
+    kern = get_kernels(kernels, q.device, layout)
     scale = default_scale(q.shape[3], softmax_scale)
     if chunks != 1:
         from .pipeline import chunked_attention
@@ -169,7 +169,7 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     kv_heads = plan.kv_heads if plan is not None else q.shape[2] if q.dim() == 4 else 1
     kk, vv = (k, v) if k is not None else (q[:, :, :kv_heads], q[:, :, :kv_heads])
     plan, layout = _prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
-    outs = SeqToHead.apply(layout, comm, get_kernels(kernels, q.device), *((q, k, v) if k is not None else (q,)))
+    outs = SeqToHead.apply(layout, comm, get_kernels(kernels, q.device, layout), *((q, k, v) if k is not None else (q,)))
     return outs if k is not None else outs[0]
 
 
@@ -192,4 +192,4 @@ def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None, kern
     elif sum(seq_lens) != x.shape[1]:
         raise ValueError(f"head_to_seq: x.shape[1] expected sum(seq_lens) = {sum(seq_lens)}, got {x.shape[1]}")
     layout = Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])
-    return HeadToSeq.apply(layout, comm, get_kernels(kernels, x.device), x)
+    return HeadToSeq.apply(layout, comm, get_kernels(kernels, x.device, layout), x)

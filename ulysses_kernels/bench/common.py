@@ -209,6 +209,26 @@ def init_from_env() -> tuple[int, int, torch.device, str]:
     return dist.get_rank(), dist.get_world_size(), device, backend
 
 
+def _spawned(rank: int, world: int, body, args) -> None:
+    body(args, rank, world, torch.device("cpu"), "gloo")
+
+
+def launch(body, args) -> int:
+    """Run ``body(args, rank, world_size, device, backend)`` on every rank: on ``args.spawn``
+    gloo ranks spawned here (CPU) when set, else in this torchrun (or single) process."""
+    if getattr(args, "spawn", 0):
+        from ulysses_kernels.testing import run_ranks
+
+        run_ranks(_spawned, args.spawn, body, args)
+        return 0
+    rank, world, device, backend = init_from_env()
+    try:
+        body(args, rank, world, device, backend)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 # ---- timing -------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -57,15 +57,18 @@ def available_kernels() -> list[str]:
     return [n for n in ("torch", *_LOADERS) if _load(n) is not None]
 
 
-def get_kernels(name, device: torch.device):
-    """The kernel set for ``name`` (None, "auto", "torch", "triton", "cuda" or an object)."""
+def get_kernels(name, device: torch.device, layout=None):
+    """The kernel set for ``name`` (None, "auto", "torch", "triton", "cuda" or an object).
+
+    With ``"auto"``, a set whose ``supports(layout)`` says no (the C++ kernels take at most
+    64 ranks) is passed over for the next one."""
     if name is not None and not isinstance(name, str):
         return name
     if name in (None, "auto"):
         order = ("cuda", "triton", "torch") if device.type == "cuda" else ("torch",)
         for candidate in order:
             cls = _load(candidate)
-            if cls is not None:
+            if cls is not None and (layout is None or getattr(cls, "supports", lambda _: True)(layout)):
                 return cls()
         return TorchKernels()
     if name not in ("torch", *_LOADERS):

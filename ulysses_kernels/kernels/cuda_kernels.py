@@ -38,6 +38,11 @@ def s2h_head_ranges(layout: Layout, streams: Sequence[str]) -> list[int]:
     return [x for p in range(layout.world_size) for s in streams for x in layout.head_range(s, p)]
 
 
+# kMaxPeers in csrc/kernels/layout_math.h (the kernels' parameter struct holds every peer's
+# head ranges); tests/test_cuda_kernels.py checks that the two agree.
+MAX_WORLD_SIZE = 64
+
+
 class CudaKernels:
     """Kernel set backed by ``torch.ops.ulysses_kernels`` (see ``ulysses_kernels.kernels``)."""
 
@@ -46,6 +51,10 @@ class CudaKernels:
     @staticmethod
     def available() -> bool:
         return _C_loader.available()
+
+    @staticmethod
+    def supports(layout: Layout) -> bool:
+        return layout.world_size <= MAX_WORLD_SIZE
 
     @staticmethod
     def pack_s2h(layout: Layout, tensors, streams, send, recv=None) -> None:
