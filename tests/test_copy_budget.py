@@ -15,7 +15,7 @@ from ulysses_kernels.backends import SDPABackend
 from ulysses_kernels.layout import Layout
 from ulysses_kernels.reference import permute_chain_attention
 from ulysses_kernels.testing import run_ranks
-from ulysses_kernels.traffic import CopyCounter, ulysses_payload_bytes
+from ulysses_kernels.traffic import CopyCounter, ulysses_buffer_bytes, ulysses_payload_bytes
 
 
 class _PausedBackend(SDPABackend):
@@ -49,6 +49,8 @@ def _ours(rank, world, hq, hkv, B, seq_lens, kernels):
     assert ratio <= 1.0, f"{hq}/{hkv} heads, batch {B}: {ratio:.3f} copies per byte on the wire ({dict(counter.by_op)})"
     # Exactly one: every byte is packed or unpacked once, so the counter sees all of them.
     assert ratio == pytest.approx(1.0), (ratio, dict(counter.by_op))
+    # No allocation beyond one send and one receive buffer per exchange, and the results.
+    assert counter.allocated == ulysses_buffer_bytes(layout, q.element_size())
     return ratio
 
 

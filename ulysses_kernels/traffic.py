@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .layout import QKV, Q_ONLY, Layout
 
-__all__ = ["CopyCounter", "ulysses_payload_bytes"]
+__all__ = ["CopyCounter", "ulysses_payload_bytes", "ulysses_buffer_bytes"]
 
 aten = torch.ops.aten
 
@@ -28,6 +28,8 @@ _OUT_OF_PLACE = {
     aten.slice_scatter, aten.select_scatter, aten.as_strided_scatter, aten.expand_copy,
     aten.permute_copy, aten.transpose_copy, aten.view_copy, aten.repeat, aten.gather,
 }  # fmt: skip
+# Fresh allocations (their bytes are counted in ``.allocated``, not as copies).
+_ALLOC = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.zeros, aten.zeros_like, aten.new_zeros}
 # In-place writers: (op, index of the argument whose bytes are written).
 _IN_PLACE = {aten.copy_: 0, aten.add_: 0, aten.index_add_: 3, aten.index_copy_: 3, aten.index_put_: 2, aten.scatter_: 3, aten.scatter_add_: 3}
 
@@ -41,11 +43,13 @@ def _nbytes(x) -> int:
 
 
 class CopyCounter(TorchDispatchMode):
-    """Bytes written by copy-like ops: ``.bytes`` in total, ``.by_op`` per op name."""
+    """Bytes written by copy-like ops: ``.bytes`` in total, ``.by_op`` per op name; bytes of
+    fresh tensors allocated: ``.allocated``."""
 
     def __init__(self):
         super().__init__()
         self.bytes = 0
+        self.allocated = 0
         self.by_op: Counter[str] = Counter()
         self._paused = 0
 
@@ -62,6 +66,8 @@ class CopyCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self._paused:
             packet = func.overloadpacket
+            if packet in _ALLOC:
+                self.allocated += _nbytes(out)
             written = 0
             if packet in _OUT_OF_PLACE:
                 written = _nbytes(out)
@@ -81,4 +87,18 @@ def ulysses_payload_bytes(layout: Layout, element_size: int, backward: bool = Tr
     elems = sum(layout.s2h_send_splits(QKV)) + sum(layout.h2s_splits(Q_ONLY)[0])
     if backward:
         elems += sum(layout.s2h_send_splits(Q_ONLY)) + sum(layout.h2s_splits(QKV)[0])
+    return elems * element_size
+
+
+def ulysses_buffer_bytes(layout: Layout, element_size: int) -> int:
+    """Bytes one rank allocates in one forward+backward of ``ulysses_attention`` outside the
+    attention backend, when the backend returns rows contiguous per batch element: one send
+    and one receive buffer for q/k/v and for dout, one receive buffer for the output and for
+    dq/dk/dv (they are sent in place), and the results ``out``, ``dq``, ``dk``, ``dv``."""
+    hq, hkv = layout.plan.q_heads, layout.plan.kv_heads
+    rows = layout.batch * layout.seq_local * layout.head_dim
+    elems = sum(layout.s2h_send_splits(QKV)) + sum(layout.s2h_recv_splits(QKV))
+    elems += sum(layout.s2h_send_splits(Q_ONLY)) + sum(layout.s2h_recv_splits(Q_ONLY))
+    elems += sum(layout.h2s_splits(Q_ONLY)[1]) + sum(layout.h2s_splits(QKV)[1])
+    elems += rows * (2 * hq + 2 * hkv)
     return elems * element_size
