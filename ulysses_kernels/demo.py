@@ -46,18 +46,31 @@ def _job(rank, world, args):
     errs += [(m.grad.double().cpu() - shard_sequence(f.grad, seq_lens, rank)).abs().max().item() for m, f in zip(mine, full)]
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, errs)
+    # Low precision: our error may be at most 2x that of PyTorch's own single-process
+    # attention in the same dtype on the same device (both against float64).
+    budget = [1e-10] * 4 if dtype == torch.float64 else [2 * e for e in _torch_error(full, ref, dout, device, dtype, args)]
     if rank == 0:
         plan = HeadPlan.build(args.q_heads, args.kv_heads, world)
         print(plan.table())
         print(f"\nsequence {args.seq} tokens over {world} ranks {seq_lens}, batch {args.batch}, "
               f"head_dim {args.head_dim}, {dtype} on {device.type} ({args.backend}), fwd+bwd {elapsed * 1e3:.1f} ms on rank 0")
-        tol = 1e-10 if dtype == torch.float64 else 5e-2
         worst = [max(col) for col in zip(*gathered)]
-        for name, e in zip(("out", "dq", "dk", "dv"), worst):
-            print(f"  max |{name} - reference| over ranks = {e:.3e}  ({'ok' if e <= tol else 'MISMATCH'})")
-        if max(worst) > tol:
+        for name, e, tol in zip(("out", "dq", "dk", "dv"), worst, budget):
+            print(f"  max |{name} - float64 reference| over ranks = {e:.3e}  (allowed {tol:.1e}: {'ok' if e <= tol else 'MISMATCH'})")
+        if any(e > tol for e, tol in zip(worst, budget)):
             raise SystemExit(1)
         print("ulysses_attention matches single-process attention")
+
+
+def _torch_error(full, ref, dout, device, dtype, args) -> list[float]:
+    """Max error of one-process SDPA in ``dtype`` against the float64 reference."""
+    low = [x.detach().to(device, dtype).requires_grad_() for x in full]
+    q, k, v = (x.transpose(1, 2) for x in low)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=not args.no_causal, enable_gqa=True)
+    out = out.transpose(1, 2)
+    out.backward(dout.to(device, dtype))
+    errs = [(out.double().cpu() - ref.detach()).abs().max().item()]
+    return errs + [(x.grad.double().cpu() - f.grad).abs().max().item() for x, f in zip(low, full)]
 
 
 def main(argv=None) -> int:
