@@ -520,7 +520,9 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
 
 def _ratios(rows):
     """x_chain: the chain's time over this row's (layout rows: chain-layout's over this);
-    x_floor: this row's time over the local floor's (attention rows only)."""
+    x_floor: this row's time over the local floor's (attention rows only);
+    extra_gib: this row's peak memory over the local floor's (the buffers and copies of the
+    all-to-alls; GPU only)."""
     by = {(r["method"], r["pass"]): r for r in rows}
     for r in rows:
         is_layout = r["method"].startswith("layout-") or r["method"] == "chain-layout"
@@ -528,6 +530,8 @@ def _ratios(rows):
         local = by.get(("local", r["pass"]))
         r["x_chain"] = chain["time_ms"] / r["time_ms"] if chain else None
         r["x_floor"] = r["time_ms"] / local["time_ms"] if local and not is_layout else None
+        has_mem = local and r["mem_gib"] is not None and local["mem_gib"] is not None and not is_layout
+        r["extra_gib"] = r["mem_gib"] - local["mem_gib"] if has_mem else None
 
 
 def _breakdown(rows):
@@ -552,7 +556,8 @@ def _breakdown(rows):
 COLUMNS = [
     ("model", "model", ""), ("seq", "seq", "d"), ("world", "P", "d"), ("method", "method", ""), ("pass", "pass", ""),
     ("time_ms", "time(ms)", ".3f"), ("tflops", "TFLOP/s", ".1f"), ("x_chain", "x_chain", ".2f"),
-    ("x_floor", "x_floor", ".2f"), ("mem_gib", "mem(GiB)", ".2f"), ("wrong", "#wrong", "d"),
+    ("x_floor", "x_floor", ".2f"), ("mem_gib", "mem(GiB)", ".2f"), ("extra_gib", "extra(GiB)", ".2f"),
+    ("wrong", "#wrong", "d"),
 ]  # fmt: skip
 BREAKDOWN_COLUMNS = [
     ("model", "model", ""), ("seq", "seq", "d"), ("pass", "pass", ""), ("kernels", "kernels", ""),
