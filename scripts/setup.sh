@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a venv in .venv with torch, the test tools and
 # ulysses_kernels itself (editable). Re-running it is cheap when everything is there.
+# ULYSSES_KERNELS_SYSTEM_TORCH=1: make the venv see the interpreter's own packages and use
+# its torch (an offline GPU machine with torch preinstalled); nothing is downloaded then,
+# and tests of what is missing (e.g. transformers) skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${ULYSSES_KERNELS_TORCH:-torch==2.14.1}
+SYSTEM_TORCH=${ULYSSES_KERNELS_SYSTEM_TORCH:-0}
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  if [ "$SYSTEM_TORCH" = "1" ]; then "$PY" -m venv --system-site-packages .venv; else "$PY" -m venv .venv; fi
 fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, ninja, transformers" 2>/dev/null; then
+if [ "$SYSTEM_TORCH" = "1" ]; then
+  .venv/bin/python -c "import torch, pytest" || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
+elif ! .venv/bin/python -c "import torch, numpy, pytest, ninja, transformers" 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC numpy pytest ninja transformers==5.23.0 into .venv"
   .venv/bin/pip install -q --disable-pip-version-check "$TORCH_SPEC" numpy pytest ninja transformers==5.23.0 2>&1 | grep -v "^WARNING: Location" || true
 fi
