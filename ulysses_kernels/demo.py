@@ -3,17 +3,20 @@
     python -m ulysses_kernels.demo [--world-size 4] [--q-heads 10] [--kv-heads 2] ...
 
 Uses NCCL on the local GPUs when there are at least ``--world-size`` of them, otherwise
-gloo ranks on the CPU. Rank 0 prints the head plan, then forward and backward errors
+gloo ranks on the CPU. Under ``torchrun`` (``torchrun --nproc-per-node N -m
+ulysses_kernels.demo``) each process is one rank. Rank 0 prints the head plan, then forward and backward errors
 against single-process float64 attention; the exit code is non-zero on a mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from .attention import ulysses_attention
 from .layout import split_lengths
@@ -84,6 +87,18 @@ def main(argv=None) -> int:
     p.add_argument("--no-causal", action="store_true")
     args = p.parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # Launched by torchrun: this process is one rank (NCCL when every local rank has a GPU).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        args.backend = "nccl" if gpus >= local else "gloo"
+        if args.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(args.backend)
+        try:
+            _job(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+        return 0
     world = args.world_size or (gpus if gpus >= 2 else 4)
     args.backend = "nccl" if gpus >= world >= 2 else "gloo"
     run_ranks(_job, world, args, backend=args.backend)
