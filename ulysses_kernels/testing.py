@@ -1,24 +1,42 @@
 """Run a function on real ``torch.distributed`` ranks (gloo on the CPU) from a test or a
 script: ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initializes
 a process group in each, calls ``fn(rank, world_size, *args)`` and re-raises the first
-failure in the parent with the rank's traceback."""
+failure in the parent with the rank's traceback.
+
+A rank that hangs must not hang the caller: collectives time out after ``timeout_s``
+(the process group's own timeout) and the parent kills the ranks and raises
+``TimeoutError`` when they have not all finished by then.
+"""
 
 from __future__ import annotations
 
+import datetime
 import os
+import pickle
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks"]
+__all__ = ["run_ranks", "RanksFailed"]
 
 
-def _worker(rank, fn, world_size, init_file, backend, args):
+class RanksFailed(RuntimeError):
+    """One or more ranks raised; the message holds the traceback of every rank that did
+    (the first rank to fail is not always the first one the parent notices)."""
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("ULYSSES_KERNELS_TEST_TIMEOUT", "600"))
+
+
+def _worker(rank, fn, world_size, init_file, backend, timeout_s, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -28,8 +46,30 @@ def _worker(rank, fn, world_size, init_file, backend, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, backend: str = "gloo") -> None:
+def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | None = None) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks."""
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(fn, world_size, init_file, backend, args), nprocs=world_size, join=True)
+        context = mp.start_processes(
+            _worker, args=(fn, world_size, init_file, backend, timeout_s, args),
+            nprocs=world_size, join=False, start_method="spawn",
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s + 30  # the group's own timeout fires first
+        try:
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    for p in context.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise TimeoutError(
+                        f"run_ranks: {getattr(fn, '__name__', fn)} on {world_size} ranks did not finish "
+                        f"in {timeout_s:.0f} s (a hang?)"
+                    )
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            traces = []
+            for rank, path in enumerate(context.error_files):
+                if path and os.access(path, os.R_OK) and os.path.getsize(path):
+                    with open(path, "rb") as fh:
+                        traces.append(f"-- rank {rank} raised:\n{pickle.load(fh)}")
+            raise RanksFailed("\n".join(traces) or str(e)) from e

@@ -1,0 +1,45 @@
+"""The spawn helper itself: failures come back with the rank's traceback, hangs time out."""
+
+import time
+
+import pytest
+import torch.distributed as dist
+from ulysses_kernels.testing import RanksFailed, run_ranks
+
+
+def _fails_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 says no")
+
+
+def _rank_1_skips_the_collective(rank, world):
+    if rank == 0:
+        dist.barrier()
+
+
+def _sleeps(rank, world):
+    time.sleep(60)
+
+
+def test_a_failure_is_reraised_with_its_message():
+    # Rank 0's final barrier fails too once rank 1 is gone; rank 1's own error must show.
+    with pytest.raises(RanksFailed, match="(?s)rank 1 raised.*rank 1 says no"):
+        run_ranks(_fails_on_rank_1, 2)
+
+
+def test_a_collective_that_one_rank_skips_does_not_hang():
+    # Rank 0 waits in a barrier that rank 1 never joins (it joins the final one instead,
+    # which pairs with rank 0's): whatever happens, the call returns or raises in time.
+    start = time.monotonic()
+    try:
+        run_ranks(_rank_1_skips_the_collective, 2, timeout_s=5)
+    except Exception:  # noqa: BLE001 - either outcome is fine, a hang is not
+        pass
+    assert time.monotonic() - start < 90
+
+
+def test_a_rank_that_never_returns_is_killed():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish"):
+        run_ranks(_sleeps, 2, timeout_s=1)
+    assert time.monotonic() - start < 60
