@@ -44,6 +44,36 @@ void check_splits(at::IntArrayRef splits, int64_t numel, int world, const char* 
               " (the buffer's numel), got ", total);
 }
 
+// ncclGroupStart ... ncclGroupEnd with the End guaranteed: a send or recv that fails
+// (throws) inside the group must still close it, else every later NCCL call of this
+// thread is silently queued into a group that never launches (a hang, not an error).
+class Group {
+ public:
+  explicit Group(ncclComm_t comm) : comm_(comm) { UK_NCCL_CHECK(ncclGroupStart(), comm_); }
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+  void end() {
+    open_ = false;
+    UK_NCCL_CHECK(ncclGroupEnd(), comm_);
+  }
+  ~Group() {
+    if (open_) (void)ncclGroupEnd();  // already unwinding from an error: keep that one
+  }
+
+ private:
+  ncclComm_t comm_;
+  bool open_ = true;
+};
+
+// The collectives run on the current stream of the tensors' device, which must be the
+// communicator's device (NCCL would fail later with a less helpful error, or not at all).
+void check_comm_device(ncclComm_t comm, const at::Device& device, const char* op) {
+  int comm_device = -1;
+  UK_NCCL_CHECK(ncclCommCuDevice(comm, &comm_device), comm);
+  TORCH_CHECK(device.index() == comm_device, "ulysses_kernels.", op, ": tensors expected on cuda:", comm_device,
+              " (the communicator's device), got ", device);
+}
+
 bool all_equal(at::IntArrayRef a, at::IntArrayRef b) {
   for (size_t i = 0; i < a.size(); ++i) {
     if (a[i] != a[0] || b[i] != a[0]) return false;
@@ -64,18 +94,27 @@ void nccl_all_to_all(int64_t handle, const at::Tensor& output, const at::Tensor&
   const int world = comm_size(comm);
   check_splits(output_splits, output.numel(), world, "output_splits");
   check_splits(input_splits, input.numel(), world, "input_splits");
+  check_comm_device(comm, input.device(), "nccl_all_to_all");
+  // Nothing to send or receive: no peer posts anything for this rank either (its splits
+  // towards us are our output splits, all zero), so no NCCL call at all. This also keeps a
+  // rank whose splits are all 0 (no tokens and no heads) out of the ncclAlltoAll branch
+  // below while its peers take the send/recv branch.
+  if (input.numel() == 0 && output.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
   const size_t elem = input.element_size();
   const char* src = static_cast<const char*>(input.const_data_ptr());
   char* dst = static_cast<char*>(output.mutable_data_ptr());
 #if UK_NCCL_HAS_ALLTOALL
+  // ncclAlltoAll is a collective: every rank must take this branch together. The splits
+  // of a rank are all equal (and non-zero) only when every rank's are (sizes here are
+  // s_r * h_p products, see layout.py), so the ranks agree without talking.
   if (all_equal(output_splits, input_splits)) {
     UK_NCCL_CHECK(ncclAlltoAll(src, dst, static_cast<size_t>(input_splits[0]) * elem, ncclUint8, comm, stream), comm);
     return;
   }
 #endif
-  UK_NCCL_CHECK(ncclGroupStart(), comm);
+  Group group(comm);
   size_t in_off = 0, out_off = 0;
   for (int peer = 0; peer < world; ++peer) {
     const size_t n_in = static_cast<size_t>(input_splits[peer]) * elem;
@@ -85,7 +124,7 @@ void nccl_all_to_all(int64_t handle, const at::Tensor& output, const at::Tensor&
     in_off += n_in;
     out_off += n_out;
   }
-  UK_NCCL_CHECK(ncclGroupEnd(), comm);
+  group.end();
 }
 
 // Point-to-point transfers posted as one NCCL group.
@@ -109,22 +148,27 @@ void nccl_send_recv(int64_t handle, at::TensorList sends, at::IntArrayRef send_p
     TORCH_CHECK(peer >= 0 && peer < world, "ulysses_kernels.nccl_send_recv: peer expected in [0, ", world, "), got ",
                 peer);
   }
+  check_comm_device(comm, device, "nccl_send_recv");
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  UK_NCCL_CHECK(ncclGroupStart(), comm);
+  // Empty tensors are skipped (their data pointer may be null): a matched send and recv
+  // have the same size, so both sides skip the pair, as torch's all-to-all does.
+  Group group(comm);
   for (size_t i = 0; i < sends.size(); ++i) {
     const at::Tensor& t = sends[i];
+    if (t.numel() == 0) continue;
     UK_NCCL_CHECK(ncclSend(t.const_data_ptr(), t.numel() * t.element_size(), ncclUint8, static_cast<int>(send_peers[i]),
                            comm, stream),
                   comm);
   }
   for (size_t i = 0; i < recvs.size(); ++i) {
     const at::Tensor& t = recvs[i];
+    if (t.numel() == 0) continue;
     UK_NCCL_CHECK(ncclRecv(t.mutable_data_ptr(), t.numel() * t.element_size(), ncclUint8, static_cast<int>(recv_peers[i]),
                            comm, stream),
                   comm);
   }
-  UK_NCCL_CHECK(ncclGroupEnd(), comm);
+  group.end();
 }
 
 }  // namespace

@@ -153,7 +153,7 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
   return p;
 }
 
-// pack_h2s: a local [B, S, h, D] tensor -> send [S][B][h][D]: a pack with one peer.
+// pack_h2s: a local [B, S, h, D] tensor (any strides) -> contiguous send [B][S][h][D]: a pack with one peer.
 PackParams make_pack_h2s(const at::Tensor& local, const at::Tensor& send) {
   TORCH_CHECK(local.dim() == 4, "ulysses_kernels.pack_h2s: local expected 4 dims [B, S, h, D], got shape ",
               shape_str(local));

@@ -107,12 +107,27 @@ def test_default_cuda_comm_without_distributed_is_none():
     assert default_cuda_comm() is None
 
 
-# ---- GPU: two ranks on one GPU --------------------------------------------------------------
+# ---- GPU: one rank, and two ranks on one GPU -------------------------------------------------
 def _multi_rank_gpu_ok():
     return torch.cuda.is_available() and _torch_nccl() >= (2, 30, 0)
 
 
-def _two_ranks_body(rank, world):
+# A hang inside NCCL (ncclCommInitRank, a mismatched collective) blocks no Python timeout;
+# run_ranks kills the ranks after this many seconds (its default, 600 s, is a whole
+# GPU-session command).
+_GPU_TIMEOUT_S = 240
+
+
+def _run_ranks_with_timeout(fn, world):
+    import inspect
+
+    from ulysses_kernels.testing import run_ranks
+
+    kw = {"timeout_s": _GPU_TIMEOUT_S} if "timeout_s" in inspect.signature(run_ranks).parameters else {}
+    run_ranks(fn, world, **kw)
+
+
+def _ranks_body(rank, world):
     import torch.distributed as dist
 
     from ulysses_kernels import ulysses_attention
@@ -142,11 +157,15 @@ def _two_ranks_body(rank, world):
         xs = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather_object(xs, x.cpu())
         assert torch.equal(y.cpu(), torch.cat([xs[p][rank * 1000 : (rank + 1) * 1000] for p in range(world)]))
-        # Grouped send/recv.
-        peer = 1 - rank
+        # Grouped send/recv (to the next rank, from the previous one; to itself with one
+        # rank), with an empty pair that both sides skip.
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
         s, r = torch.full((77,), float(rank), device=dev), torch.empty(77, device=dev)
-        comm.send_recv([(peer, s)], [(peer, r)])
-        assert torch.equal(r, torch.full_like(r, float(peer)))
+        e_s, e_r = torch.empty(0, device=dev), torch.empty(0, device=dev)
+        comm.send_recv([(nxt, s), (nxt, e_s)], [(prev, r), (prev, e_r)])
+        assert torch.equal(r, torch.full_like(r, float(prev)))
+        # Nothing to move on this rank: no NCCL call (an all-zero all-to-all).
+        comm.all_to_all(e_r, e_s, [0] * world, [0] * world)
         # CUDA graph capture of an all-to-all, replayed on new data.
         x = torch.randn(world * 256, device=dev)
         y = torch.empty_like(x)
@@ -164,7 +183,7 @@ def _two_ranks_body(rank, world):
         assert torch.equal(y, torch.cat([torch.full((256,), float(p + 1), device=dev) for p in range(world)]))
         # The attention op end to end with native NCCL and the fused kernels.
         g = torch.Generator().manual_seed(0)
-        seq_lens = (40, 24)
+        seq_lens = (40, 24) if world == 2 else (64,)
         S = sum(seq_lens)
         q, k, v = (torch.randn(2, S, h, 32, generator=g) for h in (6, 2, 2))
         off = sum(seq_lens[:rank])
@@ -177,9 +196,15 @@ def _two_ranks_body(rank, world):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _multi_rank_gpu_ok(), reason="needs a CUDA GPU and NCCL >= 2.30 (two ranks on one GPU)")
-def test_two_ranks_on_one_gpu():
-    from ulysses_kernels.testing import run_ranks
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_rank_on_one_gpu():
+    # Any NCCL version: the communicator, ncclAlltoAll / self send-recv, graph capture and
+    # the attention op, on a world of one (where two ranks per GPU are not supported).
+    _run_ranks_with_timeout(_ranks_body, 1)
 
-    os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # inherited by the spawned ranks
-    run_ranks(_two_ranks_body, 2)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _multi_rank_gpu_ok(), reason="needs a CUDA GPU and NCCL >= 2.30 (two ranks on one GPU)")
+def test_two_ranks_on_one_gpu(monkeypatch):
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")  # read by NCCL in the spawned ranks
+    _run_ranks_with_timeout(_ranks_body, 2)

@@ -189,6 +189,73 @@ static void test_unpack_sums_in_rank_order(bool wide) {
       }
 }
 
+// Address math at sizes where byte offsets exceed 32 bits while the unit index still fits
+// (the 32-bit index path of the CUDA launch) and where it does not (64-bit path). Only
+// addresses are computed (pack_row never dereferences), so no memory is needed: one rank
+// holding 2^20 tokens (B = 1, 8 ranks, 64 q / 8 KV heads, D = 128 bf16) sends rows up to
+// byte 2.1e10 of the send buffer, and reads q heads up to byte 1.7e10 of a head-major q.
+static void test_pack_addresses_beyond_4gb(int64_t batch) {
+  const int64_t s = int64_t(1) << 20, D = 128, row = D * 2, peers = 8, rank = 5;
+  const int64_t H[3] = {64, 8, 8};
+  const uintptr_t base[3] = {uintptr_t(1) << 40, uintptr_t(2) << 40, uintptr_t(3) << 40};
+  const uintptr_t send = uintptr_t(4) << 40, recv = uintptr_t(5) << 40;
+  // q head-major [B][H][s][D]; k, v token-major [B][s][h][D].
+  const Strided4 src[3] = {{(const char*)base[0], H[0] * s * row, row, s * row, 2},
+                           {(const char*)base[1], s * H[1] * row, H[1] * row, row, 2},
+                           {(const char*)base[2], s * H[2] * row, H[2] * row, row, 2}};
+  PackParams p{};
+  p.n_streams = 3;
+  p.n_peers = (int32_t)peers;
+  p.batch = batch;
+  p.seq = s;
+  p.row_bytes = row;
+  p.unit = 16;
+  p.units_per_row = row / 16;
+  for (int i = 0; i < 3; ++i) {
+    p.src[i] = src[i];
+    p.src_unit_stride[i] = 16;
+  }
+  const int64_t h = 10;  // 8 q heads + 1 k + 1 v per peer
+  for (int64_t r = 0; r <= peers; ++r) p.peer_row0[r] = r * batch * s * h;
+  for (int r = 0; r < peers; ++r) {
+    p.peer_heads[r] = (int32_t)h;
+    const int32_t h0[3] = {8 * r, r, r}, hn[3] = {8, 1, 1};
+    for (int i = 0; i < 3; ++i) {
+      p.head0[r][i] = h0[i];
+      p.heads[r][i] = hn[i];
+    }
+  }
+  p.dst = (char*)send;
+  p.redirect_peer = (int32_t)rank;
+  p.redirect_ss = h * row;
+  p.redirect_sb = peers * s * p.redirect_ss;
+  p.redirect_ptr = (char*)(recv + (uint64_t)(rank * s) * p.redirect_ss);
+  const int64_t rows = p.peer_row0[peers];
+  const bool narrow = narrow_index(rows * p.units_per_row);
+  EXPECT(narrow == (batch == 1));
+  int checked = 0;
+  for (int64_t g = 0; g < rows; g += (g + 8 < rows ? 7919 : 1)) {
+    const int64_t peer = g / (batch * s * h), local = g % (batch * s * h);
+    const int64_t j0 = local % h, t = (local / h) % s, b = local / h / s;
+    const int i = j0 < 8 ? 0 : (int)(j0 - 7);
+    const int64_t head = i == 0 ? 8 * peer + j0 : peer;
+    const uint64_t want_src = base[i] + (uint64_t)(b * src[i].sb + t * src[i].ss + head * src[i].sh);
+    const uint64_t want_dst = peer == rank ? recv + (uint64_t)(b * p.redirect_sb + (rank * s + t) * p.redirect_ss + j0 * row)
+                                           : send + (uint64_t)(g * row);
+    const RowCopy wide = pack_row<int64_t>(p, g);
+    EXPECT((uint64_t)(uintptr_t)wide.src == want_src && (uint64_t)(uintptr_t)wide.dst == want_dst);
+    if (narrow) {
+      const RowCopy r32 = pack_row<uint32_t>(p, (uint32_t)g);
+      EXPECT((uint64_t)(uintptr_t)r32.src == want_src && (uint64_t)(uintptr_t)r32.dst == want_dst);
+    }
+    if (failures) return;
+    ++checked;
+  }
+  EXPECT(checked > 10000);
+  // The largest byte offset really is past 4 GiB (what the test is about).
+  EXPECT(rows * row > (int64_t(1) << 34));
+}
+
 int main() {
   test_half_rounding();
   test_bf16_rounding();
@@ -199,6 +266,8 @@ int main() {
     }
     test_unpack_sums_in_rank_order(wide);
   }
+  test_pack_addresses_beyond_4gb(1);  // 1.3e9 units: 32-bit index, 64-bit byte offsets
+  test_pack_addresses_beyond_4gb(2);  // 2.7e9 units: 64-bit index
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
