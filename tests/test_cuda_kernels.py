@@ -335,8 +335,9 @@ def test_gpu_pack_unpack_capture_in_cuda_graph():
     outs = _outs(lay, QKV, torch.bfloat16, "cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # warm-up outside the graph: every kernel loaded once
         CK.pack_s2h(lay, (q, k, v), QKV, send)
+        CK.unpack_h2s(lay, blocks, QKV, outs)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
