@@ -15,6 +15,9 @@ The backward does the same with dout (s2h) and dq/dk/dv (h2s, one collective per
 (the buffers are ``record_stream``-ed on it, so the caching allocator cannot hand them out
 while the collective may still touch them; no host sync); elsewhere with
 ``async_op=True`` work handles, whose buffers are referenced until ``wait()``.
+NOTE: an exception between two starts (an OOM in attention, a failed input check) leaves
+this rank's later collectives unposted while its peers post theirs: the peers hang until
+the process group's timeout. The op does not try to recover; let the job fail.
 
 Bit-identity with ``chunks=1``: chunks follow local KV-group boundaries, so every local KV
 head (and its gradient) belongs to one chunk, and the attention backend sees whole groups.
@@ -333,7 +336,9 @@ def _attend(backend, chunk: _Chunk, q, k, v, causal, scale, needs_grad):
     if chunk.expand is None or not isinstance(backend, AttentionBackend):
         out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
         return out, (state, None)
-    index = torch.tensor(chunk.expand, device=k.device)
+    # From pageable memory with non_blocking: no stream sync (torch.tensor(..., device=cuda)
+    # would block the host until the queued attention ran, losing the overlap).
+    index = torch.tensor(chunk.expand).to(k.device, non_blocking=True)
     k2, v2 = k.index_select(2, index), v.index_select(2, index)
     ident = tuple(range(q.shape[2]))
     out, state = backend.forward(q, k2, v2, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)

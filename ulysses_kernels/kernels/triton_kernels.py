@@ -94,6 +94,9 @@ def _gather_columns_kernel(
     BF16_NAN: tl.constexpr,
     D_CONTIG: tl.constexpr,  # every tensor has stride 1 along D
     VEC: tl.constexpr,  # elements per 16 bytes when offsets/strides/addresses allow it, else 1
+    # NOTE: alignment hints go on the *pointer* (in bytes): Triton's alignment analysis
+    # drops an integer's divisibility at int_to_ptr, so a hint on the int64 address left
+    # every access scalar (checked in the sm_90 PTX: ld.global.b16 before, v4.b32 after).
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -115,14 +118,15 @@ def _gather_columns_kernel(
     mask = (r < n_rows)[:, None] & (d < D)[None, :]
 
     s = src_ptr + s0 * 5
-    src_addr = tl.multiple_of(tl.load(addr_ptr + tl.load(s)), VEC)
+    ALIGN: tl.constexpr = 16 if VEC > 1 else 1  # bytes: every address % 16 == 0 when VEC > 1
+    src_addr = tl.load(addr_ptr + tl.load(s))
     src_row = tl.load(s + 1) + tok * tl.load(s + 2) + b * tl.load(s + 3)
     if D_CONTIG:
         src_d = d
     else:
         src_d = d * tl.load(s + 4)
     src_row = tl.multiple_of(src_row, VEC)
-    base = src_addr.to(tl.pointer_type(ELEM))
+    base = tl.multiple_of(src_addr.to(tl.pointer_type(ELEM)), ALIGN)
     vals = tl.load(base + src_row[:, None] + src_d[None, :], mask=mask)
 
     if HAS_SUM:
@@ -135,18 +139,20 @@ def _gather_columns_kernel(
                 src_d = d
             else:
                 src_d = d * tl.load(s + 4)
-            x = tl.load(src_addr.to(tl.pointer_type(ELEM)) + src_row[:, None] + src_d[None, :], mask=mask)
+            src_row = tl.multiple_of(src_row, VEC)
+            base = tl.multiple_of(src_addr.to(tl.pointer_type(ELEM)), ALIGN)
+            x = tl.load(base + src_row[:, None] + src_d[None, :], mask=mask)
             # Round after every add: the reference adds replicas one `add_` at a time.
             acc = _to_acc(_from_acc(acc + _to_acc(x, FLOAT, ACC, IS_BF16), FLOAT, ELEM, IS_BF16, BF16_NAN), FLOAT, ACC, IS_BF16)
         vals = _from_acc(acc, FLOAT, ELEM, IS_BF16, BF16_NAN)
 
-    dst_addr = tl.multiple_of(tl.load(addr_ptr + dst_t), VEC)
+    dst_base = tl.multiple_of(tl.load(addr_ptr + dst_t).to(tl.pointer_type(ELEM)), ALIGN)
     dst_row = tl.multiple_of(dst_off + tok * dst_st + b * dst_sb, VEC)
     if D_CONTIG:
         dst_d = d
     else:
         dst_d = d * dst_sd
-    tl.store(dst_addr.to(tl.pointer_type(ELEM)) + dst_row[:, None] + dst_d[None, :], vals, mask=mask)
+    tl.store(dst_base + dst_row[:, None] + dst_d[None, :], vals, mask=mask)
 
 
 class _Plan:
@@ -276,6 +282,8 @@ class TritonKernels:
         target = 1 << 14 if _interpreting() else 4096
         block_r = max(1, min(triton.next_power_of_2(n_rows), max(1, target // block_d)))
         grid = (triton.cdiv(n_rows, block_r), plan.n_cols)
+        if grid[1] > 65535 or grid[0] > 2**31 - 1:  # CUDA's grid limits (y, x)
+            raise ValueError(f"TritonKernels: grid {grid} exceeds CUDA's limits ({plan.n_cols} head columns)")
         float_ty = _TL_FLOAT.get(dtype, tl.float32)
         acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
         with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
