@@ -411,18 +411,8 @@ def plot(rows: list[dict], path: str, env: dict) -> bool:
 
 def _body(args, rank, world, device, backend):
     rows, notes = run_bench(args, rank, world, device, backend)
-    if rank == 0 and not args.no_write:
-        env = C.env_record(device, world, backend)
-        meta = {k: v for k, v in vars(args).items()}
-        meta["skipped"] = notes
-        paths = C.write_results(args.out_dir, "bench_alltoall", env, rows, meta)
-        png = paths["json"][: -len(".json")] + ".png"
-        if plot(rows, png, env):
-            paths["png"] = png
-        print(f"# wrote {', '.join(paths.values())}", flush=True)
-    bad = sum(r["wrong"] or 0 for r in rows)
-    if bad:
-        raise SystemExit(f"bench_alltoall: {bad} wrong elements")
+    meta = dict(vars(args), skipped=notes)
+    C.finish(args, rank, "bench_alltoall", lambda: C.env_record(device, world, backend), rows, meta, plot, rows)
 
 
 def parse_args(argv=None):

@@ -593,17 +593,9 @@ def plot(breakdown, path, env) -> bool:
 
 def _body(args, rank, world, device, backend):
     rows, breakdown, notes = run_bench(args, rank, world, device, backend)
-    if rank == 0 and not args.no_write:
-        env = C.env_record(device, world, backend, emulated_group=args.sp if world == 1 else None)
-        meta = dict(vars(args), skipped=notes, breakdown=breakdown)
-        paths = C.write_results(args.out_dir, "bench_attention", env, rows, meta)
-        png = paths["json"][: -len(".json")] + ".png"
-        if plot(breakdown, png, env):
-            paths["png"] = png
-        print(f"# wrote {', '.join(paths.values())}", flush=True)
-    bad = sum(r["wrong"] or 0 for r in rows)
-    if bad:
-        raise SystemExit(f"bench_attention: {bad} wrong elements")
+    meta = dict(vars(args), skipped=notes, breakdown=breakdown)
+    env_fn = lambda: C.env_record(device, world, backend, emulated_group=args.sp if world == 1 else None)  # noqa: E731
+    C.finish(args, rank, "bench_attention", env_fn, rows, meta, plot, breakdown)
 
 
 def parse_args(argv=None):

@@ -229,6 +229,21 @@ def launch(body, args) -> int:
     return 0
 
 
+def finish(args, rank: int, name: str, env_fn, rows, meta, plot_fn, plot_rows) -> None:
+    """Rank 0 writes CSV/JSON (and a PNG when ``plot_fn`` can draw one) unless
+    ``--no-write``; every rank exits non-zero when a row counted wrong elements."""
+    if rank == 0 and not args.no_write:
+        env = env_fn()
+        paths = write_results(args.out_dir, name, env, rows, meta)
+        png = paths["json"][: -len(".json")] + ".png"
+        if plot_fn(plot_rows, png, env):
+            paths["png"] = png
+        print(f"# wrote {', '.join(paths.values())}", flush=True)
+    bad = sum(r["wrong"] or 0 for r in rows)
+    if bad:
+        raise SystemExit(f"{name}: {bad} wrong elements")
+
+
 # ---- timing -------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -79,6 +79,20 @@ def _from_acc(x, FLOAT: tl.constexpr, ELEM: tl.constexpr, IS_BF16: tl.constexpr,
 
 
 @triton.jit
+def _load_source(addr_ptr, s, tok, b, d, mask, ELEM: tl.constexpr, D_CONTIG: tl.constexpr, VEC: tl.constexpr, ALIGN: tl.constexpr):
+    """The ``[BLOCK_R, BLOCK_D]`` tile of one source column (descriptor at ``s``)."""
+    src_addr = tl.load(addr_ptr + tl.load(s))
+    src_row = tl.load(s + 1) + tok * tl.load(s + 2) + b * tl.load(s + 3)
+    if D_CONTIG:
+        src_d = d
+    else:
+        src_d = d * tl.load(s + 4)
+    src_row = tl.multiple_of(src_row, VEC)
+    base = tl.multiple_of(src_addr.to(tl.pointer_type(ELEM)), ALIGN)
+    return tl.load(base + src_row[:, None] + src_d[None, :], mask=mask)
+
+
+@triton.jit
 def _gather_columns_kernel(
     addr_ptr,  # int64 [n_tensors]: data_ptr of every tensor
     col_ptr,  # int64 [n_cols, 7]
@@ -117,31 +131,13 @@ def _gather_columns_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = (r < n_rows)[:, None] & (d < D)[None, :]
 
-    s = src_ptr + s0 * 5
     ALIGN: tl.constexpr = 16 if VEC > 1 else 1  # bytes: every address % 16 == 0 when VEC > 1
-    src_addr = tl.load(addr_ptr + tl.load(s))
-    src_row = tl.load(s + 1) + tok * tl.load(s + 2) + b * tl.load(s + 3)
-    if D_CONTIG:
-        src_d = d
-    else:
-        src_d = d * tl.load(s + 4)
-    src_row = tl.multiple_of(src_row, VEC)
-    base = tl.multiple_of(src_addr.to(tl.pointer_type(ELEM)), ALIGN)
-    vals = tl.load(base + src_row[:, None] + src_d[None, :], mask=mask)
+    vals = _load_source(addr_ptr, src_ptr + s0 * 5, tok, b, d, mask, ELEM, D_CONTIG, VEC, ALIGN)
 
     if HAS_SUM:
         acc = _to_acc(vals, FLOAT, ACC, IS_BF16)
         for k in range(1, n_src):
-            s = src_ptr + (s0 + k) * 5
-            src_addr = tl.load(addr_ptr + tl.load(s))
-            src_row = tl.load(s + 1) + tok * tl.load(s + 2) + b * tl.load(s + 3)
-            if D_CONTIG:
-                src_d = d
-            else:
-                src_d = d * tl.load(s + 4)
-            src_row = tl.multiple_of(src_row, VEC)
-            base = tl.multiple_of(src_addr.to(tl.pointer_type(ELEM)), ALIGN)
-            x = tl.load(base + src_row[:, None] + src_d[None, :], mask=mask)
+            x = _load_source(addr_ptr, src_ptr + (s0 + k) * 5, tok, b, d, mask, ELEM, D_CONTIG, VEC, ALIGN)
             # Round after every add: the reference adds replicas one `add_` at a time.
             acc = _to_acc(_from_acc(acc + _to_acc(x, FLOAT, ACC, IS_BF16), FLOAT, ELEM, IS_BF16, BF16_NAN), FLOAT, ACC, IS_BF16)
         vals = _from_acc(acc, FLOAT, ELEM, IS_BF16, BF16_NAN)
