@@ -71,6 +71,20 @@ void check_send(const at::Tensor& send, int64_t expected, const char* op) {
               send.numel());
 }
 
+// The world size implied by head_ranges ([peer][stream][start, end] for n streams), checked
+// against the limits of the kernels' parameter structs.
+int64_t checked_world_size(const char* op, const char* what, const char* per, int64_t n, at::IntArrayRef head_ranges) {
+  TORCH_CHECK(n >= 1 && n <= kMaxStreams, "ulysses_kernels.", op, ": ", what, " expected 1 to ", kMaxStreams,
+              " tensors, got ", n);
+  const int64_t len = static_cast<int64_t>(head_ranges.size());
+  TORCH_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.", op, ": head_ranges expected 2 * ", n,
+              " * world_size values ([", per, "][stream][start, end]), got ", len);
+  const int64_t peers = len / (2 * n);
+  TORCH_CHECK(peers <= kMaxPeers, "ulysses_kernels.", op, ": world_size expected at most ", kMaxPeers, ", got ",
+              peers);
+  return peers;
+}
+
 // pack_s2h: tensors [B, s, H_i, D] -> send, peer-major [B][s][heads of peer p][D] blocks;
 // with `recv`, the block of peer `rank` goes to recv viewed as [B][S][h(rank)][D] at
 // tokens [seq_offset, seq_offset + s) instead.
@@ -78,14 +92,7 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
                          const std::optional<at::Tensor>& recv = std::nullopt, int64_t rank = -1,
                          int64_t seq_offset = 0) {
   const int64_t n = static_cast<int64_t>(tensors.size());
-  TORCH_CHECK(n >= 1 && n <= kMaxStreams, "ulysses_kernels.pack_s2h: tensors expected 1 to ", kMaxStreams,
-              " tensors, got ", n);
-  const int64_t len = static_cast<int64_t>(head_ranges.size());
-  TORCH_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.pack_s2h: head_ranges expected 2 * ", n,
-              " * world_size values ([peer][stream][start, end]), got ", len);
-  const int64_t peers = len / (2 * n);
-  TORCH_CHECK(peers <= kMaxPeers, "ulysses_kernels.pack_s2h: world_size expected at most ", kMaxPeers, ", got ",
-              peers);
+  const int64_t peers = checked_world_size("pack_s2h", "tensors", "peer", n, head_ranges);
   const at::Tensor& x0 = tensors[0];
   TORCH_CHECK(x0.dim() == 4, "ulysses_kernels.pack_s2h: tensors[0] expected 4 dims [B, s, H, D], got shape ",
               shape_str(x0));
@@ -180,14 +187,7 @@ AddType add_type(at::ScalarType t) {
 // unpack_h2s: blocks (source-major, then stream) [B, s, h_p, D] -> outs [B, s, H, D].
 UnpackPlan make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
   const int64_t n = static_cast<int64_t>(outs.size());
-  TORCH_CHECK(n >= 1 && n <= kMaxStreams, "ulysses_kernels.unpack_h2s: outs expected 1 to ", kMaxStreams,
-              " tensors, got ", n);
-  const int64_t len = static_cast<int64_t>(head_ranges.size());
-  TORCH_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.unpack_h2s: head_ranges expected 2 * ", n,
-              " * world_size values ([source][stream][start, end]), got ", len);
-  const int64_t peers = len / (2 * n);
-  TORCH_CHECK(peers <= kMaxPeers, "ulysses_kernels.unpack_h2s: world_size expected at most ", kMaxPeers, ", got ",
-              peers);
+  const int64_t peers = checked_world_size("unpack_h2s", "outs", "source", n, head_ranges);
   TORCH_CHECK(static_cast<int64_t>(blocks.size()) == peers * n, "ulysses_kernels.unpack_h2s: blocks expected ",
               peers * n, " tensors (world_size ", peers, " x ", n, " streams), got ", blocks.size());
   UnpackPlan plan;
