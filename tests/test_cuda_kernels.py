@@ -206,6 +206,10 @@ def test_errors_name_the_tensor():
         ops.pack_s2h([q, k], [0, 4, 0, 3], send)
     with pytest.raises(RuntimeError, match=r"head_ranges expected"):
         ops.pack_s2h([q, k], [0, 4, 0], send)
+    with pytest.raises(RuntimeError, match=r"pack_s2h: world_size expected at most 64, got 65"):
+        ops.pack_s2h([q], [0, 1] * 65, send)
+    with pytest.raises(RuntimeError, match=r"unpack_h2s: outs expected 1 to 3 tensors, got 4"):
+        ops.unpack_h2s([q], [0, 4] * 4, [q] * 4)
     out = torch.empty(2, 3, 4, 8)
     with pytest.raises(RuntimeError, match=r"blocks\[1\] \(source 1, stream 0\)\.shape expected \[2, 3, 2, 8\], got \[2, 3, 3, 8\]"):
         ops.unpack_h2s([torch.randn(2, 3, 2, 8), torch.randn(2, 3, 3, 8)], [0, 2, 2, 4], [out])
