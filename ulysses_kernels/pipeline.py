@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import AttentionBackend
+from .backends import AttentionBackend, _uniform_group
 from .layout import Layout, Q_ONLY, QKV
 from .ops import UlyssesAttentionFunction, head_to_seq_blocks, post_head_to_seq, post_seq_to_head
 from .plan import HeadPlan
@@ -266,27 +266,17 @@ class _Schedule:
     replicas: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (kv head, ((rank, chunk, index in block), ...))
 
 
-def _uniform(kv_map) -> bool:
-    hkv = max(kv_map) + 1
-    if len(kv_map) % hkv:
-        return False
-    g = len(kv_map) // hkv
-    return all(j == i // g for i, j in enumerate(kv_map))
-
-
 @functools.lru_cache(maxsize=64)
 def _schedule(layout: Layout, n: int) -> _Schedule:
     plan, rank = layout.plan, layout.rank
     plans = chunk_plans(plan, n)
     replicated = {h for h in range(plan.kv_heads) if len(plan.kv_holders(h)) > 1}
     full_map = plan.local_kv_map(rank)
-    full_uniform = _uniform(full_map)
+    full_uniform = _uniform_group(len(full_map), plan.kv_count(rank), full_map)
     chunks, where = [], {}
     for c, cp in enumerate(plans):
         lay = Layout(cp, rank, layout.seq_lens, layout.batch, layout.head_dim)
-        q0, q1 = cp.q_ranges[rank]
-        k0 = cp.kv_ranges[rank][0]
-        kv_map = tuple(h // plan.group_size - k0 for h in range(q0, q1))
+        kv_map = cp.local_kv_map(rank)
         # The unchunked backend gathers KV heads per query head when the rank's map is not
         # uniform; a chunk's map may be uniform, so gather here to run the same kernels.
         expand = None if full_uniform or not kv_map else kv_map
