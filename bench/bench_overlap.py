@@ -64,7 +64,7 @@ def _median(fn, warmup: int, iters: int, cuda: bool) -> float:
 
 def _rank_main(rank: int, world: int, args, out_path: str) -> None:
     from ulysses_kernels import ulysses_attention
-    from ulysses_kernels.backends import default_scale, resolve_backend
+    from ulysses_kernels.backends import default_scale, for_rank, resolve_backend
     from ulysses_kernels.comm import TorchCommunicator
     from ulysses_kernels.kernels import get_kernels
     from ulysses_kernels.layout import Layout, Q_ONLY, QKV
@@ -85,7 +85,8 @@ def _rank_main(rank: int, world: int, args, out_path: str) -> None:
         k = torch.randn(args.batch, s, args.kv_heads, args.head_dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
         kern = get_kernels(args.kernels, device)
-        backend = resolve_backend(None, q)
+        # The kernel the layer runs on this rank (SharedKV where all heads share one KV head).
+        backend = for_rank(resolve_backend(None, q), plan.local_kv_map(rank))
         scale = default_scale(args.head_dim, None)
         ql, kl, vl = a2a_seq_to_head(lay, (q, k, v), QKV, comm, kern)
         ol, _ = backend.forward(ql, kl, vl, causal=True, scale=scale, kv_map=plan.local_kv_map(rank), needs_grad=False)

@@ -6,12 +6,14 @@ all-to-alls carry (replicated KV heads counted as sent). The permute-chain refer
 peers' way) is counted the same way and must show about two copies per byte, which proves
 the counter sees copies."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import ulysses_kernels as uk
-from ulysses_kernels.backends import SDPABackend
+from ulysses_kernels.backends import KVGradSum, SDPABackend
 from ulysses_kernels.layout import Layout
 from ulysses_kernels.reference import permute_chain_attention
 from ulysses_kernels.testing import run_ranks
@@ -33,12 +35,34 @@ class _PausedBackend(SDPABackend):
             return super().backward(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _paused_kv_sums(counter):
+    """Pause the counter in ``SharedKV``'s KV-gradient sums too: summing a shared KV head's
+    gradient over its query heads is attention math (SDPA's GQA backward does it inside the
+    kernel otherwise), not layout traffic."""
+    saved = KVGradSum.add, KVGradSum.result
+
+    def add(self, *grads):
+        with counter.paused():
+            return saved[0](self, *grads)
+
+    def result(self):
+        with counter.paused():
+            return saved[1](self)
+
+    KVGradSum.add, KVGradSum.result = add, result
+    try:
+        yield
+    finally:
+        KVGradSum.add, KVGradSum.result = saved
+
+
 def _ours(rank, world, hq, hkv, B, seq_lens, kernels):
     D = 8
     q, k, v = (torch.randn(B, seq_lens[rank], h, D, requires_grad=True) for h in (hq, hkv, hkv))
     dout = torch.randn(B, seq_lens[rank], hq, D)
     counter = CopyCounter()
-    with counter:
+    with counter, _paused_kv_sums(counter):
         out = uk.ulysses_attention(q, k, v, seq_lens=seq_lens, attn_fn=_PausedBackend(counter), kernels=kernels, check=False)
         out.backward(dout)
     layout = Layout(uk.HeadPlan.build(hq, hkv, world), rank, tuple(seq_lens), B, D)

@@ -12,7 +12,7 @@ import torch
 
 from ulysses_kernels.comm import LocalCommunicator
 from ulysses_kernels.layout import Layout
-from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans
+from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans, splits_shared_kv
 from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.testing import run_ranks
 
@@ -20,38 +20,59 @@ from ulysses_kernels.testing import run_ranks
 # ---- the chunk plans ------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "hq,hkv,world",
-    [(8, 8, 2), (10, 2, 4), (40, 8, 3), (40, 8, 5), (40, 8, 8), (8, 1, 4), (7, 7, 3), (32, 8, 2), (12, 4, 1)],
+    [(8, 8, 2), (10, 2, 4), (40, 8, 3), (40, 8, 5), (40, 8, 8), (8, 1, 4), (7, 7, 3), (32, 8, 2), (12, 4, 1), (6, 2, 3), (32, 8, 16)],
 )
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])
-def test_chunk_plans_partition_heads_on_group_boundaries(hq, hkv, world, chunks):
+@pytest.mark.parametrize("split_groups", [False, True])
+def test_chunk_plans_partition_heads(hq, hkv, world, chunks, split_groups):
     plan = HeadPlan.build(hq, hkv, world)
-    parts = chunk_plans(plan, chunks)
-    assert 1 <= len(parts) <= chunks
+    fwd = chunk_plans(plan, chunks, split_groups=split_groups)
+    bwd = chunk_plans(plan, chunks, split_groups=split_groups, kv_last=True)
+    assert 1 <= len(fwd) == len(bwd) <= chunks
     g = plan.group_size
     for r in range(world):
-        q_seen, kv_seen = [], []
-        for cp in parts:
+        shared = split_groups and splits_shared_kv(plan, r)
+        assert [cp.q_ranges[r] for cp in fwd] == [cp.q_ranges[r] for cp in bwd]
+        q_seen, kv_fwd, kv_bwd, used = [], [], [], []
+        for c, (cp, gp) in enumerate(zip(fwd, bwd)):
             a, b = cp.q_ranges[r]
-            k0, k1 = cp.kv_ranges[r]
             q_seen += range(a, b)
-            kv_seen += range(k0, k1)
+            kv_fwd.append(cp.kv_ranges[r])
+            kv_bwd.append(gp.kv_ranges[r])
             if a < b:
-                # Whole local groups: the KV heads are exactly those its query heads use,
-                # and no other chunk of this rank uses them.
-                assert (k0, k1) == (a // g, (b - 1) // g + 1)
+                used.append(c)
+                if not shared:
+                    # Whole local groups: the KV heads are exactly those its query heads use,
+                    # and no other chunk of this rank uses them.
+                    assert cp.kv_ranges[r] == gp.kv_ranges[r] == (a // g, (b - 1) // g + 1)
         assert q_seen == list(range(*plan.q_ranges[r]))
-        assert kv_seen == list(range(*plan.kv_ranges[r]))
-        # A rank uses min(chunks, its KV-group count) chunks.
-        used = sum(cp.q_ranges[r][0] < cp.q_ranges[r][1] for cp in parts)
-        assert used == min(chunks, plan.kv_count(r))
+        assert used == list(range(len(used)))  # a rank uses its first chunks
+        for kv in (kv_fwd, kv_bwd):
+            assert [h for k0, k1 in kv for h in range(k0, k1)] == list(range(*plan.kv_ranges[r]))
+        if shared:
+            # Query heads of one KV head, split evenly; the KV head goes with the first
+            # chunk forward and with the last one backward.
+            assert len(used) == min(chunks, plan.q_count(r))
+            sizes = [fwd[c].q_count(r) for c in used]
+            assert max(sizes) - min(sizes) <= 1
+            assert fwd[0].kv_count(r) == 1 and bwd[used[-1]].kv_count(r) == 1
+        else:
+            # Group boundaries: min(chunks, its KV-group count) chunks.
+            assert len(used) == min(chunks, plan.kv_count(r))
 
 
-def test_single_kv_head_ranks_are_not_split():
-    # MQA, and 40/8 on 8 ranks (each rank: 5 query heads of one KV head): one chunk.
-    assert len(chunk_plans(HeadPlan.build(8, 1, 4), 4)) == 1
-    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4)) == 1
-    # 40/8 on 5 ranks: 8 query heads over 2-3 groups per rank.
+def test_single_kv_head_ranks_split_query_heads():
+    # MQA (2 query heads per rank), 40/8 on 8 ranks (5 query heads of one KV head each).
+    assert len(chunk_plans(HeadPlan.build(8, 1, 4), 4)) == 2
+    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4)) == 4
+    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 8)) == 5
+    # ... unless the backend cannot sum a split KV gradient (not an AttentionBackend).
+    assert len(chunk_plans(HeadPlan.build(8, 1, 4), 4, split_groups=False)) == 1
+    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4, split_groups=False)) == 1
+    # 40/8 on 5 ranks: 8 query heads over 2-3 groups per rank, split on group boundaries.
     assert len(chunk_plans(HeadPlan.build(40, 8, 5), 4)) == 3
+    # One query head per rank: nothing to split.
+    assert len(chunk_plans(HeadPlan.build(8, 1, 8), 4)) == 1
 
 
 # ---- the cost model ------------------------------------------------------------------------
@@ -71,8 +92,11 @@ def test_auto_short_sequences_and_fast_links_keep_one_chunk(monkeypatch):
     slow = CostModel(link_gbps=20, attn_tflops=300, latency_us=25, overlap_slowdown=0.15, min_gain=0.03)
     n = choose_chunks(_layout(64, 16, 4, 32768), 2, True, "cuda", slow)
     assert 2 <= n <= 4  # 4 KV groups per rank: at most 4 chunks
-    # ... unless every rank holds one KV head (32/8 on 8 ranks): the plan cannot split.
-    assert choose_chunks(_layout(32, 8, 8, 131072), 2, True, "cuda", slow) == 1
+    # Every rank holds one KV head (32/8 on 8 ranks): its 4 query heads are split ...
+    n = choose_chunks(_layout(32, 8, 8, 16384), 2, True, "cuda", slow)
+    assert 2 <= n <= 4
+    # ... unless the backend cannot sum a split KV gradient.
+    assert choose_chunks(_layout(32, 8, 8, 16384), 2, True, "cuda", slow, split_groups=False) == 1
     # World size 1: nothing to overlap.
     assert choose_chunks(_layout(32, 8, 1, 131072), 2, True, "cuda", slow) == 1
 
@@ -162,18 +186,21 @@ DIST = {
         (40, 8, (3, 2, 4), 2, True, F32, 3, "torch"),
         (40, 8, (3, 2, 4), 1, False, BF16, 2, "torch"),
         (6, 6, (2, 3, 2), 2, True, F32, 2, "triton"),
+        (6, 2, (3, 2, 4), 2, True, F32, 2, "torch"),  # ranks 0, 2 split one KV head; rank 1 two
     ],
     4: [
         (10, 2, (3, 4, 5, 2), 2, False, F32, 2, "torch"),  # KV groups split: replica sums
         (10, 2, (3, 4, 5, 2), 1, True, BF16, 3, "torch"),
-        (8, 1, (2, 3, 2, 3), 2, True, F32, 4, "torch"),  # MQA: falls back to one chunk
+        (8, 1, (2, 3, 2, 3), 2, True, F32, 4, "torch"),  # MQA: query heads of one KV head split
+        (10, 2, (3, 4, 5, 2), 2, True, BF16, 3, "torch"),  # shared KV heads, each on two ranks
     ],
     5: [
         (40, 8, (2, 3, 2, 1, 3), 2, True, F32, 3, "torch"),
         (40, 8, (2, 3, 2, 1, 3), 1, False, BF16, 2, "torch"),
     ],
     8: [
-        (40, 8, (2, 1, 2, 1, 2, 1, 2, 1), 2, True, F32, 2, "torch"),  # one KV head per rank: 1 chunk
+        (40, 8, (2, 1, 2, 1, 2, 1, 2, 1), 2, True, F32, 2, "torch"),  # one KV head per rank: split
+        (40, 8, (2, 2, 2, 2, 2, 2, 2, 2), 1, False, BF16, 5, "torch"),  # Qwen2.5-14B at sp 8
         (16, 16, (1, 2, 1, 2, 1, 2, 1, 2), 2, False, F32, 2, "torch"),
     ],
 }

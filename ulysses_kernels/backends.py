@@ -12,6 +12,10 @@ Backends: ``"flash"`` (flash-attn, CUDA, fp16/bf16), ``"sdpa"`` (torch
 ``scaled_dot_product_attention``, any device), ``"math"`` (explicit softmax, exact in
 float64), any callable ``fn(q, k, v, causal=, softmax_scale=) -> out`` over ``[B, S, H, D]``
 with uniform grouped heads, or any object with ``forward``/``backward`` as above.
+
+``for_rank`` picks what a rank runs: on a rank whose query heads all share its one KV head,
+built-in backends run inside ``SharedKV``, which sums that head's gradient itself (in query
+head order) so that the chunked pipeline can split the query heads and stay bit-identical.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionBackend", "resolve_backend", "expand_kv", "BACKENDS"]
+__all__ = ["AttentionBackend", "SharedKV", "KVGradSum", "for_rank", "resolve_backend", "expand_kv", "BACKENDS"]
 
 
 def _uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
@@ -128,6 +132,86 @@ class CallableBackend(AttentionBackend):
 
     def attend(self, q, k, v, causal, scale):
         return self.fn(q, k, v, causal=causal, softmax_scale=scale)
+
+
+class KVGradSum:
+    """Running sum over query heads of per-query-head KV gradients, in head order.
+
+    ``add(dk, dv)`` takes ``[B, S, h, D]`` gradients of ``h`` query heads that all use one
+    KV head and adds them one head at a time into ``[B, S, 1, D]`` accumulators (float32
+    for half types, rounded once in ``result``). Feeding the heads in two calls or in one
+    adds the same numbers in the same order, which is what makes a chunked backward
+    bit-identical to the unchunked one.
+    """
+
+    def __init__(self):
+        self.acc: list[torch.Tensor] | None = None
+        self.dtype: torch.dtype | None = None
+
+    def add(self, *grads: torch.Tensor) -> None:
+        h = grads[0].shape[2]
+        if h == 0:
+            return
+        start = 0
+        if self.acc is None:
+            self.dtype = grads[0].dtype
+            wide = self.dtype if self.dtype in (torch.float32, torch.float64) else torch.float32
+            self.acc = [g[:, :, :1].to(wide, copy=True) for g in grads]
+            start = 1
+        for i in range(start, h):
+            for a, g in zip(self.acc, grads):
+                a.add_(g[:, :, i : i + 1])
+
+    def result(self) -> list[torch.Tensor]:
+        """The sums ``[B, S, 1, D]`` in the gradients' dtype."""
+        if self.acc is None:
+            raise RuntimeError("KVGradSum.result: no gradient was added")
+        return [a.to(self.dtype) for a in self.acc]
+
+
+class SharedKV:
+    """A rank whose query heads all use its one KV head: attention runs as plain
+    multi-head attention against a stride-0 view of that head (no copy), and the KV
+    gradient is summed over the query heads by ``KVGradSum`` rather than inside the kernel.
+
+    Why: the chunked pipeline splits such a rank's query heads into chunks, so the KV
+    gradient arrives in pieces; summing per query head in head order, in both the chunked
+    and the unchunked op, keeps the two bit-identical. The cost is the kernel's per-head
+    dk/dv (``[B, S, hq, D]``, which flash-attn's own GQA backward allocates too) and
+    ``hq`` small adds.
+    """
+
+    def __init__(self, inner: AttentionBackend):
+        self.inner = inner
+        self.name = inner.name
+
+    def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad):
+        shape = (-1, -1, q.shape[2], -1)
+        ident = tuple(range(q.shape[2]))
+        return self.inner.forward(q, k.expand(shape), v.expand(shape), causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
+
+    def backward_per_head(self, state, dout):
+        """``dq`` and the per-query-head ``dk``, ``dv`` (``[B, S, hq, D]``), not yet summed."""
+        return self.inner.backward(state, dout)
+
+    def backward(self, state, dout):
+        dq, dk, dv = self.backward_per_head(state, dout)
+        acc = KVGradSum()
+        acc.add(dk, dv)
+        return (dq, *acc.result())
+
+
+def shares_one_kv(kv_map: Sequence[int]) -> bool:
+    """True when several local query heads use the rank's only local KV head."""
+    return len(kv_map) > 1 and not any(kv_map)
+
+
+def for_rank(backend, kv_map: Sequence[int]):
+    """The backend a rank runs: ``SharedKV`` around built-in (``AttentionBackend``)
+    backends when ``shares_one_kv(kv_map)``; the backend itself otherwise."""
+    if isinstance(backend, AttentionBackend) and shares_one_kv(kv_map):
+        return SharedKV(backend)
+    return backend
 
 
 BACKENDS = {"sdpa": SDPABackend, "math": MathBackend, "flash": FlashBackend}

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from . import layout as L
+from .backends import for_rank
 from .kernels import TorchKernels
 from .layout import Layout, Q_ONLY, QKV
 
@@ -170,6 +171,7 @@ class UlyssesAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, comm, kernels, backend, causal, scale, kv_map):
         needs_grad = any(ctx.needs_input_grad[:3])
+        backend = for_rank(backend, kv_map)  # the chunked op does the same per chunk
         q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels)
         out_l, state = backend.forward(q_l, k_l, v_l, causal=causal, scale=scale, kv_map=kv_map, needs_grad=needs_grad)
         del q_l, k_l, v_l

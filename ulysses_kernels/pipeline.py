@@ -10,7 +10,8 @@ the collectives in the same order)::
     for c in 0..n-1:   wait s2h(c); start s2h(c+1); attention(c); start h2s(c); finish h2s(c-1)
     finish h2s(n-1)
 
-The backward does the same with dout (s2h) and dq/dk/dv (h2s, one collective per tensor).
+The backward does the same with dout (s2h) and dq/dk/dv (h2s, one collective per tensor;
+the dk/dv ones are skipped for a chunk in which no rank sends a KV gradient).
 "Start" runs the collective asynchronously: on CUDA on a side stream ordered by events
 (the buffers are ``record_stream``-ed on it, so the caching allocator cannot hand them out
 while the collective may still touch them; no host sync); elsewhere with
@@ -19,15 +20,19 @@ NOTE: an exception between two starts (an OOM in attention, a failed input check
 this rank's later collectives unposted while its peers post theirs: the peers hang until
 the process group's timeout. The op does not try to recover; let the job fail.
 
-Bit-identity with ``chunks=1``: chunks follow local KV-group boundaries, so every local KV
-head (and its gradient) belongs to one chunk, and the attention backend sees whole groups.
-A KV head that several ranks hold (a group split across ranks) gets its gradient summed in
-rank order once all chunks have arrived, exactly as the unchunked unpack does. A rank whose
-query heads use a single KV head (MQA, or ``kv_heads == world_size`` with whole groups) cannot
-be split without splitting that head's gradient sum, so it keeps its heads in one chunk;
-when every rank is like that, the op runs unchunked. Bit-identity also needs the backend to
-compute each head independently of the others present (true of SDPA and flash-attn; the
-``"math"`` backend's einsum picks shape-dependent BLAS kernels on the CPU).
+Bit-identity with ``chunks=1``. A rank with several local KV groups is chunked on group
+boundaries: every local KV head (and its gradient) belongs to one chunk and the backend
+sees whole groups. A rank whose query heads all share its one KV head (Llama-3-8B and
+Qwen2.5-14B at sp 8, Llama-3-8B at sp 16, MQA) is chunked by query heads instead: its KV
+head travels with its first chunk forward and with its last chunk backward, and both this
+op and the unchunked one run ``backends.SharedKV`` on it, which sums the KV gradient over
+query heads one head at a time in head order (``KVGradSum``), so the chunks add the same
+numbers in the same order. Only backends built on ``AttentionBackend`` can be wrapped so;
+with other backend objects such ranks keep one chunk. A KV head that several ranks hold
+gets its gradient summed in rank order once all chunks have arrived, exactly as the
+unchunked unpack does. Bit-identity also needs the backend to compute each head
+independently of the others present (true of SDPA and flash-attn; the ``"math"``
+backend's einsum picks shape-dependent BLAS kernels on the CPU).
 
 ``chunks="auto"`` uses ``choose_chunks``: a cost model from globally agreed numbers only
 (layout sizes, dtype, env vars), so every rank picks the same count.
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import AttentionBackend, _uniform_group
+from .backends import AttentionBackend, KVGradSum, SharedKV, _uniform_group
 from .layout import Layout, Q_ONLY, QKV
 from .ops import UlyssesAttentionFunction, head_to_seq_blocks, post_head_to_seq, post_seq_to_head
 from .plan import HeadPlan
@@ -79,30 +84,52 @@ def _split_groups(groups, k: int) -> list[list]:
     return [groups[edges[i] : edges[i + 1]] for i in range(k)]
 
 
-@functools.lru_cache(maxsize=64)
-def chunk_plans(plan: HeadPlan, chunks: int) -> tuple[HeadPlan, ...]:
-    """Split every rank's heads into at most ``chunks`` chunks on local KV-group boundaries.
+def splits_shared_kv(plan: HeadPlan, rank: int) -> bool:
+    """True when ``rank``'s query heads all use its one KV head (``backends.shares_one_kv``):
+    its chunks split that group's query heads."""
+    return plan.kv_count(rank) == 1 and plan.q_count(rank) > 1
 
-    Rank ``r`` uses ``min(chunks, kv_count(r))`` chunks (its first ones; later chunks give
-    it empty ranges). Returns one ``HeadPlan`` per chunk (``q_heads``/``kv_heads`` stay the
-    global counts, ranges are sub-ranges); a single plan equal in ranges to ``plan`` when
-    no rank can be split.
+
+def _rank_parts(plan: HeadPlan, rank: int, chunks: int, split_groups: bool, kv_last: bool):
+    """``rank``'s chunks as ``(q_range, kv_range)`` pairs, global indices."""
+    if split_groups and splits_shared_kv(plan, rank):
+        (kv, a, b), k = _rank_groups(plan, rank)[0], min(chunks, plan.q_count(rank))
+        edges = [a + (b - a) * i // k for i in range(k + 1)]
+        # The KV head travels once: with the first chunk's queries (forward), with the
+        # last chunk's query gradients (backward: its gradient is complete only then).
+        owner = k - 1 if kv_last else 0
+        return [((edges[i], edges[i + 1]), (kv, kv + 1) if i == owner else (kv, kv)) for i in range(k)]
+    groups = _rank_groups(plan, rank)
+    parts = _split_groups(groups, min(chunks, len(groups)))
+    return [((p[0][1], p[-1][2]), (p[0][0], p[-1][0] + 1)) for p in parts]
+
+
+@functools.lru_cache(maxsize=128)
+def chunk_plans(plan: HeadPlan, chunks: int, *, split_groups: bool = True, kv_last: bool = False) -> tuple[HeadPlan, ...]:
+    """Split every rank's heads into at most ``chunks`` chunks.
+
+    A rank with several local KV groups is split on group boundaries into
+    ``min(chunks, kv_count(r))`` chunks (each chunk holds its groups' KV heads). A rank
+    whose query heads share its one KV head (``splits_shared_kv``; Llama-3-8B or
+    Qwen2.5-14B at sp 8, MQA) is split into ``min(chunks, q_count(r))`` chunks of query
+    heads when ``split_groups`` (the backend is an ``AttentionBackend``, so ``SharedKV``
+    can sum the KV gradient across chunks); its KV head is in the first chunk's ranges, or
+    in the last one's with ``kv_last`` (the backward's dk/dv), and empty elsewhere.
+    A rank uses its first chunks; later ones give it empty ranges. Returns one ``HeadPlan``
+    per chunk (``q_heads``/``kv_heads`` stay the global counts, ranges are sub-ranges); a
+    single plan equal in ranges to ``plan`` when no rank can be split.
     """
     if chunks < 1:
         raise ValueError(f"chunk_plans: chunks must be >= 1, got {chunks}")
-    per_rank = []
-    for r in range(plan.world_size):
-        groups = _rank_groups(plan, r)
-        per_rank.append(_split_groups(groups, min(chunks, len(groups))))
+    per_rank = [_rank_parts(plan, r, chunks, split_groups, kv_last) for r in range(plan.world_size)]
     n = max(len(parts) for parts in per_rank)
     out = []
     for c in range(n):
         q_ranges, kv_ranges = [], []
         for r, parts in enumerate(per_rank):
             if c < len(parts):
-                part = parts[c]
-                q_ranges.append((part[0][1], part[-1][2]))
-                kv_ranges.append((part[0][0], part[-1][0] + 1))
+                q_ranges.append(parts[c][0])
+                kv_ranges.append(parts[c][1])
             else:
                 # Empty, placed at the range start: harmless to the unpack's replica walk.
                 q_ranges.append((plan.q_ranges[r][0],) * 2)
@@ -155,12 +182,12 @@ class CostModel:
         )
 
 
-def _a2a_seconds(layout: Layout, streams, itemsize: int, model: CostModel) -> float:
-    """Time of one seq->head all-to-all of ``streams`` (head->seq moves the same bytes back):
-    the busiest rank's off-rank bytes over the link bandwidth."""
+def _a2a_seconds(layout: Layout, plan: HeadPlan, streams, itemsize: int, model: CostModel) -> float:
+    """Time of one seq->head all-to-all of ``streams`` under ``plan`` (head->seq moves the
+    same bytes back): the busiest rank's off-rank bytes over the link bandwidth."""
     worst = 0
-    for r in range(layout.world_size):
-        lay = Layout(layout.plan, r, layout.seq_lens, layout.batch, layout.head_dim)
+    for r in range(plan.world_size):
+        lay = Layout(plan, r, layout.seq_lens, layout.batch, layout.head_dim)
         send = lay.s2h_send_splits(streams)
         recv = lay.s2h_recv_splits(streams)
         off = max(sum(send) - send[r], sum(recv) - recv[r])
@@ -168,39 +195,67 @@ def _a2a_seconds(layout: Layout, streams, itemsize: int, model: CostModel) -> fl
     return worst / (model.link_gbps * 1e9)
 
 
-def _pipeline_seconds(c_in: float, compute: float, c_out: float, n: int, n_coll: int, model: CostModel) -> float:
-    lat = model.latency_us * 1e-6 * n_coll * n
-    if n == 1:
-        return c_in + compute + c_out + lat
-    total = c_in / n + c_out / n + lat
+def _pipeline_seconds(c_in, compute, c_out, model: CostModel) -> float:
+    """One pass, simulated as every rank runs it: rank r at chunk i waits for exchange
+    in(i), posts in(i+1), computes ``compute[i][r]``, posts out(i), waits for out(i-1).
+    The exchanges run one at a time on the communication stream, in posting order, each
+    once every rank has posted it (``c_in[i]``, ``c_out[i]``: durations, latency included).
+    Ranks that finish a chunk early wait at the exchanges, so imbalance between the ranks'
+    chunks costs time here as it does on the machine."""
+    n, world = len(compute), len(compute[0])
+    slow = 1.0 + (model.overlap_slowdown if n > 1 else 0.0)
+    t = [0.0] * world
+    done_in = [0.0] * n
+    done_out = [0.0] * n
+    done_in[0] = link = c_in[0]
     for i in range(n):
-        comm = (c_in / n if i < n - 1 else 0.0) + (c_out / n if i > 0 else 0.0)
-        total += max(compute / n * (1.0 + model.overlap_slowdown), comm)
-    return total
+        t = [max(x, done_in[i]) for x in t]
+        if i + 1 < n:
+            done_in[i + 1] = link = max(link, max(t)) + c_in[i + 1]
+        t = [x + compute[i][r] * slow for r, x in enumerate(t)]
+        done_out[i] = link = max(link, max(t)) + c_out[i]
+        if i > 0:
+            t = [max(x, done_out[i - 1]) for x in t]
+    return max(max(t), done_out[n - 1])
 
 
-def estimate_seconds(layout: Layout, n: int, itemsize: int, causal: bool, model: CostModel) -> float:
-    """Modelled forward + backward time of the layer with ``n`` chunks."""
+def estimate_seconds(layout: Layout, n: int, itemsize: int, causal: bool, model: CostModel, split_groups: bool = True) -> float:
+    """Modelled forward + backward time of the layer with ``n`` chunks (per chunk: the
+    bytes its exchanges move and every rank's attention)."""
     plan, S = layout.plan, layout.seq_total
-    q_most = max(plan.q_count(r) for r in range(plan.world_size))
-    flops = 4.0 * layout.batch * S * S * layout.head_dim * q_most * (0.5 if causal else 1.0)
-    fwd = flops / (model.attn_tflops * 1e12)
-    t_qkv = _a2a_seconds(layout, QKV, itemsize, model)
-    t_q = _a2a_seconds(layout, Q_ONLY, itemsize, model)
-    return _pipeline_seconds(t_qkv, fwd, t_q, n, 2, model) + _pipeline_seconds(t_q, 2.5 * fwd, t_qkv, n, 4, model)
+    fwd_plans = chunk_plans(plan, n, split_groups=split_groups)
+    bwd_plans = chunk_plans(plan, n, split_groups=split_groups, kv_last=True)
+    lat = model.latency_us * 1e-6
+    per_head = 4.0 * layout.batch * S * S * layout.head_dim * (0.5 if causal else 1.0) / (model.attn_tflops * 1e12)
+    compute = [[per_head * cp.q_count(r) for r in range(plan.world_size)] for cp in fwd_plans]
+    qkv_in = [lat + _a2a_seconds(layout, cp, QKV, itemsize, model) for cp in fwd_plans]
+    q_only = [lat + _a2a_seconds(layout, cp, Q_ONLY, itemsize, model) for cp in fwd_plans]
+    grads_out = [
+        (3 if any(gp.kv_count(r) for r in range(plan.world_size)) else 1) * lat + _a2a_seconds(layout, gp, QKV, itemsize, model)
+        for gp in bwd_plans
+    ]
+    fwd = _pipeline_seconds(qkv_in, compute, q_only, model)
+    bwd = _pipeline_seconds(q_only, [[2.5 * x for x in row] for row in compute], grads_out, model)
+    return fwd + bwd
 
 
-def choose_chunks(layout: Layout, itemsize: int, causal: bool, device_type: str, model: CostModel | None = None) -> int:
+def choose_chunks(
+    layout: Layout, itemsize: int, causal: bool, device_type: str, model: CostModel | None = None, split_groups: bool = True
+) -> int:
     """The chunk count ``chunks="auto"`` uses: the modelled best among 1..8 (capped by
     what the plan can split), or 1 when chunking gains less than ``min_gain``."""
-    model = model or CostModel.from_env(device_type)
+    return _choose_chunks(layout, itemsize, causal, model or CostModel.from_env(device_type), split_groups)
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_chunks(layout: Layout, itemsize: int, causal: bool, model: CostModel, split_groups: bool) -> int:
     if layout.world_size == 1:
         return 1
-    most = len(chunk_plans(layout.plan, _MAX_CHUNKS))
-    base = estimate_seconds(layout, 1, itemsize, causal, model)
+    most = len(chunk_plans(layout.plan, _MAX_CHUNKS, split_groups=split_groups))
+    base = estimate_seconds(layout, 1, itemsize, causal, model, split_groups)
     best_n, best_t = 1, base
     for n in range(2, most + 1):
-        t = estimate_seconds(layout, n, itemsize, causal, model)
+        t = estimate_seconds(layout, n, itemsize, causal, model, split_groups)
         if t < best_t:
             best_n, best_t = n, t
     return best_n if best_t < base * (1.0 - model.min_gain) else 1
@@ -253,9 +308,12 @@ class _Channel:
 # ---- the chunk schedule (per layout and count; pure data) -----------------------------------
 @dataclass(frozen=True)
 class _Chunk:
-    layout: Layout  # the chunk's plan, this rank
+    layout: Layout  # the chunk's plan, this rank: q/k/v in, output out, dout in
+    grad: Layout  # the chunk's backward plan: dq/dk/dv out (a shared KV head's with its last chunk)
     kv_map: tuple[int, ...]  # local query head -> local KV head, within the chunk
     expand: tuple[int, ...] | None  # index_select of KV heads done here (see _attend)
+    shared: bool  # this rank runs SharedKV on the chunk, with the KV head of its first chunk
+    grad_kv: bool  # some rank sends dk/dv in this chunk (else those exchanges are skipped)
     unpack: Layout  # for dq/dk/dv: replicated KV heads trimmed from every rank's range
     trim: tuple[tuple[int, int], ...]  # per source: KV heads [lo, hi) of its block unpacked here
 
@@ -267,22 +325,28 @@ class _Schedule:
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(layout: Layout, n: int) -> _Schedule:
+def _schedule(layout: Layout, n: int, split_groups: bool) -> _Schedule:
     plan, rank = layout.plan, layout.rank
-    plans = chunk_plans(plan, n)
+    plans = chunk_plans(plan, n, split_groups=split_groups)
+    grad_plans = chunk_plans(plan, n, split_groups=split_groups, kv_last=True)
     replicated = {h for h in range(plan.kv_heads) if len(plan.kv_holders(h)) > 1}
     full_map = plan.local_kv_map(rank)
     full_uniform = _uniform_group(len(full_map), plan.kv_count(rank), full_map)
+    shared = split_groups and splits_shared_kv(plan, rank)
+
+    def lay(p: HeadPlan) -> Layout:
+        return Layout(p, rank, layout.seq_lens, layout.batch, layout.head_dim)
+
     chunks, where = [], {}
-    for c, cp in enumerate(plans):
-        lay = Layout(cp, rank, layout.seq_lens, layout.batch, layout.head_dim)
-        kv_map = cp.local_kv_map(rank)
+    for c, (cp, gp) in enumerate(zip(plans, grad_plans)):
+        # Query heads of a shared KV head map to it (index 0) whether or not the chunk carries it.
+        kv_map = (0,) * cp.q_count(rank) if shared else cp.local_kv_map(rank)
         # The unchunked backend gathers KV heads per query head when the rank's map is not
         # uniform; a chunk's map may be uniform, so gather here to run the same kernels.
         expand = None if full_uniform or not kv_map else kv_map
         trim, trimmed = [], []
         for p in range(plan.world_size):
-            a, b = cp.kv_ranges[p]
+            a, b = gp.kv_ranges[p]
             lo, hi = a, b
             while lo < hi and lo in replicated:
                 lo += 1
@@ -293,10 +357,9 @@ def _schedule(layout: Layout, n: int) -> _Schedule:
             for h in range(a, b):
                 if h in replicated:
                     where[(h, p)] = (c, h - a)
-        unpack_plan = HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, cp.q_ranges, tuple(trimmed))
-        chunks.append(
-            _Chunk(lay, kv_map, expand, Layout(unpack_plan, rank, layout.seq_lens, layout.batch, layout.head_dim), tuple(trim))
-        )
+        unpack_plan = HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, gp.q_ranges, tuple(trimmed))
+        grad_kv = any(gp.kv_count(p) for p in range(plan.world_size))
+        chunks.append(_Chunk(lay(cp), lay(gp), kv_map, expand, shared, grad_kv, lay(unpack_plan), tuple(trim)))
     replicas = tuple(
         (h, tuple((p, *where[(h, p)]) for p in plan.kv_holders(h))) for h in sorted(replicated)
     )
@@ -322,6 +385,8 @@ def _h2s_blocks(lay: Layout, recv, local, stream: str):
 
 
 def _attend(backend, chunk: _Chunk, q, k, v, causal, scale, needs_grad):
+    if chunk.shared:  # backend is SharedKV; its state goes to backward_per_head as is
+        return backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
     # Only backends built on AttentionBackend gather KV heads the known way (expand_kv).
     if chunk.expand is None or not isinstance(backend, AttentionBackend):
         out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
@@ -354,11 +419,15 @@ class ChunkedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, comm, kernels, backend, causal, scale, n):
         needs_grad = any(ctx.needs_input_grad[:3])
-        sched = _schedule(layout, n)
+        split = isinstance(backend, AttentionBackend)
+        sched = _schedule(layout, n, split)
+        if sched.chunks[0].shared:
+            backend = SharedKV(backend)
         chan = _Channel(comm, q.device)
-        rank, B, D = layout.rank, layout.batch, layout.head_dim
+        B, D = layout.batch, layout.head_dim
         out = q.new_empty(B, layout.seq_local, layout.plan.q_heads, D)
         states = []
+        shared_kv = None  # a shared KV head: (k, v) views of the first chunk's receive buffer
         pending_in = _start_s2h(chan, sched.chunks[0].layout, (q, k, v), QKV, kernels)
         pending_out = None
         for c, chunk in enumerate(sched.chunks):
@@ -368,6 +437,10 @@ class ChunkedAttentionFunction(torch.autograd.Function):
                 pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (q, k, v), QKV, kernels)
             q_c, k_c, v_c = chunk.layout.s2h_recv_views(recv, QKV)
             del recv
+            if chunk.shared:
+                if k_c.shape[2]:
+                    shared_kv = (k_c, v_c)
+                k_c, v_c = shared_kv
             if q_c.shape[2]:
                 out_c, saved = _attend(backend, chunk, q_c, k_c, v_c, causal, scale, needs_grad)
             else:
@@ -381,6 +454,7 @@ class ChunkedAttentionFunction(torch.autograd.Function):
             pending_out = started
         _finish_out(pending_out, out, kernels)
         ctx.layout, ctx.comm, ctx.kernels, ctx.backend, ctx.n = layout, comm, kernels, backend, n
+        ctx.split_groups = split
         ctx.states = states
         return out
 
@@ -388,13 +462,14 @@ class ChunkedAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         layout, comm, kernels, backend = ctx.layout, ctx.comm, ctx.kernels, ctx.backend
-        sched = _schedule(layout, ctx.n)
+        sched = _schedule(layout, ctx.n, ctx.split_groups)
         chan = _Channel(comm, dout.device)
-        B, s, D, plan = layout.batch, layout.seq_local, layout.head_dim, layout.plan
-        dq = dout.new_empty(B, s, plan.q_heads, D)
-        dk = dout.new_empty(B, s, plan.kv_heads, D)
-        dv = dout.new_empty(B, s, plan.kv_heads, D)
+        B, D, plan, rank = layout.batch, layout.head_dim, layout.plan, layout.rank
+        dq = dout.new_empty(B, layout.seq_local, plan.q_heads, D)
+        dk = dout.new_empty(B, layout.seq_local, plan.kv_heads, D)
+        dv = dout.new_empty(B, layout.seq_local, plan.kv_heads, D)
         kv_blocks = {}  # (chunk, source) -> (dk block, dv block) for the replica sums
+        kv_sum = KVGradSum()  # a shared KV head's gradient, summed over the chunks' query heads
         pending_in = _start_s2h(chan, sched.chunks[0].layout, (dout,), Q_ONLY, kernels)
         pending_out = None
         for c, chunk in enumerate(sched.chunks):
@@ -406,14 +481,24 @@ class ChunkedAttentionFunction(torch.autograd.Function):
             del recv
             saved = ctx.states[c]
             ctx.states[c] = None
-            if saved is not None:
-                grads = _attend_backward(backend, saved, dout_c)
-            else:
-                hkv = chunk.layout.head_count("kv", layout.rank)
+            hkv = chunk.grad.head_count("kv", rank)
+            if saved is None:
                 empty = dout_c.new_empty(B, layout.seq_total, hkv, D)
                 grads = (dout_c, empty, empty)
+            elif chunk.shared:
+                dq_c, dk_c, dv_c = backend.backward_per_head(saved, dout_c)
+                kv_sum.add(dk_c, dv_c)
+                del dk_c, dv_c
+                if hkv:  # the rank's last chunk: the sum is complete
+                    grads = (dq_c, *kv_sum.result())
+                else:
+                    empty = dq_c.new_empty(B, layout.seq_total, 0, D)
+                    grads = (dq_c, empty, empty)
+            else:
+                grads = _attend_backward(backend, saved, dout_c)
             del dout_c, saved
-            started = ([_start_h2s(chan, chunk.layout, g, st, kernels) for g, st in zip(grads, QKV)], c)
+            streams = QKV if chunk.grad_kv else Q_ONLY
+            started = ([_start_h2s(chan, chunk.grad, g, st, kernels) for g, st in zip(grads, streams)], c)
             del grads
             if pending_out is not None:
                 _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
@@ -437,8 +522,11 @@ def _finish_grads(pending, sched: _Schedule, outs, kv_blocks, kernels) -> None:
     per_stream = []
     for (work, recv, local), st in zip(started, QKV):
         work.wait()
-        per_stream.append(_h2s_blocks(chunk.layout, recv, local, st))
-    world = chunk.layout.world_size
+        per_stream.append(_h2s_blocks(chunk.grad, recv, local, st))
+    if not chunk.grad_kv:  # query-head gradients only
+        kernels.unpack_h2s(chunk.unpack, [[b] for b in per_stream[0]], Q_ONLY, [outs[0]])
+        return
+    world = chunk.grad.world_size
     blocks = []
     for p in range(world):
         lo, hi = chunk.trim[p]
@@ -473,13 +561,14 @@ def chunked_attention(q, k, v, layout: Layout, comm, kernels, backend, causal: b
     ``chunks``: an int >= 1 or ``"auto"``. Falls back to the unchunked op when the plan
     allows one chunk only. Returns ``[B, s_r, Hq, D]``.
     """
+    split = isinstance(backend, AttentionBackend)
     if chunks == "auto":
-        n = choose_chunks(layout, q.element_size(), causal, q.device.type)
+        n = choose_chunks(layout, q.element_size(), causal, q.device.type, split_groups=split)
     elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
         n = chunks
     else:
         raise ValueError(f"ulysses_attention: chunks expected an int >= 1 or 'auto', got {chunks!r}")
-    n = len(chunk_plans(layout.plan, n))
+    n = len(chunk_plans(layout.plan, n, split_groups=split))
     if n == 1:
         kv_map = layout.plan.local_kv_map(layout.rank)
         return UlyssesAttentionFunction.apply(q, k, v, layout, comm, kernels, backend, causal, scale, kv_map)
