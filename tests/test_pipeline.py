@@ -225,7 +225,8 @@ def test_gpu_world_one_chunked_smoke():
     device = torch.device("cuda")
     comm = LocalCommunicator()
     g = torch.Generator(device=device).manual_seed(0)
-    shapes = [(1, 256, 8, 4, 64), (2, 128, 12, 4, 64), (1, 512, 16, 8, 128), (3, 64, 6, 2, 32)]
+    # The last shape is MQA: SharedKV, query heads of one KV head split into chunks.
+    shapes = [(1, 256, 8, 4, 64), (2, 128, 12, 4, 64), (1, 512, 16, 8, 128), (3, 64, 6, 2, 32), (1, 384, 8, 1, 64)]
     exact = {True: 0, False: 0}
     for it in range(12):
         B, S, hq, hkv, D = shapes[it % len(shapes)]
@@ -287,6 +288,7 @@ def _nccl_stress_rank(rank: int, world: int) -> None:
         (12, 4, (700, 1348), 2, 64, torch.bfloat16, 2),
         (8, 8, (1024, 1024), 1, 64, torch.float32, 3),
         (24, 8, (999, 1001), 2, 128, torch.float16, 4),
+        (16, 2, (1000, 1048), 1, 128, torch.bfloat16, 4),  # one KV head per rank: SharedKV
     ]
     exact = {True: 0, False: 0}
     for it in range(3):
