@@ -1,0 +1,233 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2054  # comma lists below are flag values (--seqs 8K,32K), not array syntax
+# Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled; see
+# /work/.library/device/README.md): each `run` call runs one or more stages, in order.
+#
+#   bash scripts/gpu_session.sh build tests nccl2   # call 1, ~6-7 min (estimates: nothing has run
+#   bash scripts/gpu_session.sh bench attn          # call 2, ~7 min    on a GPU yet)
+#   then, with 8+ min left: re-run what was SKIPPED/FAILED, or GPU_SESSION_ATTN_MODELS=qwen2.5-14b attn
+#
+# Stages (each one sets up what it needs first, so any stage runs on a fresh machine):
+#   build  venv seeing the system torch (scripts/setup.sh, ULYSSES_KERNELS_SYSTEM_TORCH=1), _C for
+#          this GPU's arch only; nvidia-smi, nvcc, `python -m ulysses_kernels.info`, torch's NCCL
+#   tests  the GPU test files, one pytest each (--maxfail 3, not -x: one failure must not hide the
+#          file's GPU tests behind it; per-test timeout), the two-rank tests excluded
+#   bench  bench_pack, bench_attention (rank 0 of 8, llama3-8b, 4K..256K), perf_model, and as
+#          checks only (not committed) bench_alltoall and bench_overlap on a world of one
+#   nccl2  2 NCCL ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; skipped if NCCL < 2.30):
+#          the two-rank tests and bench_overlap --world 2 (correctness; timings not a claim)
+#   attn   bench_attention 4K..1M for $GPU_SESSION_ATTN_MODELS (default llama3-8b), perf_model
+#
+# What comes back in $OUT (at most 4 files): summary_<stages>.txt; gpu_session_<stages>.tgz with
+# build/gpu_session/<stages>/ (logs, junit, env) and the new bench/results/ files, paths relative
+# to the repo root (`tar xzf ... -C <repo>` puts results where they are committed); after a build,
+# gpu_carry/_C.cpython-312-*.so and gpu_carry/stamp.
+# CARRY to later calls (a fresh machine skips the ~1 min build): copy $OUT's gpu_carry/* here to
+# build/gpu_carry/ and pass carry=["build/gpu_carry", ".git"] (call 1: [".git"]). The .so (~8 MB)
+# is used only when its stamp matches csrc/, setup.py, python, torch and arch; .git (~3 MB) lets
+# the results record the git sha (else "unknown"; GPU_SESSION_GIT_SHA=<sha> then names it here).
+# Not .venv: it is a few links to the machine's own python, recreated in seconds.
+#
+# Every step runs under `timeout`, inside a budget for the whole call (GPU_SESSION_BUDGET_S,
+# default 540 s); a step that would not fit is SKIPPED. Exit status: non-zero if any step failed.
+# GPU_SESSION_DRY_RUN=1 prints the commands; GPU_SESSION_TINY=1 runs them at tiny sizes without a
+# GPU (CPU check that every command line parses; results stay in build/gpu_session/).
+# Other knobs: GPU_SESSION_TESTS (test files), GPU_SESSION_TEST_TIMEOUT (per test, s),
+# GPU_SESSION_MAXFAIL, GPU_SESSION_ATTN_MODELS, GPU_SESSION_ATTN_MAX_SEQ, GPU_SESSION_ARCH,
+# GPU_SESSION_REBUILD=1. TINY builds _C for one arch: run it in a copy of the tree, not in a
+# checkout whose _C others are using.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -gt 0 ] || { sed -n '3,/^set -euo/p' "$0" | sed '$d'; exit 2; }
+for s in "$@"; do case $s in build|tests|bench|nccl2|attn) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
+
+DRY=${GPU_SESSION_DRY_RUN:-0} TINY=${GPU_SESSION_TINY:-0}
+BASE_PY=${GPU_SESSION_PYTHON:-python3} PY=.venv/bin/python
+TAG=$(IFS=-; echo "$*") T0=$(date +%s)
+DEADLINE=$((T0 + ${GPU_SESSION_BUDGET_S:-540}))
+LOG=build/gpu_session/$TAG SUMMARY=build/gpu_session/$TAG/summary.txt
+RESULTS=bench/results; [ "$TINY" = 1 ] && RESULTS=$LOG/results
+rm -rf "$LOG"; mkdir -p "$LOG" "$RESULTS" bench/results
+LC_ALL=C ls bench/results > "$LOG/.results_before"
+export PYTHONUNBUFFERED=1 ULYSSES_KERNELS_TEST_TIMEOUT=${ULYSSES_KERNELS_TEST_TIMEOUT:-240}
+FAILED=0
+
+say() { echo "[gpu_session] $*" | tee -a "$SUMMARY"; }
+
+publish() {  # the summary and a tarball of logs + new results into $OUT (again after every step)
+  [ -n "${OUT:-}" ] || return 0
+  mkdir -p "$OUT"; cp "$SUMMARY" "$OUT/summary_$TAG.txt"
+  LC_ALL=C comm -13 "$LOG/.results_before" <(LC_ALL=C ls bench/results) | sed 's|^|bench/results/|' > "$LOG/.results_new"
+  tar czf "$OUT/gpu_session_$TAG.tgz" "$LOG" -T "$LOG/.results_new"
+}
+
+step() {  # step NAME LIMIT_S CMD...: run under timeout, log to $LOG/NAME.log, record the outcome
+  local name=$1 limit=$2 left rc t res
+  shift 2
+  left=$((DEADLINE - $(date +%s) - 20))
+  if [ "$left" -lt 30 ]; then say "SKIPPED  $name (call budget spent)"; FAILED=1; return 1; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "[gpu_session] >>> $name (timeout ${limit}s): $*"
+  [ "$DRY" = 1 ] && return 0
+  t=$(date +%s)
+  set +e
+  timeout -k 15 "$limit" "$@" </dev/null 2>&1 | tee "$LOG/$name.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  t=$(($(date +%s) - t))
+  # pytest's last line ("3 passed, 1 skipped in 9.1s"), else nothing
+  res=$(grep -E '(passed|failed|skipped|error|deselected).* in [0-9.]+s' "$LOG/$name.log" | tail -1 | tr -d '=' || true)
+  case $rc in
+    0) say "OK       $name ${t}s $res" ;;
+    124|137) say "TIMEOUT  $name after ${t}s $res" ;;
+    *) say "FAILED   $name rc=$rc ${t}s $res" ;;
+  esac
+  if [ "$rc" != 0 ]; then
+    FAILED=1
+    echo "!!!!! $name FAILED; last lines of $LOG/$name.log:" >&2
+    tail -25 "$LOG/$name.log" >&2
+  fi
+  publish
+  return "$rc"
+}
+
+die() { say "ABORT    $*"; publish; exit 1; }
+
+# ---- set-up: venv seeing the preinstalled torch, and the _C extension for this GPU -------------
+make_venv() {
+  [ -x "$PY" ] && return 0
+  # python3 there may itself be a venv (/opt/torch/.venv): a venv made from it with
+  # --system-site-packages does not see its packages, so a .pth adds its site-packages.
+  "$BASE_PY" -m venv --system-site-packages .venv 2>/dev/null ||
+    { rm -rf .venv; "$BASE_PY" -m venv --system-site-packages --without-pip .venv; }
+  local sp vsp
+  sp=$("$BASE_PY" -c 'import site; print(site.getsitepackages()[0])')
+  vsp=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "import site; site.addsitedir('$sp')" > "$vsp/_gpu_session_parent.pth"
+  # shellcheck disable=SC2016 # the wrapper expands these itself
+  [ -x .venv/bin/pip ] || printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m pip "$@"\n' > .venv/bin/pip
+  chmod +x .venv/bin/pip
+  "$PY" -c 'import torch, pytest' || die "the venv does not see torch and pytest of $BASE_PY"
+}
+
+stamp() {  # what the build depends on: sources, python, torch, arch
+  { find csrc setup.py -type f | LC_ALL=C sort | xargs cat
+    "$PY" -c 'import sys, torch; print(sys.version, torch.__version__)'; echo "$ARCH"; } | sha256sum | cut -c1-16
+}
+
+ext_ok() {  # the _C in the tree loads, has CUDA code for $ARCH, and was built from these sources
+  [ "$(cat build/gpu_carry/stamp 2>/dev/null)" = "$(stamp)" ] &&
+    "$PY" -c "from ulysses_kernels import _C_loader as L; i = L.build_info()
+assert i.get('built') and i.get('cuda') and '$ARCH' in i.get('archs', '').split(';'), i" 2>/dev/null
+}
+
+setup() {
+  if [ "$DRY" = 1 ]; then ARCH=${GPU_SESSION_ARCH:-9.0}; say "dry run: commands printed, nothing run"
+  else
+    make_venv
+    if [ "$TINY" != 1 ]; then
+      "$PY" -c 'import torch; assert torch.cuda.is_available()' || die "no CUDA GPU visible to torch (GPU_SESSION_TINY=1 for a CPU check)"
+    fi
+    ARCH=${GPU_SESSION_ARCH:-$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "9.0")')}
+    # A carried build: use it if it matches these sources (else it is rebuilt below).
+    if [ -f build/gpu_carry/stamp ] && [ "$(cat build/gpu_carry/stamp)" = "$(stamp)" ]; then cp build/gpu_carry/_C*.so ulysses_kernels/; fi
+  fi
+  local skip=0
+  [ "$DRY" != 1 ] && [ "${GPU_SESSION_REBUILD:-0}" != 1 ] && ext_ok && skip=1
+  [ "$skip" = 1 ] && say "using the carried _C build (stamp $(stamp))"
+  step setup 480 env ULYSSES_KERNELS_SYSTEM_TORCH=1 ULYSSES_KERNELS_SKIP_EXTENSION=$skip PYTHON="$BASE_PY" \
+    ULYSSES_KERNELS_CUDA_ARCHS="$ARCH" MAX_JOBS="$(nproc)" bash scripts/setup.sh ||
+    { cp build/setup_build_ext.log "$LOG/" 2>/dev/null; die "set-up failed (see $LOG/setup.log)"; }
+  cp build/setup_build_ext.log "$LOG/" 2>/dev/null || true
+  [ "$DRY" = 1 ] && return 0
+  if [ "$skip" = 0 ]; then
+    mkdir -p build/gpu_carry; rm -f build/gpu_carry/*
+    cp ulysses_kernels/_C*.so build/gpu_carry/ && stamp > build/gpu_carry/stamp
+  fi
+  ext_ok || die "ulysses_kernels._C is not usable with CUDA code for arch $ARCH (see $LOG/setup.log)"
+  if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/gpu_carry"; cp build/gpu_carry/* "$OUT/gpu_carry/"; fi
+  local sha
+  if sha=$(git rev-parse --short HEAD 2>/dev/null); then git diff --quiet HEAD || sha="$sha +local edits"
+  else sha=${GPU_SESSION_GIT_SHA:-"unknown (carry .git or set GPU_SESSION_GIT_SHA)"}; fi
+  say "$TAG | git $sha | $(date -u +%FT%TZ) | $("$PY" -c '
+import torch, triton
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU check)"
+nccl = ".".join(map(str, torch.cuda.nccl.version()))
+print(f"{gpu} | torch {torch.__version__} CUDA {torch.version.cuda} | NCCL {nccl} | triton {triton.__version__}")')"
+}
+
+# ---- stages ------------------------------------------------------------------------------------
+stage_build() {
+  if [ "$TINY" != 1 ] || command -v nvidia-smi >/dev/null; then step nvidia_smi 30 nvidia-smi || true; fi
+  step nvcc 30 bash -c 'which nvcc; nvcc --version; nproc; free -g; df -h .' || true
+  step info 60 "$PY" -m ulysses_kernels.info || true
+  [ "$DRY" = 1 ] || "$PY" -m ulysses_kernels.info --json > "$LOG/info.json"
+  step device 60 "$PY" -c 'import torch; print(torch.cuda.get_device_properties(0) if torch.cuda.is_available() else "no GPU"); print("torch NCCL", torch.cuda.nccl.version())' || true
+}
+
+stage_tests() {
+  local f targs=()
+  if "$PY" -c 'import pytest_timeout' 2>/dev/null; then targs=(--timeout "${GPU_SESSION_TEST_TIMEOUT:-240}")
+  else say "note: pytest-timeout missing: no per-test timeout (each file still has one)"; fi
+  for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py}; do
+    f=$(basename "$f" .py)
+    step "$f" 300 "$PY" -m pytest --maxfail "${GPU_SESSION_MAXFAIL:-3}" -q -ra -k "not two_ranks" "${targs[@]}" --junitxml "$LOG/junit_$f.xml" "tests/$f.py" || true
+  done
+}
+
+pack_summary() {  # issue #3 (fused pack >= 90% of copy bandwidth) and #4 (>= 3x the chain)
+  [ "$DRY" = 1 ] && return 0
+  "$PY" - "$RESULTS" <<'EOF' | tee -a "$SUMMARY" || true
+import collections, glob, json, os, sys
+path = max(glob.glob(os.path.join(sys.argv[1], "bench_pack_*.json")), key=os.path.getmtime)
+by = collections.defaultdict(dict)
+for r in json.load(open(path))["rows"]:
+    by[(r["config"], r["op"])][r["method"].split()[0]] = r["time_us"]
+print(f"pack summary ({os.path.basename(path)}): copy/fused time (target >= 90%), chain/fused (target >= 3x)")
+for (cfg, op), m in by.items():
+    chain = f"{m['chain'] / m['fused']:6.2f}x" if "chain" in m else "     -"
+    print(f"  {cfg:<28} {op:<6} {m['copy'] / m['fused']:7.1%} {chain}")
+EOF
+}
+
+stage_bench() {
+  local a=(--models llama3-8b --min-seq 4K --max-seq 256K) o=(--layouts 32/8 --seqs 8K,32K,64K) x=(-b 1M -e 256M -f 4)
+  [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128 --head-dim 16) o=(--layouts 8/2 --seqs 64,256 --head-dim 16) x=(-b 1K -e 64K -f 4)
+  step bench_pack 180 "$PY" bench/bench_pack.py --warmup 10 --iters 100 --out "$RESULTS" && pack_summary || true
+  step bench_attention 300 "$PY" bench/bench_attention.py --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$RESULTS" &&
+    step perf_model 60 "$PY" bench/perf_model.py --attention-json "$RESULTS/bench_attention_latest.json" || true
+  # Checks on a world of one (the collective is a self-copy): correctness of the GPU paths, and
+  # the chunked pipeline's overhead; kept out of bench/results (no bandwidth or overlap claim).
+  step alltoall_w1 120 "$PY" bench/bench_alltoall.py "${x[@]}" -w 5 -n 20 --out-dir "$LOG/w1" || true
+  step overlap_w1 150 "$PY" bench/bench_overlap.py --spawn 0 "${o[@]}" -w 2 -n 5 --out-dir "$LOG/w1" || true
+}
+
+stage_nccl2() {
+  local v
+  v=$("$PY" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)), int(tuple(v) >= (2, 30)))' 2>/dev/null || echo "? 1")
+  if [ "${v#* }" != 1 ] && [ "$DRY" != 1 ]; then say "SKIPPED  nccl2: NCCL ${v% *} < 2.30 has no multi-rank-per-GPU"; return 0; fi
+  step two_ranks 300 env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" -m pytest -q -ra -k two_ranks --junitxml "$LOG/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
+  local o=(--layouts 32/8 --seqs 8K,32K)
+  [ "$TINY" = 1 ] && o=(--layouts 8/2 --seqs 64,256 --head-dim 16)
+  step overlap_w2 180 env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+    bench/bench_overlap.py "${o[@]}" --out-dir "$LOG/w2" || true
+}
+
+stage_attn() {  # one process per model, so that a timeout loses one model, not the sweep.
+  # llama3-8b at 1M: ~28 s per fwd+bwd+fwdbwd iteration at 350/260 TFLOP/s (perf_model), so
+  # 4 iterations ~2 min, ~3 min for 4K..1M; qwen2.5-14b x1.25, llama3-70b x2 (one per call).
+  local m a
+  for m in ${GPU_SESSION_ATTN_MODELS:-llama3-8b}; do
+    a=(--models "$m" --min-seq 4K --max-seq "${GPU_SESSION_ATTN_MAX_SEQ:-1M}")
+    [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128,256 --head-dim 16)
+    step "attention_$m" 420 "$PY" bench/bench_attention.py --sp 8 "${a[@]}" -w 1 -n 3 --out-dir "$RESULTS" &&
+      step "perf_model_$m" 60 "$PY" bench/perf_model.py --attention-json "$RESULTS/bench_attention_latest.json" || true
+  done
+}
+
+trap 'echo; echo "======== gpu_session $TAG summary ($(( $(date +%s) - T0 ))s; logs in $LOG${OUT:+, copied to \$OUT})"; cat "$SUMMARY"' EXIT
+setup
+for s in "$@"; do "stage_$s"; done
+publish
+[ "$FAILED" = 0 ] || { say "FAILED: see the lines above"; publish; exit 1; }
+say "all steps OK"; publish
