@@ -13,6 +13,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Attention layer: a Llama-3-8B-shaped layout scaled down (8 query / 2 KV heads).
 "$PY" bench/bench_attention.py --spawn 2 --layouts 8/2 --seqs 64,128 --head-dim 16 -w 1 -n 2 \
   --methods local,chain,ulysses-torch,deepspeed,yunchang,layout-torch,chain-layout --out-dir "$OUT"
+# Chunked overlap: a2a, attention and the layer per chunk count, each row checked against
+# chunks=1 bit for bit; the cost-model env makes chunks="auto" pick more than one chunk here.
+ULYSSES_KERNELS_LINK_GBPS=0.1 ULYSSES_KERNELS_ATTN_TFLOPS=0.001 ULYSSES_KERNELS_LINK_LATENCY_US=0 \
+  ULYSSES_KERNELS_OVERLAP_SLOWDOWN=0 "$PY" bench/bench_overlap.py --spawn 2 --layouts 8/2,6/3 --seqs 32,64 \
+  --head-dim 8 -w 1 -n 2 --chunks 1,2,4,auto --out-dir "$OUT"
 # Pack/unpack against a copy of the same bytes and the permute chain.
 "$PY" bench/bench_pack.py --device cpu --iters 3 --out "$OUT"
 # The performance model's table (formulas and published constants; no measurement).

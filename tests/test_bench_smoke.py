@@ -159,6 +159,99 @@ def methods_seen(rows):
     return {r["method"] for r in rows}
 
 
+# Cost-model inputs under which chunks="auto" picks more than one chunk at the smoke sizes
+# (attention slow against the link, no latency, no slowdown), so the auto row runs the pipeline.
+_AUTO_ENV = {
+    "ULYSSES_KERNELS_LINK_GBPS": "0.1", "ULYSSES_KERNELS_ATTN_TFLOPS": "0.001",
+    "ULYSSES_KERNELS_LINK_LATENCY_US": "0", "ULYSSES_KERNELS_OVERLAP_SLOWDOWN": "0",
+}  # fmt: skip
+
+
+def test_bench_overlap_smoke(tmp_path, capfd, monkeypatch):
+    from ulysses_kernels.layout import Layout
+    from ulysses_kernels.pipeline import choose_chunks
+    from ulysses_kernels.plan import HeadPlan
+
+    for k, v in _AUTO_ENV.items():
+        monkeypatch.setenv(k, v)  # the spawned ranks inherit the environment
+    # 8/2 on 2 ranks: one shared KV head per rank (split by query heads, up to 4 chunks);
+    # 6/3: KV head 1 on both ranks (split by KV groups, up to 2; its gradient summed across ranks).
+    _main(
+        "bench_overlap",
+        ["--spawn", "2", "--layouts", "8/2,6/3", "--seqs", "32", "--head-dim", "8", "-w", "0", "-n", "1",
+         "--chunks", "1,2,4,auto", "--out-dir", str(tmp_path)],
+    )  # fmt: skip
+    out = capfd.readouterr().out
+    doc = _result(tmp_path, "bench_overlap")
+    rows = doc["rows"]
+    assert doc["env"]["world_size"] == 2 and doc["env"]["gpu"] == "cpu" and doc["env"]["git_sha"]
+    assert doc["meta"]["cost_model"]["link_gbps"] == pytest.approx(0.1)
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["layout"], r["pass"]), []).append(r)
+    assert set(groups) == {(lay, p) for lay in ("8/2", "6/3") for p in ("fwd", "fwdbwd")}
+    want_chunks = {"8/2": [1, 2, 4], "6/3": [1, 2]}  # 4 chunks: more than 6/3 on 2 ranks allows
+    for (lay, p), g in groups.items():
+        assert [r["chunks"] for r in g] == want_chunks[lay], g
+        # Every row was checked against chunks=1, bit for bit on the CPU, and matched.
+        assert all(r["wrong"] == 0 and r["exact"] for r in g), g
+        assert all(r["layer_ms"] > 0 and r["attn_ms"] > 0 and r["a2a_ms"] > 0 for r in g)
+        assert all(r["exposed_ms"] == pytest.approx(max(0.0, r["layer_ms"] - r["attn_ms"])) for r in g)
+        assert all(r["exposed_frac"] == pytest.approx(r["exposed_ms"] / r["a2a_ms"]) for r in g)
+        assert g[0]["speedup"] == 1.0
+        H, Hkv = (int(x) for x in lay.split("/"))
+        auto = choose_chunks(Layout(HeadPlan.build(H, Hkv, 2), 0, (16, 16), 1, 8), 4, True, "cpu")
+        assert auto > 1  # the env above makes "auto" chunk: that row ran chunks="auto"
+        assert [r["chunks"] for r in g if r["auto"]] == [auto]
+        assert g[[r["chunks"] for r in g].index(auto)]["chunks_label"] == f"{auto}*"
+    assert {r["checked"] for r in rows if r["pass"] == "fwdbwd"} == {"out,dq,dk,dv"}
+    assert "#wrong" in out and "exposed/a2a" in out and C.CPU_LABEL in out
+    assert "skipped 6/3 chunks=4" in out and "wrong elements: 0 OK" in out
+
+
+def test_bench_overlap_counts_a_wrong_chunked_result(monkeypatch, capsys):
+    """A chunked layer that differs from chunks=1 in one element makes #wrong non-zero and
+    the script fail (in this process, a world of one on the CPU, where chunks still run)."""
+    import ulysses_kernels.pipeline as pipeline
+
+    real = pipeline.chunked_attention
+
+    def off_by_one(*args, **kwargs):
+        out = real(*args, **kwargs)
+        with torch.no_grad():
+            out.view(-1)[3] += 1.0
+        return out
+
+    monkeypatch.setattr(pipeline, "chunked_attention", off_by_one)
+    monkeypatch.setenv("ULYSSES_KERNELS_BENCH_CPU", "1")
+    with pytest.raises(SystemExit, match="bench_overlap: 2 wrong elements"):
+        _main("bench_overlap", ["--spawn", "0", "--layouts", "8/2", "--seqs", "16", "--head-dim", "8", "-w", "0", "-n", "1",
+                                "--chunks", "1,2", "--no-write"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "wrong elements: 2 FAILED" in out  # one in the fwd output, one in the fwdbwd output
+
+
+def test_bench_overlap_check_rules():
+    ov = _load("bench_overlap")
+    g = torch.Generator().manual_seed(0)
+    ref = [torch.randn(2, 5, 3, 4, generator=g) for _ in range(2)]
+    assert ov.count_wrong([x.clone() for x in ref], ref) == 0
+    bad = [x.clone() for x in ref]
+    bad[1][1, 4, 2, 3] = torch.nextafter(bad[1][1, 4, 2, 3], torch.tensor(9.0))  # one ulp
+    bad[0][0, 0, 0, 0] = float("nan")
+    assert ov.count_wrong(bad, ref) == 2
+    assert ov.count_wrong([ref[0][:, :4]], ref[:1]) == ref[0].numel()  # wrong shape: all of it
+    # GPU rule: within 8x the chunks=1 run-to-run noise (plus ulps * max|ref|), not beyond.
+    ref2 = [x + 1e-3 for x in ref]
+    near = [x + 5e-3 for x in ref]
+    assert ov.count_wrong(near, ref, ref2, exact=False) == 0
+    far = [x.clone() for x in near]
+    far[0][1, 2, 0, 1] += 1.0
+    far[1][0, 3, 1, 2] = float("inf")
+    assert ov.count_wrong(far, ref, ref2, exact=False) == 2
+    assert ov.count_wrong(near, ref, ref, exact=False) == sum(x.numel() for x in ref)  # no noise: 5e-3 is too far
+
+
 def test_perf_model_formulas():
     pm = _load("perf_model")
     args = pm.parse_args(["--worlds", "8"])
