@@ -392,16 +392,6 @@ def _body(args, rank, world, device, backend):
     C.finish(args, rank, "bench_overlap", env_fn, rows, meta, plot, rows)
 
 
-def _share_gpus() -> None:
-    """torchrun with more ranks than GPUs (two ranks on one GPU, NCCL >= 2.30 with
-    ``NCCL_MULTI_RANK_GPU_ENABLE=1``): ranks share the GPUs round-robin.
-    NOTE: ``bench.common.init_from_env`` selects ``cuda:LOCAL_RANK``, which does not exist then."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    local = os.environ.get("LOCAL_RANK")
-    if n and local is not None and int(local) >= n and os.environ.get("ULYSSES_KERNELS_BENCH_CPU", "0") != "1":
-        os.environ["LOCAL_RANK"] = str(int(local) % n)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} or all (GPU default llama3-8b)")
@@ -451,7 +441,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    _share_gpus()
     return C.launch(_body, args)
 
 

@@ -94,19 +94,10 @@ step() {  # step NAME LIMIT_S CMD...: run under timeout, log to $LOG/NAME.log, r
 die() { say "ABORT    $*"; publish; exit 1; }
 
 # ---- set-up: venv seeing the preinstalled torch, and the _C extension for this GPU -------------
-make_venv() {
+make_venv() {  # scripts/setup.sh makes a venv that sees $BASE_PY's packages (even if it is a venv)
   [ -x "$PY" ] && return 0
-  # python3 there may itself be a venv (/opt/torch/.venv): a venv made from it with
-  # --system-site-packages does not see its packages, so a .pth adds its site-packages.
-  "$BASE_PY" -m venv --system-site-packages .venv 2>/dev/null ||
-    { rm -rf .venv; "$BASE_PY" -m venv --system-site-packages --without-pip .venv; }
-  local sp vsp
-  sp=$("$BASE_PY" -c 'import site; print(site.getsitepackages()[0])')
-  vsp=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "import site; site.addsitedir('$sp')" > "$vsp/_gpu_session_parent.pth"
-  # shellcheck disable=SC2016 # the wrapper expands these itself
-  [ -x .venv/bin/pip ] || printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m pip "$@"\n' > .venv/bin/pip
-  chmod +x .venv/bin/pip
+  ULYSSES_KERNELS_SYSTEM_TORCH=1 ULYSSES_KERNELS_SKIP_EXTENSION=1 PYTHON="$BASE_PY" bash scripts/setup.sh >"$LOG/venv.log" 2>&1 ||
+    { cat "$LOG/venv.log"; die "could not make the venv (scripts/setup.sh)"; }
   "$PY" -c 'import torch, pytest' || die "the venv does not see torch and pytest of $BASE_PY"
 }
 

@@ -10,18 +10,36 @@ PY=${PYTHON:-python3}
 TORCH_SPEC=${ULYSSES_KERNELS_TORCH:-torch==2.14.1}
 SYSTEM_TORCH=${ULYSSES_KERNELS_SYSTEM_TORCH:-0}
 if [ ! -x .venv/bin/python ]; then
-  if [ "$SYSTEM_TORCH" = "1" ]; then "$PY" -m venv --system-site-packages .venv; else "$PY" -m venv .venv; fi
+  if [ "$SYSTEM_TORCH" = "1" ]; then
+    "$PY" -m venv --system-site-packages .venv 2>/dev/null || { rm -rf .venv; "$PY" -m venv --system-site-packages --without-pip .venv; }
+    # $PY may itself be a venv (the GPU machines' python3 is /opt/torch/.venv): a venv made
+    # from a venv does not see its packages through --system-site-packages, so a .pth adds
+    # $PY's own site-packages (pip included).
+    .venv/bin/python - "$("$PY" -c 'import json, site; print(json.dumps(site.getsitepackages()))')" <<'EOF_PTH'
+import json, pathlib, sys, sysconfig
+dirs = json.loads(sys.argv[1])
+line = "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + "\n"
+pathlib.Path(sysconfig.get_paths()["purelib"], "_ulysses_kernels_system.pth").write_text(line)
+EOF_PTH
+  else
+    "$PY" -m venv .venv
+  fi
 fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 if [ "$SYSTEM_TORCH" = "1" ]; then
   .venv/bin/python -c "import torch, pytest" || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
 elif ! .venv/bin/python -c "import torch, numpy, pytest, ninja, transformers" 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC numpy pytest ninja transformers==5.23.0 into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check "$TORCH_SPEC" numpy pytest ninja transformers==5.23.0 2>&1 | grep -v "^WARNING: Location" || true
+  "${PIP[@]}" install -q "$TORCH_SPEC" numpy pytest ninja transformers==5.23.0 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
-if ! .venv/bin/python -c "import ulysses_kernels" 2>/dev/null; then
+if [ "$SYSTEM_TORCH" = "1" ]; then
+  # Offline: no pip build; the repository root on the venv's path is what an editable
+  # install amounts to.
+  .venv/bin/python -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "_ulysses_kernels_repo.pth").write_text(sys.argv[1] + "\n")' "$PWD"
+elif ! .venv/bin/python -c "import ulysses_kernels" 2>/dev/null; then
   echo "[setup] installing ulysses_kernels (editable)"
   # The extension is built below, once and incrementally, not by pip (which rebuilds from scratch).
-  ULYSSES_KERNELS_SKIP_EXTENSION=1 .venv/bin/pip install -q --disable-pip-version-check --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+  ULYSSES_KERNELS_SKIP_EXTENSION=1 "${PIP[@]}" install -q --no-build-isolation -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 # ---- the C++/CUDA extension ulysses_kernels._C (no GPU needed; see docs/build.md) ----------
 if [ "${ULYSSES_KERNELS_SKIP_EXTENSION:-0}" != "1" ]; then

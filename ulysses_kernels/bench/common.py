@@ -126,14 +126,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # ---- environment --------------------------------------------------------------------
 def git_sha(repo: Path | str = REPO_ROOT) -> str:
-    """``git rev-parse HEAD`` of ``repo`` (``"unknown"`` outside a git checkout)."""
+    """``git rev-parse HEAD`` of ``repo``; outside a git checkout (a copy of the tree on a
+    lent GPU machine) ``$ULYSSES_KERNELS_GIT_SHA`` if set, else ``"unknown"``."""
+    fallback = os.environ.get("ULYSSES_KERNELS_GIT_SHA") or "unknown"
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=str(repo), capture_output=True, text=True, timeout=10, check=True
         )
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+        return fallback
+    return out.stdout.strip() or fallback
 
 
 def _git_dirty(repo: Path | str = REPO_ROOT) -> bool | None:
@@ -189,14 +191,15 @@ def env_record(device: torch.device, world_size: int, backend: str | None, **ext
 def init_from_env() -> tuple[int, int, torch.device, str]:
     """Initialise torch.distributed for a torchrun launch (or a single process without one).
 
-    Returns ``(rank, world_size, device, backend)``: NCCL and ``cuda:LOCAL_RANK`` when CUDA
-    is available, else gloo on the CPU. Without ``RANK`` in the environment a group of one
+    Returns ``(rank, world_size, device, backend)``: NCCL and ``cuda:(LOCAL_RANK % GPUs)``
+    when CUDA is available (several ranks may share a GPU: NCCL >= 2.30 with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1``, correctness only), else gloo on the CPU. Without ``RANK`` in the environment a group of one
     is created on a private file store, so every script runs unchanged as one process.
     """
     use_cuda = torch.cuda.is_available() and os.environ.get("ULYSSES_KERNELS_BENCH_CPU", "0") != "1"
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if not dist.is_initialized():
         if "RANK" in os.environ:
             dist.init_process_group(backend)
