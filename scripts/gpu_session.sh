@@ -137,6 +137,7 @@ setup() {
   fi
   ext_ok || die "ulysses_kernels._C is not usable with CUDA code for arch $ARCH (see $LOG/setup.log)"
   if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/gpu_carry"; cp build/gpu_carry/* "$OUT/gpu_carry/"; fi
+  [ -n "${GPU_SESSION_GIT_SHA:-}" ] && export ULYSSES_KERNELS_GIT_SHA=$GPU_SESSION_GIT_SHA  # bench JSON, without .git
   local sha
   if sha=$(git rev-parse --short HEAD 2>/dev/null); then git diff --quiet HEAD || sha="$sha +local edits"
   else sha=${GPU_SESSION_GIT_SHA:-"unknown (carry .git or set GPU_SESSION_GIT_SHA)"}; fi
