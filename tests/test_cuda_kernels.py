@@ -267,24 +267,6 @@ def test_torch_compile_fullgraph_pack():
     assert torch.equal(out, send * 2)
 
 
-def test_torch_compile_fullgraph_attention_world_size_1():
-    # The public op with the fused kernels traces in one graph on the CPU (inference).
-    # NOTE: kernels="cuda" as a string does not trace yet (kernels.get_kernels imports the
-    # module with importlib, which dynamo skips), so the kernel-set object is passed.
-    from ulysses_kernels import ulysses_attention
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 12, h, 8, generator=g) for h in (6, 2, 2))
-    kern = CK()
-
-    def f(q, k, v):
-        return ulysses_attention(q, k, v, kernels=kern, attn_fn="sdpa")
-
-    torch._dynamo.reset()
-    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
-    assert torch.equal(out, f(q, k, v))
-
-
 # ---- GPU: CUDA kernels against the CPU twin ------------------------------------------------
 @needs_gpu
 @pytest.mark.gpu

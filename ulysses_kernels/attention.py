@@ -14,6 +14,7 @@ from .kernels import get_kernels
 from .layout import Layout
 from .ops import HeadToSeq, SeqToHead, UlyssesAttentionFunction
 from .plan import HeadPlan
+from .traceable import traced_attention
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
 
@@ -89,7 +90,13 @@ def ulysses_attention(
     Returns:
         ``[batch, seq_local, q_heads, head_dim]``: full attention over the global sequence,
         this rank's rows. Differentiable in q, k and v.
+
+    Inside ``torch.compile`` the op is built from traceable pieces (``traceable``): forward
+    and backward trace into the graph, the checks are rank-local (no cross-rank exchange),
+    and ``chunks`` is ignored.
     """
+    if torch.compiler.is_compiling():
+        return traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, plan=plan, comm=comm, kernels=kernels)
     comm = get_communicator(group, comm)
     plan, layout = _prepare(
         q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check

@@ -9,6 +9,10 @@ instead of raising on rank 3 and leaving the others waiting in the all-to-all.
 With ``check=False`` only the local list is validated: cheaper (no collective, no host
 sync), but a rank-local error then raises on that rank alone and the contract that all
 ranks pass the same shapes and options is the caller's.
+
+Inside ``torch.compile`` only the local checks run, once, while tracing (shapes are static
+in a graph, and the all-gather plus host decode would break it); the exchange is skipped
+whatever ``check`` says (``ulysses_kernels.traceable``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,220 @@
+"""ulysses_attention under torch.compile(fullgraph=True) on the CPU: forward and backward
+trace into one graph each (``ulysses_kernels.traceable``), at world size 1 in process and
+at world size 2 on real gloo ranks, and match the eager op (float64: the forward bit for
+bit; gradients bit for bit at world size 1 and within 1e-10 at 2, see below) and a
+single-process float64 reference.
+
+The graphs are recorded by wrapping ``aot_eager`` (the same backend, with compilers that
+keep the forward and backward graphs), so a test fails if the backward silently ran
+eagerly instead of as a compiled graph, or if a collective is missing from a graph.
+"""
+
+import pytest
+import torch
+
+import ulysses_kernels as uk
+from ulysses_kernels.kernels import available_kernels
+from ulysses_kernels.reference import attention_reference, shard_sequence
+from ulysses_kernels.testing import run_ranks
+
+KERNELS = ["torch", pytest.param("cuda", marks=pytest.mark.skipif("cuda" not in available_kernels(), reason="ulysses_kernels._C is not built"))]
+
+
+def _recording_aot_eager(graphs):
+    """``aot_eager`` whose forward and backward compilers append the graph code to
+    ``graphs["fw"]`` / ``graphs["bw"]``."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm.code)
+            return boxed_nop(gm, example_inputs)
+
+        return compiler
+
+    def backend(gm, example_inputs):
+        return aot_eager(gm, example_inputs, fw_compiler=record("fw"), bw_compiler=record("bw"))
+
+    return backend
+
+
+def _inputs(hq, hkv, B, S, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
+
+
+def _run(fn, tensors, dout):
+    """``fn(q, k, v)`` then backward with ``dout``: (out, [dq, dk, dv])."""
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    out.backward(dout)
+    return out.detach(), [x.grad for x in leaves]
+
+
+# ---- world size 1, in process ---------------------------------------------------------------
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_world_size_1_forward_and_backward_trace(kernels):
+    # GQA 6/2, batch 2, kernels named by string (the registry must not import while tracing).
+    q, k, v, do = _inputs(6, 2, 2, 12, 8, seed=0)
+
+    def f(q, k, v):
+        return uk.ulysses_attention(q, k, v, attn_fn="sdpa", kernels=kernels)
+
+    graphs = {"fw": [], "bw": []}
+    torch._dynamo.reset()
+    out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), (q, k, v), do)
+    assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1, {k: len(x) for k, x in graphs.items()}
+    assert "_backward" in graphs["bw"][0]  # the attention backward is in the compiled graph
+    # The same ops as eager in the same order (one rank: no exchange, one pack, SDPA with
+    # grouped heads): bit for bit.
+    want_out, want_grads = _run(f, (q, k, v), do)
+    assert torch.equal(out, want_out)
+    for name, got, want in zip("qkv", grads, want_grads):
+        assert torch.equal(got, want), f"d{name}: max diff {(got - want).abs().max().item()}"
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = attention_reference(*full, causal=True)
+    ref.backward(do)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for got, x in zip(grads, full):
+        torch.testing.assert_close(got, x.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_world_size_1_module_math_backend_and_a_second_sequence_length():
+    # The module (check="once" bookkeeping runs inside the trace), the einsum backend, MQA,
+    # and a second call with another sequence length (dynamo recompiles with a dynamic
+    # length; the layout math then runs on symbolic sizes).
+    layer = uk.UlyssesAttention(4, 1, causal=False, attn_fn="math")
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    for S in (10, 7):
+        q, k, v, do = _inputs(4, 1, 1, S, 8, seed=S)
+        out, grads = _run(compiled, (q, k, v), do)
+        want_out, want_grads = _run(layer, (q, k, v), do)
+        assert torch.equal(out, want_out), f"S={S}"
+        for got, want in zip(grads, want_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "trace_autograd_ops"), reason="this torch has no dynamo trace_autograd_ops")
+def test_world_size_1_backward_inside_the_compiled_function():
+    # out.backward() inside the compiled function: dynamo traces Tensor.backward only with
+    # trace_autograd_ops (off by default in torch 2.14); the op itself needs nothing else.
+    q, k, v, do = _inputs(4, 2, 1, 9, 8, seed=5)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def step(q, k, v, do):
+        out = uk.ulysses_attention(q, k, v, attn_fn="sdpa")
+        (out * do).sum().backward()
+        return out.detach()
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        out = torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves, do)
+    want_out, want_grads = _run(lambda *t: uk.ulysses_attention(*t, attn_fn="sdpa"), (q, k, v), do)
+    assert torch.equal(out, want_out)
+    for x, want in zip(leaves, want_grads):
+        assert torch.equal(x.grad, want)
+
+
+class _ExplicitBackend:
+    """A backend object with its own forward/backward (no autograd inside): non-causal
+    softmax attention over ``[B, S, h, D]`` and its gradients written out by hand."""
+
+    def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad):
+        index = torch.tensor(kv_map, device=q.device)
+        k2, v2 = k.index_select(2, index), v.index_select(2, index)
+        p = torch.softmax(torch.einsum("bshd,bthd->bhst", q, k2) * scale, dim=-1)
+        return torch.einsum("bhst,bthd->bshd", p, v2), (q, k2, v2, p, index, k.shape[2], scale)
+
+    def backward(self, state, dout):
+        q, k2, v2, p, index, hkv, scale = state
+        dv2 = torch.einsum("bhst,bshd->bthd", p, dout)
+        dp = torch.einsum("bshd,bthd->bhst", dout, v2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+        dq = torch.einsum("bhst,bthd->bshd", ds, k2)
+        dk2 = torch.einsum("bhst,bshd->bthd", ds, q)
+        fold = lambda g: g.new_zeros(*g.shape[:2], hkv, g.shape[3]).index_add_(2, index, g)  # noqa: E731
+        return dq, fold(dk2), fold(dv2)
+
+
+def test_world_size_1_backend_object_with_its_own_backward():
+    # Backends that are not AttentionBackend subclasses run inside an autograd function
+    # whose forward and backward dynamo traces (they must be traceable themselves).
+    q, k, v, do = _inputs(4, 2, 2, 6, 8, seed=3)
+    f = lambda q, k, v: uk.ulysses_attention(q, k, v, causal=False, attn_fn=_ExplicitBackend())  # noqa: E731
+    graphs = {"fw": [], "bw": []}
+    torch._dynamo.reset()
+    out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), (q, k, v), do)
+    assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1
+    assert "index_add" in graphs["bw"][0]  # the backend's own backward, traced
+    want_out, want_grads = _run(f, (q, k, v), do)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    attention_reference(*full, causal=False).backward(do)
+    for got, want, x in zip(grads, want_grads, full):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got, x.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_errors_raise_while_tracing():
+    # Rank-local checks run at trace time; the Triton kernel set, which cannot trace, says so.
+    q, k, v, _ = _inputs(6, 4, 1, 8, 8, seed=1)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: uk.ulysses_attention(q, k, v), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="must be a multiple of kv_heads"):
+        f(q, k, v)
+    q, k, v, _ = _inputs(4, 2, 1, 8, 8, seed=1)
+    g = torch.compile(lambda q, k, v: uk.ulysses_attention(q, k, v, kernels="triton"), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="kernels='triton' does not trace"):
+        g(q, k, v)
+
+
+# ---- world size 2, gloo ranks ---------------------------------------------------------------
+# (q_heads, kv_heads, batch, seq_lens, causal, kernels, as_module):
+#   batch 1, equal shards, the module: one all_to_all per exchange, received in place;
+#   3 query heads / 1 KV head: the KV head lives on both ranks (its gradient is summed
+#   over the replicas), batch 2 (the receive buffer is reordered), uneven shards.
+WORLD_2_CASES = [
+    (4, 4, 1, [4, 4], True, "torch", True),
+    (3, 1, 2, [2, 3], True, "cuda", False),
+]
+
+
+def _world_2(rank, world, cases):
+    for hq, hkv, B, seq_lens, causal, kernels, as_module in cases:
+        if kernels not in uk.kernels.available_kernels():
+            kernels = "torch"
+        q, k, v, do = _inputs(hq, hkv, B, sum(seq_lens), 8, seed=hq * 10 + B)
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = attention_reference(*full, causal=causal)
+        ref.backward(do)
+        mine = [shard_sequence(x, seq_lens, rank) for x in (q, k, v)]
+        my_do = shard_sequence(do, seq_lens, rank)
+        if as_module:
+            f = uk.UlyssesAttention(hq, hkv, causal=causal, attn_fn="sdpa", kernels=kernels)
+        else:
+            def f(q, k, v):
+                return uk.ulysses_attention(q, k, v, causal=causal, seq_lens=seq_lens, attn_fn="sdpa", kernels=kernels)
+
+        graphs = {"fw": [], "bw": []}
+        torch._dynamo.reset()
+        out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), mine, my_do)
+        case = f"rank {rank}, case {(hq, hkv, B, seq_lens)}"
+        assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1, case
+        # Forward: q/k/v to heads, out to sequence; backward: dout to heads, dq/dk/dv back.
+        for kind in ("fw", "bw"):
+            n = graphs[kind][0].count("_c10d_functional.all_to_all_single")
+            assert n == 2, f"{case}: {n} all_to_all_single in the {kind} graph, expected 2"
+        want_out, want_grads = _run(f, mine, my_do)
+        assert torch.equal(out, want_out), case
+        # Gradients: the eager op sums a KV head's gradient over query heads in its own
+        # order when a rank has one KV head (backends.SharedKV); the graph leaves that sum
+        # to SDPA's grouped-head backward. Same math, last-bit differences: 1e-10.
+        for name, got, want, x in zip("qkv", grads, want_grads, full):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=lambda s: f"{case} d{name} vs eager: {s}")
+            torch.testing.assert_close(got, shard_sequence(x.grad, seq_lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s: f"{case} d{name} vs reference: {s}")
+        torch.testing.assert_close(out, shard_sequence(ref, seq_lens, rank).detach(), rtol=1e-10, atol=1e-10)
+
+
+def test_world_size_2_forward_and_backward_trace():
+    run_ranks(_world_2, 2, WORLD_2_CASES, timeout_s=300)

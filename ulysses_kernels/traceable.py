@@ -1,0 +1,191 @@
+"""The path ``ulysses_attention`` takes inside ``torch.compile``: one graph, forward and backward.
+
+The eager op (``ops.UlyssesAttentionFunction``) runs the attention backend under its own
+autograd and calls ``torch.autograd.grad`` in its backward, posts grouped send/recv for
+batch > 1 and for dq/dk/dv, and checks inputs with an all-gather whose result the host
+decodes. Dynamo (torch 2.14) traces none of these by default: ``autograd.grad`` needs
+``torch._dynamo.config.trace_autograd_ops``, ``P2POp`` is refused unless the experimental
+``enable_p2p_compilation`` is set, and the decoded gather is data-dependent. Inside a compiled
+region the op is composed instead of traceable pieces:
+
+    q, k, v  --SeqToHeadTraced-->  q_l, k_l, v_l  --backend.attend (plain autograd)-->  out_l
+             --HeadToSeqTraced-->  out
+
+* The two autograd functions below move data with the same kernel set (``pack_s2h``,
+  ``unpack_h2s``; the C++ ops have fake kernels) and one ``comm.all_to_all`` per exchange,
+  forward and backward. ``torch.distributed.all_to_all_single`` (what ``TorchCommunicator``
+  calls) is remapped by dynamo to a functional collective
+  (``torch.distributed._functional_collectives.traceable_collective_remaps``), so the
+  collectives are nodes of the graph and AOT autograd sees the backward.
+* Attention is the backend's ``attend`` (SDPA, the math einsum, flash-attn, a callable)
+  under ordinary autograd, so AOT autograd derives its backward; backends with their own
+  ``forward``/``backward`` run inside an autograd function and must be traceable themselves.
+* Input checks are the rank-local ones, run at trace time (shapes are static in the graph):
+  the cross-rank exchange of ``check=True`` is skipped inside compiled graphs, so a
+  mismatch between ranks (for example unequal shards without ``seq_lens``) is not caught
+  there. Run the op (or the module) once eagerly on a new input signature to check it
+  across ranks.
+* ``chunks`` is ignored: the chunked pipeline overlaps collectives with async work handles
+  and side streams, which a graph does not express; the compiled graph runs unchunked
+  (equal bit for bit with SDPA, see ``ulysses_attention``) and leaves scheduling to the
+  compiler.
+
+Data movement differs from eager in two places, each one extra copy of the bytes on the
+wire, because every exchange here is one ``all_to_all`` (eager's grouped send/recv moves
+pieces in place): with batch > 1 the sequence-to-head receive buffer
+arrives source-major (``[P][B][s_p][h][D]``) and is concatenated into ``[B, S, h, D]``;
+head-to-sequence of dq/dk/dv, or of the output at batch > 1, first gathers each peer's rows
+into one send buffer. Batch 1 forward moves the same bytes as eager.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .backends import AttentionBackend, default_scale, expand_kv, resolve_backend
+from .checks import signature, validate
+from .comm import get_communicator
+from .kernels import get_kernels
+from .layout import Layout, Q_ONLY, QKV
+from .plan import HeadPlan
+
+__all__ = ["traced_attention", "SeqToHeadTraced", "HeadToSeqTraced"]
+
+
+def _empty(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(n, dtype=like.dtype, device=like.device)
+
+
+def seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels) -> list[torch.Tensor]:
+    """``[B, s_r, H, D]`` tensors -> this rank's heads ``[B, S, h, D]`` (views), one all_to_all."""
+    like = tensors[0]
+    send = _empty(sum(layout.s2h_send_splits(streams)), like)
+    kernels.pack_s2h(layout, tensors, streams, send)
+    if layout.world_size == 1:
+        # One peer, S = s_r: the send buffer [B][s_r][h][D] is already the receive layout.
+        return layout.s2h_recv_views(send, streams)
+    recv_splits = layout.s2h_recv_splits(streams)
+    got = _empty(sum(recv_splits), like)
+    comm.all_to_all(got, send, recv_splits, layout.s2h_send_splits(streams))
+    if layout.batch > 1:
+        # Source-major [P][B][s_p][h][D] -> batch-major [B][S][h][D] (eager avoids this copy
+        # with one send/recv per (peer, batch element), which does not trace: see above).
+        h, pieces, start = layout.heads(streams, layout.rank), [], 0
+        for p, n in enumerate(recv_splits):
+            pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], h, layout.head_dim))
+            start += n
+        got = torch.cat(pieces, dim=1).view(-1)
+    return layout.s2h_recv_views(got, streams)
+
+
+def head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels) -> list[torch.Tensor]:
+    """Local ``[B, S, h, D]`` tensors (one per stream) -> ``[B, s_r, H, D]``, one all_to_all;
+    replicated KV heads are summed in rank order by the kernel set's unpack, as in eager."""
+    if layout.world_size == 1:
+        return list(local)
+    like = local[0]
+    if len(local) == 1 and layout.batch == 1:
+        # Peer p's rows are consecutive: the tensor is the send buffer (a view when its
+        # rows are contiguous, as in eager).
+        send = like.reshape(-1)
+    else:
+        # Wire format: per peer p, per stream, the rows of p as [B][s_p][h][D].
+        send = torch.cat([layout.h2s_send_blocks(x, p).reshape(-1) for p in range(layout.world_size) for x in local])
+    send_splits, recv_splits = layout.h2s_splits(streams)
+    recv = _empty(sum(recv_splits), like)
+    comm.all_to_all(recv, send, recv_splits, send_splits)
+    outs = [
+        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
+        for s in streams
+    ]
+    kernels.unpack_h2s(layout, layout.h2s_recv_views(recv, streams), streams, outs)
+    return outs
+
+
+class SeqToHeadTraced(torch.autograd.Function):
+    """``(q[, k, v])`` sequence-sharded -> head-sharded; the backward is ``head_to_seq``."""
+
+    @staticmethod
+    def forward(ctx, layout, comm, kernels, *tensors):
+        ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
+        ctx.streams = QKV if len(tensors) == 3 else Q_ONLY
+        return tuple(seq_to_head(layout, tensors, ctx.streams, comm, kernels))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lay = ctx.layout
+        like = next(g for g in grads if g is not None)
+        grads = [
+            g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim)
+            for g, s in zip(grads, ctx.streams)
+        ]
+        return (None, None, None, *head_to_seq(lay, grads, ctx.streams, ctx.comm, ctx.kernels))
+
+
+class HeadToSeqTraced(torch.autograd.Function):
+    """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
+
+    @staticmethod
+    def forward(ctx, layout, comm, kernels, local):
+        ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
+        return head_to_seq(layout, [local], Q_ONLY, comm, kernels)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, seq_to_head(ctx.layout, [grad], Q_ONLY, ctx.comm, ctx.kernels)[0]
+
+
+class _BackendAttention(torch.autograd.Function):
+    """A backend object with its own ``forward``/``backward`` (not an ``AttentionBackend``
+    that attends under autograd): traces only when those two trace."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend, causal, scale, kv_map):
+        out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=kv_map, needs_grad=True)
+        ctx.backend, ctx.state = backend, state
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = ctx.backend.backward(ctx.state, dout)
+        return dq, dk, dv, None, None, None, None
+
+
+def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int]) -> torch.Tensor:
+    """Local attention ``[B, S, hq, D]`` over this rank's heads, differentiable by autograd."""
+    kind = type(backend)
+    if isinstance(backend, AttentionBackend) and kind.forward is AttentionBackend.forward and kind.backward is AttentionBackend.backward:
+        k2, v2 = expand_kv(k, v, kv_map)
+        return backend.attend(q, k2, v2, causal, scale)
+    return _BackendAttention.apply(q, k, v, backend, causal, scale, tuple(kv_map))
+
+
+def _prepare_local(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale):
+    """Rank-local checks (at trace time), then the plan and the layout."""
+    rank, world = comm.rank, comm.world_size
+    sig = signature(
+        q, k, v, rank=rank, world_size=world, causal=causal, scale=softmax_scale, seq_lens=seq_lens,
+        plan_heads=None if plan is None else (plan.q_heads, plan.kv_heads),
+    )  # fmt: skip
+    validate([sig], gathered=False)
+    if plan is None:
+        plan = HeadPlan.build(q.shape[2], k.shape[2], world)
+    elif plan.world_size != world:
+        raise ValueError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
+    lens = tuple(int(s) for s in seq_lens) if seq_lens is not None else (q.shape[1],) * world
+    return plan, Layout(plan, rank, lens, q.shape[0], q.shape[3])
+
+
+def traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, *, plan, comm, kernels) -> torch.Tensor:
+    """``ulysses_attention`` (same arguments and shapes) as traceable pieces; see the module
+    docstring for what differs from the eager op (checks, chunks, two copies)."""
+    comm = get_communicator(group, comm)
+    plan, layout = _prepare_local(q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale)
+    backend = resolve_backend(attn_fn, q)
+    kern = get_kernels(kernels, q.device, layout, traceable=True)
+    scale = default_scale(q.shape[3], softmax_scale)
+    q_l, k_l, v_l = SeqToHeadTraced.apply(layout, comm, kern, q, k, v)
+    out_l = _attend(backend, q_l, k_l, v_l, causal, scale, plan.local_kv_map(comm.rank))
+    return HeadToSeqTraced.apply(layout, comm, kern, out_l)
