@@ -1,190 +1,381 @@
-"""Pack/unpack benchmark: the fused kernels against a plain copy of the same bytes.
+"""Pack/unpack bandwidth: the fused kernels against a device-to-device copy of the same bytes.
 
-For each configuration (heads, ranks, batch, tokens per rank, head_dim) and rank 0's layout:
+    python bench/bench_pack.py                         # GPU: 96-320 MiB buffers; no GPU: tiny CPU sizes
+    python bench/bench_pack.py --device cpu --iters 3 --out /tmp/results
+    python bench/bench_pack.py --kernels cuda,triton --configs 32/8/8/1/8192/128
 
-* ``fused pack``: q, k, v (views of one fused QKV projection output) -> the one send buffer
-  of ``layout.pack_s2h`` (kernel set ``--kernels``: "cuda" when the extension is built);
-* ``torch pack``: the pure-PyTorch reference pack (one copy per stream and peer);
-* ``chain``: the permute+contiguous chain other Ulysses implementations run per tensor,
-  ``x.reshape(b, s, P, h/P, d).permute(2, 1, 0, 3, 4).contiguous()`` (only where heads divide);
-* ``copy``: a device-to-device copy of the same number of bytes, measured in the same run:
-  the floor any pack can reach;
-* ``fused unpack`` / ``torch unpack``: the received blocks -> ``[B, s_r, H, D]`` outputs.
+A configuration ``Hq/Hkv/P/B/s/D`` (query heads, KV heads, ranks, batch, tokens per rank,
+head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)``). Rows:
 
-Times are medians over ``--iters`` runs after ``--warmup`` runs: CUDA events on a GPU, wall
-clock on the CPU (labelled "cpu": a smoke run of the code path, not a performance claim).
-``ratio`` is time / copy time. A table is printed; CSV and JSON go to ``bench/results/``
-with the torch, CUDA and NCCL versions, the device and the git sha.
+  op      method        what runs
+  pack    copy          ``dst.copy_(src)`` of the send buffer's bytes: the floor any pack can reach
+  pack    fused (<k>)   ``pack_s2h`` of kernel set <k> (``--kernels``; "auto": the C++ extension
+                        when built): q, k, v (views of one fused QKV projection output) -> the
+                        one send buffer of the q/k/v all-to-all
+  pack    torch         the pure-PyTorch reference, ``layout.pack_s2h`` (one copy per peer and tensor)
+  pack    chain         what other Ulysses implementations run per tensor before the all-to-all,
+                        ``x.reshape(B, s, P, H/P, D).permute(2, 1, 0, 3, 4).contiguous()``; only the
+                        send side: the chain copies once more after the collective, the fused path
+                        does not (the receive buffer is the attention input), so x_chain is a
+                        lower bound of the difference
+  unpack  copy          a copy of the receive buffer's bytes
+  unpack  fused (<k>)   ``unpack_h2s``: the received blocks of the q/k/v streams (dq/dk/dv of the
+                        backward) -> ``[B, s, H, D]``, KV heads held by several ranks summed
+  unpack  torch         ``layout.unpack_h2s``
+  unpack  chain         the chain's receive side: ``[P, s, B, H/P, D]`` -> permute -> ``[B, s, H, D]``
 
-    python bench/bench_pack.py                  # GPU defaults, or tiny CPU sizes without a GPU
-    python bench/bench_pack.py --device cpu --iters 5
+The chain rows need query and KV heads that divide over the ranks (the plan's head ranges
+are then the chain's). Columns: ``size(B)`` = bytes of the send (pack) or receive (unpack)
+buffer; ``time(us)`` = median over ``--iters`` after ``--warmup``; ``GB/s`` = (bytes read +
+bytes written) / time; ``% copy`` = copy time / this time (issue #3: fused pack and unpack
+>= 90% on an H100 for buffers >= 64 MiB); ``x_chain`` = chain time / this time (target for
+the fused rows: >= 3x); ``#wrong`` = elements that differ bit for bit from ``layout.py``'s
+reference on the same inputs (the copy rows: from the copy's source), counted on one more
+run after the timing, with the outputs filled with NaN first so that an element a kernel
+leaves unwritten counts. Any ``#wrong`` > 0 makes the script exit non-zero (after writing
+its files).
+
+Timing: CUDA events around each call after a device sync (``common.time_iters``); on the
+CPU ``perf_counter``, labelled "CPU (not a GPU claim)" in the table, the JSON (``env.timer``)
+and the plot. Output: the table, then ``bench_pack_<UTC time>_<gpu>_w1.{csv,json}`` (rows +
+``env`` record + ``meta``), ``bench_pack_latest.json`` and a PNG when matplotlib is
+importable, under ``--out-dir`` (alias ``--out``; default ``bench/results/``).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
+import math
 import os
-import statistics
-import subprocess
 import sys
-import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+try:
+    import ulysses_kernels  # noqa: F401
+except ImportError:  # run from a checkout without an install
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ulysses_kernels import layout as L
+from ulysses_kernels.bench import common as C
+from ulysses_kernels.kernels import available_kernels, get_kernels
+from ulysses_kernels.layout import QKV, Layout
+from ulysses_kernels.plan import HeadPlan
 
-from ulysses_kernels import layout as L  # noqa: E402
-from ulysses_kernels.kernels import get_kernels  # noqa: E402
-from ulysses_kernels.layout import Layout, QKV  # noqa: E402
-from ulysses_kernels.plan import HeadPlan  # noqa: E402
-
-# (q_heads, kv_heads, world_size, batch, tokens per rank, head_dim)
+# (q_heads, kv_heads, world_size, batch, tokens per rank, head_dim); every GPU buffer is
+# >= 64 MiB in bf16 (the size issue #3's target is stated for).
 GPU_CONFIGS = [(32, 8, 8, 1, 8192, 128), (32, 32, 8, 1, 4096, 128), (40, 8, 8, 2, 4096, 128), (64, 8, 8, 1, 16384, 128), (40, 8, 5, 1, 8192, 128)]
 CPU_CONFIGS = [(8, 4, 4, 1, 64, 32), (10, 2, 4, 2, 32, 16)]
+TARGET_BYTES = 64 << 20
+TARGET_PCT_COPY, TARGET_X_CHAIN = 90.0, 3.0
+
+COLUMNS = [
+    ("config", "config", ""),
+    ("op", "op", ""),
+    ("method", "method", ""),
+    ("bytes", "size(B)", "d"),
+    ("time_us", "time(us)", ".1f"),
+    ("gbps", "GB/s", ".1f"),
+    ("pct_copy", "% copy", ".1f"),
+    ("x_chain", "x_chain", ".2f"),
+    ("wrong", "#wrong", "d"),
+]
 
 
-def _timer(device: torch.device):
-    if device.type == "cuda":
-
-        def run(fn, warmup, iters):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            return statistics.median(times)
-
-    else:
-
-        def run(fn, warmup, iters):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(times)
-
-    return run
+# ---- the check ---------------------------------------------------------------------------
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _chain(tensors, world):
-    """The permute+contiguous chain per tensor, or None where heads do not divide."""
-    if any(x.shape[2] % world for x in tensors):
-        return None
-
-    def run():
-        for x in tensors:
-            b, s, h, d = x.shape
-            x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
-
-    return run
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as same-width integers: NaN payloads and the sign of zero compare too."""
+    return x.view(_INT_OF_SIZE[x.element_size()]) if x.is_floating_point() else x
 
 
-def bench_config(cfg, device, dtype, kernels, warmup, iters):
+def count_wrong(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> int:
+    """Elements of ``actual`` whose bits differ from ``expected`` (pairwise). A tensor of the
+    wrong shape or dtype counts all of its expected elements, a missing one likewise."""
+    wrong = sum(e.numel() for e in expected[len(actual):])
+    for a, e in zip(actual, expected):
+        if a.shape != e.shape or a.dtype != e.dtype:
+            wrong += e.numel()
+        else:
+            wrong += int((_bits(a) != _bits(e)).sum().item())
+    return wrong
+
+
+@dataclass
+class Case:
+    """One row: ``run()`` is what is timed and returns the outputs; ``check`` compares
+    ``view(outputs)`` with ``expected`` after filling ``poison`` with NaN."""
+
+    op: str
+    method: str
+    run: Callable[[], Sequence[torch.Tensor]]
+    expected: Sequence[torch.Tensor]
+    size: int  # bytes of the wire buffer (send for pack, receive for unpack)
+    moved: int  # bytes read + bytes written by one call
+    poison: Sequence[torch.Tensor] = ()
+    view: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] = field(default=lambda outs: outs)
+
+
+def check(case: Case) -> int:
+    """Poison the outputs, run once more, count the elements that differ from the expected."""
+    for t in case.poison:
+        t.fill_(float("nan"))
+    return count_wrong(case.view(case.run()), case.expected)
+
+
+# ---- the cases of one configuration ------------------------------------------------------
+def config_label(cfg) -> str:
+    hq, hkv, world, batch, seq, d = cfg
+    return f"{hq}/{hkv} P{world} B{batch} s{seq} D{d}"
+
+
+def chain_divides(lay: Layout) -> bool:
+    """True when the chain's per-rank head slices (``H/P`` consecutive heads) are the plan's."""
+    plan, world = lay.plan, lay.world_size
+    if plan.q_heads % world or plan.kv_heads % world:
+        return False
+    hq, hkv = plan.q_heads // world, plan.kv_heads // world
+    return all(
+        lay.head_range("q", p) == (p * hq, (p + 1) * hq) and lay.head_range("kv", p) == (p * hkv, (p + 1) * hkv)
+        for p in range(world)
+    )
+
+
+def build_cases(cfg, device: torch.device, dtype: torch.dtype, kernel_sets: Sequence, seed: int = 0):
+    """The rows of one configuration, and ``{method: why}`` for kernel sets that cannot run.
+
+    ``kernel_sets``: names for ``get_kernels`` (None = auto) or kernel-set objects."""
     hq, hkv, world, batch, seq, d = cfg
     plan = HeadPlan.build(hq, hkv, world)
     lay = Layout(plan, 0, (seq,) * world, batch, d)
-    fused = torch.randn(batch, seq, (hq + 2 * hkv) * d, device=device).to(dtype)
-    q, k, v = (t.unflatten(-1, (-1, d)) for t in fused.split([hq * d, hkv * d, hkv * d], dim=-1))
-    send = torch.empty(sum(lay.s2h_send_splits(QKV)), device=device, dtype=dtype)
-    src = torch.empty_like(send)
-    kern = get_kernels(kernels, device)
-    run = _timer(device)
-    rows = []
+    elem = torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator(device=device).manual_seed(seed)
 
-    def add(op, method, us, nbytes):
-        rows.append({"op": op, "method": method, "time_us": us, "bytes": nbytes})
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
-    nbytes = send.numel() * send.element_size()
-    copy_us = run(lambda: send.copy_(src), warmup, iters)
-    add("pack", "copy", copy_us, nbytes)
-    add("pack", f"fused ({kern.name})", run(lambda: kern.pack_s2h(lay, (q, k, v), QKV, send), warmup, iters), nbytes)
-    add("pack", "torch", run(lambda: L.pack_s2h(lay, (q, k, v), QKV, send), warmup, iters), nbytes)
-    chain = _chain((q, k, v), world)
-    if chain is not None:
-        add("pack", "chain", run(chain, warmup, iters), nbytes)
-    # Unpack of the head-to-sequence all-to-all: attention outputs and dk/dv come back.
+    kernels, skipped = [], {}
+    for name in kernel_sets:
+        try:
+            kern = get_kernels(name, device, lay)
+        except ValueError as e:
+            skipped[f"fused ({name})"] = str(e)
+            continue
+        if all(k.name != kern.name for k in kernels):
+            kernels.append(kern)
+
+    cases = []
+    # q, k, v: views of one fused projection output [B, s, (Hq + 2 Hkv) * D], as in a model.
+    fused = randn(batch, seq, (hq + 2 * hkv) * d)
+    qkv = tuple(t.unflatten(-1, (-1, d)) for t in fused.split([hq * d, hkv * d, hkv * d], dim=-1))
+    n_send = sum(lay.s2h_send_splits(QKV))
+    ref_send = torch.empty(n_send, device=device, dtype=dtype)
+    L.pack_s2h(lay, qkv, QKV, ref_send)
+    size = n_send * elem
+
+    src, dst = randn(n_send), torch.empty(n_send, device=device, dtype=dtype)
+    cases.append(Case("pack", "copy", lambda: [dst.copy_(src)], [src], size, 2 * size, poison=[dst]))
+
+    def pack_case(method, fn):
+        send = torch.empty(n_send, device=device, dtype=dtype)
+
+        def run():
+            fn(lay, qkv, QKV, send)
+            return [send]
+
+        return Case("pack", method, run, [ref_send], size, 2 * size, poison=[send])
+
+    cases += [pack_case(f"fused ({k.name})", k.pack_s2h) for k in kernels]
+    cases.append(pack_case("torch", L.pack_s2h))
+    chain = chain_divides(lay)
+    if chain:
+        ref_views = lay.s2h_send_views(ref_send, QKV)
+
+        def chain_pack():
+            return [x.reshape(batch, seq, world, x.shape[2] // world, d).permute(2, 1, 0, 3, 4).contiguous() for x in qkv]
+
+        def chain_pack_view(outs):  # [P, s, B, h, D] per tensor -> per (tensor, peer) [B, s, h, D]
+            return [o[p].transpose(0, 1) for o in outs for p in range(world)]
+
+        expected = [ref_views[p][i] for i in range(len(QKV)) for p in range(world)]
+        cases.append(Case("pack", "chain", chain_pack, expected, size, 2 * size, view=chain_pack_view))
+
+    # Unpack of the head-to-sequence all-to-all of the q/k/v streams (dq, dk, dv).
     _, recv_splits = lay.h2s_splits(QKV)
-    recv = torch.randn(sum(recv_splits), device=device).to(dtype)
+    n_recv = sum(recv_splits)
+    recv = randn(n_recv)
     blocks = lay.h2s_recv_views(recv, QKV)
-    outs = [torch.empty(batch, seq, lay.total_heads(s), d, device=device, dtype=dtype) for s in QKV]
-    out_bytes = sum(o.numel() for o in outs) * recv.element_size()
-    dst = torch.empty(sum(recv_splits), device=device, dtype=dtype)
-    ucopy = run(lambda: dst.copy_(recv), warmup, iters)
-    add("unpack", "copy", ucopy, recv.numel() * recv.element_size())
-    add("unpack", f"fused ({kern.name})", run(lambda: kern.unpack_h2s(lay, blocks, QKV, outs), warmup, iters), out_bytes)
-    add("unpack", "torch", run(lambda: L.unpack_h2s(lay, blocks, QKV, outs), warmup, iters), out_bytes)
-    for r in rows:
-        base = copy_us if r["op"] == "pack" else ucopy
-        r.update(config=f"{hq}/{hkv} P{world} B{batch} s{seq} D{d}", ratio=r["time_us"] / base,
-                 gbps=2 * r["bytes"] / r["time_us"] / 1e3)  # read + write
-    return rows
+    out_shapes = [(batch, seq, lay.total_heads(s), d) for s in QKV]
+    ref_outs = [torch.empty(sh, device=device, dtype=dtype) for sh in out_shapes]
+    L.unpack_h2s(lay, blocks, QKV, ref_outs)
+    rsize = n_recv * elem
+    written = sum(math.prod(sh) for sh in out_shapes) * elem  # < rsize where KV replicas are summed
+
+    udst = torch.empty(n_recv, device=device, dtype=dtype)
+    cases.append(Case("unpack", "copy", lambda: [udst.copy_(recv)], [recv], rsize, 2 * rsize, poison=[udst]))
+
+    def unpack_case(method, fn):
+        outs = [torch.empty(sh, device=device, dtype=dtype) for sh in out_shapes]
+
+        def run():
+            fn(lay, blocks, QKV, outs)
+            return outs
+
+        return Case("unpack", method, run, ref_outs, rsize, rsize + written, poison=outs)
+
+    cases += [unpack_case(f"fused ({k.name})", k.unpack_h2s) for k in kernels]
+    cases.append(unpack_case("torch", L.unpack_h2s))
+    if chain:
+        # The chain's receive buffer per tensor: [P, s, B, H/P, D], peer p's block first.
+        chain_recv = [torch.stack([blocks[p][i].transpose(0, 1) for p in range(world)]) for i in range(len(QKV))]
+
+        def chain_unpack():
+            return [x.permute(2, 1, 0, 3, 4).reshape(batch, seq, world * x.shape[3], d).contiguous() for x in chain_recv]
+
+        cases.append(Case("unpack", "chain", chain_unpack, ref_outs, rsize, 2 * rsize))
+    return cases, skipped
 
 
-def _meta(device):
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = "unknown"
-    try:
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    except (RuntimeError, AttributeError):
-        nccl = None
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (wall clock; not GPU numbers)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": nccl,
-        "git_sha": sha,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
+# ---- the sweep -----------------------------------------------------------------------------
+def parse_configs(text: str | None, gpu: bool) -> list[tuple[int, ...]]:
+    if not text:
+        return GPU_CONFIGS if gpu else CPU_CONFIGS
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split("/")
+        if len(parts) != 6 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"bench_pack: --configs wants Hq/Hkv/P/B/s/D (positive integers), got {item!r}")
+        out.append(tuple(int(p) for p in parts))
+    return out
+
+
+def kernel_names(spec: str, device: torch.device) -> list:
+    """``--kernels`` as names for ``get_kernels``; "auto" on the CPU is the C++ extension's
+    CPU twin when built (``get_kernels`` would pick the reference there), else torch."""
+    names = []
+    for s in (x.strip() for x in spec.split(",") if x.strip()):
+        if s == "auto" and device.type != "cuda":
+            s = "cuda" if "cuda" in available_kernels() else "torch"
+        names.append(None if s == "auto" else s)
+    return names
+
+
+def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
+    gpu = device.type == "cuda"
+    dtype = C.parse_dtype(args.dtype)
+    configs = parse_configs(args.configs, gpu)
+    warmup = args.warmup if args.warmup is not None else (10 if gpu else 1)
+    iters = args.iters if args.iters is not None else (100 if gpu else 5)
+    if iters < 1 or warmup < 0:
+        raise SystemExit("bench_pack: need --iters >= 1 and --warmup >= 0")
+    names = kernel_names(args.kernels, device)
+    cpu = "" if gpu else f"  [{C.CPU_LABEL}]"
+    print(f"# bench_pack: {device.type}, dtype {C.dtype_name(dtype)}, kernels {args.kernels}, "
+          f"warmup {warmup}, iters {iters}, rank 0 of each config's group{cpu}", flush=True)  # fmt: skip
+    rows, notes = [], {}
+    for cfg in configs:
+        cases, skipped = build_cases(cfg, device, dtype, names, seed=args.seed)
+        notes.update({f"{config_label(cfg)} {m}": why for m, why in skipped.items()})
+        cfg_rows = []
+        for case in cases:
+            t = C.median(C.time_iters(case.run, device=device, warmup=warmup, iters=iters, barrier=False))
+            wrong = check(case) if args.check else None
+            cfg_rows.append({
+                "config": config_label(cfg), "op": case.op, "method": case.method, "bytes": case.size,
+                "time_us": t * 1e6, "gbps": case.moved / t / 1e9, "bytes_moved": case.moved, "wrong": wrong,
+                "q_heads": cfg[0], "kv_heads": cfg[1], "world": cfg[2], "batch": cfg[3], "seq_per_rank": cfg[4],
+                "head_dim": cfg[5], "dtype": C.dtype_name(dtype),
+            })  # fmt: skip
+        del cases
+        for op in ("pack", "unpack"):
+            by = {r["method"]: r for r in cfg_rows if r["op"] == op}
+            for r in by.values():
+                r["pct_copy"] = 100.0 * by["copy"]["time_us"] / r["time_us"]
+                r["x_chain"] = by["chain"]["time_us"] / r["time_us"] if "chain" in by else None
+        rows += cfg_rows
+    return rows, dict(skipped=notes, warmup=warmup, iters=iters, configs=[config_label(c) for c in configs])
+
+
+def report(rows: list[dict], notes: dict, device: torch.device) -> None:
+    C.print_table(COLUMNS, rows, title=None if device.type == "cuda" else f"# times: {C.CPU_LABEL}")
+    for what, why in notes.items():
+        print(f"# skipped {what}: {why}", flush=True)
+    big = [r for r in rows if r["method"].startswith("fused") and r["bytes"] >= TARGET_BYTES]
+    label = "" if device.type == "cuda" else f" [{C.CPU_LABEL}]"
+    if big:
+        pct = min(r["pct_copy"] for r in big)
+        chains = [r["x_chain"] for r in big if r["x_chain"] is not None]
+        chain = f"{min(chains):.2f}x" if chains else "n/a"
+        print(f"# fused rows >= 64 MiB: worst {pct:.1f}% of copy (target >= {TARGET_PCT_COPY:.0f}%), "
+              f"worst {chain} the chain (target >= {TARGET_X_CHAIN:.0f}x){label}", flush=True)  # fmt: skip
+    else:
+        print(f"# no fused row >= 64 MiB: issue #3's targets are not measured by this run{label}", flush=True)
+    if rows and rows[0]["wrong"] is not None:
+        bad = sum(r["wrong"] for r in rows)
+        print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    else:
+        print("# not checked (--check 0)", flush=True)
+
+
+def plot(rows: list[dict], path: str, env: dict) -> bool:
+    """% of copy per configuration, pack and unpack side by side, a line at the target."""
+    plt = C.load_pyplot()
+    if plt is None or not rows:
+        return False
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(configs)), 4.5), sharey=True)
+    for ax, op in zip(axes, ("pack", "unpack")):
+        methods = [m for m in dict.fromkeys(r["method"] for r in rows if r["op"] == op) if m != "copy"]
+        width = 0.8 / max(1, len(methods))
+        for j, m in enumerate(methods):
+            by = {r["config"]: r["pct_copy"] for r in rows if r["op"] == op and r["method"] == m}
+            xs = [i for i, c in enumerate(configs) if c in by]
+            ax.bar([x + (j - (len(methods) - 1) / 2) * width for x in xs], [by[configs[x]] for x in xs], width, label=m)
+        ax.axhline(TARGET_PCT_COPY, color="k", linestyle="--", linewidth=1, label=f"target {TARGET_PCT_COPY:.0f}%")
+        ax.set_xticks(range(len(configs)))
+        ax.set_xticklabels(configs, fontsize=6, rotation=30, ha="right")
+        ax.set_title(op)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("% of copy bandwidth (copy time / time)")
+    label = env["gpu"] if env["device"] == "cuda" else C.CPU_LABEL
+    fig.suptitle(f"pack/unpack vs a copy of the same bytes, {env.get('dtype', '')}, {label}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", "-d", default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
+    p.add_argument("--kernels", default="auto", help="comma list of kernel sets for the fused rows: auto (default), cuda, triton, torch")
+    p.add_argument("--configs", default=None, help="comma list of Hq/Hkv/P/B/s/D (default: the GPU set, or tiny sizes on the CPU)")
+    p.add_argument("-w", "--warmup", "--warmup-iters", dest="warmup", type=int, default=None, help="default 10 (GPU), 1 (CPU)")
+    p.add_argument("-n", "--iters", type=int, default=None, help="timed calls per row, default 100 (GPU), 5 (CPU)")
+    p.add_argument("--check", type=int, default=1, help="check every row bit for bit (1, default) or not (0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", "--out", dest="out_dir", default=str(C.DEFAULT_OUT_DIR), help="where the CSV/JSON/PNG go (default bench/results)")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--kernels", default="auto", help="kernel set of the fused rows (auto, cuda, triton, torch)")
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     device = torch.device(args.device)
-    gpu = device.type == "cuda"
-    configs = GPU_CONFIGS if gpu else CPU_CONFIGS
-    warmup = args.warmup if args.warmup is not None else (10 if gpu else 1)
-    iters = args.iters if args.iters is not None else (100 if gpu else 5)
-    kernels = None if args.kernels == "auto" else args.kernels
-    if not gpu and kernels is None:
-        kernels = "cuda" if "cuda" in __import__("ulysses_kernels.kernels", fromlist=["x"]).available_kernels() else "torch"
-    meta = _meta(device)
-    print(f"# bench_pack on {meta['device']} | torch {meta['torch']} | NCCL {meta['nccl']} | git {meta['git_sha']} | {args.dtype} | median of {iters}")
-    rows = []
-    for cfg in configs:
-        rows += bench_config(cfg, device, getattr(torch, args.dtype), kernels, warmup, iters)
-    print(f"{'config':<28} {'op':<7} {'method':<14} {'time_us':>10} {'GB/s':>8} {'x copy':>7}")
-    for r in rows:
-        print(f"{r['config']:<28} {r['op']:<7} {r['method']:<14} {r['time_us']:10.1f} {r['gbps']:8.1f} {r['ratio']:7.2f}")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"bench_pack_{'gpu' if gpu else 'cpu'}_{time.strftime('%Y%m%d_%H%M%S')}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": dict(meta, dtype=args.dtype, warmup=warmup, iters=iters), "rows": rows}, f, indent=1)
-    with open(stem + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["config", "op", "method", "time_us", "gbps", "ratio", "bytes"])
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r[k] for k in w.fieldnames})
-    print(f"# wrote {stem}.json and .csv")
+    rows, meta = run_bench(args, device)
+    report(rows, meta["skipped"], device)
+    meta = dict(vars(args), **meta)
+
+    def env_fn():
+        # One process; each row is rank 0 of its config's P-way group (the "world" column).
+        return C.env_record(device, 1, None, dtype=C.dtype_name(C.parse_dtype(args.dtype)), process="rank 0 of each config's group, emulated in one process")
+
+    C.finish(args, 0, "bench_pack", env_fn, rows, meta, plot, rows)
     return 0
 
 
