@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .backends import default_scale, resolve_backend
-from .checks import Signature, signature, validate
+from .checks import prepare
 from .comm import get_communicator
 from .kernels import get_kernels
 from .layout import Layout
@@ -17,25 +17,6 @@ from .plan import HeadPlan
 from .traceable import traced_attention
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
-
-
-def _prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check):
-    """Validate (on every rank when ``check``), then build the plan and the layout."""
-    rank, world = comm.rank, comm.world_size
-    sig = signature(
-        q, k, v, rank=rank, world_size=world, causal=causal, scale=softmax_scale, seq_lens=seq_lens,
-        plan_heads=None if plan is None else (plan.q_heads, plan.kv_heads),
-    )  # fmt: skip
-    if check and world > 1:
-        validate([Signature.decode(x) for x in comm.all_gather_ints(sig.encode(), q.device)], gathered=True)
-    else:
-        validate([sig], gathered=False)
-    if plan is None:
-        plan = HeadPlan.build(q.shape[2], k.shape[2], world)
-    elif plan.world_size != world:
-        raise ValueError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
-    lens = tuple(int(s) for s in seq_lens) if seq_lens is not None else (q.shape[1],) * world
-    return plan, Layout(plan, rank, lens, q.shape[0], q.shape[3])
 
 
 def ulysses_attention(
@@ -98,7 +79,7 @@ def ulysses_attention(
     if torch.compiler.is_compiling():
         return traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, plan=plan, comm=comm, kernels=kernels)
     comm = get_communicator(group, comm)
-    plan, layout = _prepare(
+    plan, layout = prepare(
         q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check
     )
     backend = resolve_backend(attn_fn, q)
@@ -152,7 +133,7 @@ class UlyssesAttention(nn.Module):
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, seq_lens=seq_lens,
             attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, kernels=self.kernels, chunks=self.chunks, check=check,
         )  # fmt: skip
-        if check:
+        if check and not torch.compiler.is_compiling():  # compiled graphs skip the cross-rank check
             self._checked.add(key)
         return out
 
@@ -177,7 +158,7 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     # q alone: stand-in k/v views with the plan's KV head count, for the checks only.
     kv_heads = plan.kv_heads if plan is not None else q.shape[2] if q.dim() == 4 else 1
     kk, vv = (k, v) if k is not None else (q[:, :, :kv_heads], q[:, :, :kv_heads])
-    plan, layout = _prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
+    plan, layout = prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
     outs = SeqToHead.apply(layout, comm, get_kernels(kernels, q.device, layout), *((q, k, v) if k is not None else (q,)))
     return outs if k is not None else outs[0]
 

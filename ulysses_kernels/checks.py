@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["UlyssesInputError", "Signature", "signature", "validate"]
+__all__ = ["UlyssesInputError", "Signature", "signature", "validate", "prepare"]
 
 _DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -212,3 +212,31 @@ def validate(sigs: Sequence[Signature], *, gathered: bool) -> None:
         problems = _global_problems(sigs)
     if problems:
         raise UlyssesInputError("ulysses_attention: " + "; ".join(problems))
+
+
+def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check):
+    """Validate, then build the plan and the ``Layout`` of this rank's call.
+
+    With ``check`` (and more than one rank) the signatures of all ranks are exchanged, so
+    bad or mismatched inputs raise the same error everywhere; without it, or inside
+    ``torch.compile`` (the decoded exchange is data-dependent, see ``traceable``), only this
+    rank's inputs are checked.
+    """
+    from .layout import Layout
+    from .plan import HeadPlan
+
+    rank, world = comm.rank, comm.world_size
+    sig = signature(
+        q, k, v, rank=rank, world_size=world, causal=causal, scale=softmax_scale, seq_lens=seq_lens,
+        plan_heads=None if plan is None else (plan.q_heads, plan.kv_heads),
+    )  # fmt: skip
+    if check and world > 1 and not torch.compiler.is_compiling():
+        validate([Signature.decode(x) for x in comm.all_gather_ints(sig.encode(), q.device)], gathered=True)
+    else:
+        validate([sig], gathered=False)
+    if plan is None:
+        plan = HeadPlan.build(q.shape[2], k.shape[2], world)
+    elif plan.world_size != world:
+        raise ValueError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
+    lens = tuple(int(s) for s in seq_lens) if seq_lens is not None else (q.shape[1],) * world
+    return plan, Layout(plan, rank, lens, q.shape[0], q.shape[3])

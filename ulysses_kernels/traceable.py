@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from .backends import AttentionBackend, default_scale, expand_kv, resolve_backend
-from .checks import signature, validate
+from .checks import prepare
 from .comm import get_communicator
 from .kernels import get_kernels
 from .layout import Layout, Q_ONLY, QKV
@@ -162,27 +162,11 @@ def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int])
     return _BackendAttention.apply(q, k, v, backend, causal, scale, tuple(kv_map))
 
 
-def _prepare_local(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale):
-    """Rank-local checks (at trace time), then the plan and the layout."""
-    rank, world = comm.rank, comm.world_size
-    sig = signature(
-        q, k, v, rank=rank, world_size=world, causal=causal, scale=softmax_scale, seq_lens=seq_lens,
-        plan_heads=None if plan is None else (plan.q_heads, plan.kv_heads),
-    )  # fmt: skip
-    validate([sig], gathered=False)
-    if plan is None:
-        plan = HeadPlan.build(q.shape[2], k.shape[2], world)
-    elif plan.world_size != world:
-        raise ValueError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
-    lens = tuple(int(s) for s in seq_lens) if seq_lens is not None else (q.shape[1],) * world
-    return plan, Layout(plan, rank, lens, q.shape[0], q.shape[3])
-
-
 def traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, *, plan, comm, kernels) -> torch.Tensor:
     """``ulysses_attention`` (same arguments and shapes) as traceable pieces; see the module
     docstring for what differs from the eager op (checks, chunks, two copies)."""
     comm = get_communicator(group, comm)
-    plan, layout = _prepare_local(q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale)
+    plan, layout = prepare(q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=False)
     backend = resolve_backend(attn_fn, q)
     kern = get_kernels(kernels, q.device, layout, traceable=True)
     scale = default_scale(q.shape[3], softmax_scale)
