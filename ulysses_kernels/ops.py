@@ -131,38 +131,48 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequ
     return outs
 
 
-class SeqToHead(torch.autograd.Function):
-    """``(q[, k, v])`` sequence-sharded -> head-sharded; backward sums KV replicas."""
+def exchange_functions(s2h, h2s, suffix: str = ""):
+    """The two differentiable exchanges, over a pair of data movers with the signatures of
+    ``a2a_seq_to_head`` and ``a2a_head_to_seq`` (eager: those two; inside torch.compile:
+    ``traceable.seq_to_head``/``head_to_seq``). Each is the other's backward."""
 
-    @staticmethod
-    def forward(ctx, layout, comm, kernels, *tensors):
-        ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
-        ctx.streams = QKV if len(tensors) == 3 else Q_ONLY
-        outs = a2a_seq_to_head(layout, tensors, ctx.streams, comm, kernels)
-        return tuple(outs)
+    class SeqToHead(torch.autograd.Function):
+        """``(q[, k, v])`` sequence-sharded -> head-sharded; backward sums KV replicas."""
 
-    @staticmethod
-    def backward(ctx, *grads):
-        lay = ctx.layout
-        like = next(g for g in grads if g is not None)
-        grads = [
-            g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim)
-            for g, s in zip(grads, ctx.streams)
-        ]
-        return (None, None, None, *a2a_head_to_seq(lay, grads, ctx.streams, ctx.comm, ctx.kernels))
+        @staticmethod
+        def forward(ctx, layout, comm, kernels, *tensors):
+            ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
+            ctx.streams = QKV if len(tensors) == 3 else Q_ONLY
+            return tuple(s2h(layout, tensors, ctx.streams, comm, kernels))
+
+        @staticmethod
+        def backward(ctx, *grads):
+            lay = ctx.layout
+            like = next(g for g in grads if g is not None)
+            grads = [
+                g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim)
+                for g, s in zip(grads, ctx.streams)
+            ]
+            return (None, None, None, *h2s(lay, grads, ctx.streams, ctx.comm, ctx.kernels))
+
+    class HeadToSeq(torch.autograd.Function):
+        """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
+
+        @staticmethod
+        def forward(ctx, layout, comm, kernels, local):
+            ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
+            return h2s(layout, [local], Q_ONLY, comm, kernels)[0]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, None, None, s2h(ctx.layout, [grad], Q_ONLY, ctx.comm, ctx.kernels)[0]
+
+    for cls in (SeqToHead, HeadToSeq):
+        cls.__name__ = cls.__qualname__ = cls.__name__ + suffix
+    return SeqToHead, HeadToSeq
 
 
-class HeadToSeq(torch.autograd.Function):
-    """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
-
-    @staticmethod
-    def forward(ctx, layout, comm, kernels, local):
-        ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
-        return a2a_head_to_seq(layout, [local], Q_ONLY, comm, kernels)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None, None, a2a_seq_to_head(ctx.layout, [grad], Q_ONLY, ctx.comm, ctx.kernels)[0]
+SeqToHead, HeadToSeq = exchange_functions(a2a_seq_to_head, a2a_head_to_seq)
 
 
 class UlyssesAttentionFunction(torch.autograd.Function):

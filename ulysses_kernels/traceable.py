@@ -11,9 +11,9 @@ region the op is composed instead of traceable pieces:
     q, k, v  --SeqToHeadTraced-->  q_l, k_l, v_l  --backend.attend (plain autograd)-->  out_l
              --HeadToSeqTraced-->  out
 
-* The two autograd functions below move data with the same kernel set (``pack_s2h``,
-  ``unpack_h2s``; the C++ ops have fake kernels) and one ``comm.all_to_all`` per exchange,
-  forward and backward. ``torch.distributed.all_to_all_single`` (what ``TorchCommunicator``
+* The two autograd functions (``ops.exchange_functions`` over the two movers below) move
+  data with the same kernel set (``pack_s2h``, ``unpack_h2s``; the C++ ops have fake
+  kernels) and one ``comm.all_to_all`` per exchange, forward and backward. ``torch.distributed.all_to_all_single`` (what ``TorchCommunicator``
   calls) is remapped by dynamo to a functional collective
   (``torch.distributed._functional_collectives.traceable_collective_remaps``), so the
   collectives are nodes of the graph and AOT autograd sees the backward.
@@ -49,7 +49,7 @@ from .checks import prepare
 from .comm import get_communicator
 from .kernels import get_kernels
 from .layout import Layout, Q_ONLY, QKV
-from .plan import HeadPlan
+from .ops import exchange_functions
 
 __all__ = ["traced_attention", "SeqToHeadTraced", "HeadToSeqTraced"]
 
@@ -104,37 +104,7 @@ def head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence
     return outs
 
 
-class SeqToHeadTraced(torch.autograd.Function):
-    """``(q[, k, v])`` sequence-sharded -> head-sharded; the backward is ``head_to_seq``."""
-
-    @staticmethod
-    def forward(ctx, layout, comm, kernels, *tensors):
-        ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
-        ctx.streams = QKV if len(tensors) == 3 else Q_ONLY
-        return tuple(seq_to_head(layout, tensors, ctx.streams, comm, kernels))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        lay = ctx.layout
-        like = next(g for g in grads if g is not None)
-        grads = [
-            g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim)
-            for g, s in zip(grads, ctx.streams)
-        ]
-        return (None, None, None, *head_to_seq(lay, grads, ctx.streams, ctx.comm, ctx.kernels))
-
-
-class HeadToSeqTraced(torch.autograd.Function):
-    """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
-
-    @staticmethod
-    def forward(ctx, layout, comm, kernels, local):
-        ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
-        return head_to_seq(layout, [local], Q_ONLY, comm, kernels)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None, None, seq_to_head(ctx.layout, [grad], Q_ONLY, ctx.comm, ctx.kernels)[0]
+SeqToHeadTraced, HeadToSeqTraced = exchange_functions(seq_to_head, head_to_seq, "Traced")
 
 
 class _BackendAttention(torch.autograd.Function):
