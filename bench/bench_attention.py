@@ -60,7 +60,7 @@ from ulysses_kernels.reference import permute_chain_attention
 
 warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
 
-MODELS = {"llama3-8b": (32, 8), "qwen2.5-14b": (40, 8), "llama3-70b": (64, 8)}
+MODELS = C.MODELS
 PASSES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 # (rtol, atol relative to the largest reference value) per dtype for the sampled-row check.
@@ -271,20 +271,6 @@ def peer_method(name, backend, scale, P, H, Hkv):
 
 
 # ---- the sweep --------------------------------------------------------------------------------
-def parse_layouts(args) -> list[tuple[str, int, int]]:
-    if args.layouts:
-        out = []
-        for spec in args.layouts.split(","):
-            hq, hkv = (int(x) for x in spec.split("/"))
-            out.append((f"{hq}/{hkv}", hq, hkv))
-        return out
-    names = list(MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",")]
-    bad = [m for m in names if m not in MODELS]
-    if bad:
-        raise SystemExit(f"bench_attention: unknown --models {bad}; choose from {', '.join(MODELS)} or all")
-    return [(m, *MODELS[m]) for m in names]
-
-
 def seq_lengths(args, P: int) -> list[int]:
     if args.seqs:
         seqs = [C.parse_size(x) for x in args.seqs.split(",")]
@@ -419,7 +405,7 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
     dtype = C.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
     P = world if world > 1 else args.sp
     rank_p = rank  # rank within the (possibly emulated) group: rank 0 has the most heads
-    layouts = parse_layouts(args)
+    layouts = C.parse_layouts("bench_attention", args.layouts, args.models)
     seqs = seq_lengths(args, P)
     names = method_names(args, world, P)
     is0 = rank == 0

@@ -65,7 +65,7 @@ from ulysses_kernels.ops import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans
 from ulysses_kernels.plan import HeadPlan
 
-MODELS = {"llama3-8b": (32, 8), "qwen2.5-14b": (40, 8), "llama3-70b": (64, 8)}
+MODELS = C.MODELS
 PASSES = ("fwd", "fwdbwd")
 # GPU tolerance: ulps(dtype) * max|ref| on top of 8x the chunks=1 run-to-run noise
 # (the rule of tests/test_pipeline.py::_check_gpu).
@@ -103,25 +103,6 @@ def count_wrong(got, ref, ref2=None, exact: bool = True) -> int:
 
 
 # ---- what the sweep runs -------------------------------------------------------------------
-def parse_layouts(args) -> list[tuple[str, int, int]]:
-    """``--layouts``, else ``--heads/--kv-heads``, else ``--models`` (default llama3-8b)."""
-    if args.layouts:
-        out = []
-        for spec in args.layouts.split(","):
-            hq, hkv = (int(x) for x in spec.split("/"))
-            out.append((f"{hq}/{hkv}", hq, hkv))
-        return out
-    if args.heads:
-        hkv = args.kv_heads or args.heads
-        return [(f"{args.heads}/{hkv}", args.heads, hkv)]
-    models = args.models or "llama3-8b"
-    names = list(MODELS) if models == "all" else [m.strip() for m in models.split(",")]
-    bad = [m for m in names if m not in MODELS]
-    if bad:
-        raise SystemExit(f"bench_overlap: unknown --models {bad}; choose from {', '.join(MODELS)} or all")
-    return [(f"{MODELS[m][0]}/{MODELS[m][1]}", *MODELS[m]) for m in names]
-
-
 def parse_chunks(text: str) -> tuple[list[int], bool]:
     """``"1,2,4,auto"`` -> ([1, 2, 4], True)."""
     fixed, auto = [], False
@@ -250,7 +231,7 @@ class Case:
 def run_bench(args, rank: int, world: int, device: torch.device, backend_name: str):
     dtype = C.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
     cuda, is0 = device.type == "cuda", rank == 0
-    layouts = parse_layouts(args)
+    layouts = C.parse_layouts("bench_overlap", args.layouts, args.models or "llama3-8b", args.heads, args.kv_heads)
     seqs = [-(-C.parse_size(x) // world) * world for x in args.seqs.split(",")]  # equal shards
     fixed, want_auto = parse_chunks(args.chunks)
     model = CostModel.from_env(device.type)

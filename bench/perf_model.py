@@ -40,10 +40,8 @@ try:
 except ImportError:  # run from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ulysses_kernels.bench.common import parse_size, print_table
+from ulysses_kernels.bench.common import MODELS, parse_size, print_table
 from ulysses_kernels.plan import HeadPlan, PlanError
-
-MODELS = {"llama3-8b": (32, 8), "qwen2.5-14b": (40, 8), "llama3-70b": (64, 8)}
 
 
 def wire_seconds(send_to: list[float], recv_from: list[float], rank: int, gpus_per_node: int, nvl: float, ib: float) -> float:
@@ -129,9 +127,9 @@ def table(args) -> list[dict]:
                         comp, src = meas[(model, S, P, p, "local")], "measured"
                     # The fastest kernel set measured (layout-cuda / -triton / -torch): the one
                     # "auto" runs; the torch reference set is only a fallback.
-                    measured = [meas[k] for k in meas if k[:4] == (model, S, P, p) and k[4].startswith("layout-")]
-                    if measured:
-                        lay = min(measured)
+                    layouts = [meas[k] for k in meas if k[:4] == (model, S, P, p) and k[4].startswith("layout-")]
+                    if layouts:
+                        lay = min(layouts)
                     wire = sum(m["wire"][x] for x in parts)
                     ours = comp + wire + lay
                     row = {"model": model, "P": P, "seq": S, "pass": p, "compute_ms": comp * 1e3, "source": src,

@@ -267,3 +267,20 @@ def test_perf_model_formulas():
     m16 = pm.model_layer(32, 8, 16, 32768, args)
     assert m16["plan"].kv_replication == 2 and m16["chain"]["wire"]["fwd"] > m16["wire"]["fwd"]
     assert pm.model_layer(8, 8, 16, 1024, args) is None  # more ranks than heads
+
+
+def test_perf_model_table_uses_the_measured_rows(tmp_path):
+    """With a bench_attention JSON, compute comes from its ``local`` row and layout from the
+    fastest ``layout-*`` row (the kernel set "auto" runs), not the first one listed."""
+    pm = _load("perf_model")
+    S, P = 32768, 8
+    rows = [
+        {"model": "llama3-8b", "seq": S, "world": P, "pass": "fwd", "method": m, "time_ms": t}
+        for m, t in (("local", 5.0), ("layout-torch", 0.9), ("layout-cuda", 0.2), ("layout-triton", 0.3))
+    ]
+    path = tmp_path / "attn.json"
+    path.write_text(json.dumps({"rows": rows}))
+    args = pm.parse_args(["--models", "llama3-8b", "--worlds", str(P), "--seqs", "32K", "--passes", "fwd", "--attention-json", str(path)])
+    (row,) = pm.table(args)
+    assert row["source"] == "measured"
+    assert row["compute_ms"] == pytest.approx(5.0) and row["layout_ms"] == pytest.approx(0.2)

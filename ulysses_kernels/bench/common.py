@@ -124,6 +124,31 @@ def dtype_name(dtype: torch.dtype) -> str:
     )
 
 
+# ---- head layouts ------------------------------------------------------------------------
+# The models the benchmarks sweep: (query heads, KV heads).
+MODELS = {"llama3-8b": (32, 8), "qwen2.5-14b": (40, 8), "llama3-70b": (64, 8)}
+
+
+def parse_layouts(script: str, layouts: str | None, models: str | None, heads: int | None = None, kv_heads: int | None = None) -> list[tuple[str, int, int]]:
+    """``(label, q_heads, kv_heads)`` from ``--layouts 32/8,40/8`` (labelled ``32/8``), else
+    ``--heads/--kv-heads``, else ``--models`` (names of ``MODELS`` or ``all``; labelled by
+    name). ``script`` names the caller in the error for an unknown model."""
+    if layouts:
+        out = []
+        for spec in layouts.split(","):
+            hq, hkv = (int(x) for x in spec.split("/"))
+            out.append((f"{hq}/{hkv}", hq, hkv))
+        return out
+    if heads:
+        hkv = kv_heads or heads
+        return [(f"{heads}/{hkv}", heads, hkv)]
+    names = list(MODELS) if models == "all" else [m.strip() for m in (models or "").split(",") if m.strip()]
+    bad = [m for m in names if m not in MODELS]
+    if bad or not names:
+        raise SystemExit(f"{script}: unknown --models {bad or models!r}; choose from {', '.join(MODELS)} or all")
+    return [(m, *MODELS[m]) for m in names]
+
+
 # ---- environment --------------------------------------------------------------------
 def git_sha(repo: Path | str = REPO_ROOT) -> str:
     """``git rev-parse HEAD`` of ``repo``; outside a git checkout (a copy of the tree on a
