@@ -218,3 +218,28 @@ def _world_2(rank, world, cases):
 
 def test_world_size_2_forward_and_backward_trace():
     run_ranks(_world_2, 2, WORLD_2_CASES, timeout_s=300)
+
+
+# ---- on a GPU: the inductor backend, bf16 ----------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_gpu_world_size_1_inductor(kernels):
+    """World size 1 on CUDA, compiled by inductor (not just aot_eager), bf16 GQA 8/2: the
+    compiled op's error against float64 attention is at most 2x the eager op's (+1 ulp)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(2, 256, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (8, 2, 2, 8))
+
+    def f(q, k, v):
+        return uk.ulysses_attention(q, k, v, attn_fn="sdpa", kernels=kernels)
+
+    torch._dynamo.reset()
+    got_out, got_grads = _run(torch.compile(f, fullgraph=True, backend="inductor"), (q, k, v), do)
+    eager_out, eager_grads = _run(f, (q, k, v), do)
+    full = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = attention_reference(*full, causal=True)
+    ref.backward(do.double())
+    for name, got, eager, want in zip(("out", "dq", "dk", "dv"), [got_out, *got_grads], [eager_out, *eager_grads], [ref, *(x.grad for x in full)]):
+        err = (got.double() - want).abs().max().item()
+        eager_err = (eager.double() - want).abs().max().item()
+        ulp = 2.0**-7 * want.abs().max().item()
+        assert err <= 2 * eager_err + ulp, f"{name}: compiled error {err:.3g} > 2x eager error {eager_err:.3g} + 1 ulp"
