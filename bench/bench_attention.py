@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses_kernels import ulysses_attention
-from ulysses_kernels.backends import default_scale, resolve_backend
+from ulysses_kernels.backends import default_scale, for_rank, resolve_backend
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
@@ -152,7 +152,7 @@ class Method:
         self.fwd_only, self.bwd_only = fwd, bwd
 
 
-def local_method(plan, rank, backend, scale):
+def local_method(plan, rank, backend, scale, name="local"):
     kv_map = plan.local_kv_map(rank)
 
     class _Local(torch.autograd.Function):
@@ -168,7 +168,7 @@ def local_method(plan, rank, backend, scale):
             ctx.state = None
             return tuple(grads)
 
-    return Method("local", lambda q, k, v: _Local.apply(q, k, v), seq_sharded=False)
+    return Method(name, lambda q, k, v: _Local.apply(q, k, v), seq_sharded=False)
 
 
 def layout_method(name, kern, layout: Layout, like: torch.Tensor):
@@ -281,7 +281,7 @@ def seq_lengths(args, P: int) -> list[int]:
 
 def method_names(args, world: int, P: int) -> list[str]:
     kernels = available_kernels()
-    names = ["local"]
+    names = ["local", "local-sharedkv"]
     if world > 1 or P == 1:
         names += ["chain"] + [f"ulysses-{k}" for k in kernels] + ["deepspeed", "yunchang"]
     names += [f"layout-{k}" for k in kernels] + ["chain-layout"]
@@ -305,6 +305,14 @@ def estimate_bytes(name: str, inp: Inputs, plan: HeadPlan, rank: int) -> int:
 def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
     if name == "local":
         return local_method(plan, rank, backend, scale)
+    if name == "local-sharedkv":
+        # What the layer runs where all query heads share the rank's one KV head
+        # (backends.SharedKV: stride-0 KV view, KV gradient summed per query head): its
+        # cost over the floor above.
+        wrapped = for_rank(backend, plan.local_kv_map(rank))
+        if wrapped is backend:
+            raise Skip("this rank's query heads do not all share one KV head (no SharedKV)")
+        return local_method(plan, rank, wrapped, scale, name)
     if name == "chain":
         if inp.H % world:
             raise Skip(f"chain needs query heads ({inp.H}) divisible by the world size ({world})")
