@@ -170,18 +170,31 @@ def test_errors_raise_while_tracing():
 
 
 # ---- world size 2, gloo ranks ---------------------------------------------------------------
-# (q_heads, kv_heads, batch, seq_lens, causal, kernels, as_module):
+# (q_heads, kv_heads, batch, seq_lens, causal, kernels, mode):
 #   batch 1, equal shards, the module: one all_to_all per exchange, received in place;
 #   3 query heads / 1 KV head: the KV head lives on both ranks (its gradient is summed
 #   over the replicas), batch 2 (the receive buffer is reordered), uneven shards.
+#   "lower": the public seq_to_head / head_to_seq around the caller's own SDPA.
 WORLD_2_CASES = [
-    (4, 4, 1, [4, 4], True, "torch", True),
-    (3, 1, 2, [2, 3], True, "cuda", False),
+    (4, 4, 1, [4, 4], True, "torch", "module"),
+    (3, 1, 2, [2, 3], True, "cuda", "function"),
+    (4, 4, 1, [3, 5], True, "torch", "lower"),
 ]
 
 
+def _lower_level(plan, seq_lens, causal):
+    """Attention built by the caller from the public exchanges (MHA plans: no KV mapping)."""
+
+    def f(q, k, v):
+        ql, kl, vl = uk.seq_to_head(q, k, v, seq_lens=seq_lens, plan=plan)
+        out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (ql, kl, vl)), is_causal=causal)
+        return uk.head_to_seq(out.transpose(1, 2), plan, seq_lens=seq_lens)
+
+    return f
+
+
 def _world_2(rank, world, cases):
-    for hq, hkv, B, seq_lens, causal, kernels, as_module in cases:
+    for hq, hkv, B, seq_lens, causal, kernels, mode in cases:
         if kernels not in uk.kernels.available_kernels():
             kernels = "torch"
         q, k, v, do = _inputs(hq, hkv, B, sum(seq_lens), 8, seed=hq * 10 + B)
@@ -190,8 +203,10 @@ def _world_2(rank, world, cases):
         ref.backward(do)
         mine = [shard_sequence(x, seq_lens, rank) for x in (q, k, v)]
         my_do = shard_sequence(do, seq_lens, rank)
-        if as_module:
+        if mode == "module":
             f = uk.UlyssesAttention(hq, hkv, causal=causal, attn_fn="sdpa", kernels=kernels)
+        elif mode == "lower":
+            f = _lower_level(uk.HeadPlan.build(hq, hkv, world), seq_lens, causal)
         else:
             def f(q, k, v):
                 return uk.ulysses_attention(q, k, v, causal=causal, seq_lens=seq_lens, attn_fn="sdpa", kernels=kernels)

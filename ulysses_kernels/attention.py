@@ -14,7 +14,7 @@ from .kernels import get_kernels
 from .layout import Layout
 from .ops import HeadToSeq, SeqToHead, UlyssesAttentionFunction
 from .plan import HeadPlan
-from .traceable import traced_attention
+from .traceable import HeadToSeqTraced, SeqToHeadTraced, traced_attention
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
 
@@ -151,6 +151,8 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     Gradients of KV heads that several ranks hold are summed once per replica.
     Pass ``k=v=None`` to move q alone; then the heads follow ``plan`` (default: a plan
     with ``kv_heads = q_heads``), so pass the plan of your attention layer.
+    Inside ``torch.compile`` this and ``head_to_seq`` trace (forward and backward) as
+    ``ulysses_attention`` does: rank-local checks, one functional all-to-all per exchange.
     """
     comm = get_communicator(group, comm)
     if (k is None) != (v is None):
@@ -159,7 +161,8 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     kv_heads = plan.kv_heads if plan is not None else q.shape[2] if q.dim() == 4 else 1
     kk, vv = (k, v) if k is not None else (q[:, :, :kv_heads], q[:, :, :kv_heads])
     plan, layout = prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
-    outs = SeqToHead.apply(layout, comm, get_kernels(kernels, q.device, layout), *((q, k, v) if k is not None else (q,)))
+    fn, kern = _exchange(SeqToHead, SeqToHeadTraced, kernels, q.device, layout)
+    outs = fn.apply(layout, comm, kern, *((q, k, v) if k is not None else (q,)))
     return outs if k is not None else outs[0]
 
 
@@ -182,4 +185,13 @@ def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None, kern
     elif sum(seq_lens) != x.shape[1]:
         raise ValueError(f"head_to_seq: x.shape[1] expected sum(seq_lens) = {sum(seq_lens)}, got {x.shape[1]}")
     layout = Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])
-    return HeadToSeq.apply(layout, comm, get_kernels(kernels, x.device, layout), x)
+    fn, kern = _exchange(HeadToSeq, HeadToSeqTraced, kernels, x.device, layout)
+    return fn.apply(layout, comm, kern, x)
+
+
+def _exchange(eager, traced, kernels, device, layout):
+    """The autograd function and kernel set of one public exchange: inside torch.compile the
+    traceable ones (one functional all-to-all per exchange; see ``traceable``)."""
+    if torch.compiler.is_compiling():
+        return traced, get_kernels(kernels, device, layout, traceable=True)
+    return eager, get_kernels(kernels, device, layout)
