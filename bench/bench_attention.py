@@ -535,7 +535,8 @@ def _breakdown(rows):
         if not r["method"].startswith("ulysses-"):
             continue
         kern = r["method"][len("ulysses-"):]
-        local = by.get((r["model"], r["seq"], "local", r["pass"]))
+        # The attention the layer runs: SharedKV where this rank's heads share one KV head.
+        local = by.get((r["model"], r["seq"], "local-sharedkv", r["pass"])) or by.get((r["model"], r["seq"], "local", r["pass"]))
         lay = by.get((r["model"], r["seq"], f"layout-{kern}", r["pass"]))
         if not local or not lay:
             continue

@@ -27,8 +27,10 @@ head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)`
 The chain rows need query and KV heads that divide over the ranks (the plan's head ranges
 are then the chain's). Columns: ``size(B)`` = bytes of the send (pack) or receive (unpack)
 buffer; ``time(us)`` = median over ``--iters`` after ``--warmup``; ``GB/s`` = (bytes read +
-bytes written) / time; ``% copy`` = copy time / this time (issue #3: fused pack and unpack
->= 90% on an H100 for buffers >= 64 MiB); ``x_chain`` = chain time / this time (target for
+bytes written) / time; ``% copy`` = this row's GB/s over the copy row's (issue #3: fused
+pack and unpack >= 90% of the copy bandwidth on an H100 for buffers >= 64 MiB; a bandwidth
+ratio, not a time ratio, because an unpack that sums replicated KV heads writes fewer bytes
+than it receives); ``x_chain`` = chain time / this time (target for
 the fused rows: >= 3x); ``#wrong`` = elements that differ bit for bit from ``layout.py``'s
 reference on the same inputs (the copy rows: from the copy's source), counted on one more
 run after the timing, with the outputs filled with NaN first so that an element a kernel
@@ -294,7 +296,7 @@ def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
         for op in ("pack", "unpack"):
             by = {r["method"]: r for r in cfg_rows if r["op"] == op}
             for r in by.values():
-                r["pct_copy"] = 100.0 * by["copy"]["time_us"] / r["time_us"]
+                r["pct_copy"] = 100.0 * r["gbps"] / by["copy"]["gbps"]
                 r["x_chain"] = by["chain"]["time_us"] / r["time_us"] if "chain" in by else None
         rows += cfg_rows
     return rows, dict(skipped=notes, warmup=warmup, iters=iters, configs=[config_label(c) for c in configs])

@@ -123,8 +123,12 @@ def table(args) -> list[dict]:
                     comp = sum(m["compute"][x] for x in parts)
                     lay = sum(m["layout"][x] for x in parts)
                     src = "model"
-                    if (model, S, P, p, "local") in meas:
-                        comp, src = meas[(model, S, P, p, "local")], "measured"
+                    # The attention the layer runs: SharedKV on ranks whose query heads
+                    # share one KV head (bench_attention's local-sharedkv row), else local.
+                    for name in ("local-sharedkv", "local"):
+                        if (model, S, P, p, name) in meas:
+                            comp, src = meas[(model, S, P, p, name)], "measured"
+                            break
                     # The fastest kernel set measured (layout-cuda / -triton / -torch): the one
                     # "auto" runs; the torch reference set is only a fallback.
                     layouts = [meas[k] for k in meas if k[:4] == (model, S, P, p) and k[4].startswith("layout-")]

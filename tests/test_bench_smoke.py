@@ -284,3 +284,8 @@ def test_perf_model_table_uses_the_measured_rows(tmp_path):
     (row,) = pm.table(args)
     assert row["source"] == "measured"
     assert row["compute_ms"] == pytest.approx(5.0) and row["layout_ms"] == pytest.approx(0.2)
+    # On ranks that run SharedKV the layer's attention is that row, not the GQA floor.
+    rows.append({"model": "llama3-8b", "seq": S, "world": P, "pass": "fwd", "method": "local-sharedkv", "time_ms": 5.5})
+    path.write_text(json.dumps({"rows": rows}))
+    (row,) = pm.table(args)
+    assert row["compute_ms"] == pytest.approx(5.5)

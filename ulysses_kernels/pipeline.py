@@ -201,9 +201,10 @@ def _pipeline_seconds(c_in, compute, c_out, model: CostModel) -> float:
     The exchanges run one at a time on the communication stream, in posting order, each
     once every rank has posted it (``c_in[i]``, ``c_out[i]``: durations, latency included).
     Ranks that finish a chunk early wait at the exchanges, so imbalance between the ranks'
-    chunks costs time here as it does on the machine."""
+    chunks costs time here as it does on the machine. Attention slows by
+    ``overlap_slowdown`` only for as long as an exchange runs beside it (at most the
+    exchanges in(i+1) and out(i-1))."""
     n, world = len(compute), len(compute[0])
-    slow = 1.0 + (model.overlap_slowdown if n > 1 else 0.0)
     t = [0.0] * world
     done_in = [0.0] * n
     done_out = [0.0] * n
@@ -212,7 +213,8 @@ def _pipeline_seconds(c_in, compute, c_out, model: CostModel) -> float:
         t = [max(x, done_in[i]) for x in t]
         if i + 1 < n:
             done_in[i + 1] = link = max(link, max(t)) + c_in[i + 1]
-        t = [x + compute[i][r] * slow for r, x in enumerate(t)]
+        beside = (c_in[i + 1] if i + 1 < n else 0.0) + (c_out[i - 1] if i > 0 else 0.0)
+        t = [x + c + model.overlap_slowdown * min(c, beside) for x, c in zip(t, compute[i])]
         done_out[i] = link = max(link, max(t)) + c_out[i]
         if i > 0:
             t = [max(x, done_out[i - 1]) for x in t]
@@ -322,6 +324,7 @@ class _Chunk:
 class _Schedule:
     chunks: tuple[_Chunk, ...]
     replicas: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (kv head, ((rank, chunk, index in block), ...))
+    replica_blocks: frozenset[tuple[int, int]]  # (chunk, source) of the dk/dv blocks the replica sums read
 
 
 @functools.lru_cache(maxsize=64)
@@ -363,7 +366,8 @@ def _schedule(layout: Layout, n: int, split_groups: bool) -> _Schedule:
     replicas = tuple(
         (h, tuple((p, *where[(h, p)]) for p in plan.kv_holders(h))) for h in sorted(replicated)
     )
-    return _Schedule(tuple(chunks), replicas)
+    blocks = frozenset((c, p) for _, holders in replicas for p, c, _ in holders)
+    return _Schedule(tuple(chunks), replicas, blocks)
 
 
 # ---- the pieces of one chunk --------------------------------------------------------------
@@ -532,7 +536,8 @@ def _finish_grads(pending, sched: _Schedule, outs, kv_blocks, kernels) -> None:
         lo, hi = chunk.trim[p]
         dq_b, dk_b, dv_b = (per_stream[i][p] for i in range(3))
         blocks.append([dq_b, dk_b[:, :, lo:hi], dv_b[:, :, lo:hi]])
-        kv_blocks[(c, p)] = (dk_b, dv_b)
+        if (c, p) in sched.replica_blocks:  # held for _sum_replicas; other blocks go now
+            kv_blocks[(c, p)] = (dk_b, dv_b)
     kernels.unpack_h2s(chunk.unpack, blocks, QKV, list(outs))
 
 

@@ -27,8 +27,14 @@ region the op is composed instead of traceable pieces:
   across ranks.
 * ``chunks`` is ignored: the chunked pipeline overlaps collectives with async work handles
   and side streams, which a graph does not express; the compiled graph runs unchunked
-  (equal bit for bit with SDPA, see ``ulysses_attention``) and leaves scheduling to the
-  compiler.
+  and leaves scheduling to the compiler.
+* Not bit-identical to eager where a rank's query heads share its one KV head: eager runs
+  ``backends.SharedKV`` there (the KV gradient summed per query head by ``KVGradSum``),
+  the graph lets the backend's grouped-query backward sum it (same math; last-bit
+  differences, ~1e-15 in float64 in the tests).
+* With a native ``NCCLCommunicator`` (what ``UlyssesAttention`` owns on NCCL groups) the
+  exchanges are its ``ulysses_kernels::nccl_all_to_all`` custom op in the graph, not
+  functional collectives; that path is untested under compile (it needs GPUs).
 
 Data movement differs from eager in two places, each one extra copy of the bytes on the
 wire, because every exchange here is one ``all_to_all`` (eager's grouped send/recv moves
