@@ -161,7 +161,7 @@ stage_tests() {
   local f targs=()
   if "$PY" -c 'import pytest_timeout' 2>/dev/null; then targs=(--timeout "${GPU_SESSION_TEST_TIMEOUT:-240}")
   else say "note: pytest-timeout missing: no per-test timeout (each file still has one)"; fi
-  for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_compile.py}; do
+  for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_compile.py}; do
     f=$(basename "$f" .py)
     step "$f" 300 "$PY" -m pytest --maxfail "${GPU_SESSION_MAXFAIL:-3}" -q -ra -k "not two_ranks" "${targs[@]}" --junitxml "$LOG/junit_$f.xml" "tests/$f.py" || true
   done
