@@ -3,7 +3,7 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled; see
 # /work/.library/device/README.md): each `run` call runs one or more stages, in order.
 #
-#   bash scripts/gpu_session.sh build tests nccl2   # call 1, ~6-7 min (estimates: nothing has run
+#   bash scripts/gpu_session.sh build tests nccl2   # call 1, ~7-8 min (estimates: nothing has run
 #   bash scripts/gpu_session.sh bench attn          # call 2, ~7 min    on a GPU yet)
 #   then, with 8+ min left: re-run what was SKIPPED/FAILED, or GPU_SESSION_ATTN_MODELS=qwen2.5-14b attn
 #

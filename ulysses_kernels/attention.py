@@ -60,9 +60,9 @@ def ulysses_attention(
         chunks: split each rank's heads into this many chunks whose all-to-alls overlap
             with attention (``"auto"`` picks from a cost model); ``1`` is no overlap.
             Chunked results equal ``chunks=1`` bit for bit with backends that compute each
-            head independently and deterministically (checked on the CPU with SDPA; not the
-            ``"math"`` einsum; GPU backward kernels that use atomics are not bitwise
-            deterministic even unchunked).
+            head independently and deterministically (checked on the CPU with SDPA and one
+            intra-op thread per rank; not the ``"math"`` einsum; GPU backward kernels that
+            use atomics are not bitwise deterministic even unchunked).
         check: exchange a small signature of every rank's inputs first (one tiny
             all-gather and a host sync) so that bad or mismatched inputs raise the same
             error on every rank. ``False`` skips the exchange: then all ranks must pass

@@ -31,8 +31,10 @@ numbers in the same order. Only backends built on ``AttentionBackend`` can be wr
 with other backend objects such ranks keep one chunk. A KV head that several ranks hold
 gets its gradient summed in rank order once all chunks have arrived, exactly as the
 unchunked unpack does. Bit-identity also needs the backend to compute each head
-independently of the others present (true of SDPA and flash-attn; the ``"math"``
-backend's einsum picks shape-dependent BLAS kernels on the CPU).
+independently of the others present: true of flash-attn, and of SDPA on the CPU with one
+intra-op thread (``torch.set_num_threads(1)``, as the tests run ranks; with several
+threads CPU SDPA's result for a head can change by an ulp with the heads computed beside
+it); not of the ``"math"`` backend, whose einsum picks shape-dependent BLAS kernels.
 
 ``chunks="auto"`` uses ``choose_chunks``: a cost model from globally agreed numbers only
 (layout sizes, dtype, env vars), so every rank picks the same count.
