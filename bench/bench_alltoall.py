@@ -400,13 +400,9 @@ def plot(rows: list[dict], path: str, env: dict) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes per rank")
     ax.set_ylabel("busbw (GB/s)")
-    label = env["gpu"] if env["device"] == "cuda" else C.CPU_LABEL
-    ax.set_title(f"all-to-all, {env['world_size']} ranks, {label}")
+    ax.set_title(f"all-to-all, {env['world_size']} ranks, {C.device_label(env)}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return C.save_figure(plt, fig, path)
 
 
 def _body(args, rank, world, device, backend):

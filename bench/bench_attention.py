@@ -578,12 +578,9 @@ def plot(breakdown, path, env) -> bool:
     ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=6)
     ax.set_ylabel("ms per layer (" + sel[0]["pass"] + ")")
-    ax.set_title(f"Ulysses attention, {env['world_size']} ranks, {env['gpu'] if env['device'] == 'cuda' else C.CPU_LABEL}")
+    ax.set_title(f"Ulysses attention, {env['world_size']} ranks, {C.device_label(env)}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return C.save_figure(plt, fig, path)
 
 
 def _body(args, rank, world, device, backend):

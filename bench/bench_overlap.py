@@ -355,12 +355,9 @@ def plot(rows, path, env) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("global sequence length")
         ax.set_ylabel("exposed / all-to-all time (%)")
-        ax.set_title(f"{p}, {env['world_size']} ranks, {env['gpu'] if env['device'] == 'cuda' else C.CPU_LABEL}", fontsize=9)
+        ax.set_title(f"{p}, {env['world_size']} ranks, {C.device_label(env)}", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return C.save_figure(plt, fig, path)
 
 
 def _body(args, rank, world, device, backend):

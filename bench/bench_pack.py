@@ -343,12 +343,8 @@ def plot(rows: list[dict], path: str, env: dict) -> bool:
         ax.set_title(op)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("% of copy bandwidth (copy time / time)")
-    label = env["gpu"] if env["device"] == "cuda" else C.CPU_LABEL
-    fig.suptitle(f"pack/unpack vs a copy of the same bytes, {env.get('dtype', '')}, {label}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    fig.suptitle(f"pack/unpack vs a copy of the same bytes, {env.get('dtype', '')}, {C.device_label(env)}")
+    return C.save_figure(plt, fig, path)
 
 
 def parse_args(argv=None):

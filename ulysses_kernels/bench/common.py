@@ -55,6 +55,8 @@ __all__ = [
     "print_table",
     "write_results",
     "load_pyplot",
+    "device_label",
+    "save_figure",
     "Progress",
 ]
 
@@ -412,6 +414,19 @@ def load_pyplot():
     except ImportError:
         return None
     return plt
+
+
+def device_label(env: dict) -> str:
+    """What a plot title says ran it: the GPU's name, or ``CPU_LABEL``."""
+    return env["gpu"] if env["device"] == "cuda" else CPU_LABEL
+
+
+def save_figure(plt, fig, path) -> bool:
+    """Lay out, write (PNG, 120 dpi) and close ``fig``; returns True for the plot function."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 class Progress:
