@@ -342,7 +342,7 @@ def plot(rows: list[dict], path: str, env: dict) -> bool:
         ax.set_xticklabels(configs, fontsize=6, rotation=30, ha="right")
         ax.set_title(op)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("% of copy bandwidth (copy time / time)")
+    axes[0].set_ylabel("% of copy bandwidth (row GB/s / copy GB/s)")
     fig.suptitle(f"pack/unpack vs a copy of the same bytes, {env.get('dtype', '')}, {C.device_label(env)}")
     return C.save_figure(plt, fig, path)
 
