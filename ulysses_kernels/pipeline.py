@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import AttentionBackend, KVGradSum, SharedKV, _uniform_group
+from .backends import AttentionBackend, KVGradSum, SharedKV, _uniform_group, shares_one_kv
 from .layout import Layout, Q_ONLY, QKV
 from .ops import UlyssesAttentionFunction, head_to_seq_blocks, post_head_to_seq, post_seq_to_head
 from .plan import HeadPlan
@@ -87,9 +87,9 @@ def _split_groups(groups, k: int) -> list[list]:
 
 
 def splits_shared_kv(plan: HeadPlan, rank: int) -> bool:
-    """True when ``rank``'s query heads all use its one KV head (``backends.shares_one_kv``):
-    its chunks split that group's query heads."""
-    return plan.kv_count(rank) == 1 and plan.q_count(rank) > 1
+    """True when ``rank``'s query heads all use its one KV head (``backends.shares_one_kv``,
+    the test ``for_rank`` applies): its chunks split that group's query heads."""
+    return shares_one_kv(plan.local_kv_map(rank))
 
 
 def _rank_parts(plan: HeadPlan, rank: int, chunks: int, split_groups: bool, kv_last: bool):
@@ -344,8 +344,9 @@ def _schedule(layout: Layout, n: int, split_groups: bool) -> _Schedule:
 
     chunks, where = [], {}
     for c, (cp, gp) in enumerate(zip(plans, grad_plans)):
-        # Query heads of a shared KV head map to it (index 0) whether or not the chunk carries it.
-        kv_map = (0,) * cp.q_count(rank) if shared else cp.local_kv_map(rank)
+        # A shared KV head's chunks without it map their query heads to index 0 all the same:
+        # their empty KV range starts at that head.
+        kv_map = cp.local_kv_map(rank)
         # The unchunked backend gathers KV heads per query head when the rank's map is not
         # uniform; a chunk's map may be uniform, so gather here to run the same kernels.
         expand = None if full_uniform or not kv_map else kv_map
