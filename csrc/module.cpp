@@ -149,11 +149,18 @@ PyObject* comm_call(PyObject*, PyObject* arg) {
   });
 }
 
-// (nranks, rank, cuda device) of a communicator.
+// (nranks, rank, cuda device) of a communicator, once it is ready: a nonblocking one
+// (torch's, when it made it so) may still be initializing, so its state is settled first
+// (without the GIL) and an initialization error raises here.
 PyObject* nccl_comm_info(PyObject*, PyObject* arg) {
   ncclComm_t comm = nullptr;
   if (!parse_comm(arg, &comm)) return nullptr;
+  ncclResult_t state = ncclSuccess;
+  Py_BEGIN_ALLOW_THREADS
+  state = ulysses_kernels::nccl_settle(comm);
+  Py_END_ALLOW_THREADS
   return guarded([&] {
+    UK_NCCL_CHECK(state, comm);
     int count = 0, rank = 0, device = 0;
     UK_NCCL_CHECK(ncclCommCount(comm, &count), comm);
     UK_NCCL_CHECK(ncclCommUserRank(comm, &rank), comm);

@@ -107,6 +107,135 @@ def test_default_cuda_comm_without_distributed_is_none():
     assert default_cuda_comm() is None
 
 
+# ---- borrowing torch's communicator: the Python side, with stand-ins for torch's NCCL group ----
+class _FakeNCCLBackend:
+    """Stands in for ProcessGroupNCCL: ``_comm_ptr()`` gives the handle it was made with."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def _comm_ptr(self):
+        return self.ptr
+
+
+class _FakeGroup:
+    def __init__(self, backend):
+        self.backend = backend
+
+    def _get_backend(self, device):
+        assert device.type == "cuda"
+        return self.backend
+
+
+class _FakeExt:
+    """The extension's NCCL entry points: ``nccl_comm_info`` answers ``info``; destroy calls are recorded."""
+
+    def __init__(self, info):
+        self.info, self.destroyed = info, []
+
+    def nccl_comm_info(self, handle):
+        return self.info
+
+    def nccl_comm_destroy(self, handle):
+        self.destroyed.append(handle)
+
+
+@pytest.fixture
+def fake_cuda_group(monkeypatch):
+    """A 'CUDA machine' with an initialized world of 4 where this is rank 2 on cuda:1; returns
+    a function ``(ptr, info) -> (group, ext)`` wiring torch's communicator pointer and what
+    NCCL says of it."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from ulysses_kernels import nccl_comm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _FakeNCCLBackend, raising=False)
+
+    def make(ptr, info=(4, 2, 1)):
+        ext = _FakeExt(info)
+        monkeypatch.setattr(nccl_comm, "_extension", lambda: ext)
+        monkeypatch.setattr(nccl_comm, "nccl_available", lambda: True)
+        return _FakeGroup(_FakeNCCLBackend(ptr)), ext
+
+    return make
+
+
+def test_borrow_wraps_torchs_communicator_without_owning_it(fake_cuda_group):
+    from ulysses_kernels.nccl_comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    comm = NCCLCommunicator.borrow(group)
+    assert (comm.handle, comm.rank, comm.world_size, comm.device, comm.owned) == (0xABC0, 2, 4, torch.device("cuda", 1), False)
+    comm.close()
+    assert comm.handle == 0 and ext.destroyed == []  # torch still owns it
+    with pytest.raises(RuntimeError, match=r"used after close"):
+        comm.all_to_all(None, None, [], [])
+
+
+def test_borrow_refuses_a_communicator_that_is_not_this_ranks(fake_cuda_group):
+    from ulysses_kernels.nccl_comm import NCCLCommunicator
+
+    group, _ = fake_cuda_group(0xABC0, info=(4, 2, 0))
+    with pytest.raises(RuntimeError, match=r"\(nranks, rank, device\) expected \(4, 2, 1\).*got \(4, 2, 0\)"):
+        NCCLCommunicator.borrow(group)
+
+
+def test_borrow_before_torch_made_its_communicator_says_so(fake_cuda_group):
+    from ulysses_kernels.nccl_comm import NCCLCommunicator, borrowed_torch_comm
+
+    group, _ = fake_cuda_group(0)
+    with pytest.raises(RuntimeError, match=r"has not created the group's NCCL communicator on cuda:1 yet"):
+        NCCLCommunicator.borrow(group)
+    assert borrowed_torch_comm(group, torch.device("cuda", 1)) is None  # the functional ops fall back
+
+
+def test_borrow_from_a_group_without_nccl_says_what_it_got(fake_cuda_group):
+    from ulysses_kernels.nccl_comm import NCCLCommunicator, borrowed_torch_comm
+
+    fake_cuda_group(0xABC0)
+    group = _FakeGroup(object())
+    with pytest.raises(RuntimeError, match=r"expected ProcessGroupNCCL with _comm_ptr\(\).*got object"):
+        NCCLCommunicator.borrow(group)
+    assert borrowed_torch_comm(group, torch.device("cuda", 1)) is None
+
+
+def test_functional_default_borrows_only_for_cuda_tensors_and_not_when_turned_off(fake_cuda_group, monkeypatch):
+    from ulysses_kernels.comm import TorchCommunicator, get_communicator
+    from ulysses_kernels.nccl_comm import NCCLCommunicator
+
+    group, _ = fake_cuda_group(0xABC0)
+    comm = get_communicator(group, device=torch.device("cuda", 1))
+    assert isinstance(comm, NCCLCommunicator) and comm.handle == 0xABC0 and not comm.owned
+    assert isinstance(get_communicator(group, device=torch.device("cpu")), TorchCommunicator)
+    assert isinstance(get_communicator(group), TorchCommunicator)
+    mine = object()
+    assert get_communicator(group, mine, device=torch.device("cuda", 1)) is mine
+    monkeypatch.setenv("ULYSSES_KERNELS_NATIVE_NCCL", "0")
+    assert isinstance(get_communicator(group, device=torch.device("cuda", 1)), TorchCommunicator)
+
+
+def _gloo_default_is_torch(rank, world):
+    from ulysses_kernels.comm import TorchCommunicator, get_communicator
+
+    assert isinstance(get_communicator(None, device=torch.device("cpu")), TorchCommunicator)
+    # A CUDA device on a gloo group: nothing to borrow (no GPU here, and gloo is not NCCL).
+    assert isinstance(get_communicator(None, device=torch.device("cuda", 0)), TorchCommunicator)
+
+
+def test_gloo_groups_keep_torch_distributed():
+    from ulysses_kernels.testing import run_ranks
+
+    run_ranks(_gloo_default_is_torch, 2)
+
+
 # ---- GPU: one rank, and two ranks on one GPU -------------------------------------------------
 def _multi_rank_gpu_ok():
     return torch.cuda.is_available() and _torch_nccl() >= (2, 30, 0)
@@ -208,3 +337,82 @@ def test_one_rank_on_one_gpu():
 def test_two_ranks_on_one_gpu(monkeypatch):
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")  # read by NCCL in the spawned ranks
     _run_ranks_with_timeout(_ranks_body, 2)
+
+
+def _borrow_body(rank, world):
+    """On an NCCL process group: the functional op's default communicator is torch's own,
+    driven by our native calls, and gives the same bits as torch.distributed's."""
+    import torch.distributed as dist
+
+    from ulysses_kernels import ulysses_attention
+    from ulysses_kernels.comm import TorchCommunicator, get_communicator
+    from ulysses_kernels.nccl_comm import NCCLCommunicator
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    calls = []
+    originals = {name: getattr(NCCLCommunicator, name) for name in ("all_to_all", "send_recv")}
+
+    def counting(name):
+        def call(self, *args, **kwargs):
+            calls.append((name, self.owned))
+            return originals[name](self, *args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(NCCLCommunicator, name, counting(name))
+    try:
+        g = torch.Generator().manual_seed(1)
+        seq_lens = (48, 16) if world == 2 else (64,)
+        S, off = sum(seq_lens), sum(seq_lens[:rank])
+        q, k, v = (torch.randn(1, S, h, 64, generator=g) for h in (10, 2, 2))
+        results, native_calls = [], []
+        for comm in (None, None, TorchCommunicator()):
+            del calls[:]
+            shard = [t[:, off : off + seq_lens[rank]].to(dev, torch.bfloat16).requires_grad_() for t in (q, k, v)]
+            out = ulysses_attention(*shard, seq_lens=seq_lens, comm=comm, attn_fn="sdpa")
+            out.float().square().sum().backward()
+            results.append([out.detach()] + [t.grad for t in shard])
+            native_calls.append(list(calls))
+        # The first call may find torch's communicator not made yet (torch makes it lazily,
+        # at the checks' all-gather at the latest) and then uses torch.distributed for the
+        # whole call; from then on the default is native on the borrowed communicator:
+        # the forward's two exchanges and the backward's two. TorchCommunicator never is.
+        assert len(native_calls[0]) in (0, 4), native_calls
+        assert len(native_calls[1]) == 4 and all(owned is False for _, owned in native_calls[1]), native_calls
+        assert native_calls[2] == []
+        for a, b, c in zip(*results):
+            assert torch.equal(a, c) and torch.equal(b, c)
+        comm = get_communicator(None, device=dev)
+        backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+        assert isinstance(comm, NCCLCommunicator) and comm.handle == backend._comm_ptr() and not comm.owned
+        # Our all-to-all on torch's communicator (at world 1 the op above moved nothing).
+        x = torch.arange(world * 96, device=dev, dtype=torch.float32) + 1000 * rank
+        y = torch.empty_like(x)
+        comm.all_to_all(y, x, [96] * world, [96] * world)
+        expected = torch.cat([torch.arange(rank * 96, (rank + 1) * 96, device=dev, dtype=torch.float32) + 1000 * p for p in range(world)])
+        assert torch.equal(y, expected)
+        comm.close()  # forgets the handle; torch's group still works
+        x = torch.ones(4, device=dev)
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.full_like(x, float(world)))
+    finally:
+        for name, fn in originals.items():
+            setattr(NCCLCommunicator, name, fn)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_default_borrows_torchs_communicator_one_rank():
+    from ulysses_kernels.testing import run_ranks
+
+    run_ranks(_borrow_body, 1, backend="nccl", timeout_s=_GPU_TIMEOUT_S)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _multi_rank_gpu_ok(), reason="needs a CUDA GPU and NCCL >= 2.30 (two ranks on one GPU)")
+def test_default_borrows_torchs_communicator_two_ranks_on_one_gpu(monkeypatch):
+    from ulysses_kernels.testing import run_ranks
+
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    run_ranks(_borrow_body, 2, backend="nccl", timeout_s=_GPU_TIMEOUT_S)

@@ -52,9 +52,13 @@ def ulysses_attention(
             ``"sdpa"``, ``"math"``, a callable ``fn(q, k, v, causal=, softmax_scale=)`` over
             ``[B, S, H, D]`` grouped heads, or a backend object (see ``backends``).
         plan: a prebuilt ``HeadPlan`` (default: ``HeadPlan.build(q_heads, kv_heads, world)``).
-        comm: a communicator (default: torch.distributed on ``group``; ``UlyssesAttention``
-            and ``integrations.hf.apply`` own a native ``NCCLCommunicator`` by default on
-            NCCL groups, as can a caller: ``comm=NCCLCommunicator(group)``).
+        comm: a communicator. Default: for CUDA tensors on an NCCL group (and the
+            extension built with NCCL), our native all-to-all on torch's own communicator
+            of ``group`` (``NCCLCommunicator.borrow``: nothing is created); else
+            torch.distributed on ``group``. ``UlyssesAttention`` and
+            ``integrations.hf.apply`` own an ``NCCLCommunicator`` of their own, as can a
+            caller: ``comm=NCCLCommunicator(group)``. ``ULYSSES_KERNELS_NATIVE_NCCL=0``
+            (the same on every rank) keeps torch.distributed.
         kernels: the pack/unpack kernels: ``None``/``"auto"``, ``"torch"``, ``"triton"``,
             ``"cuda"`` (see ``ulysses_kernels.kernels``).
         chunks: split each rank's heads into this many chunks whose all-to-alls overlap
@@ -78,10 +82,12 @@ def ulysses_attention(
     """
     if torch.compiler.is_compiling():
         return traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, plan=plan, comm=comm, kernels=kernels)
-    comm = get_communicator(group, comm)
+    given, comm = comm, get_communicator(group, comm)
     plan, layout = prepare(
         q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check
     )
+    if given is None:  # after the checks, whose collective makes torch create its communicator
+        comm = get_communicator(group, device=q.device)
     backend = resolve_backend(attn_fn, q)
     kern = get_kernels(kernels, q.device, layout)
     scale = default_scale(q.shape[3], softmax_scale)
@@ -154,13 +160,15 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     Inside ``torch.compile`` this and ``head_to_seq`` trace (forward and backward) as
     ``ulysses_attention`` does: rank-local checks, one functional all-to-all per exchange.
     """
-    comm = get_communicator(group, comm)
+    given, comm = comm, get_communicator(group, comm)
     if (k is None) != (v is None):
         raise ValueError("seq_to_head: pass both k and v, or neither")
     # q alone: stand-in k/v views with the plan's KV head count, for the checks only.
     kv_heads = plan.kv_heads if plan is not None else q.shape[2] if q.dim() == 4 else 1
     kk, vv = (k, v) if k is not None else (q[:, :, :kv_heads], q[:, :, :kv_heads])
     plan, layout = prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
+    if given is None:  # as in ulysses_attention
+        comm = get_communicator(group, device=q.device)
     fn, kern = _exchange(SeqToHead, SeqToHeadTraced, kernels, q.device, layout)
     outs = fn.apply(layout, comm, kern, *((q, k, v) if k is not None else (q,)))
     return outs if k is not None else outs[0]
@@ -172,7 +180,7 @@ def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None, kern
     The inverse of ``seq_to_head`` for query-head tensors (the attention output).
     ``seq_lens`` as given to ``seq_to_head``; the default assumes equal shards.
     """
-    comm = get_communicator(group, comm)
+    comm = get_communicator(group, comm, device=x.device)
     rank, world = comm.rank, comm.world_size
     if plan.world_size != world:
         raise ValueError(f"head_to_seq: plan.world_size expected {world} (the group), got {plan.world_size}")

@@ -11,7 +11,9 @@ The op needs three things from a communicator:
 ``all_to_all`` and ``send_recv`` take ``async_op``; with ``async_op=True`` they return
 an object with ``wait()``, so a caller can overlap communication with compute.
 Another backend (the native NCCL communicator of the C++ extension) implements the
-same methods and plugs in through ``ulysses_attention(..., comm=...)``.
+same methods and plugs in through ``ulysses_attention(..., comm=...)``; for CUDA tensors
+on an NCCL group it is the default, driving torch's own communicator of the group
+(``get_communicator(..., device=)``).
 """
 
 from __future__ import annotations
@@ -137,10 +139,15 @@ class LocalCommunicator:
         return [list(values)]
 
 
-def get_communicator(group=None, comm: Communicator | None = None, native: bool = False) -> Communicator:
+def get_communicator(
+    group=None, comm: Communicator | None = None, native: bool = False, device: torch.device | None = None
+) -> Communicator:
     """The communicator for ``group``: ``comm`` if given; with ``native``, a new native NCCL
     communicator where the group is NCCL and the extension has NCCL (the caller owns it:
-    making one is collective); else torch.distributed's."""
+    making one is collective); with a CUDA ``device`` (the functional ops pass their
+    tensors'), torch's own NCCL communicator of the group driven by our native calls where
+    it applies (``nccl_comm.borrowed_torch_comm``: nothing is created); else
+    torch.distributed's."""
     if comm is not None:
         return comm
     if group is None and not (dist.is_available() and dist.is_initialized()):
@@ -151,4 +158,10 @@ def get_communicator(group=None, comm: Communicator | None = None, native: bool 
         made = default_cuda_comm(group)
         if made is not None:
             return made
+    if device is not None and device.type == "cuda":
+        from .nccl_comm import borrowed_torch_comm
+
+        borrowed = borrowed_torch_comm(group, device)
+        if borrowed is not None:
+            return borrowed
     return TorchCommunicator(group)

@@ -8,10 +8,24 @@ It implements the ``ulysses_kernels.comm.Communicator`` interface with NCCL call
 * ``send_recv``: all transfers in one NCCL group;
 * no host synchronization and no allocation, so both can be captured in a CUDA graph.
 
-The communicator is made from the user's process group: rank 0 creates an ``ncclUniqueId``
-(128 bytes), ``torch.distributed.broadcast_object_list`` sends it over the group, then every
-rank calls ``ncclCommInitRank`` on its current CUDA device. The ``ncclComm_t`` crosses into
-Python as an integer handle owned by the ``NCCLCommunicator`` (``close()`` destroys it).
+There are two ways to get one:
+
+* ``NCCLCommunicator(group)`` makes a communicator of its own from the user's process
+  group: rank 0 creates an ``ncclUniqueId`` (128 bytes),
+  ``torch.distributed.broadcast_object_list`` sends it over the group, then every rank
+  calls ``ncclCommInitRank`` on its current CUDA device. The ``ncclComm_t`` crosses into
+  Python as an integer handle owned by the ``NCCLCommunicator`` (``close()`` destroys it).
+  Owners that live as long as they are used make this kind: ``UlyssesAttention`` and
+  ``integrations.hf.apply``. A communicator of its own does not queue behind the group's
+  other collectives (FSDP's all-gathers, say): NCCL runs the work of one communicator in
+  order, whatever the streams.
+* ``NCCLCommunicator.borrow(group)`` drives torch's own communicator of an NCCL process
+  group (``ProcessGroupNCCL._comm_ptr()``) with our calls. Nothing is created, so it costs
+  no collective, no memory and no setup; torch keeps ownership (``close()`` only forgets
+  the handle). The functional ``ulysses_attention``, ``seq_to_head`` and ``head_to_seq``
+  use this one by default for CUDA tensors (``borrowed_torch_comm``): they have no
+  lifetime to own a communicator with, and no global cache per group is kept.
+
 NCCL errors are raised as ``RuntimeError`` with NCCL's error string and the C++ file:line.
 """
 
@@ -25,7 +39,7 @@ import torch.distributed as dist
 
 from . import _C_loader
 
-__all__ = ["NCCLCommunicator", "default_cuda_comm", "nccl_available"]
+__all__ = ["NCCLCommunicator", "borrowed_torch_comm", "default_cuda_comm", "nccl_available", "torch_comm_handle"]
 
 
 def _extension():
@@ -84,13 +98,39 @@ class NCCLCommunicator:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
-        self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self.device = _cuda_device(device)
         uid = [ext.nccl_unique_id() if self.rank == 0 else None]
         src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(uid, src=src, group=group, device=self._object_device())
         with torch.cuda.device(self.device):
             self.handle = ext.nccl_comm_init_rank(uid[0], self.world_size, self.rank)
+        self.owned = True
+
+    @classmethod
+    def borrow(cls, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None) -> "NCCLCommunicator":
+        """Our collectives on torch's own NCCL communicator of ``group`` (default: the world).
+
+        Not collective and cheap (a pointer lookup and three NCCL queries), so it can be
+        called per op. torch must have created the communicator already: it does at the
+        group's first collective, or at ``init_process_group(device_id=...)``.
+        ``RuntimeError`` says why when the group has none to lend.
+        """
+        ext, device, handle = _extension(), _cuda_device(device), torch_comm_handle(group, device)
+        self = cls.__new__(cls)
+        self._ext, self.group, self.device = ext, group, device
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.handle, self.owned = handle, False
+        # A wrong pointer would crash inside NCCL: check that it is this rank's
+        # communicator of this group on this device (this also waits out a nonblocking
+        # communicator's initialization).
+        actual = tuple(ext.nccl_comm_info(handle))
+        expected = (self.world_size, self.rank, device.index)
+        if actual != expected:
+            raise RuntimeError(
+                f"NCCLCommunicator.borrow: torch's communicator (nranks, rank, device) expected {expected} "
+                f"(the group's size, this rank, the current CUDA device), got {actual}"
+            )
+        return self
 
     def _object_device(self):
         return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
@@ -119,10 +159,11 @@ class NCCLCommunicator:
         return TorchCommunicator(self.group).all_gather_ints(values, device)
 
     def close(self) -> None:
-        """Destroy the NCCL communicator (idempotent)."""
+        """Destroy the NCCL communicator (idempotent); a borrowed one is only forgotten."""
         if self.handle:
             handle, self.handle = self.handle, 0
-            self._ext.nccl_comm_destroy(handle)
+            if self.owned:
+                self._ext.nccl_comm_destroy(handle)
 
     def __enter__(self):
         return self
@@ -131,7 +172,10 @@ class NCCLCommunicator:
         self.close()
 
     def __repr__(self) -> str:
-        return f"NCCLCommunicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, open={bool(self.handle)})"
+        return (
+            f"NCCLCommunicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+            f"open={bool(self.handle)}, owned={self.owned})"
+        )
 
 
 def default_cuda_comm(group=None) -> NCCLCommunicator | None:
@@ -150,3 +194,68 @@ def default_cuda_comm(group=None) -> NCCLCommunicator | None:
     if dist.get_backend(group) != "nccl" or not nccl_available():
         return None
     return NCCLCommunicator(group)
+
+
+def _cuda_device(device) -> torch.device:
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def torch_comm_handle(group=None, device: torch.device | int | None = None) -> int:
+    """The ``ncclComm_t`` of torch's ``ProcessGroupNCCL`` for ``group`` on ``device``, as an
+    integer; ``RuntimeError`` naming the reason where there is none to lend."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("NCCLCommunicator.borrow: torch.distributed is not initialized; call init_process_group first")
+    if not torch.cuda.is_available():
+        raise RuntimeError("NCCLCommunicator.borrow: needs a CUDA device, but torch.cuda.is_available() is False")
+    device = _cuda_device(device)
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except RuntimeError as e:
+        raise RuntimeError(f"NCCLCommunicator.borrow: the group has no CUDA backend ({e})") from e
+    get_ptr = getattr(backend, "_comm_ptr", None)
+    if get_ptr is None:
+        raise RuntimeError(
+            f"NCCLCommunicator.borrow: the group's CUDA backend expected ProcessGroupNCCL with _comm_ptr() "
+            f"(torch >= 2.9), got {type(backend).__name__} (torch {torch.__version__})"
+        )
+    with torch.cuda.device(device):
+        handle = int(get_ptr())
+    if handle == 0:
+        raise RuntimeError(
+            f"NCCLCommunicator.borrow: torch has not created the group's NCCL communicator on {device} yet "
+            "(it does at the group's first collective, or at init_process_group(device_id=...))"
+        )
+    return handle
+
+
+def borrowed_torch_comm(group=None, device: torch.device | None = None) -> NCCLCommunicator | None:
+    """torch's own communicator of ``group`` driven natively, or None where that does not
+    apply: ``ULYSSES_KERNELS_NATIVE_NCCL=0``, no NCCL in the extension, ``device`` not CUDA,
+    the group's CUDA backend not NCCL (gloo, a fake or a wrapped group), or torch not having
+    created the communicator yet (before the group's first collective).
+
+    The functional ops call it per call. All ranks of a group answer alike: the conditions
+    are the same installation and environment everywhere by contract, and torch creates a
+    group's communicator at the same collective on every rank. A rank that used torch's
+    all-to-all while its peers used ours would post mismatched NCCL work, so set
+    ``ULYSSES_KERNELS_NATIVE_NCCL`` the same on every rank.
+    """
+    if os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "1") == "0":
+        return None
+    if device is None or device.type != "cuda" or not nccl_available():
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return None
+    if not isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())) or not hasattr(backend, "_comm_ptr"):
+        return None
+    with torch.cuda.device(device):
+        if int(backend._comm_ptr()) == 0:
+            return None
+    return NCCLCommunicator.borrow(group, device)
