@@ -43,13 +43,21 @@ _LOADERS = {
 
 
 @functools.cache
-def _import(name: str):
+def _import_or_why(name: str):
+    """``(class, "")``, or ``(None, why)`` when the set cannot run in this process."""
     module, attr = _LOADERS[name]
     try:
         cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, RuntimeError):
-        return None
-    return cls if getattr(cls, "available", lambda: True)() else None
+    except (ImportError, AttributeError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    if not getattr(cls, "available", lambda: True)():
+        why = getattr(cls, "unavailable_reason", None)
+        return None, why() if why is not None else f"{attr}.available() is False"
+    return cls, ""
+
+
+def _import(name: str):
+    return _import_or_why(name)[0]
 
 
 # Inside torch.compile the result is a constant of the trace: dynamo does not trace
@@ -105,5 +113,8 @@ def get_kernels(name, device: torch.device, layout=None, *, traceable: bool = Fa
         raise ValueError(f"ulysses_kernels: kernels={name!r} does not trace: {UNTRACEABLE[name]}")
     cls = _load(name)
     if cls is None:
-        raise ValueError(f"ulysses_kernels: kernels={name!r} is not available here (available: {available_kernels()})")
+        raise ValueError(
+            f"ulysses_kernels: kernels={name!r} is not available here ({_import_or_why(name)[1]}); "
+            f"available: {available_kernels()}"
+        )
     return cls()

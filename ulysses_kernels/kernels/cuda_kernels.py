@@ -53,6 +53,16 @@ class CudaKernels:
         return _C_loader.available()
 
     @staticmethod
+    def unavailable_reason() -> str:
+        """Why ``available()`` is False: the extension's import error (not built, or built
+        against another NCCL than torch's)."""
+        try:
+            _C_loader.load()
+        except ImportError as e:
+            return str(e)
+        return ""
+
+    @staticmethod
     def supports(layout: Layout) -> bool:
         return layout.world_size <= MAX_WORLD_SIZE
 

@@ -193,6 +193,10 @@ class TritonKernels:
     def available() -> bool:
         return _interpreting() or torch.cuda.is_available()
 
+    @staticmethod
+    def unavailable_reason() -> str:
+        return "" if TritonKernels.available() else "no CUDA device, and TRITON_INTERPRET=1 is not set"
+
     # ---- the three operations ---------------------------------------------------------
     @classmethod
     def pack_s2h(
