@@ -1,8 +1,9 @@
 """ulysses_attention under torch.compile(fullgraph=True) on the CPU: forward and backward
 trace into one graph each (``ulysses_kernels.traceable``), at world size 1 in process and
-at world size 2 on real gloo ranks, and match the eager op (float64: the forward bit for
-bit; gradients bit for bit at world size 1 and within 1e-10 at 2, see below) and a
-single-process float64 reference.
+at world size 2 on real gloo ranks, and match the eager op bit for bit, forward and
+backward (``aot_eager``, one intra-op thread per rank), in float64 and bfloat16, including
+ranks whose query heads share one KV head (both paths run ``backends.SharedKV`` there),
+and a single-process float64 reference.
 
 The graphs are recorded by wrapping ``aot_eager`` (the same backend, with compilers that
 keep the forward and backward graphs), so a test fails if the backward silently ran
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import ulysses_kernels as uk
+from ulysses_kernels.backends import AttentionBackend
 from ulysses_kernels.kernels import available_kernels
 from ulysses_kernels.reference import attention_reference, shard_sequence
 from ulysses_kernels.testing import run_ranks
@@ -38,9 +40,29 @@ def _recording_aot_eager(graphs):
     return backend
 
 
-def _inputs(hq, hkv, B, S, D, seed):
+def _inputs(hq, hkv, B, S, D, seed, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
+    return [torch.randn(B, S, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (hq, hkv, hkv, hq)]
+
+
+# Compiled and eager outputs/gradients against the float64 reference, per input dtype
+# (rtol = atol). NOTE: bf16 MQA 4/1, S=11: max error 0.022 on dv values up to 5 (about one
+# bf16 ulp at that magnitude), 0.009 on dk values up to 2.
+REF_TOL = {torch.float64: 1e-10, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread (what run_ranks gives each rank): CPU kernels then reduce in one
+    fixed order, which the bit-for-bit comparisons rely on."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _assert_equal(got, want, what):
+    assert torch.equal(got, want), f"{what}: compiled != eager, max diff {(got.double() - want.double()).abs().max().item()}"
 
 
 def _run(fn, tensors, dout):
@@ -90,9 +112,40 @@ def test_world_size_1_module_math_backend_and_a_second_sequence_length():
         q, k, v, do = _inputs(4, 1, 1, S, 8, seed=S)
         out, grads = _run(compiled, (q, k, v), do)
         want_out, want_grads = _run(layer, (q, k, v), do)
-        assert torch.equal(out, want_out), f"S={S}"
-        for got, want in zip(grads, want_grads):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        _assert_equal(out, want_out, f"S={S} out")
+        for name, got, want in zip("qkv", grads, want_grads):
+            _assert_equal(got, want, f"S={S} d{name}")
+
+
+# MQA at world size 1: the rank's query heads share its one KV head, so eager runs
+# backends.SharedKV (MHA over a stride-0 view, the KV gradient summed per query head by
+# KVGradSum, float32 accumulator for bf16); the graph must do the same, not let the
+# backend's grouped-query backward sum it (that was up to 2e-15 apart in float64 with SDPA,
+# 1-2 bf16 ulps in bfloat16; the math backend happened to agree in float64).
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+@pytest.mark.parametrize("attn_fn", ["sdpa", "math"])
+@pytest.mark.usefixtures("one_thread")
+def test_world_size_1_shared_kv_equals_eager(attn_fn, dtype):
+    q, k, v, do = _inputs(4, 1, 2, 11, 8, seed=7, dtype=dtype)
+
+    def f(q, k, v):
+        return uk.ulysses_attention(q, k, v, attn_fn=attn_fn)
+
+    graphs = {"fw": [], "bw": []}
+    torch._dynamo.reset()
+    out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), (q, k, v), do)
+    assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1, {k: len(x) for k, x in graphs.items()}
+    want_out, want_grads = _run(f, (q, k, v), do)
+    _assert_equal(out, want_out, "out")
+    for name, got, want in zip("qkv", grads, want_grads):
+        _assert_equal(got, want, f"d{name}")
+    full = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
+    ref = attention_reference(*full, causal=True)
+    ref.backward(do.double())
+    tol = REF_TOL[dtype]
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=tol, atol=tol)
+    for got, x in zip(grads, full):
+        torch.testing.assert_close(got.double(), x.grad, rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "trace_autograd_ops"), reason="this torch has no dynamo trace_autograd_ops")
@@ -156,6 +209,26 @@ def test_world_size_1_backend_object_with_its_own_backward():
         torch.testing.assert_close(got, x.grad, rtol=1e-10, atol=1e-10)
 
 
+class _ExplicitAttentionBackend(_ExplicitBackend, AttentionBackend):
+    """``_ExplicitBackend`` as an ``AttentionBackend`` subclass: ``for_rank`` wraps it in
+    ``SharedKV`` on shared-KV ranks, whose backward (``KVGradSum``) must then trace."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+@pytest.mark.usefixtures("one_thread")
+def test_world_size_1_shared_kv_around_a_backend_with_its_own_backward(dtype):
+    q, k, v, do = _inputs(4, 1, 2, 6, 8, seed=4, dtype=dtype)
+    f = lambda q, k, v: uk.ulysses_attention(q, k, v, causal=False, attn_fn=_ExplicitAttentionBackend())  # noqa: E731
+    graphs = {"fw": [], "bw": []}
+    torch._dynamo.reset()
+    out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), (q, k, v), do)
+    assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1
+    want_out, want_grads = _run(f, (q, k, v), do)
+    _assert_equal(out, want_out, "out")
+    for name, got, want in zip("qkv", grads, want_grads):
+        _assert_equal(got, want, f"d{name}")
+
+
 def test_errors_raise_while_tracing():
     # Rank-local checks run at trace time; the Triton kernel set, which cannot trace, says so.
     q, k, v, _ = _inputs(6, 4, 1, 8, 8, seed=1)
@@ -170,15 +243,22 @@ def test_errors_raise_while_tracing():
 
 
 # ---- world size 2, gloo ranks ---------------------------------------------------------------
-# (q_heads, kv_heads, batch, seq_lens, causal, kernels, mode):
+# (q_heads, kv_heads, batch, seq_lens, causal, kernels, mode, dtype):
 #   batch 1, equal shards, the module: one all_to_all per exchange, received in place;
 #   3 query heads / 1 KV head: the KV head lives on both ranks (its gradient is summed
-#   over the replicas), batch 2 (the receive buffer is reordered), uneven shards.
+#   over the replicas), batch 2 (the receive buffer is reordered), uneven shards; rank 0's
+#   two query heads share that head (SharedKV), rank 1 has one query head.
 #   "lower": the public seq_to_head / head_to_seq around the caller's own SDPA.
+#   4/1 (MQA, both ranks hold the KV head) and 4/2 (one KV head per rank): every rank runs
+#   SharedKV, in float64 and bfloat16.
+F64, BF16 = torch.float64, torch.bfloat16
 WORLD_2_CASES = [
-    (4, 4, 1, [4, 4], True, "torch", "module"),
-    (3, 1, 2, [2, 3], True, "cuda", "function"),
-    (4, 4, 1, [3, 5], True, "torch", "lower"),
+    (4, 4, 1, [4, 4], True, "torch", "module", F64),
+    (3, 1, 2, [2, 3], True, "cuda", "function", F64),
+    (4, 4, 1, [3, 5], True, "torch", "lower", F64),
+    (4, 1, 1, [5, 4], True, "torch", "function", F64),
+    (4, 1, 2, [3, 3], False, "torch", "module", BF16),
+    (4, 2, 1, [4, 3], True, "torch", "function", BF16),
 ]
 
 
@@ -194,13 +274,14 @@ def _lower_level(plan, seq_lens, causal):
 
 
 def _world_2(rank, world, cases):
-    for hq, hkv, B, seq_lens, causal, kernels, mode in cases:
+    torch.set_num_threads(1)  # run_ranks does; bit-identity on the CPU needs it
+    for hq, hkv, B, seq_lens, causal, kernels, mode, dtype in cases:
         if kernels not in uk.kernels.available_kernels():
             kernels = "torch"
-        q, k, v, do = _inputs(hq, hkv, B, sum(seq_lens), 8, seed=hq * 10 + B)
-        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        q, k, v, do = _inputs(hq, hkv, B, sum(seq_lens), 8, seed=hq * 10 + hkv + B, dtype=dtype)
+        full = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
         ref = attention_reference(*full, causal=causal)
-        ref.backward(do)
+        ref.backward(do.double())
         mine = [shard_sequence(x, seq_lens, rank) for x in (q, k, v)]
         my_do = shard_sequence(do, seq_lens, rank)
         if mode == "module":
@@ -214,21 +295,19 @@ def _world_2(rank, world, cases):
         graphs = {"fw": [], "bw": []}
         torch._dynamo.reset()
         out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), mine, my_do)
-        case = f"rank {rank}, case {(hq, hkv, B, seq_lens)}"
+        case = f"rank {rank}, case {(hq, hkv, B, seq_lens, dtype)}"
         assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1, case
         # Forward: q/k/v to heads, out to sequence; backward: dout to heads, dq/dk/dv back.
         for kind in ("fw", "bw"):
             n = graphs[kind][0].count("_c10d_functional.all_to_all_single")
             assert n == 2, f"{case}: {n} all_to_all_single in the {kind} graph, expected 2"
         want_out, want_grads = _run(f, mine, my_do)
-        assert torch.equal(out, want_out), case
-        # Gradients: the eager op sums a KV head's gradient over query heads in its own
-        # order when a rank has one KV head (backends.SharedKV); the graph leaves that sum
-        # to SDPA's grouped-head backward. Same math, last-bit differences: 1e-10.
+        _assert_equal(out, want_out, f"{case} out")
+        tol = REF_TOL[dtype]
         for name, got, want, x in zip("qkv", grads, want_grads, full):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=lambda s: f"{case} d{name} vs eager: {s}")
-            torch.testing.assert_close(got, shard_sequence(x.grad, seq_lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s: f"{case} d{name} vs reference: {s}")
-        torch.testing.assert_close(out, shard_sequence(ref, seq_lens, rank).detach(), rtol=1e-10, atol=1e-10)
+            _assert_equal(got, want, f"{case} d{name}")
+            torch.testing.assert_close(got.double(), shard_sequence(x.grad, seq_lens, rank), rtol=tol, atol=tol, msg=lambda s: f"{case} d{name} vs reference: {s}")
+        torch.testing.assert_close(out.double(), shard_sequence(ref, seq_lens, rank).detach(), rtol=tol, atol=tol)
 
 
 def test_world_size_2_forward_and_backward_trace():

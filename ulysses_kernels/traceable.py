@@ -17,9 +17,19 @@ region the op is composed instead of traceable pieces:
   calls) is remapped by dynamo to a functional collective
   (``torch.distributed._functional_collectives.traceable_collective_remaps``), so the
   collectives are nodes of the graph and AOT autograd sees the backward.
-* Attention is the backend's ``attend`` (SDPA, the math einsum, flash-attn, a callable)
-  under ordinary autograd, so AOT autograd derives its backward; backends with their own
+* Attention is the backend ``backends.for_rank`` picks, as in eager. An ``AttentionBackend``
+  (SDPA, the math einsum, flash-attn, a callable) runs its ``attend`` under ordinary
+  autograd, so AOT autograd derives its backward; backends with their own
   ``forward``/``backward`` run inside an autograd function and must be traceable themselves.
+* On a rank whose query heads all share its one KV head (``backends.shares_one_kv``: MQA,
+  or for example 40/8 at world size 8) that pick is ``SharedKV``, as in eager: the
+  attention is plain multi-head attention against stride-0 views of the KV head
+  (``_SharedKVExpand``), whose backward sums the per-query-head KV gradients with
+  ``KVGradSum`` (head order, float32 accumulator for half types) instead of leaving the sum
+  to the backend's grouped-query backward. Compiled and eager therefore run the same ops in
+  the same order: bit-identical forward and backward on the CPU with ``aot_eager`` and one
+  intra-op thread per rank (tested in float64 and bfloat16 at world size 1 and on 2 gloo
+  ranks). Inductor generates its own kernels and promises no bits.
 * Input checks are the rank-local ones, run at trace time (shapes are static in the graph):
   the cross-rank exchange of ``check=True`` is skipped inside compiled graphs, so a
   mismatch between ranks (for example unequal shards without ``seq_lens``) is not caught
@@ -28,10 +38,6 @@ region the op is composed instead of traceable pieces:
 * ``chunks`` is ignored: the chunked pipeline overlaps collectives with async work handles
   and side streams, which a graph does not express; the compiled graph runs unchunked
   and leaves scheduling to the compiler.
-* Not bit-identical to eager where a rank's query heads share its one KV head: eager runs
-  ``backends.SharedKV`` there (the KV gradient summed per query head by ``KVGradSum``),
-  the graph lets the backend's grouped-query backward sum it (same math; last-bit
-  differences, ~1e-15 in float64 in the tests).
 * With a native ``NCCLCommunicator`` (what ``UlyssesAttention`` owns on NCCL groups) the
   exchanges are its ``ulysses_kernels::nccl_all_to_all`` custom op in the graph, not
   functional collectives; that path is untested under compile (it needs GPUs).
@@ -50,7 +56,7 @@ from typing import Sequence
 
 import torch
 
-from .backends import AttentionBackend, default_scale, expand_kv, resolve_backend
+from .backends import AttentionBackend, KVGradSum, SharedKV, default_scale, expand_kv, for_rank, resolve_backend
 from .checks import prepare
 from .comm import get_communicator
 from .kernels import get_kernels
@@ -115,7 +121,8 @@ SeqToHeadTraced, HeadToSeqTraced = exchange_functions(seq_to_head, head_to_seq, 
 
 class _BackendAttention(torch.autograd.Function):
     """A backend object with its own ``forward``/``backward`` (not an ``AttentionBackend``
-    that attends under autograd): traces only when those two trace."""
+    that attends under autograd, or ``SharedKV`` around one that has its own): traces only
+    when those two trace (``SharedKV.backward``'s ``KVGradSum`` does)."""
 
     @staticmethod
     def forward(ctx, q, k, v, backend, causal, scale, kv_map):
@@ -129,13 +136,43 @@ class _BackendAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int]) -> torch.Tensor:
-    """Local attention ``[B, S, hq, D]`` over this rank's heads, differentiable by autograd."""
+class _SharedKVExpand(torch.autograd.Function):
+    """``SharedKV`` under autograd: the rank's one KV head ``[B, S, 1, D]`` as stride-0 views
+    ``[B, S, hq, D]`` (one per query head, no copy); backward sums the per-query-head
+    gradients with ``KVGradSum`` (in head order, float32 accumulator for half types), the
+    sum eager's ``SharedKV.backward`` does. A bare ``expand`` would differentiate to one
+    ``sum`` over the heads, whose order and accumulator are the kernel's."""
+
+    @staticmethod
+    def forward(ctx, k, v, hq):
+        shape = (-1, -1, hq, -1)
+        return k.expand(shape), v.expand(shape)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        acc = KVGradSum()
+        acc.add(dk, dv)
+        return (*acc.result(), None)
+
+
+def _under_autograd(backend) -> bool:
+    """True for an ``AttentionBackend`` that keeps the base ``forward``/``backward`` (it
+    attends under autograd, which AOT autograd differentiates)."""
     kind = type(backend)
-    if isinstance(backend, AttentionBackend) and kind.forward is AttentionBackend.forward and kind.backward is AttentionBackend.backward:
-        k2, v2 = expand_kv(k, v, kv_map)
-        return backend.attend(q, k2, v2, causal, scale)
-    return _BackendAttention.apply(q, k, v, backend, causal, scale, tuple(kv_map))
+    return isinstance(backend, AttentionBackend) and kind.forward is AttentionBackend.forward and kind.backward is AttentionBackend.backward
+
+
+def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int]) -> torch.Tensor:
+    """Local attention ``[B, S, hq, D]`` over this rank's heads, differentiable by autograd;
+    ``backend`` is ``backends.for_rank``'s pick, as in eager."""
+    inner = backend.inner if isinstance(backend, SharedKV) else backend
+    if not _under_autograd(inner):
+        return _BackendAttention.apply(q, k, v, backend, causal, scale, tuple(kv_map))
+    if inner is not backend:
+        k, v = _SharedKVExpand.apply(k, v, q.shape[2])
+        kv_map = range(q.shape[2])
+    k2, v2 = expand_kv(k, v, kv_map)
+    return inner.attend(q, k2, v2, causal, scale)
 
 
 def traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, *, plan, comm, kernels) -> torch.Tensor:
@@ -143,9 +180,10 @@ def traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, *
     docstring for what differs from the eager op (checks, chunks, two copies)."""
     comm = get_communicator(group, comm)
     plan, layout = prepare(q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=False)
-    backend = resolve_backend(attn_fn, q)
+    kv_map = plan.local_kv_map(comm.rank)
+    backend = for_rank(resolve_backend(attn_fn, q), kv_map)
     kern = get_kernels(kernels, q.device, layout, traceable=True)
     scale = default_scale(q.shape[3], softmax_scale)
     q_l, k_l, v_l = SeqToHeadTraced.apply(layout, comm, kern, q, k, v)
-    out_l = _attend(backend, q_l, k_l, v_l, causal, scale, plan.local_kv_map(comm.rank))
+    out_l = _attend(backend, q_l, k_l, v_l, causal, scale, kv_map)
     return HeadToSeqTraced.apply(layout, comm, kern, out_l)
