@@ -22,6 +22,8 @@ an attention output back. The size of a row is the bytes each rank holds before 
 #wrong: elements (summed over ranks) that differ from the expected result.
 ``x_chain`` = chain time / this row's time (speed-up over the chain in this run);
 ``x_a2a`` = this row's time / bare a2a time (overhead over the bare collective).
+Rank 0 prints a progress line per size on stderr (``--no-progress``: none); the table
+goes to stdout at the end.
 """
 
 from __future__ import annotations
@@ -329,13 +331,13 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -
               f"dir {args.dir}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
               f"warmup {args.warmup_iters}, iters {args.iters}{cpu}", flush=True)
         print(f"# ops: {', '.join(ops)}", flush=True)
-    rows, seen = [], set()
-    progress = C.Progress(len(sizes), is0 and args.progress, "alltoall")
+    shapes = {}  # sizes that round to the same tensors run once
     for size in sizes:
         sh = shape_for(size, elem, args, world)
-        if sh.count in seen:
-            continue
-        seen.add(sh.count)
+        shapes.setdefault(sh.count, sh)
+    rows = []
+    progress = C.Progress(len(shapes), is0 and args.progress, "alltoall")
+    for sh in shapes.values():
         size_rows = []
         for op in ops:
             if op in notes:
@@ -428,7 +430,8 @@ def parse_args(argv=None):
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N gloo ranks on the CPU instead of torchrun")
     p.add_argument("--out-dir", default=str(C.DEFAULT_OUT_DIR), help="where the CSV/JSON/PNG go (default bench/results)")
     p.add_argument("--no-write", action="store_true", help="print the table only")
-    p.add_argument("--progress", action="store_true", help="a progress line per size on stderr")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress line per size on stderr, rank 0 (default on; --no-progress: off)")
     return p.parse_args(argv)
 
 

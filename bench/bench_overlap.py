@@ -23,10 +23,18 @@ share of one attention layer (causal):
 
 Columns: ``exposed`` = layer - attention (floored at 0): the communication (and layout
 work) the layer does not hide; ``exposed/a2a`` = exposed / a2a, the share of the
-all-to-all time left exposed (issue #5's target: at most 10% at long sequences);
-``x_chunks1`` = layer time with chunks=1 / this row's (the speed-up of chunking); ``*``
-marks the count ``chunks="auto"`` picks. Times: median over ``-n`` iterations after ``-w``
-warm-up ones, a barrier before each, the slowest rank's median.
+all-to-all time left exposed; ``x_chunks1`` = layer time with chunks=1 / this row's (the
+speed-up of chunking); ``*`` marks the count ``chunks="auto"`` picks. Times: median over
+``-n`` iterations after ``-w`` warm-up ones, a barrier before each, the slowest rank's
+median; the JSON's ``spread`` is the largest rank's half range of the layer's iteration
+times over their median.
+
+Targets (issue #4 item 5), judged under the table and recorded in the JSON's
+``meta.verdicts`` (``verdicts()``), per (layout, seq, pass): exposed/a2a <= 10% at long
+sequences (``seq >= --long-from``, default 32K; the fastest chunked row), and the auto
+count never slower than chunks=1 (within ``--auto-slack``, default the run's own spread).
+Each is PASS, FAIL or "not evaluated" with the reason: no long sequence, no chunked or
+auto row, or timings that cannot carry the claim (CPU, a world of one, ranks sharing a GPU).
 
 #wrong: elements (summed over ranks) of the output, and for fwdbwd of dq, dk and dv, that
 differ from the chunks=1 layer on the same inputs. On the CPU bit for bit (the pipeline's
@@ -35,6 +43,9 @@ contract with SDPA); on CUDA outside ``8 * noise + ulps(dtype) * max|ref|``, whe
 accumulates with atomics), as ``tests/test_pipeline.py`` checks; non-finite values always
 count. The ``"math"`` backend is not head-chunk invariant on the CPU (docs/overlap.md), so
 it gets the tolerance rule there too.
+
+Rank 0 prints a progress line per (layout, seq, pass) on stderr (``--no-progress``: none);
+the table and the verdicts go to stdout at the end.
 
 One GPU (world of one, or two ranks sharing it: ranks beyond the GPU count share GPUs
 round-robin, which NCCL allows from 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``) checks the
@@ -100,6 +111,121 @@ def count_wrong(got, ref, ref2=None, exact: bool = True) -> int:
         tol = 8 * noise + ULPS.get(a.dtype, 2e-2) * af.abs().max()
         wrong += int((~((gf - af).abs() <= tol)).sum().item())  # NaN compares false: counted
     return wrong
+
+
+# ---- the targets (issue #4 item 5) ----------------------------------------------------------
+EXPOSED_LIMIT = 0.10  # exposed communication at most 10% of the all-to-all time alone
+
+
+def _groups(rows) -> dict:
+    """Rows by (layout, seq, pass), in order."""
+    out = {}
+    for r in rows:
+        out.setdefault((r["layout"], r["seq"], r["pass"]), []).append(r)
+    return out
+
+
+def _overall(groups: list[dict], none_reason: str, not_a_claim: str | None) -> tuple[str, str]:
+    judged = [g for g in groups if g["measured"] in ("PASS", "FAIL")]
+    if not judged:
+        return "not evaluated", none_reason
+    fails = sum(g["measured"] == "FAIL" for g in judged)
+    status, counts = ("FAIL" if fails else "PASS"), f"{len(judged) - fails} of {len(judged)} groups pass"
+    if not_a_claim:
+        return "not evaluated", f"{not_a_claim} (this run's numbers would give {status}: {counts})"
+    return status, counts
+
+
+def verdicts(rows, long_from: int, slack: float | None = None, not_a_claim: str | None = None) -> dict:
+    """Issue #4 item 5's two targets, judged on ``measure``'s rows, per (layout, seq, pass).
+
+    ``exposed``: groups with ``seq >= long_from`` (the "long sequences") and at least one
+    chunked row (chunks > 1): the fastest chunked row's ``exposed_frac <= EXPOSED_LIMIT``
+    (the layer as best configured; the auto row's share is kept beside it). Shorter groups
+    are not judged; a long group without a chunked row is listed as not evaluated.
+    ``auto``: every group with an auto row: ``layer(auto) <= layer(chunks=1) * (1 +
+    allowance)``. ``allowance`` = ``slack`` when given (0: strict), else the larger
+    ``spread`` of the two rows: this run's own noise (half the range of the iteration times
+    over their median), below which two medians of so few iterations do not differ. When
+    auto picks 1 its row is the chunks=1 row: ratio 1, PASS.
+    ``not_a_claim``: why this run cannot support the claim (CPU timings, a world of one,
+    ranks sharing a GPU); every group's ``status`` is then "not evaluated" and ``measured``
+    keeps what the numbers say.
+
+    Returns ``{"exposed": {...}, "auto": {...}}``, each with ``status`` (PASS, FAIL or
+    "not evaluated"), ``reason``, ``covers`` and ``groups`` (one dict per group judged).
+    """
+    exposed, auto = [], []
+    for (lay, S, p), g in _groups(rows).items():
+        key = dict(layout=lay, seq=S, **{"pass": p})
+        one = next((r for r in g if r["chunks"] == 1), None)
+        if S >= long_from:
+            chunked = [r for r in g if r["chunks"] > 1 and r["exposed_frac"] is not None]
+            if not chunked:
+                exposed.append(dict(key, chunks=None, value=None, limit=EXPOSED_LIMIT, measured="not evaluated",
+                                    status="not evaluated", reason="no chunked row (the plan cannot split, or --chunks 1)"))  # fmt: skip
+            else:
+                best = min(chunked, key=lambda r: r["layer_ms"])
+                a = next((r for r in g if r["auto"]), None)
+                ok = best["exposed_frac"] <= EXPOSED_LIMIT
+                exposed.append(dict(key, chunks=best["chunks"], value=best["exposed_frac"], limit=EXPOSED_LIMIT,
+                                    auto_value=a["exposed_frac"] if a else None, measured="PASS" if ok else "FAIL"))  # fmt: skip
+        a = next((r for r in g if r["auto"]), None)
+        if a is None or one is None:
+            auto.append(dict(key, chunks=None, value=None, limit=None, measured="not evaluated", status="not evaluated",
+                             reason="no auto row" if a is None else "no chunks=1 row"))  # fmt: skip
+            continue
+        allow = slack if slack is not None else max(one.get("spread") or 0.0, a.get("spread") or 0.0)
+        ratio = 1.0 if a is one else a["layer_ms"] / one["layer_ms"]
+        auto.append(dict(key, chunks=a["chunks"], value=ratio, limit=1.0 + allow, allowance=allow,
+                         measured="PASS" if ratio <= 1.0 + allow else "FAIL"))  # fmt: skip
+    for g in exposed + auto:
+        if g["measured"] in ("PASS", "FAIL"):
+            g["status"] = "not evaluated" if not_a_claim else g["measured"]
+            g["reason"] = not_a_claim
+    long_txt = f"groups with seq >= {long_from} (--long-from) and a chunked row, the fastest chunked row"
+    allow_txt = "the run's spread (half the iteration range / median)" if slack is None else f"{slack:.1%} (--auto-slack)"
+    out = {
+        "exposed": dict(zip(("status", "reason"), _overall(exposed, f"no sequence >= {long_from} with a chunked row", not_a_claim)),
+                        covers=long_txt, limit=EXPOSED_LIMIT, long_from=long_from, groups=exposed),
+        "auto": dict(zip(("status", "reason"), _overall(auto, "no auto row", not_a_claim)),
+                     covers=f"every group with an auto row; allowance {allow_txt}", slack=slack, groups=auto),
+    }  # fmt: skip
+    return out
+
+
+def claim_context(device: torch.device, world: int) -> str | None:
+    """Why this run's timings cannot judge the overlap targets, or None when they can
+    (CUDA, two ranks or more, one GPU per rank)."""
+    if device.type != "cuda":
+        return "CPU run: timings are not GPU claims"
+    if world < 2:
+        return "world of one: no byte crosses a link"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local > torch.cuda.device_count():
+        return f"{local} ranks share {torch.cuda.device_count()} GPU(s): not one GPU per rank"
+    return None
+
+
+def print_verdicts(v: dict) -> None:
+    """The targets' summary under the table (rank 0): the overall verdict, then one line per
+    judged group when the run can support the claim (else only the counts, in the reason)."""
+    for name, label in (("exposed", f"exposed/a2a <= {EXPOSED_LIMIT:.0%}"), ("auto", "auto <= chunks=1")):
+        t = v[name]
+        print(f"# target (issue #4 item 5) {label}: {t['status']}: {t['reason']}", flush=True)
+        print(f"#   covers {t['covers']}", flush=True)
+        judged = any(g["value"] is not None for g in t["groups"])
+        for g in t["groups"]:
+            if g["status"] == "not evaluated" and (g["measured"] != "not evaluated" or not judged):
+                continue  # not a claim, or nothing judged: the line above says why
+            where = f"{g['layout']} S={g['seq']} {g['pass']}"
+            if g["value"] is None:
+                print(f"#   {where}: not evaluated: {g['reason']}", flush=True)
+            elif name == "exposed":
+                print(f"#   {where}: {g['status']}: {g['value']:.1%} at chunks={g['chunks']}", flush=True)
+            else:
+                print(f"#   {where}: {g['status']}: auto (chunks={g['chunks']}) / chunks=1 = {g['value']:.3f} "
+                      f"(limit {g['limit']:.3f})", flush=True)  # fmt: skip
 
 
 # ---- what the sweep runs -------------------------------------------------------------------
@@ -258,6 +384,8 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
                 case, why = None, str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"
             if not C.all_ok(case is not None):
                 notes[key] = why or "skipped on another rank"
+                for p in args.passes:
+                    progress.step(f"{key} {p} skipped")
                 continue
             auto = choose_chunks(case.layout, case.q.element_size(), True, device.type, split_groups=case.split)
             counts, chunk_notes = chunk_counts(case.plan, fixed, want_auto, auto, case.split)
@@ -281,24 +409,30 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
         title = "# layer = ulysses_attention(chunks=N); exposed = layer - attention; * = chunks='auto'"
         title += "" if cuda else f"\n# times: {C.CPU_LABEL}"
         C.print_table(COLUMNS, rows, title=title)
-        print("# issue #5 target: exposed/a2a <= 10% at long sequences (needs one GPU per rank to measure)", flush=True)
         for k, why in notes.items():
             print(f"# skipped {k}: {why}", flush=True)
+    v = verdicts(rows, args.long_from, args.auto_slack, claim_context(device, world))
+    if is0:
+        print_verdicts(v)
         bad = sum(r["wrong"] or 0 for r in rows)
         print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
-    return rows, notes
+    return rows, notes, v
 
 
 def measure(args, case: Case, pass_: str, counts, auto, exact: bool, name: str, S: int, world: int) -> list[dict]:
     """The rows of one (layout, sequence, pass): a2a, attention, then the layer per count."""
     dev, w, n_it = case.device, args.warmup_iters, args.iters
 
-    def timed(fn) -> float:
-        return C.reduce_max(C.median(C.time_iters(fn, device=dev, warmup=w, iters=n_it)))
+    def timed(fn) -> tuple[float, float]:
+        """(the slowest rank's median, the largest rank's relative spread: half the range of
+        its iteration times over their median; 0 with one iteration)."""
+        times = C.time_iters(fn, device=dev, warmup=w, iters=n_it)
+        med = C.median(times)
+        return C.reduce_max(med), C.reduce_max((max(times) - min(times)) / (2 * med) if med > 0 else 0.0)
 
     t = case.local_tensors(pass_)
-    t_a2a = timed(case.a2a_fn(pass_, t))
-    t_attn = timed(case.attention_fn(pass_, t))
+    t_a2a, _ = timed(case.a2a_fn(pass_, t))
+    t_attn, _ = timed(case.attention_fn(pass_, t))
     del t
     holder = {}
     ref = ref2 = None
@@ -313,7 +447,7 @@ def measure(args, case: Case, pass_: str, counts, auto, exact: bool, name: str, 
     for n in counts:
         is_auto = auto is not None and n == auto
         fn = case.layer_fn(pass_, "auto" if is_auto and n != 1 else n, holder)
-        t_layer = timed(fn)
+        t_layer, spread = timed(fn)
         wrong = None
         if args.check:
             wrong = int(C.reduce_sum(count_wrong(holder.pop("res"), ref, ref2, exact)))
@@ -324,7 +458,7 @@ def measure(args, case: Case, pass_: str, counts, auto, exact: bool, name: str, 
             "layout": name, "seq": S, "world": world, "pass": pass_, "chunks": n, "auto": is_auto,
             "chunks_label": f"{n}{'*' if is_auto else ''}", "layer_ms": t_layer * 1e3, "attn_ms": t_attn * 1e3,
             "a2a_ms": t_a2a * 1e3, "exposed_ms": exposed * 1e3, "exposed_frac": exposed / t_a2a if t_a2a > 0 else None,
-            "speedup": t1 / t_layer, "wrong": wrong, "checked": ",".join(TENSORS[pass_]) if args.check else None,
+            "speedup": t1 / t_layer, "spread": spread, "wrong": wrong, "checked": ",".join(TENSORS[pass_]) if args.check else None,
             "exact": exact, "batch": args.batch, "head_dim": args.head_dim, "dtype": C.dtype_name(case.dtype),
             "backend": case.backend.name, "kernels": case.kern.name,
         })  # fmt: skip
@@ -361,9 +495,9 @@ def plot(rows, path, env) -> bool:
 
 
 def _body(args, rank, world, device, backend):
-    rows, notes = run_bench(args, rank, world, device, backend)
+    rows, notes, v = run_bench(args, rank, world, device, backend)
     model = CostModel.from_env(device.type)
-    meta = dict(vars(args), skipped=notes, cost_model=dataclasses.asdict(model))
+    meta = dict(vars(args), skipped=notes, cost_model=dataclasses.asdict(model), verdicts=v)
     env_fn = lambda: C.env_record(  # noqa: E731
         device, world, backend, ulysses_env={k: v for k, v in os.environ.items() if k.startswith("ULYSSES_KERNELS_")}
     )
@@ -390,7 +524,12 @@ def parse_args(argv=None):
     p.add_argument("--mem-fraction", type=float, default=0.85, help="skip a size whose estimate exceeds this share of free memory")
     p.add_argument("--spawn", type=int, default=None, metavar="N",
                    help="spawn N gloo ranks on the CPU (default: 2 without torchrun and without a GPU, else 0)")  # fmt: skip
-    p.add_argument("--progress", action="store_true", help="one line per step on stderr (rank 0)")
+    p.add_argument("--long-from", default="32K",
+                   help="the exposed/a2a <= 10%% target is judged at global sequences >= this (default 32K)")
+    p.add_argument("--auto-slack", type=float, default=None, metavar="FRAC",
+                   help="noise allowance of the auto <= chunks=1 target (0: strict; default: the run's own spread)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="one line per (layout, seq, pass) on stderr, rank 0 (default on; --no-progress: off)")
     p.add_argument("--out-dir", default=str(C.DEFAULT_OUT_DIR))
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
@@ -399,8 +538,11 @@ def parse_args(argv=None):
         p.error(f"--passes: choose from {', '.join(PASSES)}")
     try:
         parse_chunks(args.chunks)
+        args.long_from = C.parse_size(args.long_from)
     except ValueError as e:
         p.error(str(e))
+    if args.auto_slack is not None and args.auto_slack < 0:
+        p.error("--auto-slack must be >= 0")
     cuda = torch.cuda.is_available() and os.environ.get("ULYSSES_KERNELS_BENCH_CPU", "0") != "1"
     if args.spawn is None:
         args.spawn = 2 if not cuda and "RANK" not in os.environ else 0

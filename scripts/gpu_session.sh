@@ -167,7 +167,7 @@ stage_tests() {
   done
 }
 
-pack_summary() {  # issue #3 (fused pack >= 90% of copy bandwidth) and #4 (>= 3x the chain)
+pack_summary() {  # issue #3: fused pack >= 90% of copy bandwidth, and (item 7) >= 3x the chain
   [ "$DRY" = 1 ] && return 0
   "$PY" - "$RESULTS" <<'EOF' | tee -a "$SUMMARY" || true
 import glob, json, os, sys
