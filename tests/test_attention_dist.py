@@ -97,6 +97,18 @@ def _body(rank, world):
         out = layer(*(shard_sequence(x, seq_lens, rank) for x in (q, k, v)), seq_lens=seq_lens)
         torch.testing.assert_close(out, shard_sequence(ref, seq_lens, rank), rtol=1e-10, atol=1e-10)
     assert len(layer._checked) == 1
+    assert layer.comm is None  # the module makes no communicator: each call takes the default
+    if world == 2:
+        _check_module_keeps_its_group(rank, world)
+
+
+def _check_module_keeps_its_group(rank, world):
+    """A module on a subgroup runs on that group (not the world): each rank alone here."""
+    alone = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes each
+    layer = uk.UlyssesAttention(4, 2, group=alone[rank], causal=True, attn_fn="math")
+    assert layer.plan == uk.HeadPlan.build(4, 2, 1)
+    q, k, v, _ = _inputs(4, 2, 1, 5, 8, seed=10 + rank)
+    torch.testing.assert_close(layer(q, k, v), attention_reference(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("world", sorted(CASES))

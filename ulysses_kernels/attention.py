@@ -55,10 +55,10 @@ def ulysses_attention(
         comm: a communicator. Default: for CUDA tensors on an NCCL group (and the
             extension built with NCCL), our native all-to-all on torch's own communicator
             of ``group`` (``NCCLCommunicator.borrow``: nothing is created); else
-            torch.distributed on ``group``. ``UlyssesAttention`` and
-            ``integrations.hf.apply`` own an ``NCCLCommunicator`` of their own, as can a
-            caller: ``comm=NCCLCommunicator(group)``. ``ULYSSES_KERNELS_NATIVE_NCCL=0``
-            (the same on every rank) keeps torch.distributed.
+            torch.distributed on ``group``. ``integrations.hf.apply`` owns an
+            ``NCCLCommunicator`` of its own for the model, as can a caller:
+            ``comm=NCCLCommunicator(group)``. ``ULYSSES_KERNELS_NATIVE_NCCL=0`` (the same
+            on every rank) keeps torch.distributed.
         kernels: the pack/unpack kernels: ``None``/``"auto"``, ``"torch"``, ``"triton"``,
             ``"cuda"`` (see ``ulysses_kernels.kernels``).
         chunks: split each rank's heads into this many chunks whose all-to-alls overlap
@@ -102,6 +102,11 @@ def ulysses_attention(
 class UlyssesAttention(nn.Module):
     """``ulysses_attention`` as a module that holds its plan and group.
 
+    ``comm``: as in ``ulysses_attention`` (default: native NCCL on torch's own communicator
+    of ``group`` for CUDA tensors, else torch.distributed). A communicator of its own that
+    does not queue behind the group's other collectives (FSDP's, say) is one
+    ``NCCLCommunicator(group)``, made once and passed to every layer.
+
     ``check="once"`` (default) validates each new input signature (shapes, dtype, options)
     across ranks once per module and skips the exchange afterwards; ``"always"`` checks every
     call; ``"never"`` does not exchange (see ``ulysses_attention(check=False)``).
@@ -124,10 +129,12 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         if check not in ("once", "always", "never"):
             raise ValueError(f"UlyssesAttention: check expected 'once', 'always' or 'never', got {check!r}")
-        # The module owns its communicator: the native NCCL one on NCCL groups when the
-        # extension has it (made here, collectively), else torch.distributed's.
-        self.comm = get_communicator(group, comm, native=True)
-        self.plan = HeadPlan.build(q_heads, kv_heads, self.comm.world_size)
+        # No communicator is made here (construction is not collective, and a model with
+        # one module per layer must not hold one NCCL communicator per layer): without
+        # ``comm`` each call picks the functional op's default, native NCCL on torch's own
+        # communicator of the group for CUDA tensors.
+        self.group, self.comm = group, comm
+        self.plan = HeadPlan.build(q_heads, kv_heads, get_communicator(group, comm).world_size)
         self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check
         self.kernels, self.chunks = kernels, chunks
         self._checked: set[tuple] = set()
@@ -137,7 +144,8 @@ class UlyssesAttention(nn.Module):
         check = self.check == "always" or (self.check == "once" and key not in self._checked)
         out = ulysses_attention(
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, seq_lens=seq_lens,
-            attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, kernels=self.kernels, chunks=self.chunks, check=check,
+            group=self.group, attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, kernels=self.kernels, chunks=self.chunks,
+            check=check,
         )  # fmt: skip
         if check and not torch.compiler.is_compiling():  # compiled graphs skip the cross-rank check
             self._checked.add(key)

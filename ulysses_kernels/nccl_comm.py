@@ -15,8 +15,9 @@ There are two ways to get one:
   ``torch.distributed.broadcast_object_list`` sends it over the group, then every rank
   calls ``ncclCommInitRank`` on its current CUDA device. The ``ncclComm_t`` crosses into
   Python as an integer handle owned by the ``NCCLCommunicator`` (``close()`` destroys it).
-  Owners that live as long as they are used make this kind: ``UlyssesAttention`` and
-  ``integrations.hf.apply``. A communicator of its own does not queue behind the group's
+  Owners that live as long as they are used make this kind: ``integrations.hf.apply``
+  (one for the model), or a user who passes one to every ``UlyssesAttention`` layer (the
+  module makes none). A communicator of its own does not queue behind the group's
   other collectives (FSDP's all-gathers, say): NCCL runs the work of one communicator in
   order, whatever the streams.
 * ``NCCLCommunicator.borrow(group)`` drives torch's own communicator of an NCCL process
@@ -184,8 +185,8 @@ def default_cuda_comm(group=None) -> NCCLCommunicator | None:
     Applies when ``group``'s backend is NCCL (so the tensors are on CUDA), the extension has
     NCCL, and ``ULYSSES_KERNELS_NATIVE_NCCL`` is not ``0``. Creating one is collective and
     costs milliseconds, so it is made once by an owner that lives as long as it is used
-    (``UlyssesAttention``, ``integrations.hf.apply``), never cached per group in a module
-    global. Every rank of the group must call it at the same point.
+    (``integrations.hf.apply``), never cached per group in a module global. Every rank of
+    the group must call it at the same point.
     """
     if os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "1") == "0":
         return None

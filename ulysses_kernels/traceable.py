@@ -38,9 +38,11 @@ region the op is composed instead of traceable pieces:
 * ``chunks`` is ignored: the chunked pipeline overlaps collectives with async work handles
   and side streams, which a graph does not express; the compiled graph runs unchunked
   and leaves scheduling to the compiler.
-* With a native ``NCCLCommunicator`` (what ``UlyssesAttention`` owns on NCCL groups) the
-  exchanges are its ``ulysses_kernels::nccl_all_to_all`` custom op in the graph, not
-  functional collectives; that path is untested under compile (it needs GPUs).
+* Without ``comm`` the exchanges are torch's functional all-to-alls (the eager default's
+  borrowed native communicator is not used in graphs). With a native ``NCCLCommunicator``
+  passed as ``comm`` (what ``integrations.hf.apply`` owns on NCCL groups) they are its
+  ``ulysses_kernels::nccl_all_to_all`` custom op in the graph; that path is untested under
+  compile (it needs GPUs).
 
 Data movement differs from eager in two places, each one extra copy of the bytes on the
 wire, because every exchange here is one ``all_to_all`` (eager's grouped send/recv moves
