@@ -30,13 +30,17 @@ backward, 3.5x forward+backward (the FlashAttention convention), over the time o
 slowest rank. ``x_chain`` = chain time / this time (speed-up over the chain, same run);
 ``x_floor`` = this time / local time. #wrong: elements of the output and of dq, on a sample
 of rows on every rank, outside the dtype's tolerance against a float32 reference computed
-from the same inputs. Breakdown rows (per kernel set): compute = local, layout = layout-<k>,
-exposed communication = ulysses-<k> - local - layout-<k>.
+from the same inputs; for the layout rows, elements of every buffer they write that differ
+bit for bit from the pure-PyTorch reference (``ulysses_kernels.layout`` pack/unpack; for
+chain-layout, the slicing its copies amount to without the collective). Breakdown rows
+(per kernel set): compute = local, layout = layout-<k>, exposed communication =
+ulysses-<k> - local - layout-<k>.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import sys
@@ -50,6 +54,7 @@ except ImportError:  # run from a checkout without an install
 import torch
 import torch.distributed as dist
 
+from ulysses_kernels import layout as L
 from ulysses_kernels import ulysses_attention
 from ulysses_kernels.backends import default_scale, for_rank, resolve_backend
 from ulysses_kernels.bench import common as C
@@ -144,12 +149,21 @@ class Method:
 
     ``seq_sharded``: inputs are this rank's rows for all heads (ours, chain, peers); else
     (``local``) the rank's heads over all rows. ``layout_only`` methods expose ``fwd()`` and
-    ``bwd()`` instead and are not checked against attention.
+    ``bwd()`` instead, and ``check_layout()``: one more fwd+bwd whose buffers are compared bit
+    for bit with the pure-PyTorch reference (elements that differ, on this rank).
     """
 
-    def __init__(self, name, fn=None, seq_sharded=True, layout_only=False, fwd=None, bwd=None):
+    def __init__(self, name, fn=None, seq_sharded=True, layout_only=False, fwd=None, bwd=None, check=None):
         self.name, self.fn, self.seq_sharded, self.layout_only = name, fn, seq_sharded, layout_only
-        self.fwd_only, self.bwd_only = fwd, bwd
+        self.fwd_only, self.bwd_only, self.check_layout = fwd, bwd, check
+
+
+def count_unequal(actual: torch.Tensor, expected: torch.Tensor) -> int:
+    """Elements of a data-movement result that differ from the reference (bit-exact rule;
+    a wrong shape counts every expected element)."""
+    if actual.shape != expected.shape:
+        return expected.numel()
+    return int((actual != expected).sum().item())
 
 
 def local_method(plan, rank, backend, scale, name="local"):
@@ -195,11 +209,31 @@ def layout_method(name, kern, layout: Layout, like: torch.Tensor):
         kern.pack_s2h(layout, (dout_local,), Q_ONLY, send_q)
         kern.unpack_h2s(layout, layout.h2s_recv_views(recv_qkv, QKV), QKV, grads)
 
-    return Method(name, layout_only=True, fwd=fwd, bwd=bwd)
+    def check() -> int:
+        for buf in [send_qkv, send_q] + out + grads:
+            buf.fill_(float("nan"))  # so an element the kernel never writes counts as wrong
+        fwd()
+        bwd()
+        ref_qkv, ref_q = torch.empty_like(send_qkv), torch.empty_like(send_q)
+        ref_out, ref_grads = [torch.empty_like(x) for x in out], [torch.empty_like(x) for x in grads]
+        L.pack_s2h(layout, (q, k, v), QKV, ref_qkv)
+        L.unpack_h2s(layout, layout.h2s_recv_views(recv_q, Q_ONLY), Q_ONLY, ref_out)
+        L.pack_s2h(layout, (dout_local,), Q_ONLY, ref_q)
+        L.unpack_h2s(layout, layout.h2s_recv_views(recv_qkv, QKV), QKV, ref_grads)
+        pairs = zip([send_qkv, send_q] + out + grads, [ref_qkv, ref_q] + ref_out + ref_grads)
+        return sum(count_unequal(a, b) for a, b in pairs)
+
+    return Method(name, layout_only=True, fwd=fwd, bwd=bwd, check=check)
 
 
 def chain_layout_method(inp: Inputs, P: int):
-    """The chain's permute+contiguous copies for one layer, without the collectives."""
+    """The chain's permute+contiguous copies for one layer, without the collectives.
+
+    With the collective replaced by nothing, each rank "receives" its own send buffer, so
+    the sequence-to-head copies must give ``x``'s head block ``p`` as row block ``p``, and
+    the head-to-sequence copies ``x``'s row block ``p`` as head block ``p``: ``check_layout()``
+    compares every result with that slicing, bit for bit.
+    """
     B, s, H, Hkv, D, S = inp.B, inp.s, inp.H, inp.Hkv, inp.D, inp.S
     if H % P:
         raise Skip(f"chain needs query heads ({H}) divisible by {P}")
@@ -209,6 +243,9 @@ def chain_layout_method(inp: Inputs, P: int):
     q = torch.randn(B, s, H, D, device=dev).to(dt)
     k = torch.randn(B, s, Hkv, D, device=dev).to(dt)
     out_l = torch.randn(B, S, H // P, D, device=dev).to(dt)
+    dk_l = torch.randn(B, S, kv_h // P, D, device=dev).to(dt)
+    dk_rep = torch.randn(B, s, H, D, device=dev).to(dt) if repeat else None
+    last = {}
 
     def s2h(x):  # the two copies of _chain_s2h, the collective replaced by nothing
         b, n, h, d = x.shape
@@ -222,19 +259,42 @@ def chain_layout_method(inp: Inputs, P: int):
 
     def fwd():
         kk = k.repeat_interleave(H // Hkv, dim=2) if repeat else k
-        s2h(q), s2h(kk), s2h(kk)
-        h2s(out_l)
-
-    dk_l = torch.randn(B, S, kv_h // P, D, device=dev).to(dt)
-    dk_rep = torch.randn(B, s, H, D, device=dev).to(dt) if repeat else None
+        last["q"], last["k"], last["v"] = s2h(q), s2h(kk), s2h(kk)
+        last["out"] = h2s(out_l)
 
     def bwd():
-        s2h(q)  # dout has the shape of q
-        h2s(out_l), h2s(dk_l), h2s(dk_l)
+        last["dout"] = s2h(q)  # dout has the shape of q
+        last["dq"], last["dk"], last["dv"] = h2s(out_l), h2s(dk_l), h2s(dk_l)
         if repeat:  # the backward of repeat_interleave sums the copies, for dk and dv
-            dk_rep.view(B, s, Hkv, H // Hkv, D).sum(3), dk_rep.view(B, s, Hkv, H // Hkv, D).sum(3)
+            last["dk_sum"] = dk_rep.view(B, s, Hkv, H // Hkv, D).sum(3)
+            last["dv_sum"] = dk_rep.view(B, s, Hkv, H // Hkv, D).sum(3)
 
-    return Method("chain-layout", layout_only=True, fwd=fwd, bwd=bwd)
+    def check() -> int:
+        last.clear()
+        fwd()
+        bwd()
+
+        def s2h_ref(x):  # row block p = head block p (this rank's rows, every "source")
+            h = x.shape[2] // P
+            return torch.cat([x[:, :, p * h : (p + 1) * h] for p in range(P)], dim=1)
+
+        def h2s_ref(x):  # head block p = row block p
+            n = x.shape[1] // P
+            return torch.cat([x[:, p * n : (p + 1) * n] for p in range(P)], dim=2)
+
+        kk = k[:, :, [h // (H // Hkv) for h in range(H)]] if repeat else k
+        want = {"q": s2h_ref(q), "k": s2h_ref(kk), "v": s2h_ref(kk), "out": h2s_ref(out_l), "dout": s2h_ref(q),
+                "dq": h2s_ref(out_l), "dk": h2s_ref(dk_l), "dv": h2s_ref(dk_l)}  # fmt: skip
+        if repeat:
+            g = H // Hkv
+            want["dk_sum"] = want["dv_sum"] = torch.stack([dk_rep[:, :, j * g : (j + 1) * g].sum(2) for j in range(Hkv)], 2)
+        # The copies bit for bit; the sums (arithmetic, their order is torch's) within the dtype's tolerance.
+        sums = {"dk_sum", "dv_sum"}
+        wrong = sum(count_unequal(last[name], ref) for name, ref in want.items() if name in last and name not in sums)
+        wrong += sum(count_wrong(last[name], want[name].float(), dt) for name in sums if name in want and name in last)
+        return wrong + sum(ref.numel() for name, ref in want.items() if name not in last)
+
+    return Method("chain-layout", layout_only=True, fwd=fwd, bwd=bwd, check=check)
 
 
 def peer_method(name, backend, scale, P, H, Hkv):
@@ -253,18 +313,24 @@ def peer_method(name, backend, scale, P, H, Hkv):
             raise Skip(f"deepspeed not importable ({type(e).__name__}: {e})") from None
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         layer = DistributedAttention(local_attn, None, scatter_idx=2, gather_idx=1)
+        # Current releases (0.19.8 read) require forward(q, k, v, batch_dim_idx, ...): the
+        # batch dimension picks the all-to-all's layout; older ones take (q, k, v, *args).
+        ds_kwargs = {"batch_dim_idx": 0} if "batch_dim_idx" in inspect.signature(layer.forward).parameters else {}
     else:
         try:
             from yunchang import UlyssesAttention
         except Exception as e:  # noqa: BLE001
             raise Skip(f"yunchang not importable ({type(e).__name__}: {e})") from None
-        layer = UlyssesAttention(None, scatter_idx=2, gather_idx=1)
+        try:  # its default attention (AttnType.FA) asserts that flash-attn is importable
+            layer = UlyssesAttention(None, scatter_idx=2, gather_idx=1)
+        except (AssertionError, ImportError, ValueError, RuntimeError) as e:
+            raise Skip(f"yunchang UlyssesAttention cannot be built here ({type(e).__name__}: {e})") from None
 
     def fn(q, k, v):
         if repeat:  # both assume KV heads divide over the ranks; repeat them as the chain does
             k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
         if name == "deepspeed":
-            return layer(q, k, v)
+            return layer(q, k, v, **ds_kwargs)
         return layer(q, k, v, softmax_scale=scale, causal=True)
 
     return Method(name, fn)
@@ -477,7 +543,9 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
                         torch.cuda.empty_cache()
                     continue
                 wrong = None
-                if outs is not None and args.check:
+                if m.layout_only and args.check and m.check_layout is not None:
+                    wrong = int(C.reduce_sum(m.check_layout()))
+                elif outs is not None and args.check:
                     if kv_full is None:
                         kv_full = (inp.full("k", range(Hkv)), inp.full("v", range(Hkv)))
                     wrong = int(C.reduce_sum(check_method(m, outs, inp, plan, rank_p, scale, kv_full, args.check_rows)))

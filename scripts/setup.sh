@@ -28,9 +28,19 @@ fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 if [ "$SYSTEM_TORCH" = "1" ]; then
   .venv/bin/python -c "import torch, pytest" || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
-elif ! .venv/bin/python -c "import torch, numpy, pytest, ninja, transformers" 2>/dev/null; then
-  echo "[setup] installing $TORCH_SPEC numpy pytest ninja transformers==5.23.0 into .venv"
-  "${PIP[@]}" install -q "$TORCH_SPEC" numpy pytest ninja transformers==5.23.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+elif ! .venv/bin/python -c "import torch, numpy, pytest, ninja, transformers, matplotlib" 2>/dev/null; then
+  # matplotlib: the benchmarks' PNGs (about 20 s here; without it they skip the plot).
+  echo "[setup] installing $TORCH_SPEC numpy pytest ninja transformers==5.23.0 matplotlib into .venv"
+  "${PIP[@]}" install -q "$TORCH_SPEC" numpy pytest ninja transformers==5.23.0 matplotlib 2>&1 | { grep -v "^WARNING: Location" || true; }
+fi
+# ULYSSES_KERNELS_PEERS=1: also DeepSpeed, the baseline of bench_attention's deepspeed row
+# (tests/test_bench_peers.py skips without it). Opt-in: it is an sdist, not a pure-Python
+# wheel (27 s to build here with DS_BUILD_OPS=0, and its first call JIT-compiles a C++
+# shared-memory op). yunchang is not installed: its UlyssesAttention needs flash-attn.
+if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+  torch_pin="torch==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')"
+  echo "[setup] installing deepspeed (DS_BUILD_OPS=0, keeping $torch_pin)"
+  DS_BUILD_OPS=0 "${PIP[@]}" install -q deepspeed "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 if [ "$SYSTEM_TORCH" = "1" ]; then
   # Offline: no pip build; the repository root on the venv's path is what an editable

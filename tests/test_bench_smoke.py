@@ -106,6 +106,9 @@ def _result(out_dir: Path, name: str) -> dict:
     jsons = sorted(p for p in out_dir.glob(f"{name}_*.json") if not p.name.endswith("_latest.json"))
     csvs = sorted(out_dir.glob(f"{name}_*.csv"))
     assert len(jsons) == 1 and len(csvs) == 1, sorted(p.name for p in out_dir.iterdir())
+    if importlib.util.find_spec("matplotlib") is not None:  # the run drew its PNG next to the JSON
+        png = jsons[0].with_suffix(".png")
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     with open(csvs[0]) as f:
         assert len(list(csv.DictReader(f))) == len(json.loads(jsons[0].read_text())["rows"])
     return json.loads(jsons[0].read_text())
@@ -148,7 +151,7 @@ def test_bench_attention_smoke(tmp_path, capfd):
     assert {"local", "chain", "chain-layout"} | {f"ulysses-{k}" for k in kern} | {f"layout-{k}" for k in kern} <= methods
     assert {r["pass"] for r in rows} == {"fwd", "bwd", "fwdbwd"}
     checked = [r for r in rows if r["wrong"] is not None]
-    assert {r["method"] for r in checked} >= {"local", "chain"} | {f"ulysses-{k}" for k in kern}
+    assert checked == rows  # every row, the layout-only ones included, was checked
     assert all(r["wrong"] == 0 for r in checked), checked
     assert all(r["mem_gib"] is None for r in rows)  # no peak memory claims on the CPU
     assert doc["meta"]["breakdown"] and "exposed comm" in out
@@ -157,6 +160,89 @@ def test_bench_attention_smoke(tmp_path, capfd):
 
 def methods_seen(rows):
     return {r["method"] for r in rows}
+
+
+def _attention_case(P=2, H=6, Hkv=2, S=16, D=8):
+    att = _load("bench_attention")
+    inp = att.Inputs(1, S, H, Hkv, D, P, torch.float32, torch.device("cpu"))
+    plan = att.HeadPlan.build(H, Hkv, P)
+    q, k, v, dout = (inp.full(n, range(h)) for n, h in (("q", H), ("k", Hkv), ("v", Hkv), ("dout", H)))
+    q.requires_grad_()
+    out = attention_reference(q, k, v, causal=True)
+    out.backward(dout)
+    return att, inp, plan, out.detach(), q.grad, (k, v)
+
+
+def test_attention_check_method_catches_wrong_rows_heads_and_values():
+    """check_method counts 0 on the right rank's rows and heads, and more on a corrupted value,
+    on another rank's rows (sequence-sharded methods) or heads (the local floor)."""
+    att, inp, plan, out, dq, kv_full = _attention_case()
+    s, scale = inp.s, att.default_scale(inp.D, None)
+    sharded, local = att.Method("x", None), att.Method("local", None, seq_sharded=False)
+    for rank in range(2):
+        rows = slice(rank * s, (rank + 1) * s)
+        outs = (out[:, rows], dq[:, rows])
+        assert att.check_method(sharded, outs, inp, plan, rank, scale, kv_full, 4) == 0
+        other = slice((1 - rank) * s, (2 - rank) * s)
+        assert att.check_method(sharded, (out[:, other], dq[:, other]), inp, plan, rank, scale, kv_full, 4) > 0
+        bad = outs[0].clone()
+        bad[0, s - 1, 5, 2] += 0.25  # the last row is always sampled
+        assert att.check_method(sharded, (bad, outs[1]), inp, plan, rank, scale, kv_full, 4) == 1
+        bad_dq = outs[1].clone()
+        bad_dq[0, 0, 0, 0] = float("nan")
+        assert att.check_method(sharded, (outs[0], bad_dq), inp, plan, rank, scale, kv_full, 4) == 1
+        (a, b), (oa, ob) = plan.q_ranges[rank], plan.q_ranges[1 - rank]
+        assert att.check_method(local, (out[:, :, a:b], dq[:, :, a:b]), inp, plan, rank, scale, kv_full, 4) == 0
+        assert att.check_method(local, (out[:, :, oa:ob], dq[:, :, oa:ob]), inp, plan, rank, scale, kv_full, 4) > 0
+
+
+@pytest.mark.parametrize("H,Hkv", [(6, 2), (6, 3)])  # 6/3 on 2 ranks: KV head 1 on both ranks (summed)
+def test_layout_rows_are_checked_and_catch_corruption(H, Hkv, monkeypatch):
+    """layout-<k> and chain-layout check() is 0 for the real kernels and counts an element a
+    kernel wrote wrong or never wrote."""
+    from ulysses_kernels.kernels import get_kernels
+
+    att = _load("bench_attention")
+    P, dev = 2, torch.device("cpu")
+    inp = att.Inputs(2, 8, H, Hkv, 4, P, torch.float32, dev)
+    plan = att.HeadPlan.build(H, Hkv, P)
+    like = torch.empty(0)
+    for rank in range(P):
+        layout = att.Layout(plan, rank, (inp.s,) * P, inp.B, inp.D)
+        for k in [k for k in available_kernels() if k != "triton"]:
+            assert att.layout_method(f"layout-{k}", get_kernels(k, dev), layout, like).check_layout() == 0
+
+        class OneOff:  # the torch set, with one element of the unpacked output wrong
+            pack_s2h = staticmethod(get_kernels("torch", dev).pack_s2h)
+
+            @staticmethod
+            def unpack_h2s(lay, blocks, streams, outs):
+                get_kernels("torch", dev).unpack_h2s(lay, blocks, streams, outs)
+                outs[-1].view(-1)[7] += 1.0
+
+        assert att.layout_method("layout-bad", OneOff, layout, like).check_layout() == 2  # fwd out, bwd dv
+
+        class Lazy(OneOff):  # leaves the first element of the send buffer unwritten
+            @staticmethod
+            def pack_s2h(lay, tensors, streams, send, recv=None):
+                get_kernels("torch", dev).pack_s2h(lay, tensors, streams, send, recv)
+                send[0] = float("nan")
+
+            unpack_h2s = staticmethod(get_kernels("torch", dev).unpack_h2s)
+
+        assert att.layout_method("layout-lazy", Lazy, layout, like).check_layout() == 2  # q/k/v and dout packs
+    chain = att.chain_layout_method(inp, P)
+    assert chain.check_layout() == 0
+    real = torch.Tensor.contiguous
+    calls = []
+
+    def shifted(x, *a, **kw):  # every 5th copy of the chain comes out one element off
+        y = real(x, *a, **kw)
+        calls.append(1)
+        return y.clone().view(-1).roll(1).view(y.shape) if len(calls) % 5 == 0 else y
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", shifted)
+    assert chain.check_layout() > 0
 
 
 # Cost-model inputs under which chunks="auto" picks more than one chunk at the smoke sizes
@@ -289,3 +375,40 @@ def test_perf_model_table_uses_the_measured_rows(tmp_path):
     path.write_text(json.dumps({"rows": rows}))
     (row,) = pm.table(args)
     assert row["compute_ms"] == pytest.approx(5.5)
+
+
+def test_perf_model_main_prints_a_consistent_table(capsys):
+    """The script end to end (what scripts/bench_smoke.sh runs): one line per (model, P, seq,
+    pass); ours = compute + wire + layout, chain likewise, x_chain = chain / ours, exposed =
+    (wire + layout) / ours; compute follows the FLOP formula and grows as S^2; 40 query heads
+    over 16 ranks have no chain row (the chain needs heads that divide)."""
+    pm = _load("perf_model")
+    assert pm.main(["--models", "llama3-8b,qwen2.5-14b", "--worlds", "8,16", "--seqs", "32K,64K", "--passes", "fwd,fwdbwd"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# perf model") and "350.0 / bwd 260.0 TFLOP/s" in out[0]
+    header = out[1].split()
+    assert header[:5] == ["model", "P", "seq", "pass", "compute(ms)"] and header[-3:] == ["x_chain", "kv_repl", "compute"]
+    num = lambda x: None if x == "n/a" else float(x.rstrip("%"))  # noqa: E731
+    rows = {}
+    for line in out[3:]:
+        c = line.split()
+        model, P, S, p = c[0], int(c[1]), int(c[2]), c[3]
+        comp, wire, lay, ours, exposed, cw, cl, chain, x_chain, repl = map(num, c[4:14])
+        rows[(model, P, S, p)] = (comp, chain)
+        assert c[14] == "model"
+        assert ours == pytest.approx(comp + wire + lay, abs=0.02)
+        assert exposed == pytest.approx(100 * (wire + lay) / ours, abs=0.1 + 100 * 0.02 / ours)
+        assert repl == (2.0 if P == 16 else 1.0)  # 8 KV heads: each sent to 2 of 16 ranks
+        if chain is None:
+            assert (model, P) == ("qwen2.5-14b", 16) and cw is None and x_chain is None
+        else:
+            assert chain == pytest.approx(comp + cw + cl, abs=0.02)
+            assert x_chain == pytest.approx(chain / ours, rel=0.01) and x_chain >= 1.0
+    want = {(m, P, S, p) for m in ("llama3-8b", "qwen2.5-14b") for P in (8, 16) for S in (32768, 65536) for p in ("fwd", "fwdbwd")}
+    assert set(rows) == want and len(out) == 3 + len(want)
+    fwd = 4 * 32768**2 * (32 // 8) * 128 / 2 / 350e12 * 1e3  # Llama-3-8B, 4 query heads per rank
+    assert rows[("llama3-8b", 8, 32768, "fwd")][0] == pytest.approx(fwd, abs=0.01)
+    assert rows[("llama3-8b", 8, 32768, "fwdbwd")][0] == pytest.approx(fwd * (1 + 2.5 * 350 / 260), abs=0.01)
+    for (m, P, S, p), (comp, _) in rows.items():
+        if S == 65536:
+            assert comp == pytest.approx(4 * rows[(m, P, 32768, p)][0], rel=0.01)
