@@ -265,7 +265,7 @@ def test_bench_overlap_smoke(tmp_path, capfd, monkeypatch):
     _main(
         "bench_overlap",
         ["--spawn", "2", "--layouts", "8/2,6/3", "--seqs", "32", "--head-dim", "8", "-w", "0", "-n", "1",
-         "--chunks", "1,2,4,auto", "--out-dir", str(tmp_path)],
+         "--chunks", "1,2,4,auto", "--long-from", "32", "--out-dir", str(tmp_path)],
     )  # fmt: skip
     out = capfd.readouterr().out
     doc = _result(tmp_path, "bench_overlap")
@@ -293,6 +293,14 @@ def test_bench_overlap_smoke(tmp_path, capfd, monkeypatch):
     assert {r["checked"] for r in rows if r["pass"] == "fwdbwd"} == {"out,dq,dk,dv"}
     assert "#wrong" in out and "exposed/a2a" in out and C.CPU_LABEL in out
     assert "skipped 6/3 chunks=4" in out and "wrong elements: 0 OK" in out
+    # The targets are judged on the rows but never claimed from a CPU run.
+    v = doc["meta"]["verdicts"]
+    for name in ("exposed", "auto"):
+        assert v[name]["status"] == "not evaluated" and "CPU run" in v[name]["reason"], v[name]
+    for name in ("exposed", "auto"):
+        assert all(g["measured"] in ("PASS", "FAIL") and g["status"] == "not evaluated" for g in v[name]["groups"])
+        assert {(g["layout"], g["pass"]) for g in v[name]["groups"]} == set(groups)
+    assert "# target (issue #4 item 5)" in out
 
 
 def test_bench_overlap_counts_a_wrong_chunked_result(monkeypatch, capsys):
