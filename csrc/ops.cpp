@@ -124,10 +124,14 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
       const int64_t a = head_ranges[(peer * n + i) * 2], b = head_ranges[(peer * n + i) * 2 + 1];
       TORCH_CHECK(0 <= a && a <= b && b <= tensors[i].size(2), "ulysses_kernels.pack_s2h: head range of peer ", peer,
                   ", tensors[", i, "] expected within [0, ", tensors[i].size(2), "], got [", a, ", ", b, ")");
+      TORCH_CHECK(b <= kMaxHeads, "ulysses_kernels.pack_s2h: head range of peer ", peer, ", tensors[", i,
+                  "] expected to end at most at ", kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
       p.head0[peer][i] = static_cast<int32_t>(a);
       p.heads[peer][i] = static_cast<int32_t>(b - a);
       h += b - a;
     }
+    TORCH_CHECK(h <= kMaxHeads, "ulysses_kernels.pack_s2h: heads sent to peer ", peer, " expected at most ", kMaxHeads,
+                " (32-bit head counts), got ", h);
     p.peer_heads[peer] = static_cast<int32_t>(h);
     rows += S * B * h;
   }
@@ -222,6 +226,8 @@ UnpackPlan make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at::T
       const int64_t a = head_ranges[(src * n + i) * 2], b = head_ranges[(src * n + i) * 2 + 1];
       TORCH_CHECK(0 <= a && a <= b && b <= H, "ulysses_kernels.unpack_h2s: head range of ", bname,
                   " expected within [0, ", H, "], got [", a, ", ", b, ")");
+      TORCH_CHECK(b <= kMaxHeads, "ulysses_kernels.unpack_h2s: head range of ", bname, " expected to end at most at ",
+                  kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
       TORCH_CHECK(blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == b - a && blk.size(3) == D,
                   "ulysses_kernels.unpack_h2s: ", bname, ".shape expected [", B, ", ", S, ", ", b - a, ", ", D,
                   "], got ", shape_str(blk));

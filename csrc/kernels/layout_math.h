@@ -37,6 +37,10 @@ namespace ulysses_kernels {
 
 constexpr int kMaxPeers = 64;
 constexpr int kMaxStreams = 3;
+// Head indices and per-peer head counts are int32_t below: the structs are kernel
+// parameters (PackParams 2544 bytes, UnpackParams 3176), and int64_t heads would take
+// PackParams past CUDA's classic 4 KB limit. The host layer (csrc/ops.cpp) rejects more.
+constexpr int64_t kMaxHeads = INT32_MAX;
 
 // A [B][s][h][D] tensor: base pointer and byte strides.
 struct Strided4 {
@@ -109,10 +113,29 @@ struct RowCopy {
   int64_t src_unit_stride;
 };
 
+// ---- launch geometry (pack.cu launches; here so the host tests can check it) -----------
+// A 1-D grid-stride launch: blockDim.x = kThreads, gridDim.x = grid_blocks(work) <= kMaxBlocks.
+// Nothing goes to gridDim.y/z (at most 65535 each, which B * S alone passes at 64K tokens);
+// gridDim.x may be up to 2^31 - 1, far above kMaxBlocks. Beyond kMaxBlocks * kThreads units
+// each thread loops (1M tokens, 64 heads, D = 128 bf16: 1.1e9 units, 16 per thread).
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = int64_t(1) << 18;
+
+UK_HD int64_t grid_blocks(int64_t work) {
+  const int64_t b = (work + kThreads - 1) / kThreads;
+  return b < kMaxBlocks ? b : kMaxBlocks;
+}
+
 // Index arithmetic runs in `I`: uint32_t when all the work of a launch has fewer than
-// kNarrowLimit units (then a grid-stride index cannot wrap), else int64_t. 32-bit integer
-// division is several times cheaper than 64-bit on the GPU and each unit needs a few.
+// kNarrowLimit units, else int64_t. 32-bit integer division is several times cheaper than
+// 64-bit on the GPU and each unit needs a few. Only unit/row/token indices are ever `I`:
+// byte offsets are always int64_t (a rank's send buffer passes 4 GiB at 1M tokens).
 constexpr int64_t kNarrowLimit = int64_t(1) << 31;
+
+// A uint32_t grid-stride index stays below work + gridDim.x * blockDim.x; it must not wrap
+// before the loop test sees it past the end.
+static_assert(kNarrowLimit - 1 + kMaxBlocks * kThreads < (int64_t(1) << 32),
+              "a 32-bit grid-stride index could wrap: lower kNarrowLimit or kMaxBlocks");
 
 UK_HD bool narrow_index(int64_t work) { return work < kNarrowLimit; }
 
@@ -238,6 +261,18 @@ struct CopyOnly {
   static UK_HD T add(T a, T) { return a; }
 };
 
+// Addresses of unit `u` (of `unit` bytes) of output row `r` in source `s` (which must hold
+// r.head) and in the output. All byte offsets in int64_t. With a D stride other than one
+// element, the unit is one element.
+UK_HD const char* unpack_src(const UnpackParams& p, const OutRow& r, int s, int64_t u, int64_t unit) {
+  const Strided4& k = p.blk[s];
+  return k.ptr + r.b * k.sb + r.t * k.ss + (r.head - (int64_t)p.head0[s]) * k.sh + (k.sd == p.elem ? u * unit : u * k.sd);
+}
+
+UK_HD char* unpack_dst(const UnpackParams& p, const OutRow& r, int64_t u, int64_t unit) {
+  return p.out + r.b * p.ob + r.t * p.os + r.head * p.oh + (p.od == p.elem ? u * unit : u * p.od);
+}
+
 // One unit of an unpack output row: the first holder copied, later holders added.
 // Returns false when no source holds `head` (the output is left as it was).
 template <class Op, int UNIT>
@@ -251,18 +286,14 @@ UK_HD bool unpack_unit(const UnpackParams& p, const OutRow& r, int64_t u) {
   bool any = false;
   for (int s = 0; s < p.n_src; ++s) {
     if (r.head < p.head0[s] || r.head >= p.head1[s]) continue;
-    const Strided4& k = p.blk[s];
-    const char* src = k.ptr + r.b * k.sb + r.t * k.ss + (r.head - p.head0[s]) * k.sh;
-    // With a D stride other than one element, UNIT is one element.
-    copy_unit<UNIT>(any ? &in.raw : &acc.raw, src + (k.sd == p.elem ? u * UNIT : u * k.sd));
+    copy_unit<UNIT>(any ? &in.raw : &acc.raw, unpack_src(p, r, s, u, UNIT));
     if (any) {
       for (int e = 0; e < N; ++e) acc.v[e] = Op::add(acc.v[e], in.v[e]);
     }
     any = true;
   }
   if (!any) return false;
-  char* dst = p.out + r.b * p.ob + r.t * p.os + r.head * p.oh;
-  copy_unit<UNIT>(dst + (p.od == p.elem ? u * UNIT : u * p.od), &acc.raw);
+  copy_unit<UNIT>(unpack_dst(p, r, u, UNIT), &acc.raw);
   return true;
 }
 

@@ -6,13 +6,8 @@ namespace ulysses_kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 1 << 18;
-
-int blocks_for(int64_t work) {
-  const int64_t b = (work + kThreads - 1) / kThreads;
-  return (int)(b < kMaxBlocks ? b : kMaxBlocks);
-}
+// gridDim.x (<= kMaxBlocks, see grid_blocks in layout_math.h).
+unsigned blocks_for(int64_t work) { return (unsigned)grid_blocks(work); }
 
 // I: the index type (uint32_t when narrow_index(n), see layout_math.h).
 template <int UNIT, class I>

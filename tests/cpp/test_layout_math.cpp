@@ -199,10 +199,12 @@ static void test_pack_addresses_beyond_4gb(int64_t batch) {
   const int64_t H[3] = {64, 8, 8};
   const uintptr_t base[3] = {uintptr_t(1) << 40, uintptr_t(2) << 40, uintptr_t(3) << 40};
   const uintptr_t send = uintptr_t(4) << 40, recv = uintptr_t(5) << 40;
-  // q head-major [B][H][s][D]; k, v token-major [B][s][h][D].
+  // q head-major [B][H][s][D] (head offsets past 4 GiB); k, v views of one fused QKV
+  // projection output [B][s][64 + 8 + 8][D] (token offsets past 4 GiB: t * 20480 bytes).
+  const int64_t qkv = (H[0] + H[1] + H[2]) * row;
   const Strided4 src[3] = {{(const char*)base[0], H[0] * s * row, row, s * row, 2},
-                           {(const char*)base[1], s * H[1] * row, H[1] * row, row, 2},
-                           {(const char*)base[2], s * H[2] * row, H[2] * row, row, 2}};
+                           {(const char*)base[1], s * qkv, qkv, row, 2},
+                           {(const char*)base[2], s * qkv, qkv, row, 2}};
   PackParams p{};
   p.n_streams = 3;
   p.n_peers = (int32_t)peers;
@@ -256,6 +258,78 @@ static void test_pack_addresses_beyond_4gb(int64_t batch) {
   EXPECT(rows * row > (int64_t(1) << 34));
 }
 
+// The same for the unpack: one rank's [B][s][H][D] output (here head-major in memory,
+// [B][H][s][D], so head offsets pass 4 GiB) gathered from 8 sources of 8 heads each, all
+// views of one token-major [B][s][H][D] receive buffer (token offsets pass 4 GiB), at
+// s = 2^20 local tokens, 64 heads, D = 128 bf16: output bytes reach 2^34 * B. Only
+// addresses are computed (unpack_src / unpack_dst never dereference).
+static void test_unpack_addresses_beyond_4gb(int64_t batch) {
+  const int64_t s = int64_t(1) << 20, H = 64, D = 128, row = D * 2, peers = 8, hp = H / peers;
+  const uintptr_t out = uintptr_t(9) << 40, blk = uintptr_t(1) << 40;
+  UnpackParams p{};
+  p.out = (char*)out;
+  p.ob = H * s * row;
+  p.os = row;
+  p.oh = s * row;
+  p.od = 2;
+  p.batch = batch;
+  p.seq = s;
+  p.out_heads = H;
+  p.d = D;
+  p.elem = 2;
+  p.unit = 16;
+  p.units_per_row = row / 16;
+  p.n_src = (int32_t)peers;
+  for (int q = 0; q < peers; ++q) {
+    p.blk[q] = Strided4{(const char*)(blk + q * hp * row), s * H * row, H * row, row, 2};
+    p.head0[q] = (int32_t)(q * hp);
+    p.head1[q] = (int32_t)((q + 1) * hp);
+  }
+  const int64_t rows = batch * s * H;
+  const bool narrow = narrow_index(rows * p.units_per_row);
+  EXPECT(narrow == (batch == 1));
+  const int before = failures;
+  int checked = 0;
+  for (int64_t g = 0; g < rows; g += (g + 8 < rows ? 7919 : 1)) {
+    const int64_t head = g % H, t = (g / H) % s, b = g / H / s, q = head / hp;
+    const OutRow wide = unpack_out_row<int64_t>(p, g);
+    EXPECT(wide.b == b && wide.t == t && wide.head == head);
+    if (narrow) {
+      const OutRow r32 = unpack_out_row<uint32_t>(p, (uint32_t)g);
+      EXPECT(r32.b == b && r32.t == t && r32.head == head);
+    }
+    for (int64_t u : {int64_t(0), p.units_per_row - 1}) {
+      const uint64_t want_src = blk + (uint64_t)(b * s * H * row + t * H * row + head * row + u * 16);
+      const uint64_t want_dst = out + (uint64_t)(b * H * s * row + head * s * row + t * row + u * 16);
+      EXPECT((uint64_t)(uintptr_t)unpack_src(p, wide, (int)q, u, 16) == want_src);
+      EXPECT((uint64_t)(uintptr_t)unpack_dst(p, wide, u, 16) == want_dst);
+    }
+    if (failures > before) return;
+    ++checked;
+  }
+  EXPECT(checked > 8000);
+  EXPECT(rows * row > (int64_t(1) << 33));
+}
+
+// The 1-D launch of pack.cu: block counts, the grid-stride bound of the 32-bit index path,
+// and the grid at 1M+ tokens (gridDim.x only; y and z would be limited to 65535).
+static void test_launch_geometry() {
+  EXPECT(grid_blocks(1) == 1 && grid_blocks(kThreads) == 1 && grid_blocks(kThreads + 1) == 2);
+  const int64_t big[] = {int64_t(1) << 20, (int64_t(1) << 31) - 1, int64_t(1) << 31, int64_t(1) << 40};
+  for (int64_t work : big) {
+    const int64_t blocks = grid_blocks(work);
+    EXPECT(blocks >= 1 && blocks <= kMaxBlocks && blocks <= INT32_MAX);
+    EXPECT(blocks * kThreads >= (work < kMaxBlocks * kThreads ? work : kMaxBlocks * kThreads));
+    // On the 32-bit path the last index a thread computes (< work + blocks * threads)
+    // must still be representable, else the loop wraps to 0 and runs forever.
+    if (narrow_index(work)) EXPECT(work - 1 + blocks * kThreads <= (int64_t)UINT32_MAX);
+  }
+  // 1M tokens per rank (B = 1), 64 q + 8 + 8 KV heads, D = 128 bf16, 16-byte units: the
+  // pack of one rank is 1.3e9 units, still 32-bit, over 2^18 blocks of 256 threads.
+  const int64_t work = (int64_t(1) << 20) * 80 * 16;
+  EXPECT(narrow_index(work) && grid_blocks(work) == kMaxBlocks);
+}
+
 int main() {
   test_half_rounding();
   test_bf16_rounding();
@@ -268,6 +342,9 @@ int main() {
   }
   test_pack_addresses_beyond_4gb(1);  // 1.3e9 units: 32-bit index, 64-bit byte offsets
   test_pack_addresses_beyond_4gb(2);  // 2.7e9 units: 64-bit index
+  test_unpack_addresses_beyond_4gb(1);  // 1.1e9 units: 32-bit index, 64-bit byte offsets
+  test_unpack_addresses_beyond_4gb(2);  // 2.1e9 units: 64-bit index
+  test_launch_geometry();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

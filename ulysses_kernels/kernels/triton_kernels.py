@@ -276,14 +276,7 @@ class TritonKernels:
             addr_t = torch.tensor(addrs, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
         else:
             addr_t = torch.tensor(addrs, dtype=torch.int64)
-        block_d = triton.next_power_of_2(head_dim)
-        # ~4K elements per program on a GPU; bigger tiles in the interpreter, where each
-        # program instance costs ~4 ms regardless of its size.
-        target = 1 << 14 if _interpreting() else 4096
-        block_r = max(1, min(triton.next_power_of_2(n_rows), max(1, target // block_d)))
-        grid = (triton.cdiv(n_rows, block_r), plan.n_cols)
-        if grid[1] > 65535 or grid[0] > 2**31 - 1:  # CUDA's grid limits (y, x)
-            raise ValueError(f"TritonKernels: grid {grid} exceeds CUDA's limits ({plan.n_cols} head columns)")
+        grid, block_r, block_d = _launch_geometry(n_rows, plan.n_cols, head_dim, _interpreting())
         float_ty = _TL_FLOAT.get(dtype, tl.float32)
         acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
         with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
@@ -296,6 +289,26 @@ class TritonKernels:
             )  # fmt: skip
         # Keep the address table (and through the caller, the tensors) alive for the launch.
         del addr_t
+
+
+def _launch_geometry(n_rows: int, n_cols: int, head_dim: int, interpreting: bool) -> tuple[tuple[int, int], int, int]:
+    """``(grid, BLOCK_R, BLOCK_D)`` of one launch over ``n_rows = n_tok * batch`` rows and
+    ``n_cols`` head columns.
+
+    Rows go on grid axis 0 (CUDA's x: up to 2^31 - 1 programs), head columns on axis 1 (y:
+    at most 65535). The row count grows with the sequence (1M tokens x batch 4, D = 128:
+    131072 programs, past the y limit) while the column count is the head count, so the
+    axes must not be swapped. Inside the kernel, row indices and every offset are int64.
+    """
+    block_d = triton.next_power_of_2(head_dim)
+    # ~4K elements per program on a GPU; bigger tiles in the interpreter, where each
+    # program instance costs ~4 ms regardless of its size.
+    target = 1 << 14 if interpreting else 4096
+    block_r = max(1, min(triton.next_power_of_2(n_rows), max(1, target // block_d)))
+    grid = (triton.cdiv(n_rows, block_r), n_cols)
+    if grid[1] > 65535 or grid[0] > 2**31 - 1:  # CUDA's grid limits (y, x)
+        raise ValueError(f"TritonKernels: grid {grid} exceeds CUDA's limits ({n_cols} head columns)")
+    return grid, block_r, block_d
 
 
 class _nullcontext:
