@@ -1,7 +1,8 @@
 """Chunked overlap (ulysses_kernels.pipeline): bit-identical to chunks=1, forward and backward.
 
 Distributed checks run on gloo ranks with asynchronous collectives; each spawn runs many
-cases (spawning costs ~10-20 s on 2 cores). The backend is SDPA, which computes each head
+cases (spawning costs ~10-20 s on 2 cores), among them every plan of the core tests
+(``test_attention_dist.CASES``). The backend is SDPA, which computes each head
 independently of the others present (see the pipeline docstring for why "math" is not).
 """
 
@@ -17,6 +18,8 @@ from ulysses_kernels.layout import Layout
 from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans, splits_shared_kv
 from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.testing import run_ranks
+
+from test_attention_dist import CASES as CORE_CASES  # tests/ is on sys.path (no __init__.py)
 
 
 # ---- the chunk plans ------------------------------------------------------------------------
@@ -179,6 +182,7 @@ def _dist_cases(rank, world, cases):
         off = sum(lens[:rank])
         q, k, v, dout = (x[:, off : off + lens[rank]] for x in full)
         ref = _run(q, k, v, dout, 1, kernels, comm, lens, causal)
+        assert all(t.count_nonzero() for t in ref), f"rank {rank}: {hq}/{hkv} lens={lens}: a zero reference tensor"
         got = _run(q, k, v, dout, chunks, kernels, comm, lens, causal)
         same = [torch.equal(a, b) for a, b in zip(ref, got)]
         n = len(_cp(HeadPlan.build(hq, hkv, world), chunks)) if chunks != "auto" else chunks
@@ -216,9 +220,26 @@ DIST = {
 }
 
 
-@pytest.mark.parametrize("world", sorted(DIST))
+def _core_cases(world):
+    """Every plan of the core tests (``test_attention_dist.CASES[world]``, with its batch,
+    seq_lens and causal), float32, at 2 chunks and at the most chunks the plan allows: one
+    per local KV group, or one per query head on a rank whose query heads share one KV head.
+    A plan with one query head on every rank cannot be split: its schedule must be one
+    chunk, and ``chunks=2`` then runs chunked_attention's fallback, still compared."""
+    out = []
+    for hq, hkv, batch, lens, causal in CORE_CASES[world]:
+        plan = HeadPlan.build(hq, hkv, world)
+        most = len(chunk_plans(plan, hq))
+        one_head = all(plan.q_count(r) == 1 for r in range(world))
+        assert (most == 1) == one_head, f"{hq}/{hkv} on {world} ranks: at most {most} chunks"
+        out += [(hq, hkv, tuple(lens), batch, causal, F32, n, "torch") for n in sorted({2, max(2, most)})]
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(set(DIST) | set(CORE_CASES)))
 def test_chunked_bit_identical_on_gloo(world):
-    cases = DIST[world]
+    """DIST's cases (bf16, Triton, extra layouts) and every core plan, one spawn per world."""
+    cases = DIST.get(world, []) + _core_cases(world)
     if not _triton_on_cpu():
         cases = [c for c in cases if c[-1] != "triton"]
     run_ranks(_dist_cases, world, cases)
