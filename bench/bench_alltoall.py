@@ -393,7 +393,7 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -
 
 def plot(rows: list[dict], path: str, env: dict) -> bool:
     plt = C.load_pyplot()
-    if plt is None:
+    if plt is None or not rows:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for op in dict.fromkeys(r["op"] for r in rows):

@@ -82,3 +82,12 @@ def test_plot_without_matplotlib_writes_nothing(script, tmp_path, monkeypatch):
     path = tmp_path / "none.png"
     assert mod.plot(rows, str(path), dict(C.env_record(torch.device("cpu"), 2, "gloo"), **extra)) is False
     assert not path.exists()
+
+
+@pytest.mark.parametrize("script", ["bench_alltoall", "bench_overlap"])
+def test_plot_of_no_rows_writes_nothing(script, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib draws the PNGs (scripts/setup.sh installs it)")
+    mod = _load(script)
+    path = tmp_path / "empty.png"
+    assert mod.plot([], str(path), C.env_record(torch.device("cpu"), 2, "gloo")) is False
+    assert not path.exists()
