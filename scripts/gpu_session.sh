@@ -49,7 +49,10 @@ LOG=build/gpu_session/$TAG SUMMARY=build/gpu_session/$TAG/summary.txt
 RESULTS=bench/results; [ "$TINY" = 1 ] && RESULTS=$LOG/results
 rm -rf "$LOG"; mkdir -p "$LOG" "$RESULTS" bench/results
 LC_ALL=C ls bench/results > "$LOG/.results_before"
-export PYTHONUNBUFFERED=1 ULYSSES_KERNELS_TEST_TIMEOUT=${ULYSSES_KERNELS_TEST_TIMEOUT:-240}
+# run_ranks' default timeout: its deadline (this + 30 s) before the per-test timeout (240 s),
+# so that a hung spawn is killed and reported by run_ranks; a test that pytest-timeout stops
+# leaves its ranks behind, and pytest waits for them at exit (until the step is killed).
+export PYTHONUNBUFFERED=1 ULYSSES_KERNELS_TEST_TIMEOUT=${ULYSSES_KERNELS_TEST_TIMEOUT:-180}
 FAILED=0
 
 say() { echo "[gpu_session] $*" | tee -a "$SUMMARY"; }
@@ -161,7 +164,9 @@ stage_tests() {
   local f targs=()
   if "$PY" -c 'import pytest_timeout' 2>/dev/null; then targs=(--timeout "${GPU_SESSION_TEST_TIMEOUT:-240}")
   else say "note: pytest-timeout missing: no per-test timeout (each file still has one)"; fi
-  for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_compile.py}; do
+  # test_large_index last: its CUDA/Triton far views (64-bit offsets, ~30 GiB of GPU memory
+  # at peak) and >2^31-unit moves run nowhere else on a GPU; ~1 min with its CPU cases.
+  for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_compile.py tests/test_large_index.py}; do
     f=$(basename "$f" .py)
     step "$f" 300 "$PY" -m pytest --maxfail "${GPU_SESSION_MAXFAIL:-3}" -q -ra -k "not two_ranks" "${targs[@]}" --junitxml "$LOG/junit_$f.xml" "tests/$f.py" || true
   done

@@ -353,6 +353,8 @@ def test_gpu_stress_two_ranks_one_gpu_nccl():
     import socket
     import subprocess
     import sys
+    import tempfile
+    import time
 
     if torch.cuda.nccl.version() < (2, 30):
         pytest.skip(f"NCCL {torch.cuda.nccl.version()} < 2.30: no multi-rank-per-GPU support")
@@ -362,22 +364,36 @@ def test_gpu_stress_two_ranks_one_gpu_nccl():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NCCL_MULTI_RANK_GPU_ENABLE="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH")]))
+    # The ranks write to files, not pipes: a rank that filled its pipe (NCCL_DEBUG=INFO,
+    # a long traceback) while the parent waited on the other would block, and with it the
+    # collective both are in. One deadline for both ranks, under the 300 s of
+    # scripts/gpu_session.sh's two-rank step: a hang is reported here, with the ranks'
+    # output, instead of the whole step being killed with nothing to show.
+    limit_s = 240
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
     procs = [
         subprocess.Popen([sys.executable, os.path.abspath(__file__), str(r)], env={**env, "RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=logs[r], stderr=subprocess.STDOUT, text=True)
         for r in range(2)
     ]  # fmt: skip
-    outs, timed_out = [], False
+    deadline, timed_out = time.monotonic() + limit_s, False
     for p in procs:
         try:
-            outs.append(p.communicate(timeout=480)[0])
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
             for q in procs:
                 q.kill()
-            outs.append(p.communicate()[0])
+            for q in procs:
+                q.wait()
+            break
+    outs = []
+    for f in logs:
+        f.seek(0)
+        outs.append(f.read())
+        f.close()
     log = "\n".join(f"--- rank {r} ---\n{o[-4000:]}" for r, o in enumerate(outs))
-    assert not timed_out, f"two-rank NCCL stress run hung (killed after 480 s)\n{log}"
+    assert not timed_out, f"two-rank NCCL stress run hung (killed after {limit_s} s)\n{log}"
     codes = [p.returncode for p in procs]
     if all(c == _SKIP_RC for c in codes):
         pytest.skip(f"NCCL refused two ranks on one GPU\n{log}")
