@@ -264,3 +264,42 @@ def test_too_many_head_columns_for_the_grid():
     x = torch.zeros(8)
     with pytest.raises(ValueError, match="grid"):
         TritonKernels._launch(plan, [x], 1, 1, 8, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_capture_in_cuda_graph_survives_allocator_reuse():
+    # A captured launch reads its address table and the plan's device tables at every
+    # replay: after capture, churn the pinned host and device allocators and drop the plan
+    # LRU, then replay on new inputs. A first launch inside a capture says to warm up.
+    from ulysses_kernels.kernels.triton_kernels import TritonKernels as TK
+
+    gen = torch.Generator().manual_seed(7)
+    lay = Layout(HeadPlan.build(40, 8, 3), 1, (64, 48, 80), 2, 64)
+    q, k, v = (_rand((2, 48, h, 64), torch.bfloat16, gen).cuda() for h in (40, 8, 8))
+    send = torch.empty(sum(lay.s2h_send_splits(QKV)), device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (compiles the kernel)
+        TK.pack_s2h(lay, (q, k, v), QKV, send)
+    torch.cuda.current_stream().wait_stream(stream)
+    TK._plans.clear()
+    with pytest.raises(RuntimeError, match="first launch is inside a CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            TK.pack_s2h(lay, (q, k, v), QKV, send)
+    torch.cuda.synchronize()
+    TK.pack_s2h(lay, (q, k, v), QKV, send)  # warm the plan cache again
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        TK.pack_s2h(lay, (q, k, v), QKV, send)
+    TK._plans.clear()
+    junk = [torch.full((64,), -1, dtype=torch.int64).pin_memory() for _ in range(256)]
+    junk += [torch.full((1 << 16,), -1, dtype=torch.int64, device="cuda") for _ in range(64)]
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.empty_like(send)
+    L.pack_s2h(lay, (q, k, v), QKV, ref)
+    assert torch.equal(_bits(send), _bits(ref))
+    del junk

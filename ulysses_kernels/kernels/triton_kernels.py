@@ -23,7 +23,10 @@ CUDA ``add_`` compute it; dtypes PyTorch cannot add (fp8) raise like the referen
 
 Column descriptors are cached on the class (a bounded LRU keyed by the frozen ``Layout``,
 the streams and the tensors' strides); only the tensors' addresses travel per call (on
-CUDA through a pinned buffer, with no host sync).
+CUDA through a pinned buffer, with no host sync). Launches can be captured in a CUDA
+graph after one warm-up launch: the address table is then written by captured kernels
+(no host memory read at replay) and the plan's device tables are kept alive
+(``TritonKernels._captured``) for the graphs that read them.
 """
 
 from __future__ import annotations
@@ -168,13 +171,34 @@ class _Plan:
         self.struct_vec_ok = self.d_contig and head_dim % vec == 0 and all(x % vec == 0 for x in offsets)
         self.device_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, device: torch.device):
+    def tables(self, device: torch.device, capturing: bool = False):
         if device not in self.device_tables:
-            self.device_tables[device] = (
-                torch.tensor(self.cols, dtype=torch.int64, device=device),
-                torch.tensor(self.srcs, dtype=torch.int64, device=device),
-            )
+            if capturing:
+                raise RuntimeError(
+                    "TritonKernels: this layout's first launch is inside a CUDA graph capture; run the op "
+                    "once before capturing (the usual warm-up: it also compiles the kernel)"
+                )
+            self.device_tables[device] = (_int64_table(self.cols, device), _int64_table(self.srcs, device))
         return self.device_tables[device]
+
+
+def _int64_table(values: list[int], device: torch.device, capturing: bool = False) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` without a host sync.
+
+    On CUDA, a pinned host copy sent ``non_blocking`` (the caching host allocator keeps it
+    until the copy has run). Inside a CUDA graph capture, one ``fill_`` per value instead:
+    the values become arguments of the captured kernels, so a replay reads no host memory
+    (a captured copy would read the pinned block again at every replay, long after it went
+    back to the allocator). Only the short address tables are built so.
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64)
+    if capturing:
+        out = torch.empty(len(values), dtype=torch.int64, device=device)
+        for i, x in enumerate(values):
+            out[i].fill_(x)
+        return out
+    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def _interpreting() -> bool:
@@ -188,6 +212,11 @@ class TritonKernels:
     name = "triton"
     _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
     _max_plans = 256
+    # The plans' device tables that launches captured in CUDA graphs read at every replay,
+    # for as long as a graph lives (which this code cannot see; the LRU above may drop the
+    # plan). Kept for the process's life: a few hundred bytes per captured launch, and
+    # graphs are captured once, then replayed.
+    _captured: list = []
 
     @staticmethod
     def available() -> bool:
@@ -269,13 +298,11 @@ class TritonKernels:
         addrs = [t.data_ptr() for t in tensors]
         vec = max(1, 16 // itemsize)
         aligned = plan.struct_vec_ok and all(a % 16 == 0 for a in addrs)
-        cols, srcs = plan.tables(device)
-        if device.type == "cuda":
-            # Pinned + non_blocking: no host sync; the caching host allocator keeps the
-            # pinned block alive until the copy on the current stream has run.
-            addr_t = torch.tensor(addrs, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-        else:
-            addr_t = torch.tensor(addrs, dtype=torch.int64)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        cols, srcs = plan.tables(device, capturing)
+        addr_t = _int64_table(addrs, device, capturing)  # captured: from the graph's own pool
+        if capturing:
+            TritonKernels._captured.append((cols, srcs))
         grid, block_r, block_d = _launch_geometry(n_rows, plan.n_cols, head_dim, _interpreting())
         float_ty = _TL_FLOAT.get(dtype, tl.float32)
         acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
