@@ -185,10 +185,22 @@ class SharedKV:
         self.inner = inner
         self.name = inner.name
 
+    @staticmethod
+    def expand(k, v, hq: int):
+        """The one KV head ``[B, S, 1, D]`` as stride-0 ``[B, S, hq, D]`` views (no copy)."""
+        shape = (-1, -1, hq, -1)
+        return k.expand(shape), v.expand(shape)
+
+    @staticmethod
+    def sum_grads(dk, dv) -> list[torch.Tensor]:
+        """The per-query-head ``dk``, ``dv`` summed to ``[B, S, 1, D]`` (``KVGradSum``)."""
+        acc = KVGradSum()
+        acc.add(dk, dv)
+        return acc.result()
+
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad):
-        shape = (-1, -1, q.shape[2], -1)
         ident = tuple(range(q.shape[2]))
-        return self.inner.forward(q, k.expand(shape), v.expand(shape), causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
+        return self.inner.forward(q, *self.expand(k, v, q.shape[2]), causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
 
     def backward_per_head(self, state, dout):
         """``dq`` and the per-query-head ``dk``, ``dv`` (``[B, S, hq, D]``), not yet summed."""
@@ -196,9 +208,7 @@ class SharedKV:
 
     def backward(self, state, dout):
         dq, dk, dv = self.backward_per_head(state, dout)
-        acc = KVGradSum()
-        acc.add(dk, dv)
-        return (dq, *acc.result())
+        return (dq, *self.sum_grads(dk, dv))
 
 
 def shares_one_kv(kv_map: Sequence[int]) -> bool:

@@ -58,11 +58,11 @@ from typing import Sequence
 
 import torch
 
-from .backends import AttentionBackend, KVGradSum, SharedKV, default_scale, expand_kv, for_rank, resolve_backend
+from .backends import AttentionBackend, SharedKV, default_scale, expand_kv, for_rank, resolve_backend
 from .checks import prepare
 from .comm import get_communicator
 from .kernels import get_kernels
-from .layout import Layout, Q_ONLY, QKV
+from .layout import Layout
 from .ops import exchange_functions
 
 __all__ = ["traced_attention", "SeqToHeadTraced", "HeadToSeqTraced"]
@@ -147,14 +147,11 @@ class _SharedKVExpand(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k, v, hq):
-        shape = (-1, -1, hq, -1)
-        return k.expand(shape), v.expand(shape)
+        return SharedKV.expand(k, v, hq)
 
     @staticmethod
     def backward(ctx, dk, dv):
-        acc = KVGradSum()
-        acc.add(dk, dv)
-        return (*acc.result(), None)
+        return (*SharedKV.sum_grads(dk, dv), None)
 
 
 def _under_autograd(backend) -> bool:
