@@ -116,7 +116,12 @@ class NCCLCommunicator:
         group's first collective, or at ``init_process_group(device_id=...)``.
         ``RuntimeError`` says why when the group has none to lend.
         """
-        ext, device, handle = _extension(), _cuda_device(device), torch_comm_handle(group, device)
+        ext, device = _extension(), _cuda_device(device)
+        return cls._wrap(ext, torch_comm_handle(group, device), group, device)
+
+    @classmethod
+    def _wrap(cls, ext, handle: int, group, device: torch.device) -> "NCCLCommunicator":
+        """A communicator over torch's ``handle`` (not owned), checked to be this rank's."""
         self = cls.__new__(cls)
         self._ext, self.group, self.device = ext, group, device
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -202,6 +207,29 @@ def _cuda_device(device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
+def _lookup_handle(group, device: torch.device) -> tuple[int, str]:
+    """``(handle, "")``: the ``ncclComm_t`` of torch's ``ProcessGroupNCCL`` for ``group`` on
+    ``device``; ``(0, why)`` where the group has none to lend."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except RuntimeError as e:
+        return 0, f"the group has no CUDA backend ({e})"
+    if not isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())) or not hasattr(backend, "_comm_ptr"):
+        return 0, (
+            f"the group's CUDA backend expected ProcessGroupNCCL with _comm_ptr() (torch >= 2.9), "
+            f"got {type(backend).__name__} (torch {torch.__version__})"
+        )
+    with torch.cuda.device(device):
+        handle = int(backend._comm_ptr())
+    if handle == 0:
+        return 0, (
+            f"torch has not created the group's NCCL communicator on {device} yet "
+            "(it does at the group's first collective, or at init_process_group(device_id=...))"
+        )
+    return handle, ""
+
+
 def torch_comm_handle(group=None, device: torch.device | int | None = None) -> int:
     """The ``ncclComm_t`` of torch's ``ProcessGroupNCCL`` for ``group`` on ``device``, as an
     integer; ``RuntimeError`` naming the reason where there is none to lend."""
@@ -209,25 +237,9 @@ def torch_comm_handle(group=None, device: torch.device | int | None = None) -> i
         raise RuntimeError("NCCLCommunicator.borrow: torch.distributed is not initialized; call init_process_group first")
     if not torch.cuda.is_available():
         raise RuntimeError("NCCLCommunicator.borrow: needs a CUDA device, but torch.cuda.is_available() is False")
-    device = _cuda_device(device)
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        backend = pg._get_backend(torch.device("cuda"))
-    except RuntimeError as e:
-        raise RuntimeError(f"NCCLCommunicator.borrow: the group has no CUDA backend ({e})") from e
-    get_ptr = getattr(backend, "_comm_ptr", None)
-    if get_ptr is None:
-        raise RuntimeError(
-            f"NCCLCommunicator.borrow: the group's CUDA backend expected ProcessGroupNCCL with _comm_ptr() "
-            f"(torch >= 2.9), got {type(backend).__name__} (torch {torch.__version__})"
-        )
-    with torch.cuda.device(device):
-        handle = int(get_ptr())
-    if handle == 0:
-        raise RuntimeError(
-            f"NCCLCommunicator.borrow: torch has not created the group's NCCL communicator on {device} yet "
-            "(it does at the group's first collective, or at init_process_group(device_id=...))"
-        )
+    handle, why = _lookup_handle(group, _cuda_device(device))
+    if not handle:
+        raise RuntimeError(f"NCCLCommunicator.borrow: {why}")
     return handle
 
 
@@ -249,14 +261,6 @@ def borrowed_torch_comm(group=None, device: torch.device | None = None) -> NCCLC
         return None
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        backend = pg._get_backend(torch.device("cuda"))
-    except RuntimeError:
-        return None
-    if not isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())) or not hasattr(backend, "_comm_ptr"):
-        return None
-    with torch.cuda.device(device):
-        if int(backend._comm_ptr()) == 0:
-            return None
-    return NCCLCommunicator.borrow(group, device)
+    device = _cuda_device(device)
+    handle, _ = _lookup_handle(group, device)
+    return NCCLCommunicator._wrap(_extension(), handle, group, device) if handle else None
