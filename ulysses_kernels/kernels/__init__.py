@@ -56,17 +56,13 @@ def _import_or_why(name: str):
     return cls, ""
 
 
-def _import(name: str):
-    return _import_or_why(name)[0]
-
-
 # Inside torch.compile the result is a constant of the trace: dynamo does not trace
 # importlib (it would break the graph), and whether a kernel set can run does not change
 # during a process (the import is attempted once, then cached).
 @torch.compiler.assume_constant_result
 def _load(name: str):
     """The kernel-set class for ``name``, or None when it cannot run in this process."""
-    return TorchKernels if name == "torch" else _import(name)
+    return TorchKernels if name == "torch" else _import_or_why(name)[0]
 
 
 def available_kernels() -> list[str]:
