@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import os
 import sys
 import warnings
@@ -158,14 +157,6 @@ class Method:
         self.fwd_only, self.bwd_only, self.check_layout = fwd, bwd, check
 
 
-def count_unequal(actual: torch.Tensor, expected: torch.Tensor) -> int:
-    """Elements of a data-movement result that differ from the reference (bit-exact rule;
-    a wrong shape counts every expected element)."""
-    if actual.shape != expected.shape:
-        return expected.numel()
-    return int((actual != expected).sum().item())
-
-
 def local_method(plan, rank, backend, scale, name="local"):
     kv_map = plan.local_kv_map(rank)
 
@@ -220,8 +211,7 @@ def layout_method(name, kern, layout: Layout, like: torch.Tensor):
         L.unpack_h2s(layout, layout.h2s_recv_views(recv_q, Q_ONLY), Q_ONLY, ref_out)
         L.pack_s2h(layout, (dout_local,), Q_ONLY, ref_q)
         L.unpack_h2s(layout, layout.h2s_recv_views(recv_qkv, QKV), QKV, ref_grads)
-        pairs = zip([send_qkv, send_q] + out + grads, [ref_qkv, ref_q] + ref_out + ref_grads)
-        return sum(count_unequal(a, b) for a, b in pairs)
+        return C.count_unequal_bits([send_qkv, send_q] + out + grads, [ref_qkv, ref_q] + ref_out + ref_grads)
 
     return Method(name, layout_only=True, fwd=fwd, bwd=bwd, check=check)
 
@@ -290,7 +280,8 @@ def chain_layout_method(inp: Inputs, P: int):
             want["dk_sum"] = want["dv_sum"] = torch.stack([dk_rep[:, :, j * g : (j + 1) * g].sum(2) for j in range(Hkv)], 2)
         # The copies bit for bit; the sums (arithmetic, their order is torch's) within the dtype's tolerance.
         sums = {"dk_sum", "dv_sum"}
-        wrong = sum(count_unequal(last[name], ref) for name, ref in want.items() if name in last and name not in sums)
+        copies = [name for name in want if name in last and name not in sums]
+        wrong = C.count_unequal_bits([last[name] for name in copies], [want[name] for name in copies])
         wrong += sum(count_wrong(last[name], want[name].float(), dt) for name in sums if name in want and name in last)
         return wrong + sum(ref.numel() for name, ref in want.items() if name not in last)
 

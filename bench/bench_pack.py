@@ -87,26 +87,6 @@ COLUMNS = [
 
 
 # ---- the check ---------------------------------------------------------------------------
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as same-width integers: NaN payloads and the sign of zero compare too."""
-    return x.view(_INT_OF_SIZE[x.element_size()]) if x.is_floating_point() else x
-
-
-def count_wrong(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> int:
-    """Elements of ``actual`` whose bits differ from ``expected`` (pairwise). A tensor of the
-    wrong shape or dtype counts all of its expected elements, a missing one likewise."""
-    wrong = sum(e.numel() for e in expected[len(actual):])
-    for a, e in zip(actual, expected):
-        if a.shape != e.shape or a.dtype != e.dtype:
-            wrong += e.numel()
-        else:
-            wrong += int((_bits(a) != _bits(e)).sum().item())
-    return wrong
-
-
 @dataclass
 class Case:
     """One row: ``run()`` is what is timed and returns the outputs; ``check`` compares
@@ -126,7 +106,7 @@ def check(case: Case) -> int:
     """Poison the outputs, run once more, count the elements that differ from the expected."""
     for t in case.poison:
         t.fill_(float("nan"))
-    return count_wrong(case.view(case.run()), case.expected)
+    return C.count_unequal_bits(case.view(case.run()), case.expected)
 
 
 # ---- the cases of one configuration ------------------------------------------------------

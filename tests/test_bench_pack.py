@@ -83,24 +83,24 @@ def _kernel_or_skip(name):
 
 
 # ---- the check itself ----------------------------------------------------------------------
-def test_count_wrong_is_bit_exact():
+def test_count_unequal_bits_is_bit_exact():
     g = torch.Generator().manual_seed(1)
     a = [torch.randn(2, 3, 4, 5, generator=g).to(DT), torch.randn(7, generator=g).to(DT)]
-    assert bp.count_wrong([x.clone() for x in a], a) == 0
+    assert C.count_unequal_bits([x.clone() for x in a], a) == 0
     b = [x.clone() for x in a]
     b[0].view(torch.int16)[1, 2, 3, 4] += 1  # one ulp
     b[1][0] = -b[1][0]
-    assert bp.count_wrong(b, a) == 2
+    assert C.count_unequal_bits(b, a) == 2
     z = torch.zeros(4)
-    assert bp.count_wrong([-z], [z]) == 4  # -0.0 == 0.0 numerically, not bit for bit
+    assert C.count_unequal_bits([-z], [z]) == 4  # -0.0 == 0.0 numerically, not bit for bit
     nan = torch.full((3,), float("nan"))
-    assert bp.count_wrong([nan.clone()], [nan]) == 0  # the same NaN bits moved intact
-    assert bp.count_wrong([nan], [torch.ones(3)]) == 3
-    assert bp.count_wrong([a[0][:, :2]], a[:1]) == a[0].numel()  # wrong shape: all of it
-    assert bp.count_wrong([a[0].float()], a[:1]) == a[0].numel()  # wrong dtype: all of it
-    assert bp.count_wrong(a[:1], a) == a[1].numel()  # a missing output: all of it
+    assert C.count_unequal_bits([nan.clone()], [nan]) == 0  # the same NaN bits moved intact
+    assert C.count_unequal_bits([nan], [torch.ones(3)]) == 3
+    assert C.count_unequal_bits([a[0][:, :2]], a[:1]) == a[0].numel()  # wrong shape: all of it
+    assert C.count_unequal_bits([a[0].float()], a[:1]) == a[0].numel()  # wrong dtype: all of it
+    assert C.count_unequal_bits(a[:1], a) == a[1].numel()  # a missing output: all of it
     # Strided views compare element by element.
-    assert bp.count_wrong([a[0].transpose(1, 2).contiguous().transpose(1, 2)], a[:1]) == 0
+    assert C.count_unequal_bits([a[0].transpose(1, 2).contiguous().transpose(1, 2)], a[:1]) == 0
 
 
 @pytest.mark.parametrize("cfg", [CHAIN_CFG, REPLICA_CFG], ids=["chain", "replicas"])
@@ -126,7 +126,7 @@ def test_check_is_zero_on_correct_rows_and_counts_corruption(kernels, cfg):
             # A call that writes nothing, on buffers that still hold the previous (correct)
             # result: the NaN poison makes every element count.
             outs = case.run()
-            assert bp.count_wrong(case.view(outs), case.expected) == 0
+            assert C.count_unequal_bits(case.view(outs), case.expected) == 0
             stale = dataclasses.replace(case, run=lambda outs=outs: outs)
             assert bp.check(stale) == sum(e.numel() for e in case.expected), (case.op, case.method)
 

@@ -460,6 +460,27 @@ def pattern(index: torch.Tensor, salt: int) -> torch.Tensor:
     return ((x >> 16) % 251 - 125).to(torch.int64)
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as same-width integers: NaN payloads and the sign of zero compare too."""
+    return x.view(_INT_OF_SIZE[x.element_size()]) if x.is_floating_point() else x
+
+
+def count_unequal_bits(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> int:
+    """Elements of ``actual`` whose bits differ from ``expected`` (pairwise): the rule for
+    data movement. A tensor of the wrong shape or dtype counts all of its expected
+    elements, a missing one likewise."""
+    wrong = sum(e.numel() for e in expected[len(actual):])
+    for a, e in zip(actual, expected):
+        if a.shape != e.shape or a.dtype != e.dtype:
+            wrong += e.numel()
+        else:
+            wrong += int((_bits(a) != _bits(e)).sum().item())
+    return wrong
+
+
 def fill_pattern_4d(out: torch.Tensor, salt: int, seq_total: int, heads_total: int, t0: int, heads, chunk_elems: int = 1 << 24) -> torch.Tensor:
     """Fill ``out`` ``[B, s, h, D]`` with the pattern of the global tensor ``[B, seq_total,
     heads_total, D]`` at rows ``t0 .. t0+s`` and heads ``heads`` (a list of global head
