@@ -257,10 +257,14 @@ def borrowed_torch_comm(group=None, device: torch.device | None = None) -> NCCLC
     """
     if os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "1") == "0":
         return None
-    if device is None or device.type != "cuda" or not nccl_available():
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    try:
+        ext = _extension()
+    except RuntimeError:  # no extension, or one without NCCL
+        return None
     device = _cuda_device(device)
     handle, _ = _lookup_handle(group, device)
-    return NCCLCommunicator._wrap(_extension(), handle, group, device) if handle else None
+    return NCCLCommunicator._wrap(ext, handle, group, device) if handle else None
