@@ -47,9 +47,9 @@ from ulysses_kernels.bench import common as C
 from ulysses_kernels.comm import TorchCommunicator
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
-from ulysses_kernels.ops import a2a_head_to_seq, a2a_seq_to_head
+from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.plan import HeadPlan
-from ulysses_kernels.reference import _chain_h2s, _chain_s2h
+from ulysses_kernels.baselines import chain_head_to_seq, chain_seq_to_head
 
 # The chain baseline (reference.py) uses torch.distributed.nn.functional, deprecated in new torch.
 warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
@@ -231,7 +231,7 @@ def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernel
 
             def run():
                 kk, vv = (k, v) if not repeat else (k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2))
-                return [_chain_s2h(x, world, None) for x in (q, kk, vv)]
+                return [chain_seq_to_head(x, world, None) for x in (q, kk, vv)]
 
             def check(outs):
                 return sum(
@@ -244,7 +244,7 @@ def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernel
                 raise Skip("chain and plan head ranges differ")
 
             def run():
-                return _chain_h2s(x, world, None)
+                return chain_head_to_seq(x, world, None)
 
             def check(out):
                 return C.count_wrong_4d(out, SALT_OUT, S, sh.heads, rank * sh.seq, range(sh.heads))

@@ -13,7 +13,7 @@ Methods (``--methods``, default all that can run):
 
   local        the compute floor: this rank's heads (HeadPlan) over the full sequence,
                the same attention backend as ours, no communication and no layout work
-  chain        ``reference.permute_chain_attention`` (DeepSpeed/yunchang's three permutes),
+  chain        ``baselines.permute_chain_attention`` (DeepSpeed/yunchang's three permutes),
                when the query heads divide over the ranks
   ulysses-<k>  ``ulysses_attention`` with kernel set <k> (torch, triton, cuda)
   deepspeed    ``deepspeed.sequence.layer.DistributedAttention`` when importable
@@ -60,7 +60,7 @@ from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
-from ulysses_kernels.reference import permute_chain_attention
+from ulysses_kernels.baselines import permute_chain_attention
 
 warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
 

@@ -72,7 +72,7 @@ from ulysses_kernels.bench import common as C
 from ulysses_kernels.comm import TorchCommunicator
 from ulysses_kernels.kernels import get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
-from ulysses_kernels.ops import a2a_head_to_seq, a2a_seq_to_head
+from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans
 from ulysses_kernels.plan import HeadPlan
 

@@ -19,7 +19,7 @@ head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)`
                         does not (the receive buffer is the attention input), so x_chain is a
                         lower bound of the difference
   unpack  copy          a copy of the receive buffer's bytes
-  unpack  fused (<k>)   ``unpack_h2s``: the received blocks of the q/k/v streams (dq/dk/dv of the
+  unpack  fused (<k>)   ``unpack_h2s``: the received blocks of the q/k/v roles (dq/dk/dv of the
                         backward) -> ``[B, s, H, D]``, KV heads held by several ranks summed
   unpack  torch         ``layout.unpack_h2s``
   unpack  chain         the chain's receive side: ``[P, s, B, H/P, D]`` -> permute -> ``[B, s, H, D]``
@@ -186,7 +186,7 @@ def build_cases(cfg, device: torch.device, dtype: torch.dtype, kernel_sets: Sequ
         expected = [ref_views[p][i] for i in range(len(QKV)) for p in range(world)]
         cases.append(Case("pack", "chain", chain_pack, expected, size, 2 * size, view=chain_pack_view))
 
-    # Unpack of the head-to-sequence all-to-all of the q/k/v streams (dq, dk, dv).
+    # Unpack of the head-to-sequence all-to-all of the q/k/v roles (dq, dk, dv).
     _, recv_splits = lay.h2s_splits(QKV)
     n_recv = sum(recv_splits)
     recv = randn(n_recv)

@@ -71,14 +71,14 @@ void check_send(const at::Tensor& send, int64_t expected, const char* op) {
               send.numel());
 }
 
-// The world size implied by head_ranges ([peer][stream][start, end] for n streams), checked
+// The world size implied by head_ranges ([peer][role][start, end] for n roles), checked
 // against the limits of the kernels' parameter structs.
 int64_t checked_world_size(const char* op, const char* what, const char* per, int64_t n, at::IntArrayRef head_ranges) {
-  TORCH_CHECK(n >= 1 && n <= kMaxStreams, "ulysses_kernels.", op, ": ", what, " expected 1 to ", kMaxStreams,
+  TORCH_CHECK(n >= 1 && n <= kMaxRoles, "ulysses_kernels.", op, ": ", what, " expected 1 to ", kMaxRoles,
               " tensors, got ", n);
   const int64_t len = static_cast<int64_t>(head_ranges.size());
   TORCH_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.", op, ": head_ranges expected 2 * ", n,
-              " * world_size values ([", per, "][stream][start, end]), got ", len);
+              " * world_size values ([", per, "][role][start, end]), got ", len);
   const int64_t peers = len / (2 * n);
   TORCH_CHECK(peers <= kMaxPeers, "ulysses_kernels.", op, ": world_size expected at most ", kMaxPeers, ", got ",
               peers);
@@ -98,7 +98,7 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
               shape_str(x0));
   const int64_t B = x0.size(0), S = x0.size(1), D = x0.size(3), elem = x0.element_size();
   PackParams p{};
-  p.n_streams = static_cast<int32_t>(n);
+  p.n_roles = static_cast<int32_t>(n);
   p.n_peers = static_cast<int32_t>(peers);
   p.batch = B;
   p.seq = S;
@@ -173,8 +173,8 @@ PackParams make_pack_h2s(const at::Tensor& local, const at::Tensor& send) {
   return make_pack_s2h({local}, {0, h}, send);
 }
 
-struct UnpackPlan {
-  std::vector<UnpackParams> params;  // one per stream
+struct UnpackLaunch {
+  std::vector<UnpackParams> params;  // one per role (q, k, v)
   std::vector<AddType> adds;
 };
 
@@ -188,13 +188,13 @@ AddType add_type(at::ScalarType t) {
   }
 }
 
-// unpack_h2s: blocks (source-major, then stream) [B, s, h_p, D] -> outs [B, s, H, D].
-UnpackPlan make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
+// unpack_h2s: blocks (source-major, then role) [B, s, h_p, D] -> outs [B, s, H, D].
+UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
   const int64_t n = static_cast<int64_t>(outs.size());
   const int64_t peers = checked_world_size("unpack_h2s", "outs", "source", n, head_ranges);
   TORCH_CHECK(static_cast<int64_t>(blocks.size()) == peers * n, "ulysses_kernels.unpack_h2s: blocks expected ",
-              peers * n, " tensors (world_size ", peers, " x ", n, " streams), got ", blocks.size());
-  UnpackPlan plan;
+              peers * n, " tensors (world_size ", peers, " x ", n, " roles), got ", blocks.size());
+  UnpackLaunch plan;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& out = outs[i];
     const std::string oname = "outs[" + std::to_string(i) + "]";
@@ -222,7 +222,7 @@ UnpackPlan make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at::T
     for (int64_t src = 0; src < peers; ++src) {
       const at::Tensor& blk = blocks[src * n + i];
       const std::string bname = "blocks[" + std::to_string(src * n + i) + "] (source " + std::to_string(src) +
-                                ", stream " + std::to_string(i) + ")";
+                                ", role " + std::to_string(i) + ")";
       const int64_t a = head_ranges[(src * n + i) * 2], b = head_ranges[(src * n + i) * 2 + 1];
       TORCH_CHECK(0 <= a && a <= b && b <= H, "ulysses_kernels.unpack_h2s: head range of ", bname,
                   " expected within [0, ", H, "], got [", a, ", ", b, ")");
@@ -265,7 +265,7 @@ void pack_s2h_cpu(at::TensorList tensors, at::IntArrayRef head_ranges, const at:
 void pack_h2s_cpu(const at::Tensor& local, const at::Tensor& send) { pack_cpu(make_pack_h2s(local, send)); }
 
 void unpack_h2s_cpu(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
-  const UnpackPlan plan = make_unpack(blocks, head_ranges, outs);
+  const UnpackLaunch plan = make_unpack(blocks, head_ranges, outs);
   for (size_t i = 0; i < plan.params.size(); ++i) unpack_cpu(plan.params[i], plan.adds[i]);
 }
 
@@ -288,7 +288,7 @@ void pack_h2s_cuda(const at::Tensor& local, const at::Tensor& send) {
 }
 
 void unpack_h2s_cuda(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
-  const UnpackPlan plan = make_unpack(blocks, head_ranges, outs);
+  const UnpackLaunch plan = make_unpack(blocks, head_ranges, outs);
   const c10::cuda::CUDAGuard guard(outs[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(outs[0].device().index()).stream();
   for (size_t i = 0; i < plan.params.size(); ++i) check_cuda(launch_unpack(plan.params[i], plan.adds[i], stream), "unpack_h2s");

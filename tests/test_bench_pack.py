@@ -51,28 +51,28 @@ class Corrupt:
     def __init__(self, inner):
         self.inner, self.name = inner, f"corrupt-{inner.name}"
 
-    def pack_s2h(self, layout, tensors, streams, send, recv=None):
-        self.inner.pack_s2h(layout, tensors, streams, send)
+    def pack_s2h(self, layout, tensors, roles, send, recv=None):
+        self.inner.pack_s2h(layout, tensors, roles, send)
         _flip_one(send, 5)
 
     def pack_h2s(self, layout, local, send):
         self.inner.pack_h2s(layout, local, send)
 
-    def unpack_h2s(self, layout, blocks, streams, outs):
-        self.inner.unpack_h2s(layout, blocks, streams, outs)
-        _flip_one(outs[1], 3)  # the k stream: on REPLICA_CFG a summed KV head
+    def unpack_h2s(self, layout, blocks, roles, outs):
+        self.inner.unpack_h2s(layout, blocks, roles, outs)
+        _flip_one(outs[1], 3)  # the k role: on REPLICA_CFG a summed KV head
 
 
 class SkipsLastPeer(Corrupt):
     """A pack that never writes the last peer's block of the send buffer (unpack correct)."""
 
-    def unpack_h2s(self, layout, blocks, streams, outs):
-        self.inner.unpack_h2s(layout, blocks, streams, outs)
+    def unpack_h2s(self, layout, blocks, roles, outs):
+        self.inner.unpack_h2s(layout, blocks, roles, outs)
 
-    def pack_s2h(self, layout, tensors, streams, send, recv=None):
+    def pack_s2h(self, layout, tensors, roles, send, recv=None):
         full = torch.empty_like(send)
-        self.inner.pack_s2h(layout, tensors, streams, full)
-        n = sum(layout.s2h_send_splits(streams)[:-1])
+        self.inner.pack_s2h(layout, tensors, roles, full)
+        n = sum(layout.s2h_send_splits(roles)[:-1])
         send[:n].copy_(full[:n])
 
 

@@ -216,16 +216,16 @@ def test_layout_rows_are_checked_and_catch_corruption(H, Hkv, monkeypatch):
             pack_s2h = staticmethod(get_kernels("torch", dev).pack_s2h)
 
             @staticmethod
-            def unpack_h2s(lay, blocks, streams, outs):
-                get_kernels("torch", dev).unpack_h2s(lay, blocks, streams, outs)
+            def unpack_h2s(lay, blocks, roles, outs):
+                get_kernels("torch", dev).unpack_h2s(lay, blocks, roles, outs)
                 outs[-1].view(-1)[7] += 1.0
 
         assert att.layout_method("layout-bad", OneOff, layout, like).check_layout() == 2  # fwd out, bwd dv
 
         class Lazy(OneOff):  # leaves the first element of the send buffer unwritten
             @staticmethod
-            def pack_s2h(lay, tensors, streams, send, recv=None):
-                get_kernels("torch", dev).pack_s2h(lay, tensors, streams, send, recv)
+            def pack_s2h(lay, tensors, roles, send, recv=None):
+                get_kernels("torch", dev).pack_s2h(lay, tensors, roles, send, recv)
                 send[0] = float("nan")
 
             unpack_h2s = staticmethod(get_kernels("torch", dev).unpack_h2s)

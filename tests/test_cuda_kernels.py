@@ -72,13 +72,13 @@ def _qkv(lay, dtype, device, kind):
     return rnd(B, s, hq, D), rnd(B, s, hkv, D), rnd(B, s, hkv, D)
 
 
-def _pack_both(lay, tensors, streams, kernels, with_recv):
+def _pack_both(lay, tensors, roles, kernels, with_recv):
     dtype, device = tensors[0].dtype, tensors[0].device
-    n = sum(lay.s2h_send_splits(streams))
+    n = sum(lay.s2h_send_splits(roles))
     sends = [torch.full((n,), FILL, dtype=dtype, device=device) for _ in range(2)]
-    recvs = [torch.full((sum(lay.s2h_recv_splits(streams)),), FILL, dtype=dtype, device=device) for _ in range(2)]
-    L.pack_s2h(lay, tensors, streams, sends[0], **({"recv": recvs[0]} if with_recv else {}))
-    kernels.pack_s2h(lay, tensors, streams, sends[1], **({"recv": recvs[1]} if with_recv else {}))
+    recvs = [torch.full((sum(lay.s2h_recv_splits(roles)),), FILL, dtype=dtype, device=device) for _ in range(2)]
+    L.pack_s2h(lay, tensors, roles, sends[0], **({"recv": recvs[0]} if with_recv else {}))
+    kernels.pack_s2h(lay, tensors, roles, sends[1], **({"recv": recvs[1]} if with_recv else {}))
     return sends, recvs
 
 
@@ -87,41 +87,41 @@ def _pack_both(lay, tensors, streams, kernels, with_recv):
 def test_pack_s2h_matches_reference(plan, rank, batch, d, dtype, kind):
     lay = _layout(plan, rank, batch, d)
     q, k, v = _qkv(lay, dtype, "cpu", kind)
-    for tensors, streams in (((q, k, v), QKV), ((q,), Q_ONLY)):
+    for tensors, roles in (((q, k, v), QKV), ((q,), Q_ONLY)):
         for with_recv in (False, True):
-            (ref, got), (ref_r, got_r) = _pack_both(lay, tensors, streams, CK, with_recv)
-            assert torch.equal(ref, got), f"send differs ({streams}, recv={with_recv})"
-            assert torch.equal(ref_r, got_r), f"recv differs ({streams}, recv={with_recv})"
+            (ref, got), (ref_r, got_r) = _pack_both(lay, tensors, roles, CK, with_recv)
+            assert torch.equal(ref, got), f"send differs ({roles}, recv={with_recv})"
+            assert torch.equal(ref_r, got_r), f"recv differs ({roles}, recv={with_recv})"
 
 
-def _blocks(lay, streams, dtype, device, seed):
+def _blocks(lay, roles, dtype, device, seed):
     """What unpack reads: the received blocks (strided views of a receive buffer) and, for
     this rank, its own rows of local ``[B, S, h, D]`` tensors (batch-strided views)."""
     g = torch.Generator().manual_seed(seed)
-    recv = torch.randn(sum(lay.h2s_splits(streams)[1]), generator=g).to(dtype).to(device)
-    blocks = lay.h2s_recv_views(recv, streams)
+    recv = torch.randn(sum(lay.h2s_splits(roles)[1]), generator=g).to(dtype).to(device)
+    blocks = lay.h2s_recv_views(recv, roles)
     local = [
         torch.randn(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim, generator=g).to(dtype).to(device)
-        for s in streams
+        for s in roles
     ]
     blocks[lay.rank] = [lay.h2s_send_blocks(x, lay.rank) for x in local]
     return blocks
 
 
-def _outs(lay, streams, dtype, device):
-    return [torch.full((lay.batch, lay.seq_local, lay.total_heads(s), lay.head_dim), FILL, dtype=dtype, device=device) for s in streams]
+def _outs(lay, roles, dtype, device):
+    return [torch.full((lay.batch, lay.seq_local, lay.total_heads(s), lay.head_dim), FILL, dtype=dtype, device=device) for s in roles]
 
 
 @pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
 def test_unpack_h2s_matches_reference(plan, rank, batch, d, dtype):
     lay = _layout(plan, rank, batch, d)
-    for streams in (QKV, Q_ONLY):
-        blocks = _blocks(lay, streams, dtype, "cpu", seed=plan.q_heads + 7 * rank)
-        ref, got = _outs(lay, streams, dtype, "cpu"), _outs(lay, streams, dtype, "cpu")
-        L.unpack_h2s(lay, blocks, streams, ref)
-        CK.unpack_h2s(lay, blocks, streams, got)
+    for roles in (QKV, Q_ONLY):
+        blocks = _blocks(lay, roles, dtype, "cpu", seed=plan.q_heads + 7 * rank)
+        ref, got = _outs(lay, roles, dtype, "cpu"), _outs(lay, roles, dtype, "cpu")
+        L.unpack_h2s(lay, blocks, roles, ref)
+        CK.unpack_h2s(lay, blocks, roles, got)
         for i, (a, b) in enumerate(zip(ref, got)):
-            assert torch.equal(a, b), f"stream {i} of {streams} differs"
+            assert torch.equal(a, b), f"role {i} of {roles} differs"
 
 
 def test_unpack_sums_replicas_in_rank_order():
@@ -211,7 +211,7 @@ def test_errors_name_the_tensor():
     with pytest.raises(RuntimeError, match=r"unpack_h2s: outs expected 1 to 3 tensors, got 4"):
         ops.unpack_h2s([q], [0, 4] * 4, [q] * 4)
     out = torch.empty(2, 3, 4, 8)
-    with pytest.raises(RuntimeError, match=r"blocks\[1\] \(source 1, stream 0\)\.shape expected \[2, 3, 2, 8\], got \[2, 3, 3, 8\]"):
+    with pytest.raises(RuntimeError, match=r"blocks\[1\] \(source 1, role 0\)\.shape expected \[2, 3, 2, 8\], got \[2, 3, 3, 8\]"):
         ops.unpack_h2s([torch.randn(2, 3, 2, 8), torch.randn(2, 3, 3, 8)], [0, 2, 2, 4], [out])
     with pytest.raises(RuntimeError, match=r"expected float32, float64, float16 or bfloat16 to sum replicated heads, got Int"):
         ops.unpack_h2s([torch.ones(2, 3, 2, 8, dtype=torch.int32)] * 2, [0, 2, 1, 3], [torch.empty(2, 3, 4, 8, dtype=torch.int32)])
@@ -276,10 +276,10 @@ def test_gpu_pack_matches_cpu_twin(plan, rank, batch, d, dtype, kind):
     lay = _layout(plan, rank, batch, d)
     cpu = _qkv(lay, dtype, "cpu", kind)
     gpu = _qkv(lay, dtype, "cuda", kind)
-    for streams, n in ((QKV, 3), (Q_ONLY, 1)):
+    for roles, n in ((QKV, 3), (Q_ONLY, 1)):
         for with_recv in (False, True):
-            (_, want), (_, want_r) = _pack_both(lay, cpu[:n], streams, CK, with_recv)
-            (ref, got), (ref_r, got_r) = _pack_both(lay, gpu[:n], streams, CK, with_recv)
+            (_, want), (_, want_r) = _pack_both(lay, cpu[:n], roles, CK, with_recv)
+            (ref, got), (ref_r, got_r) = _pack_both(lay, gpu[:n], roles, CK, with_recv)
             assert torch.equal(got.cpu(), want) and torch.equal(got_r.cpu(), want_r)
             assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
 
@@ -289,12 +289,12 @@ def test_gpu_pack_matches_cpu_twin(plan, rank, batch, d, dtype, kind):
 @pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
 def test_gpu_unpack_matches_cpu_twin(plan, rank, batch, d, dtype):
     lay = _layout(plan, rank, batch, d)
-    for streams in (QKV, Q_ONLY):
+    for roles in (QKV, Q_ONLY):
         seed = plan.q_heads + 7 * rank
-        want = _outs(lay, streams, dtype, "cpu")
-        CK.unpack_h2s(lay, _blocks(lay, streams, dtype, "cpu", seed), streams, want)
-        got = _outs(lay, streams, dtype, "cuda")
-        CK.unpack_h2s(lay, _blocks(lay, streams, dtype, "cuda", seed), streams, got)
+        want = _outs(lay, roles, dtype, "cpu")
+        CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cpu", seed), roles, want)
+        got = _outs(lay, roles, dtype, "cuda")
+        CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cuda", seed), roles, got)
         for a, b in zip(want, got):
             assert torch.equal(a, b.cpu())
 
@@ -312,7 +312,7 @@ def test_gpu_large_pack_uses_vector_path_and_matches():
 @needs_gpu
 @pytest.mark.gpu
 def test_gpu_pack_unpack_capture_in_cuda_graph():
-    # Stream-ordered with no host sync: a captured pack/unpack replays on new inputs.
+    # Role-ordered with no host sync: a captured pack/unpack replays on new inputs.
     plan = HeadPlan.build(40, 8, 3)
     lay = Layout(plan, 1, (64, 48, 80), 2, 64)
     q, k, v = _qkv(lay, torch.bfloat16, "cuda", "fused")

@@ -85,9 +85,9 @@ def _untouched(n, dtype, device="cpu"):
     return torch.empty(n, dtype=dtype, device=device)
 
 
-def _recv_rows(lay, recv, streams):
+def _recv_rows(lay, recv, roles):
     """This rank's own rows of the receive buffer: [B, s_r, h, D] (a view)."""
-    r4 = recv.view(lay.batch, lay.seq_total, lay.heads(streams, lay.rank), lay.head_dim)
+    r4 = recv.view(lay.batch, lay.seq_total, lay.heads(roles, lay.rank), lay.head_dim)
     off = lay.seq_offset(lay.rank)
     return r4[:, off : off + lay.seq_local]
 
@@ -123,16 +123,16 @@ def _check_unpack_h2s_far(kernels, dtype, device, replicas):
     # Q_ONLY over 2 ranks, q heads [0, 2) and [2, 4); with replicas, one KV head held by
     # both ranks (MQA), summed in rank order.
     plan = HeadPlan.build(4, 1, 2) if replicas else HeadPlan.build(4, 4, 2)
-    streams = ("kv",) if replicas else Q_ONLY
+    roles = ("kv",) if replicas else Q_ONLY
     lay = Layout(plan, 0, (3, 3), 2, 16)
-    h = lambda p: lay.head_count(streams[0], p)  # noqa: E731
+    h = lambda p: lay.head_count(roles[0], p)  # noqa: E731
     blocks = [[_far((2, 3, h(p), 16), dtype, 10 + p, device)] for p in range(2)]
-    H = lay.total_heads(streams[0])
+    H = lay.total_heads(roles[0])
     ref = torch.full((2, 3, H, 16), 7, dtype=dtype, device=device)
     got = _far((2, 3, H, 16), dtype, 20, device)
     got.fill_(7)
-    L.unpack_h2s(lay, blocks, streams, [ref])
-    kernels.unpack_h2s(lay, blocks, streams, [got])
+    L.unpack_h2s(lay, blocks, roles, [ref])
+    kernels.unpack_h2s(lay, blocks, roles, [got])
     assert torch.equal(ref, got)
 
 

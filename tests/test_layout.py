@@ -27,7 +27,7 @@ def _shard(x, seq_lens, r):
     return x[:, start : start + seq_lens[r]]
 
 
-def simulate_seq_to_head(plan, seq_lens, full, streams, pack=pack_s2h, own_rows_in_place=False):
+def simulate_seq_to_head(plan, seq_lens, full, roles, pack=pack_s2h, own_rows_in_place=False):
     """Every rank packs, pieces are exchanged, every rank's received views are returned.
 
     ``own_rows_in_place``: each rank packs its own block straight into its receive buffer
@@ -35,24 +35,24 @@ def simulate_seq_to_head(plan, seq_lens, full, streams, pack=pack_s2h, own_rows_
     B, D, P = full[0].shape[0], full[0].shape[3], plan.world_size
     layouts = [Layout(plan, r, tuple(seq_lens), B, D) for r in range(P)]
     nan = float("nan")
-    recvs = [torch.full((sum(lay.s2h_recv_splits(streams)),), nan, dtype=full[0].dtype) for lay in layouts]
+    recvs = [torch.full((sum(lay.s2h_recv_splits(roles)),), nan, dtype=full[0].dtype) for lay in layouts]
     sends = []
     for r, lay in enumerate(layouts):
-        send = torch.full((sum(lay.s2h_send_splits(streams)),), nan, dtype=full[0].dtype)
-        pack(lay, [_shard(x, seq_lens, r) for x in full], streams, send, **({"recv": recvs[r]} if own_rows_in_place else {}))
-        sends.append(lay.s2h_send_pieces(send, streams))
+        send = torch.full((sum(lay.s2h_send_splits(roles)),), nan, dtype=full[0].dtype)
+        pack(lay, [_shard(x, seq_lens, r) for x in full], roles, send, **({"recv": recvs[r]} if own_rows_in_place else {}))
+        sends.append(lay.s2h_send_pieces(send, roles))
     for p, lay in enumerate(layouts):
-        pieces = lay.s2h_recv_pieces(recvs[p], streams)
+        pieces = lay.s2h_recv_pieces(recvs[p], roles)
         for r in range(P):
             if own_rows_in_place and r == p:
                 continue
             for b in range(B):
                 pieces[r][b].copy_(sends[r][p][b])
-    return [lay.s2h_recv_views(recv, streams) for lay, recv in zip(layouts, recvs)]
+    return [lay.s2h_recv_views(recv, roles) for lay, recv in zip(layouts, recvs)]
 
 
-def simulate_head_to_seq(plan, seq_lens, locals_per_rank, streams, unpack=unpack_h2s):
-    """``locals_per_rank[p]``: rank p's ``[B, S, h_p, D]`` tensors, one per stream."""
+def simulate_head_to_seq(plan, seq_lens, locals_per_rank, roles, unpack=unpack_h2s):
+    """``locals_per_rank[p]``: rank p's ``[B, S, h_p, D]`` tensors, one per role."""
     x0 = locals_per_rank[0][0]
     B, D, P = x0.shape[0], x0.shape[3], plan.world_size
     outs = []
@@ -63,10 +63,10 @@ def simulate_head_to_seq(plan, seq_lens, locals_per_rank, streams, unpack=unpack
             src = Layout(plan, p, tuple(seq_lens), B, D)
             pieces += [src.h2s_send_blocks(x, r).reshape(-1) for x in locals_per_rank[p]]
         recv = torch.cat(pieces)
-        assert recv.numel() == sum(lay.h2s_splits(streams)[1])
-        blocks = lay.h2s_recv_views(recv, streams)
-        result = [torch.full((B, seq_lens[r], lay.total_heads(s), D), float("nan"), dtype=x0.dtype) for s in streams]
-        unpack(lay, blocks, streams, result)
+        assert recv.numel() == sum(lay.h2s_splits(roles)[1])
+        blocks = lay.h2s_recv_views(recv, roles)
+        result = [torch.full((B, seq_lens[r], lay.total_heads(s), D), float("nan"), dtype=x0.dtype) for s in roles]
+        unpack(lay, blocks, roles, result)
         outs.append(result)
     return outs
 

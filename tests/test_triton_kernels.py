@@ -79,7 +79,7 @@ def _check_pack_s2h(lay: Layout, dtype, gen, fused=False):
     L.pack_s2h(lay, (q, k, v), QKV, ref, recv=ref_r)
     TritonKernels.pack_s2h(lay, (q, k, v), QKV, got, recv=got_r)
     assert torch.equal(_bits(ref), _bits(got)) and torch.equal(_bits(ref_r), _bits(got_r)), (lay, dtype, fused)
-    # One stream (dout in the backward).
+    # One role (dout in the backward).
     n1 = sum(lay.s2h_send_splits(Q_ONLY))
     ref1, got1 = torch.zeros(n1, dtype=dtype, device=DEVICE), torch.ones(n1, dtype=dtype, device=DEVICE)
     L.pack_s2h(lay, (q,), Q_ONLY, ref1)
@@ -87,24 +87,24 @@ def _check_pack_s2h(lay: Layout, dtype, gen, fused=False):
     assert torch.equal(_bits(ref1), _bits(got1)), (lay, dtype, fused)
 
 
-def _check_h2s(lay: Layout, dtype, gen, streams=QKV, self_blocks=False, same_start=False):
+def _check_h2s(lay: Layout, dtype, gen, roles=QKV, self_blocks=False, same_start=False):
     r, B, S, D = lay.rank, lay.batch, lay.seq_total, lay.head_dim
-    _, recv_splits = lay.h2s_splits(streams)
+    _, recv_splits = lay.h2s_splits(roles)
     recv = _rand((sum(recv_splits),), dtype, gen)
-    blocks = lay.h2s_recv_views(recv, streams)
+    blocks = lay.h2s_recv_views(recv, roles)
     if self_blocks:
         # As a2a_head_to_seq does: this rank's own rows come from batch-major local tensors.
-        local = [_rand((B, S, lay.head_count(s, r), D), dtype, gen) for s in streams]
+        local = [_rand((B, S, lay.head_count(s, r), D), dtype, gen) for s in roles]
         blocks[r] = [lay.h2s_send_blocks(x, r) for x in local]
-    shapes = [(B, lay.seq_local, lay.total_heads(s), D) for s in streams]
+    shapes = [(B, lay.seq_local, lay.total_heads(s), D) for s in roles]
     ref = [torch.zeros(sh, dtype=dtype, device=DEVICE) for sh in shapes]
     # Different starting values catch an unwritten head, unless the layout leaves heads
     # out on purpose (a head chunk): then both start equal and those heads must stay.
     got = [x.clone() if same_start else torch.full(sh, 5, dtype=dtype, device=DEVICE) for x, sh in zip(ref, shapes)]
-    L.unpack_h2s(lay, blocks, streams, ref)
-    TritonKernels.unpack_h2s(lay, blocks, streams, got)
+    L.unpack_h2s(lay, blocks, roles, ref)
+    TritonKernels.unpack_h2s(lay, blocks, roles, got)
     for a, b in zip(ref, got):
-        assert torch.equal(_bits(a), _bits(b)), (lay, dtype, streams)
+        assert torch.equal(_bits(a), _bits(b)), (lay, dtype, roles)
     # pack_h2s: a batch-major local tensor (not seq-major when B > 1) -> wire format.
     local = _rand((B, S, lay.head_count("q", r) + 1, D), dtype, gen)[:, :, 1:]
     n = local.numel()
@@ -162,7 +162,7 @@ def test_bit_movers(dtype):
     for lay in _layouts(8, 8, 4, (1, 2)):
         _check_pack_s2h(lay, dtype, gen)
         # 8/8 has no replicas: unpack is pure movement too.
-        _check_h2s(lay, dtype, gen, streams=Q_ONLY)
+        _check_h2s(lay, dtype, gen, roles=Q_ONLY)
 
 
 def test_nan_payloads_move_unchanged():
@@ -197,7 +197,7 @@ def test_chunk_layout_subset_of_heads():
     for cp in chunks:
         lay = Layout(cp, 1, (3, 2, 4), 2, 8)
         _check_pack_s2h(lay, torch.float32, gen)
-        _check_h2s(lay, torch.float32, gen, streams=Q_ONLY, same_start=True)
+        _check_h2s(lay, torch.float32, gen, roles=Q_ONLY, same_start=True)
 
 
 def test_descriptor_cache_is_per_layout_and_bounded():

@@ -12,7 +12,7 @@ from .checks import prepare
 from .comm import get_communicator
 from .kernels import get_kernels
 from .layout import Layout
-from .ops import HeadToSeq, SeqToHead, UlyssesAttentionFunction
+from .exchange import HeadToSeq, SeqToHead, UlyssesAttentionFunction
 from .plan import HeadPlan
 from .traceable import HeadToSeqTraced, SeqToHeadTraced, traced_attention
 

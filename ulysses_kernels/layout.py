@@ -1,10 +1,11 @@
-"""The layout math of the two all-to-alls, in one place, with the pure-PyTorch reference
-pack and unpack that every kernel (Triton, C++/CUDA) must match bit for bit.
+"""The layout math of the two all-to-alls, in one place, with the pure-PyTorch pack and
+unpack (the ``"torch"`` kernel set) that every other kernel set (Triton, C++/CUDA) must match
+bit for bit.
 
 Notation: ``P`` ranks, rank ``r`` holds ``s_r`` tokens (``seq_lens[r]``), ``S = sum(s_r)``,
-``B`` batch, ``D`` head_dim. A *stream* is one tensor family moved together: ``"q"`` moves
+``B`` batch, ``D`` head_dim. A *role* is one tensor family moved together: ``"q"`` moves
 the query-head ranges of the plan, ``"kv"`` the KV-head ranges. The q/k/v all-to-all moves
-the streams ``("q", "kv", "kv")``; the output and dout move ``("q",)``. Everything is
+the roles ``("q", "kv", "kv")``; the output and dout move ``("q",)``. Everything is
 batch-major, the layout attention kernels read and write (``[B, S, h, D]``, rows of ``D``
 contiguous), so neither side of an all-to-all needs a second copy.
 
@@ -12,7 +13,7 @@ Sequence-sharded to head-sharded (q/k/v forward, dout backward), seen from rank 
 
     send buffer (1-D)                       block for peer p, batch-major:
     +---------+---------+-----+              [B][s_r][h_q(p) | h_k(p) | h_v(p)][D]
-    | peer 0  | peer 1  | ... |              heads of the streams side by side
+    | peer 0  | peer 1  | ... |              heads of the roles side by side
     +---------+---------+-----+
 
     receive buffer = [B][S][h_q(r) | h_k(r) | h_v(r)][D]
@@ -23,7 +24,7 @@ Sequence-sharded to head-sharded (q/k/v forward, dout backward), seen from rank 
     block is packed straight into its rows of the receive buffer (``pack_s2h(recv=...)``).
 
 Head-sharded to sequence-sharded (output forward, dq/dk/dv backward). Wire format of the
-block rank ``p`` sends to rank ``r`` for one stream: ``[B][s_r][h(p)][D]``. A local tensor
+block rank ``p`` sends to rank ``r`` for one role: ``[B][s_r][h(p)][D]``. A local tensor
 ``[B, S, h, D]`` whose rows are contiguous per batch element (``x[b]`` contiguous, what
 attention kernels return) is sent in place, one piece per (peer, batch element);
 otherwise it is first made contiguous. The receiver writes each block into
@@ -78,76 +79,76 @@ class Layout:
     def seq_offset(self, rank: int) -> int:
         return sum(self.seq_lens[:rank])
 
-    def head_range(self, stream: str, rank: int) -> tuple[int, int]:
-        return self.plan.q_ranges[rank] if stream == "q" else self.plan.kv_ranges[rank]
+    def head_range(self, role: str, rank: int) -> tuple[int, int]:
+        return self.plan.q_ranges[rank] if role == "q" else self.plan.kv_ranges[rank]
 
-    def head_count(self, stream: str, rank: int) -> int:
-        a, b = self.head_range(stream, rank)
+    def head_count(self, role: str, rank: int) -> int:
+        a, b = self.head_range(role, rank)
         return b - a
 
-    def heads(self, streams: Sequence[str], rank: int) -> int:
-        return sum(self.head_count(s, rank) for s in streams)
+    def heads(self, roles: Sequence[str], rank: int) -> int:
+        return sum(self.head_count(s, rank) for s in roles)
 
-    def total_heads(self, stream: str) -> int:
-        return self.plan.q_heads if stream == "q" else self.plan.kv_heads
+    def total_heads(self, role: str) -> int:
+        return self.plan.q_heads if role == "q" else self.plan.kv_heads
 
     # ---- sequence-sharded -> head-sharded -------------------------------------------
-    def s2h_send_splits(self, streams: Sequence[str]) -> list[int]:
+    def s2h_send_splits(self, roles: Sequence[str]) -> list[int]:
         """Elements this rank sends to each peer."""
         per_token = self.batch * self.head_dim
-        return [self.seq_local * per_token * self.heads(streams, p) for p in range(self.world_size)]
+        return [self.seq_local * per_token * self.heads(roles, p) for p in range(self.world_size)]
 
-    def s2h_recv_splits(self, streams: Sequence[str]) -> list[int]:
+    def s2h_recv_splits(self, roles: Sequence[str]) -> list[int]:
         """Elements this rank receives from each source."""
-        per_token = self.batch * self.head_dim * self.heads(streams, self.rank)
+        per_token = self.batch * self.head_dim * self.heads(roles, self.rank)
         return [s * per_token for s in self.seq_lens]
 
-    def s2h_send_views(self, send: torch.Tensor, streams: Sequence[str], recv: torch.Tensor | None = None):
-        """Per peer, per stream: the ``[B, s_r, h, D]`` destination of that peer's heads.
+    def s2h_send_views(self, send: torch.Tensor, roles: Sequence[str], recv: torch.Tensor | None = None):
+        """Per peer, per role: the ``[B, s_r, h, D]`` destination of that peer's heads.
 
         Blocks of the flat send buffer; with ``recv`` given, this rank's own block is its
         rows of the receive buffer instead (its part of ``send`` is then left unused)."""
         views, start = [], 0
-        for p, n in enumerate(self.s2h_send_splits(streams)):
-            counts = [self.head_count(s, p) for s in streams]
+        for p, n in enumerate(self.s2h_send_splits(roles)):
+            counts = [self.head_count(s, p) for s in roles]
             if p == self.rank and recv is not None:
                 off = self.seq_offset(p)
-                block = self._recv4(recv, streams)[:, off : off + self.seq_local]
+                block = self._recv4(recv, roles)[:, off : off + self.seq_local]
             else:
                 block = send[start : start + n].view(self.batch, self.seq_local, sum(counts), self.head_dim)
             views.append(_split_heads(block, counts))
             start += n
         return views
 
-    def _recv4(self, recv: torch.Tensor, streams: Sequence[str]) -> torch.Tensor:
-        return recv.view(self.batch, self.seq_total, self.heads(streams, self.rank), self.head_dim)
+    def _recv4(self, recv: torch.Tensor, roles: Sequence[str]) -> torch.Tensor:
+        return recv.view(self.batch, self.seq_total, self.heads(roles, self.rank), self.head_dim)
 
-    def s2h_send_pieces(self, send: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
+    def s2h_send_pieces(self, send: torch.Tensor, roles: Sequence[str]) -> list[list[torch.Tensor]]:
         """Per peer, per batch element: the contiguous piece of the send buffer."""
         pieces, start = [], 0
-        for n in self.s2h_send_splits(streams):
+        for n in self.s2h_send_splits(roles):
             pieces.append(list(send[start : start + n].view(self.batch, -1).unbind(0)))
             start += n
         return pieces
 
-    def s2h_recv_pieces(self, recv: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
+    def s2h_recv_pieces(self, recv: torch.Tensor, roles: Sequence[str]) -> list[list[torch.Tensor]]:
         """Per source, per batch element: the contiguous piece of the receive buffer."""
-        full = self._recv4(recv, streams)
+        full = self._recv4(recv, roles)
         return [
             [full[b, self.seq_offset(p) : self.seq_offset(p) + self.seq_lens[p]].reshape(-1) for b in range(self.batch)]
             for p in range(self.world_size)
         ]
 
-    def s2h_recv_views(self, recv: torch.Tensor, streams: Sequence[str]) -> list[torch.Tensor]:
+    def s2h_recv_views(self, recv: torch.Tensor, roles: Sequence[str]) -> list[torch.Tensor]:
         """The received tensors as ``[B, S, h, D]`` views of the flat receive buffer."""
-        return _split_heads(self._recv4(recv, streams), [self.head_count(s, self.rank) for s in streams])
+        return _split_heads(self._recv4(recv, roles), [self.head_count(s, self.rank) for s in roles])
 
     # ---- head-sharded -> sequence-sharded -------------------------------------------
-    def h2s_splits(self, streams: Sequence[str]) -> tuple[list[int], list[int]]:
+    def h2s_splits(self, roles: Sequence[str]) -> tuple[list[int], list[int]]:
         """(send, receive) elements per peer for the head-to-sequence all-to-all."""
         per = self.batch * self.head_dim
-        send = [self.seq_lens[p] * per * self.heads(streams, self.rank) for p in range(self.world_size)]
-        recv = [self.seq_local * per * self.heads(streams, p) for p in range(self.world_size)]
+        send = [self.seq_lens[p] * per * self.heads(roles, self.rank) for p in range(self.world_size)]
+        recv = [self.seq_local * per * self.heads(roles, p) for p in range(self.world_size)]
         return send, recv
 
     def h2s_send_blocks(self, local: torch.Tensor, peer: int) -> torch.Tensor:
@@ -155,24 +156,24 @@ class Layout:
         start = self.seq_offset(peer)
         return local[:, start : start + self.seq_lens[peer]]
 
-    def h2s_recv_slices(self, recv: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
-        """Per source, per stream: the flat slice of the receive buffer it lands in
-        (source-major, then stream-major)."""
+    def h2s_recv_slices(self, recv: torch.Tensor, roles: Sequence[str]) -> list[list[torch.Tensor]]:
+        """Per source, per role: the flat slice of the receive buffer it lands in
+        (source-major, then role-major)."""
         slices, start = [], 0
         for p in range(self.world_size):
-            per_stream = []
-            for s in streams:
+            per_role = []
+            for s in roles:
                 n = self.seq_local * self.batch * self.head_count(s, p) * self.head_dim
-                per_stream.append(recv[start : start + n])
+                per_role.append(recv[start : start + n])
                 start += n
-            slices.append(per_stream)
+            slices.append(per_role)
         return slices
 
-    def h2s_recv_views(self, recv: torch.Tensor, streams: Sequence[str]) -> list[list[torch.Tensor]]:
-        """Per source, per stream: the received wire-format block as ``[B, s_r, h, D]``."""
+    def h2s_recv_views(self, recv: torch.Tensor, roles: Sequence[str]) -> list[list[torch.Tensor]]:
+        """Per source, per role: the received wire-format block as ``[B, s_r, h, D]``."""
         return [
-            [x.view(self.batch, self.seq_local, self.head_count(s, p), self.head_dim) for x, s in zip(per_stream, streams)]
-            for p, per_stream in enumerate(self.h2s_recv_slices(recv, streams))
+            [x.view(self.batch, self.seq_local, self.head_count(s, p), self.head_dim) for x, s in zip(per_role, roles)]
+            for p, per_role in enumerate(self.h2s_recv_slices(recv, roles))
         ]
 
 def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
@@ -188,18 +189,18 @@ def rows_contiguous(x: torch.Tensor) -> bool:
     return x.shape[0] == 0 or x[0].is_contiguous()
 
 
-# ---- reference kernels (pure PyTorch): one copy per byte -------------------------------
+# ---- the torch kernel set (pure PyTorch), the definition the others match: one copy per byte ----
 def pack_s2h(
     layout: Layout,
     tensors: Sequence[torch.Tensor],
-    streams: Sequence[str],
+    roles: Sequence[str],
     send: torch.Tensor,
     recv: torch.Tensor | None = None,
 ) -> None:
     """Write ``tensors`` (``[B, s_r, H, D]`` each, any strides) into the flat send buffer;
     with ``recv``, this rank's own heads go straight into its rows of the receive buffer."""
-    for p, views in enumerate(layout.s2h_send_views(send, streams, recv)):
-        for x, s, dst in zip(tensors, streams, views):
+    for p, views in enumerate(layout.s2h_send_views(send, roles, recv)):
+        for x, s, dst in zip(tensors, roles, views):
             a, b = layout.head_range(s, p)
             dst.copy_(x[:, :, a:b])
 
@@ -212,14 +213,14 @@ def pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
 def unpack_h2s(
     layout: Layout,
     blocks: Sequence[Sequence[torch.Tensor]],
-    streams: Sequence[str],
+    roles: Sequence[str],
     outs: Sequence[torch.Tensor],
 ) -> None:
-    """Write received blocks (per source, per stream, ``[B, s_r, h, D]``) into ``outs``
+    """Write received blocks (per source, per role, ``[B, s_r, h, D]``) into ``outs``
     (``[B, s_r, H, D]`` each). KV heads held by several sources are summed in rank order:
     the lowest holder is copied, the others added, so every byte is written once per
     replica received."""
-    for i, (s, out) in enumerate(zip(streams, outs)):
+    for i, (s, out) in enumerate(zip(roles, outs)):
         filled = 0  # heads [0, filled) of `out` already hold a value
         for p in range(layout.world_size):
             a, b = layout.head_range(s, p)

@@ -50,7 +50,7 @@ import torch
 
 from .backends import AttentionBackend, KVGradSum, SharedKV, _uniform_group, shares_one_kv
 from .layout import Layout, Q_ONLY, QKV
-from .ops import UlyssesAttentionFunction, head_to_seq_blocks, post_head_to_seq, post_seq_to_head
+from .exchange import UlyssesAttentionFunction, head_to_seq_blocks, post_head_to_seq, post_seq_to_head
 from .plan import HeadPlan
 
 __all__ = ["chunk_plans", "choose_chunks", "chunked_attention", "ChunkedAttentionFunction", "CostModel"]
@@ -184,14 +184,14 @@ class CostModel:
         )
 
 
-def _a2a_seconds(layout: Layout, plan: HeadPlan, streams, itemsize: int, model: CostModel) -> float:
-    """Time of one seq->head all-to-all of ``streams`` under ``plan`` (head->seq moves the
+def _a2a_seconds(layout: Layout, plan: HeadPlan, roles, itemsize: int, model: CostModel) -> float:
+    """Time of one seq->head all-to-all of ``roles`` under ``plan`` (head->seq moves the
     same bytes back): the busiest rank's off-rank bytes over the link bandwidth."""
     worst = 0
     for r in range(plan.world_size):
         lay = Layout(plan, r, layout.seq_lens, layout.batch, layout.head_dim)
-        send = lay.s2h_send_splits(streams)
-        recv = lay.s2h_recv_splits(streams)
+        send = lay.s2h_send_splits(roles)
+        recv = lay.s2h_recv_splits(roles)
         off = max(sum(send) - send[r], sum(recv) - recv[r])
         worst = max(worst, off * itemsize)
     return worst / (model.link_gbps * 1e9)
@@ -200,7 +200,7 @@ def _a2a_seconds(layout: Layout, plan: HeadPlan, streams, itemsize: int, model: 
 def _pipeline_seconds(c_in, compute, c_out, model: CostModel) -> float:
     """One pass, simulated as every rank runs it: rank r at chunk i waits for exchange
     in(i), posts in(i+1), computes ``compute[i][r]``, posts out(i), waits for out(i-1).
-    The exchanges run one at a time on the communication stream, in posting order, each
+    The exchanges run one at a time on the communication role, in posting order, each
     once every rank has posted it (``c_in[i]``, ``c_out[i]``: durations, latency included).
     Ranks that finish a chunk early wait at the exchanges, so imbalance between the ranks'
     chunks costs time here as it does on the machine. Attention slows by
@@ -276,7 +276,7 @@ class _Pending:
 
     def wait(self) -> None:
         if self.event is not None:
-            # The stream that consumes the result waits on the GPU; the host does not.
+            # The role that consumes the result waits on the GPU; the host does not.
             torch.cuda.current_stream(self.tensors[0].device).wait_event(self.event)
         if self.work is not None:
             self.work.wait()
@@ -374,21 +374,21 @@ def _schedule(layout: Layout, n: int, split_groups: bool) -> _Schedule:
 
 
 # ---- the pieces of one chunk --------------------------------------------------------------
-def _start_s2h(chan: _Channel, lay: Layout, tensors, streams, kernels):
+def _start_s2h(chan: _Channel, lay: Layout, tensors, roles, kernels):
     """Pack and start one seq->head exchange. Returns (pending, receive buffer)."""
-    return post_seq_to_head(lay, tensors, streams, chan.comm, kernels, chan.start)
+    return post_seq_to_head(lay, tensors, roles, chan.comm, kernels, chan.start)
 
 
-def _start_h2s(chan: _Channel, lay: Layout, local: torch.Tensor, stream: str, kernels):
-    """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``stream``'s heads).
+def _start_h2s(chan: _Channel, lay: Layout, local: torch.Tensor, role: str, kernels):
+    """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``role``'s heads).
     Returns (pending, receive buffer, wire tensor)."""
-    pending, recv, wire = post_head_to_seq(lay, [local], (stream,), chan.comm, kernels, chan.start)
+    pending, recv, wire = post_head_to_seq(lay, [local], (role,), chan.comm, kernels, chan.start)
     return pending, recv, wire[0]
 
 
-def _h2s_blocks(lay: Layout, recv, local, stream: str):
+def _h2s_blocks(lay: Layout, recv, local, role: str):
     """Per source: the received ``[B, s_r, h, D]`` block (our own read from ``local``)."""
-    return [per[0] for per in head_to_seq_blocks(lay, recv, [local], (stream,))]
+    return [per[0] for per in head_to_seq_blocks(lay, recv, [local], (role,))]
 
 
 def _attend(backend, chunk: _Chunk, q, k, v, causal, scale, needs_grad):
@@ -504,8 +504,8 @@ class ChunkedAttentionFunction(torch.autograd.Function):
             else:
                 grads = _attend_backward(backend, saved, dout_c)
             del dout_c, saved
-            streams = QKV if chunk.grad_kv else Q_ONLY
-            started = ([_start_h2s(chan, chunk.grad, g, st, kernels) for g, st in zip(grads, streams)], c)
+            roles = QKV if chunk.grad_kv else Q_ONLY
+            started = ([_start_h2s(chan, chunk.grad, g, st, kernels) for g, st in zip(grads, roles)], c)
             del grads
             if pending_out is not None:
                 _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
@@ -526,18 +526,18 @@ def _finish_out(pending, out, kernels) -> None:
 def _finish_grads(pending, sched: _Schedule, outs, kv_blocks, kernels) -> None:
     started, c = pending
     chunk = sched.chunks[c]
-    per_stream = []
+    per_role = []
     for (work, recv, local), st in zip(started, QKV):
         work.wait()
-        per_stream.append(_h2s_blocks(chunk.grad, recv, local, st))
+        per_role.append(_h2s_blocks(chunk.grad, recv, local, st))
     if not chunk.grad_kv:  # query-head gradients only
-        kernels.unpack_h2s(chunk.unpack, [[b] for b in per_stream[0]], Q_ONLY, [outs[0]])
+        kernels.unpack_h2s(chunk.unpack, [[b] for b in per_role[0]], Q_ONLY, [outs[0]])
         return
     world = chunk.grad.world_size
     blocks = []
     for p in range(world):
         lo, hi = chunk.trim[p]
-        dq_b, dk_b, dv_b = (per_stream[i][p] for i in range(3))
+        dq_b, dk_b, dv_b = (per_role[i][p] for i in range(3))
         blocks.append([dq_b, dk_b[:, :, lo:hi], dv_b[:, :, lo:hi]])
         if (c, p) in sched.replica_blocks:  # held for _sum_replicas; other blocks go now
             kv_blocks[(c, p)] = (dk_b, dv_b)

@@ -1,6 +1,6 @@
 """The path ``ulysses_attention`` takes inside ``torch.compile``: one graph, forward and backward.
 
-The eager op (``ops.UlyssesAttentionFunction``) runs the attention backend under its own
+The eager op (``exchange.UlyssesAttentionFunction``) runs the attention backend under its own
 autograd and calls ``torch.autograd.grad`` in its backward, posts grouped send/recv for
 batch > 1 and for dq/dk/dv, and checks inputs with an all-gather whose result the host
 decodes. Dynamo (torch 2.14) traces none of these by default: ``autograd.grad`` needs
@@ -11,7 +11,7 @@ region the op is composed instead of traceable pieces:
     q, k, v  --SeqToHeadTraced-->  q_l, k_l, v_l  --backend.attend (plain autograd)-->  out_l
              --HeadToSeqTraced-->  out
 
-* The two autograd functions (``ops.exchange_functions`` over the two movers below) move
+* The two autograd functions (``exchange.exchange_functions`` over the two movers below) move
   data with the same kernel set (``pack_s2h``, ``unpack_h2s``; the C++ ops have fake
   kernels) and one ``comm.all_to_all`` per exchange, forward and backward. ``torch.distributed.all_to_all_single`` (what ``TorchCommunicator``
   calls) is remapped by dynamo to a functional collective
@@ -63,7 +63,7 @@ from .checks import prepare
 from .comm import get_communicator
 from .kernels import get_kernels
 from .layout import Layout
-from .ops import exchange_functions
+from .exchange import exchange_functions
 
 __all__ = ["traced_attention", "SeqToHeadTraced", "HeadToSeqTraced"]
 
@@ -72,30 +72,30 @@ def _empty(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(n, dtype=like.dtype, device=like.device)
 
 
-def seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels) -> list[torch.Tensor]:
+def seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels) -> list[torch.Tensor]:
     """``[B, s_r, H, D]`` tensors -> this rank's heads ``[B, S, h, D]`` (views), one all_to_all."""
     like = tensors[0]
-    send = _empty(sum(layout.s2h_send_splits(streams)), like)
-    kernels.pack_s2h(layout, tensors, streams, send)
+    send = _empty(sum(layout.s2h_send_splits(roles)), like)
+    kernels.pack_s2h(layout, tensors, roles, send)
     if layout.world_size == 1:
         # One peer, S = s_r: the send buffer [B][s_r][h][D] is already the receive layout.
-        return layout.s2h_recv_views(send, streams)
-    recv_splits = layout.s2h_recv_splits(streams)
+        return layout.s2h_recv_views(send, roles)
+    recv_splits = layout.s2h_recv_splits(roles)
     got = _empty(sum(recv_splits), like)
-    comm.all_to_all(got, send, recv_splits, layout.s2h_send_splits(streams))
+    comm.all_to_all(got, send, recv_splits, layout.s2h_send_splits(roles))
     if layout.batch > 1:
         # Source-major [P][B][s_p][h][D] -> batch-major [B][S][h][D] (eager avoids this copy
         # with one send/recv per (peer, batch element), which does not trace: see above).
-        h, pieces, start = layout.heads(streams, layout.rank), [], 0
+        h, pieces, start = layout.heads(roles, layout.rank), [], 0
         for p, n in enumerate(recv_splits):
             pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], h, layout.head_dim))
             start += n
         got = torch.cat(pieces, dim=1).view(-1)
-    return layout.s2h_recv_views(got, streams)
+    return layout.s2h_recv_views(got, roles)
 
 
-def head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels) -> list[torch.Tensor]:
-    """Local ``[B, S, h, D]`` tensors (one per stream) -> ``[B, s_r, H, D]``, one all_to_all;
+def head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels) -> list[torch.Tensor]:
+    """Local ``[B, S, h, D]`` tensors (one per role) -> ``[B, s_r, H, D]``, one all_to_all;
     replicated KV heads are summed in rank order by the kernel set's unpack, as in eager."""
     if layout.world_size == 1:
         return list(local)
@@ -105,16 +105,16 @@ def head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence
         # rows are contiguous, as in eager).
         send = like.reshape(-1)
     else:
-        # Wire format: per peer p, per stream, the rows of p as [B][s_p][h][D].
+        # Wire format: per peer p, per role, the rows of p as [B][s_p][h][D].
         send = torch.cat([layout.h2s_send_blocks(x, p).reshape(-1) for p in range(layout.world_size) for x in local])
-    send_splits, recv_splits = layout.h2s_splits(streams)
+    send_splits, recv_splits = layout.h2s_splits(roles)
     recv = _empty(sum(recv_splits), like)
     comm.all_to_all(recv, send, recv_splits, send_splits)
     outs = [
         torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
-        for s in streams
+        for s in roles
     ]
-    kernels.unpack_h2s(layout, layout.h2s_recv_views(recv, streams), streams, outs)
+    kernels.unpack_h2s(layout, layout.h2s_recv_views(recv, roles), roles, outs)
     return outs
 
 

@@ -4,17 +4,17 @@
 // The layouts are those of ulysses_kernels/layout.py (read its docstring first):
 //
 //   pack (sequence-sharded -> head-sharded send buffer), seen from rank r:
-//     sources: n_streams tensors [B][s][H_i][D], any strides (q, k, v or views of one
+//     sources: n_roles tensors [B][s][H_i][D], any strides (q, k, v or views of one
 //              fused QKV projection output)
 //     send:    peer-major blocks; the block for peer p is batch-major
 //              [B][s][h_0(p) | h_1(p) | ...][D], where h_i(p) = heads[p][i] heads of
-//              stream i starting at head0[p][i].
+//              role i starting at head0[p][i].
 //     One "row" is the D elements of one (peer, batch, token, head); the send buffer is
 //     rows laid end to end, so row g starts at byte g * row_bytes. Optionally the block
 //     of one peer (the rank itself) is redirected into its rows of the receive buffer
 //     [B][S][h(r)][D], at tokens [seq_offset, seq_offset + s).
 //
-//   unpack (received blocks -> [B][s][H][D] output of one stream):
+//   unpack (received blocks -> [B][s][H][D] output of one role):
 //     sources p = 0..P-1 each hold global heads [head0[p], head1[p]) as a [B][s][h_p][D]
 //     strided view. For every output element, the first source in rank order that holds
 //     its head is copied, each later holder is added (exactly the order of
@@ -36,7 +36,7 @@
 namespace ulysses_kernels {
 
 constexpr int kMaxPeers = 64;
-constexpr int kMaxStreams = 3;
+constexpr int kMaxRoles = 3;
 // Head indices and per-peer head counts are int32_t below: the structs are kernel
 // parameters (PackParams 2544 bytes, UnpackParams 3176), and int64_t heads would take
 // PackParams past CUDA's classic 4 KB limit. The host layer (csrc/ops.cpp) rejects more.
@@ -49,17 +49,17 @@ struct Strided4 {
 };
 
 struct PackParams {
-  Strided4 src[kMaxStreams];
-  int64_t src_unit_stride[kMaxStreams];  // bytes between consecutive units of one row
-  int32_t n_streams, n_peers;
+  Strided4 src[kMaxRoles];
+  int64_t src_unit_stride[kMaxRoles];  // bytes between consecutive units of one row
+  int32_t n_roles, n_peers;
   int64_t batch, seq;
   int64_t row_bytes;                     // D * element size
   int64_t unit;                          // bytes per unit (divides row_bytes)
   int64_t units_per_row;
   int64_t peer_row0[kMaxPeers + 1];      // first row of each peer's block; [n_peers] = total
   int32_t peer_heads[kMaxPeers];         // heads per token in each peer's block
-  int32_t head0[kMaxPeers][kMaxStreams]; // first global head of stream i sent to peer p
-  int32_t heads[kMaxPeers][kMaxStreams]; // heads of stream i sent to peer p
+  int32_t head0[kMaxPeers][kMaxRoles]; // first global head of role i sent to peer p
+  int32_t heads[kMaxPeers][kMaxRoles]; // heads of role i sent to peer p
   char* dst;
   // Rows of peer `redirect_peer` (-1: none) go to redirect_ptr + b * redirect_sb +
   // t * redirect_ss + head * row_bytes instead of the send buffer.

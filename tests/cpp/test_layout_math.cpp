@@ -85,7 +85,7 @@ static void test_pack(int unit, bool redirect, bool wide) {
     for (size_t e = 0; e < src[i].size(); ++e) src[i][e] = (float)(i * 100000 + e);
   }
   PackParams p{};
-  p.n_streams = 3;
+  p.n_roles = 3;
   p.n_peers = 3;
   p.batch = B;
   p.seq = s;
@@ -206,7 +206,7 @@ static void test_pack_addresses_beyond_4gb(int64_t batch) {
                            {(const char*)base[1], s * qkv, qkv, row, 2},
                            {(const char*)base[2], s * qkv, qkv, row, 2}};
   PackParams p{};
-  p.n_streams = 3;
+  p.n_roles = 3;
   p.n_peers = (int32_t)peers;
   p.batch = batch;
   p.seq = s;

@@ -3,9 +3,9 @@
 A kernel set is an object with three methods that match the reference in
 ``ulysses_kernels.layout`` bit for bit (same arguments, same results):
 
-* ``pack_s2h(layout, tensors, streams, send)``: sequence-sharded tensors -> flat send buffer;
+* ``pack_s2h(layout, tensors, roles, send)``: sequence-sharded tensors -> flat send buffer;
 * ``pack_h2s(layout, local, send)``: a local ``[B, S, h, D]`` tensor -> flat wire format;
-* ``unpack_h2s(layout, blocks, streams, outs)``: received blocks -> ``[B, s_r, H, D]``
+* ``unpack_h2s(layout, blocks, roles, outs)``: received blocks -> ``[B, s_r, H, D]``
   outputs, summing replicated KV heads in rank order.
 
 Names: ``"torch"`` (the reference, any device), ``"triton"`` (Triton kernels; CUDA, or the

@@ -7,18 +7,18 @@ The ops (schemas in ``csrc/ops.cpp``, called through ``torch.ops.ulysses_kernels
   of one fused QKV projection output) into the peer-major send buffer of ``layout.pack_s2h``
   (with ``recv``, rank ``rank``'s own block into its rows of the receive buffer), in one
   kernel pass with 16-byte accesses where pointers and strides allow. ``head_ranges`` is
-  ``[peer][stream][start, end]`` flattened.
+  ``[peer][role][start, end]`` flattened.
 * ``pack_h2s(Tensor local, Tensor(a!) send)``: ``[B, S, h, D]`` (any strides) -> contiguous
   wire format ``[B][S][h][D]``.
 * ``unpack_h2s(Tensor[] blocks, int[] head_ranges, Tensor(a!)[] outs)``: received
-  ``[B, s_r, h, D]`` blocks (source-major, then stream) into ``[B, s_r, H, D]`` outputs;
+  ``[B, s_r, h, D]`` blocks (source-major, then role) into ``[B, s_r, H, D]`` outputs;
   replicated KV heads summed in rank order, bit-identical to ``layout.unpack_h2s``.
 * ``nccl_all_to_all`` / ``nccl_send_recv`` (CUDA only): see ``ulysses_kernels.nccl_comm``.
 
 CUDA tensors run the CUDA kernels; CPU tensors run their CPU twin (the same index math,
 ``csrc/kernels/layout_math.h``). The fake kernels below let ``torch.library.opcheck`` and
 ``torch.compile`` see the ops; they need no autograd (the autograd functions in
-``ulysses_kernels.ops`` call them inside their forward/backward).
+``ulysses_kernels.exchange`` call them inside their forward/backward).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from ..layout import Layout
 __all__ = ["CudaKernels", "s2h_head_ranges"]
 
 
-def s2h_head_ranges(layout: Layout, streams: Sequence[str]) -> list[int]:
-    """``[peer][stream][start, end]`` flattened: the head ranges every pack/unpack op takes."""
-    return [x for p in range(layout.world_size) for s in streams for x in layout.head_range(s, p)]
+def s2h_head_ranges(layout: Layout, roles: Sequence[str]) -> list[int]:
+    """``[peer][role][start, end]`` flattened: the head ranges every pack/unpack op takes."""
+    return [x for p in range(layout.world_size) for s in roles for x in layout.head_range(s, p)]
 
 
 # kMaxPeers in csrc/kernels/layout_math.h (the kernels' parameter struct holds every peer's
@@ -67,9 +67,9 @@ class CudaKernels:
         return layout.world_size <= MAX_WORLD_SIZE
 
     @staticmethod
-    def pack_s2h(layout: Layout, tensors, streams, send, recv=None) -> None:
+    def pack_s2h(layout: Layout, tensors, roles, send, recv=None) -> None:
         torch.ops.ulysses_kernels.pack_s2h(
-            list(tensors), s2h_head_ranges(layout, streams), send, recv, layout.rank, layout.seq_offset(layout.rank)
+            list(tensors), s2h_head_ranges(layout, roles), send, recv, layout.rank, layout.seq_offset(layout.rank)
         )
 
     @staticmethod
@@ -83,9 +83,9 @@ class CudaKernels:
         torch.ops.ulysses_kernels.pack_h2s(local, send)
 
     @staticmethod
-    def unpack_h2s(layout: Layout, blocks, streams, outs) -> None:
+    def unpack_h2s(layout: Layout, blocks, roles, outs) -> None:
         flat = [b for per_source in blocks for b in per_source]
-        torch.ops.ulysses_kernels.unpack_h2s(flat, s2h_head_ranges(layout, streams), list(outs))
+        torch.ops.ulysses_kernels.unpack_h2s(flat, s2h_head_ranges(layout, roles), list(outs))
 
 
 # ---- fake kernels: shape checks only (the ops mutate their outputs and return nothing) ----

@@ -7,7 +7,7 @@ KV head that several ranks hold, from several source columns summed in rank orde
 
     grid = (cdiv(n_tok * B, BLOCK_R), n_columns)
 
-    column table (int64, 7 per column, cached per Layout/streams/strides):
+    column table (int64, 7 per column, cached per Layout/roles/strides):
         dst_tensor, dst_off, dst_s_tok, dst_s_batch, dst_s_d, n_src, first_src
     source table (int64, 5 per source, same cache):
         src_tensor, src_off, src_s_tok, src_s_batch, src_s_d
@@ -22,10 +22,10 @@ sum of two values rounded once from fp32 is the correctly rounded sum, as PyTorc
 CUDA ``add_`` compute it; dtypes PyTorch cannot add (fp8) raise like the reference.
 
 Column descriptors are cached on the class (a bounded LRU keyed by the frozen ``Layout``,
-the streams and the tensors' strides); only the tensors' addresses travel per call (on
+the roles and the tensors' strides); only the tensors' addresses travel per call (on
 CUDA through a pinned buffer, with no host sync). Launches can be captured in a CUDA
 graph after one warm-up launch: the address table is then written by captured kernels
-(no host memory read at replay) and the plan's device tables are kept alive
+(no host memory read at replay) and each column table's device copies are kept alive
 (``TritonKernels._captured``) for the graphs that read them.
 """
 
@@ -154,7 +154,7 @@ def _gather_columns_kernel(
     tl.store(dst_base + dst_row[:, None] + dst_d[None, :], vals, mask=mask)
 
 
-class _Plan:
+class _ColumnTable:
     """Cached column/source descriptors of one operation (host lists; device copies per device)."""
 
     __slots__ = ("cols", "srcs", "n_cols", "has_sum", "d_contig", "struct_vec_ok", "device_tables")
@@ -210,11 +210,11 @@ class TritonKernels:
     LRU of column descriptors keyed by ``Layout`` (a value, not a process group)."""
 
     name = "triton"
-    _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
-    _max_plans = 256
-    # The plans' device tables that launches captured in CUDA graphs read at every replay,
+    _tables: "OrderedDict[tuple, _ColumnTable]" = OrderedDict()
+    _max_tables = 256
+    # The column tables' device copies that launches captured in CUDA graphs read at every replay,
     # for as long as a graph lives (which this code cannot see; the LRU above may drop the
-    # plan). Kept for the process's life: a few hundred bytes per captured launch, and
+    # table). Kept for the process's life: a few hundred bytes per captured launch, and
     # graphs are captured once, then replayed.
     _captured: list = []
 
@@ -232,59 +232,59 @@ class TritonKernels:
         cls,
         layout: Layout,
         tensors: Sequence[torch.Tensor],
-        streams: Sequence[str],
+        roles: Sequence[str],
         send: torch.Tensor,
         recv: torch.Tensor | None = None,
     ) -> None:
         """``tensors`` (``[B, s_r, H, D]`` each, any strides) -> flat send buffer (peer-major);
         with ``recv``, this rank's own heads go straight into its rows of ``recv``."""
-        key = ("s2h", layout, tuple(streams), tuple(t.stride() for t in tensors), recv is not None)
-        plan = cls._get(key, lambda: _plan_pack_s2h(layout, tensors, streams, recv is not None), layout.head_dim, send.element_size())
+        key = ("s2h", layout, tuple(roles), tuple(t.stride() for t in tensors), recv is not None)
+        table = cls._get(key, lambda: _columns_pack_s2h(layout, tensors, roles, recv is not None), layout.head_dim, send.element_size())
         bufs = [send] if recv is None else [send, recv]
-        cls._launch(plan, [*tensors, *bufs], layout.seq_local, layout.batch, layout.head_dim, send)
+        cls._launch(table, [*tensors, *bufs], layout.seq_local, layout.batch, layout.head_dim, send)
 
     @classmethod
     def pack_h2s(cls, layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
         """A local ``[B, S, h, D]`` tensor (any strides) -> its flat wire format
         (``send.view(local.shape)``)."""
         key = ("h2s", layout, tuple(local.shape), local.stride())
-        plan = cls._get(key, lambda: _plan_pack_h2s(local), local.shape[3], send.element_size())
-        cls._launch(plan, [local, send], local.shape[1], local.shape[0], local.shape[3], send)
+        table = cls._get(key, lambda: _columns_pack_h2s(local), local.shape[3], send.element_size())
+        cls._launch(table, [local, send], local.shape[1], local.shape[0], local.shape[3], send)
 
     @classmethod
     def unpack_h2s(
         cls,
         layout: Layout,
         blocks: Sequence[Sequence[torch.Tensor]],
-        streams: Sequence[str],
+        roles: Sequence[str],
         outs: Sequence[torch.Tensor],
     ) -> None:
-        """Received blocks (per source, per stream, ``[B, s_r, h, D]``) -> ``outs``
+        """Received blocks (per source, per role, ``[B, s_r, h, D]``) -> ``outs``
         (``[B, s_r, H, D]``); replicated KV heads summed in rank order."""
-        flat = [blk for per_stream in blocks for blk in per_stream]
-        key = ("unpack", layout, tuple(streams), tuple(t.stride() for t in flat), tuple(o.stride() for o in outs))
-        plan = cls._get(key, lambda: _plan_unpack_h2s(layout, blocks, streams, outs), layout.head_dim, outs[0].element_size())
-        cls._launch(plan, [*flat, *outs], layout.seq_local, layout.batch, layout.head_dim, outs[0])
+        flat = [blk for per_role in blocks for blk in per_role]
+        key = ("unpack", layout, tuple(roles), tuple(t.stride() for t in flat), tuple(o.stride() for o in outs))
+        table = cls._get(key, lambda: _columns_unpack_h2s(layout, blocks, roles, outs), layout.head_dim, outs[0].element_size())
+        cls._launch(table, [*flat, *outs], layout.seq_local, layout.batch, layout.head_dim, outs[0])
 
     # ---- host side ----------------------------------------------------------------------
     @classmethod
-    def _get(cls, key, build, head_dim: int, itemsize: int) -> _Plan:
+    def _get(cls, key, build, head_dim: int, itemsize: int) -> _ColumnTable:
         key = (*key, itemsize)
-        plan = cls._plans.get(key)
-        if plan is None:
+        table = cls._tables.get(key)
+        if table is None:
             cols, srcs = build()
-            plan = _Plan(cols, srcs, head_dim, itemsize)
-            cls._plans[key] = plan
-            while len(cls._plans) > cls._max_plans:
-                cls._plans.popitem(last=False)
+            table = _ColumnTable(cols, srcs, head_dim, itemsize)
+            cls._tables[key] = table
+            while len(cls._tables) > cls._max_tables:
+                cls._tables.popitem(last=False)
         else:
-            cls._plans.move_to_end(key)
-        return plan
+            cls._tables.move_to_end(key)
+        return table
 
     @staticmethod
-    def _launch(plan: _Plan, tensors: list[torch.Tensor], n_tok: int, batch: int, head_dim: int, like: torch.Tensor) -> None:
+    def _launch(table: _ColumnTable, tensors: list[torch.Tensor], n_tok: int, batch: int, head_dim: int, like: torch.Tensor) -> None:
         n_rows = n_tok * batch
-        if plan.n_cols == 0 or n_rows == 0 or head_dim == 0:
+        if table.n_cols == 0 or n_rows == 0 or head_dim == 0:
             return
         dtype, device = like.dtype, like.device
         for t in tensors:
@@ -293,25 +293,25 @@ class TritonKernels:
                     f"TritonKernels: every tensor must be {dtype} on {device}, got {t.dtype} on {t.device}"
                 )
         itemsize = like.element_size()
-        if plan.has_sum and dtype not in _TL_FLOAT:
+        if table.has_sum and dtype not in _TL_FLOAT:
             raise TypeError(f"TritonKernels: summing replicated KV heads needs a float dtype with add, got {dtype}")
         addrs = [t.data_ptr() for t in tensors]
         vec = max(1, 16 // itemsize)
-        aligned = plan.struct_vec_ok and all(a % 16 == 0 for a in addrs)
+        aligned = table.struct_vec_ok and all(a % 16 == 0 for a in addrs)
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        cols, srcs = plan.tables(device, capturing)
+        cols, srcs = table.tables(device, capturing)
         addr_t = _int64_table(addrs, device, capturing)  # captured: from the graph's own pool
         if capturing:
             TritonKernels._captured.append((cols, srcs))
-        grid, block_r, block_d = _launch_geometry(n_rows, plan.n_cols, head_dim, _interpreting())
+        grid, block_r, block_d = _launch_geometry(n_rows, table.n_cols, head_dim, _interpreting())
         float_ty = _TL_FLOAT.get(dtype, tl.float32)
         acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
         with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
             _gather_columns_kernel[grid](
                 addr_t, cols, srcs, n_rows, batch, head_dim,
-                ELEM=_TL_INT[itemsize], FLOAT=float_ty, ACC=acc_ty, HAS_SUM=plan.has_sum, IS_BF16=dtype == torch.bfloat16,
+                ELEM=_TL_INT[itemsize], FLOAT=float_ty, ACC=acc_ty, HAS_SUM=table.has_sum, IS_BF16=dtype == torch.bfloat16,
                 BF16_NAN=0x7FFF if device.type == "cuda" else 0xFFFF,
-                D_CONTIG=plan.d_contig, VEC=vec if aligned else 1, BLOCK_R=block_r, BLOCK_D=block_d,
+                D_CONTIG=table.d_contig, VEC=vec if aligned else 1, BLOCK_R=block_r, BLOCK_D=block_d,
                 num_warps=4,
             )  # fmt: skip
         # Keep the address table (and through the caller, the tensors) alive for the launch.
@@ -352,16 +352,16 @@ def _view_geometry(view: torch.Tensor, base: torch.Tensor) -> tuple[int, tuple[i
     return view.storage_offset() - base.storage_offset(), view.stride()
 
 
-def _plan_pack_s2h(layout: Layout, tensors, streams, with_recv: bool) -> tuple[list[int], list[int]]:
+def _columns_pack_s2h(layout: Layout, tensors, roles, with_recv: bool) -> tuple[list[int], list[int]]:
     # The destinations are whatever views the layout defines (layout.s2h_send_views), taken
     # on meta buffers: the kernel follows the layout math instead of restating it.
     meta = {"device": "meta", "dtype": torch.float32}
-    send = torch.empty(sum(layout.s2h_send_splits(streams)), **meta)
-    recv = torch.empty(sum(layout.s2h_recv_splits(streams)), **meta) if with_recv else None
+    send = torch.empty(sum(layout.s2h_send_splits(roles)), **meta)
+    recv = torch.empty(sum(layout.s2h_recv_splits(roles)), **meta) if with_recv else None
     send_idx, recv_idx = len(tensors), len(tensors) + 1
     cols, srcs = [], []
-    for p, views in enumerate(layout.s2h_send_views(send, streams, recv)):
-        for i, (s, dst) in enumerate(zip(streams, views)):
+    for p, views in enumerate(layout.s2h_send_views(send, roles, recv)):
+        for i, (s, dst) in enumerate(zip(roles, views)):
             sb, ss, sh, sd = tensors[i].stride()
             a, b = layout.head_range(s, p)
             on_recv = recv is not None and p == layout.rank  # as s2h_send_views places it
@@ -373,7 +373,7 @@ def _plan_pack_s2h(layout: Layout, tensors, streams, with_recv: bool) -> tuple[l
     return cols, srcs
 
 
-def _plan_pack_h2s(local: torch.Tensor) -> tuple[list[int], list[int]]:
+def _columns_pack_h2s(local: torch.Tensor) -> tuple[list[int], list[int]]:
     dst = torch.empty(local.shape, device="meta")  # the reference's send.view(local.shape)
     db, ds, dh, dd = dst.stride()
     sb, ss, sh, sd = local.stride()
@@ -384,11 +384,11 @@ def _plan_pack_h2s(local: torch.Tensor) -> tuple[list[int], list[int]]:
     return cols, srcs
 
 
-def _plan_unpack_h2s(layout: Layout, blocks, streams, outs) -> tuple[list[int], list[int]]:
-    n = len(streams)
+def _columns_unpack_h2s(layout: Layout, blocks, roles, outs) -> tuple[list[int], list[int]]:
+    n = len(roles)
     out_base = layout.world_size * n
     cols, srcs = [], []
-    for i, (s, out) in enumerate(zip(streams, outs)):
+    for i, (s, out) in enumerate(zip(roles, outs)):
         # The reference's walk: heads below `filled` already hold a value (add), others copy.
         sources: dict[int, list[tuple[int, int]]] = {}
         filled = 0

@@ -2,7 +2,7 @@
 
 Data movement per call (the budget of one copy per byte on the wire):
 
-* ``a2a_seq_to_head``: one pack into one send buffer (all streams together), one collective,
+* ``a2a_seq_to_head``: one pack into one send buffer (all roles together), one collective,
   no receive-side copy (the results are strided views of the receive buffer).
 * ``a2a_head_to_seq``: the local tensors are sent in place when their rows are contiguous
   (see ``layout.rows_contiguous``), then one unpack writes the receive buffer into the
@@ -37,25 +37,25 @@ def _run_now(tensors, call):
     return None
 
 
-def post_seq_to_head(layout: Layout, tensors, streams, comm, kernels=TorchKernels, start=_run_now):
+def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels, start=_run_now):
     """Pack ``tensors`` (``[B, s_r, H, D]``) and post the sequence-to-head exchange.
 
     ``start(buffers, call)`` runs ``call(async_op)`` (blocking by default; the chunked
     pipeline passes one that overlaps it with compute) and returns a handle.
-    Returns ``(handle, recv)``; ``layout.s2h_recv_views(recv, streams)`` are the results
+    Returns ``(handle, recv)``; ``layout.s2h_recv_views(recv, roles)`` are the results
     once the handle is waited.
     """
     like, rank = tensors[0], layout.rank
-    send_splits, recv_splits = layout.s2h_send_splits(streams), layout.s2h_recv_splits(streams)
+    send_splits, recv_splits = layout.s2h_send_splits(roles), layout.s2h_recv_splits(roles)
     recv = _flat(sum(recv_splits), like)
     send = _flat(sum(send_splits), like)
     if layout.batch == 1 and layout.world_size > 1:
-        kernels.pack_s2h(layout, tensors, streams, send)
+        kernels.pack_s2h(layout, tensors, roles, send)
         call = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
         # One piece per (peer, batch element); our own rows are packed in place.
-        kernels.pack_s2h(layout, tensors, streams, send, recv=recv)
-        send_p, recv_p = layout.s2h_send_pieces(send, streams), layout.s2h_recv_pieces(recv, streams)
+        kernels.pack_s2h(layout, tensors, roles, send, recv=recv)
+        send_p, recv_p = layout.s2h_send_pieces(send, roles), layout.s2h_recv_pieces(recv, roles)
         peers = [p for p in range(layout.world_size) if p != rank]
         sends = [(p, x) for p in peers for x in send_p[p]]
         recvs = [(p, x) for p in peers for x in recv_p[p]]
@@ -68,8 +68,8 @@ def _one_collective(layout: Layout, n_tensors: int) -> bool:
     return n_tensors == 1 and layout.batch == 1 and layout.world_size > 1
 
 
-def post_head_to_seq(layout: Layout, local, streams, comm, kernels=TorchKernels, start=_run_now):
-    """Post the head-to-sequence exchange of local ``[B, S, h, D]`` tensors (one per stream).
+def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now):
+    """Post the head-to-sequence exchange of local ``[B, S, h, D]`` tensors (one per role).
 
     Rows that are contiguous per batch element go on the wire in place; others are packed
     first. Returns ``(handle, recv, wire)``; pass ``recv`` and ``wire`` to
@@ -83,13 +83,13 @@ def post_head_to_seq(layout: Layout, local, streams, comm, kernels=TorchKernels,
             kernels.pack_h2s(layout, x, packed)
             x = packed.view(x.shape)
         wire.append(x)
-    send_splits, recv_splits = layout.h2s_splits(streams)
+    send_splits, recv_splits = layout.h2s_splits(roles)
     recv = _flat(sum(recv_splits), wire[0])
     if _one_collective(layout, len(wire)):
         flat = wire[0].reshape(-1)
         call = lambda a: comm.all_to_all(recv, flat, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
-        blocks = layout.h2s_recv_views(recv, streams)
+        blocks = layout.h2s_recv_views(recv, roles)
         sends, recvs = [], []
         for p in range(layout.world_size):
             if p == layout.rank:
@@ -102,32 +102,32 @@ def post_head_to_seq(layout: Layout, local, streams, comm, kernels=TorchKernels,
     return start((recv, *wire), call), recv, wire
 
 
-def head_to_seq_blocks(layout: Layout, recv, wire, streams) -> list[list[torch.Tensor]]:
-    """Per source, per stream: the ``[B, s_r, h, D]`` block to unpack."""
-    blocks = layout.h2s_recv_views(recv, streams)
+def head_to_seq_blocks(layout: Layout, recv, wire, roles) -> list[list[torch.Tensor]]:
+    """Per source, per role: the ``[B, s_r, h, D]`` block to unpack."""
+    blocks = layout.h2s_recv_views(recv, roles)
     if not _one_collective(layout, len(wire)):
         # Our own rows never touch the wire: unpack reads them from the local tensors.
         blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
     return blocks
 
 
-def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
+def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views."""
-    _, recv = post_seq_to_head(layout, tensors, streams, comm, kernels)
-    return layout.s2h_recv_views(recv, streams)
+    _, recv = post_seq_to_head(layout, tensors, roles, comm, kernels)
+    return layout.s2h_recv_views(recv, roles)
 
 
-def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], streams: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
+def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
     """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]``."""
     if layout.world_size == 1:
         return list(local)
-    _, recv, wire = post_head_to_seq(layout, local, streams, comm, kernels)
+    _, recv, wire = post_head_to_seq(layout, local, roles, comm, kernels)
     like = wire[0]
     outs = [
         torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
-        for s in streams
+        for s in roles
     ]
-    kernels.unpack_h2s(layout, head_to_seq_blocks(layout, recv, wire, streams), streams, outs)
+    kernels.unpack_h2s(layout, head_to_seq_blocks(layout, recv, wire, roles), roles, outs)
     return outs
 
 
@@ -142,8 +142,8 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
         @staticmethod
         def forward(ctx, layout, comm, kernels, *tensors):
             ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
-            ctx.streams = QKV if len(tensors) == 3 else Q_ONLY
-            return tuple(s2h(layout, tensors, ctx.streams, comm, kernels))
+            ctx.roles = QKV if len(tensors) == 3 else Q_ONLY
+            return tuple(s2h(layout, tensors, ctx.roles, comm, kernels))
 
         @staticmethod
         def backward(ctx, *grads):
@@ -151,9 +151,9 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
             like = next(g for g in grads if g is not None)
             grads = [
                 g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim)
-                for g, s in zip(grads, ctx.streams)
+                for g, s in zip(grads, ctx.roles)
             ]
-            return (None, None, None, *h2s(lay, grads, ctx.streams, ctx.comm, ctx.kernels))
+            return (None, None, None, *h2s(lay, grads, ctx.roles, ctx.comm, ctx.kernels))
 
     class HeadToSeq(torch.autograd.Function):
         """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
