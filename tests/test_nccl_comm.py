@@ -1,4 +1,4 @@
-"""The native NCCL communicator (ulysses_kernels.nccl_comm) and the extension's NCCL checks.
+"""The native NCCL communicator (ulysses_kernels.comm.nccl) and the extension's NCCL checks.
 
 Without a GPU: the NCCL version and unique-id calls, the linked-vs-loaded version check,
 and clean errors (no crash, no hang) when a communicator cannot be made. With one GPU and
@@ -64,7 +64,7 @@ _NO_GPU_SCRIPT = textwrap.dedent(
     import os, re, tempfile
     import torch, torch.distributed as dist
     from ulysses_kernels import _C_loader
-    from ulysses_kernels.nccl_comm import NCCLCommunicator, default_cuda_comm
+    from ulysses_kernels.comm import NCCLCommunicator, default_cuda_comm
     C = _C_loader.load()
     try:
         C.nccl_comm_init_rank(C.nccl_unique_id(), 1, 0)
@@ -102,7 +102,7 @@ def test_without_gpu_communicator_creation_fails_cleanly():
 
 
 def test_default_cuda_comm_without_distributed_is_none():
-    from ulysses_kernels.nccl_comm import default_cuda_comm
+    from ulysses_kernels.comm import default_cuda_comm
 
     assert default_cuda_comm() is None
 
@@ -149,7 +149,7 @@ def fake_cuda_group(monkeypatch):
 
     import torch.distributed as dist
 
-    from ulysses_kernels import nccl_comm
+    from ulysses_kernels.comm import nccl
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -161,15 +161,15 @@ def fake_cuda_group(monkeypatch):
 
     def make(ptr, info=(4, 2, 1)):
         ext = _FakeExt(info)
-        monkeypatch.setattr(nccl_comm, "_extension", lambda: ext)
-        monkeypatch.setattr(nccl_comm, "nccl_available", lambda: True)
+        monkeypatch.setattr(nccl, "_extension", lambda: ext)
+        monkeypatch.setattr(nccl, "nccl_available", lambda: True)
         return _FakeGroup(_FakeNCCLBackend(ptr)), ext
 
     return make
 
 
 def test_borrow_wraps_torchs_communicator_without_owning_it(fake_cuda_group):
-    from ulysses_kernels.nccl_comm import NCCLCommunicator
+    from ulysses_kernels.comm import NCCLCommunicator
 
     group, ext = fake_cuda_group(0xABC0)
     comm = NCCLCommunicator.borrow(group)
@@ -181,7 +181,7 @@ def test_borrow_wraps_torchs_communicator_without_owning_it(fake_cuda_group):
 
 
 def test_borrow_refuses_a_communicator_that_is_not_this_ranks(fake_cuda_group):
-    from ulysses_kernels.nccl_comm import NCCLCommunicator
+    from ulysses_kernels.comm import NCCLCommunicator
 
     group, _ = fake_cuda_group(0xABC0, info=(4, 2, 0))
     with pytest.raises(RuntimeError, match=r"\(nranks, rank, device\) expected \(4, 2, 1\).*got \(4, 2, 0\)"):
@@ -189,7 +189,7 @@ def test_borrow_refuses_a_communicator_that_is_not_this_ranks(fake_cuda_group):
 
 
 def test_borrow_before_torch_made_its_communicator_says_so(fake_cuda_group):
-    from ulysses_kernels.nccl_comm import NCCLCommunicator, borrowed_torch_comm
+    from ulysses_kernels.comm import NCCLCommunicator, borrowed_torch_comm
 
     group, _ = fake_cuda_group(0)
     with pytest.raises(RuntimeError, match=r"has not created the group's NCCL communicator on cuda:1 yet"):
@@ -198,7 +198,7 @@ def test_borrow_before_torch_made_its_communicator_says_so(fake_cuda_group):
 
 
 def test_borrow_from_a_group_without_nccl_says_what_it_got(fake_cuda_group):
-    from ulysses_kernels.nccl_comm import NCCLCommunicator, borrowed_torch_comm
+    from ulysses_kernels.comm import NCCLCommunicator, borrowed_torch_comm
 
     fake_cuda_group(0xABC0)
     group = _FakeGroup(object())
@@ -208,8 +208,7 @@ def test_borrow_from_a_group_without_nccl_says_what_it_got(fake_cuda_group):
 
 
 def test_functional_default_borrows_only_for_cuda_tensors_and_not_when_turned_off(fake_cuda_group, monkeypatch):
-    from ulysses_kernels.comm import TorchCommunicator, get_communicator
-    from ulysses_kernels.nccl_comm import NCCLCommunicator
+    from ulysses_kernels.comm import NCCLCommunicator, TorchCommunicator, get_communicator
 
     group, _ = fake_cuda_group(0xABC0)
     comm = get_communicator(group, device=torch.device("cuda", 1))
@@ -262,7 +261,7 @@ def _ranks_body(rank, world):
     import torch.distributed as dist
 
     from ulysses_kernels import ulysses_attention
-    from ulysses_kernels.nccl_comm import NCCLCommunicator
+    from ulysses_kernels.comm import NCCLCommunicator
     from ulysses_kernels.reference import attention_reference
 
     torch.cuda.set_device(0)
@@ -347,8 +346,7 @@ def _borrow_body(rank, world):
     import torch.distributed as dist
 
     from ulysses_kernels import ulysses_attention
-    from ulysses_kernels.comm import TorchCommunicator, get_communicator
-    from ulysses_kernels.nccl_comm import NCCLCommunicator
+    from ulysses_kernels.comm import NCCLCommunicator, TorchCommunicator, get_communicator
 
     dev = torch.device("cuda", torch.cuda.current_device())
     calls = []

@@ -292,9 +292,8 @@ def _nccl_stress_rank(rank: int, world: int) -> None:
 
     import torch.distributed as dist
 
-    from ulysses_kernels.comm import TorchCommunicator
+    from ulysses_kernels.comm import NCCLCommunicator, TorchCommunicator, nccl_available
     from ulysses_kernels.kernels import available_kernels
-    from ulysses_kernels.nccl_comm import NCCLCommunicator, nccl_available
 
     torch.cuda.set_device(0)
     try:

@@ -38,7 +38,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C_loader
+from .. import _C_loader
+from .torch_dist import TorchCommunicator
 
 __all__ = ["NCCLCommunicator", "borrowed_torch_comm", "default_cuda_comm", "nccl_available", "torch_comm_handle"]
 
@@ -51,7 +52,7 @@ def _extension():
         raise RuntimeError(f"NCCLCommunicator: the C++ extension is not available ({e})") from e
     if not module.build_info().get("nccl"):
         raise RuntimeError("NCCLCommunicator: ulysses_kernels._C was built without NCCL (no CUDA toolkit or nccl.h at build time)")
-    from .kernels import cuda_kernels  # noqa: F401  (registers the fake kernels of the NCCL ops)
+    from ..kernels import cuda_kernels  # noqa: F401  (registers the fake kernels of the NCCL ops)
 
     return module
 
@@ -160,8 +161,6 @@ class NCCLCommunicator:
         return _StreamWork(self.device) if async_op else None
 
     def all_gather_ints(self, values, device):
-        from .comm import TorchCommunicator
-
         return TorchCommunicator(self.group).all_gather_ints(values, device)
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Communicator", "TorchCommunicator", "get_communicator"]
+__all__ = ["Communicator", "LocalCommunicator", "TorchCommunicator"]
 
 
 class Work(Protocol):
@@ -137,31 +137,3 @@ class LocalCommunicator:
 
     def all_gather_ints(self, values, device):
         return [list(values)]
-
-
-def get_communicator(
-    group=None, comm: Communicator | None = None, native: bool = False, device: torch.device | None = None
-) -> Communicator:
-    """The communicator for ``group``: ``comm`` if given; with ``native``, a new native NCCL
-    communicator where the group is NCCL and the extension has NCCL (the caller owns it:
-    making one is collective); with a CUDA ``device`` (the functional ops pass their
-    tensors'), torch's own NCCL communicator of the group driven by our native calls where
-    it applies (``nccl_comm.borrowed_torch_comm``: nothing is created); else
-    torch.distributed's."""
-    if comm is not None:
-        return comm
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return LocalCommunicator()
-    if native:
-        from .nccl_comm import default_cuda_comm
-
-        made = default_cuda_comm(group)
-        if made is not None:
-            return made
-    if device is not None and device.type == "cuda":
-        from .nccl_comm import borrowed_torch_comm
-
-        borrowed = borrowed_torch_comm(group, device)
-        if borrowed is not None:
-            return borrowed
-    return TorchCommunicator(group)

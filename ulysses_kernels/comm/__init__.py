@@ -1,0 +1,52 @@
+"""Communicators: how the attention op moves tensors between the ranks of a group.
+
+* ``torch_dist``: ``TorchCommunicator`` (torch.distributed on the group, whatever its
+  transport: gloo or NCCL) and ``LocalCommunicator`` (world size 1, no torch.distributed);
+* ``nccl``: ``NCCLCommunicator``, NCCL called directly by the C++ extension, on a
+  communicator of its own or on torch's own communicator of the group (borrowed).
+
+``get_communicator`` picks one for a call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .nccl import NCCLCommunicator, borrowed_torch_comm, default_cuda_comm, nccl_available, torch_comm_handle
+from .torch_dist import Communicator, LocalCommunicator, TorchCommunicator
+
+__all__ = [
+    "Communicator",
+    "LocalCommunicator",
+    "NCCLCommunicator",
+    "TorchCommunicator",
+    "borrowed_torch_comm",
+    "default_cuda_comm",
+    "get_communicator",
+    "nccl_available",
+    "torch_comm_handle",
+]
+
+
+def get_communicator(
+    group=None, comm: Communicator | None = None, native: bool = False, device: torch.device | None = None
+) -> Communicator:
+    """The communicator for ``group``: ``comm`` if given; with ``native``, a new native NCCL
+    communicator where the group is NCCL and the extension has NCCL (the caller owns it:
+    making one is collective); with a CUDA ``device`` (the functional ops pass their
+    tensors'), torch's own NCCL communicator of the group driven by our native calls where
+    it applies (``borrowed_torch_comm``: nothing is created); else torch.distributed's."""
+    if comm is not None:
+        return comm
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return LocalCommunicator()
+    if native:
+        made = default_cuda_comm(group)
+        if made is not None:
+            return made
+    if device is not None and device.type == "cuda":
+        borrowed = borrowed_torch_comm(group, device)
+        if borrowed is not None:
+            return borrowed
+    return TorchCommunicator(group)
