@@ -1,33 +1,62 @@
-"""Data-movement kernels behind one interface, chosen per call.
+"""Data-movement kernels behind one protocol, chosen per call from a registry.
 
-A kernel set is an object with three methods that match the reference in
-``ulysses_kernels.layout`` bit for bit (same arguments, same results):
+A kernel set (``KernelSet``) is an object with three methods that match the torch kernel
+set in ``ulysses_kernels.layout`` bit for bit (same arguments, same results):
 
-* ``pack_s2h(layout, tensors, roles, send)``: sequence-sharded tensors -> flat send buffer;
+* ``pack_s2h(layout, tensors, roles, send, recv=None)``: sequence-sharded tensors -> flat
+  send buffer (with ``recv``, this rank's own rows straight into the receive buffer);
 * ``pack_h2s(layout, local, send)``: a local ``[B, S, h, D]`` tensor -> flat wire format;
 * ``unpack_h2s(layout, blocks, roles, outs)``: received blocks -> ``[B, s_r, H, D]``
   outputs, summing replicated KV heads in rank order.
 
-Names: ``"torch"`` (the reference, any device), ``"triton"`` (Triton kernels; CUDA, or the
+Optionally ``supports(layout) -> bool`` (the C++ kernels take at most ``kMaxPeers`` ranks).
+
+The registry (``KERNEL_SETS``) holds one ``KernelSetSpec`` per named set, with the
+properties the rest of the package asks about: whether it traces under ``torch.compile``
+(and why not), on which device types ``"auto"`` may pick it, and why it cannot run here.
+Names: ``"torch"`` (pure PyTorch, any device), ``"triton"`` (Triton kernels; CUDA, or the
 CPU under ``TRITON_INTERPRET=1``), ``"cuda"`` (the C++/CUDA extension, with its CPU twin on
-CPU tensors). ``None``/``"auto"`` picks ``"cuda"`` when the extension is built and the
-tensors are on a GPU, then ``"triton"`` on a GPU, else ``"torch"``.
+CPU tensors). ``None``/``"auto"`` takes the first registered set that ``auto`` may pick on
+the tensors' device and that can run: ``"cuda"``, then ``"triton"`` on a GPU, else
+``"torch"``. docs/extending.md says how to add one.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .. import layout as _layout
 
-__all__ = ["TorchKernels", "get_kernels", "available_kernels", "UNTRACEABLE"]
+__all__ = [
+    "KernelSet",
+    "KernelSetSpec",
+    "KERNEL_SETS",
+    "register_kernel_set",
+    "TorchKernels",
+    "get_kernels",
+    "available_kernels",
+    "kernel_set_report",
+]
+
+
+class KernelSet(Protocol):
+    name: str
+
+    def pack_s2h(self, layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], send: torch.Tensor, recv: torch.Tensor | None = None) -> None: ...
+
+    def pack_h2s(self, layout, local: torch.Tensor, send: torch.Tensor) -> None: ...
+
+    def unpack_h2s(self, layout, blocks: Sequence[Sequence[torch.Tensor]], roles: Sequence[str], outs: Sequence[torch.Tensor]) -> None: ...
 
 
 class TorchKernels:
-    """The pure-PyTorch reference (``ulysses_kernels.layout``)."""
+    """The pure-PyTorch kernel set: the layout's definition (``ulysses_kernels.layout``)."""
 
     name = "torch"
     pack_s2h = staticmethod(_layout.pack_s2h)
@@ -35,25 +64,85 @@ class TorchKernels:
     unpack_h2s = staticmethod(_layout.unpack_h2s)
 
 
-# name -> (module, attribute): imported lazily; a module that fails to import is unavailable.
-_LOADERS = {
-    "triton": ("ulysses_kernels.kernels.triton_kernels", "TritonKernels"),
-    "cuda": ("ulysses_kernels.kernels.cuda_kernels", "CudaKernels"),
-}
+@dataclass(frozen=True)
+class KernelSetSpec:
+    """One named kernel set and its properties.
+
+    ``module``/``attr``: where the class lives (imported on first use; a module that fails to
+    import makes the set unavailable, with the import error as the reason). The class may
+    define ``available()`` and ``unavailable_reason()``. ``untraceable``: why the set cannot
+    run inside ``torch.compile`` (empty when it can). ``auto_on``: device types on which
+    ``kernels="auto"`` may pick it (``None``: every device); ``"auto"`` tries the highest ``auto_priority`` first.
+    ``describe``: one line on what runs here, for ``info``.
+    """
+
+    name: str
+    module: str
+    attr: str
+    untraceable: str = ""
+    auto_on: frozenset[str] | None = frozenset()
+    auto_priority: int = 0
+    describe: Callable[[], str] = lambda: ""
+
+    @property
+    def traceable(self) -> bool:
+        return not self.untraceable
+
+
+def _describe_triton() -> str:
+    if torch.cuda.is_available():
+        return "Triton kernels on the GPU"
+    return "under TRITON_INTERPRET=1: Triton's CPU interpreter (slow; for tests)"
+
+
+def _describe_cuda() -> str:
+    if torch.cuda.is_available():
+        return "C++/CUDA extension on the GPU (its CPU twin on CPU tensors)"
+    return "C++ extension: its CPU twin (no GPU visible; the CUDA kernels need one)"
+
+
+KERNEL_SETS: dict[str, KernelSetSpec] = {}
+
+
+def register_kernel_set(spec: KernelSetSpec) -> None:
+    """Add ``spec`` to the registry (a name registered twice is an error)."""
+    if spec.name in KERNEL_SETS:
+        raise ValueError(f"register_kernel_set: a kernel set named {spec.name!r} is registered already")
+    KERNEL_SETS[spec.name] = spec
+    _import_or_why.cache_clear()
 
 
 @functools.cache
 def _import_or_why(name: str):
     """``(class, "")``, or ``(None, why)`` when the set cannot run in this process."""
-    module, attr = _LOADERS[name]
+    spec = KERNEL_SETS[name]
     try:
-        cls = getattr(importlib.import_module(module), attr)
+        cls = getattr(importlib.import_module(spec.module), spec.attr)
     except (ImportError, AttributeError, RuntimeError) as e:
         return None, f"{type(e).__name__}: {e}"
     if not getattr(cls, "available", lambda: True)():
         why = getattr(cls, "unavailable_reason", None)
-        return None, why() if why is not None else f"{attr}.available() is False"
+        return None, why() if why is not None else f"{spec.attr}.available() is False"
     return cls, ""
+
+
+# The built-in sets, in the order they are listed (``available_kernels``, ``info``).
+register_kernel_set(KernelSetSpec("torch", __name__, "TorchKernels", auto_on=None, describe=lambda: "pure PyTorch, any device"))
+register_kernel_set(
+    KernelSetSpec(
+        "triton",
+        "ulysses_kernels.kernels.triton_kernels",
+        "TritonKernels",
+        untraceable="its launcher reads tensor addresses (data_ptr) into a descriptor table at run time, "
+        "which a traced graph cannot do; use kernels='cuda' or 'torch' under torch.compile",
+        auto_on=frozenset({"cuda"}),
+        auto_priority=1,
+        describe=_describe_triton,
+    )
+)
+register_kernel_set(
+    KernelSetSpec("cuda", "ulysses_kernels.kernels.cuda_kernels", "CudaKernels", auto_on=frozenset({"cuda"}), auto_priority=2, describe=_describe_cuda)
+)
 
 
 # Inside torch.compile the result is a constant of the trace: dynamo does not trace
@@ -62,39 +151,40 @@ def _import_or_why(name: str):
 @torch.compiler.assume_constant_result
 def _load(name: str):
     """The kernel-set class for ``name``, or None when it cannot run in this process."""
-    return TorchKernels if name == "torch" else _import_or_why(name)[0]
+    return _import_or_why(name)[0]
 
 
 def available_kernels() -> list[str]:
-    """Kernel sets that can run in this process."""
-    return [n for n in ("torch", *_LOADERS) if _load(n) is not None]
+    """Kernel sets that can run in this process, in registration order."""
+    return [n for n in KERNEL_SETS if _load(n) is not None]
 
 
-# Why "triton" cannot run inside torch.compile (``get_kernels(..., traceable=True)``).
-UNTRACEABLE = {
-    "triton": "its launcher reads tensor addresses (data_ptr) into a descriptor table at run time, "
-    "which a traced graph cannot do; use kernels='cuda' or 'torch' under torch.compile",
-}
+def kernel_set_report() -> list[dict]:
+    """Every registered set: ``{"name", "runs_here", "detail"}`` (what runs, or why not)."""
+    report = []
+    for name, spec in KERNEL_SETS.items():
+        cls, why = _import_or_why(name)
+        report.append({"name": name, "runs_here": cls is not None, "detail": spec.describe() if cls is not None else why})
+    return report
 
 
 def get_kernels(name, device: torch.device, layout=None, *, traceable: bool = False):
-    """The kernel set for ``name`` (None, "auto", "torch", "triton", "cuda" or an object).
+    """The kernel set for ``name`` (None, "auto", a registered name, or a kernel-set object).
 
     With ``"auto"``, a set whose ``supports(layout)`` says no (the C++ kernels take at most
-    64 ranks) is passed over for the next one. ``traceable=True`` (the path inside
-    ``torch.compile``): ``"auto"`` passes over the sets in ``UNTRACEABLE`` and naming one
-    raises ``ValueError`` saying why."""
+    ``kMaxPeers`` ranks) is passed over for the next one. ``traceable=True`` (the path inside
+    ``torch.compile``): ``"auto"`` passes over untraceable sets and naming one raises
+    ``ValueError`` saying why."""
     if name is not None and not isinstance(name, str):
-        why = UNTRACEABLE.get(getattr(name, "name", None)) if traceable else None
-        if why:
-            raise ValueError(f"ulysses_kernels: kernel set {name.name!r} does not trace: {why}")
+        spec = KERNEL_SETS.get(getattr(name, "name", None))
+        if traceable and spec is not None and not spec.traceable:
+            raise ValueError(f"ulysses_kernels: kernel set {name.name!r} does not trace: {spec.untraceable}")
         return name
     if name in (None, "auto"):
-        order = ("cuda", "triton", "torch") if device.type == "cuda" else ("torch",)
-        if traceable:
-            order = tuple(n for n in order if n not in UNTRACEABLE)
-        for candidate in order:
-            cls = _load(candidate)
+        for spec in sorted(KERNEL_SETS.values(), key=lambda x: -x.auto_priority):
+            if (spec.auto_on is not None and device.type not in spec.auto_on) or (traceable and not spec.traceable):
+                continue
+            cls = _load(spec.name)
             if cls is None:
                 continue
             # Ask the instance, not the class: inside torch.compile the class is a constant
@@ -103,14 +193,12 @@ def get_kernels(name, device: torch.device, layout=None, *, traceable: bool = Fa
             if layout is None or getattr(kern, "supports", lambda _: True)(layout):
                 return kern
         return TorchKernels()
-    if name not in ("torch", *_LOADERS):
-        raise ValueError(f"ulysses_kernels: kernels={name!r}; expected 'auto', 'torch', 'triton' or 'cuda'")
-    if traceable and name in UNTRACEABLE:
-        raise ValueError(f"ulysses_kernels: kernels={name!r} does not trace: {UNTRACEABLE[name]}")
+    if name not in KERNEL_SETS:
+        raise ValueError(f"ulysses_kernels: kernels={name!r}; expected 'auto' or one of {list(KERNEL_SETS)}")
+    spec = KERNEL_SETS[name]
+    if traceable and not spec.traceable:
+        raise ValueError(f"ulysses_kernels: kernels={name!r} does not trace: {spec.untraceable}")
     cls = _load(name)
     if cls is None:
-        raise ValueError(
-            f"ulysses_kernels: kernels={name!r} is not available here ({_import_or_why(name)[1]}); "
-            f"available: {available_kernels()}"
-        )
+        raise ValueError(f"ulysses_kernels: kernels={name!r} is not available here ({_import_or_why(name)[1]}); available: {available_kernels()}")
     return cls()
