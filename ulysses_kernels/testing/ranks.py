@@ -27,6 +27,7 @@ class RanksFailed(RuntimeError):
     """One or more ranks raised; the message holds the traceback of every rank that did
     (the first rank to fail is not always the first one the parent notices)."""
 
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("ULYSSES_KERNELS_TEST_TIMEOUT", "600"))
 
 

@@ -1,0 +1,26 @@
+"""Test utilities that other projects' tests (and ours) can use.
+
+* ``ranks``: ``run_ranks(fn, world_size, *args)`` runs ``fn`` on real ``torch.distributed``
+  ranks, spawned processes with gloo on the CPU (or NCCL), and re-raises a rank's failure in
+  the caller (``RanksFailed``) instead of hanging;
+* ``thread_ranks``: ``ThreadGroup(world_size).run(fn, *args)`` runs ``fn(comm, *args)`` on
+  "ranks" that are threads of this process, each with a ``ThreadCommunicator``: a fake of the
+  ``ulysses_kernels.comm.Communicator`` interface that moves real bytes between the threads
+  and is stricter than a real collective (mismatched collectives, failed peers, receive
+  buffers read too early, CUDA stream ordering).
+"""
+
+from __future__ import annotations
+
+from .ranks import RanksFailed, run_ranks
+from .thread_ranks import FakeCommError, PeerFailed, ThreadCommunicator, ThreadGroup, ThreadRanksFailed
+
+__all__ = [
+    "FakeCommError",
+    "PeerFailed",
+    "RanksFailed",
+    "ThreadCommunicator",
+    "ThreadGroup",
+    "ThreadRanksFailed",
+    "run_ranks",
+]
