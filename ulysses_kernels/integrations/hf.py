@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
@@ -209,63 +210,89 @@ def shard_batch(
         ``position_ids``, the global ``num_tokens`` and the ``shard`` layout.
     """
     rank, world = _rank_world(group)
-    if input_ids.dim() != 2:
-        raise HFIntegrationError(f"shard_batch: input_ids expected [batch, seq], got shape {list(input_ids.shape)}")
+    labels = _checked_labels(input_ids, labels)
+    position_ids = _global_positions(input_ids, position_ids)
     bsz, seq = input_ids.shape
-    if labels is None:
-        labels = input_ids
-    if labels.shape != input_ids.shape:
-        raise HFIntegrationError(f"shard_batch: labels.shape expected {list(input_ids.shape)}, got {list(labels.shape)}")
-    if position_ids is None:
-        position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, seq)
-    else:
-        if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, bsz):
-            raise HFIntegrationError(
-                f"shard_batch: position_ids expected [{bsz} or 1, {seq}], got shape {list(position_ids.shape)}"
-            )
-        position_ids = position_ids.expand(bsz, seq)
-        if seq > 1 and not bool((position_ids.diff(dim=1) == 1).all()):
-            raise HFIntegrationError(
-                "shard_batch: position_ids must count up by one along the sequence; restarting positions "
-                "(packed sequences) need a block-diagonal mask, which the ulysses integration does not support"
-            )
-    if pad:
-        total = math.ceil(seq / world) * world
-        seq_lens = [total // world] * world
-    else:
-        if seq < world:
-            raise HFIntegrationError(
-                f"shard_batch: the sequence ({seq} tokens) is shorter than the group ({world} ranks); use pad=True"
-            )
-        total, seq_lens = seq, split_lengths(seq, world)
-
-    # Shift globally, before sharding: the target of position t is labels[t + 1].
-    shifted = torch.full_like(labels, ignore_index)
-    shifted[:, :-1] = labels[:, 1:]
-    if ignore_index != -100:
-        shifted = torch.where(shifted == ignore_index, torch.full_like(shifted, -100), shifted)
-    num_tokens = int((shifted != -100).sum())
-
+    total, seq_lens = _shard_lengths(seq, world, pad)
+    shifted, num_tokens = _shift_labels(labels, ignore_index)
     if check and world > 1:
-        comm = get_communicator(group)
-        mine = [bsz, seq, total, num_tokens]
-        everyone = comm.all_gather_ints(mine, input_ids.device)
-        if any(v != everyone[0] for v in everyone):
-            rows = ", ".join(f"rank {r}: batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]}" for r, v in enumerate(everyone))
-            raise HFIntegrationError(
-                "shard_batch: the ranks of the sequence-parallel group were given different batches "
-                f"(every rank must pass the same global batch): {rows}"
-            )
+        _check_same_batch(group, input_ids.device, bsz, seq, total, num_tokens)
 
     shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz)
     return ShardedBatch(
         input_ids=shard.shard(input_ids, pad_value=pad_token_id),
         labels=shard.shard(shifted, pad_value=-100),
-        # Positions count up by one (checked above), so the padded ones simply continue.
+        # Positions count up by one (checked by _global_positions), so the padded ones simply continue.
         position_ids=shard.shard(position_ids[:, :1] + torch.arange(total, device=input_ids.device)),
         num_tokens=num_tokens,
         shard=shard,
     )
+
+
+def _checked_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """``labels`` (default ``input_ids``) after checking that both are ``[batch, seq]``."""
+    if input_ids.dim() != 2:
+        raise HFIntegrationError(f"shard_batch: input_ids expected [batch, seq], got shape {list(input_ids.shape)}")
+    if labels is None:
+        labels = input_ids
+    if labels.shape != input_ids.shape:
+        raise HFIntegrationError(f"shard_batch: labels.shape expected {list(input_ids.shape)}, got {list(labels.shape)}")
+    return labels
+
+
+def _global_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """``[batch, seq]`` global positions: ``0 .. seq-1`` by default, else ``position_ids``
+    (``[batch or 1, seq]``) expanded, after checking that they count up by one."""
+    bsz, seq = input_ids.shape
+    if position_ids is None:
+        return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, seq)
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, bsz):
+        raise HFIntegrationError(
+            f"shard_batch: position_ids expected [{bsz} or 1, {seq}], got shape {list(position_ids.shape)}"
+        )
+    position_ids = position_ids.expand(bsz, seq)
+    if seq > 1 and not bool((position_ids.diff(dim=1) == 1).all()):
+        raise HFIntegrationError(
+            "shard_batch: position_ids must count up by one along the sequence; restarting positions "
+            "(packed sequences) need a block-diagonal mask, which the ulysses integration does not support"
+        )
+    return position_ids
+
+
+def _shard_lengths(seq: int, world: int, pad: bool) -> tuple[int, list[int]]:
+    """``(total, seq_lens)``: with ``pad``, ``seq`` padded up to a multiple of ``world`` and
+    split evenly; without, ``seq`` split by ``split_lengths`` (uneven shards)."""
+    if pad:
+        total = math.ceil(seq / world) * world
+        return total, [total // world] * world
+    if seq < world:
+        raise HFIntegrationError(
+            f"shard_batch: the sequence ({seq} tokens) is shorter than the group ({world} ranks); use pad=True"
+        )
+    return seq, split_lengths(seq, world)
+
+
+def _shift_labels(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, int]:
+    """The global label shift, done once before sharding: ``(shifted, num_tokens)`` where the
+    target of position t is ``labels[t + 1]`` (the last position has none), ignored targets
+    are ``-100`` whatever ``ignore_index`` was, and ``num_tokens`` counts the others."""
+    shifted = torch.full_like(labels, ignore_index)
+    shifted[:, :-1] = labels[:, 1:]
+    if ignore_index != -100:
+        shifted = torch.where(shifted == ignore_index, torch.full_like(shifted, -100), shifted)
+    return shifted, int((shifted != -100).sum())
+
+
+def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int) -> None:
+    """One all-gather of ``(batch, seq, padded length, target count)``: ranks fed different
+    batches raise the same error on every rank. Collective."""
+    everyone = get_communicator(group).all_gather_ints([bsz, seq, total, num_tokens], device)
+    if any(v != everyone[0] for v in everyone):
+        rows = ", ".join(f"rank {r}: batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]}" for r, v in enumerate(everyone))
+        raise HFIntegrationError(
+            "shard_batch: the ranks of the sequence-parallel group were given different batches "
+            f"(every rank must pass the same global batch): {rows}"
+        )
 
 
 def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
@@ -368,17 +395,42 @@ def _ulysses_attention_forward(
     mask is global (built by ``ulysses_attention``), so transformers' local mask must be
     ``None`` (our mask function makes sure of it).
     """
+    settings, shard = _call_context(module, kwargs)
+    _check_supported(module, shard, attention_mask, dropout, sliding_window, softcap, kwargs)
+    comm = settings.comm
+    _check_sharded_input(type(module).__name__, shard, comm, query)
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
+    sig = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling)
+    check = settings.check == "always" or (settings.check == "step" and sig not in shard._checked)
+    out = ulysses_attention(
+        q, k, v, settings.group, causal=True, softmax_scale=scaling, seq_lens=shard.seq_lens,
+        attn_fn=settings.attn_fn, comm=comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
+    )  # fmt: skip
+    if check:
+        shard._checked.add(sig)
+    return out, None
+
+
+def _call_context(module, kwargs) -> tuple[_Settings, SequenceShard]:
+    """What ``apply`` set on ``module`` and the step's ``SequenceShard`` from the model's kwargs."""
     settings = getattr(module, _SETTINGS_ATTR, None)
     if settings is None:
         raise _fail_module(module)
     shard = kwargs.get(_SHARD_KWARG)
-    name = type(module).__name__
     if not isinstance(shard, SequenceShard):
         raise HFIntegrationError(
-            f"{name}: the model runs sequence-parallel attention but was called without a sequence shard; "
+            f"{type(module).__name__}: the model runs sequence-parallel attention but was called without a sequence shard; "
             "feed it model(**ulysses_kernels.integrations.hf.shard_batch(input_ids, group=group).model_inputs()) "
             "(each rank then holds its slice of the sequence and the global positions)"
         )
+    return settings, shard
+
+
+def _check_supported(module, shard: SequenceShard, attention_mask, dropout, sliding_window, softcap, kwargs) -> None:
+    """Raise on what plain causal attention over the global sequence cannot honor: a mask,
+    dropout, softcapping, a window shorter than the sequence, attention sinks, non-causal."""
+    name = type(module).__name__
     if attention_mask is not None:
         raise HFIntegrationError(
             f"{name}: an explicit attention mask reached sequence-parallel attention (shape "
@@ -397,7 +449,11 @@ def _ulysses_attention_forward(
         raise HFIntegrationError(f"{name}: attention sinks (s_aux) are not supported")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise HFIntegrationError(f"{name}: non-causal attention is not supported (ulysses applies a global causal mask)")
-    comm = settings.comm
+
+
+def _check_sharded_input(name: str, shard: SequenceShard, comm, query: torch.Tensor) -> None:
+    """The batch was sharded for this rank of ``comm``'s group, and ``query``
+    (``[B, H, s_local, D]``) is this rank's shard of it."""
     if (shard.rank, shard.world_size) != (comm.rank, comm.world_size):
         raise HFIntegrationError(
             f"{name}: the batch was sharded for rank {shard.rank} of {shard.world_size} but apply() was given a group "
@@ -416,17 +472,6 @@ def _ulysses_attention_forward(
             f"[batch {shard.batch_size}, seq {shard.local_len}] (rank {shard.rank}, seq_lens {list(shard.seq_lens)}); "
             "feed exactly the tensors shard_batch returned"
         )
-
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
-    sig = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling)
-    check = settings.check == "always" or (settings.check == "step" and sig not in shard._checked)
-    out = ulysses_attention(
-        q, k, v, settings.group, causal=True, softmax_scale=scaling, seq_lens=shard.seq_lens,
-        attn_fn=settings.attn_fn, comm=comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
-    )  # fmt: skip
-    if check:
-        shard._checked.add(sig)
-    return out, None
 
 
 def _ulysses_mask(*args, mask_function=None, attention_mask=None, **kwargs):
