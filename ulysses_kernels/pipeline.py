@@ -48,9 +48,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import AttentionBackend, KVGradSum, SharedKV, _uniform_group, shares_one_kv
-from .layout import Layout, Q_ONLY, QKV
+from .backends import AttentionBackend, KVGradSum, SharedKV, shares_one_kv, uniform_group
+from .comm import AsyncChannel
 from .exchange import UlyssesAttentionFunction, head_to_seq_blocks, post_head_to_seq, post_seq_to_head
+from .layout import Q_ONLY, QKV, Layout
 from .plan import HeadPlan
 
 __all__ = ["chunk_plans", "choose_chunks", "chunked_attention", "ChunkedAttentionFunction", "CostModel"]
@@ -265,50 +266,6 @@ def _choose_chunks(layout: Layout, itemsize: int, causal: bool, model: CostModel
     return best_n if best_t < base * (1.0 - model.min_gain) else 1
 
 
-# ---- asynchronous collectives -----------------------------------------------------------
-class _Pending:
-    """One started all-to-all; ``wait()`` orders its result before later work."""
-
-    __slots__ = ("work", "event", "tensors")
-
-    def __init__(self, work, event, tensors):
-        self.work, self.event, self.tensors = work, event, tensors
-
-    def wait(self) -> None:
-        if self.event is not None:
-            # The role that consumes the result waits on the GPU; the host does not.
-            torch.cuda.current_stream(self.tensors[0].device).wait_event(self.event)
-        if self.work is not None:
-            self.work.wait()
-        self.work = self.event = None
-        self.tensors = None  # the buffers may go now (CUDA: record_stream guards them)
-
-
-class _Channel:
-    """Starts collectives that overlap with the caller's compute."""
-
-    def __init__(self, comm, device: torch.device):
-        self.comm = comm
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def start(self, tensors, call) -> _Pending:
-        """Run ``call(async_op)`` (one collective over ``tensors``) asynchronously."""
-        if not self.cuda:
-            return _Pending(call(True), None, tensors)
-        main = torch.cuda.current_stream(tensors[0].device)
-        self.stream.wait_stream(main)  # the pack that filled the send buffer ran on `main`
-        with torch.cuda.stream(self.stream):
-            call(False)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        # Memory allocated on `main` and used on the side stream: the allocator must not
-        # hand it out again until the side stream's work queued so far has run.
-        for t in tensors:
-            t.record_stream(self.stream)
-        return _Pending(None, event, tensors)
-
-
 # ---- the chunk schedule (per layout and count; pure data) -----------------------------------
 @dataclass(frozen=True)
 class _Chunk:
@@ -336,7 +293,7 @@ def _schedule(layout: Layout, n: int, split_groups: bool) -> _Schedule:
     grad_plans = chunk_plans(plan, n, split_groups=split_groups, kv_last=True)
     replicated = {h for h in range(plan.kv_heads) if len(plan.kv_holders(h)) > 1}
     full_map = plan.local_kv_map(rank)
-    full_uniform = _uniform_group(len(full_map), plan.kv_count(rank), full_map)
+    full_uniform = uniform_group(len(full_map), plan.kv_count(rank), full_map)
     shared = split_groups and splits_shared_kv(plan, rank)
 
     def lay(p: HeadPlan) -> Layout:
@@ -374,12 +331,12 @@ def _schedule(layout: Layout, n: int, split_groups: bool) -> _Schedule:
 
 
 # ---- the pieces of one chunk --------------------------------------------------------------
-def _start_s2h(chan: _Channel, lay: Layout, tensors, roles, kernels):
+def _start_s2h(chan: AsyncChannel, lay: Layout, tensors, roles, kernels):
     """Pack and start one seq->head exchange. Returns (pending, receive buffer)."""
     return post_seq_to_head(lay, tensors, roles, chan.comm, kernels, chan.start)
 
 
-def _start_h2s(chan: _Channel, lay: Layout, local: torch.Tensor, role: str, kernels):
+def _start_h2s(chan: AsyncChannel, lay: Layout, local: torch.Tensor, role: str, kernels):
     """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``role``'s heads).
     Returns (pending, receive buffer, wire tensor)."""
     pending, recv, wire = post_head_to_seq(lay, [local], (role,), chan.comm, kernels, chan.start)
@@ -424,13 +381,14 @@ class ChunkedAttentionFunction(torch.autograd.Function):
     """``UlyssesAttentionFunction`` with the all-to-alls of head chunks overlapping attention."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, comm, kernels, backend, causal, scale, n):
+    def forward(ctx, q, k, v, call):
         needs_grad = any(ctx.needs_input_grad[:3])
-        split = isinstance(backend, AttentionBackend)
-        sched = _schedule(layout, n, split)
-        if sched.chunks[0].shared:
-            backend = SharedKV(backend)
-        chan = _Channel(comm, q.device)
+        layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
+        causal, scale = call.causal, call.scale
+        # backends.for_rank made this rank's backend SharedKV exactly when its chunks split
+        # a shared KV head's query heads (the schedule's `shared`).
+        sched = _schedule(layout, call.chunks, call.split_groups)
+        chan = AsyncChannel(comm, q.device)
         B, D = layout.batch, layout.head_dim
         out = q.new_empty(B, layout.seq_local, layout.plan.q_heads, D)
         states = []
@@ -460,17 +418,17 @@ class ChunkedAttentionFunction(torch.autograd.Function):
                 _finish_out(pending_out, out, kernels)
             pending_out = started
         _finish_out(pending_out, out, kernels)
-        ctx.layout, ctx.comm, ctx.kernels, ctx.backend, ctx.n = layout, comm, kernels, backend, n
-        ctx.split_groups = split
+        ctx.call = call
         ctx.states = states
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        layout, comm, kernels, backend = ctx.layout, ctx.comm, ctx.kernels, ctx.backend
-        sched = _schedule(layout, ctx.n, ctx.split_groups)
-        chan = _Channel(comm, dout.device)
+        call = ctx.call
+        layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
+        sched = _schedule(layout, call.chunks, call.split_groups)
+        chan = AsyncChannel(comm, dout.device)
         B, D, plan, rank = layout.batch, layout.head_dim, layout.plan, layout.rank
         dq = dout.new_empty(B, layout.seq_local, plan.q_heads, D)
         dk = dout.new_empty(B, layout.seq_local, plan.kv_heads, D)
@@ -513,7 +471,7 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
         _sum_replicas(layout, sched, (dk, dv), kv_blocks, kernels)
         ctx.states = None
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None
 
 
 def _finish_out(pending, out, kernels) -> None:
@@ -562,22 +520,10 @@ def _sum_replicas(layout: Layout, sched: _Schedule, outs, kv_blocks, kernels) ->
         kernels.unpack_h2s(lay, blocks, ("kv", "kv"), list(outs))
 
 
-def chunked_attention(q, k, v, layout: Layout, comm, kernels, backend, causal: bool, scale: float, chunks):
+def chunked_attention(q, k, v, call):
     """Ulysses attention with head chunks overlapping the all-to-alls (see module docstring).
 
     ``q`` ``[B, s_r, Hq, D]``, ``k``/``v`` ``[B, s_r, Hkv, D]`` as for ``ulysses_attention``;
-    ``chunks``: an int >= 1 or ``"auto"``. Falls back to the unchunked op when the plan
-    allows one chunk only. Returns ``[B, s_r, Hq, D]``.
+    ``call``: its ``CallSetup``, with ``call.chunks`` (> 1) resolved. Returns ``[B, s_r, Hq, D]``.
     """
-    split = isinstance(backend, AttentionBackend)
-    if chunks == "auto":
-        n = choose_chunks(layout, q.element_size(), causal, q.device.type, split_groups=split)
-    elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
-        n = chunks
-    else:
-        raise ValueError(f"ulysses_attention: chunks expected an int >= 1 or 'auto', got {chunks!r}")
-    n = len(chunk_plans(layout.plan, n, split_groups=split))
-    if n == 1:
-        kv_map = layout.plan.local_kv_map(layout.rank)
-        return UlyssesAttentionFunction.apply(q, k, v, layout, comm, kernels, backend, causal, scale, kv_map)
-    return ChunkedAttentionFunction.apply(q, k, v, layout, comm, kernels, backend, causal, scale, n)
+    return ChunkedAttentionFunction.apply(q, k, v, call)

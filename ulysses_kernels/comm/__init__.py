@@ -1,9 +1,13 @@
 """Communicators: how the attention op moves tensors between the ranks of a group.
 
+* ``base``: the ``Communicator`` protocol, ``Work`` (what every asynchronous exchange
+  returns) and ``transport(group)`` (gloo, NCCL: what torch calls the group's backend);
 * ``torch_dist``: ``TorchCommunicator`` (torch.distributed on the group, whatever its
-  transport: gloo or NCCL) and ``LocalCommunicator`` (world size 1, no torch.distributed);
+  transport) and ``LocalCommunicator`` (world size 1, no torch.distributed);
 * ``nccl``: ``NCCLCommunicator``, NCCL called directly by the C++ extension, on a
-  communicator of its own or on torch's own communicator of the group (borrowed).
+  communicator of its own or on torch's own communicator of the group (borrowed), and
+  ``native_nccl_enabled()``, the one reader of ``ULYSSES_KERNELS_NATIVE_NCCL``;
+* ``channel``: ``AsyncChannel``, collectives started to overlap the caller's compute.
 
 ``get_communicator`` picks one for a call.
 """
@@ -13,19 +17,32 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .nccl import NCCLCommunicator, borrowed_torch_comm, default_cuda_comm, nccl_available, torch_comm_handle
-from .torch_dist import Communicator, LocalCommunicator, TorchCommunicator
+from .base import Communicator, Work, transport
+from .channel import AsyncChannel
+from .nccl import (
+    NCCLCommunicator,
+    borrowed_torch_comm,
+    default_cuda_comm,
+    native_nccl_enabled,
+    nccl_available,
+    torch_comm_handle,
+)
+from .torch_dist import LocalCommunicator, TorchCommunicator
 
 __all__ = [
+    "AsyncChannel",
     "Communicator",
     "LocalCommunicator",
     "NCCLCommunicator",
     "TorchCommunicator",
+    "Work",
     "borrowed_torch_comm",
     "default_cuda_comm",
     "get_communicator",
+    "native_nccl_enabled",
     "nccl_available",
     "torch_comm_handle",
+    "transport",
 ]
 
 
