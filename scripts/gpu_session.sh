@@ -172,7 +172,7 @@ stage_tests() {
   done
 }
 
-pack_summary() {  # issue #3: fused pack >= 90% of copy bandwidth, and (item 7) >= 3x the chain
+pack_summary() {  # the pack targets: fused pack >= 90% of copy bandwidth, and >= 3x the chain
   [ "$DRY" = 1 ] && return 0
   "$PY" - "$RESULTS" <<'EOF' | tee -a "$SUMMARY" || true
 import glob, json, os, sys
@@ -188,13 +188,13 @@ EOF
 stage_bench() {
   local a=(--models llama3-8b --min-seq 4K --max-seq 256K) o=(--layouts 32/8 --seqs 8K,32K,64K) x=(-b 1M -e 256M -f 4)
   [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128 --head-dim 16) o=(--layouts 8/2 --seqs 64,256 --head-dim 16) x=(-b 1K -e 64K -f 4)
-  step bench_pack 180 "$PY" bench/bench_pack.py --warmup 10 --iters 100 --out "$RESULTS" && pack_summary || true
-  step bench_attention 300 "$PY" bench/bench_attention.py --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$RESULTS" &&
-    step perf_model 60 "$PY" bench/perf_model.py --attention-json "$RESULTS/bench_attention_latest.json" || true
+  step bench_pack 180 "$PY" -m ulysses_kernels.bench.pack --warmup 10 --iters 100 --out "$RESULTS" && pack_summary || true
+  step bench_attention 300 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$RESULTS" &&
+    step perf_model 60 "$PY" -m ulysses_kernels.bench.perf_model --attention-json "$RESULTS/bench_attention_latest.json" || true
   # Checks on a world of one (the collective is a self-copy): correctness of the GPU paths, and
   # the chunked pipeline's overhead; kept out of bench/results (no bandwidth or overlap claim).
-  step alltoall_w1 120 "$PY" bench/bench_alltoall.py "${x[@]}" -w 5 -n 20 --out-dir "$LOG/w1" || true
-  step overlap_w1 150 "$PY" bench/bench_overlap.py --spawn 0 "${o[@]}" -w 2 -n 5 --out-dir "$LOG/w1" || true
+  step alltoall_w1 120 "$PY" -m ulysses_kernels.bench.alltoall "${x[@]}" -w 5 -n 20 --out-dir "$LOG/w1" || true
+  step overlap_w1 150 "$PY" -m ulysses_kernels.bench.overlap --spawn 0 "${o[@]}" -w 2 -n 5 --out-dir "$LOG/w1" || true
 }
 
 stage_nccl2() {
@@ -205,7 +205,7 @@ stage_nccl2() {
   local o=(--layouts 32/8 --seqs 8K,32K)
   [ "$TINY" = 1 ] && o=(--layouts 8/2 --seqs 64,256 --head-dim 16)
   step overlap_w2 180 env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-    bench/bench_overlap.py "${o[@]}" --out-dir "$LOG/w2" || true
+    -m ulysses_kernels.bench.overlap "${o[@]}" --out-dir "$LOG/w2" || true
 }
 
 stage_attn() {  # one process per model, so that a timeout loses one model, not the sweep.
@@ -215,8 +215,8 @@ stage_attn() {  # one process per model, so that a timeout loses one model, not 
   for m in ${GPU_SESSION_ATTN_MODELS:-llama3-8b}; do
     a=(--models "$m" --min-seq 4K --max-seq "${GPU_SESSION_ATTN_MAX_SEQ:-1M}")
     [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128,256 --head-dim 16)
-    step "attention_$m" 420 "$PY" bench/bench_attention.py --sp 8 "${a[@]}" -w 1 -n 3 --out-dir "$RESULTS" &&
-      step "perf_model_$m" 60 "$PY" bench/perf_model.py --attention-json "$RESULTS/bench_attention_latest.json" || true
+    step "attention_$m" 420 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 1 -n 3 --out-dir "$RESULTS" &&
+      step "perf_model_$m" 60 "$PY" -m ulysses_kernels.bench.perf_model --attention-json "$RESULTS/bench_attention_latest.json" || true
   done
 }
 

@@ -1,4 +1,4 @@
-"""bench/bench_pack.py: every row's bit-exact check counts 0 on a correct result and more on
+"""The pack/unpack benchmark (``ulysses_kernels.bench.pack``): every row's bit-exact check counts 0 on a correct result and more on
 a corrupted, partly written or stale one; a wrong kernel makes the script exit non-zero; a
 CPU run prints the table and writes the shared result files with the row fields the GPU
 runbook (scripts/gpu_session.sh, pack_summary) reads."""
@@ -8,36 +8,23 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import pack as bp
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DT = torch.bfloat16
 # (Hq, Hkv, P, B, s, D): heads divide (chain rows, batch 2), and KV heads replicated over
 # ranks (10/2 on 4 ranks: the unpack sums replicas; no chain rows).
 CHAIN_CFG, REPLICA_CFG = (8, 4, 4, 2, 6, 4), (10, 2, 4, 1, 5, 4)
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("_bench_pack", ROOT / "bench" / "bench_pack.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bp = _load()
 
 
 def _flip_one(x: torch.Tensor, index: int) -> None:
@@ -108,7 +95,8 @@ def test_count_unequal_bits_is_bit_exact():
 def test_check_is_zero_on_correct_rows_and_counts_corruption(kernels, cfg):
     cases, skipped = bp.build_cases(cfg, DEVICE, DT, [_kernel_or_skip(kernels)])
     assert skipped == {}
-    want = ["copy", f"fused ({kernels})", "torch"] + (["chain"] if cfg == CHAIN_CFG else [])
+    # On a CPU the cuda set's row says what runs: the C++ extension's CPU twin.
+    want = ["copy", f"fused ({C.kernel_label(kernels, DEVICE)})", "torch"] + (["chain"] if cfg == CHAIN_CFG else [])
     assert [c.method for c in cases if c.op == "pack"] == want
     assert [c.method for c in cases if c.op == "unpack"] == want
     for case in cases:
@@ -200,7 +188,7 @@ def test_cpu_smoke_prints_checks_and_writes(tmp_path, capsys):
     assert len(table) == len(rows) and all(cells[-1] == "0" for cells in table)  # one line per row, #wrong last
     by = _pack_summary(rows)
     assert len(by) == 2 * len(bp.CPU_CONFIGS)
-    for (cfg, op), m in by.items():
+    for m in by.values():
         assert {"copy", "fused", "torch"} <= set(m) <= {"copy", "fused", "torch", "chain"}
         assert m["copy"] > 0 and m["fused"] > 0
     assert ("chain" in by[(bp.config_label(bp.CPU_CONFIGS[0]), "pack")]) and "chain" not in by[

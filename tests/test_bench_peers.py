@@ -1,4 +1,4 @@
-"""bench_attention's peer rows (DeepSpeed's DistributedAttention, yunchang's UlyssesAttention)
+"""The attention benchmark's peer rows (DeepSpeed's DistributedAttention, yunchang's UlyssesAttention)
 run at a tiny size on 2 gloo ranks, are timed and are checked correct; a peer that is not
 installed, or cannot run here, skips with the reason the benchmark gives."""
 
@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from ulysses_kernels.bench import attention
+
 PEERS = ("deepspeed", "yunchang")
 
 
@@ -21,15 +20,11 @@ def peer_run(tmp_path_factory):
     installed = [p for p in PEERS if importlib.util.find_spec(p) is not None]
     if not installed:
         return None
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))  # the spawned ranks import the script by name
-    import bench_attention
-
     out = tmp_path_factory.mktemp("peers")
     # 6/2 on 2 ranks: query and KV heads divide, which both peers assume.
     argv = ["--spawn", "2", "--layouts", "6/2", "--seqs", "32", "--head-dim", "8", "-w", "0", "-n", "1",
             "--methods", ",".join(["local", *installed]), "--passes", "fwd,fwdbwd", "--out-dir", str(out)]  # fmt: skip
-    assert bench_attention.main(argv) == 0
+    assert attention.main(argv) == 0
     (path,) = [p for p in out.glob("bench_attention_*.json") if not p.name.endswith("_latest.json")]
     return json.loads(path.read_text())
 

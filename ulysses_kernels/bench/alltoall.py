@@ -1,7 +1,7 @@
 """All-to-all bandwidth, the way people already read it (nccl-tests' alltoall_perf table).
 
-    torchrun --nproc-per-node 8 bench/bench_alltoall.py -b 1K -e 1G -f 2 -w 5 -n 20 -d bf16
-    python bench/bench_alltoall.py --spawn 4 -b 1K -e 1M     # gloo ranks on the CPU
+    torchrun --nproc-per-node 8 -m ulysses_kernels.bench.alltoall -b 1K -e 1G -f 2 -w 5 -n 20 -d bf16
+    python -m ulysses_kernels.bench.alltoall --spawn 4 -b 1K -e 1M     # gloo ranks on the CPU
 
 Every size is run by each selected ``--op`` and checked element by element:
 
@@ -12,7 +12,8 @@ Every size is run by each selected ``--op`` and checked element by element:
                all_to_all_single, permute+contiguous (KV heads repeated when they do not
                divide over the ranks)
   fused-<k>    ours: one pack (kernel set <k>: torch, triton, cuda) + one all-to-all for
-               q, k and v + zero-copy receive views (``ops.a2a_seq_to_head``)
+               q, k and v + zero-copy receive views (``exchange.a2a_seq_to_head``);
+               on a CPU, ``fused-cuda`` is the C++ extension's CPU twin
   fused-nccl   ours over the native NCCL communicator
 
 ``--dir s2h`` (default) moves q, k and v from sequence- to head-sharded, ``--dir h2s`` moves
@@ -29,29 +30,24 @@ goes to stdout at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
-
-try:
-    import ulysses_kernels  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ulysses_kernels.baselines import chain_head_to_seq, chain_seq_to_head
 from ulysses_kernels.bench import common as C
-from ulysses_kernels.comm import TorchCommunicator
+from ulysses_kernels.comm import NCCLCommunicator, TorchCommunicator, nccl_available
+from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
-from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.plan import HeadPlan
-from ulysses_kernels.baselines import chain_head_to_seq, chain_seq_to_head
 
-# The chain baseline (reference.py) uses torch.distributed.nn.functional, deprecated in new torch.
+# The chain baseline (baselines.py) uses torch.distributed.nn.functional, deprecated in new torch.
 warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
 
 SALT_Q, SALT_K, SALT_V, SALT_OUT, SALT_FLAT = 1, 2, 3, 4, 5
@@ -105,14 +101,10 @@ def native_nccl_comm(device: torch.device):
     """Our native NCCL communicator over the world, or ``Skip`` with the reason."""
     if device.type != "cuda":
         raise Skip("native NCCL communicator needs CUDA")
-    try:
-        import ulysses_kernels.nccl_comm as mod
-    except ImportError as e:
-        raise Skip(f"ulysses_kernels.nccl_comm not importable ({e})") from None
-    if not mod.nccl_available():
+    if not nccl_available():
         raise Skip("ulysses_kernels._C was built without NCCL, or no CUDA device")
     try:
-        return mod.NCCLCommunicator(None)
+        return NCCLCommunicator(None)
     except (RuntimeError, TypeError, ValueError) as e:
         raise Skip(f"NCCLCommunicator could not be created ({e})") from None
 
@@ -308,84 +300,123 @@ def select_ops(spec: str, device: torch.device) -> list[str]:
     return wanted
 
 
-def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -> list[dict]:
-    dtype = C.parse_dtype(args.datatype)
-    elem = torch.empty((), dtype=dtype).element_size()
+def open_native(ops: list[str], device: torch.device):
+    """Our native NCCL communicator when an op needs it, and ``{op: why}`` for the ops that
+    cannot run because it could not be made (on any rank)."""
+    if not any(op in ("nccl", "fused-nccl") for op in ops):
+        return None, {}
+    try:
+        native, why = native_nccl_comm(device), None
+    except Skip as e:
+        native, why = None, str(e)
+    if C.all_ok(native is not None):
+        return native, {}
+    why = why or "NCCLCommunicator failed on another rank"
+    return None, {"nccl": why, "fused-nccl": why}
+
+
+def unique_shapes(args, elem: int, world: int) -> list[Shape]:
+    """The row shapes of the size sweep; sizes that round to the same tensors run once."""
     sizes = C.size_sweep(C.parse_size(args.minbytes), C.parse_size(args.maxbytes), args.stepfactor)
-    ops = select_ops(args.op, device)
-    torch_comm = TorchCommunicator(None)
-    notes: dict[str, str] = {}
-    native = None
-    if any(op in ("nccl", "fused-nccl") for op in ops):
-        try:
-            native, why = native_nccl_comm(device), None
-        except Skip as e:
-            native, why = None, str(e)
-        if not C.all_ok(native is not None):
-            notes["nccl"] = notes["fused-nccl"] = why or "NCCLCommunicator failed on another rank"
-            native = None
-    is0 = rank == 0
-    if is0:
-        cpu = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
-        print(f"# bench_alltoall: {world} ranks, {backend}, {device.type}, dtype {C.dtype_name(dtype)}, "
-              f"dir {args.dir}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
-              f"warmup {args.warmup_iters}, iters {args.iters}{cpu}", flush=True)
-        print(f"# ops: {', '.join(ops)}", flush=True)
-    shapes = {}  # sizes that round to the same tensors run once
+    shapes = {}
     for size in sizes:
         sh = shape_for(size, elem, args, world)
         shapes.setdefault(sh.count, sh)
+    return list(shapes.values())
+
+
+def make_case(op: str, sh: Shape, dtype, device, rank: int, world: int, comms: dict) -> Case:
+    """The case of ``op``, run once untimed (a kernel set that cannot run here fails now)."""
+    if op in ("a2a", "nccl", "symm"):
+        case = bare_case(op, sh, dtype, device, rank, world, comm=comms["native"])
+    else:
+        kern = None if op == "fused-nccl" else op[len("fused-"):]
+        comm = comms["native"] if op == "fused-nccl" else comms["torch"]
+        case = layout_case(op, sh, dtype, device, rank, world, kernels=kern, comm=comm)
+    case.run()
+    return case
+
+
+def measure_op(op: str, sh: Shape, args, dtype, device, rank: int, world: int, comms: dict):
+    """``(row, None)``: the timed and checked row of ``op`` at shape ``sh``; ``(None, why)``
+    when it cannot run on some rank. Collective: every rank calls it with the same op."""
+    try:
+        case, err = make_case(op, sh, dtype, device, rank, world, comms), None
+    except (Skip, ValueError, RuntimeError, NotImplementedError) as e:
+        case, err = None, str(e)
+    if not C.all_ok(case is not None):
+        return None, err or "skipped on another rank"
+    holder = {}
+
+    def timed():
+        holder["out"] = case.run()
+
+    times = C.time_iters(timed, device=device, warmup=args.warmup_iters, iters=args.iters)
+    t = C.reduce_max(C.median(times))
+    wrong = int(C.reduce_sum(case.check(holder["out"]))) if args.check else None
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = case.count * elem
+    algbw = nbytes / t / 1e9
+    row = {"size": nbytes, "count": case.count, "type": C.dtype_name(dtype), "op": op, "dir": args.dir, "time_us": t * 1e6,
+           "algbw": algbw, "busbw": algbw * (world - 1) / world, "wrong": wrong, "seq_per_rank": sh.seq,
+           "head_dim": sh.head_dim, "impl": case.note}  # fmt: skip
+    return row, None
+
+
+def add_ratios(size_rows: list[dict]) -> None:
+    """``x_chain`` and ``x_a2a`` of the rows of one size (None where that row is missing)."""
+    by_op = {r["op"]: r for r in size_rows}
+    for r in size_rows:
+        r["x_chain"] = by_op["chain"]["time_us"] / r["time_us"] if "chain" in by_op else None
+        r["x_a2a"] = r["time_us"] / by_op["a2a"]["time_us"] if "a2a" in by_op else None
+
+
+def print_header(args, world: int, backend: str, device: torch.device, dtype, ops: list[str]) -> None:
+    cpu = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
+    print(f"# bench_alltoall: {world} ranks, {backend}, {device.type}, dtype {C.dtype_name(dtype)}, "
+          f"dir {args.dir}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
+          f"warmup {args.warmup_iters}, iters {args.iters}{cpu}", flush=True)  # fmt: skip
+    print(f"# ops: {', '.join(ops)}", flush=True)
+
+
+def report(rows: list[dict], notes: dict, device: torch.device) -> None:
+    """The table, the skipped ops with their reasons and the total of wrong elements."""
+    title = None if device.type == "cuda" else f"# times: {C.CPU_LABEL}"
+    C.print_table(COLUMNS, rows, title=title)
+    if device.type != "cuda" and any(r["op"] == "fused-cuda" for r in rows):
+        print(f"# fused-cuda: {C.kernel_label('cuda', device)} (the CUDA kernels need a GPU)", flush=True)
+    for op, why in notes.items():
+        print(f"# skipped {op}: {why}", flush=True)
+    bad = sum(r["wrong"] or 0 for r in rows)
+    print(f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+
+
+def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -> tuple[list[dict], dict]:
+    """Every op at every size of the sweep, on every rank: the rows and ``{op: why}`` for
+    the ops that did not run. Rank 0 prints the table."""
+    dtype = C.parse_dtype(args.datatype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    ops = select_ops(args.op, device)
+    native, notes = open_native(ops, device)
+    comms = {"torch": TorchCommunicator(None), "native": native}
+    if rank == 0:
+        print_header(args, world, backend, device, dtype, ops)
+    shapes = unique_shapes(args, elem, world)
+    progress = C.Progress(len(shapes), rank == 0 and args.progress, "alltoall")
     rows = []
-    progress = C.Progress(len(shapes), is0 and args.progress, "alltoall")
-    for sh in shapes.values():
+    for sh in shapes:
         size_rows = []
-        for op in ops:
-            if op in notes:
-                continue
-            row = {"size": None, "count": None, "type": C.dtype_name(dtype), "op": op, "dir": args.dir}
-            try:
-                if op in ("a2a", "nccl", "symm"):
-                    case = bare_case(op, sh, dtype, device, rank, world, comm=native)
-                else:
-                    kern = None if op == "fused-nccl" else op[len("fused-"):]
-                    comm = native if op == "fused-nccl" else torch_comm
-                    case = layout_case(op, sh, dtype, device, rank, world, kernels=kern, comm=comm)
-                case.run()  # one untimed call: a kernel set that cannot run here fails now
-                ok, err = True, None
-            except (Skip, ValueError, RuntimeError, NotImplementedError) as e:
-                ok, err = False, str(e)
-            if not C.all_ok(ok):
-                notes[op] = err or "skipped on another rank"
-                continue
-            holder = {}
-
-            def timed():
-                holder["out"] = case.run()
-
-            times = C.time_iters(timed, device=device, warmup=args.warmup_iters, iters=args.iters)
-            t = C.reduce_max(C.median(times))
-            wrong = int(C.reduce_sum(case.check(holder["out"]))) if args.check else None
-            holder.clear()
-            nbytes = case.count * elem
-            algbw = nbytes / t / 1e9
-            row.update(size=nbytes, count=case.count, time_us=t * 1e6, algbw=algbw, busbw=algbw * (world - 1) / world,
-                       wrong=wrong, seq_per_rank=sh.seq, head_dim=sh.head_dim,
-                       impl=case.note)  # fmt: skip
-            size_rows.append(row)
-            del case
-        by_op = {r["op"]: r for r in size_rows}
-        for r in size_rows:
-            r["x_chain"] = by_op["chain"]["time_us"] / r["time_us"] if "chain" in by_op else None
-            r["x_a2a"] = r["time_us"] / by_op["a2a"]["time_us"] if "a2a" in by_op else None
+        for op in (op for op in ops if op not in notes):
+            row, why = measure_op(op, sh, args, dtype, device, rank, world, comms)
+            if row is None:
+                notes[op] = why
+            else:
+                size_rows.append(row)
+        add_ratios(size_rows)
         rows.extend(size_rows)
         progress.step(f"size {sh.count * elem} B done")
-    if is0:
-        title = None if device.type == "cuda" else f"# times: {C.CPU_LABEL}"
-        C.print_table(COLUMNS, rows, title=title)
-        for op, why in notes.items():
-            print(f"# skipped {op}: {why}", flush=True)
-        bad = sum(r["wrong"] or 0 for r in rows)
-        print(f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    if rank == 0:
+        report(rows, notes, device)
     if native is not None:
         native.close()
     return rows, notes
@@ -413,7 +444,7 @@ def _body(args, rank, world, device, backend):
     C.finish(args, rank, "bench_alltoall", lambda: C.env_record(device, world, backend), rows, meta, plot, rows)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, default_out_dir=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-b", "--minbytes", default="1K", help="smallest size per rank (default 1K)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size per rank (default 64M)")
@@ -428,15 +459,18 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N gloo ranks on the CPU instead of torchrun")
-    p.add_argument("--out-dir", default=str(C.DEFAULT_OUT_DIR), help="where the CSV/JSON/PNG go (default bench/results)")
+    p.add_argument("--out-dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR),
+                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})")
     p.add_argument("--no-write", action="store_true", help="print the table only")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a progress line per size on stderr, rank 0 (default on; --no-progress: off)")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    return C.launch(_body, parse_args(argv))
+def main(argv=None, *, default_out_dir=None) -> int:
+    """Run the benchmark; ``default_out_dir`` replaces ``--out-dir``'s default (the
+    checkout's ``bench/bench_alltoall.py`` passes ``bench/results``)."""
+    return C.launch(_body, parse_args(argv, default_out_dir))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The attention layer: forward, backward and forward+backward time, TFLOP/s and peak memory.
 
-    torchrun --nproc-per-node 8 bench/bench_attention.py --min-seq 4K --max-seq 1M
-    python bench/bench_attention.py --sp 8 --min-seq 4K --max-seq 1M   # one GPU, rank 0 of 8
-    python bench/bench_attention.py --spawn 2 --layouts 8/2 --seqs 64,128 --head-dim 16  # CPU
+    torchrun --nproc-per-node 8 -m ulysses_kernels.bench.attention --min-seq 4K --max-seq 1M
+    python -m ulysses_kernels.bench.attention --sp 8 --min-seq 4K --max-seq 1M   # one GPU, rank 0 of 8
+    python -m ulysses_kernels.bench.attention --spawn 2 --layouts 8/2 --seqs 64,128 --head-dim 16  # CPU
 
 Head layouts (``--models``): Llama-3-8B (32 query / 8 KV heads), Qwen2.5-14B (40/8),
 Llama-3-70B (64/8), head_dim 128, or any ``--layouts Hq/Hkv,...``. Sequence lengths double
@@ -15,7 +15,8 @@ Methods (``--methods``, default all that can run):
                the same attention backend as ours, no communication and no layout work
   chain        ``baselines.permute_chain_attention`` (DeepSpeed/yunchang's three permutes),
                when the query heads divide over the ranks
-  ulysses-<k>  ``ulysses_attention`` with kernel set <k> (torch, triton, cuda)
+  ulysses-<k>  ``ulysses_attention`` with kernel set <k> (torch, triton, cuda; on a CPU,
+               cuda is the C++ extension's CPU twin)
   deepspeed    ``deepspeed.sequence.layer.DistributedAttention`` when importable
   yunchang     ``yunchang.UlyssesAttention`` when importable
   layout-<k>   ours, data movement only: the packs/unpacks of one layer without the
@@ -23,7 +24,7 @@ Methods (``--methods``, default all that can run):
   chain-layout the chain's permute copies without the collectives
 
 With one process and ``--sp P`` the local and layout rows are those of rank 0 of a ``P``-way
-group (the input of ``bench/perf_model.py``); the communicating methods need real ranks.
+group (the input of ``ulysses_kernels.bench.perf_model``); the communicating methods need real ranks.
 
 TFLOP/s: causal attention FLOPs of this rank's heads, 4*B*S^2*h*D/2 forward, 2.5x that
 backward, 3.5x forward+backward (the FlashAttention convention), over the time of the
@@ -41,14 +42,9 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import sys
 import warnings
-
-try:
-    import ulysses_kernels  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,11 +52,11 @@ import torch.distributed as dist
 from ulysses_kernels import layout as L
 from ulysses_kernels import ulysses_attention
 from ulysses_kernels.backends import default_scale, for_rank, resolve_backend
+from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
-from ulysses_kernels.baselines import permute_chain_attention
 
 warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
 
@@ -237,7 +233,7 @@ def chain_layout_method(inp: Inputs, P: int):
     dk_rep = torch.randn(B, s, H, D, device=dev).to(dt) if repeat else None
     last = {}
 
-    def s2h(x):  # the two copies of _chain_s2h, the collective replaced by nothing
+    def s2h(x):  # the two copies of baselines.chain_seq_to_head, the collective replaced by nothing
         b, n, h, d = x.shape
         send = x.reshape(b, n, P, h // P, d).permute(2, 1, 0, 3, 4).contiguous()
         return send.permute(2, 0, 1, 3, 4).reshape(b, P * n, h // P, d).contiguous()
@@ -343,8 +339,7 @@ def method_names(args, world: int, P: int) -> list[str]:
         names += ["chain"] + [f"ulysses-{k}" for k in kernels] + ["deepspeed", "yunchang"]
     names += [f"layout-{k}" for k in kernels] + ["chain-layout"]
     if args.methods != "all":
-        wanted = [m.strip() for m in args.methods.split(",")]
-        names = [m for m in wanted]
+        names = [m.strip() for m in args.methods.split(",")]
     return names
 
 
@@ -466,23 +461,165 @@ def check_method(m: Method, outs, inp: Inputs, plan: HeadPlan, rank: int, scale:
     return count_wrong(out[:, local], ref_o, inp.dtype) + count_wrong(dq[:, local], ref_dq, inp.dtype)
 
 
+@dataclass
+class Group:
+    """One (head layout, sequence length) of the sweep on this rank: what every method of
+    it shares. ``rank`` is the rank within the (possibly emulated) ``P``-way group."""
+
+    model: str
+    plan: HeadPlan
+    inp: Inputs
+    rank: int
+    world: int
+    P: int
+    backend: object
+    scale: float
+    layout: Layout
+    kv_full: tuple | None = None  # all rows of k and v, built once for the checks
+
+    @property
+    def emulated(self) -> bool:
+        return self.world == 1 and self.P > 1
+
+    def key(self, name: str) -> str:
+        return f"{self.model} S={self.inp.S} {name}"
+
+
+def make_group(args, model, H, Hkv, S, plan, rank, world, P, dtype, device) -> Group:
+    inp = Inputs(args.batch, S, H, Hkv, args.head_dim, P if world == 1 else world, dtype, device)
+    probe = torch.empty(1, 1, 1, args.head_dim, dtype=dtype, device=device)
+    backend = resolve_backend(args.attn_fn, probe)
+    layout = Layout(plan, rank, (inp.s,) * P, args.batch, args.head_dim)
+    return Group(model, plan, inp, rank, world, P, backend, default_scale(args.head_dim, None), layout)
+
+
+def prepare_method(name: str, args, g: Group, device: torch.device):
+    """``(method, None)``, or ``(None, why)`` when it cannot run here (its own skip, a
+    missing kernel set, or a size whose estimated memory does not fit)."""
+    try:
+        if g.emulated and (name in COMM_METHODS or name.startswith("ulysses-")):
+            raise Skip("needs real ranks (one process emulates only local/layout rows)")
+        m = build_method(name, args, g.inp, g.plan, g.rank, g.world, g.P, g.backend, g.scale, g.layout)
+        if device.type == "cuda":
+            need, free = estimate_bytes(name, g.inp, g.plan, g.rank), torch.cuda.mem_get_info(device)[0]
+            if need > args.mem_fraction * free:
+                raise Skip(f"estimated {need / 2**30:.1f} GiB > {args.mem_fraction:.0%} of free {free / 2**30:.1f} GiB")
+    except Skip as e:
+        return None, str(e)
+    except (ValueError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    return m, None
+
+
+def run_method(m: Method, args, g: Group, device: torch.device):
+    """``(results, outs, None)`` from ``time_method``, or ``(None, None, why)`` when the
+    method ran out of memory or failed."""
+    try:
+        res, outs = time_method(m, args, g.inp, g.plan, g.rank, device)
+    except torch.cuda.OutOfMemoryError as e:
+        return None, None, f"OOM: {str(e).splitlines()[0]}"
+    except (RuntimeError, NotImplementedError, AssertionError, TypeError) as e:
+        return None, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return res, outs, None
+
+
+def count_method_wrong(m: Method, outs, args, g: Group) -> int | None:
+    """Wrong elements summed over ranks (layout rows: bit for bit; attention rows: sampled
+    rows against float32), or None with ``--check 0``."""
+    if not args.check:
+        return None
+    if m.layout_only:
+        return None if m.check_layout is None else int(C.reduce_sum(m.check_layout()))
+    if outs is None:
+        return None
+    if g.kv_full is None:
+        g.kv_full = (g.inp.full("k", range(g.inp.Hkv)), g.inp.full("v", range(g.inp.Hkv)))
+    return int(C.reduce_sum(check_method(m, outs, g.inp, g.plan, g.rank, g.scale, g.kv_full, args.check_rows)))
+
+
+def method_rows(m: Method, res: dict, wrong, args, g: Group, dtype) -> list[dict]:
+    """One row per pass: the slowest rank's time and peak memory, TFLOP/s of the busiest rank."""
+    inp = g.inp
+    hq_max = max(g.plan.q_count(r) for r in range(g.P))  # the slowest rank sets the pace
+    flops_fwd = 4 * args.batch * inp.S * inp.S * hq_max * args.head_dim / 2
+    rows = []
+    for p in args.passes:
+        t = C.reduce_max(res[p][0])
+        mem = C.reduce_max(res[p][1]) if res[p][1] is not None else None
+        rows.append({
+            "model": g.model, "heads": f"{inp.H}/{inp.Hkv}", "seq": inp.S, "world": g.P, "method": m.name, "pass": p,
+            "time_ms": t * 1e3, "tflops": None if m.layout_only else flops_fwd * FLOP_FACTOR[p] / t / 1e12,
+            "mem_gib": None if mem is None else mem / 2**30, "wrong": wrong, "dtype": C.dtype_name(dtype),
+            "backend": g.backend.name,
+        })  # fmt: skip
+    return rows
+
+
+def run_group(args, g: Group, names: list[str], device, dtype, notes: dict, dead: set, progress) -> list[dict]:
+    """Every method of one (layout, sequence): rows with ratios. A method that fails (not a
+    skip for size or for want of ranks) is added to ``dead`` and not tried at longer sequences."""
+    rows = []
+    for name in names:
+        progress.step(g.key(name))
+        if (g.model, name) in dead:
+            continue
+        m, why = prepare_method(name, args, g, device)
+        if not C.all_ok(m is not None):
+            notes[g.key(name)] = why or "skipped on another rank"
+            if why and "estimated" not in why and "needs real ranks" not in why:
+                dead.add((g.model, name))
+            continue
+        res, outs, why = run_method(m, args, g, device)
+        if not C.all_ok(res is not None):
+            notes[g.key(name)] = why or "failed on another rank"
+            dead.add((g.model, name))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        wrong = count_method_wrong(m, outs, args, g)
+        del outs
+        rows += method_rows(m, res, wrong, args, g, dtype)
+        del m
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _ratios(rows)
+    return rows
+
+
+def print_header(args, world: int, P: int, backend_name: str, device: torch.device, dtype, names) -> None:
+    lab = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
+    emu = f" (one process: rank 0 of an emulated {P}-way group)" if world == 1 and P > 1 else ""
+    print(f"# bench_attention: {world} ranks{emu}, {backend_name}, {device.type}, {C.dtype_name(dtype)}, "
+          f"batch {args.batch}, head_dim {args.head_dim}, causal, warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)  # fmt: skip
+    print(f"# methods: {', '.join(names)}", flush=True)
+
+
+def report(rows, breakdown, notes: dict, device: torch.device) -> None:
+    """The table, the breakdown, the skipped methods with their reasons, the wrong total."""
+    cuda = device.type == "cuda"
+    C.print_table(COLUMNS, rows, title=None if cuda else f"# times: {C.CPU_LABEL}; peak memory n/a on the CPU")
+    if breakdown:
+        C.print_table(BREAKDOWN_COLUMNS, breakdown, title="# layer time = compute (local) + layout + exposed communication")
+    if not cuda and any(r["method"].endswith("-cuda") for r in rows):
+        print(f"# ulysses-cuda, layout-cuda: {C.kernel_label('cuda', device)} (the CUDA kernels need a GPU)", flush=True)
+    for k, why in notes.items():
+        print(f"# skipped {k}: {why}", flush=True)
+    bad = sum(r["wrong"] or 0 for r in rows)
+    print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+
+
 def run_bench(args, rank: int, world: int, device: torch.device, backend_name: str):
+    """Every method at every (layout, sequence) on every rank: the rows, the breakdown of
+    each ulysses row and ``{what: why}`` for what did not run. Rank 0 prints the tables."""
     dtype = C.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
-    P = world if world > 1 else args.sp
-    rank_p = rank  # rank within the (possibly emulated) group: rank 0 has the most heads
+    P = world if world > 1 else args.sp  # rank 0 of an emulated group has the most heads
     layouts = C.parse_layouts("bench_attention", args.layouts, args.models)
     seqs = seq_lengths(args, P)
     names = method_names(args, world, P)
-    is0 = rank == 0
-    cuda = device.type == "cuda"
+    if rank == 0:
+        print_header(args, world, P, backend_name, device, dtype, names)
     rows, notes, dead = [], {}, set()
-    if is0:
-        lab = "" if cuda else f"  [{C.CPU_LABEL}]"
-        emu = f" (one process: rank 0 of an emulated {P}-way group)" if world == 1 and P > 1 else ""
-        print(f"# bench_attention: {world} ranks{emu}, {backend_name}, {device.type}, {C.dtype_name(dtype)}, "
-              f"batch {args.batch}, head_dim {args.head_dim}, causal, warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)
-        print(f"# methods: {', '.join(names)}", flush=True)
-    progress = C.Progress(len(layouts) * len(seqs) * len(names), is0, "attention")
+    progress = C.Progress(len(layouts) * len(seqs) * len(names), rank == 0, "attention")
     for model, H, Hkv in layouts:
         try:
             plan = HeadPlan.build(H, Hkv, P)
@@ -490,84 +627,11 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
             notes[model] = str(e)
             continue
         for S in seqs:
-            inp = Inputs(args.batch, S, H, Hkv, args.head_dim, P if world == 1 else world, dtype, device)
-            scale = default_scale(args.head_dim, None)
-            probe = torch.empty(1, 1, 1, args.head_dim, dtype=dtype, device=device)
-            backend = resolve_backend(args.attn_fn, probe)
-            layout = Layout(plan, rank_p, (inp.s,) * P, args.batch, args.head_dim)
-            kv_full = None
-            group_rows = []
-            for name in names:
-                key = (model, name)
-                progress.step(f"{model} S={S} {name}")
-                if key in dead:
-                    continue
-                ok, why, m = True, None, None
-                try:
-                    if name in COMM_METHODS or name.startswith("ulysses-"):
-                        if world == 1 and P > 1:
-                            raise Skip("needs real ranks (one process emulates only local/layout rows)")
-                    m = build_method(name, args, inp, plan, rank_p, world, P, backend, scale, layout)
-                    if cuda:
-                        need, free = estimate_bytes(name, inp, plan, rank_p), torch.cuda.mem_get_info(device)[0]
-                        if need > args.mem_fraction * free:
-                            raise Skip(f"estimated {need / 2**30:.1f} GiB > {args.mem_fraction:.0%} of free {free / 2**30:.1f} GiB")
-                except (Skip, ValueError, RuntimeError) as e:
-                    ok, why = False, f"{type(e).__name__}: {e}" if not isinstance(e, Skip) else str(e)
-                if not C.all_ok(ok):
-                    notes[f"{model} S={S} {name}"] = why or "skipped on another rank"
-                    if why and "estimated" not in why and "needs real ranks" not in why:
-                        dead.add(key)
-                    continue
-                try:
-                    res, outs = time_method(m, args, inp, plan, rank_p, device)
-                    ok, why = True, None
-                except torch.cuda.OutOfMemoryError as e:
-                    ok, why, res, outs = False, f"OOM: {str(e).splitlines()[0]}", None, None
-                except (RuntimeError, NotImplementedError, AssertionError, TypeError) as e:
-                    ok, why, res, outs = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None, None
-                if not C.all_ok(ok):
-                    notes[f"{model} S={S} {name}"] = why or "failed on another rank"
-                    dead.add(key)
-                    res = outs = None
-                    if cuda:
-                        torch.cuda.empty_cache()
-                    continue
-                wrong = None
-                if m.layout_only and args.check and m.check_layout is not None:
-                    wrong = int(C.reduce_sum(m.check_layout()))
-                elif outs is not None and args.check:
-                    if kv_full is None:
-                        kv_full = (inp.full("k", range(Hkv)), inp.full("v", range(Hkv)))
-                    wrong = int(C.reduce_sum(check_method(m, outs, inp, plan, rank_p, scale, kv_full, args.check_rows)))
-                del outs
-                hq_max = max(plan.q_count(r) for r in range(P))  # the slowest rank sets the pace
-                flops_fwd = 4 * args.batch * S * S * hq_max * args.head_dim / 2
-                for p in args.passes:
-                    t = C.reduce_max(res[p][0])
-                    mem = C.reduce_max(res[p][1]) if res[p][1] is not None else None
-                    tf = None if m.layout_only else flops_fwd * FLOP_FACTOR[p] / t / 1e12
-                    group_rows.append({
-                        "model": model, "heads": f"{H}/{Hkv}", "seq": S, "world": P, "method": name, "pass": p,
-                        "time_ms": t * 1e3, "tflops": tf, "mem_gib": None if mem is None else mem / 2**30,
-                        "wrong": wrong, "dtype": C.dtype_name(dtype), "backend": backend.name,
-                    })  # fmt: skip
-                del m
-                if cuda:
-                    torch.cuda.empty_cache()
-            kv_full = None
-            _ratios(group_rows)
-            rows.extend(group_rows)
+            g = make_group(args, model, H, Hkv, S, plan, rank, world, P, dtype, device)
+            rows += run_group(args, g, names, device, dtype, notes, dead, progress)
     breakdown = _breakdown(rows)
-    if is0:
-        title = None if cuda else f"# times: {C.CPU_LABEL}; peak memory n/a on the CPU"
-        C.print_table(COLUMNS, rows, title=title)
-        if breakdown:
-            C.print_table(BREAKDOWN_COLUMNS, breakdown, title="# layer time = compute (local) + layout + exposed communication")
-        for k, why in notes.items():
-            print(f"# skipped {k}: {why}", flush=True)
-        bad = sum(r["wrong"] or 0 for r in rows)
-        print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    if rank == 0:
+        report(rows, breakdown, notes, device)
     return rows, breakdown, notes
 
 
@@ -649,7 +713,7 @@ def _body(args, rank, world, device, backend):
     C.finish(args, rank, "bench_attention", env_fn, rows, meta, plot, breakdown)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, default_out_dir=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="all", help=f"comma list of {', '.join(MODELS)} (default all)")
     p.add_argument("--layouts", default=None, help="custom head layouts Hq/Hkv,... (overrides --models)")
@@ -670,7 +734,8 @@ def parse_args(argv=None):
     p.add_argument("--check-rows", type=int, default=8, help="rows per rank the check samples (default 8)")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="skip a size whose estimate exceeds this share of free memory")
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N gloo ranks on the CPU instead of torchrun")
-    p.add_argument("--out-dir", default=str(C.DEFAULT_OUT_DIR))
+    p.add_argument("--out-dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR),
+                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     args.passes = tuple(x.strip() for x in args.passes.split(","))
@@ -681,8 +746,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    return C.launch(_body, parse_args(argv))
+def main(argv=None, *, default_out_dir=None) -> int:
+    """Run the benchmark; ``default_out_dir`` replaces ``--out-dir``'s default (the
+    checkout's ``bench/bench_attention.py`` passes ``bench/results``)."""
+    return C.launch(_body, parse_args(argv, default_out_dir))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
-"""Shared pieces of the benchmark scripts: environment record, sizes, timing, output.
+"""Shared pieces of the benchmarks: environment record, sizes, timing, output.
 
-Conventions (every script under ``bench/`` follows them):
+Conventions (every module of ``ulysses_kernels.bench`` follows them):
 
-* Launch: ``torchrun --nproc-per-node N bench/<script>.py ...`` (NCCL on GPUs), or
-  ``python bench/<script>.py --spawn N ...`` which spawns ``N`` gloo ranks on the CPU.
+* Launch: ``torchrun --nproc-per-node N -m ulysses_kernels.bench.<name> ...`` (NCCL on
+  GPUs), or ``python -m ulysses_kernels.bench.<name> --spawn N ...`` which spawns ``N``
+  gloo ranks on the CPU. ``bench/bench_<name>.py`` in a checkout runs the same ``main``.
 * Timing: on CUDA, events around each iteration after a barrier, median over iterations,
   then the maximum of the per-rank medians (the slowest rank sets the pace of a
   collective). On the CPU, ``time.perf_counter`` the same way; those numbers are labelled
   ``CPU_LABEL`` everywhere they are printed or written.
 * Output: a table on stdout from rank 0, and ``<name>_<date>_<device>.csv``/``.json`` under
-  ``--out-dir`` (default ``bench/results/``) with the environment record of ``env_record``.
+  ``--out-dir`` (default ``DEFAULT_OUT_DIR``, ``./bench_results`` under the working
+  directory; the checkout's ``bench/`` scripts default to ``bench/results/``) with the
+  environment record of ``env_record``.
 """
 
 from __future__ import annotations
@@ -25,16 +28,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import __version__
+
 __all__ = [
     "CPU_LABEL",
-    "REPO_ROOT",
     "DEFAULT_OUT_DIR",
+    "kernel_label",
     "parse_size",
     "format_size",
     "size_sweep",
@@ -61,8 +66,11 @@ __all__ = [
 ]
 
 CPU_LABEL = "CPU (not a GPU claim)"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_OUT_DIR = REPO_ROOT / "bench" / "results"
+# Relative: resolved against the working directory when the files are written, so an
+# installed package never writes into its own source tree.
+DEFAULT_OUT_DIR = Path("bench_results")
+# The directory of this package's sources: its git sha is recorded when it is a checkout.
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -152,28 +160,38 @@ def parse_layouts(script: str, layouts: str | None, models: str | None, heads: i
 
 
 # ---- environment --------------------------------------------------------------------
-def git_sha(repo: Path | str = REPO_ROOT) -> str:
-    """``git rev-parse HEAD`` of ``repo``; outside a git checkout (a copy of the tree on a
-    lent GPU machine) ``$ULYSSES_KERNELS_GIT_SHA`` if set, else ``"unknown"``."""
-    fallback = os.environ.get("ULYSSES_KERNELS_GIT_SHA") or "unknown"
+def _git(args: Sequence[str], cwd: Path | str) -> str | None:
+    """The output of ``git <args>`` run in ``cwd``, or None (no git, not a checkout, an error)."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=str(repo), capture_output=True, text=True, timeout=10, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return fallback
-    return out.stdout.strip() or fallback
-
-
-def _git_dirty(repo: Path | str = REPO_ROOT) -> bool | None:
-    try:
-        out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=str(repo), capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
+        out = subprocess.run(["git", *args], cwd=str(cwd), capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
-    return bool(out.stdout.strip())
+    return out.stdout
+
+
+def _tracked(package_dir: Path | str) -> bool:
+    """True when ``package_dir/__init__.py`` is tracked by the git checkout around it: the
+    code that runs is that checkout's (an editable install, or the source tree itself). A
+    copy installed into a virtual environment that lies inside some checkout is not."""
+    return _git(["ls-files", "--error-unmatch", "__init__.py"], package_dir) is not None
+
+
+def git_sha(package_dir: Path | str = _PACKAGE_DIR) -> str:
+    """``git rev-parse HEAD`` of the checkout the package was imported from; otherwise (an
+    installed copy, or a copy of the tree without ``.git`` on a lent GPU machine)
+    ``$ULYSSES_KERNELS_GIT_SHA`` if set, else ``"unknown"`` (``env_record`` also records the
+    installed version)."""
+    fallback = os.environ.get("ULYSSES_KERNELS_GIT_SHA") or "unknown"
+    sha = _git(["rev-parse", "HEAD"], package_dir) if _tracked(package_dir) else None
+    return (sha or "").strip() or fallback
+
+
+def _git_dirty(package_dir: Path | str = _PACKAGE_DIR) -> bool | None:
+    """Whether that checkout has uncommitted edits to tracked files; None outside one."""
+    if not _tracked(package_dir):
+        return None
+    out = _git(["status", "--porcelain", "--untracked-files=no"], package_dir)
+    return None if out is None else bool(out.strip())
 
 
 def _versions() -> dict:
@@ -204,6 +222,7 @@ def env_record(device: torch.device, world_size: int, backend: str | None, **ext
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
+        "ulysses_kernels": __version__,
         "git_sha": git_sha(),
         "git_dirty": _git_dirty(),
         "world_size": world_size,
@@ -414,6 +433,12 @@ def load_pyplot():
     except ImportError:
         return None
     return plt
+
+
+def kernel_label(name: str, device: torch.device) -> str:
+    """What kernel set ``name`` runs on ``device``, for a table: on a CPU the ``cuda`` set
+    is the C++ extension's CPU twin of the CUDA kernels, and says so."""
+    return "cuda: C++ CPU twin" if name == "cuda" and device.type != "cuda" else name
 
 
 def device_label(env: dict) -> str:

@@ -1,16 +1,16 @@
 """How much all-to-all time the chunked pipeline hides (``ulysses_attention(chunks=N)``).
 
-    torchrun --nproc-per-node 8 bench/bench_overlap.py --layouts 32/8,40/8,64/8 --seqs 8K,32K,128K,256K
-    python bench/bench_overlap.py --layouts 32/8,40/8 --seqs 8K,32K      # one GPU: world of one
-    NCCL_MULTI_RANK_GPU_ENABLE=1 torchrun --nproc-per-node 2 bench/bench_overlap.py --seqs 8K,32K  # 2 ranks, 1 GPU
-    python bench/bench_overlap.py                                         # CPU smoke: 2 gloo ranks, tiny
-    python bench/bench_overlap.py --spawn 4 --layouts 10/2 --seqs 64,256 --head-dim 16   # CPU
+    torchrun --nproc-per-node 8 -m ulysses_kernels.bench.overlap --layouts 32/8,40/8,64/8 --seqs 8K,32K,128K,256K
+    python -m ulysses_kernels.bench.overlap --layouts 32/8,40/8 --seqs 8K,32K      # one GPU: world of one
+    NCCL_MULTI_RANK_GPU_ENABLE=1 torchrun --nproc-per-node 2 -m ulysses_kernels.bench.overlap --seqs 8K,32K  # 2 ranks, 1 GPU
+    python -m ulysses_kernels.bench.overlap                                         # CPU smoke: 2 gloo ranks, tiny
+    python -m ulysses_kernels.bench.overlap --spawn 4 --layouts 10/2 --seqs 64,256 --head-dim 16   # CPU
 
 For every head layout (``--layouts Hq/Hkv,...``, ``--heads/--kv-heads`` or ``--models``),
 global sequence length (``--seqs``) and pass (``--passes fwd,fwdbwd``), on this rank's
 share of one attention layer (causal):
 
-  a2a        the all-to-alls of the pass alone (``ops.a2a_seq_to_head``/``a2a_head_to_seq``
+  a2a        the all-to-alls of the pass alone (``exchange.a2a_seq_to_head``/``a2a_head_to_seq``
              with the layer's layout and kernel set): fwd = q/k/v seq->head + output
              head->seq; fwdbwd adds dout seq->head and dq/dk/dv head->seq
   attention  the local attention of the pass alone on this rank's heads, through the backend
@@ -29,7 +29,7 @@ speed-up of chunking); ``*`` marks the count ``chunks="auto"`` picks. Times: med
 median; the JSON's ``spread`` is the largest rank's half range of the layer's iteration
 times over their median.
 
-Targets (issue #4 item 5), judged under the table and recorded in the JSON's
+The overlap targets, judged under the table and recorded in the JSON's
 ``meta.verdicts`` (``verdicts()``), per (layout, seq, pass): exposed/a2a <= 10% at long
 sequences (``seq >= --long-from``, default 32K; the fastest chunked row), and the auto
 count never slower than chunks=1 (within ``--auto-slack``, default the run's own spread).
@@ -59,20 +59,15 @@ import dataclasses
 import os
 import sys
 
-try:
-    import ulysses_kernels  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import torch
 
 from ulysses_kernels import ulysses_attention
 from ulysses_kernels.backends import AttentionBackend, default_scale, for_rank, resolve_backend
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.comm import TorchCommunicator
+from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.kernels import get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
-from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans
 from ulysses_kernels.plan import HeadPlan
 
@@ -113,7 +108,7 @@ def count_wrong(got, ref, ref2=None, exact: bool = True) -> int:
     return wrong
 
 
-# ---- the targets (issue #4 item 5) ----------------------------------------------------------
+# ---- the targets ---------------------------------------------------------------------------
 EXPOSED_LIMIT = 0.10  # exposed communication at most 10% of the all-to-all time alone
 
 
@@ -137,7 +132,7 @@ def _overall(groups: list[dict], none_reason: str, not_a_claim: str | None) -> t
 
 
 def verdicts(rows, long_from: int, slack: float | None = None, not_a_claim: str | None = None) -> dict:
-    """Issue #4 item 5's two targets, judged on ``measure``'s rows, per (layout, seq, pass).
+    """The two overlap targets, judged on ``measure``'s rows, per (layout, seq, pass).
 
     ``exposed``: groups with ``seq >= long_from`` (the "long sequences") and at least one
     chunked row (chunks > 1): the fastest chunked row's ``exposed_frac <= EXPOSED_LIMIT``
@@ -159,7 +154,7 @@ def verdicts(rows, long_from: int, slack: float | None = None, not_a_claim: str 
     for (lay, S, p), g in _groups(rows).items():
         key = dict(layout=lay, seq=S, **{"pass": p})
         one = next((r for r in g if r["chunks"] == 1), None)
-        if S >= long_from:
+        if long_from <= S:
             chunked = [r for r in g if r["chunks"] > 1 and r["exposed_frac"] is not None]
             if not chunked:
                 exposed.append(dict(key, chunks=None, value=None, limit=EXPOSED_LIMIT, measured="not evaluated",
@@ -212,7 +207,7 @@ def print_verdicts(v: dict) -> None:
     judged group when the run can support the claim (else only the counts, in the reason)."""
     for name, label in (("exposed", f"exposed/a2a <= {EXPOSED_LIMIT:.0%}"), ("auto", "auto <= chunks=1")):
         t = v[name]
-        print(f"# target (issue #4 item 5) {label}: {t['status']}: {t['reason']}", flush=True)
+        print(f"# target {label}: {t['status']}: {t['reason']}", flush=True)
         print(f"#   covers {t['covers']}", flush=True)
         judged = any(g["value"] is not None for g in t["groups"])
         for g in t["groups"]:
@@ -320,7 +315,7 @@ class Case:
 
     def attention_fn(self, pass_: str, t):
         ql, kl, vl = t["qkv"]
-        be, kw = self.rank_backend, dict(causal=True, scale=self.scale, kv_map=self.kv_map)
+        be, kw = self.rank_backend, {"causal": True, "scale": self.scale, "kv_map": self.kv_map}
 
         def fwd():
             with torch.no_grad():
@@ -354,68 +349,94 @@ class Case:
         return fwd if pass_ == "fwd" else fwdbwd
 
 
+def print_header(args, world: int, backend_name: str, device: torch.device, dtype) -> None:
+    model = CostModel.from_env(device.type)
+    lab = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
+    print(f"# bench_overlap: {world} ranks, {backend_name}, {device.type}, {C.dtype_name(dtype)}, batch {args.batch}, "
+          f"head_dim {args.head_dim}, causal, kernels {args.kernels}, attn_fn {args.attn_fn or 'default'}, "
+          f"warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)
+    print(f"# chunks='auto' cost model (ULYSSES_KERNELS_* env): link {model.link_gbps:g} GB/s, attention "
+          f"{model.attn_tflops:g} TFLOP/s, latency {model.latency_us:g} us, overlap slowdown "
+          f"{model.overlap_slowdown:g}, min gain {model.min_gain:g}", flush=True)  # fmt: skip
+
+
+def make_case(args, H, Hkv, S, rank, world, dtype, device):
+    """``(case, None)``, or ``(None, why)`` when the plan cannot be built or the size's
+    estimated memory does not fit."""
+    try:
+        case = Case(args, H, Hkv, S, rank, world, dtype, device)
+        if device.type == "cuda":
+            need, free = case.estimate_bytes(), torch.cuda.mem_get_info(device)[0]
+            if need > args.mem_fraction * free:
+                raise Skip(f"estimated {need / 2**30:.1f} GiB > {args.mem_fraction:.0%} of free {free / 2**30:.1f} GiB")
+    except Skip as e:
+        return None, str(e)
+    except (ValueError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    return case, None
+
+
+def run_case(args, case: Case, name: str, S: int, world: int, notes: dict, progress) -> list[dict]:
+    """Every pass of one (layout, sequence): the chunk counts to run (1, the plan's splits of
+    ``--chunks``, the count "auto" picks), measured; an OOM is noted, any other error propagates."""
+    fixed, want_auto = parse_chunks(args.chunks)
+    cuda = case.device.type == "cuda"
+    auto = choose_chunks(case.layout, case.q.element_size(), True, case.device.type, split_groups=case.split)
+    counts, chunk_notes = chunk_counts(case.plan, fixed, want_auto, auto, case.split)
+    for n, why in chunk_notes:
+        notes.setdefault(f"{name} chunks={n}", why)
+    # Bit for bit on the CPU (not the "math" einsum, see the module docstring).
+    exact = not cuda and case.backend.name != "math"
+    rows = []
+    for p in args.passes:
+        progress.step(f"{name} S={S} {p}")
+        try:
+            rows += measure(args, case, p, counts, auto if want_auto else None, exact, name, S, world)
+            why = None
+        except torch.OutOfMemoryError as e:
+            why = f"OOM: {str(e).splitlines()[0] if str(e) else ''}"
+        if not C.all_ok(why is None):
+            notes[f"{name} S={S} {p}"] = why or "failed on another rank"
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows, notes: dict, v: dict, device: torch.device) -> None:
+    """The table, the skipped cases with their reasons, the targets' verdicts, the wrong total."""
+    title = "# layer = ulysses_attention(chunks=N); exposed = layer - attention; * = chunks='auto'"
+    title += "" if device.type == "cuda" else f"\n# times: {C.CPU_LABEL}"
+    C.print_table(COLUMNS, rows, title=title)
+    for k, why in notes.items():
+        print(f"# skipped {k}: {why}", flush=True)
+    print_verdicts(v)
+    bad = sum(r["wrong"] or 0 for r in rows)
+    print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+
+
 def run_bench(args, rank: int, world: int, device: torch.device, backend_name: str):
+    """Every (layout, sequence, pass) on every rank: the rows, ``{what: why}`` for what did
+    not run, and the targets' verdicts. Rank 0 prints the table and the verdicts."""
     dtype = C.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
-    cuda, is0 = device.type == "cuda", rank == 0
     layouts = C.parse_layouts("bench_overlap", args.layouts, args.models or "llama3-8b", args.heads, args.kv_heads)
     seqs = [-(-C.parse_size(x) // world) * world for x in args.seqs.split(",")]  # equal shards
-    fixed, want_auto = parse_chunks(args.chunks)
-    model = CostModel.from_env(device.type)
-    if is0:
-        lab = "" if cuda else f"  [{C.CPU_LABEL}]"
-        print(f"# bench_overlap: {world} ranks, {backend_name}, {device.type}, {C.dtype_name(dtype)}, batch {args.batch}, "
-              f"head_dim {args.head_dim}, causal, kernels {args.kernels}, attn_fn {args.attn_fn or 'default'}, "
-              f"warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)
-        print(f"# chunks='auto' cost model (ULYSSES_KERNELS_* env): link {model.link_gbps:g} GB/s, attention "
-              f"{model.attn_tflops:g} TFLOP/s, latency {model.latency_us:g} us, overlap slowdown "
-              f"{model.overlap_slowdown:g}, min gain {model.min_gain:g}", flush=True)  # fmt: skip
+    if rank == 0:
+        print_header(args, world, backend_name, device, dtype)
     rows, notes = [], {}
-    progress = C.Progress(len(layouts) * len(seqs) * len(args.passes), is0 and args.progress, "overlap")
+    progress = C.Progress(len(layouts) * len(seqs) * len(args.passes), rank == 0 and args.progress, "overlap")
     for name, H, Hkv in layouts:
         for S in seqs:
-            key = f"{name} S={S}"
-            try:
-                case, why = Case(args, H, Hkv, S, rank, world, dtype, device), None
-                if cuda:
-                    need, free = case.estimate_bytes(), torch.cuda.mem_get_info(device)[0]
-                    if need > args.mem_fraction * free:
-                        raise Skip(f"estimated {need / 2**30:.1f} GiB > {args.mem_fraction:.0%} of free {free / 2**30:.1f} GiB")
-            except (Skip, ValueError, RuntimeError) as e:
-                case, why = None, str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"
+            case, why = make_case(args, H, Hkv, S, rank, world, dtype, device)
             if not C.all_ok(case is not None):
-                notes[key] = why or "skipped on another rank"
+                notes[f"{name} S={S}"] = why or "skipped on another rank"
                 for p in args.passes:
-                    progress.step(f"{key} {p} skipped")
+                    progress.step(f"{name} S={S} {p} skipped")
                 continue
-            auto = choose_chunks(case.layout, case.q.element_size(), True, device.type, split_groups=case.split)
-            counts, chunk_notes = chunk_counts(case.plan, fixed, want_auto, auto, case.split)
-            for n, why in chunk_notes:
-                notes.setdefault(f"{name} chunks={n}", why)
-            # Bit for bit on the CPU (not the "math" einsum, see the module docstring).
-            exact = not cuda and case.backend.name != "math"
-            for p in args.passes:
-                progress.step(f"{key} {p}")
-                try:
-                    rows += measure(args, case, p, counts, auto if want_auto else None, exact, name, S, world)
-                    ok, why = True, None
-                except torch.OutOfMemoryError as e:  # a skip; any other error is a failure and propagates
-                    ok, why = False, f"OOM: {str(e).splitlines()[0] if str(e) else ''}"
-                if not C.all_ok(ok):
-                    notes[f"{key} {p}"] = why or "failed on another rank"
-                if cuda:
-                    torch.cuda.empty_cache()
+            rows += run_case(args, case, name, S, world, notes, progress)
             del case
-    if is0:
-        title = "# layer = ulysses_attention(chunks=N); exposed = layer - attention; * = chunks='auto'"
-        title += "" if cuda else f"\n# times: {C.CPU_LABEL}"
-        C.print_table(COLUMNS, rows, title=title)
-        for k, why in notes.items():
-            print(f"# skipped {k}: {why}", flush=True)
     v = verdicts(rows, args.long_from, args.auto_slack, claim_context(device, world))
-    if is0:
-        print_verdicts(v)
-        bad = sum(r["wrong"] or 0 for r in rows)
-        print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    if rank == 0:
+        report(rows, notes, v, device)
     return rows, notes, v
 
 
@@ -504,7 +525,7 @@ def _body(args, rank, world, device, backend):
     C.finish(args, rank, "bench_overlap", env_fn, rows, meta, plot, rows)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, default_out_dir=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} or all (GPU default llama3-8b)")
     p.add_argument("--layouts", default=None, help="head layouts Hq/Hkv,... (overrides --heads and --models; CPU default 8/2)")
@@ -530,7 +551,8 @@ def parse_args(argv=None):
                    help="noise allowance of the auto <= chunks=1 target (0: strict; default: the run's own spread)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="one line per (layout, seq, pass) on stderr, rank 0 (default on; --no-progress: off)")
-    p.add_argument("--out-dir", default=str(C.DEFAULT_OUT_DIR))
+    p.add_argument("--out-dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR),
+                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     args.passes = tuple(x.strip() for x in args.passes.split(",") if x.strip())
@@ -549,8 +571,8 @@ def parse_args(argv=None):
     gpu = cuda and not args.spawn  # --spawn runs gloo ranks on the CPU: CPU-sized defaults
     if args.layouts is None and args.heads is None and args.models is None and not gpu:
         args.layouts = "8/2"  # Llama-3-8B's 4:1 grouping, scaled down
-    gpu_defaults = dict(seqs="8K,32K,64K", head_dim=128, warmup_iters=2, iters=5)
-    defaults = gpu_defaults if gpu else dict(seqs="64,128", head_dim=16, warmup_iters=1, iters=3)
+    gpu_defaults = {"seqs": "8K,32K,64K", "head_dim": 128, "warmup_iters": 2, "iters": 5}
+    defaults = gpu_defaults if gpu else {"seqs": "64,128", "head_dim": 16, "warmup_iters": 1, "iters": 3}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -559,9 +581,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    return C.launch(_body, args)
+def main(argv=None, *, default_out_dir=None) -> int:
+    """Run the benchmark; ``default_out_dir`` replaces ``--out-dir``'s default (the
+    checkout's ``bench/bench_overlap.py`` passes ``bench/results``)."""
+    return C.launch(_body, parse_args(argv, default_out_dir))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Pack/unpack bandwidth: the fused kernels against a device-to-device copy of the same bytes.
 
-    python bench/bench_pack.py                         # GPU: 96-320 MiB buffers; no GPU: tiny CPU sizes
-    python bench/bench_pack.py --device cpu --iters 3 --out /tmp/results
-    python bench/bench_pack.py --kernels cuda,triton --configs 32/8/8/1/8192/128
+    python -m ulysses_kernels.bench.pack                 # GPU: 96-320 MiB buffers; no GPU: tiny CPU sizes
+    python -m ulysses_kernels.bench.pack --device cpu --iters 3 --out /tmp/results
+    python -m ulysses_kernels.bench.pack --kernels cuda,triton --configs 32/8/8/1/8192/128
 
 A configuration ``Hq/Hkv/P/B/s/D`` (query heads, KV heads, ranks, batch, tokens per rank,
 head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)``). Rows:
@@ -10,7 +10,8 @@ head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)`
   op      method        what runs
   pack    copy          ``dst.copy_(src)`` of the send buffer's bytes: the floor any pack can reach
   pack    fused (<k>)   ``pack_s2h`` of kernel set <k> (``--kernels``; "auto": the C++ extension
-                        when built): q, k, v (views of one fused QKV projection output) -> the
+                        when built; on a CPU it runs its CPU twin, labelled "cuda: C++ CPU
+                        twin"): q, k, v (views of one fused QKV projection output) -> the
                         one send buffer of the q/k/v all-to-all
   pack    torch         the pure-PyTorch reference, ``layout.pack_s2h`` (one copy per peer and tensor)
   pack    chain         what other Ulysses implementations run per tensor before the all-to-all,
@@ -27,7 +28,7 @@ head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)`
 The chain rows need query and KV heads that divide over the ranks (the plan's head ranges
 are then the chain's). Columns: ``size(B)`` = bytes of the send (pack) or receive (unpack)
 buffer; ``time(us)`` = median over ``--iters`` after ``--warmup``; ``GB/s`` = (bytes read +
-bytes written) / time; ``% copy`` = this row's GB/s over the copy row's (issue #3: fused
+bytes written) / time; ``% copy`` = this row's GB/s over the copy row's (target: fused
 pack and unpack >= 90% of the copy bandwidth on an H100 for buffers >= 64 MiB; a bandwidth
 ratio, not a time ratio, because an unpack that sums replicated KV heads writes fewer bytes
 than it receives); ``x_chain`` = chain time / this time (target for
@@ -41,22 +42,16 @@ Timing: CUDA events around each call after a device sync (``common.time_iters``)
 CPU ``perf_counter``, labelled "CPU (not a GPU claim)" in the table, the JSON (``env.timer``)
 and the plot. Output: the table, then ``bench_pack_<UTC time>_<gpu>_w1.{csv,json}`` (rows +
 ``env`` record + ``meta``), ``bench_pack_latest.json`` and a PNG when matplotlib is
-importable, under ``--out-dir`` (alias ``--out``; default ``bench/results/``).
+importable, under ``--out-dir`` (alias ``--out``; default ``./bench_results``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
-
-try:
-    import ulysses_kernels  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch
 
@@ -67,7 +62,7 @@ from ulysses_kernels.layout import QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
 # (q_heads, kv_heads, world_size, batch, tokens per rank, head_dim); every GPU buffer is
-# >= 64 MiB in bf16 (the size issue #3's target is stated for).
+# >= 64 MiB in bf16 (the size the bandwidth target is stated for).
 GPU_CONFIGS = [(32, 8, 8, 1, 8192, 128), (32, 32, 8, 1, 4096, 128), (40, 8, 8, 2, 4096, 128), (64, 8, 8, 1, 16384, 128), (40, 8, 5, 1, 8192, 128)]
 CPU_CONFIGS = [(8, 4, 4, 1, 64, 32), (10, 2, 4, 2, 32, 16)]
 TARGET_BYTES = 64 << 20
@@ -127,19 +122,43 @@ def chain_divides(lay: Layout) -> bool:
     )
 
 
-def build_cases(cfg, device: torch.device, dtype: torch.dtype, kernel_sets: Sequence, seed: int = 0):
-    """The rows of one configuration, and ``{method: why}`` for kernel sets that cannot run.
+class _Config:
+    """The tensors of one configuration that every row reads: rank 0's layout, q/k/v as
+    views of one fused projection output, the receive buffer of the q/k/v roles' backward
+    all-to-all, and the reference results of ``layout.py`` on them."""
 
-    ``kernel_sets``: names for ``get_kernels`` (None = auto) or kernel-set objects."""
-    hq, hkv, world, batch, seq, d = cfg
-    plan = HeadPlan.build(hq, hkv, world)
-    lay = Layout(plan, 0, (seq,) * world, batch, d)
-    elem = torch.empty((), dtype=dtype).element_size()
-    gen = torch.Generator(device=device).manual_seed(seed)
+    def __init__(self, cfg, device: torch.device, dtype: torch.dtype, seed: int):
+        hq, hkv, world, batch, seq, d = cfg
+        self.world, self.batch, self.seq, self.d = world, batch, seq, d
+        self.device, self.dtype = device, dtype
+        self.lay = Layout(HeadPlan.build(hq, hkv, world), 0, (seq,) * world, batch, d)
+        self.elem = torch.empty((), dtype=dtype).element_size()
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        # q, k, v: views of one fused projection output [B, s, (Hq + 2 Hkv) * D], as in a model.
+        fused = self.randn(batch, seq, (hq + 2 * hkv) * d)
+        self.qkv = tuple(t.unflatten(-1, (-1, d)) for t in fused.split([hq * d, hkv * d, hkv * d], dim=-1))
+        self.n_send = sum(self.lay.s2h_send_splits(QKV))
+        self.ref_send = self.empty(self.n_send)
+        L.pack_s2h(self.lay, self.qkv, QKV, self.ref_send)
+        self.copy_src = self.randn(self.n_send)  # what the pack's copy row copies
+        # Unpack of the head-to-sequence all-to-all of the q/k/v roles (dq, dk, dv).
+        self.n_recv = sum(self.lay.h2s_splits(QKV)[1])
+        self.recv = self.randn(self.n_recv)
+        self.blocks = self.lay.h2s_recv_views(self.recv, QKV)
+        self.out_shapes = [(batch, seq, self.lay.total_heads(s), d) for s in QKV]
+        self.ref_outs = [self.empty(*sh) for sh in self.out_shapes]
+        L.unpack_h2s(self.lay, self.blocks, QKV, self.ref_outs)
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype)
 
+    def empty(self, *shape):
+        return torch.empty(*shape, device=self.device, dtype=self.dtype)
+
+
+def resolve_kernel_sets(kernel_sets: Sequence, device: torch.device, lay: Layout):
+    """The distinct kernel-set objects of ``kernel_sets`` (names for ``get_kernels``, None =
+    auto, or objects), and ``{method: why}`` for those that cannot run here."""
     kernels, skipped = [], {}
     for name in kernel_sets:
         try:
@@ -149,77 +168,77 @@ def build_cases(cfg, device: torch.device, dtype: torch.dtype, kernel_sets: Sequ
             continue
         if all(k.name != kern.name for k in kernels):
             kernels.append(kern)
+    return kernels, skipped
 
-    cases = []
-    # q, k, v: views of one fused projection output [B, s, (Hq + 2 Hkv) * D], as in a model.
-    fused = randn(batch, seq, (hq + 2 * hkv) * d)
-    qkv = tuple(t.unflatten(-1, (-1, d)) for t in fused.split([hq * d, hkv * d, hkv * d], dim=-1))
-    n_send = sum(lay.s2h_send_splits(QKV))
-    ref_send = torch.empty(n_send, device=device, dtype=dtype)
-    L.pack_s2h(lay, qkv, QKV, ref_send)
-    size = n_send * elem
 
-    src, dst = randn(n_send), torch.empty(n_send, device=device, dtype=dtype)
-    cases.append(Case("pack", "copy", lambda: [dst.copy_(src)], [src], size, 2 * size, poison=[dst]))
+def pack_cases(c: _Config, kernels) -> list[Case]:
+    """copy, fused per kernel set, torch, and the chain's send side when the heads divide."""
+    size = c.n_send * c.elem
+    src, dst = c.copy_src, c.empty(c.n_send)
+    cases = [Case("pack", "copy", lambda: [dst.copy_(src)], [src], size, 2 * size, poison=[dst])]
 
     def pack_case(method, fn):
-        send = torch.empty(n_send, device=device, dtype=dtype)
+        send = c.empty(c.n_send)
 
         def run():
-            fn(lay, qkv, QKV, send)
+            fn(c.lay, c.qkv, QKV, send)
             return [send]
 
-        return Case("pack", method, run, [ref_send], size, 2 * size, poison=[send])
+        return Case("pack", method, run, [c.ref_send], size, 2 * size, poison=[send])
 
-    cases += [pack_case(f"fused ({k.name})", k.pack_s2h) for k in kernels]
+    cases += [pack_case(f"fused ({C.kernel_label(k.name, c.device)})", k.pack_s2h) for k in kernels]
     cases.append(pack_case("torch", L.pack_s2h))
-    chain = chain_divides(lay)
-    if chain:
-        ref_views = lay.s2h_send_views(ref_send, QKV)
+    if chain_divides(c.lay):
+        ref_views = c.lay.s2h_send_views(c.ref_send, QKV)
+        world = c.world
 
         def chain_pack():
-            return [x.reshape(batch, seq, world, x.shape[2] // world, d).permute(2, 1, 0, 3, 4).contiguous() for x in qkv]
+            return [x.reshape(c.batch, c.seq, world, x.shape[2] // world, c.d).permute(2, 1, 0, 3, 4).contiguous() for x in c.qkv]
 
         def chain_pack_view(outs):  # [P, s, B, h, D] per tensor -> per (tensor, peer) [B, s, h, D]
             return [o[p].transpose(0, 1) for o in outs for p in range(world)]
 
         expected = [ref_views[p][i] for i in range(len(QKV)) for p in range(world)]
         cases.append(Case("pack", "chain", chain_pack, expected, size, 2 * size, view=chain_pack_view))
+    return cases
 
-    # Unpack of the head-to-sequence all-to-all of the q/k/v roles (dq, dk, dv).
-    _, recv_splits = lay.h2s_splits(QKV)
-    n_recv = sum(recv_splits)
-    recv = randn(n_recv)
-    blocks = lay.h2s_recv_views(recv, QKV)
-    out_shapes = [(batch, seq, lay.total_heads(s), d) for s in QKV]
-    ref_outs = [torch.empty(sh, device=device, dtype=dtype) for sh in out_shapes]
-    L.unpack_h2s(lay, blocks, QKV, ref_outs)
-    rsize = n_recv * elem
-    written = sum(math.prod(sh) for sh in out_shapes) * elem  # < rsize where KV replicas are summed
 
-    udst = torch.empty(n_recv, device=device, dtype=dtype)
-    cases.append(Case("unpack", "copy", lambda: [udst.copy_(recv)], [recv], rsize, 2 * rsize, poison=[udst]))
+def unpack_cases(c: _Config, kernels) -> list[Case]:
+    """copy, fused per kernel set, torch, and the chain's receive side when the heads divide."""
+    rsize = c.n_recv * c.elem
+    written = sum(math.prod(sh) for sh in c.out_shapes) * c.elem  # < rsize where KV replicas are summed
+    udst = c.empty(c.n_recv)
+    cases = [Case("unpack", "copy", lambda: [udst.copy_(c.recv)], [c.recv], rsize, 2 * rsize, poison=[udst])]
 
     def unpack_case(method, fn):
-        outs = [torch.empty(sh, device=device, dtype=dtype) for sh in out_shapes]
+        outs = [c.empty(*sh) for sh in c.out_shapes]
 
         def run():
-            fn(lay, blocks, QKV, outs)
+            fn(c.lay, c.blocks, QKV, outs)
             return outs
 
-        return Case("unpack", method, run, ref_outs, rsize, rsize + written, poison=outs)
+        return Case("unpack", method, run, c.ref_outs, rsize, rsize + written, poison=outs)
 
-    cases += [unpack_case(f"fused ({k.name})", k.unpack_h2s) for k in kernels]
+    cases += [unpack_case(f"fused ({C.kernel_label(k.name, c.device)})", k.unpack_h2s) for k in kernels]
     cases.append(unpack_case("torch", L.unpack_h2s))
-    if chain:
+    if chain_divides(c.lay):
         # The chain's receive buffer per tensor: [P, s, B, H/P, D], peer p's block first.
-        chain_recv = [torch.stack([blocks[p][i].transpose(0, 1) for p in range(world)]) for i in range(len(QKV))]
+        chain_recv = [torch.stack([c.blocks[p][i].transpose(0, 1) for p in range(c.world)]) for i in range(len(QKV))]
 
         def chain_unpack():
-            return [x.permute(2, 1, 0, 3, 4).reshape(batch, seq, world * x.shape[3], d).contiguous() for x in chain_recv]
+            return [x.permute(2, 1, 0, 3, 4).reshape(c.batch, c.seq, c.world * x.shape[3], c.d).contiguous() for x in chain_recv]
 
-        cases.append(Case("unpack", "chain", chain_unpack, ref_outs, rsize, 2 * rsize))
-    return cases, skipped
+        cases.append(Case("unpack", "chain", chain_unpack, c.ref_outs, rsize, 2 * rsize))
+    return cases
+
+
+def build_cases(cfg, device: torch.device, dtype: torch.dtype, kernel_sets: Sequence, seed: int = 0):
+    """The rows of one configuration, and ``{method: why}`` for kernel sets that cannot run.
+
+    ``kernel_sets``: names for ``get_kernels`` (None = auto) or kernel-set objects."""
+    c = _Config(cfg, device, dtype, seed)
+    kernels, skipped = resolve_kernel_sets(kernel_sets, device, c.lay)
+    return pack_cases(c, kernels) + unpack_cases(c, kernels), skipped
 
 
 # ---- the sweep -----------------------------------------------------------------------------
@@ -279,7 +298,7 @@ def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
                 r["pct_copy"] = 100.0 * r["gbps"] / by["copy"]["gbps"]
                 r["x_chain"] = by["chain"]["time_us"] / r["time_us"] if "chain" in by else None
         rows += cfg_rows
-    return rows, dict(skipped=notes, warmup=warmup, iters=iters, configs=[config_label(c) for c in configs])
+    return rows, {"skipped": notes, "warmup": warmup, "iters": iters, "configs": [config_label(c) for c in configs]}
 
 
 def report(rows: list[dict], notes: dict, device: torch.device) -> None:
@@ -295,7 +314,7 @@ def report(rows: list[dict], notes: dict, device: torch.device) -> None:
         print(f"# fused rows >= 64 MiB: worst {pct:.1f}% of copy (target >= {TARGET_PCT_COPY:.0f}%), "
               f"worst {chain} the chain (target >= {TARGET_X_CHAIN:.0f}x){label}", flush=True)  # fmt: skip
     else:
-        print(f"# no fused row >= 64 MiB: issue #3's targets are not measured by this run{label}", flush=True)
+        print(f"# no fused row >= 64 MiB: the bandwidth targets are not measured by this run{label}", flush=True)
     if rows and rows[0]["wrong"] is not None:
         bad = sum(r["wrong"] for r in rows)
         print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
@@ -327,7 +346,7 @@ def plot(rows: list[dict], path: str, env: dict) -> bool:
     return C.save_figure(plt, fig, path)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, default_out_dir=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", "-d", default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
@@ -337,13 +356,16 @@ def parse_args(argv=None):
     p.add_argument("-n", "--iters", type=int, default=None, help="timed calls per row, default 100 (GPU), 5 (CPU)")
     p.add_argument("--check", type=int, default=1, help="check every row bit for bit (1, default) or not (0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", "--out", dest="out_dir", default=str(C.DEFAULT_OUT_DIR), help="where the CSV/JSON/PNG go (default bench/results)")
+    p.add_argument("--out-dir", "--out", dest="out_dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR),
+                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})")
     p.add_argument("--no-write", action="store_true", help="print the table only")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, *, default_out_dir=None) -> int:
+    """Run the benchmark; ``default_out_dir`` replaces ``--out-dir``'s default (the
+    checkout's ``bench/bench_pack.py`` passes ``bench/results``)."""
+    args = parse_args(argv, default_out_dir)
     device = torch.device(args.device)
     rows, meta = run_bench(args, device)
     report(rows, meta["skipped"], device)

@@ -1,8 +1,8 @@
 """The performance model of docs/performance.md, as a table you can re-run.
 
-    python bench/perf_model.py                                  # 8 GPUs, NVLink, defaults
-    python bench/perf_model.py --worlds 8,16,32 --seqs 32K,1M   # 2 and 4 nodes over InfiniBand
-    python bench/perf_model.py --attention-json bench/results/bench_attention_latest.json
+    python -m ulysses_kernels.bench.perf_model                                  # 8 GPUs, NVLink, defaults
+    python -m ulysses_kernels.bench.perf_model --worlds 8,16,32 --seqs 32K,1M   # 2 and 4 nodes over InfiniBand
+    python -m ulysses_kernels.bench.perf_model --attention-json bench_results/bench_attention_latest.json
 
 Per rank and per attention layer (batch B, global sequence S over P ranks, s = S/P tokens
 per rank, head_dim D, e bytes per element, the plan of ``HeadPlan.build(Hq, Hkv, P)``):
@@ -24,7 +24,7 @@ per rank, head_dim D, e bytes per element, the plan of ``HeadPlan.build(Hq, Hkv,
 
 Constants default to published figures (see docs/performance.md for the sources) and are
 all options; ``--attention-json`` replaces compute and layout times by those measured by
-``bench/bench_attention.py`` (rows ``local``, ``layout-<k>``, ``chain-layout`` with the same
+``ulysses_kernels.bench.attention`` (its ``bench_attention_latest.json``; rows ``local``, ``layout-<k>``, ``chain-layout`` with the same
 model, sequence, pass and group size). Nothing here is a measurement unless it says so.
 """
 
@@ -32,13 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-
-try:
-    import ulysses_kernels  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pathlib import Path
 
 from ulysses_kernels.bench.common import MODELS, parse_size, print_table
 from ulysses_kernels.plan import HeadPlan, PlanError
@@ -99,12 +94,29 @@ def model_layer(Hq, Hkv, P, S, args) -> dict | None:
     return {"plan": plan, "compute": compute, "wire": wire, "layout": lay, "chain": chain}
 
 
+MAKE_ATTENTION_JSON = (
+    "it is written by the attention benchmark, e.g. `python -m ulysses_kernels.bench.attention --sp 8` "
+    "(bench_attention_latest.json in its --out-dir, default ./bench_results; in a checkout "
+    "`python bench/bench_attention.py --sp 8` writes bench/results/); without --attention-json "
+    "the table is the model alone"
+)
+
+
 def measured(path: str | None) -> dict:
-    """(model, seq, P, pass, method) -> seconds from a bench_attention JSON."""
+    """(model, seq, P, pass, method) -> seconds from a bench_attention JSON; a missing or
+    unreadable file exits with a message saying what is missing and what writes it."""
     if not path:
         return {}
-    doc = json.loads(open(path).read())
-    return {(r["model"], int(r["seq"]), int(r["world"]), r["pass"], r["method"]): r["time_ms"] / 1e3 for r in doc["rows"]}
+    if not Path(path).is_file():
+        raise SystemExit(f"perf_model: --attention-json {path}: no such file; {MAKE_ATTENTION_JSON}")
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+        return {(r["model"], int(r["seq"]), int(r["world"]), r["pass"], r["method"]): r["time_ms"] / 1e3 for r in rows}
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(
+            f"perf_model: --attention-json {path}: expected a bench_attention result (a JSON object whose "
+            f"'rows' have model, seq, world, pass, method, time_ms), got {type(e).__name__}: {e}"
+        ) from None
 
 
 def table(args) -> list[dict]:
