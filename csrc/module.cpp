@@ -1,12 +1,13 @@
-// The Python module ulysses_kernels._C: build facts and the NCCL communicator lifecycle.
-// The ops themselves are registered with TORCH_LIBRARY (ops.cpp, nccl_ops.cpp) and called
-// through torch.ops.ulysses_kernels; import torch before this module.
+// The Python module ulysses_kernels._C: build facts, the kernels' limits and the NCCL
+// communicator lifecycle. The ops themselves are registered with TORCH_LIBRARY (ops.cpp,
+// nccl_ops.cpp); ulysses_kernels/ops.py loads this module (torch first) and is the one
+// Python face of all of it.
 //
 // Written against the plain CPython API (no pybind11, no torch headers): it compiles in
 // about a second instead of a minute.
 //
 // NCCL communicators cross into Python as integers (the ncclComm_t pointer) and unique
-// ids as 128 bytes; the Python side (ulysses_kernels/nccl_comm.py) owns their lifetime.
+// ids as 128 bytes; the Python side (the NCCLCommunicator) owns their lifetime.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -14,6 +15,8 @@
 #include <cstring>
 #include <exception>
 #include <string>
+
+#include "kernels/layout_math.h"  // kMaxPeers, kMaxRoles (torch-free)
 
 #ifdef ULYSSES_KERNELS_WITH_NCCL
 #include "nccl_check.h"
@@ -47,6 +50,10 @@ PyObject* build_info(PyObject*, PyObject*) {
 #endif
   int rc = set_item(d, "cuda", PyBool_FromLong(cuda));
   rc |= set_item(d, "archs", PyUnicode_FromString(archs));
+  // The kernels' parameter structs hold every peer's head ranges for up to kMaxRoles
+  // tensors: Python reads these limits here instead of keeping a copy of them.
+  rc |= set_item(d, "max_peers", PyLong_FromLong(ulysses_kernels::kMaxPeers));
+  rc |= set_item(d, "max_roles", PyLong_FromLong(ulysses_kernels::kMaxRoles));
 #ifdef ULYSSES_KERNELS_WITH_NCCL
   rc |= set_item(d, "nccl", PyBool_FromLong(1));
   rc |= set_item(d, "nccl_header_version", PyLong_FromLong(NCCL_VERSION_CODE));
@@ -171,7 +178,7 @@ PyObject* nccl_comm_info(PyObject*, PyObject* arg) {
 #endif
 
 PyMethodDef methods[] = {
-    {"build_info", build_info, METH_NOARGS, "How this extension was built: cuda, archs, nccl, nccl_header_version"},
+    {"build_info", build_info, METH_NOARGS, "How this extension was built (cuda, archs, nccl, nccl_header_version) and its limits (max_peers, max_roles)"},
 #ifdef ULYSSES_KERNELS_WITH_NCCL
     {"nccl_version", nccl_version, METH_NOARGS, "ncclGetVersion() of the NCCL library loaded in this process"},
     {"nccl_unique_id", nccl_unique_id, METH_NOARGS, "A new ncclUniqueId as 128 bytes"},

@@ -1,7 +1,7 @@
 // NCCL collectives as torch ops, stream-ordered on the current CUDA stream: no host
 // synchronization, so they can be captured in a CUDA graph. The communicator is the
-// integer handle made by _C.nccl_comm_init_rank (csrc/module.cpp). Fake kernels live in
-// ulysses_kernels/kernels/cuda_kernels.py.
+// integer handle made by _C.nccl_comm_init_rank (csrc/module.cpp). Fake kernels and typed
+// wrappers live in ulysses_kernels/ops.py.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

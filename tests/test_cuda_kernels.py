@@ -11,7 +11,7 @@ import torch
 
 from ulysses_kernels import layout as L
 from ulysses_kernels.kernels import available_kernels, get_kernels
-from ulysses_kernels.layout import Layout, Q_ONLY, QKV
+from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
 cuda_kernels = pytest.importorskip("ulysses_kernels.kernels.cuda_kernels")
@@ -404,10 +404,12 @@ def test_auto_passes_over_the_cuda_kernels_beyond_their_peer_limit():
     import re
     from pathlib import Path
 
-    from ulysses_kernels.kernels.cuda_kernels import MAX_WORLD_SIZE
+    from ulysses_kernels import ops
 
+    MAX_WORLD_SIZE = ops.limits()["max_peers"]  # read from the C++ side
     header = (Path(__file__).resolve().parents[1] / "csrc" / "kernels" / "layout_math.h").read_text()
     assert int(re.search(r"constexpr int kMaxPeers = (\d+);", header).group(1)) == MAX_WORLD_SIZE
+    assert int(re.search(r"constexpr int kMaxRoles = (\d+);", header).group(1)) == ops.limits()["max_roles"]
     cuda = torch.device("cuda")  # a device object only: no GPU is touched
     small = Layout(HeadPlan.build(128, 8, 8), 0, (1,) * 8, 1, 8)
     large = Layout(HeadPlan.build(128, 8, MAX_WORLD_SIZE + 1), 0, (1,) * (MAX_WORLD_SIZE + 1), 1, 8)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ulysses_kernels import _C_loader
 from ulysses_kernels import kernels as K
+from ulysses_kernels import ops
 
 
 @pytest.fixture
@@ -15,10 +15,10 @@ def fresh_registry():
 
 
 def test_unusable_extension_names_its_import_error(monkeypatch, fresh_registry):
-    # What _C_loader.load() records when _C was built against another NCCL than torch's
+    # What ops.load() records when _C was built against another NCCL than torch's
     # (or was not built at all): kernels="cuda" must carry that reason.
     why = "ulysses_kernels._C is not usable: built against NCCL 2.28.3 but torch loaded NCCL 2.30.7; rebuild"
-    monkeypatch.setattr(_C_loader, "_STATE", {"error": why})
+    monkeypatch.setattr(ops, "_STATE", {"error": why})
     with pytest.raises(ValueError, match=r"kernels='cuda' is not available here \(.*built against NCCL 2\.28\.3.*rebuild.*\); available: \['torch'"):
         K.get_kernels("cuda", torch.device("cpu"))
     assert "cuda" not in K.available_kernels()

@@ -14,10 +14,10 @@ import textwrap
 import pytest
 import torch
 
-from ulysses_kernels import _C_loader
+from ulysses_kernels import ops
 
 pytestmark = pytest.mark.skipif(
-    not (_C_loader.available() and _C_loader.load().build_info().get("nccl")), reason="ulysses_kernels._C without NCCL"
+    not (ops.available() and ops.load().build_info().get("nccl")), reason="ulysses_kernels._C without NCCL"
 )
 
 
@@ -26,31 +26,31 @@ def _torch_nccl():
 
 
 def test_versions_match_torch():
-    C = _C_loader.load()
-    info = _C_loader.build_info()
+    C = ops.load()
+    info = ops.build_info()
     assert info["nccl_header_version"] == _torch_nccl()
-    assert info["nccl_runtime_version"] == _C_loader.decode_nccl_version(C.nccl_version()) == _torch_nccl()
+    assert info["nccl_runtime_version"] == ops.decode_nccl_version(C.nccl_version()) == _torch_nccl()
 
 
 def test_decode_nccl_version():
-    assert _C_loader.decode_nccl_version(23007) == (2, 30, 7)
-    assert _C_loader.decode_nccl_version(2708) == (2, 7, 8)
+    assert ops.decode_nccl_version(23007) == (2, 30, 7)
+    assert ops.decode_nccl_version(2708) == (2, 7, 8)
 
 
 def test_version_mismatch_is_a_clear_import_error():
-    _C_loader.check_nccl_versions((2, 30, 7), (2, 30, 7, "+cuda13"))
+    ops.check_nccl_versions((2, 30, 7), (2, 30, 7, "+cuda13"))
     with pytest.raises(ImportError, match=r"built against NCCL 2\.28\.3 but torch .* loaded NCCL 2\.30\.7.*rebuild"):
-        _C_loader.check_nccl_versions((2, 28, 3), (2, 30, 7))
+        ops.check_nccl_versions((2, 28, 3), (2, 30, 7))
 
 
 def test_unique_id_is_128_fresh_bytes():
-    C = _C_loader.load()
+    C = ops.load()
     a, b = C.nccl_unique_id(), C.nccl_unique_id()
     assert isinstance(a, bytes) and len(a) == 128 and a != b
 
 
 def test_bad_arguments_raise_value_errors():
-    C = _C_loader.load()
+    C = ops.load()
     with pytest.raises(ValueError, match="unique_id expected 128 bytes, got 3"):
         C.nccl_comm_init_rank(b"abc", 1, 0)
     with pytest.raises(ValueError, match=r"rank expected in \[0, 2\), got 2"):
@@ -63,9 +63,9 @@ _NO_GPU_SCRIPT = textwrap.dedent(
     """
     import os, re, tempfile
     import torch, torch.distributed as dist
-    from ulysses_kernels import _C_loader
+    from ulysses_kernels import ops
     from ulysses_kernels.comm import NCCLCommunicator, default_cuda_comm
-    C = _C_loader.load()
+    C = ops.load()
     try:
         C.nccl_comm_init_rank(C.nccl_unique_id(), 1, 0)
         raise SystemExit("ncclCommInitRank succeeded without a GPU")

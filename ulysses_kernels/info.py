@@ -1,8 +1,9 @@
-"""``python -m ulysses_kernels.info``: what this installation has active.
+"""``python -m ulysses_kernels.info``: what this installation can run here, and why not the rest.
 
 Reports the C++/CUDA extension (built or not, archs, the NCCL it was built against and
-the NCCL loaded at run time), the NCCL torch loaded, Triton, flash-attn, and the kernel
-sets that can run here.
+the NCCL loaded at run time; when it is missing or CPU-only on a CUDA torch, the command
+that builds it), the NCCL torch loaded, Triton, flash-attn, and every kernel set: whether
+it runs in this process, and why not. ``--json`` prints the same as JSON.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import importlib.util
 import json
 import sys
 
+import torch
+
+from . import ops
+from .kernels import kernel_set_report
+
 
 def collect() -> dict:
-    import torch
-
-    from . import _C_loader
-    from .kernels import available_kernels
-
     try:
         torch_nccl = ".".join(map(str, torch.cuda.nccl.version()))
     except (RuntimeError, AttributeError) as e:
@@ -28,10 +29,11 @@ def collect() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    ext = _C_loader.build_info()
+    ext = ops.build_info()
     for key in ("nccl_header_version", "nccl_runtime_version"):
         if key in ext:
             ext[key] = ".".join(map(str, ext[key]))
+    report = kernel_set_report()
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -42,22 +44,34 @@ def collect() -> dict:
         "triton": triton_version,
         "flash_attn": importlib.util.find_spec("flash_attn") is not None,
         "extension": ext,
-        "kernel_sets": available_kernels(),
+        "rebuild_command": ops.rebuild_command(),
+        "kernel_sets": [r["name"] for r in report if r["runs_here"]],
+        "kernel_set_report": report,
     }
 
 
-def format_report(info: dict) -> str:
+def extension_line(info: dict) -> str:
+    """One line on ``_C``: what was built, or (loudly) what is missing and the command that builds it."""
     ext = info["extension"]
-    if ext.get("built"):
-        nccl = (
-            f"built against NCCL {ext['nccl_header_version']}, loaded {ext['nccl_runtime_version']}"
-            f"{', ncclAlltoAll' if ext.get('nccl_alltoall') else ''}"
-            if ext.get("nccl")
-            else "no NCCL"
+    if not ext.get("built"):
+        return f"NOT BUILT: {ext.get('error')}"
+    nccl = (
+        f"built against NCCL {ext['nccl_header_version']}, loaded {ext['nccl_runtime_version']}{', ncclAlltoAll' if ext.get('nccl_alltoall') else ''}"
+        if ext.get("nccl")
+        else "no NCCL"
+    )
+    if ext.get("cuda"):
+        return f"built (CUDA, archs {ext['archs']}; {nccl})"
+    line = f"built (CPU only; {nccl})"
+    if info["torch_cuda"]:
+        line += (
+            f". CPU ONLY although torch is a CUDA build (no CUDA toolkit at build time): no CUDA kernels, no native NCCL. "
+            f"Build them with a toolkit: {ops.rebuild_command('CUDA_HOME=/usr/local/cuda')}"
         )
-        ext_line = f"built ({'CUDA, archs ' + ext['archs'] if ext.get('cuda') else 'CPU only'}; {nccl})"
-    else:
-        ext_line = f"not built ({ext.get('error')})"
+    return line
+
+
+def format_report(info: dict) -> str:
     rows = [
         ("python", info["python"]),
         ("torch", f"{info['torch']} (CUDA {info['torch_cuda']})"),
@@ -65,11 +79,16 @@ def format_report(info: dict) -> str:
         ("torch NCCL", info["torch_nccl"]),
         ("triton", info["triton"] or "not installed"),
         ("flash-attn", "present" if info["flash_attn"] else "not installed"),
-        ("_C extension", ext_line),
-        ("kernel sets", ", ".join(info["kernel_sets"])),
+        ("_C extension", extension_line(info)),
+        ("kernel sets", "runs here: " + (", ".join(info["kernel_sets"]) or "none")),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    name_width = max((len(r["name"]) for r in info["kernel_set_report"]), default=0)
+    for r in info["kernel_set_report"]:
+        status = "runs here" if r["runs_here"] else "not here "
+        lines.append(f"{'':<{width}}    {r['name']:<{name_width}}  {status}  {r['detail']}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,284 @@
+"""The C++/CUDA extension ``ulysses_kernels._C``, seen from Python: the one module that loads it.
+
+``load()`` imports torch first (the extension links against it), then ``_C`` (which
+registers the ``torch.ops.ulysses_kernels`` ops), checks that the NCCL we linked is the
+NCCL torch loaded (two NCCL libraries in one process disagree on communicator internals,
+so a mismatch is an error here rather than a crash later) and registers the fake kernels
+of every op, so that ``torch.library.opcheck`` and ``torch.compile`` can see them. It is
+done once per process; its result (the module, or why not) does not change.
+
+The ops (schemas in ``csrc/ops.cpp`` and ``csrc/nccl_ops.cpp``); each mutates its
+outputs and returns nothing:
+
+* ``pack_s2h(tensors, head_ranges, send, recv=None, rank=-1, seq_offset=0)``: q, k, v
+  (``[B, s_r, H_i, D]`` each, any strides: separate tensors or views of one fused QKV
+  projection output) into the peer-major send buffer of ``layout.pack_s2h`` (with
+  ``recv``, rank ``rank``'s own block into its rows of the receive buffer
+  ``[B, S, h, D]``), in one kernel pass. ``head_ranges`` is ``[peer][role][start, end]``
+  flattened (``s2h_head_ranges``).
+* ``pack_h2s(local, send)``: ``[B, S, h, D]`` (any strides) -> contiguous wire format.
+* ``unpack_h2s(blocks, head_ranges, outs)``: received ``[B, s_r, h, D]`` blocks
+  (source-major, then role) into ``[B, s_r, H, D]`` outputs, replicated KV heads summed in
+  rank order (bit-identical to ``layout.unpack_h2s``).
+* ``nccl_all_to_all(comm, output, input, output_splits, input_splits)`` and
+  ``nccl_send_recv(comm, sends, send_peers, recvs, recv_peers)`` (CUDA tensors, extension
+  built with NCCL): on the current CUDA stream; ``comm`` is a communicator handle of
+  ``ulysses_kernels.comm.nccl.NCCLCommunicator``.
+
+CUDA tensors run the CUDA kernels; CPU tensors run their CPU twin (the same index math,
+``csrc/kernels/layout_math.h``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "load",
+    "available",
+    "build_info",
+    "limits",
+    "rebuild_command",
+    "decode_nccl_version",
+    "check_nccl_versions",
+    "pack_s2h",
+    "pack_h2s",
+    "unpack_h2s",
+    "nccl_all_to_all",
+    "nccl_send_recv",
+]
+
+# {"module": _C} or {"error": why}, filled by the first load(): whether the extension can
+# be used does not change during a process.
+_STATE: dict = {}
+
+
+def decode_nccl_version(code: int) -> tuple[int, int, int]:
+    """``NCCL_VERSION_CODE`` -> ``(major, minor, patch)`` (2.9+ use 5 digits, older ones 4)."""
+    if code >= 10000:
+        return code // 10000, (code % 10000) // 100, code % 100
+    return code // 1000, (code % 1000) // 100, code % 100
+
+
+def rebuild_command(env: str = "") -> str:
+    """The command that builds ``_C`` against this environment's torch, for how the package was installed.
+
+    A source checkout (the package sits next to ``setup.py`` and ``csrc/``: an in-place or
+    editable build) is rebuilt in place; an installed copy is reinstalled from its source
+    with pip, without build isolation (the build must see this torch). ``env``
+    (``"CUDA_HOME=/usr/local/cuda"``, say) goes right before the build command.
+    """
+    env = f"{env} " if env else ""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "setup.py").is_file() and (root / "csrc").is_dir():
+        return f"cd {root} && {env}python setup.py build_ext --inplace"
+    source = "--no-binary ulysses_kernels ulysses_kernels"
+    try:
+        direct = json.loads(importlib.metadata.distribution("ulysses_kernels").read_text("direct_url.json") or "null")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        direct = None
+    if direct and direct.get("url", "").startswith("file://") and "dir_info" in direct:
+        source = direct["url"][len("file://") :]
+    return f"{env}pip install --no-build-isolation --no-deps --force-reinstall {source}"
+
+
+def check_nccl_versions(linked: tuple[int, ...], loaded: tuple[int, ...]) -> None:
+    """Raise ImportError when the NCCL the extension was built against is not torch's."""
+    if tuple(linked[:3]) != tuple(loaded[:3]):
+        lv, tv = ".".join(map(str, linked[:3])), ".".join(map(str, loaded[:3]))
+        raise ImportError(
+            f"ulysses_kernels._C was built against NCCL {lv} but torch {torch.__version__} loaded NCCL {tv} "
+            f"(torch.cuda.nccl.version()); rebuild the extension in this environment so that both use one NCCL: "
+            f"{rebuild_command()}"
+        )
+
+
+def _torch_nccl_version():
+    try:
+        v = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):
+        return None
+    return tuple(v) if isinstance(v, tuple) else decode_nccl_version(int(v))
+
+
+def _import_checked():
+    """``_C``, checked against this process; ImportError saying why it cannot be used."""
+    try:
+        module = importlib.import_module("ulysses_kernels._C")
+    except ModuleNotFoundError as e:
+        if e.name != "ulysses_kernels._C":
+            raise
+        raise ImportError(
+            "ulysses_kernels._C is not built: this installation has no C++/CUDA extension (no 'cuda' kernel set, "
+            f"no native NCCL communicator; the torch and Triton paths still work). Build it: {rebuild_command()}"
+        ) from e
+    info = module.build_info()
+    if "max_peers" not in info:
+        raise ImportError(f"ulysses_kernels._C was built from older sources than this package (its build_info has no limits); rebuild it: {rebuild_command()}")
+    if info.get("nccl"):
+        loaded = _torch_nccl_version()
+        if loaded is not None:
+            check_nccl_versions(decode_nccl_version(info["nccl_header_version"]), loaded)
+    return module
+
+
+def load():
+    """The imported ``_C`` module (its fake kernels registered); ImportError with the reason when it is not usable."""
+    if "module" in _STATE:
+        return _STATE["module"]
+    if "error" in _STATE:
+        raise ImportError(_STATE["error"])
+    try:
+        module = _import_checked()
+    except ImportError as e:
+        _STATE["error"] = str(e) if str(e).startswith("ulysses_kernels._C") else f"ulysses_kernels._C is not usable: {e}"
+        _warn_if_a_gpu_misses_it(_STATE["error"])
+        raise ImportError(_STATE["error"]) from e
+    _STATE["limits"] = {k: int(module.build_info()[k]) for k in ("max_peers", "max_roles")}
+    _register_fakes(module)
+    _STATE["module"] = module
+    return module
+
+
+def _warn_if_a_gpu_misses_it(why: str) -> None:
+    # On the CPU nothing is lost (the default kernel set there is torch's); on a GPU the
+    # fused kernels and native NCCL are, so say it where the user sees it.
+    # ULYSSES_KERNELS_SKIP_EXTENSION=1 (the switch of a pure-Python build) silences it.
+    if os.environ.get("ULYSSES_KERNELS_SKIP_EXTENSION", "0") != "1" and torch.cuda.is_available():
+        warnings.warn(f"{why} (ULYSSES_KERNELS_SKIP_EXTENSION=1 silences this warning)", RuntimeWarning, stacklevel=3)
+
+
+def available() -> bool:
+    """True when ``_C`` loads and passes its checks in this process."""
+    try:
+        load()
+    except ImportError:
+        return False
+    return True
+
+
+def build_info() -> dict:
+    """``_C.build_info()`` plus the runtime NCCL version; ``{"built": False, "error": ...}`` without it."""
+    try:
+        module = load()
+    except ImportError as e:
+        return {"built": False, "error": str(e)}
+    info = dict(module.build_info(), built=True)
+    info["archs"] = info.get("archs", "").replace("_", ";")
+    if info.get("nccl"):
+        info["nccl_header_version"] = decode_nccl_version(info["nccl_header_version"])
+        info["nccl_runtime_version"] = decode_nccl_version(module.nccl_version())
+    return info
+
+
+def limits() -> dict:
+    """``{"max_peers": int, "max_roles": int}``: the most ranks and q/k/v tensors one op takes.
+
+    Read from the C++ side (``kMaxPeers``, ``kMaxRoles`` in ``csrc/kernels/layout_math.h``:
+    the kernels' parameter structs hold every peer's head ranges). ImportError without ``_C``.
+    """
+    load()
+    return _STATE["limits"]
+
+
+def _lib():
+    load()
+    return torch.ops.ulysses_kernels
+
+
+# ---- typed wrappers ----------------------------------------------------------------------------
+def pack_s2h(
+    tensors: Sequence[torch.Tensor],
+    head_ranges: Sequence[int],
+    send: torch.Tensor,
+    recv: torch.Tensor | None = None,
+    rank: int = -1,
+    seq_offset: int = 0,
+) -> None:
+    """Sequence-sharded ``[B, s_r, H_i, D]`` tensors (1 to ``max_roles``) -> the 1-D send buffer.
+
+    ``head_ranges``: ``[peer][role][start, end]`` flattened. With ``recv`` (``[B, S, h, D]``
+    contiguous, flat), the block of peer ``rank`` goes to its rows at tokens
+    ``[seq_offset, seq_offset + s_r)`` of ``recv`` instead of ``send``.
+    """
+    _lib().pack_s2h(list(tensors), list(head_ranges), send, recv, rank, seq_offset)
+
+
+def pack_h2s(local: torch.Tensor, send: torch.Tensor) -> None:
+    """``local`` ``[B, S, h, D]`` (any strides) -> ``send`` (1-D, contiguous, ``local.numel()`` elements)."""
+    _lib().pack_h2s(local, send)
+
+
+def unpack_h2s(blocks: Sequence[torch.Tensor], head_ranges: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+    """Received ``[B, s_r, h, D]`` blocks (source-major, then role) -> ``outs`` ``[B, s_r, H_i, D]``.
+
+    ``head_ranges``: ``[source][role][start, end]`` flattened, one pair per block; heads
+    held by several sources are summed in source order.
+    """
+    _lib().unpack_h2s(list(blocks), list(head_ranges), list(outs))
+
+
+def nccl_all_to_all(comm: int, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
+    """All-to-all of contiguous CUDA buffers with per-rank split sizes (elements), on the current stream."""
+    _lib().nccl_all_to_all(comm, output, input, list(output_splits), list(input_splits))
+
+
+def nccl_send_recv(comm: int, sends: Sequence[torch.Tensor], send_peers: Sequence[int], recvs: Sequence[torch.Tensor], recv_peers: Sequence[int]) -> None:
+    """Every send and receive in one NCCL group, on the current stream (one peer per tensor)."""
+    _lib().nccl_send_recv(comm, list(sends), list(send_peers), list(recvs), list(recv_peers))
+
+
+# ---- fake kernels: shape checks only (the ops mutate their outputs and return nothing) --------
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise RuntimeError(f"ulysses_kernels.{msg}")
+
+
+def _fake_pack_s2h(tensors, head_ranges, send, recv=None, rank=-1, seq_offset=0):
+    n, most = len(tensors), _STATE["limits"]["max_roles"]
+    _check(1 <= n <= most, f"pack_s2h: tensors expected 1 to {most} tensors, got {n}")
+    _check(len(head_ranges) % (2 * n) == 0 and len(head_ranges) > 0, f"pack_s2h: head_ranges expected 2 * {n} * world_size values, got {len(head_ranges)}")
+    B, S, _, D = tensors[0].shape
+    heads = sum(b - a for a, b in zip(head_ranges[0::2], head_ranges[1::2]))
+    _check(send.dim() == 1 and send.numel() == S * B * D * heads, f"pack_s2h: send.numel() expected {S * B * D * heads}, got {send.numel()}")
+    for i, x in enumerate(tensors):
+        _check(x.dtype == send.dtype, f"pack_s2h: tensors[{i}].dtype expected {send.dtype} (the dtype of send), got {x.dtype}")
+
+
+def _fake_pack_h2s(local, send):
+    _check(local.dim() == 4, f"pack_h2s: local expected 4 dims [B, S, h, D], got shape {list(local.shape)}")
+    _check(send.dim() == 1 and send.numel() == local.numel(), f"pack_h2s: send.numel() expected {local.numel()}, got {send.numel()}")
+
+
+def _fake_unpack_h2s(blocks, head_ranges, outs):
+    n, most = len(outs), _STATE["limits"]["max_roles"]
+    _check(1 <= n <= most, f"unpack_h2s: outs expected 1 to {most} tensors, got {n}")
+    _check(
+        len(head_ranges) == 2 * len(blocks) and len(blocks) % n == 0,
+        f"unpack_h2s: blocks expected world_size x {n} tensors and 2 head range values each, got {len(blocks)} blocks, {len(head_ranges)} values",
+    )
+
+
+def _fake_nccl_all_to_all(comm, output, input, output_splits, input_splits):
+    _check(sum(output_splits) == output.numel(), f"nccl_all_to_all: sum(output_splits) expected {output.numel()}, got {sum(output_splits)}")
+    _check(sum(input_splits) == input.numel(), f"nccl_all_to_all: sum(input_splits) expected {input.numel()}, got {sum(input_splits)}")
+
+
+def _fake_nccl_send_recv(comm, sends, send_peers, recvs, recv_peers):
+    _check(len(sends) == len(send_peers) and len(recvs) == len(recv_peers), "nccl_send_recv: one peer per tensor expected")
+
+
+def _register_fakes(module) -> None:
+    fakes = {"pack_s2h": _fake_pack_s2h, "pack_h2s": _fake_pack_h2s, "unpack_h2s": _fake_unpack_h2s}
+    if module.build_info().get("nccl"):
+        fakes.update(nccl_all_to_all=_fake_nccl_all_to_all, nccl_send_recv=_fake_nccl_send_recv)
+    for name, fn in fakes.items():
+        torch.library.register_fake(f"ulysses_kernels::{name}", fn)
