@@ -6,12 +6,14 @@ It implements the ``ulysses_kernels.comm.Communicator`` interface with NCCL call
   ``ncclGroupEnd`` group on the *current* CUDA stream (``ncclAlltoAll`` when the linked
   NCCL has it, >= 2.28, and all splits are equal);
 * ``send_recv``: all transfers in one NCCL group;
-* no host synchronization and no allocation, so both can be captured in a CUDA graph.
+* no host synchronization and no allocation, so both can be captured in a CUDA graph; with
+  ``async_op=True`` they return a ``Work`` whose ``wait()`` makes the caller's current
+  stream wait for the NCCL work on the GPU.
 
 There are two ways to get one:
 
 * ``NCCLCommunicator(group)`` makes a communicator of its own from the user's process
-  group: rank 0 creates an ``ncclUniqueId`` (128 bytes),
+  group (of any transport): rank 0 creates an ``ncclUniqueId`` (128 bytes),
   ``torch.distributed.broadcast_object_list`` sends it over the group, then every rank
   calls ``ncclCommInitRank`` on its current CUDA device. The ``ncclComm_t`` crosses into
   Python as an integer handle owned by the ``NCCLCommunicator`` (``close()`` destroys it).
@@ -33,15 +35,23 @@ NCCL errors are raised as ``RuntimeError`` with NCCL's error string and the C++ 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import ops
+from .base import Work, transport
 from .torch_dist import TorchCommunicator
 
-__all__ = ["NCCLCommunicator", "borrowed_torch_comm", "default_cuda_comm", "nccl_available", "torch_comm_handle"]
+__all__ = [
+    "NCCLCommunicator",
+    "borrowed_torch_comm",
+    "default_cuda_comm",
+    "native_nccl_enabled",
+    "nccl_available",
+    "torch_comm_handle",
+]
 
 
 def _extension():
@@ -55,6 +65,12 @@ def _extension():
     return module
 
 
+def native_nccl_enabled() -> bool:
+    """False when ``ULYSSES_KERNELS_NATIVE_NCCL=0``: our native NCCL calls are off and the
+    defaults use torch.distributed's collectives. Set it alike on every rank."""
+    return os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "1") != "0"
+
+
 def nccl_available() -> bool:
     """True when the extension has NCCL and a CUDA device is visible."""
     try:
@@ -64,23 +80,11 @@ def nccl_available() -> bool:
     return torch.cuda.is_available()
 
 
-class _StreamWork:
-    """``wait()`` makes the caller's current stream wait for the NCCL work (no host sync)."""
-
-    def __init__(self, device: torch.device):
-        self._device = device
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(device))
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self._device).wait_event(self._event)
-
-
 class NCCLCommunicator:
     """NCCL collectives over ``group`` on the current CUDA stream.
 
     Args:
-        group: the process group (any backend: it only carries the unique id and the
+        group: the process group (any transport: it only carries the unique id and the
             ``all_gather_ints`` of the input checks). Default: the world.
         device: the CUDA device of this rank (default: ``torch.cuda.current_device()``).
 
@@ -107,7 +111,7 @@ class NCCLCommunicator:
         self.owned = True
 
     @classmethod
-    def borrow(cls, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None) -> "NCCLCommunicator":
+    def borrow(cls, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None) -> NCCLCommunicator:
         """Our collectives on torch's own NCCL communicator of ``group`` (default: the world).
 
         Not collective and cheap (a pointer lookup and three NCCL queries), so it can be
@@ -119,7 +123,7 @@ class NCCLCommunicator:
         return cls._wrap(ext, torch_comm_handle(group, device), group, device)
 
     @classmethod
-    def _wrap(cls, ext, handle: int, group, device: torch.device) -> "NCCLCommunicator":
+    def _wrap(cls, ext, handle: int, group, device: torch.device) -> NCCLCommunicator:
         """A communicator over torch's ``handle`` (not owned), checked to be this rank's."""
         self = cls.__new__(cls)
         self._ext, self.group, self.device = ext, group, device
@@ -138,7 +142,7 @@ class NCCLCommunicator:
         return self
 
     def _object_device(self):
-        return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        return self.device if transport(self.group) == "nccl" else torch.device("cpu")
 
     def _live(self) -> int:
         if not self.handle:
@@ -149,14 +153,14 @@ class NCCLCommunicator:
         torch.ops.ulysses_kernels.nccl_all_to_all(
             self._live(), output, input, [int(s) for s in output_splits], [int(s) for s in input_splits]
         )
-        return _StreamWork(output.device) if async_op else None
+        return Work.after(torch.cuda.current_stream(output.device)) if async_op else None
 
     def send_recv(self, sends, recvs, async_op: bool = False):
         if sends or recvs:
             torch.ops.ulysses_kernels.nccl_send_recv(
                 self._live(), [t for _, t in sends], [int(p) for p, _ in sends], [t for _, t in recvs], [int(p) for p, _ in recvs]
             )
-        return _StreamWork(self.device) if async_op else None
+        return Work.after(torch.cuda.current_stream(self.device)) if async_op else None
 
     def all_gather_ints(self, values, device):
         return TorchCommunicator(self.group).all_gather_ints(values, device)
@@ -184,17 +188,17 @@ class NCCLCommunicator:
 def default_cuda_comm(group=None) -> NCCLCommunicator | None:
     """A new native NCCL communicator for ``group``, or None where it does not apply.
 
-    Applies when ``group``'s backend is NCCL (so the tensors are on CUDA), the extension has
+    Applies when ``group``'s transport is NCCL (so the tensors are on CUDA), the extension has
     NCCL, and ``ULYSSES_KERNELS_NATIVE_NCCL`` is not ``0``. Creating one is collective and
     costs milliseconds, so it is made once by an owner that lives as long as it is used
     (``integrations.hf.apply``), never cached per group in a module global. Every rank of
     the group must call it at the same point.
     """
-    if os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "1") == "0":
+    if not native_nccl_enabled():
         return None
     if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
         return None
-    if dist.get_backend(group) != "nccl" or not nccl_available():
+    if transport(group) != "nccl" or not nccl_available():
         return None
     return NCCLCommunicator(group)
 
@@ -209,16 +213,16 @@ def _lookup_handle(group, device: torch.device) -> tuple[int, str]:
     ``device``; ``(0, why)`` where the group has none to lend."""
     pg = group if group is not None else dist.group.WORLD
     try:
-        backend = pg._get_backend(torch.device("cuda"))
+        cuda_pg = pg._get_backend(torch.device("cuda"))  # torch's name for the transport's group
     except RuntimeError as e:
-        return 0, f"the group has no CUDA backend ({e})"
-    if not isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())) or not hasattr(backend, "_comm_ptr"):
+        return 0, f"the group has no CUDA transport ({e})"
+    if not isinstance(cuda_pg, getattr(dist, "ProcessGroupNCCL", ())) or not hasattr(cuda_pg, "_comm_ptr"):
         return 0, (
-            f"the group's CUDA backend expected ProcessGroupNCCL with _comm_ptr() (torch >= 2.9), "
-            f"got {type(backend).__name__} (torch {torch.__version__})"
+            f"the group's CUDA transport expected ProcessGroupNCCL with _comm_ptr() (torch >= 2.9), "
+            f"got {type(cuda_pg).__name__} (torch {torch.__version__})"
         )
     with torch.cuda.device(device):
-        handle = int(backend._comm_ptr())
+        handle = int(cuda_pg._comm_ptr())
     if handle == 0:
         return 0, (
             f"torch has not created the group's NCCL communicator on {device} yet "
@@ -243,7 +247,7 @@ def torch_comm_handle(group=None, device: torch.device | int | None = None) -> i
 def borrowed_torch_comm(group=None, device: torch.device | None = None) -> NCCLCommunicator | None:
     """torch's own communicator of ``group`` driven natively, or None where that does not
     apply: ``ULYSSES_KERNELS_NATIVE_NCCL=0``, no NCCL in the extension, ``device`` not CUDA,
-    the group's CUDA backend not NCCL (gloo, a fake or a wrapped group), or torch not having
+    the group's CUDA transport not NCCL (gloo, a fake or a wrapped group), or torch not having
     created the communicator yet (before the group's first collective).
 
     The functional ops call it per call. All ranks of a group answer alike: the conditions
@@ -252,7 +256,7 @@ def borrowed_torch_comm(group=None, device: torch.device | None = None) -> NCCLC
     all-to-all while its peers used ours would post mismatched NCCL work, so set
     ``ULYSSES_KERNELS_NATIVE_NCCL`` the same on every rank.
     """
-    if os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "1") == "0":
+    if not native_nccl_enabled():
         return None
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
