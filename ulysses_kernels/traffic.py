@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .layout import QKV, Q_ONLY, Layout
+from .layout import Q_ONLY, QKV, Layout
 
 __all__ = ["CopyCounter", "ulysses_payload_bytes", "ulysses_buffer_bytes"]
 

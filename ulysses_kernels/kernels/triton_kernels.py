@@ -31,9 +31,10 @@ graph after one warm-up launch: the address table is then written by captured ke
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -210,7 +211,7 @@ class TritonKernels:
     LRU of column descriptors keyed by ``Layout`` (a value, not a process group)."""
 
     name = "triton"
-    _tables: "OrderedDict[tuple, _ColumnTable]" = OrderedDict()
+    _tables: OrderedDict[tuple, _ColumnTable] = OrderedDict()
     _max_tables = 256
     # The column tables' device copies that launches captured in CUDA graphs read at every replay,
     # for as long as a graph lives (which this code cannot see; the LRU above may drop the
@@ -306,7 +307,7 @@ class TritonKernels:
         grid, block_r, block_d = _launch_geometry(n_rows, table.n_cols, head_dim, _interpreting())
         float_ty = _TL_FLOAT.get(dtype, tl.float32)
         acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
-        with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _gather_columns_kernel[grid](
                 addr_t, cols, srcs, n_rows, batch, head_dim,
                 ELEM=_TL_INT[itemsize], FLOAT=float_ty, ACC=acc_ty, HAS_SUM=table.has_sum, IS_BF16=dtype == torch.bfloat16,
@@ -336,14 +337,6 @@ def _launch_geometry(n_rows: int, n_cols: int, head_dim: int, interpreting: bool
     if grid[1] > 65535 or grid[0] > 2**31 - 1:  # CUDA's grid limits (y, x)
         raise ValueError(f"TritonKernels: grid {grid} exceeds CUDA's limits ({n_cols} head columns)")
     return grid, block_r, block_d
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---- descriptor builders (the layout math of layout.py, as columns) ---------------------
