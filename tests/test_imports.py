@@ -1,0 +1,181 @@
+"""The package's import graph: every module imports, the graph inside ``ulysses_kernels`` has
+no cycle, and nothing imports the modules the communicator package replaced.
+
+The graph is read from the source with ``ast``. An edge ``a -> b`` is an import statement in
+``a`` naming ``b``: ``import ulysses_kernels.b``, ``from . import b`` (an edge to the
+submodule ``b``, not to the package it is in), ``from .b import name``. A module's parent
+packages are imported first by Python, but that is no edge: a package's ``__init__`` that
+imports its own submodules is no cycle. Module-level imports are the import graph proper;
+imports inside functions are checked too, because an import deferred to call time to get
+around a cycle is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import pathlib
+
+import ulysses_kernels
+
+PACKAGE = "ulysses_kernels"
+ROOT = pathlib.Path(ulysses_kernels.__file__).resolve().parent
+CHECKOUT = ROOT.parent
+
+# Modules the communicator package replaced; nothing may import them again.
+REMOVED = ("ulysses_kernels.nccl_comm",)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the package: dotted name -> file."""
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_package(name: str, modules) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def _imports(name: str, tree: ast.Module, modules, module_level: bool) -> set[str]:
+    """The package's modules that ``name`` imports: at module level (outside every function)
+    when ``module_level``, else inside functions only."""
+    package = name if _is_package(name, modules) else name.rpartition(".")[0]
+    found = set()
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and in_function != module_level:
+                found.update(_targets(child, package, modules))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def _targets(node, package: str, modules) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    if node.level:
+        base = package.split(".")
+        base = base[: len(base) - node.level + 1]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    targets = set()
+    for alias in node.names:
+        sub = f"{source}.{alias.name}"
+        if sub in modules:
+            targets.add(sub)  # a submodule: `from pkg import sub` needs only `sub`
+        elif source in modules:
+            targets.add(source)
+    return targets
+
+
+def _graph(module_level: bool) -> dict[str, set[str]]:
+    modules = _modules()
+    return {
+        name: _imports(name, ast.parse(path.read_text(), str(path)), modules, module_level) - {name}
+        for name, path in modules.items()
+    }
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
+    state = {}  # absent: not seen; 1: on the current path; 2: done
+    path = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_cycle_finder_finds_a_cycle():
+    # The check below is only as good as this finder: a cycle must be reported, a DAG not.
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_graph_reads_relative_and_submodule_imports():
+    graph = _graph(module_level=True)
+    # comm/__init__.py imports its submodules with `from .nccl import ...`.
+    assert {"ulysses_kernels.comm.base", "ulysses_kernels.comm.nccl"} <= graph["ulysses_kernels.comm"]
+    assert "ulysses_kernels.comm.base" in graph["ulysses_kernels.comm.nccl"]
+    assert "ulysses_kernels.comm" in graph["ulysses_kernels.pipeline"]
+
+
+def test_no_import_cycle_at_module_level():
+    cycle = _cycle(_graph(module_level=True))
+    assert cycle is None, f"import cycle inside {PACKAGE}: {' -> '.join(cycle)}"
+
+
+def test_no_import_cycle_with_imports_inside_functions():
+    module_level, in_functions = _graph(module_level=True), _graph(module_level=False)
+    both = {name: module_level[name] | in_functions[name] for name in module_level}
+    cycle = _cycle(both)
+    assert cycle is None, (
+        f"import cycle inside {PACKAGE} through an import inside a function: {' -> '.join(cycle)}"
+    )
+
+
+def test_comm_base_imports_nothing_of_ours():
+    assert _graph(module_level=True)["ulysses_kernels.comm.base"] == set()
+
+
+def _imported_names(node) -> list[str]:
+    """The dotted names an import statement names (relative ones without their dots)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        return [base, *(f"{base}.{alias.name}".lstrip(".") for alias in node.names)]
+    return []
+
+
+def test_removed_modules_are_gone_and_not_imported():
+    modules = _modules()
+    for name in REMOVED:
+        assert name not in modules, f"{name} exists again"
+        assert importlib.util.find_spec(name) is None, f"{name} is importable"
+    leaves = {name.rpartition(".")[2] for name in REMOVED}
+    dirs = ("ulysses_kernels", "tests", "bench", "examples", "scripts")
+    files = [p for d in dirs if (CHECKOUT / d).is_dir() for p in sorted((CHECKOUT / d).rglob("*.py"))]
+    assert files, f"no Python files found under {CHECKOUT}"
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for name in _imported_names(node):
+                hit = leaves & set(name.split("."))
+                assert not hit, f"{path.relative_to(CHECKOUT)}:{node.lineno} imports {name} (removed module {hit.pop()})"
+
+
+def test_every_module_imports():
+    failed = []
+    for name in _modules():
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - every failure is reported together below
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+    assert not failed, "modules that do not import:\n" + "\n".join(failed)
