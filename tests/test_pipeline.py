@@ -12,14 +12,13 @@ import os
 
 import pytest
 import torch
+from test_attention_dist import CASES as CORE_CASES  # tests/ is on sys.path (no __init__.py)
 
 from ulysses_kernels.comm import LocalCommunicator
 from ulysses_kernels.layout import Layout
 from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans, splits_shared_kv
 from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.testing import run_ranks
-
-from test_attention_dist import CASES as CORE_CASES  # tests/ is on sys.path (no __init__.py)
 
 
 # ---- the chunk plans ------------------------------------------------------------------------
