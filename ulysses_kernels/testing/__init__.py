@@ -1,4 +1,4 @@
-"""Test utilities that other projects' tests (and ours) can use.
+"""Test utilities for code that runs on a group of ranks (ours, and code built on it).
 
 * ``ranks``: ``run_ranks(fn, world_size, *args)`` runs ``fn`` on real ``torch.distributed``
   ranks, spawned processes with gloo on the CPU (or NCCL), and re-raises a rank's failure in
