@@ -41,7 +41,7 @@ def _check_against_reference(rank, hq, hkv, B, seq_lens, causal, attn_fn, equal_
     out.backward(shard_sequence(do, seq_lens, rank))
     torch.testing.assert_close(out, shard_sequence(ref, seq_lens, rank), rtol=1e-10, atol=1e-10)
     for name, m, f in zip("qkv", mine, full):
-        torch.testing.assert_close(m.grad, shard_sequence(f.grad, seq_lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s: f"d{name}: {s}")
+        torch.testing.assert_close(m.grad, shard_sequence(f.grad, seq_lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s, name=name: f"d{name}: {s}")
 
 
 def _check_round_trip(rank, world, hq, hkv, B, seq_lens):
@@ -181,8 +181,38 @@ def _errors_body(rank, world):
     _expect_error(bad(seq_lens=[s] * world if rank else [s] * (world - 1) + [s + 1]), r"ranks disagree on seq_lens")
     _expect_error(bad(seq_lens=[s + 1] + [s] * (world - 1)), r"rank 0: q.shape\[1\] \(seq_local\) expected seq_lens\[0\] = 4, got 3")
     _expect_error(bad(q=only_rank1(torch.randn(B, s, hq * 2, D), q)), r"ranks disagree on q_heads \(q.shape\[2\]\)")
+    # Rank 1's list changes its own entry: the disagreement is named, not a shape on rank 1.
+    mine = [s] * world if rank != 1 else [s, s + 1] + [s] * (world - 2)
+    _expect_error(
+        bad(seq_lens=mine),
+        rf"^ulysses_attention: ranks disagree on seq_lens: rank 0 has \[{s}(, {s})*\], ranks \[1\] have \[\[{s}, {s + 1}.*\]\] "
+        r"\(pass the same list on every rank\)$",
+    )
+    # [B, H, S, D] passed by mistake (16 tokens per rank, 8 query heads): a hint on the layout.
+    t = 16
+    bhsd = [torch.randn(B, h, t, D) for h in (hq, hkv, hkv)]
+    hint = (
+        r"\(hint: q.shape is \[2, 8, 16, 8\]; q, k and v are \[batch, seq_local, heads, head_dim\]: "
+        r"a \[batch, heads, seq, head_dim\] tensor needs .transpose\(1, 2\) first\)$"
+    )
+    _expect_error(bad(q=bhsd[0], k=bhsd[1], v=bhsd[2]), r"k.shape\[1\] \(seq_local\) expected 8 \(q.shape\[1\]\), got 2.*" + hint)
+    mha = torch.randn(B, hq, t, D)
+    _expect_error(bad(q=mha, k=mha, v=mha, seq_lens=[t] * world), r"q.shape\[1\] \(seq_local\) expected seq_lens\[\d\] = 16, got 8.*" + hint)
     with pytest.raises(uk.UlyssesInputError, match=rf"seq_lens has {few} entries, expected one per rank \({world}\)"):
         uk.ulysses_attention(q, k, v, seq_lens=[s] * few)
+    # head_to_seq checks rank-locally (no collective), with the same error type as the rest.
+    plan = uk.HeadPlan.build(hq, hkv, world)
+    h = plan.q_count(rank)
+    wrong_heads = rf"head_to_seq: x.shape expected \[B, S, {h}, D\] \(rank {rank}'s heads\), got \[2, {s * world}, {h + 1}, 8\]"
+    with pytest.raises(uk.UlyssesInputError, match=wrong_heads):
+        uk.head_to_seq(torch.randn(B, s * world, h + 1, D), plan)
+    with pytest.raises(uk.UlyssesInputError, match=rf"head_to_seq: x.shape\[1\] \({s * world + 1}\) is not divisible by world_size \({world}\); pass seq_lens"):
+        uk.head_to_seq(torch.randn(B, s * world + 1, h, D), plan)
+    wrong_lens = rf"head_to_seq: seq_lens expected {world} entries summing to x.shape\[1\] = {s * world}, got \[{s}"
+    with pytest.raises(uk.UlyssesInputError, match=wrong_lens):
+        uk.head_to_seq(torch.randn(B, s * world, h, D), plan, seq_lens=[s] * world + [1])
+    with pytest.raises(uk.UlyssesInputError, match=rf"head_to_seq: plan.world_size expected {world} \(the group\), got {world + 1}"):
+        uk.head_to_seq(torch.randn(B, s * world, h, D), uk.HeadPlan.build(hq * 2, hkv, world + 1))
     # After all that, a valid call still runs and agrees with the reference.
     out = uk.ulysses_attention(q, k, v)
     parts = [torch.empty_like(x) for x in (q,) for _ in range(world)]

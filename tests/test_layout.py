@@ -5,7 +5,7 @@ destination is checked bit-exact for many plans without spawning ranks."""
 import pytest
 import torch
 
-from ulysses_kernels.layout import QKV, Q_ONLY, Layout, pack_s2h, unpack_h2s
+from ulysses_kernels.layout import Q_ONLY, QKV, Layout, pack_s2h, unpack_h2s
 from ulysses_kernels.plan import HeadPlan
 
 PLANS = [
@@ -94,6 +94,7 @@ def test_seq_to_head_accepts_views_of_a_fused_projection(hq, hkv, P, seq_lens, B
     assert not q.is_contiguous()
     for p, (ql, kl, vl) in enumerate(simulate_seq_to_head(plan, seq_lens, [q, k, v], QKV)):
         assert torch.equal(ql, q[:, :, slice(*plan.q_ranges[p])])
+        assert torch.equal(kl, k[:, :, slice(*plan.kv_ranges[p])])
         assert torch.equal(vl, v[:, :, slice(*plan.kv_ranges[p])])
 
 

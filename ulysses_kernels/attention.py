@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from .backends import default_scale, resolve_backend
-from .checks import prepare
+from . import pipeline
+from .call import setup_attention, setup_exchange, setup_head_to_seq
 from .comm import get_communicator
-from .kernels import get_kernels
-from .layout import Layout
 from .exchange import HeadToSeq, SeqToHead, UlyssesAttentionFunction
 from .plan import HeadPlan
 from .traceable import HeadToSeqTraced, SeqToHeadTraced, traced_attention
@@ -80,23 +78,15 @@ def ulysses_attention(
     and backward trace into the graph, the checks are rank-local (no cross-rank exchange),
     and ``chunks`` is ignored.
     """
-    if torch.compiler.is_compiling():
-        return traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, plan=plan, comm=comm, kernels=kernels)
-    given, comm = comm, get_communicator(group, comm)
-    plan, layout = prepare(
-        q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check
-    )
-    if given is None:  # after the checks, whose collective makes torch create its communicator
-        comm = get_communicator(group, device=q.device)
-    backend = resolve_backend(attn_fn, q)
-    kern = get_kernels(kernels, q.device, layout)
-    scale = default_scale(q.shape[3], softmax_scale)
-    if chunks != 1:
-        from .pipeline import chunked_attention
-
-        return chunked_attention(q, k, v, layout, comm, kern, backend, causal, scale, chunks)
-    kv_map = plan.local_kv_map(comm.rank)
-    return UlyssesAttentionFunction.apply(q, k, v, layout, comm, kern, backend, causal, scale, kv_map)
+    call = setup_attention(
+        q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
+        attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check,
+    )  # fmt: skip
+    if call.traced:
+        return traced_attention(q, k, v, call)
+    if call.chunks > 1:
+        return pipeline.chunked_attention(q, k, v, call)
+    return UlyssesAttentionFunction.apply(q, k, v, call)
 
 
 class UlyssesAttention(nn.Module):
@@ -134,7 +124,7 @@ class UlyssesAttention(nn.Module):
         # ``comm`` each call picks the functional op's default, native NCCL on torch's own
         # communicator of the group for CUDA tensors.
         self.group, self.comm = group, comm
-        self.plan = HeadPlan.build(q_heads, kv_heads, get_communicator(group, comm).world_size)
+        self.plan = HeadPlan.build(q_heads, kv_heads, (comm if comm is not None else get_communicator(group)).world_size)
         self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check
         self.kernels, self.chunks = kernels, chunks
         self._checked: set[tuple] = set()
@@ -168,17 +158,9 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     Inside ``torch.compile`` this and ``head_to_seq`` trace (forward and backward) as
     ``ulysses_attention`` does: rank-local checks, one functional all-to-all per exchange.
     """
-    given, comm = comm, get_communicator(group, comm)
-    if (k is None) != (v is None):
-        raise ValueError("seq_to_head: pass both k and v, or neither")
-    # q alone: stand-in k/v views with the plan's KV head count, for the checks only.
-    kv_heads = plan.kv_heads if plan is not None else q.shape[2] if q.dim() == 4 else 1
-    kk, vv = (k, v) if k is not None else (q[:, :, :kv_heads], q[:, :, :kv_heads])
-    plan, layout = prepare(q, kk, vv, comm=comm, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check)
-    if given is None:  # as in ulysses_attention
-        comm = get_communicator(group, device=q.device)
-    fn, kern = _exchange(SeqToHead, SeqToHeadTraced, kernels, q.device, layout)
-    outs = fn.apply(layout, comm, kern, *((q, k, v) if k is not None else (q,)))
+    call = setup_exchange(q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, kernels=kernels, check=check)
+    fn = SeqToHeadTraced if call.traced else SeqToHead
+    outs = fn.apply(call, *((q, k, v) if k is not None else (q,)))
     return outs if k is not None else outs[0]
 
 
@@ -186,28 +168,8 @@ def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None, kern
     """Head-sharded ``[B, S, hq, D]`` (this rank's ``plan.q_ranges``) -> ``[B, s_r, Hq, D]``.
 
     The inverse of ``seq_to_head`` for query-head tensors (the attention output).
-    ``seq_lens`` as given to ``seq_to_head``; the default assumes equal shards.
+    ``seq_lens`` as given to ``seq_to_head``; the default assumes equal shards. The checks
+    are rank-local (no collective): ``x`` against ``plan`` and ``seq_lens``.
     """
-    comm = get_communicator(group, comm, device=x.device)
-    rank, world = comm.rank, comm.world_size
-    if plan.world_size != world:
-        raise ValueError(f"head_to_seq: plan.world_size expected {world} (the group), got {plan.world_size}")
-    if x.dim() != 4 or x.shape[2] != plan.q_count(rank):
-        raise ValueError(f"head_to_seq: x.shape expected [B, S, {plan.q_count(rank)}, D] (rank {rank}'s heads), got {list(x.shape)}")
-    if seq_lens is None:
-        if x.shape[1] % world:
-            raise ValueError(f"head_to_seq: x.shape[1] ({x.shape[1]}) is not divisible by world_size ({world}); pass seq_lens")
-        seq_lens = (x.shape[1] // world,) * world
-    elif sum(seq_lens) != x.shape[1]:
-        raise ValueError(f"head_to_seq: x.shape[1] expected sum(seq_lens) = {sum(seq_lens)}, got {x.shape[1]}")
-    layout = Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])
-    fn, kern = _exchange(HeadToSeq, HeadToSeqTraced, kernels, x.device, layout)
-    return fn.apply(layout, comm, kern, x)
-
-
-def _exchange(eager, traced, kernels, device, layout):
-    """The autograd function and kernel set of one public exchange: inside torch.compile the
-    traceable ones (one functional all-to-all per exchange; see ``traceable``)."""
-    if torch.compiler.is_compiling():
-        return traced, get_kernels(kernels, device, layout, traceable=True)
-    return eager, get_kernels(kernels, device, layout)
+    call = setup_head_to_seq(x, plan, group=group, comm=comm, seq_lens=seq_lens, kernels=kernels)
+    return (HeadToSeqTraced if call.traced else HeadToSeq).apply(call, x)

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionBackend", "SharedKV", "KVGradSum", "for_rank", "resolve_backend", "expand_kv", "BACKENDS"]
+__all__ = ["AttentionBackend", "SharedKV", "KVGradSum", "for_rank", "resolve_backend", "expand_kv", "kv_index", "uniform_group", "shares_one_kv", "BACKENDS"]
 
 
-def _uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
+def uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
     """True when query head ``i`` uses KV head ``i // (hq // hkv)`` (plain GQA)."""
     if hq % hkv:
         return False
@@ -38,16 +38,25 @@ def _uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
     return all(j == i // g for i, j in enumerate(kv_map))
 
 
-def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int]):
+def kv_index(kv_map: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``kv_map`` as an int64 index tensor on ``device`` without a host sync: a
+    non-blocking copy from host memory (``torch.tensor(..., device="cuda")`` would make the
+    host wait for the GPU work queued before it, losing any overlap)."""
+    return torch.tensor(list(kv_map), dtype=torch.int64).to(device, non_blocking=True)
+
+
+def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int], *, always: bool = False):
     """k, v as plain grouped heads for ``kv_map``.
 
     A rank whose query heads straddle a KV group boundary unevenly (for example 3 query
     heads, 2 from one group and 1 from the next) cannot use a uniform GQA kernel; its KV
-    heads are gathered to one per query head here, locally, after the wire.
+    heads are gathered to one per query head here, locally, after the wire. ``always``
+    gathers even a uniform map (the chunked pipeline, whose chunk of a non-uniform rank
+    may be uniform, must run the same kernels as the unchunked op).
     """
-    if _uniform_group(len(kv_map), k.shape[2], kv_map):
+    if not always and uniform_group(len(kv_map), k.shape[2], kv_map):
         return k, v
-    index = torch.tensor(kv_map, device=k.device)
+    index = kv_index(kv_map, k.device)
     return k.index_select(2, index), v.index_select(2, index)
 
 

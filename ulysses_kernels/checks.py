@@ -18,12 +18,15 @@ whatever ``check`` says (``ulysses_kernels.traceable``).
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-__all__ = ["UlyssesInputError", "Signature", "signature", "validate", "prepare"]
+from .layout import Layout
+from .plan import HeadPlan
+
+__all__ = ["UlyssesInputError", "Signature", "signature", "validate", "prepare", "check_head_to_seq"]
 
 _DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -85,7 +88,7 @@ class Signature:
         return vals
 
     @classmethod
-    def decode(cls, vals: Sequence[int]) -> "Signature":
+    def decode(cls, vals: Sequence[int]) -> Signature:
         it = iter(vals)
         rank, world = next(it), next(it)
         shapes = []
@@ -186,8 +189,7 @@ def _global_problems(sigs: Sequence[Signature]) -> list[str]:
         ("device type", lambda g: _device_name(g.devices[0][0], -1)),
         ("causal", lambda g: bool(g.causal)),
         ("softmax_scale", lambda g: struct.unpack("<d", struct.pack("<q", g.scale_bits))[0]),
-        ("seq_lens", lambda g: g.seq_lens),
-    )
+    )  # seq_lens: _seq_lens_disagreement, checked first
     for what, get in fields:
         values = [get(g) for g in sigs]
         if any(x != values[0] for x in values):
@@ -203,15 +205,51 @@ def _global_problems(sigs: Sequence[Signature]) -> list[str]:
     return out
 
 
+def _seq_lens_disagreement(sigs: Sequence[Signature]) -> list[str]:
+    """Ranks that were given different ``seq_lens`` lists: reported before anything else,
+    since each rank would otherwise measure its shard against its own list and fail on a
+    shape."""
+    lists = [g.seq_lens for g in sigs]
+    if all(x == lists[0] for x in lists):
+        return []
+    bad = [g.rank for g, x in zip(sigs, lists) if x != lists[0]]
+    shown = lambda x: None if x is None else list(x)
+    return [
+        f"ranks disagree on seq_lens: rank 0 has {shown(lists[0])}, ranks {bad} have {[shown(lists[r]) for r in bad]} "
+        f"(pass the same list on every rank)"
+    ]
+
+
+def _layout_hint(sig: Signature) -> str:
+    """A hint when q, k, v look like ``[B, H, S, D]`` (heads before the sequence) instead of
+    the ``[B, S, H, D]`` the op takes: q's "heads" dimension holds this rank's ``seq_lens``
+    entry, or q and k agree on dimension 2 (the sequence) but not on dimension 1 (their
+    head counts) while q has more "heads" than local tokens."""
+    shapes = sig.shapes
+    if any(len(x) != 4 or "..." in x for x in shapes[:2]):
+        return ""
+    (_, s, h, _), (_, ks, kh, _) = shapes[0], shapes[1]
+    by_lens = sig.seq_lens is not None and h == sig.seq_lens[sig.rank] != s
+    by_gqa = h > s and kh == h and ks != s
+    if not (by_lens or by_gqa):
+        return ""
+    return (
+        f" (hint: q.shape is {list(shapes[0])}; q, k and v are [batch, seq_local, heads, head_dim]: "
+        f"a [batch, heads, seq, head_dim] tensor needs .transpose(1, 2) first)"
+    )
+
+
 def validate(sigs: Sequence[Signature], *, gathered: bool) -> None:
     """Raise ``UlyssesInputError`` listing every problem, the same text on every rank."""
-    problems = []
-    for g in sigs:
-        problems += [f"rank {g.rank}: {p}" if gathered else p for p in _local_problems(g)]
+    problems = _seq_lens_disagreement(sigs) if gathered else []
+    if not problems:
+        for g in sigs:
+            problems += [f"rank {g.rank}: {p}" if gathered else p for p in _local_problems(g)]
     if not problems and gathered and len(sigs) > 1:
         problems = _global_problems(sigs)
     if problems:
-        raise UlyssesInputError("ulysses_attention: " + "; ".join(problems))
+        hint = next((h for h in map(_layout_hint, sigs) if h), "")
+        raise UlyssesInputError("ulysses_attention: " + "; ".join(problems) + hint)
 
 
 def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check):
@@ -222,9 +260,6 @@ def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check):
     ``torch.compile`` (the decoded exchange is data-dependent, see ``traceable``), only this
     rank's inputs are checked.
     """
-    from .layout import Layout
-    from .plan import HeadPlan
-
     rank, world = comm.rank, comm.world_size
     sig = signature(
         q, k, v, rank=rank, world_size=world, causal=causal, scale=softmax_scale, seq_lens=seq_lens,
@@ -237,6 +272,27 @@ def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check):
     if plan is None:
         plan = HeadPlan.build(q.shape[2], k.shape[2], world)
     elif plan.world_size != world:
-        raise ValueError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
+        raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
     lens = tuple(int(s) for s in seq_lens) if seq_lens is not None else (q.shape[1],) * world
     return plan, Layout(plan, rank, lens, q.shape[0], q.shape[3])
+
+
+def check_head_to_seq(x, plan: HeadPlan, *, rank: int, world_size: int, seq_lens) -> Layout:
+    """Rank-local checks of ``head_to_seq``'s input ``x`` (``[B, S, hq, D]``, this rank's
+    heads of ``plan``); returns the ``Layout`` of the exchange. ``UlyssesInputError``
+    names the tensor, the expected and the actual value."""
+    if plan.world_size != world_size:
+        raise UlyssesInputError(f"head_to_seq: plan.world_size expected {world_size} (the group), got {plan.world_size}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"head_to_seq: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4 or x.shape[2] != plan.q_count(rank):
+        raise UlyssesInputError(f"head_to_seq: x.shape expected [B, S, {plan.q_count(rank)}, D] (rank {rank}'s heads), got {list(x.shape)}")
+    if seq_lens is None:
+        if x.shape[1] % world_size:
+            raise UlyssesInputError(f"head_to_seq: x.shape[1] ({x.shape[1]}) is not divisible by world_size ({world_size}); pass seq_lens")
+        seq_lens = (x.shape[1] // world_size,) * world_size
+    elif len(seq_lens) != world_size or sum(seq_lens) != x.shape[1]:
+        raise UlyssesInputError(
+            f"head_to_seq: seq_lens expected {world_size} entries summing to x.shape[1] = {x.shape[1]}, got {list(seq_lens)}"
+        )
+    return Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])

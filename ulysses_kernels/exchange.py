@@ -15,14 +15,13 @@ views of it (for attention, until the backward has used them).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from . import layout as L
-from .backends import for_rank
 from .kernels import TorchKernels
-from .layout import Layout, Q_ONLY, QKV
+from .layout import Q_ONLY, QKV, Layout
 
 __all__ = ["a2a_seq_to_head", "a2a_head_to_seq", "SeqToHead", "HeadToSeq", "UlyssesAttentionFunction"]
 
@@ -134,38 +133,41 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
 def exchange_functions(s2h, h2s, suffix: str = ""):
     """The two differentiable exchanges, over a pair of data movers with the signatures of
     ``a2a_seq_to_head`` and ``a2a_head_to_seq`` (eager: those two; inside torch.compile:
-    ``traceable.seq_to_head``/``head_to_seq``). Each is the other's backward."""
+    ``traceable.seq_to_head``/``head_to_seq``). Each is the other's backward. Both take the
+    call's ``CallSetup`` (layout, communicator, kernel set) first."""
 
     class SeqToHead(torch.autograd.Function):
         """``(q[, k, v])`` sequence-sharded -> head-sharded; backward sums KV replicas."""
 
         @staticmethod
-        def forward(ctx, layout, comm, kernels, *tensors):
-            ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
+        def forward(ctx, call, *tensors):
+            ctx.call = call
             ctx.roles = QKV if len(tensors) == 3 else Q_ONLY
-            return tuple(s2h(layout, tensors, ctx.roles, comm, kernels))
+            return tuple(s2h(call.layout, tensors, ctx.roles, call.comm, call.kernels))
 
         @staticmethod
         def backward(ctx, *grads):
-            lay = ctx.layout
+            call = ctx.call
+            lay = call.layout
             like = next(g for g in grads if g is not None)
             grads = [
-                g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim)
-                for g, s in zip(grads, ctx.roles)
+                g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.head_dim)
+                for g, r in zip(grads, ctx.roles)
             ]
-            return (None, None, None, *h2s(lay, grads, ctx.roles, ctx.comm, ctx.kernels))
+            return (None, *h2s(lay, grads, ctx.roles, call.comm, call.kernels))
 
     class HeadToSeq(torch.autograd.Function):
         """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
 
         @staticmethod
-        def forward(ctx, layout, comm, kernels, local):
-            ctx.layout, ctx.comm, ctx.kernels = layout, comm, kernels
-            return h2s(layout, [local], Q_ONLY, comm, kernels)[0]
+        def forward(ctx, call, local):
+            ctx.call = call
+            return h2s(call.layout, [local], Q_ONLY, call.comm, call.kernels)[0]
 
         @staticmethod
         def backward(ctx, grad):
-            return None, None, None, s2h(ctx.layout, [grad], Q_ONLY, ctx.comm, ctx.kernels)[0]
+            call = ctx.call
+            return None, s2h(call.layout, [grad], Q_ONLY, call.comm, call.kernels)[0]
 
     for cls in (SeqToHead, HeadToSeq):
         cls.__name__ = cls.__qualname__ = cls.__name__ + suffix
@@ -176,24 +178,26 @@ SeqToHead, HeadToSeq = exchange_functions(a2a_seq_to_head, a2a_head_to_seq)
 
 
 class UlyssesAttentionFunction(torch.autograd.Function):
-    """All-to-all, local attention, all-to-all; the backward mirrors it."""
+    """All-to-all, local attention, all-to-all; the backward mirrors it. ``call``: the
+    ``CallSetup`` (its ``backend`` is ``backends.for_rank``'s pick for this rank)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, comm, kernels, backend, causal, scale, kv_map):
+    def forward(ctx, q, k, v, call):
         needs_grad = any(ctx.needs_input_grad[:3])
-        backend = for_rank(backend, kv_map)  # the chunked op does the same per chunk
+        layout, comm, kernels = call.layout, call.comm, call.kernels
         q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels)
-        out_l, state = backend.forward(q_l, k_l, v_l, causal=causal, scale=scale, kv_map=kv_map, needs_grad=needs_grad)
+        out_l, state = call.backend.forward(q_l, k_l, v_l, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=needs_grad)
         del q_l, k_l, v_l
-        ctx.layout, ctx.comm, ctx.kernels, ctx.backend, ctx.state = layout, comm, kernels, backend, state
+        ctx.call, ctx.state = call, state
         return a2a_head_to_seq(layout, [out_l], Q_ONLY, comm, kernels)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        layout, comm, kernels = ctx.layout, ctx.comm, ctx.kernels
+        call = ctx.call
+        layout, comm, kernels = call.layout, call.comm, call.kernels
         (dout_l,) = a2a_seq_to_head(layout, [dout], Q_ONLY, comm, kernels)
-        grads = ctx.backend.backward(ctx.state, dout_l)
+        grads = call.backend.backward(ctx.state, dout_l)
         ctx.state = None
         dq, dk, dv = a2a_head_to_seq(layout, list(grads), QKV, comm, kernels)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None

@@ -34,8 +34,8 @@ otherwise it is first made contiguous. The receiver writes each block into
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

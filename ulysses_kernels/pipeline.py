@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import AttentionBackend, KVGradSum, SharedKV, _uniform_group, shares_one_kv
+from .backends import AttentionBackend, KVGradSum, shares_one_kv, uniform_group
 from .comm import AsyncChannel
-from .exchange import UlyssesAttentionFunction, head_to_seq_blocks, post_head_to_seq, post_seq_to_head
+from .exchange import head_to_seq_blocks, post_head_to_seq, post_seq_to_head
 from .layout import Q_ONLY, QKV, Layout
 from .plan import HeadPlan
 
@@ -174,7 +174,7 @@ class CostModel:
     min_gain: float
 
     @classmethod
-    def from_env(cls, device_type: str) -> "CostModel":
+    def from_env(cls, device_type: str) -> CostModel:
         cuda = device_type == "cuda"
         return cls(
             link_gbps=_env_float("ULYSSES_KERNELS_LINK_GBPS", 150.0 if cuda else 1.0),
@@ -293,7 +293,7 @@ def _schedule(layout: Layout, n: int, split_groups: bool) -> _Schedule:
     grad_plans = chunk_plans(plan, n, split_groups=split_groups, kv_last=True)
     replicated = {h for h in range(plan.kv_heads) if len(plan.kv_holders(h)) > 1}
     full_map = plan.local_kv_map(rank)
-    full_uniform = _uniform_group(len(full_map), plan.kv_count(rank), full_map)
+    full_uniform = uniform_group(len(full_map), plan.kv_count(rank), full_map)
     shared = split_groups and splits_shared_kv(plan, rank)
 
     def lay(p: HeadPlan) -> Layout:
@@ -381,12 +381,13 @@ class ChunkedAttentionFunction(torch.autograd.Function):
     """``UlyssesAttentionFunction`` with the all-to-alls of head chunks overlapping attention."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, comm, kernels, backend, causal, scale, n):
+    def forward(ctx, q, k, v, call):
         needs_grad = any(ctx.needs_input_grad[:3])
-        split = isinstance(backend, AttentionBackend)
-        sched = _schedule(layout, n, split)
-        if sched.chunks[0].shared:
-            backend = SharedKV(backend)
+        layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
+        causal, scale = call.causal, call.scale
+        # backends.for_rank made this rank's backend SharedKV exactly when its chunks split
+        # a shared KV head's query heads (the schedule's `shared`).
+        sched = _schedule(layout, call.chunks, call.split_groups)
         chan = AsyncChannel(comm, q.device)
         B, D = layout.batch, layout.head_dim
         out = q.new_empty(B, layout.seq_local, layout.plan.q_heads, D)
@@ -417,16 +418,16 @@ class ChunkedAttentionFunction(torch.autograd.Function):
                 _finish_out(pending_out, out, kernels)
             pending_out = started
         _finish_out(pending_out, out, kernels)
-        ctx.layout, ctx.comm, ctx.kernels, ctx.backend, ctx.n = layout, comm, kernels, backend, n
-        ctx.split_groups = split
+        ctx.call = call
         ctx.states = states
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        layout, comm, kernels, backend = ctx.layout, ctx.comm, ctx.kernels, ctx.backend
-        sched = _schedule(layout, ctx.n, ctx.split_groups)
+        call = ctx.call
+        layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
+        sched = _schedule(layout, call.chunks, call.split_groups)
         chan = AsyncChannel(comm, dout.device)
         B, D, plan, rank = layout.batch, layout.head_dim, layout.plan, layout.rank
         dq = dout.new_empty(B, layout.seq_local, plan.q_heads, D)
@@ -470,7 +471,7 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
         _sum_replicas(layout, sched, (dk, dv), kv_blocks, kernels)
         ctx.states = None
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None
 
 
 def _finish_out(pending, out, kernels) -> None:
@@ -519,22 +520,10 @@ def _sum_replicas(layout: Layout, sched: _Schedule, outs, kv_blocks, kernels) ->
         kernels.unpack_h2s(lay, blocks, ("kv", "kv"), list(outs))
 
 
-def chunked_attention(q, k, v, layout: Layout, comm, kernels, backend, causal: bool, scale: float, chunks):
+def chunked_attention(q, k, v, call):
     """Ulysses attention with head chunks overlapping the all-to-alls (see module docstring).
 
     ``q`` ``[B, s_r, Hq, D]``, ``k``/``v`` ``[B, s_r, Hkv, D]`` as for ``ulysses_attention``;
-    ``chunks``: an int >= 1 or ``"auto"``. Falls back to the unchunked op when the plan
-    allows one chunk only. Returns ``[B, s_r, Hq, D]``.
+    ``call``: its ``CallSetup``, with ``call.chunks`` (> 1) resolved. Returns ``[B, s_r, Hq, D]``.
     """
-    split = isinstance(backend, AttentionBackend)
-    if chunks == "auto":
-        n = choose_chunks(layout, q.element_size(), causal, q.device.type, split_groups=split)
-    elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
-        n = chunks
-    else:
-        raise ValueError(f"ulysses_attention: chunks expected an int >= 1 or 'auto', got {chunks!r}")
-    n = len(chunk_plans(layout.plan, n, split_groups=split))
-    if n == 1:
-        kv_map = layout.plan.local_kv_map(layout.rank)
-        return UlyssesAttentionFunction.apply(q, k, v, layout, comm, kernels, backend, causal, scale, kv_map)
-    return ChunkedAttentionFunction.apply(q, k, v, layout, comm, kernels, backend, causal, scale, n)
+    return ChunkedAttentionFunction.apply(q, k, v, call)

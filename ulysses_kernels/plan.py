@@ -76,7 +76,7 @@ class HeadPlan:
     kv_ranges: tuple[tuple[int, int], ...]
 
     @classmethod
-    def build(cls, q_heads: int, kv_heads: int, world_size: int) -> "HeadPlan":
+    def build(cls, q_heads: int, kv_heads: int, world_size: int) -> HeadPlan:
         for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads), ("world_size", world_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"HeadPlan: {name} must be a positive int, got {value!r}")

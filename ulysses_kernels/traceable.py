@@ -54,16 +54,13 @@ into one send buffer. Batch 1 forward moves the same bytes as eager.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from .backends import AttentionBackend, SharedKV, default_scale, expand_kv, for_rank, resolve_backend
-from .checks import prepare
-from .comm import get_communicator
-from .kernels import get_kernels
-from .layout import Layout
+from .backends import AttentionBackend, SharedKV, expand_kv
 from .exchange import exchange_functions
+from .layout import Layout
 
 __all__ = ["traced_attention", "SeqToHeadTraced", "HeadToSeqTraced"]
 
@@ -174,15 +171,10 @@ def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int])
     return inner.attend(q, k2, v2, causal, scale)
 
 
-def traced_attention(q, k, v, group, causal, softmax_scale, seq_lens, attn_fn, *, plan, comm, kernels) -> torch.Tensor:
-    """``ulysses_attention`` (same arguments and shapes) as traceable pieces; see the module
-    docstring for what differs from the eager op (checks, chunks, two copies)."""
-    comm = get_communicator(group, comm)
-    plan, layout = prepare(q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=False)
-    kv_map = plan.local_kv_map(comm.rank)
-    backend = for_rank(resolve_backend(attn_fn, q), kv_map)
-    kern = get_kernels(kernels, q.device, layout, traceable=True)
-    scale = default_scale(q.shape[3], softmax_scale)
-    q_l, k_l, v_l = SeqToHeadTraced.apply(layout, comm, kern, q, k, v)
-    out_l = _attend(backend, q_l, k_l, v_l, causal, scale, kv_map)
-    return HeadToSeqTraced.apply(layout, comm, kern, out_l)
+def traced_attention(q, k, v, call) -> torch.Tensor:
+    """``ulysses_attention`` as traceable pieces, for ``call`` (a ``CallSetup`` built inside
+    the trace: rank-local checks, a traceable kernel set); see the module docstring for
+    what differs from the eager op (checks, chunks, two copies)."""
+    q_l, k_l, v_l = SeqToHeadTraced.apply(call, q, k, v)
+    out_l = _attend(call.backend, q_l, k_l, v_l, call.causal, call.scale, call.kv_map)
+    return HeadToSeqTraced.apply(call, out_l)
