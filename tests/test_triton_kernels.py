@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ulysses_kernels import layout as L
-from ulysses_kernels.layout import Layout, Q_ONLY, QKV
+from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
 triton_kernels = pytest.importorskip("ulysses_kernels.kernels.triton_kernels")
@@ -202,13 +202,13 @@ def test_chunk_layout_subset_of_heads():
 
 def test_descriptor_cache_is_per_layout_and_bounded():
     gen = torch.Generator().manual_seed(1)
-    before = len(TritonKernels._plans)
+    before = len(TritonKernels._tables)
     lay = next(_layouts(6, 6, 2, (0,)))
     _check_pack_s2h(lay, torch.float32, gen)
-    n = len(TritonKernels._plans)
+    n = len(TritonKernels._tables)
     _check_pack_s2h(lay, torch.float32, gen)  # same layout and strides: no new entry
-    assert len(TritonKernels._plans) == n >= before
-    assert len(TritonKernels._plans) <= TritonKernels._max_plans
+    assert len(TritonKernels._tables) == n >= before
+    assert len(TritonKernels._tables) <= TritonKernels._max_tables
 
 
 def test_registry_resolves_triton():
@@ -260,17 +260,17 @@ def test_compiles_for_sm90_with_16_byte_accesses_only_when_aligned():
 
 
 def test_too_many_head_columns_for_the_grid():
-    plan = triton_kernels._Plan([0, 0, 1, 1, 1, 1, 0] * 65536, [0, 0, 1, 1, 1], 8, 4)
+    table = triton_kernels._ColumnTable([0, 0, 1, 1, 1, 1, 0] * 65536, [0, 0, 1, 1, 1], 8, 4)
     x = torch.zeros(8)
     with pytest.raises(ValueError, match="grid"):
-        TritonKernels._launch(plan, [x], 1, 1, 8, x)
+        TritonKernels._launch(table, [x], 1, 1, 8, x)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_capture_in_cuda_graph_survives_allocator_reuse():
     # A captured launch reads its address table and the plan's device tables at every
-    # replay: after capture, churn the pinned host and device allocators and drop the plan
+    # replay: after capture, churn the pinned host and device allocators and drop the table
     # LRU, then replay on new inputs. A first launch inside a capture says to warm up.
     from ulysses_kernels.kernels.triton_kernels import TritonKernels as TK
 
@@ -283,16 +283,15 @@ def test_gpu_capture_in_cuda_graph_survives_allocator_reuse():
     with torch.cuda.stream(stream):  # warm-up outside the graph (compiles the kernel)
         TK.pack_s2h(lay, (q, k, v), QKV, send)
     torch.cuda.current_stream().wait_stream(stream)
-    TK._plans.clear()
-    with pytest.raises(RuntimeError, match="first launch is inside a CUDA graph capture"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            TK.pack_s2h(lay, (q, k, v), QKV, send)
+    TK._tables.clear()
+    with pytest.raises(RuntimeError, match="first launch is inside a CUDA graph capture"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        TK.pack_s2h(lay, (q, k, v), QKV, send)
     torch.cuda.synchronize()
     TK.pack_s2h(lay, (q, k, v), QKV, send)  # warm the plan cache again
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         TK.pack_s2h(lay, (q, k, v), QKV, send)
-    TK._plans.clear()
+    TK._tables.clear()
     junk = [torch.full((64,), -1, dtype=torch.int64).pin_memory() for _ in range(256)]
     junk += [torch.full((1 << 16,), -1, dtype=torch.int64, device="cuda") for _ in range(64)]
     for x in (q, k, v):
