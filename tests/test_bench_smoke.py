@@ -8,11 +8,17 @@ import csv
 import importlib
 import importlib.util
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import ulysses_kernels
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels
 from ulysses_kernels.reference import attention_reference
@@ -20,6 +26,10 @@ from ulysses_kernels.reference import attention_reference
 # The result files keep the names bench_<module>_*; the modules are ulysses_kernels.bench.<module>.
 MODULES = {"bench_alltoall": "alltoall", "bench_attention": "attention", "bench_overlap": "overlap", "bench_pack": "pack",
            "perf_model": "perf_model"}  # fmt: skip
+
+
+# The directory the package is imported from (the checkout, for an editable install).
+ROOT = Path(ulysses_kernels.__file__).resolve().parents[1]
 
 
 def _load(name: str):
@@ -339,6 +349,86 @@ def test_bench_overlap_check_rules():
     far[1][0, 3, 1, 2] = float("inf")
     assert ov.count_wrong(far, ref, ref2, exact=False) == 2
     assert ov.count_wrong(near, ref, ref, exact=False) == sum(x.numel() for x in ref)  # no noise: 5e-3 is too far
+
+
+# ---- as users run them: -m from anywhere, the checkout's bench/ scripts ---------------------
+def _written_in_source_tree() -> set[Path]:
+    """Result files a run could have left in the source tree (not .venv: too big to walk)."""
+    found = set(ROOT.glob("bench_*")) | set((ROOT / "ulysses_kernels").rglob("bench_*_*"))
+    return found | set((ROOT / "bench" / "results").glob("*")) | set((ROOT / "bench").glob("bench_results"))
+
+
+def test_alltoall_module_runs_from_outside_the_checkout(tmp_path):
+    """``python -m ulysses_kernels.bench.alltoall`` in a directory outside the checkout (the
+    package importable, as an install makes it; the working directory not a source tree):
+    the spawned ranks run, the results land in --out-dir, nothing is written in the source
+    tree or the working directory."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    before = _written_in_source_tree()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    argv = ["-m", "ulysses_kernels.bench.alltoall", "--spawn", "2", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "8", "--op", "a2a,chain,fused-torch", "--no-progress", "--out-dir", str(out)]  # fmt: skip
+    proc = subprocess.run([sys.executable, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = _result(out, "bench_alltoall")
+    assert {r["op"] for r in doc["rows"]} == {"a2a", "chain", "fused-torch"} and all(r["wrong"] == 0 for r in doc["rows"])
+    assert doc["env"]["world_size"] == 2 and doc["env"]["ulysses_kernels"] == ulysses_kernels.__version__
+    if (ROOT / ".git").exists():  # imported from this checkout: its sha
+        assert re.fullmatch(r"[0-9a-f]{40}", doc["env"]["git_sha"]), doc["env"]["git_sha"]
+    assert "Out of bounds values : 0 OK" in proc.stdout
+    assert list(work.iterdir()) == []
+    assert _written_in_source_tree() == before
+    # Without --out-dir the files go to ./bench_results, relative to the working directory.
+    alltoall = _load("bench_alltoall")
+    assert alltoall.parse_args([]).out_dir == "bench_results" and not Path(C.DEFAULT_OUT_DIR).is_absolute()
+    assert alltoall.parse_args([], default_out_dir=tmp_path).out_dir == str(tmp_path)
+
+
+def test_git_sha_names_a_checkout_only_when_it_tracks_the_package(tmp_path, monkeypatch):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    monkeypatch.delenv("ULYSSES_KERNELS_GIT_SHA", raising=False)
+    repo, pkg = tmp_path / "repo", tmp_path / "repo" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    assert C.git_sha(pkg) == "unknown"  # not a checkout at all
+
+    def git(*args):
+        ident = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
+        return subprocess.run(["git", *ident, *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("commit", "-q", "--allow-empty", "-m", "empty")
+    # A checkout, but the package in it is untracked (an install into a venv inside a checkout).
+    assert C.git_sha(pkg) == "unknown"
+    git("add", "pkg/__init__.py")
+    git("commit", "-q", "-m", "pkg")
+    assert C.git_sha(pkg) == git("rev-parse", "HEAD")
+    monkeypatch.setenv("ULYSSES_KERNELS_GIT_SHA", "abc123")  # a copy of the tree without .git
+    assert C.git_sha(tmp_path) == "abc123"
+
+
+def test_perf_model_without_its_attention_json_says_what_is_missing(tmp_path, capsys):
+    """A fresh clone has no results yet: the README's perf_model command must say which file
+    is missing and which command writes it, and exit non-zero (no traceback)."""
+    pm = _load("perf_model")
+    missing = tmp_path / "bench_attention_latest.json"
+    with pytest.raises(SystemExit) as exc:
+        pm.main(["--attention-json", str(missing)])
+    msg = str(exc.value.code)
+    assert f"--attention-json {missing}: no such file" in msg and "python -m ulysses_kernels.bench.attention" in msg
+    assert capsys.readouterr().out == ""  # no half-printed table
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"env": {}}))
+    with pytest.raises(SystemExit, match="expected a bench_attention result"):
+        pm.main(["--attention-json", str(bad)])
+    # The checkout's script, as the README runs it (the package importable, as installed).
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "perf_model.py"), "--attention-json", str(missing)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)  # fmt: skip
+    assert proc.returncode == 1 and "no such file" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_perf_model_formulas():

@@ -1,6 +1,13 @@
-"""Helpers shared by the scripts under ``bench/`` (see ``bench/README.md``).
+"""The benchmarks, runnable from any directory once the package is installed:
 
-``ulysses_kernels.bench.common`` holds the environment record, size parsing, timing,
-the nccl-tests style table and the CSV/JSON/PNG writers; the scripts themselves live in
-``bench/`` at the repository root and import from here.
+    torchrun --nproc-per-node 8 -m ulysses_kernels.bench.alltoall -b 1K -e 1G -f 2
+    python -m ulysses_kernels.bench.<name> --spawn 2 ...      # gloo ranks on the CPU
+
+Modules: ``alltoall`` (all-to-all bandwidth, nccl-tests style), ``attention`` (the layer
+against the compute floor, the permute chain and peers), ``overlap`` (the chunked
+pipeline), ``pack`` (pack/unpack against a copy), ``perf_model`` (the model of
+docs/performance.md), ``summary`` (a few lines for a first run) and ``common`` (what they
+share: sizes, timing, tables, result files). Each has ``main(argv=None)``; results go to
+``--out-dir`` (default ``./bench_results``). In a checkout, ``bench/bench_<name>.py`` runs
+the same ``main`` with results in ``bench/results/`` (see ``bench/README.md``).
 """
