@@ -27,7 +27,19 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionBackend", "SharedKV", "KVGradSum", "for_rank", "resolve_backend", "expand_kv", "kv_index", "uniform_group", "shares_one_kv", "BACKENDS"]
+__all__ = [
+    "AttentionBackend",
+    "SharedKV",
+    "KVGradSum",
+    "for_rank",
+    "resolve_backend",
+    "expand_kv",
+    "gather_kv",
+    "kv_index",
+    "uniform_group",
+    "shares_one_kv",
+    "BACKENDS",
+]
 
 
 def uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
@@ -56,7 +68,11 @@ def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int], *, always
     """
     if not always and uniform_group(len(kv_map), k.shape[2], kv_map):
         return k, v
-    index = kv_index(kv_map, k.device)
+    return gather_kv(k, v, kv_index(kv_map, k.device))
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor):
+    """KV heads ``index`` (one per local query head) of ``k``, ``v`` ``[B, S, hkv, D]``."""
     return k.index_select(2, index), v.index_select(2, index)
 
 

@@ -1,0 +1,212 @@
+"""The chunked autograd function: per chunk, start its exchanges, attend, finish the
+previous chunk's exchanges (the schedule of the package docstring)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import AttentionBackend, KVGradSum, gather_kv, kv_index
+from ..comm import AsyncChannel
+from ..exchange import head_to_seq_blocks, post_head_to_seq, post_seq_to_head
+from ..layout import Q_ONLY, QKV, Layout
+from ..plan import HeadPlan
+from .schedule import Chunk, Schedule, build_schedule
+
+__all__ = ["ChunkedAttentionFunction", "chunked_attention"]
+
+
+def _start_s2h(chan: AsyncChannel, lay: Layout, tensors, roles, kernels):
+    """Pack and start one seq->head exchange. Returns (pending, receive buffer)."""
+    return post_seq_to_head(lay, tensors, roles, chan.comm, kernels, chan.start)
+
+
+def _start_h2s(chan: AsyncChannel, lay: Layout, local: torch.Tensor, role: str, kernels):
+    """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``role``'s heads).
+    Returns (pending, receive buffer, wire tensor)."""
+    pending, recv, wire = post_head_to_seq(lay, [local], (role,), chan.comm, kernels, chan.start)
+    return pending, recv, wire[0]
+
+
+def _h2s_blocks(lay: Layout, recv, local, role: str):
+    """Per source: the received ``[B, s_r, h, D]`` block (our own read from ``local``)."""
+    return [per[0] for per in head_to_seq_blocks(lay, recv, [local], (role,))]
+
+
+def _attend_chunk(backend, chunk: Chunk, q, k, v, causal, scale, needs_grad):
+    """One chunk's attention: ``(out, saved)`` for ``_attend_chunk_backward``."""
+    if chunk.shared:  # backend is SharedKV; its state goes to backward_per_head as is
+        return backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
+    # Only backends built on AttentionBackend gather KV heads the known way (gather_kv).
+    if chunk.expand is None or not isinstance(backend, AttentionBackend):
+        out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
+        return out, (state, None)
+    index = kv_index(chunk.expand, k.device)
+    k2, v2 = gather_kv(k, v, index)
+    ident = tuple(range(q.shape[2]))
+    out, state = backend.forward(q, k2, v2, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
+    return out, (state, (index, k.shape[2]))
+
+
+def _attend_chunk_backward(backend, saved, dout):
+    state, expanded = saved
+    dq, dk, dv = backend.backward(state, dout)
+    if expanded is not None:
+        # As autograd's index_select backward: zeros, then index_add_ in query-head order.
+        index, hkv = expanded
+        shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
+        dk = dk.new_zeros(shape).index_add_(2, index, dk)
+        dv = dv.new_zeros(shape).index_add_(2, index, dv)
+    return dq, dk, dv
+
+
+# ---- the autograd function -----------------------------------------------------------------
+class ChunkedAttentionFunction(torch.autograd.Function):
+    """``UlyssesAttentionFunction`` with the all-to-alls of head chunks overlapping attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
+        causal, scale = call.causal, call.scale
+        # backends.for_rank made this rank's backend SharedKV exactly when its chunks split
+        # a shared KV head's query heads (the schedule's `shared`).
+        sched = build_schedule(layout, call.chunks, call.split_groups)
+        chan = AsyncChannel(comm, q.device)
+        B, D = layout.batch, layout.head_dim
+        out = q.new_empty(B, layout.seq_local, layout.plan.q_heads, D)
+        states = []
+        shared_kv = None  # a shared KV head: (k, v) views of the first chunk's receive buffer
+        pending_in = _start_s2h(chan, sched.chunks[0].layout, (q, k, v), QKV, kernels)
+        pending_out = None
+        for c, chunk in enumerate(sched.chunks):
+            work, recv = pending_in
+            work.wait()
+            if c + 1 < len(sched.chunks):
+                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (q, k, v), QKV, kernels)
+            q_c, k_c, v_c = chunk.layout.s2h_recv_views(recv, QKV)
+            del recv
+            if chunk.shared:
+                if k_c.shape[2]:
+                    shared_kv = (k_c, v_c)
+                k_c, v_c = shared_kv
+            if q_c.shape[2]:
+                out_c, saved = _attend_chunk(backend, chunk, q_c, k_c, v_c, causal, scale, needs_grad)
+            else:
+                out_c, saved = q_c, None  # no head of this chunk here: an empty [B, S, 0, D]
+            del q_c, k_c, v_c
+            states.append(saved)
+            started = (_start_h2s(chan, chunk.layout, out_c, "q", kernels), chunk)
+            del out_c
+            if pending_out is not None:
+                _finish_out(pending_out, out, kernels)
+            pending_out = started
+        _finish_out(pending_out, out, kernels)
+        ctx.call = call
+        ctx.states = states
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        call = ctx.call
+        layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
+        sched = build_schedule(layout, call.chunks, call.split_groups)
+        chan = AsyncChannel(comm, dout.device)
+        B, D, plan, rank = layout.batch, layout.head_dim, layout.plan, layout.rank
+        dq = dout.new_empty(B, layout.seq_local, plan.q_heads, D)
+        dk = dout.new_empty(B, layout.seq_local, plan.kv_heads, D)
+        dv = dout.new_empty(B, layout.seq_local, plan.kv_heads, D)
+        kv_blocks = {}  # (chunk, source) -> (dk block, dv block) for the replica sums
+        kv_sum = KVGradSum()  # a shared KV head's gradient, summed over the chunks' query heads
+        pending_in = _start_s2h(chan, sched.chunks[0].layout, (dout,), Q_ONLY, kernels)
+        pending_out = None
+        for c, chunk in enumerate(sched.chunks):
+            work, recv = pending_in
+            work.wait()
+            if c + 1 < len(sched.chunks):
+                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (dout,), Q_ONLY, kernels)
+            (dout_c,) = chunk.layout.s2h_recv_views(recv, Q_ONLY)
+            del recv
+            saved = ctx.states[c]
+            ctx.states[c] = None
+            hkv = chunk.grad.head_count("kv", rank)
+            if saved is None:
+                empty = dout_c.new_empty(B, layout.seq_total, hkv, D)
+                grads = (dout_c, empty, empty)
+            elif chunk.shared:
+                dq_c, dk_c, dv_c = backend.backward_per_head(saved, dout_c)
+                kv_sum.add(dk_c, dv_c)
+                del dk_c, dv_c
+                if hkv:  # the rank's last chunk: the sum is complete
+                    grads = (dq_c, *kv_sum.result())
+                else:
+                    empty = dq_c.new_empty(B, layout.seq_total, 0, D)
+                    grads = (dq_c, empty, empty)
+            else:
+                grads = _attend_chunk_backward(backend, saved, dout_c)
+            del dout_c, saved
+            roles = QKV if chunk.grad_kv else Q_ONLY
+            started = ([_start_h2s(chan, chunk.grad, g, st, kernels) for g, st in zip(grads, roles)], c)
+            del grads
+            if pending_out is not None:
+                _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
+            pending_out = started
+        _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
+        _sum_replicas(layout, sched, (dk, dv), kv_blocks, kernels)
+        ctx.states = None
+        return dq, dk, dv, None
+
+
+def _finish_out(pending, out, kernels) -> None:
+    (work, recv, local), chunk = pending
+    work.wait()
+    blocks = [[x] for x in _h2s_blocks(chunk.layout, recv, local, "q")]
+    kernels.unpack_h2s(chunk.layout, blocks, Q_ONLY, [out])
+
+
+def _finish_grads(pending, sched: Schedule, outs, kv_blocks, kernels) -> None:
+    started, c = pending
+    chunk = sched.chunks[c]
+    per_role = []
+    for (work, recv, local), st in zip(started, QKV):
+        work.wait()
+        per_role.append(_h2s_blocks(chunk.grad, recv, local, st))
+    if not chunk.grad_kv:  # query-head gradients only
+        kernels.unpack_h2s(chunk.unpack, [[b] for b in per_role[0]], Q_ONLY, [outs[0]])
+        return
+    world = chunk.grad.world_size
+    blocks = []
+    for p in range(world):
+        lo, hi = chunk.trim[p]
+        dq_b, dk_b, dv_b = (per_role[i][p] for i in range(3))
+        blocks.append([dq_b, dk_b[:, :, lo:hi], dv_b[:, :, lo:hi]])
+        if (c, p) in sched.replica_blocks:  # held for _sum_replicas; other blocks go now
+            kv_blocks[(c, p)] = (dk_b, dv_b)
+    kernels.unpack_h2s(chunk.unpack, blocks, QKV, list(outs))
+
+
+def _sum_replicas(layout: Layout, sched: Schedule, outs, kv_blocks, kernels) -> None:
+    """KV heads several ranks hold: first holder copied, the others added, in rank order
+    (the unchunked unpack's order), one unpack per such head."""
+    plan = layout.plan
+    for h, holders in sched.replicas:
+        ranges = [(h, h)] * plan.world_size
+        like = kv_blocks[(holders[0][1], holders[0][0])][0]
+        empty = like[:, :, :0]
+        blocks = [[empty, empty] for _ in range(plan.world_size)]
+        for p, c, idx in holders:
+            ranges[p] = (h, h + 1)
+            dk_b, dv_b = kv_blocks[(c, p)]
+            blocks[p] = [dk_b[:, :, idx : idx + 1], dv_b[:, :, idx : idx + 1]]
+        rep = HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, plan.q_ranges, tuple(ranges))
+        lay = Layout(rep, layout.rank, layout.seq_lens, layout.batch, layout.head_dim)
+        kernels.unpack_h2s(lay, blocks, ("kv", "kv"), list(outs))
+
+
+def chunked_attention(q, k, v, call):
+    """Ulysses attention with head chunks overlapping the all-to-alls (see module docstring).
+
+    ``q`` ``[B, s_r, Hq, D]``, ``k``/``v`` ``[B, s_r, Hkv, D]`` as for ``ulysses_attention``;
+    ``call``: its ``CallSetup``, with ``call.chunks`` (> 1) resolved. Returns ``[B, s_r, Hq, D]``.
+    """
+    return ChunkedAttentionFunction.apply(q, k, v, call)
