@@ -27,6 +27,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
+from ..testing import run_ranks
 
 __all__ = [
     "CPU_LABEL",
@@ -250,8 +252,6 @@ def init_from_env() -> tuple[int, int, torch.device, str]:
         if "RANK" in os.environ:
             dist.init_process_group(backend)
         else:
-            import tempfile
-
             store = os.path.join(tempfile.mkdtemp(prefix="ulysses_bench_"), "init")
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
@@ -266,8 +266,6 @@ def launch(body, args) -> int:
     """Run ``body(args, rank, world_size, device, backend)`` on every rank: on ``args.spawn``
     gloo ranks spawned here (CPU) when set, else in this torchrun (or single) process."""
     if getattr(args, "spawn", 0):
-        from ulysses_kernels.testing import run_ranks
-
         run_ranks(_spawned, args.spawn, body, args)
         return 0
     rank, world, device, backend = init_from_env()
