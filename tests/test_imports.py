@@ -119,12 +119,33 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_graph_reads_relative_and_submodule_imports():
+def test_graph_reads_relative_absolute_and_submodule_imports():
+    modules = {
+        "pkg": pathlib.Path("pkg/__init__.py"),
+        "pkg.a": pathlib.Path("pkg/a.py"),
+        "pkg.sub": pathlib.Path("pkg/sub/__init__.py"),
+        "pkg.sub.b": pathlib.Path("pkg/sub/b.py"),
+        "pkg.sub.c": pathlib.Path("pkg/sub/c.py"),
+    }
+    source = (
+        "import os\n"
+        "import pkg.a\n"
+        "from .. import a\n"  # a submodule of the parent package: an edge to it only
+        "from . import c\n"
+        "from .c import name\n"
+        "from ..sub import helper\n"  # a name of the package: an edge to its __init__
+        "def f():\n"
+        "    from .. import sub\n"
+    )
+    tree = ast.parse(source)
+    assert _imports("pkg.sub.b", tree, modules, module_level=True) == {"pkg.a", "pkg.sub.c", "pkg.sub"}
+    assert _imports("pkg.sub.b", tree, modules, module_level=False) == {"pkg.sub"}
+    # In a package's __init__, `from .b import x` is relative to the package itself.
+    assert _imports("pkg.sub", ast.parse("from .b import x\n"), modules, module_level=True) == {"pkg.sub.b"}
+    # And the real package is read: comm/__init__.py imports its submodules.
     graph = _graph(module_level=True)
-    # comm/__init__.py imports its submodules with `from .nccl import ...`.
     assert {"ulysses_kernels.comm.base", "ulysses_kernels.comm.nccl"} <= graph["ulysses_kernels.comm"]
-    assert "ulysses_kernels.comm.base" in graph["ulysses_kernels.comm.nccl"]
-    assert "ulysses_kernels.comm" in graph["ulysses_kernels.pipeline"]
+    assert "ulysses_kernels.comm.base" in graph["ulysses_kernels.comm.channel"]
 
 
 def test_no_import_cycle_at_module_level():
