@@ -138,6 +138,8 @@ def test_bench_alltoall_smoke(tmp_path, capfd):
         assert r["time_us"] > 0 and r["busbw"] == pytest.approx(r["algbw"] / 2)
     assert "#wrong" in out and C.CPU_LABEL in out
     assert "skipped symm" in out  # no CUDA: the symmetric-memory row says why
+    if "cuda" in available_kernels():  # on a CPU the cuda set's row is named for what runs
+        assert "fused-cuda on a CPU: the C++ extension's CPU twin" in out
 
 
 def test_bench_attention_smoke(tmp_path, capfd):
@@ -358,6 +360,19 @@ def _written_in_source_tree() -> set[Path]:
     return found | set((ROOT / "bench" / "results").glob("*")) | set((ROOT / "bench").glob("bench_results"))
 
 
+def _python_as_installed(cwd: Path) -> tuple[list[str], dict]:
+    """The interpreter as an installed user runs it, and its environment: isolated (``-I``:
+    no PYTHON* variables, neither the working nor the script directory on ``sys.path``) when
+    the package is installed; in a checkout used without an install, ``PYTHONPATH`` naming
+    only the package's parent directory (what an editable install amounts to)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["OMP_NUM_THREADS"] = "1"
+    probe = subprocess.run([sys.executable, "-I", "-c", "import ulysses_kernels"], cwd=cwd, env=env, capture_output=True)
+    if probe.returncode == 0:
+        return [sys.executable, "-I"], env
+    return [sys.executable], dict(env, PYTHONPATH=str(ROOT))
+
+
 def test_alltoall_module_runs_from_outside_the_checkout(tmp_path):
     """``python -m ulysses_kernels.bench.alltoall`` in a directory outside the checkout (the
     package importable, as an install makes it; the working directory not a source tree):
@@ -366,11 +381,10 @@ def test_alltoall_module_runs_from_outside_the_checkout(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     before = _written_in_source_tree()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    python, env = _python_as_installed(work)
     argv = ["-m", "ulysses_kernels.bench.alltoall", "--spawn", "2", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--heads", "4",
             "--kv-heads", "2", "--head-dim", "8", "--op", "a2a,chain,fused-torch", "--no-progress", "--out-dir", str(out)]  # fmt: skip
-    proc = subprocess.run([sys.executable, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*python, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = _result(out, "bench_alltoall")
     assert {r["op"] for r in doc["rows"]} == {"a2a", "chain", "fused-torch"} and all(r["wrong"] == 0 for r in doc["rows"])

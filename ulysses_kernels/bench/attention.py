@@ -601,7 +601,7 @@ def report(rows, breakdown, notes: dict, device: torch.device) -> None:
     if breakdown:
         C.print_table(BREAKDOWN_COLUMNS, breakdown, title="# layer time = compute (local) + layout + exposed communication")
     if not cuda and any(r["method"].endswith("-cuda") for r in rows):
-        print(f"# ulysses-cuda, layout-cuda: {C.kernel_label('cuda', device)} (the CUDA kernels need a GPU)", flush=True)
+        print("# ulysses-cuda, layout-cuda on a CPU: the C++ extension's CPU twin of the CUDA kernels", flush=True)
     for k, why in notes.items():
         print(f"# skipped {k}: {why}", flush=True)
     bad = sum(r["wrong"] or 0 for r in rows)
