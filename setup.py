@@ -1,15 +1,24 @@
 """Build of ulysses_kernels: the Python package and the ``ulysses_kernels._C`` extension.
 
-What is built (a summary is printed):
+What is built (``decide()``; a summary is printed):
 
-* a CUDA toolkit is found (``CUDA_HOME``/``CUDA_PATH``, else ``/usr/local/cuda`` or the
-  directory of ``nvcc`` on ``PATH``) and torch is a CUDA build: the CUDA extension (pack/unpack
-  ops with CUDA and CPU kernels, and the NCCL communicator when ``nccl.h`` is found). No GPU
-  is needed to build it;
-* otherwise, or with ``ULYSSES_KERNELS_SKIP_CUDA_BUILD=1``: the CPU-only extension (the CPU
-  twin of the pack/unpack ops);
-* torch not importable at build time (e.g. pip's build isolation) or
-  ``ULYSSES_KERNELS_SKIP_EXTENSION=1``: nothing; the package works through its Python paths.
+* torch is a CUDA build and a CUDA toolkit is found (``CUDA_HOME``/``CUDA_PATH``, else
+  ``/usr/local/cuda`` or the directory of ``nvcc`` on ``PATH``): the CUDA extension
+  (pack/unpack ops with CUDA and CPU kernels, and the NCCL communicator when ``nccl.h`` is
+  found). No GPU is needed to build it;
+* torch is a CPU build, or ``ULYSSES_KERNELS_SKIP_CUDA_BUILD=1``: the CPU-only extension
+  (the CPU twin of the pack/unpack ops);
+* ``ULYSSES_KERNELS_SKIP_EXTENSION=1``: nothing; the package works through its Python paths.
+
+Anything less than that is an error at build time, not a quieter install: torch not
+importable (pip's build isolation: install with ``pip install --no-build-isolation .``), or
+a CUDA torch with no CUDA toolkit. pip shows a build's output only when it fails, so a
+warning would never reach the user (docs/build.md).
+
+A wheel with the extension requires the exact torch it was built against (the binary
+matches only that torch's ABI); NCCL is found at run time through torch (which loaded it
+first) or ``$ORIGIN/../nvidia/nccl/lib`` (torch's own nvidia-nccl wheel), never through a
+path of the build machine.
 
 Switches: ``ULYSSES_KERNELS_CUDA_ARCHS`` (default ``"8.0;9.0"``; sets ``TORCH_CUDA_ARCH_LIST``),
 ``MAX_JOBS`` (parallel compile jobs), ``NCCL_HOME`` (an NCCL install with include/ and lib/;
@@ -26,10 +35,22 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;9.0"
+# The dependency of a build without the extension; one with it pins the torch it was built against.
+TORCH_REQUIREMENT = "torch>=2.5"
+# setup.py commands that compile or install (the others only write metadata or an sdist:
+# pip runs those first, in the same environment, and they must not fail).
+BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "bdist_egg", "install", "develop", "editable_wheel"}
+# Where torch's nvidia-nccl wheel puts libnccl.so.2, seen from site-packages/ulysses_kernels/_C*.so
+# (what torch itself does for its nvidia libraries).
+NCCL_WHEEL_RUNPATH = "$ORIGIN/../nvidia/nccl/lib"
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+class BuildError(Exception):
+    """The build would give less than asked for; the message says what is missing and how to get it."""
+
+
+def _truthy(name: str, env=None) -> bool:
+    return (os.environ if env is None else env).get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _log(msg: str) -> None:
@@ -84,6 +105,24 @@ def find_nccl():
     return None
 
 
+def nccl_runpath(libdir: str):
+    """The RUNPATH entry for NCCL in ``libdir``: relative for torch's nvidia-nccl wheel, None for the system's.
+
+    The loader matches ``libnccl.so.2`` to the copy torch already loaded (``ops.load``
+    imports torch first), so the entry is only a fallback; it must not name the build
+    machine: ``$ORIGIN/../nvidia/nccl/lib`` is that wheel's place next to an installed
+    package. An in-place build (``$ORIGIN/..`` is the checkout) relies on torch's copy.
+    An NCCL_HOME outside the system's library path keeps its absolute path (the user
+    named it, and must have it where the package runs).
+    """
+    parts = os.path.normpath(libdir).split(os.sep)
+    if parts[-3:] == ["nvidia", "nccl", "lib"]:
+        return NCCL_WHEEL_RUNPATH
+    if os.path.normpath(libdir) in ("/usr/lib", "/usr/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/local/lib", "/usr/local/lib64"):
+        return None
+    return libdir
+
+
 def _nccl_header_version(inc: str) -> str:
     with open(os.path.join(inc, "nccl.h")) as f:
         for line in f:
@@ -92,10 +131,49 @@ def _nccl_header_version(inc: str) -> str:
     return "?"
 
 
+def decide(env, torch_version, torch_cuda, cuda_home) -> str:
+    """What to build: ``"cuda"``, ``"cpu"`` or ``"none"``; BuildError when it would be less than asked.
+
+    ``torch_version``: ``torch.__version__``, or None when torch is not importable here;
+    ``torch_cuda``: ``torch.version.cuda``; ``cuda_home``: the toolkit found, or None.
+    The default asks for everything this torch can use; the switches ask for less.
+    """
+    if _truthy("ULYSSES_KERNELS_SKIP_EXTENSION", env):
+        return "none"
+    if torch_version is None:
+        raise BuildError(
+            "torch is not importable at build time, so ulysses_kernels._C (the C++/CUDA extension) cannot be built. "
+            "pip's build isolation hides the installed torch: install with\n"
+            "    pip install --no-build-isolation .\n"
+            "(into an environment that has torch), or ask for the pure-Python package with\n"
+            "    ULYSSES_KERNELS_SKIP_EXTENSION=1 pip install ."
+        )
+    if _truthy("ULYSSES_KERNELS_SKIP_CUDA_BUILD", env) or torch_cuda is None:
+        return "cpu"
+    if cuda_home is None:
+        raise BuildError(
+            f"torch {torch_version} is a CUDA {torch_cuda} build but no CUDA toolkit was found (CUDA_HOME, CUDA_PATH, "
+            "/usr/local/cuda, nvcc on PATH), so the CUDA kernels and the NCCL communicator cannot be built. "
+            "Point to one, e.g.\n"
+            "    CUDA_HOME=/usr/local/cuda pip install --no-build-isolation .\n"
+            "or ask for the CPU-only extension with ULYSSES_KERNELS_SKIP_CUDA_BUILD=1."
+        )
+    return "cuda"
+
+
+def _building(argv) -> bool:
+    return any(a in BUILD_COMMANDS for a in argv[1:])
+
+
+def _torch_distribution_version():
+    """The installed torch distribution's version (``2.14.1``; ``torch.__version__`` may add ``+cu130``)."""
+    import importlib.metadata
+
+    return importlib.metadata.version("torch")
+
+
 def extensions():
-    if _truthy("ULYSSES_KERNELS_SKIP_EXTENSION"):
-        _log("ULYSSES_KERNELS_SKIP_EXTENSION=1: pure-Python install, no _C extension")
-        return [], {}
+    """``(ext_modules, cmdclass, install_requires)`` for setup(); BuildError (from ``decide``) when building less than asked."""
     skip_cuda = _truthy("ULYSSES_KERNELS_SKIP_CUDA_BUILD")
     cuda_home = None if skip_cuda else find_cuda_home()
     if cuda_home:
@@ -103,15 +181,27 @@ def extensions():
         os.environ["CUDA_HOME"] = cuda_home
     archs = os.environ.get("ULYSSES_KERNELS_CUDA_ARCHS", DEFAULT_ARCHS).strip() or DEFAULT_ARCHS
     os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # with no GPU visible, torch cannot detect one
+    torch = None
+    if not _truthy("ULYSSES_KERNELS_SKIP_EXTENSION"):
+        try:
+            import torch
+            from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+        except ImportError as e:
+            _log(f"torch is not importable here ({e})")
+            torch = None
     try:
-        import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
-    except ImportError as e:
-        _log(f"torch is not importable at build time ({e}): pure-Python install, no _C extension "
-             "(install with `pip install --no-build-isolation -e .` to build it)")
-        return [], {}
-    if cuda_home and torch.version.cuda is None:
-        _log(f"torch {torch.__version__} is a CPU build: building the CPU-only extension")
+        what = decide(os.environ, torch and torch.__version__, torch and torch.version.cuda, cuda_home)
+    except BuildError:
+        if _building(sys.argv):
+            raise
+        # Metadata only (pip asks for it before building): the build step will fail.
+        return [], {}, [TORCH_REQUIREMENT]
+    if what == "none":
+        _log("ULYSSES_KERNELS_SKIP_EXTENSION=1: pure-Python install, no _C extension")
+        return [], {}, [TORCH_REQUIREMENT]
+    if what == "cpu":
+        if cuda_home and torch.version.cuda is None:
+            _log(f"torch {torch.__version__} is a CPU build: building the CPU-only extension")
         cuda_home = None
     csrc = os.path.join("csrc")
     sources = [os.path.join(csrc, "ops.cpp"), os.path.join(csrc, "module.cpp"), os.path.join(csrc, "kernels", "pack_cpu.cpp")]
@@ -128,7 +218,10 @@ def extensions():
             sources.append(os.path.join(csrc, "nccl_ops.cpp"))
             macros.append(("ULYSSES_KERNELS_WITH_NCCL", None))
             include_dirs.insert(1, inc)
-            link_args += [f"-L{libdir}", f"-l:{name}", f"-Wl,-rpath,{libdir}"]
+            link_args += [f"-L{libdir}", f"-l:{name}"]
+            runpath = nccl_runpath(libdir)
+            if runpath:
+                link_args.append(f"-Wl,-rpath,{runpath}")
         ext = CUDAExtension(
             "ulysses_kernels._C",
             sources,
@@ -153,7 +246,9 @@ def extensions():
             _log("NCCL: nccl.h not found (set NCCL_HOME): no NCCL communicator")
     _log(f"sources: {', '.join(sources)}")
     _log(f"MAX_JOBS={os.environ.get('MAX_JOBS', '(torch default)')}")
-    return [ext], {"build_ext": _timed(BuildExtension)}
+    pin = f"torch=={_torch_distribution_version()}"
+    _log(f"requires {pin} (the extension matches only the torch it was built against)")
+    return [ext], {"build_ext": _timed(BuildExtension)}, [pin]
 
 
 def _timed(base):
@@ -166,5 +261,9 @@ def _timed(base):
     return TimedBuildExt
 
 
-ext_modules, cmdclass = extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+if __name__ == "__main__":
+    try:
+        ext_modules, cmdclass, install_requires = extensions()
+    except BuildError as e:
+        sys.exit(f"\n[ulysses_kernels build] ERROR: {e}\n")
+    setup(ext_modules=ext_modules, cmdclass=cmdclass, install_requires=install_requires)

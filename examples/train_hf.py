@@ -1,9 +1,9 @@
 """Train a tiny transformers model with Ulysses sequence parallelism: copy this loop.
 
-    python examples/train_hf.py --spawn 2                     # 2 gloo ranks on the CPU
-    torchrun --nproc-per-node 4 examples/train_hf.py          # NCCL on 4 GPUs (gloo on CPU)
-    torchrun --nproc-per-node 4 examples/train_hf.py --model llama --seq 4099
-    python examples/train_hf.py --spawn 4 --sp-size 2         # 2 replicas x 2-rank sequence parallel
+    python examples/train_hf.py --spawn 2                   # 2 gloo ranks on the CPU
+    python examples/train_hf.py --spawn 2 --model llama     # Llama instead of Qwen2
+    python examples/train_hf.py --spawn 4 --sp-size 2       # 2 replicas x 2-rank sequence parallel
+    torchrun --standalone --nproc-per-node 4 examples/train_hf.py --sp-size 2 --seq 1023   # NCCL on 4 GPUs (gloo on the CPU)
 
 Every rank of the sequence-parallel group reads the same global batch; ``shard_batch``
 keeps this rank's slice of the sequence (global positions, labels shifted globally),
@@ -30,11 +30,11 @@ def build_model(args, attn_implementation: str = "sdpa"):
     """A tiny random model from a config (no download); the same weights on every rank."""
     import transformers
 
-    common = dict(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, max_position_embeddings=max(2 * args.seq, 128), attn_implementation=attn_implementation,
-    )  # fmt: skip
+    common = {
+        "vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
+        "num_hidden_layers": args.layers, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim, "max_position_embeddings": max(2 * args.seq, 128), "attn_implementation": attn_implementation,
+    }  # fmt: skip
     if args.model == "qwen2":
         config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     else:
@@ -133,7 +133,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=37, help="global sequence length (need not divide the ranks)")
     p.add_argument("--pad", action="store_true", help="pad the sequence to a multiple of the ranks instead of uneven shards")
     p.add_argument("--vocab", type=int, default=61)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default: heads x head_dim)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -141,7 +141,13 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="float64 (CPU default), float32 (GPU default), bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.hidden is None:
+        args.hidden = args.heads * args.head_dim
+    if args.model == "llama" and args.hidden % args.heads:
+        # LlamaConfig raises on it too, naming neither option.
+        p.error(f"--hidden {args.hidden} expected a multiple of --heads {args.heads} for --model llama")
+    return args
 
 
 def main(argv=None) -> int:

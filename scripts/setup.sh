@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a venv in .venv with torch, the test tools and
-# ulysses_kernels itself (editable). Re-running it is cheap when everything is there.
+# ulysses_kernels itself (editable), then one build of its C++/CUDA extension. A re-run with
+# nothing changed imports nothing heavy and builds nothing (about a second): packages are
+# probed through their installed metadata, the extension through a stamp of its inputs.
 # ULYSSES_KERNELS_SYSTEM_TORCH=1: make the venv see the interpreter's own packages and use
 # its torch (an offline GPU machine with torch preinstalled); nothing is downloaded then,
 # and tests of what is missing (e.g. transformers) skip.
@@ -26,9 +28,16 @@ EOF_PTH
   fi
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+# -I: neither the working directory nor PYTHONPATH is on sys.path, so the source tree in the
+# repository root cannot pass for an installed package.
+VPY=(.venv/bin/python -I)
+has_dists() {  # installed distributions, by their metadata (importing torch takes seconds)
+  "${VPY[@]}" -c 'import importlib.metadata as m, sys
+for d in sys.argv[1:]: m.version(d)' "$@" 2>/dev/null
+}
 if [ "$SYSTEM_TORCH" = "1" ]; then
-  .venv/bin/python -c "import torch, pytest" || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
-elif ! .venv/bin/python -c "import torch, numpy, pytest, ninja, transformers, matplotlib" 2>/dev/null; then
+  has_dists torch pytest || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
+elif ! has_dists torch numpy pytest ninja transformers matplotlib; then
   # matplotlib: the benchmarks' PNGs (about 20 s here; without it they skip the plot).
   echo "[setup] installing $TORCH_SPEC numpy pytest ninja transformers==5.23.0 matplotlib into .venv"
   "${PIP[@]}" install -q "$TORCH_SPEC" numpy pytest ninja transformers==5.23.0 matplotlib 2>&1 | { grep -v "^WARNING: Location" || true; }
@@ -37,34 +46,63 @@ fi
 # (tests/test_bench_peers.py skips without it). Opt-in: it is an sdist, not a pure-Python
 # wheel (27 s to build here with DS_BUILD_OPS=0, and its first call JIT-compiles a C++
 # shared-memory op). yunchang is not installed: its UlyssesAttention needs flash-attn.
-if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
-  torch_pin="torch==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')"
+if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists deepspeed; then
+  torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
   echo "[setup] installing deepspeed (DS_BUILD_OPS=0, keeping $torch_pin)"
   DS_BUILD_OPS=0 "${PIP[@]}" install -q deepspeed "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
+# Is `import ulysses_kernels` this checkout, wherever it runs from? (find_spec does not
+# execute the package.)
+installed_here() {
+  "${VPY[@]}" -c 'import importlib.util, os, sys
+spec = importlib.util.find_spec("ulysses_kernels")
+sys.exit(0 if spec and spec.origin and os.path.realpath(spec.origin) == os.path.realpath(sys.argv[1]) else 1)' "$PWD/ulysses_kernels/__init__.py" 2>/dev/null
+}
 if [ "$SYSTEM_TORCH" = "1" ]; then
   # Offline: no pip build; the repository root on the venv's path is what an editable
   # install amounts to.
-  .venv/bin/python -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "_ulysses_kernels_repo.pth").write_text(sys.argv[1] + "\n")' "$PWD"
-elif ! .venv/bin/python -c "import ulysses_kernels" 2>/dev/null; then
+  installed_here || "${VPY[@]}" -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "_ulysses_kernels_repo.pth").write_text(sys.argv[1] + "\n")' "$PWD"
+elif ! installed_here; then
   echo "[setup] installing ulysses_kernels (editable)"
   # The extension is built below, once and incrementally, not by pip (which rebuilds from scratch).
   ULYSSES_KERNELS_SKIP_EXTENSION=1 "${PIP[@]}" install -q --no-build-isolation -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
+installed_here || { echo "[setup] ulysses_kernels is not importable from outside $PWD after installing it" >&2; exit 1; }
 # ---- the C++/CUDA extension ulysses_kernels._C (no GPU needed; see docs/build.md) ----------
 if [ "${ULYSSES_KERNELS_SKIP_EXTENSION:-0}" != "1" ]; then
   if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
   export ULYSSES_KERNELS_CUDA_ARCHS="${ULYSSES_KERNELS_CUDA_ARCHS:-8.0;9.0}"
   export TORCH_CUDA_ARCH_LIST="$ULYSSES_KERNELS_CUDA_ARCHS" MAX_JOBS="${MAX_JOBS:-2}"
   log=build/setup_build_ext.log
+  stamp_file=build/setup_ext.stamp
   mkdir -p build
-  echo "[setup] building ulysses_kernels._C (incremental, MAX_JOBS=$MAX_JOBS, archs $ULYSSES_KERNELS_CUDA_ARCHS)"
-  if ! .venv/bin/python setup.py build_ext --inplace >"$log" 2>&1; then
-    tail -40 "$log"
-    echo "[setup] building ulysses_kernels._C failed (full log: $log); ULYSSES_KERNELS_SKIP_EXTENSION=1 skips it" >&2
-    exit 1
+  # Everything the build reads: sources, setup.py, the torch, python and NCCL it builds
+  # against, the toolkit and the switches. Unchanged, and the _C it built still there: skip.
+  stamp=$({ find csrc setup.py -type f | LC_ALL=C sort | xargs cat
+            "${VPY[@]}" -c 'import importlib.metadata as m, sys
+print(sys.version)
+for d in ("torch", "nvidia-nccl-cu13", "nvidia-nccl-cu12"):
+    try:
+        print(d, m.version(d))
+    except m.PackageNotFoundError:
+        pass'
+            env | grep -E "^(CUDA_HOME|CUDA_PATH|NCCL_HOME|TORCH_CUDA_ARCH_LIST|ULYSSES_KERNELS_SKIP_CUDA_BUILD)=" | LC_ALL=C sort
+          } | sha256sum | cut -c1-32)
+  if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && compgen -G "ulysses_kernels/_C*.so" >/dev/null; then
+    echo "[setup] ulysses_kernels._C is up to date (sources, torch and switches unchanged); python -m ulysses_kernels.info says what is active"
+  else
+    echo "[setup] building ulysses_kernels._C (incremental, MAX_JOBS=$MAX_JOBS, archs $ULYSSES_KERNELS_CUDA_ARCHS)"
+    rm -f "$stamp_file"
+    if ! .venv/bin/python setup.py build_ext --inplace >"$log" 2>&1; then
+      tail -40 "$log"
+      echo "[setup] building ulysses_kernels._C failed (full log: $log); ULYSSES_KERNELS_SKIP_EXTENSION=1 skips it" >&2
+      exit 1
+    fi
+    grep "^\[ulysses_kernels build\]" "$log" | sed 's/^\[ulysses_kernels build\]/[setup]/' || true
+    # From outside the checkout, as a user runs it.
+    (py="$PWD/.venv/bin/python"; cd / && "$py" -I -m ulysses_kernels.info) | sed 's/^/[setup] /'
+    echo "$stamp" > "$stamp_file"
   fi
-  grep "^\[ulysses_kernels build\]" "$log" | sed 's/^\[ulysses_kernels build\]/[setup]/' || true
-  .venv/bin/python -m ulysses_kernels.info | sed 's/^/[setup] /'
 fi
-.venv/bin/python -c "import torch, ulysses_kernels; print('[setup] torch', torch.__version__, '| ulysses_kernels', ulysses_kernels.__version__)"
+"${VPY[@]}" -c 'import importlib.metadata as m, importlib.util as u
+print("[setup] torch", m.version("torch"), "| ulysses_kernels at", u.find_spec("ulysses_kernels").submodule_search_locations[0])'

@@ -1,0 +1,238 @@
+"""What ships, run the way a user runs it.
+
+The installed package from a directory outside the checkout (``python -I``, no
+PYTHONPATH: the source tree is not on ``sys.path``, as it is under pytest), every command
+line the docs show for ``examples/train_hf.py`` exactly as written (parsed from the docs,
+so the two cannot drift), the torchrun demo, the build's refusal to install less than
+asked, the import-time message without the extension, and a wheel: pinned to the torch it
+was built against, with no path of the build machine in its RUNPATH.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ulysses_kernels import ops
+from ulysses_kernels.kernels import kernel_set_report
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the venv's python, torchrun, pip
+EXAMPLE = "examples/train_hf.py"
+# Where the example's command lines are documented (the example's own docstring is its --help).
+DOC_FILES = ("README.md", "docs/hf.md", EXAMPLE)
+# The venv's site-packages, for an interpreter started with -S: no .pth files run, so the
+# editable install's import hook cannot put this checkout in front of a copy under test.
+PURELIB = sysconfig.get_paths()["purelib"]
+
+
+def user_env(**extra) -> dict:
+    """The environment of a user's shell: no PYTHONPATH, and not the interpreter switch conftest sets."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def run(argv, cwd, *, timeout=300, env=None, expect_rc=0) -> subprocess.CompletedProcess:
+    argv = [str(a) for a in argv]
+    try:
+        r = subprocess.run(argv, cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{shlex.join(argv)} (in {cwd}) did not finish in {timeout} s:\n{(e.stdout or '')[-2000:]}\n{(e.stderr or '')[-2000:]}")
+    ok = r.returncode == 0 if expect_rc == 0 else r.returncode != 0
+    assert ok, f"{shlex.join(argv)} (in {cwd}) exited {r.returncode}, expected {'0' if expect_rc == 0 else 'non-zero'}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return r
+
+
+# ---- the installed package, from outside the checkout -----------------------------------------
+def test_import_from_outside_the_checkout(tmp_path):
+    code = "import json, sys, ulysses_kernels; print(ulysses_kernels.__version__); print(json.dumps(sys.path))"
+    version, path = run([sys.executable, "-I", "-c", code], tmp_path).stdout.splitlines()[:2]
+    assert version == importlib.import_module("ulysses_kernels").__version__
+    path = json.loads(path)
+    assert str(ROOT) not in path and "" not in path and str(tmp_path) not in path, f"the checkout or the working directory is on sys.path: {path}"
+
+
+def test_info_from_outside_the_checkout_lists_every_kernel_set(tmp_path):
+    out = run([sys.executable, "-I", "-m", "ulysses_kernels.info"], tmp_path).stdout
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith(" ")}
+    for entry in kernel_set_report():
+        assert entry["name"] in lines, f"kernel set {entry['name']!r} missing from the report:\n{out}"
+    assert re.search(r"^\s+torch\s+runs here", out, re.M), out
+    if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+        # The user's shell has no TRITON_INTERPRET: Triton is installed but cannot run here, and says why.
+        assert re.search(r"^\s+triton\s+not here\s+\S", out, re.M), out
+    ext = next(line for line in out.splitlines() if line.startswith("_C extension"))
+    assert ext.split(None, 2)[2].startswith("built" if ops.available() else "NOT BUILT"), ext
+
+
+def test_torchrun_demo_from_outside_the_checkout(tmp_path):
+    run([BIN / "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "ulysses_kernels.demo"], tmp_path, timeout=400)
+
+
+# ---- every documented command line of the example, as written ---------------------------------
+def documented_example_commands() -> list[str]:
+    """``python``/``torchrun`` command lines of ``examples/train_hf.py`` in the docs, comments dropped."""
+    found = []
+    for name in DOC_FILES:
+        text = (ROOT / name).read_text()
+        for m in re.finditer(r"(?:python|torchrun)\b[^`\n#]*?\bexamples/train_hf\.py\b[^`\n#]*", text):
+            cmd = " ".join(m.group(0).split())
+            if cmd not in found:
+                found.append(cmd)
+    return found
+
+
+def test_the_docs_show_example_commands():
+    cmds = documented_example_commands()
+    assert "python examples/train_hf.py --spawn 2" in cmds, cmds
+    assert any("--model llama" in c for c in cmds), cmds
+    assert any(c.startswith("torchrun ") for c in cmds), cmds
+
+
+@pytest.mark.parametrize("cmd", documented_example_commands())
+def test_documented_example_command(cmd, tmp_path):
+    # A copy of the example outside the checkout, run from its parent as the docs write it.
+    (tmp_path / "examples").mkdir()
+    shutil.copy(ROOT / EXAMPLE, tmp_path / EXAMPLE)
+    argv = shlex.split(cmd)
+    argv[0] = {"python": sys.executable, "torchrun": str(BIN / "torchrun")}[argv[0]]
+    out = run(argv, tmp_path, timeout=400).stdout
+    assert "matches one process" in out, out  # step 0 checked against one process (the exit code checks the rest)
+
+
+# ---- the build: less than asked is an error, not a quieter install ----------------------------
+def _load_setup():
+    spec = importlib.util.spec_from_file_location("ulysses_kernels_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # setup() runs only as __main__
+    return module
+
+
+def test_build_decision():
+    S = _load_setup()
+    assert S.decide({}, "2.14.1+cu130", "13.0", "/usr/local/cuda") == "cuda"
+    assert S.decide({}, "2.13.0+cpu", None, "/usr/local/cuda") == "cpu"
+    assert S.decide({"ULYSSES_KERNELS_SKIP_CUDA_BUILD": "1"}, "2.14.1+cu130", "13.0", "/usr/local/cuda") == "cpu"
+    assert S.decide({"ULYSSES_KERNELS_SKIP_EXTENSION": "1"}, None, None, None) == "none"
+    with pytest.raises(S.BuildError, match=r"(?s)torch is not importable at build time.*pip install --no-build-isolation \..*ULYSSES_KERNELS_SKIP_EXTENSION=1"):
+        S.decide({}, None, None, "/usr/local/cuda")
+    with pytest.raises(S.BuildError, match=r"(?s)torch 2\.14\.1\+cu130 is a CUDA 13\.0 build but no CUDA toolkit.*ULYSSES_KERNELS_SKIP_CUDA_BUILD=1"):
+        S.decide({}, "2.14.1+cu130", "13.0", None)
+    assert S._building(["setup.py", "bdist_wheel", "--dist-info-dir", "x"]) and not S._building(["setup.py", "egg_info"])
+    assert S.nccl_runpath("/a/venv/lib/python3.11/site-packages/nvidia/nccl/lib") == "$ORIGIN/../nvidia/nccl/lib"
+    assert S.nccl_runpath("/usr/lib/x86_64-linux-gnu") is None
+
+
+def _source_copy(dest: Path) -> Path:
+    """The files a source distribution holds (no build outputs, no compiled extension)."""
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, dest / name)
+    shutil.copytree(ROOT / "csrc", dest / "csrc")
+    shutil.copytree(ROOT / "ulysses_kernels", dest / "ulysses_kernels", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    return dest
+
+
+def test_a_build_that_cannot_see_torch_fails_and_says_how(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _source_copy(src)
+    hide = tmp_path / "hide" / "torch"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('no torch in this build environment (as under pip build isolation)')\n")
+    env = user_env(PYTHONPATH=str(tmp_path / "hide"))
+    # pip first asks for the metadata: that works (and without the extension, requires torch>=2.5) ...
+    run([sys.executable, "setup.py", "egg_info"], src, env=env, timeout=120)
+    requires = (src / "ulysses_kernels.egg-info" / "requires.txt").read_text().split("\n\n")[0].split()  # before the extras
+    assert requires == ["torch>=2.5"], requires
+    # ... then the build refuses, and says what to run.
+    r = run([sys.executable, "setup.py", "bdist_wheel"], src, env=env, timeout=120, expect_rc=1)
+    assert "torch is not importable at build time" in r.stderr and "pip install --no-build-isolation ." in r.stderr, r.stderr
+    assert not list(src.glob("dist/*.whl"))
+
+
+# ---- without the extension: said at import and by info, with the command that builds it -------
+def test_info_without_the_extension_says_how_to_build_it(tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "ulysses_kernels", site / "ulysses_kernels", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    code = f"import sys; sys.path[:0] = {[str(site), PURELIB]!r}; from ulysses_kernels import info; info.main([])"
+    out = run([sys.executable, "-I", "-S", "-c", code], tmp_path).stdout
+    ext = next(line for line in out.splitlines() if line.startswith("_C extension"))
+    assert "NOT BUILT: ulysses_kernels._C is not built" in ext and "pip install --no-build-isolation" in ext, ext
+    assert re.search(r"^\s+cuda\s+not here\s+.*not built", out, re.M), out
+
+
+def test_rebuild_command_fits_the_installation():
+    # This checkout (an in-place or editable build) is rebuilt in place.
+    assert ops.rebuild_command("CUDA_HOME=/usr/local/cuda") == f"cd {ROOT} && CUDA_HOME=/usr/local/cuda python setup.py build_ext --inplace"
+
+
+def test_missing_extension_warns_once_a_gpu_would_use_it(monkeypatch):
+    real_import = ops.importlib.import_module
+
+    def no_extension(name, *args):
+        if name == "ulysses_kernels._C":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args)
+
+    monkeypatch.setattr(ops.importlib, "import_module", no_extension)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("ULYSSES_KERNELS_SKIP_EXTENSION", raising=False)
+    monkeypatch.setattr(ops, "_STATE", {})
+    with pytest.warns(RuntimeWarning, match=r"ulysses_kernels._C is not built.*Build it: cd .* && python setup.py build_ext --inplace"):
+        assert not ops.available()
+    with pytest.raises(ImportError, match="is not built"):
+        ops.load()  # the reason is kept; the warning came once
+    monkeypatch.setattr(ops, "_STATE", {})
+    monkeypatch.setenv("ULYSSES_KERNELS_SKIP_EXTENSION", "1")  # a pure-Python install on purpose: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not ops.available()
+
+
+# ---- a wheel, as pip builds it ----------------------------------------------------------------
+def _cuda_toolkit():
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    return home if (Path(home) / "bin" / "nvcc").is_file() and torch.version.cuda else None
+
+
+@pytest.mark.skipif(_cuda_toolkit() is None, reason="needs a CUDA toolkit and a CUDA build of torch to build the CUDA wheel")
+def test_wheel_pins_its_torch_and_carries_no_build_path(tmp_path):
+    """NOTE: about 70 s on 2 idle cores (one arch, MAX_JOBS=2); several minutes when the cores are shared."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _source_copy(src)
+    env = user_env(ULYSSES_KERNELS_CUDA_ARCHS="9.0", MAX_JOBS="2", CUDA_HOME=_cuda_toolkit())
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", tmp_path / "wheels", src], tmp_path, env=env, timeout=900)
+    (wheel,) = (tmp_path / "wheels").glob("ulysses_kernels-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        (so,) = [n for n in z.namelist() if re.fullmatch(r"ulysses_kernels/_C[^/]*\.so", n)]
+        z.extractall(tmp_path / "target")
+    requires = [r for r in re.findall(r"^Requires-Dist: (.*)$", metadata, re.M) if "extra ==" not in r]
+    assert requires == [f"torch=={importlib.metadata.version('torch')}"], requires
+    assert re.search(r"^License-Expression: Apache-2\.0$", metadata, re.M), metadata
+    dyn = subprocess.run(["readelf", "-d", tmp_path / "target" / so], capture_output=True, text=True, check=True).stdout
+    paths = re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[(.*)\]", dyn)
+    assert paths == ["$ORIGIN/../nvidia/nccl/lib"], dyn
+    assert str(tmp_path) not in dyn and str(ROOT) not in dyn and sys.prefix not in dyn, dyn
+    # The unpacked wheel (not a checkout, not site-packages) loads: NCCL is the one torch loaded.
+    target = str(tmp_path / "target")
+    code = f"import sys; sys.path[:0] = {[target, PURELIB]!r}; from ulysses_kernels import ops; ops.load(); print(ops.__file__, ops.build_info()['nccl'])"
+    out = run([sys.executable, "-I", "-S", "-c", code], tmp_path).stdout.split()
+    assert out == [str(tmp_path / "target" / "ulysses_kernels" / "ops.py"), "True"], out
