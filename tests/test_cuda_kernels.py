@@ -366,7 +366,10 @@ def test_gpu_attention_world_size_1(dtype):
     for a, b in zip(*grads):
         # The attention backward may accumulate dq with atomics: allow its rounding noise.
         torch.testing.assert_close(a, b)
-    assert get_kernels(None, q.device).name == "cuda"
+    # "auto" picks the C++ kernels on CUDA only once their GPU run is recorded (gpu_validated).
+    from ulysses_kernels.kernels import KERNEL_SETS
+
+    assert get_kernels(None, q.device).name == ("cuda" if KERNEL_SETS["cuda"].gpu_validated else "torch")
 
 
 # ---- end to end on gloo ranks: the "cuda" kernel set is bit-identical to "torch" -----------
@@ -400,11 +403,16 @@ def test_attention_on_gloo_ranks_cuda_kernels_equal_torch():
     run_ranks(_ranks_cuda_vs_torch, 3)
 
 
-def test_auto_passes_over_the_cuda_kernels_beyond_their_peer_limit():
+def test_auto_passes_over_the_cuda_kernels_beyond_their_peer_limit(monkeypatch):
+    import dataclasses
     import re
     from pathlib import Path
 
     from ulysses_kernels import ops
+    from ulysses_kernels.kernels import KERNEL_SETS
+
+    # As if the C++ kernels had passed on a GPU: "auto" may then pick them on CUDA.
+    monkeypatch.setitem(KERNEL_SETS, "cuda", dataclasses.replace(KERNEL_SETS["cuda"], gpu_validated=True))
 
     MAX_WORLD_SIZE = ops.limits()["max_peers"]  # read from the C++ side
     header = (Path(__file__).resolve().parents[1] / "csrc" / "kernels" / "layout_math.h").read_text()
@@ -415,3 +423,18 @@ def test_auto_passes_over_the_cuda_kernels_beyond_their_peer_limit():
     large = Layout(HeadPlan.build(128, 8, MAX_WORLD_SIZE + 1), 0, (1,) * (MAX_WORLD_SIZE + 1), 1, 8)
     assert get_kernels("auto", cuda, small).name == "cuda"
     assert get_kernels("auto", cuda, large).name != "cuda"
+
+
+def test_auto_on_cuda_picks_only_sets_that_have_run_on_a_gpu():
+    """A kernel set that has never run on a GPU is never the default for CUDA tensors; it can
+    still be named. The CPU default is unchanged."""
+    from ulysses_kernels.kernels import KERNEL_SETS
+
+    cuda = torch.device("cuda")  # a device object only: no GPU is touched
+    lay = Layout(HeadPlan.build(8, 2, 2), 0, (4, 4), 1, 8)
+    unvalidated = [n for n, spec in KERNEL_SETS.items() if not spec.gpu_validated]
+    assert {"cuda", "triton"} <= set(unvalidated)  # until docs/gpu_validation.md records a GPU pass
+    assert get_kernels("auto", cuda, lay).name not in unvalidated
+    assert get_kernels(None, cuda, lay).name == "torch"
+    assert get_kernels("cuda", torch.device("cpu")).name == "cuda"  # naming it still works
+    assert get_kernels("auto", torch.device("cpu"), lay).name == "torch"

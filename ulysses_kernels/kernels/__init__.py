@@ -16,9 +16,10 @@ properties the rest of the package asks about: whether it traces under ``torch.c
 (and why not), on which device types ``"auto"`` may pick it, and why it cannot run here.
 Names: ``"torch"`` (pure PyTorch, any device), ``"triton"`` (Triton kernels; CUDA, or the
 CPU under ``TRITON_INTERPRET=1``), ``"cuda"`` (the C++/CUDA extension, with its CPU twin on
-CPU tensors). ``None``/``"auto"`` takes the first registered set that ``auto`` may pick on
-the tensors' device and that can run: ``"cuda"``, then ``"triton"`` on a GPU, else
-``"torch"``. docs/extending.md says how to add one.
+CPU tensors). ``None``/``"auto"`` takes, by ``auto_priority``, the first set that ``auto``
+may pick on the tensors' device and that can run: on a GPU ``"cuda"``, then ``"triton"``,
+each only once it is ``gpu_validated`` (neither has run on a GPU yet, so ``"auto"`` is
+``"torch"`` on CUDA today); elsewhere ``"torch"``. docs/extending.md says how to add one.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class KernelSetSpec:
     define ``available()`` and ``unavailable_reason()``. ``untraceable``: why the set cannot
     run inside ``torch.compile`` (empty when it can). ``auto_on``: device types on which
     ``kernels="auto"`` may pick it (``None``: every device); ``"auto"`` tries the highest ``auto_priority`` first.
+    ``gpu_validated``: its GPU tests have passed on a real GPU (recorded in
+    docs/gpu_validation.md); until then ``"auto"`` does not pick it for CUDA tensors (a
+    path that has never run on a GPU is never a default there; it can still be named).
     ``describe``: one line on what runs here, for ``info``.
     """
 
@@ -82,6 +86,7 @@ class KernelSetSpec:
     untraceable: str = ""
     auto_on: frozenset[str] | None = frozenset()
     auto_priority: int = 0
+    gpu_validated: bool = False
     describe: Callable[[], str] = lambda: ""
 
     @property
@@ -127,7 +132,8 @@ def _import_or_why(name: str):
 
 
 # The built-in sets, in the order they are listed (``available_kernels``, ``info``).
-register_kernel_set(KernelSetSpec("torch", __name__, "TorchKernels", auto_on=None, describe=lambda: "pure PyTorch, any device"))
+# torch: views and copies of stock PyTorch ops, whose CUDA kernels are PyTorch's own.
+register_kernel_set(KernelSetSpec("torch", __name__, "TorchKernels", auto_on=None, gpu_validated=True, describe=lambda: "pure PyTorch, any device"))
 register_kernel_set(
     KernelSetSpec(
         "triton",
@@ -183,6 +189,8 @@ def get_kernels(name, device: torch.device, layout=None, *, traceable: bool = Fa
     if name in (None, "auto"):
         for spec in sorted(KERNEL_SETS.values(), key=lambda x: -x.auto_priority):
             if (spec.auto_on is not None and device.type not in spec.auto_on) or (traceable and not spec.traceable):
+                continue
+            if device.type == "cuda" and not spec.gpu_validated:
                 continue
             cls = _load(spec.name)
             if cls is None:
