@@ -289,7 +289,7 @@ def _world_2(rank, world, cases):
         elif mode == "lower":
             f = _lower_level(uk.HeadPlan.build(hq, hkv, world), seq_lens, causal)
         else:
-            def f(q, k, v):
+            def f(q, k, v, causal=causal, seq_lens=seq_lens, kernels=kernels):
                 return uk.ulysses_attention(q, k, v, causal=causal, seq_lens=seq_lens, attn_fn="sdpa", kernels=kernels)
 
         graphs = {"fw": [], "bw": []}
@@ -306,7 +306,8 @@ def _world_2(rank, world, cases):
         tol = REF_TOL[dtype]
         for name, got, want, x in zip("qkv", grads, want_grads, full):
             _assert_equal(got, want, f"{case} d{name}")
-            torch.testing.assert_close(got.double(), shard_sequence(x.grad, seq_lens, rank), rtol=tol, atol=tol, msg=lambda s: f"{case} d{name} vs reference: {s}")
+            what = f"{case} d{name} vs reference"
+            torch.testing.assert_close(got.double(), shard_sequence(x.grad, seq_lens, rank), rtol=tol, atol=tol, msg=lambda s, what=what: f"{what}: {s}")
         torch.testing.assert_close(out.double(), shard_sequence(ref, seq_lens, rank).detach(), rtol=tol, atol=tol)
 
 

@@ -29,10 +29,10 @@ CASES = [("qwen2", 6, 2), ("llama", 4, 1)]
 
 
 def build(family: str, heads: int, kv_heads: int, **overrides):
-    cfg = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64, attn_implementation="sdpa",
-    )  # fmt: skip
+    cfg = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": 16, "max_position_embeddings": 64, "attn_implementation": "sdpa",
+    }  # fmt: skip
     cfg.update(overrides)
     config_cls, model_cls = {
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -117,7 +117,6 @@ def _raises(match, fn, *args, **kwargs):
 
 def check_errors(rank, world, pair):
     """Bad use raises the same clear error on every rank (each raises before any collective)."""
-    import torch.distributed as dist
 
     ids, labels = global_batch()
     model = hf.apply(build("qwen2", 6, 2))

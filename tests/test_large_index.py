@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from ulysses_kernels import layout as L
-from ulysses_kernels.layout import Layout, Q_ONLY, QKV
+from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
 cuda_kernels = pytest.importorskip("ulysses_kernels.kernels.cuda_kernels")

@@ -368,7 +368,7 @@ def test_gpu_stress_two_ranks_one_gpu_nccl():
     # scripts/gpu_session.sh's two-rank step: a hang is reported here, with the ranks'
     # output, instead of the whole step being killed with nothing to show.
     limit_s = 240
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]  # noqa: SIM115 - closed below, after both ranks end
     procs = [
         subprocess.Popen([sys.executable, os.path.abspath(__file__), str(r)], env={**env, "RANK": str(r)},
                          stdout=logs[r], stderr=subprocess.STDOUT, text=True)
