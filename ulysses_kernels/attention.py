@@ -50,13 +50,12 @@ def ulysses_attention(
             ``"sdpa"``, ``"math"``, a callable ``fn(q, k, v, causal=, softmax_scale=)`` over
             ``[B, S, H, D]`` grouped heads, or a backend object (see ``backends``).
         plan: a prebuilt ``HeadPlan`` (default: ``HeadPlan.build(q_heads, kv_heads, world)``).
-        comm: a communicator. Default: for CUDA tensors on an NCCL group (and the
-            extension built with NCCL), our native all-to-all on torch's own communicator
-            of ``group`` (``NCCLCommunicator.borrow``: nothing is created); else
-            torch.distributed on ``group``. ``integrations.hf.apply`` owns an
-            ``NCCLCommunicator`` of its own for the model, as can a caller:
-            ``comm=NCCLCommunicator(group)``. ``ULYSSES_KERNELS_NATIVE_NCCL=0`` (the same
-            on every rank) keeps torch.distributed.
+        comm: a communicator. Default: torch.distributed on ``group``. Our native NCCL
+            all-to-all is opt-in until it has run on a GPU: ``comm=NCCLCommunicator(group)``
+            (a communicator of its own, made once and passed to every call), or
+            ``ULYSSES_KERNELS_NATIVE_NCCL=1`` (the same on every rank), which makes the
+            default for CUDA tensors on an NCCL group our native calls on torch's own
+            communicator of ``group`` (``NCCLCommunicator.borrow``: nothing is created).
         kernels: the pack/unpack kernels: ``None``/``"auto"``, ``"torch"``, ``"triton"``,
             ``"cuda"`` (see ``ulysses_kernels.kernels``).
         chunks: split each rank's heads into this many chunks whose all-to-alls overlap
@@ -92,10 +91,10 @@ def ulysses_attention(
 class UlyssesAttention(nn.Module):
     """``ulysses_attention`` as a module that holds its plan and group.
 
-    ``comm``: as in ``ulysses_attention`` (default: native NCCL on torch's own communicator
-    of ``group`` for CUDA tensors, else torch.distributed). A communicator of its own that
-    does not queue behind the group's other collectives (FSDP's, say) is one
-    ``NCCLCommunicator(group)``, made once and passed to every layer.
+    ``comm``: as in ``ulysses_attention`` (default: torch.distributed on ``group``; native
+    NCCL is opt-in). A communicator of its own that does not queue behind the group's other
+    collectives (FSDP's, say) is one ``NCCLCommunicator(group)``, made once and passed to
+    every layer.
 
     ``check="once"`` (default) validates each new input signature (shapes, dtype, options)
     across ranks once per module and skips the exchange afterwards; ``"always"`` checks every
@@ -121,8 +120,7 @@ class UlyssesAttention(nn.Module):
             raise ValueError(f"UlyssesAttention: check expected 'once', 'always' or 'never', got {check!r}")
         # No communicator is made here (construction is not collective, and a model with
         # one module per layer must not hold one NCCL communicator per layer): without
-        # ``comm`` each call picks the functional op's default, native NCCL on torch's own
-        # communicator of the group for CUDA tensors.
+        # ``comm`` each call picks the functional op's default.
         self.group, self.comm = group, comm
         self.plan = HeadPlan.build(q_heads, kv_heads, (comm if comm is not None else get_communicator(group)).world_size)
         self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check

@@ -66,9 +66,13 @@ def _extension():
 
 
 def native_nccl_enabled() -> bool:
-    """False when ``ULYSSES_KERNELS_NATIVE_NCCL=0``: our native NCCL calls are off and the
-    defaults use torch.distributed's collectives. Set it alike on every rank."""
-    return os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "1") != "0"
+    """True when ``ULYSSES_KERNELS_NATIVE_NCCL=1``: the defaults (the functional ops' borrowed
+    communicator, ``integrations.hf.apply``'s own) use our native NCCL calls. Off by default:
+    the native path has not yet run on a GPU (docs/gpu_validation.md), and a path that has
+    never run on a GPU is never a default on CUDA; torch.distributed's collectives (watched
+    by torch's watchdog and timeout) are. Passing ``comm=NCCLCommunicator(group)`` opts in
+    per call. Set it alike on every rank."""
+    return os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "0") == "1"
 
 
 def nccl_available() -> bool:

@@ -541,8 +541,9 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
         check: ``"step"`` (default): validate the inputs across ranks at the first attention
             call of each step (one tiny all-gather per step); ``"always"``: every layer;
             ``"never"``: no exchange.
-        comm: a communicator (default: a native NCCLCommunicator on NCCL groups when the
-            extension has NCCL, made here and owned by the model; else torch.distributed's).
+        comm: a communicator (default: torch.distributed's; with
+            ``ULYSSES_KERNELS_NATIVE_NCCL=1``, opt-in until native NCCL has run on a GPU, a
+            native ``NCCLCommunicator`` on NCCL groups, made here and owned by the model).
 
     Returns the model (changed in place: ``config._attn_implementation == "ulysses"``). Its
     forward then expects ``shard_batch(...).model_inputs()``. The model's GQA layout,
