@@ -1,7 +1,7 @@
 // Host layer of the pack/unpack ops: the op schemas (TORCH_LIBRARY), input checks, and
 // the CPU and CUDA implementations, which fill the parameter structs of
-// kernels/layout_math.h and call the torch-free kernels. Fake kernels live in
-// ulysses_kernels/kernels/cuda_kernels.py.
+// kernels/layout_math.h and call the torch-free kernels. Fake kernels and typed wrappers
+// live in ulysses_kernels/ops.py.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
