@@ -51,6 +51,12 @@ if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! ha
   echo "[setup] installing deepspeed (DS_BUILD_OPS=0, keeping $torch_pin)"
   DS_BUILD_OPS=0 "${PIP[@]}" install -q deepspeed "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
+# pyproject.toml's SPDX license string needs setuptools >= 77 (torch >= 2.14 requires it anyway;
+# an older system torch may come with an older one).
+"${VPY[@]}" -c 'import importlib.metadata as m, sys; sys.exit(int(m.version("setuptools").split(".")[0]) < 77)' 2>/dev/null || {
+  echo "[setup] setuptools >= 77 is needed to build ulysses_kernels (found: $("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("setuptools"))' 2>/dev/null || echo none)): pip install 'setuptools>=77'" >&2
+  exit 1
+}
 # Is `import ulysses_kernels` this checkout, wherever it runs from? (find_spec does not
 # execute the package.)
 installed_here() {
