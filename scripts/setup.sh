@@ -13,7 +13,9 @@ TORCH_SPEC=${ULYSSES_KERNELS_TORCH:-torch==2.14.1}
 SYSTEM_TORCH=${ULYSSES_KERNELS_SYSTEM_TORCH:-0}
 if [ ! -x .venv/bin/python ]; then
   if [ "$SYSTEM_TORCH" = "1" ]; then
-    "$PY" -m venv --system-site-packages .venv 2>/dev/null || { rm -rf .venv; "$PY" -m venv --system-site-packages --without-pip .venv; }
+    # --without-pip: a venv's own bundled pip and setuptools (65.5 under Python 3.11) would
+    # shadow $PY's, which the build needs (setuptools >= 77).
+    "$PY" -m venv --system-site-packages --without-pip .venv
     # $PY may itself be a venv (the GPU machines' python3 is /opt/torch/.venv): a venv made
     # from a venv does not see its packages through --system-site-packages, so a .pth adds
     # $PY's own site-packages (pip included).
