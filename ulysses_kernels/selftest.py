@@ -1,0 +1,661 @@
+"""Self-test: every path this installation can run here, forward and backward, against float64.
+
+    python -m ulysses_kernels.selftest                       # one rank per local GPU; no GPU: 2 gloo ranks on the CPU
+    torchrun --nproc-per-node 8 -m ulysses_kernels.selftest  # the launched ranks (NCCL on GPUs, else gloo)
+    python -m ulysses_kernels.selftest --spawn 2             # 2 gloo ranks on the CPU
+    python -m ulysses_kernels.selftest --json selftest.json  # also write every result as JSON
+
+A *path* is one kernel set x one communicator x one chunk count x one head layout:
+
+* kernel sets: every one ``kernels.available_kernels()`` lists here (on a CPU, ``cuda`` is
+  the C++ extension's CPU twin of the CUDA kernels, and ``triton`` runs only with
+  ``TRITON_INTERPRET=1`` set: Triton's interpreter, about 0.25 s a path at the CPU's
+  default size, slow at larger ones);
+* communicators: ``torch-dist`` (torch.distributed on the group); on GPUs whose extension has
+  NCCL also ``nccl`` (an ``NCCLCommunicator`` of its own, made once for the run) and
+  ``nccl-borrowed`` (``NCCLCommunicator.borrow``: our calls on torch's own communicator);
+* chunks: 1, 2 and ``auto`` (the head-chunked pipeline that overlaps the all-to-alls with
+  attention; the table shows the count that ran);
+* layouts, sized to the world ``P`` (``--seq-per-rank`` tokens per rank): ``mha`` (2P
+  query and KV heads, batch 1: one all-to-all), ``gqa`` (2P query heads, fewer KV heads
+  than ranks), ``uneven-heads`` (P+1 query heads, no causal mask), ``uneven-shards`` (a
+  sequence that P does not divide, ``seq_lens`` from ``layout.split_lengths``).
+
+Each path runs ``ulysses_attention`` forward and backward once on every rank and compares
+out, dq, dk and dv with single-process float64 attention (``reference.attention_reference``)
+on the same device. Bound: 1e-10 for float64 inputs (the CPU default); in a lower precision
+(bf16, the GPU default) at most 2x PyTorch's own error in that dtype on the same device
+(SDPA in one process against the same reference), per tensor. The time is that of the
+one checked call (first-call set-up included): a check, not a benchmark.
+
+Rank 0 prints a progress line per path (stderr), then a table (stdout); ``--json PATH``
+writes every path's result and the environment (GPU, torch, CUDA, NCCL, the extension's
+build, git sha or package version). The exit status is non-zero on every rank when any
+path fails.
+
+Every rank runs the same paths in the same order. After each step of a path the ranks
+exchange their outcome over a gloo group kept for that, so a path that fails on one rank
+is a FAIL on all and the next path starts together. A rank that raises while its peers
+wait in a collective leaves them waiting until ``--timeout`` (the timeout of the group
+the paths run on); the run then goes on over a new group, on a GPU only once every rank's
+device has finished its queued work (else the remaining paths are reported as not run).
+A rank whose path runs longer than ``2 * --timeout + 60`` seconds is ended as hung, rank 0
+writing what it has first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import info
+from .attention import ulysses_attention
+from .bench.common import CPU_LABEL, Progress, dtype_name, env_record, kernel_label, parse_dtype
+from .call import setup_attention
+from .comm import NCCLCommunicator, TorchCommunicator, nccl_available
+from .kernels import KERNEL_SETS, available_kernels, kernel_set_report
+from .layout import split_lengths
+from .reference import attention_reference, shard_sequence
+from .testing import RanksFailed, run_ranks
+
+__all__ = ["LAYOUTS", "COMMS", "Case", "PathSpec", "make_cases", "main"]
+
+TENSORS = ("out", "dq", "dk", "dv")
+FLOAT64_BOUND = 1e-10  # as the tests: float64 all the way, only summation order differs
+LAYOUTS = ("mha", "gqa", "uneven-heads", "uneven-shards")
+COMMS = ("torch-dist", "nccl", "nccl-borrowed")
+CHUNKS = ("1", "2", "auto")
+QUICK_LAYOUTS = ("gqa", "uneven-shards")
+QUICK_CHUNKS = ("1", "2")
+SPAWN_BACKSTOP_S = 3600  # run_ranks' deadline for the whole run (hangs are caught per path before)
+
+
+# ---- what runs -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One head layout: ``[batch, seq_lens[r], q_heads, head_dim]`` q on rank r."""
+
+    name: str
+    q_heads: int
+    kv_heads: int
+    seq_lens: tuple[int, ...]
+    batch: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """One kernel set x communicator x chunk count x layout."""
+
+    kernels: str
+    comm: str
+    chunks: int | str
+    case: Case
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernels}/{self.comm}/chunks={self.chunks}/{self.case.name}"
+
+
+def _smallest_divisor(n: int) -> int:
+    """The smallest divisor of ``n`` above 1 and below ``n``; ``n`` itself when prime."""
+    return next((d for d in range(2, n) if n % d == 0), n)
+
+
+def make_cases(world: int, seq_per_rank: int, names=LAYOUTS) -> list[Case]:
+    """The layouts ``names`` for a world of ``world`` ranks (see the module docstring)."""
+    p, s = world, seq_per_rank
+    even = (s,) * p
+    every = {
+        "mha": Case("mha", 2 * p, 2 * p, even, 1, True),
+        "gqa": Case("gqa", 2 * p, max(1, p // 2), even, 2, True),
+        "uneven-heads": Case("uneven-heads", p + 1, _smallest_divisor(p + 1), even, 2, False),
+        "uneven-shards": Case("uneven-shards", 2 * p, 2, tuple(split_lengths(p * s + max(1, p // 2), p)), 2, True),
+    }
+    return [every[n] for n in names]
+
+
+def _chunk_value(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def _kernel_choice(requested: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    """The kernel sets to test and, for every other registered one, why not.
+
+    ``requested``: ``None`` or ``["all"]`` (every set that runs here) or names; a name
+    that is not registered or cannot run here is a ``SystemExit`` that says why."""
+    runs = available_kernels()
+    why = {r["name"]: r["detail"] for r in kernel_set_report() if not r["runs_here"]}
+    if requested is None or requested == ["all"]:
+        return runs, why
+    unknown = [n for n in requested if n not in KERNEL_SETS]
+    if unknown:
+        raise SystemExit(f"selftest: --kernels: unknown kernel set(s) {unknown}; registered: {list(KERNEL_SETS)} (or 'all')")
+    missing = [f"{n} ({why.get(n, 'not available')})" for n in requested if n not in runs]
+    if missing:
+        raise SystemExit(f"selftest: --kernels: cannot run here: {'; '.join(missing)}; runs here: {runs}")
+    return list(dict.fromkeys(requested)), {}
+
+
+# ---- one rank's run --------------------------------------------------------------------
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _max_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (x.detach().double() - ref).abs().max()
+
+
+class _Watchdog:
+    """Ends this process when a path runs past ``seconds`` (a hang that no timeout caught);
+    ``on_fire(seconds)`` writes what there is first."""
+
+    def __init__(self, seconds: float, on_fire):
+        self.seconds, self.on_fire, self.timer = seconds, on_fire, None
+
+    def __enter__(self):
+        self.timer = threading.Timer(self.seconds, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+
+    def _fire(self):
+        try:
+            self.on_fire(self.seconds)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+class _Rank:
+    """One rank's self-test. ``results`` is the same list on every rank: each entry is
+    decided from values that all ranks exchanged over ``control``."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, transport: str, args):
+        self.rank, self.world, self.device, self.transport, self.args = rank, world, device, transport, args
+        self.dtype = parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float64)
+        self.head_dim = args.head_dim or (64 if device.type == "cuda" else 16)
+        self.seq_per_rank = args.seq_per_rank or (128 if device.type == "cuda" else 8)
+        self.timeout = float(args.timeout)
+        self.results: list[dict] = []
+        self.not_tested: dict[str, str] = {}
+        self.settings: dict = {}
+        self.env: dict = {}
+        self.stopped = ""  # why the remaining paths cannot run (a device that did not drain)
+        self.own_nccl: NCCLCommunicator | None = None
+        # Outcomes travel on a gloo group of their own: a path that leaves the data group's
+        # collectives out of step can neither delay nor mismatch them. Its timeout outlasts
+        # a data-group timeout plus a drain.
+        self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3 * self.timeout + 120))
+        self.data = self._data_group()
+        self.comms: dict = {}
+
+    # -- exchanges, groups, communicators
+    def gather(self, value) -> list:
+        out = [None] * self.world
+        dist.all_gather_object(out, value, group=self.control)
+        return out
+
+    def _why_not_everywhere(self, why: str) -> str:
+        """The ranks' reasons joined ("" when no rank gave one)."""
+        return "; ".join(f"rank {r}: {w}" for r, w in enumerate(self.gather(why)) if w)
+
+    def _data_group(self):
+        group = dist.new_group(backend=self.transport, timeout=datetime.timedelta(seconds=self.timeout))
+        # torch creates a group's NCCL communicator at its first collective (borrow needs it).
+        dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        return group
+
+    def _borrow(self) -> tuple[NCCLCommunicator | None, str]:
+        try:
+            return NCCLCommunicator.borrow(self.data), ""
+        except RuntimeError as e:
+            return None, _short(e)
+
+    def make_communicators(self, wanted: list[str]) -> None:
+        """``self.comms``: the wanted communicators that every rank can use (collective:
+        every rank calls it at the same point); why not the others in ``not_tested``."""
+        comms: dict = {"torch-dist": TorchCommunicator(self.data)}
+        native = ""
+        if self.device.type != "cuda":
+            native = "needs CUDA tensors (this run is on the CPU)"
+        else:
+            native = self._why_not_everywhere("" if nccl_available() else "the C++ extension has no NCCL (python -m ulysses_kernels.info)")
+        if "nccl" in wanted:
+            why = native
+            if not why:
+                made, mine = None, ""
+                try:
+                    made = NCCLCommunicator(self.data)
+                except RuntimeError as e:
+                    mine = _short(e)
+                why = self._why_not_everywhere(mine)
+                if made is not None and why:
+                    made.close()
+                elif made is not None:
+                    comms["nccl"] = self.own_nccl = made
+            if why:
+                self.not_tested["comm nccl"] = why
+        if "nccl-borrowed" in wanted:
+            why = native
+            if not why:
+                borrowed, mine = self._borrow()
+                why = self._why_not_everywhere(mine)
+                if not why:
+                    comms["nccl-borrowed"] = borrowed
+            if why:
+                self.not_tested["comm nccl-borrowed"] = why
+        self.comms = {n: c for n, c in comms.items() if n in wanted}
+
+    def _drain(self) -> bool:
+        """True when this rank's device finishes its queued work within ``--timeout``."""
+        if self.device.type != "cuda":
+            return True
+        done = threading.Event()
+
+        def sync():
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:
+                return  # a device error: not drained
+            done.set()
+
+        threading.Thread(target=sync, daemon=True).start()
+        return done.wait(self.timeout)
+
+    def recover(self, after: str) -> None:
+        """After a path in which some rank raised inside the collective part: once every
+        rank's device has drained its queued work, a new data group and its communicators
+        (our own NCCL communicator is kept: drained, it has no unmatched work). Else the
+        queued work waits on a collective that never comes, and the run stops."""
+        if not all(self.gather(self._drain())):
+            self.stopped = f"after {after}, some rank's device did not finish its queued work (collectives out of step)"
+            return
+        self.data = self._data_group()
+        if "torch-dist" in self.comms:
+            self.comms["torch-dist"] = TorchCommunicator(self.data)
+        if "nccl-borrowed" in self.comms:
+            borrowed, mine = self._borrow()
+            why = self._why_not_everywhere(mine)
+            if why:
+                del self.comms["nccl-borrowed"]
+                self.not_tested["comm nccl-borrowed"] = f"lost after {after}: {why}"
+            else:
+                self.comms["nccl-borrowed"] = borrowed
+
+    # -- one layout: inputs, float64 truth, bounds
+    def truth(self, case: Case, index: int):
+        """Global inputs q, k, v, dout (float64 on the CPU, the same on every rank), the
+        float64 reference out, dq, dk, dv on this device, and the per-tensor bounds."""
+        g = torch.Generator().manual_seed(1234 + index)
+        seq = sum(case.seq_lens)
+        shape_q = (case.batch, seq, case.q_heads, self.head_dim)
+        shape_kv = (case.batch, seq, case.kv_heads, self.head_dim)
+        inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)]
+        full = [x.to(self.device).clone().requires_grad_() for x in inputs[:3]]
+        out = attention_reference(*full, causal=case.causal)
+        out.backward(inputs[3].to(self.device))
+        ref = [out.detach()] + [x.grad for x in full]
+        if self.dtype == torch.float64:
+            return inputs, ref, [FLOAT64_BOUND] * len(TENSORS)
+        # One rank measures PyTorch's error and all use it: a GPU's backward need not be
+        # deterministic, and every rank must reach the same verdict.
+        bounds = [self._torch_bounds(case, inputs, ref) if self.rank == 0 else None]
+        dist.broadcast_object_list(bounds, src=0, group=self.control)
+        return inputs, ref, bounds[0]
+
+    def _torch_bounds(self, case: Case, inputs, ref) -> list[float]:
+        """2x the error of one-process SDPA in ``self.dtype`` on this device, per tensor."""
+        low = [x.to(self.device, self.dtype).clone().requires_grad_() for x in inputs[:3]]
+        q, k, v = (x.transpose(1, 2) for x in low)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=True).transpose(1, 2)
+        out.backward(inputs[3].to(self.device, self.dtype))
+        errs = [_max_err(out, ref[0])] + [_max_err(x.grad, r) for x, r in zip(low, ref[1:])]
+        return [2 * e.item() for e in errs]
+
+    # -- one path
+    def blank(self, path: PathSpec, status: str = "FAIL", message: str = "", bounds=None) -> dict:
+        """The result record of ``path`` before it ran."""
+        case = path.case
+        return {
+            "path": path.label, "kernels": path.kernels, "kernels_label": kernel_label(path.kernels, self.device),
+            "comm": path.comm, "chunks": path.chunks, "chunks_run": None, "layout": case.name,
+            "q_heads": case.q_heads, "kv_heads": case.kv_heads, "seq_lens": list(case.seq_lens), "batch": case.batch,
+            "head_dim": self.head_dim, "causal": case.causal, "dtype": dtype_name(self.dtype), "backend": None,
+            "status": status, "tensor": None, "max_error": None, "bound": None, "errors": None,
+            "bounds": None if bounds is None else dict(zip(TENSORS, bounds)), "time_ms": None, "message": message,
+        }  # fmt: skip
+
+    @staticmethod
+    def _raised(result: dict, messages: list) -> bool:
+        """Record the ranks' exception messages (``None``: that rank did not raise) in
+        ``result``; True when some rank raised."""
+        errors = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
+        if errors:
+            result["message"] = "; ".join(errors)
+        return bool(errors)
+
+    def run_path(self, path: PathSpec, truth) -> dict:
+        """Run ``path`` on every rank; its result (the same on every rank)."""
+        case = path.case
+        inputs, ref, bounds = truth
+        result = self.blank(path, bounds=bounds)
+        shards = [shard_sequence(x, case.seq_lens, self.rank).to(self.device, self.dtype) for x in inputs]
+        ref_shards = [shard_sequence(r, case.seq_lens, self.rank) for r in ref]
+
+        # 1. Rank-local, no collective: what the call resolves to, and whether it can run.
+        mine = {"error": None, "skip": "", "chunks": None, "backend": None}
+        try:
+            call = setup_attention(
+                *shards[:3], group=self.data, comm=self.comms[path.comm], plan=None, seq_lens=case.seq_lens,
+                causal=case.causal, softmax_scale=None, attn_fn=None, kernels=path.kernels, chunks=path.chunks, check=False,
+            )  # fmt: skip
+            if not getattr(call.kernels, "supports", lambda _: True)(call.layout):
+                mine["skip"] = f"kernel set {path.kernels!r} does not take {self.world} ranks"
+            mine["chunks"], mine["backend"] = call.chunks, getattr(call.backend, "name", type(call.backend).__name__)
+        except Exception as e:  # noqa: BLE001 - any failure of a path is its result, reported by every rank
+            mine["error"] = _short(e)
+        seen = self.gather(mine)
+        if self._raised(result, [s["error"] for s in seen]):
+            return result
+        skips = [s["skip"] for s in seen]
+        if any(skips):
+            if len(set(skips)) > 1:
+                result["message"] = "ranks disagree whether to run it: " + "; ".join(f"rank {r}: {s or 'runs'}" for r, s in enumerate(skips))
+            else:
+                result["status"], result["message"] = "SKIP", skips[0]
+            return result
+        result["chunks_run"], result["backend"] = seen[0]["chunks"], seen[0]["backend"]
+        if len({s["chunks"] for s in seen}) > 1:
+            result["message"] = "ranks resolved different chunk counts: " + ", ".join(str(s["chunks"]) for s in seen)
+            return result
+
+        with _Watchdog(2 * self.timeout + 60, lambda seconds: self._hung(result, seconds)):
+            # 2. Collective: forward and backward. No host sync after the input checks, so on
+            # a GPU a rank whose peer raised still reaches the exchange below.
+            ran, mine = None, None
+            try:
+                ran = self._call(path, shards, result["chunks_run"])
+            except Exception as e:  # noqa: BLE001 - reported by every rank, then the ranks re-sync
+                mine = _short(e)
+            if self._raised(result, self.gather(mine)):
+                self.recover(path.label)
+                return result
+
+            # 3. Rank-local: errors and time (host syncs).
+            mine = {"error": None}
+            try:
+                out, grads, elapsed = ran
+                mine["errors"] = [_max_err(x, r).item() for x, r in zip((out, *grads), ref_shards)]
+                mine["ms"] = elapsed() * 1e3
+            except Exception as e:  # noqa: BLE001 - as above
+                mine["error"] = _short(e)
+            seen = self.gather(mine)
+        if self._raised(result, [s["error"] for s in seen]):
+            return result
+        worst = [max(s["errors"][i] for s in seen) for i in range(len(TENSORS))]
+        bad = [i for i, (e, b) in enumerate(zip(worst, bounds)) if not e <= b]  # NaN fails too
+        pick = bad[0] if bad else max(range(len(TENSORS)), key=lambda i: worst[i] / bounds[i])
+        result.update(
+            status="FAIL" if bad else "PASS", errors=dict(zip(TENSORS, worst)), time_ms=max(s["ms"] for s in seen),
+            tensor=TENSORS[pick], max_error=worst[pick], bound=bounds[pick],
+            message=", ".join(f"{TENSORS[i]} {worst[i]:.3e} > bound {bounds[i]:.1e}" for i in bad),
+        )  # fmt: skip
+        return result
+
+    def _call(self, path: PathSpec, shards, chunks: int):
+        """Forward and backward on this rank: out, the grads, and a function giving the
+        elapsed seconds (called after the exchange: on a GPU it syncs)."""
+        q, k, v = (x.detach().clone().requires_grad_() for x in shards[:3])
+        case, cuda = path.case, self.device.type == "cuda"
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        out = ulysses_attention(
+            q, k, v, group=self.data, causal=case.causal, seq_lens=case.seq_lens, comm=self.comms[path.comm],
+            kernels=path.kernels, chunks=chunks,
+        )  # fmt: skip
+        out.backward(shards[3])
+        if cuda:
+            end.record()
+            return out, (q.grad, k.grad, v.grad), lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
+        t1 = time.perf_counter()
+        return out, (q.grad, k.grad, v.grad), lambda: t1 - t0
+
+    def _hung(self, result: dict, seconds: float) -> None:
+        print(f"selftest: rank {self.rank}: {result['path']} did not finish in {seconds:.0f} s (a hang); ending this rank", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            result["message"] = f"did not finish in {seconds:.0f} s on rank 0 (a hang); the run was ended here"
+            report(self.results + [result], self.env, self.settings, self.not_tested, self.args, complete=False)
+        else:
+            time.sleep(10)  # the ranks' watchdogs fire together: let rank 0 write before a launcher ends it
+
+    # -- the whole run
+    def run(self) -> bool:
+        """Every path, in the same order on every rank; rank 0 reports. True: no FAIL."""
+        args = self.args
+        kernels, why = _kernel_choice(args.kernels)
+        self.not_tested.update({f"kernels {n}": w for n, w in why.items()})
+        every_rank = self.gather(kernels)
+        wanted = args.comms or list(COMMS)
+        self.make_communicators(wanted)
+        cases = make_cases(self.world, self.seq_per_rank, args.layouts or (QUICK_LAYOUTS if args.quick else LAYOUTS))
+        chunks = [_chunk_value(c) for c in (args.chunks or (QUICK_CHUNKS if args.quick else CHUNKS))]
+        # Communicators that are not here: left out by default, a FAIL when asked for.
+        comms = [c for c in wanted if c in self.comms or args.comms]
+        self.settings = {
+            "world_size": self.world, "transport": self.transport, "device": self.device.type,
+            "dtype": dtype_name(self.dtype), "head_dim": self.head_dim, "seq_per_rank": self.seq_per_rank,
+            "kernels": kernels, "comms": comms, "chunks": chunks, "layouts": [c.name for c in cases],
+            "timeout_s": self.timeout, "argv": args.argv,
+            "bound_rule": f"{FLOAT64_BOUND:g} in float64; else 2x PyTorch's own SDPA error in the same dtype on the same device, per tensor",
+        }  # fmt: skip
+        if self.rank == 0:
+            self.env = env_record(self.device, self.world, self.transport, install=info.collect())
+        paths = [PathSpec(kern, comm, c, case) for case in cases for kern in kernels for comm in comms for c in chunks]
+        progress = Progress(len(paths), self.rank == 0, "selftest")
+        differ = "" if all(k == kernels for k in every_rank) else "ranks list different kernel sets: " + "; ".join(
+            f"rank {r}: {k}" for r, k in enumerate(every_rank)
+        )
+        for index, case in enumerate(cases):
+            # Once stopped, nothing more goes to the device: its queue is stuck.
+            truth = None if self.stopped or differ else self.truth(case, index)
+            for path in (p for p in paths if p.case is case):
+                if self.stopped or differ:
+                    result = self.blank(path, message=f"not run: {self.stopped or differ}")
+                elif path.comm not in self.comms:
+                    result = self.blank(path, message=f"not run: {self.not_tested.get('comm ' + path.comm, 'not available')}")
+                else:
+                    result = self.run_path(path, truth)
+                self.results.append(result)
+                progress.step(_progress_line(result))
+        if self.rank == 0:
+            report(self.results, self.env, self.settings, self.not_tested, args)
+        dist.barrier(group=self.control)  # rank 0 has written everything before any rank exits
+        return not any(r["status"] == "FAIL" for r in self.results)
+
+    def close(self) -> None:
+        if self.own_nccl is not None:
+            self.own_nccl.close()
+
+
+# ---- rank 0's output -------------------------------------------------------------------
+def _progress_line(r: dict) -> str:
+    if r["status"] == "PASS":
+        return f"PASS {r['path']}: {r['tensor']} {r['max_error']:.2e} <= {r['bound']:.1e}, {r['time_ms']:.1f} ms"
+    msg = r["message"] if len(r["message"]) <= 160 else r["message"][:157] + "..."
+    return f"{r['status']} {r['path']}: {msg}"
+
+
+def _table(results: list[dict]) -> str:
+    """The result table: text columns left-aligned, numbers right-aligned."""
+    cols = ("path", "heads", "batch x seq", "chunks run", "max error", "bound", "result", "ms")
+    rows = []
+    for r in results:
+        heads = f"{r['q_heads']}q/{r['kv_heads']}kv"
+        seq = f"{r['batch']}x{sum(r['seq_lens'])}" + ("" if len(set(r["seq_lens"])) == 1 else " uneven")
+        err = "" if r["max_error"] is None else f"{r['tensor']} {r['max_error']:.2e}"
+        bound = "" if r["bound"] is None else f"{r['bound']:.1e}"
+        ms = "" if r["time_ms"] is None else f"{r['time_ms']:.1f}"
+        run = "" if r["chunks_run"] is None else str(r["chunks_run"])
+        rows.append((r["path"], heads, seq, run, err, bound, r["status"], ms))
+    widths = [max(len(x) for x in col) for col in zip(cols, *rows)]
+    right = {3, 4, 5, 7}
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def report(results: list[dict], env: dict, settings: dict, not_tested: dict, args, complete: bool = True) -> None:
+    """Rank 0: the table and the failures (stdout), ``--json``, and the verdict file of a
+    spawned run. ``complete=False``: the run was ended early (a hang)."""
+    counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    ok = complete and counts["FAIL"] == 0
+    where = env.get("gpu") if settings.get("device") == "cuda" else CPU_LABEL
+    out = [
+        f"ulysses_kernels self-test: {settings.get('world_size')} ranks ({settings.get('transport')}) on {where}, "
+        f"{settings.get('dtype')}, head_dim {settings.get('head_dim')}; bound: {settings.get('bound_rule')}",
+        _table(results),
+    ]
+    failed = [r for r in results if r["status"] == "FAIL"]
+    if failed:
+        out.append("failures:")
+        out += [f"  {r['path']}: {r['message']}" for r in failed]
+    if not_tested:
+        out.append("not tested here:")
+        out += [f"  {name}: {why}" for name, why in not_tested.items()]
+    verdict = "every path matches the float64 reference" if ok else ("FAILED" if complete else "ENDED EARLY (a hang)")
+    out.append(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped of {len(results)} paths: {verdict}")
+    print("\n".join(out), flush=True)
+    doc = {"ok": ok, "complete": complete, "counts": counts, "settings": settings, "environment": env, "not_tested": not_tested, "paths": results}
+    for path in (args.json, getattr(args, "verdict_file", None)):
+        if path:
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(path).write_text(json.dumps(doc, indent=2))
+    if args.json:
+        print(f"# wrote {args.json}", flush=True)
+
+
+# ---- launch ------------------------------------------------------------------------------
+def _rank_main(rank: int, world: int, device: torch.device, transport: str, args) -> bool:
+    """This rank's self-test; True when no path failed."""
+    for name in args.imports:
+        importlib.import_module(name)
+    me = _Rank(rank, world, device, transport, args)
+    ok = me.run()
+    if me.stopped:
+        # The device still holds work that waits on a collective that never comes: a normal
+        # teardown could wait on it forever. Rank 0 has written everything (run() ends in a barrier).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    me.close()
+    return ok
+
+
+def _spawned(rank: int, world: int, args, transport: str) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
+    _rank_main(rank, world, device, transport, args)
+
+
+def _names(allowed, what: str):
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if allowed is not None and n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{what}: expected a comma list of {', '.join(allowed)}, got {text!r}")
+        return names
+
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ulysses_kernels.selftest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spawn", type=int, default=0, metavar="N",
+                   help="spawn N gloo ranks on the CPU (default without torchrun: one NCCL rank per GPU, else 2 CPU ranks)")  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="write the results and the environment as JSON")
+    p.add_argument("--kernels", type=_names(None, "--kernels"),
+                   help="kernel sets to test (comma list, or 'all'; default: every one that runs here)")  # fmt: skip
+    p.add_argument("--comms", type=_names(COMMS, "--comms"), help=f"communicators ({', '.join(COMMS)}; default: every one usable here)")
+    p.add_argument("--chunks", type=_names(CHUNKS, "--chunks"), help=f"chunk counts ({', '.join(CHUNKS)}; default: all)")
+    p.add_argument("--layouts", type=_names(LAYOUTS, "--layouts"), help=f"head layouts ({', '.join(LAYOUTS)}; default: all)")
+    p.add_argument("--quick", action="store_true", help=f"chunks {','.join(QUICK_CHUNKS)} and layouts {','.join(QUICK_LAYOUTS)} (unless given)")
+    p.add_argument("--dtype", help="input dtype (default: bf16 on GPUs, fp64 on the CPU)")
+    p.add_argument("--seq-per-rank", type=int, default=0, help="tokens per rank (default: 128 on GPUs, 8 on the CPU)")
+    p.add_argument("--head-dim", type=int, default=0, help="head dim (default: 64 on GPUs, 16 on the CPU)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer before the path fails (default 300)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first on every rank, e.g. one that registers a kernel set of yours (repeatable)")  # fmt: skip
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.dtype:
+        try:
+            parse_dtype(args.dtype)
+        except ValueError as e:
+            p.error(str(e))
+    for name in ("spawn", "seq_per_rank", "head_dim"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.timeout <= 0:
+        p.error(f"--timeout must be > 0, got {args.timeout}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for name in args.imports:
+        importlib.import_module(name)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.spawn:
+        # Launched by torchrun: this process is one rank (NCCL when every local rank has a GPU).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        transport = "nccl" if gpus >= local else "gloo"
+        _kernel_choice(args.kernels)  # a bad --kernels stops every rank here, alike
+        if transport == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(transport)
+        device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
+        try:
+            ok = _rank_main(dist.get_rank(), dist.get_world_size(), device, transport, args)
+        finally:
+            dist.destroy_process_group()
+        return 0 if ok else 1
+    world, transport = (args.spawn, "gloo") if args.spawn else (gpus, "nccl") if gpus else (2, "gloo")
+    _kernel_choice(args.kernels)
+    with tempfile.TemporaryDirectory(prefix="ulysses_selftest_") as tmp:
+        args.verdict_file = os.path.join(tmp, "verdict.json")
+        failure = None
+        try:
+            run_ranks(_spawned, world, args, transport, backend=transport, timeout_s=SPAWN_BACKSTOP_S)
+        except (RanksFailed, TimeoutError) as e:
+            failure = e
+        verdict = json.loads(pathlib.Path(args.verdict_file).read_text()) if os.path.exists(args.verdict_file) else None
+    if verdict is None:
+        print(f"selftest: the ranks ended before rank 0 wrote the results:\n{failure}", file=sys.stderr)
+        return 1
+    return 0 if verdict["ok"] and failure is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
