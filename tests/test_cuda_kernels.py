@@ -185,6 +185,91 @@ def test_rank_with_no_heads():
         assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+def _check_chunks(device):
+    """Head chunks (the pipelined path's plans): the unpack visits only the heads its sources
+    hold, so the others keep their value; every chunk and rank against the reference."""
+    from ulysses_kernels.pipeline import chunk_plans
+
+    for hq, hkv, world, chunks, dtype in ((40, 8, 3, 3, torch.float16), (12, 2, 4, 4, torch.bfloat16), (8, 1, 3, 2, torch.float32)):
+        plans = chunk_plans(HeadPlan.build(hq, hkv, world), chunks)
+        assert len(plans) >= 2
+        for c, cp in enumerate(plans):
+            for rank in range(world):
+                lay = Layout(cp, rank, _seq_lens(world), 2, 8)
+                blocks = _blocks(lay, QKV, dtype, device, seed=100 * c + rank)
+                want, got = _outs(lay, QKV, dtype, device), _outs(lay, QKV, dtype, device)
+                L.unpack_h2s(lay, blocks, QKV, want)
+                CK.unpack_h2s(lay, blocks, QKV, got)
+                for i, (a, b) in enumerate(zip(want, got)):
+                    assert torch.equal(a, b), f"{hq}/{hkv} P{world} chunk {c} rank {rank} role {i}"
+
+
+def test_unpack_of_head_chunks_leaves_other_heads():
+    _check_chunks("cpu")
+
+
+# ---- NaN sums: the bits torch's add_ writes on the same device -----------------------------
+# Per dtype: quiet, negative quiet, signaling (the add makes it quiet), odd payloads.
+NAN_BITS = {
+    torch.bfloat16: (0x7FC0, 0xFFC0, 0x7F81, 0xFFA5, 0x7FFF),
+    torch.float16: (0x7E00, 0xFE00, 0x7D11, 0xFC01, 0x7FFF),
+}
+TORCH_CPU_VECTORIZED = torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
+
+
+def _i16(x: int) -> int:
+    return x - 0x10000 if x >= 0x8000 else x
+
+
+def _nan_case(dtype, device, world=4, d=64):
+    """MQA over ``world`` ranks: each rank's [1, 2, 1, d] block of the one KV head is summed.
+    Columns 0-4 hold NaN payloads in replica 0, 5-9 in replica 2; column 10 is inf + (-inf),
+    11 (bf16 only) NaN in replicas 0 and 3 (which of two fp16 payloads an add keeps is the
+    hardware's choice, see csrc/kernels/layout_math.h), 12 inf. d = 64: the reference's add_
+    runs on whole rows of 64, all in torch's vector path on the CPU."""
+    lay = Layout(HeadPlan.build(8, 1, world), 0, (2,) * world, 1, d)
+    g = torch.Generator().manual_seed(5)
+    blocks = [torch.randn(1, 2, 1, d, generator=g).to(dtype) for _ in range(world)]
+    bits = [b.view(torch.int16) for b in blocks]
+    for i, nan in enumerate(NAN_BITS[dtype]):
+        bits[0][..., i] = _i16(nan)
+        bits[2][..., 5 + i] = _i16(nan)
+    blocks[1][..., 10], blocks[3][..., 10], blocks[0][..., 12] = float("inf"), float("-inf"), float("inf")
+    if dtype == torch.bfloat16:
+        bits[0][..., 11], bits[3][..., 11] = _i16(0x7FC0), _i16(0xFFA5)
+    return lay, [[b.to(device)] for b in blocks]
+
+
+def _unpack_nan_case(dtype, device):
+    lay, blocks = _nan_case(dtype, device)
+    (want,), (got,) = _outs(lay, ("kv",), dtype, device), _outs(lay, ("kv",), dtype, device)
+    L.unpack_h2s(lay, blocks, ("kv",), [want])
+    CK.unpack_h2s(lay, blocks, ("kv",), [got])
+    nan = torch.isnan(want)
+    assert int(nan.sum()) == 2 * (12 if dtype == torch.bfloat16 else 11)
+    assert torch.equal(want.view(torch.int16), got.view(torch.int16))
+    assert bool(torch.isinf(got[..., 12]).all())
+    return got.view(torch.int16)[nan]
+
+
+@pytest.mark.skipif(not TORCH_CPU_VECTORIZED, reason="torch's CPU add_ writes these NaN bits in its AVX2/AVX-512 kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unpack_nan_sums_match_torch_cpu_add(dtype):
+    nan_bits = _unpack_nan_case(dtype, "cpu")
+    if dtype == torch.bfloat16:
+        assert bool((nan_bits == _i16(0xFFFF)).all())  # at::vec's cvtfp32_bf16
+    else:  # F16C: the payload survives (quiet bit set), e.g. 0x7D11 -> 0x7F11
+        assert {_i16(0x7F11), _i16(0xFE01)} <= set(nan_bits.tolist())
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_unpack_nan_sums_match_torch_cuda_add(dtype):
+    nan_bits = _unpack_nan_case(dtype, "cuda")
+    assert bool((nan_bits == 0x7FFF).all())  # cvt.rn.bf16.f32 / cvt.rn.f16.f32: canonical NaN
+
+
 def test_auto_prefers_cuda_only_on_gpu_tensors():
     assert "cuda" in available_kernels()
     assert get_kernels("cuda", torch.device("cpu")).name == "cuda"
@@ -297,6 +382,26 @@ def test_gpu_unpack_matches_cpu_twin(plan, rank, batch, d, dtype):
         CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cuda", seed), roles, got)
         for a, b in zip(want, got):
             assert torch.equal(a, b.cpu())
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype", [(8, torch.bfloat16), (72, torch.bfloat16), (1, torch.float32), (600, torch.float32)])
+def test_gpu_pack_row_lengths(d, dtype):
+    # The 2-D pack launch at 1 unit per row (256 rows per block), 9, and 600 units (more
+    # than the block's 256 threads: each lane loops); contiguous and strided sources.
+    lay = Layout(HeadPlan.build(10, 2, 4), 1, (33, 17, 40, 5), 2, d)
+    for kind in ("contiguous", "strided"):
+        q, k, v = _qkv(lay, dtype, "cuda", kind)
+        for with_recv in (False, True):
+            (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv)
+            assert torch.equal(ref, got) and torch.equal(ref_r, got_r), (kind, with_recv)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_unpack_of_head_chunks_leaves_other_heads():
+    _check_chunks("cuda")
 
 
 @needs_gpu

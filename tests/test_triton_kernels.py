@@ -155,6 +155,54 @@ def test_bf16_sum_rounding_ties_and_specials():
     assert torch.equal(_bits(ref)[~nan], _bits(got)[~nan])
 
 
+# NaN payloads through the replica sum (quiet, negative, signaling, odd payloads).
+NAN_BITS = {
+    torch.bfloat16: (0x7FC0, 0xFFC0, 0x7F81, 0xFFA5, 0x7FFF),
+    torch.float16: (0x7E00, 0xFE00, 0x7D11, 0xFC01, 0x7FFF),
+}
+
+
+def _i16(x: int) -> int:
+    return x - 0x10000 if x >= 0x8000 else x
+
+
+@pytest.mark.skipif(
+    DEVICE == "cpu" and not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")),
+    reason="torch's CPU add_ writes these NaN bits in its AVX2/AVX-512 kernels",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nan_sums_match_torch_add(dtype):
+    """MQA over 4 ranks (4 replicas of the KV head summed) with NaN payloads in replica 0
+    (columns 0-4) or 2 (5-9), inf + (-inf) (10), and for bf16 NaN in two replicas (11; which
+    fp16 payload an add keeps then is the hardware's choice): the bits of PyTorch's own add_
+    on this device (CPU: 0xFFFF for bf16, fp16 payloads kept; CUDA: 0x7FFF)."""
+    world, d = 4, 64  # d = 64: the reference's add_ runs on whole rows, in torch's CPU vector path
+    lay = Layout(HeadPlan.build(8, 1, world), 0, (2,) * world, 1, d)
+    gen = torch.Generator().manual_seed(5)
+    blocks = [torch.randn(1, 2, 1, d, generator=gen).to(dtype) for _ in range(world)]
+    bits = [b.view(torch.int16) for b in blocks]
+    for i, nan in enumerate(NAN_BITS[dtype]):
+        bits[0][..., i] = _i16(nan)
+        bits[2][..., 5 + i] = _i16(nan)
+    blocks[1][..., 10], blocks[3][..., 10] = float("inf"), float("-inf")
+    if dtype == torch.bfloat16:
+        bits[0][..., 11], bits[3][..., 11] = _i16(0x7FC0), _i16(0xFFA5)
+    blocks = [[b.to(DEVICE)] for b in blocks]
+    ref = torch.zeros(1, 2, 1, d, dtype=dtype, device=DEVICE)
+    got = torch.ones_like(ref)
+    L.unpack_h2s(lay, blocks, ("kv",), [ref])
+    TritonKernels.unpack_h2s(lay, blocks, ("kv",), [got])
+    nan = torch.isnan(ref)
+    assert int(nan.sum()) == 2 * (12 if dtype == torch.bfloat16 else 11)
+    assert torch.equal(_bits(ref), _bits(got))
+    if DEVICE == "cuda":
+        assert bool((_bits(got)[nan] == 0x7FFF).all())
+    elif dtype == torch.bfloat16:
+        assert bool((_bits(got)[nan] == _i16(0xFFFF)).all())
+    else:
+        assert {_i16(0x7F11), _i16(0xFE01)} <= set(_bits(got)[nan].tolist())
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int32, torch.uint8])
 def test_bit_movers(dtype):
     """Pure data movement works for any element width, fp8 included."""
@@ -225,27 +273,38 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ulysses_kernels.kernels.triton_kernels import _gather_columns_kernel as fn
 
-def ptx(elem, flt, has_sum, bf16, vec):
+def ptx(elem, flt, has_sum, bf16, vec, d=128):
     sig = {n: "*i64" for n in ("addr_ptr", "col_ptr", "src_ptr")}
-    sig.update(n_rows="i32", batch="i32", D="i32")
-    const = dict(ELEM=elem, FLOAT=flt, ACC=tl.float32, HAS_SUM=has_sum, IS_BF16=bf16, BF16_NAN=0x7FFF,
-                 D_CONTIG=True, VEC=vec, BLOCK_R=32, BLOCK_D=128)
+    sig.update(n_rows="i32", batch="i32")
+    const = dict(D=d, ELEM=elem, FLOAT=flt, ACC=tl.float32, HAS_SUM=has_sum, IS_BF16=bf16, BF16_NAN=0x7FFF,
+                 D_CONTIG=True, VEC=vec, BLOCK_R=32, BLOCK_D=triton.next_power_of_2(d))
     sig.update({n: "constexpr" for n in const})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5)}  # D = 128: divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2)}  # the three table pointers
     k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     return k.asm["ptx"]
 
+def accesses(p):
+    # "v4": 16-byte loads and stores, and no 2-byte access left anywhere.
+    v4 = re.search(r"ld\.global\.v4", p) and re.search(r"st\.global\.v4", p)
+    return "v4" if v4 and not re.search(r"(ld|st)\.global\.b16", p) else "scalar"
+
 for name, args in {"copy": (tl.int16, tl.bfloat16, False, True), "sum": (tl.int16, tl.bfloat16, True, True)}.items():
     for vec in (8, 1):
-        p = ptx(*args, vec)
-        print(name, vec, "v4" if re.search(r"ld\.global\.v4", p) and re.search(r"st\.global\.v4", p) else "scalar")
+        print(name, vec, accesses(ptx(*args, vec)))
+for d in (40, 72, 80, 96, 128):
+    for name, args in {"copy": (tl.int16, tl.bfloat16, False, True), "sum": (tl.int16, tl.bfloat16, True, True)}.items():
+        print("D", d, name, accesses(ptx(*args, 8, d)))
 """
+
+HEAD_DIMS = (40, 72, 80, 96, 128)
 
 
 def test_compiles_for_sm90_with_16_byte_accesses_only_when_aligned():
     """The kernel compiles for sm_90 (no GPU needed: Triton's own LLVM and ptxas), and the
     alignment hints take effect: 16-byte loads/stores with VEC > 1, scalar ones with VEC = 1.
-    Triton drops an integer's divisibility at int_to_ptr, so hints must sit on the pointer."""
+    Triton drops an integer's divisibility at int_to_ptr, so hints must sit on the pointer.
+    Every common head_dim gets 16-byte accesses and no 2-byte ones (bf16): D is constexpr,
+    so the mask ``d < D`` is known constant over 8 elements at D = 40 or 72 too."""
     import os
     import subprocess
     import sys
@@ -256,7 +315,9 @@ def test_compiles_for_sm90_with_16_byte_accesses_only_when_aligned():
     if res.returncode and ("ptxas" in res.stderr or "ASTSource" in res.stderr) and "CompilationError" not in res.stderr:
         pytest.skip(f"cannot compile for sm_90 here: {res.stderr[-500:]}")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split("\n")[:4] == ["copy 8 v4", "copy 1 scalar", "sum 8 v4", "sum 1 scalar"], res.stdout
+    lines = res.stdout.split("\n")
+    assert lines[:4] == ["copy 8 v4", "copy 1 scalar", "sum 8 v4", "sum 1 scalar"], res.stdout
+    assert lines[4:14] == [f"D {d} {op} v4" for d in HEAD_DIMS for op in ("copy", "sum")], res.stdout
 
 
 def test_too_many_head_columns_for_the_grid():

@@ -114,15 +114,34 @@ struct RowCopy {
 };
 
 // ---- launch geometry (pack.cu launches; here so the host tests can check it) -----------
-// A 1-D grid-stride launch: blockDim.x = kThreads, gridDim.x = grid_blocks(work) <= kMaxBlocks.
-// Nothing goes to gridDim.y/z (at most 65535 each, which B * S alone passes at 64K tokens);
-// gridDim.x may be up to 2^31 - 1, far above kMaxBlocks. Beyond kMaxBlocks * kThreads units
-// each thread loops (1M tokens, 64 heads, D = 128 bf16: 1.1e9 units, 16 per thread).
+// Grid-stride launches of kThreads threads per block, gridDim.x <= kMaxBlocks. Nothing goes
+// to gridDim.y/z (at most 65535 each, which B * S alone passes at 64K tokens); gridDim.x
+// may be up to 2^31 - 1, far above kMaxBlocks. Beyond kMaxBlocks * kThreads each thread
+// loops (1M tokens, 64 heads, D = 128 bf16: 1.1e9 units, 16 per thread).
+//   unpack: 1-D, one thread per unit, gridDim.x = grid_blocks(units).
+//   pack:   2-D blocks of pack_block(units_per_row): blockDim.y rows at a time, blockDim.x
+//           lanes along each row; gridDim.x = pack_grid(rows, block) (see pack.cu).
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = int64_t(1) << 18;
 
 UK_HD int64_t grid_blocks(int64_t work) {
   const int64_t b = (work + kThreads - 1) / kThreads;
+  return b < kMaxBlocks ? b : kMaxBlocks;
+}
+
+// blockDim of the pack: `lanes` threads along a row (all its units when it has at most
+// kThreads of them, else each lane loops), `rows` rows per block (lanes * rows <= kThreads).
+struct PackBlock {
+  int lanes, rows;
+};
+
+UK_HD PackBlock pack_block(int64_t units_per_row) {
+  const int lanes = units_per_row < 1 ? 1 : units_per_row < kThreads ? (int)units_per_row : kThreads;
+  return PackBlock{lanes, kThreads / lanes};
+}
+
+UK_HD int64_t pack_grid(int64_t rows, const PackBlock& block) {
+  const int64_t b = (rows + block.rows - 1) / block.rows;
   return b < kMaxBlocks ? b : kMaxBlocks;
 }
 
@@ -132,7 +151,8 @@ UK_HD int64_t grid_blocks(int64_t work) {
 // byte offsets are always int64_t (a rank's send buffer passes 4 GiB at 1M tokens).
 constexpr int64_t kNarrowLimit = int64_t(1) << 31;
 
-// A uint32_t grid-stride index stays below work + gridDim.x * blockDim.x; it must not wrap
+// A uint32_t grid-stride index (a unit of the unpack, a row of the pack: never more than
+// kThreads rows per block) stays below work + gridDim.x * kThreads; it must not wrap
 // before the loop test sees it past the end.
 static_assert(kNarrowLimit - 1 + kMaxBlocks * kThreads < (int64_t(1) << 32),
               "a 32-bit grid-stride index could wrap: lower kNarrowLimit or kMaxBlocks");
@@ -165,17 +185,45 @@ UK_HD RowCopy pack_row(const PackParams& p, I row) {
   return r;
 }
 
-// Output row (b, t, head) of an unpack, from a flat row index over [B][s][H].
+// Output row (b, t, head) of an unpack.
 struct OutRow {
   int64_t b, t, head;
 };
 
+// The output heads an unpack launch visits: [head0, head0 + heads), the smallest span that
+// holds every source's heads (heads = 0: no source holds any). A head chunk of the
+// pipelined path holds a few of the output's heads; a launch over all of them would start
+// n_chunks times the threads it needs, each scanning every source to find nothing.
+// NOTE: expected to make a chunked unpack cost what one unchunked unpack costs in total
+// (unmeasured: no GPU yet).
+struct HeadSpan {
+  int64_t head0, heads;
+};
+
+UK_HD HeadSpan unpack_head_span(const UnpackParams& p) {
+  bool any = false;
+  int64_t lo = 0, hi = 0;
+  for (int s = 0; s < p.n_src; ++s) {
+    if (p.head0[s] >= p.head1[s]) continue;
+    lo = any && lo < p.head0[s] ? lo : p.head0[s];
+    hi = any && hi > p.head1[s] ? hi : p.head1[s];
+    any = true;
+  }
+  return HeadSpan{lo, hi - lo};
+}
+
+// Units of an unpack launch over `span`: rows [B][s][span.heads], units_per_row each.
+UK_HD int64_t unpack_units(const UnpackParams& p, const HeadSpan& span) {
+  return p.batch * p.seq * span.heads * p.units_per_row;
+}
+
+// Output row `row` of a launch over [B][s][span.heads].
 template <class I>
-UK_HD OutRow unpack_out_row(const UnpackParams& p, I row) {
-  const I h = (I)p.out_heads;
+UK_HD OutRow unpack_out_row(const UnpackParams& p, const HeadSpan& span, I row) {
+  const I h = (I)span.heads;
   const I bt = row / h;
   OutRow r;
-  r.head = (int64_t)(row - bt * h);
+  r.head = span.head0 + (int64_t)(row - bt * h);
   r.t = (int64_t)(bt % (I)p.seq);
   r.b = (int64_t)(bt / (I)p.seq);
   return r;
@@ -184,7 +232,28 @@ UK_HD OutRow unpack_out_row(const UnpackParams& p, I row) {
 // ---- element types of the unpack sum ---------------------------------------------------
 // Reduced floats are added in float and rounded to nearest even, as torch's add_ does
 // (opmath float, one rounding per addition). The conversions are bit manipulations so the
-// host twin and the device kernel run the very same code.
+// host twin and the device kernel run the very same code, except for the bits of a NaN
+// sum, which follow torch's add_ on the same device:
+//  - CUDA: c10::BFloat16(float) and c10::Half(float) (torch/headeronly/util/BFloat16.h,
+//    Half.h) are __float2bfloat16 / __float2half from sm_80 on, i.e. cvt.rn.bf16.f32 and
+//    cvt.rn.f16.f32, which write every NaN as the canonical 0x7FFF (the host emulations
+//    of both in cuda_bf16.hpp / cuda_fp16.hpp return 0x7FFF as well).
+//  - CPU, bf16: add_ rounds with at::vec's cvtfp32_bf16 (ATen/cpu/vec/vec256/
+//    vec256_16bit_float.h, vec512/vec512_bfloat16.h), which writes every NaN as 0xFFFF.
+//    Its scalar tail (c10::detail::round_to_nearest_even: 0x7FC0) only runs on the last
+//    elements of a contiguous run that is not a multiple of the vector step (32 on AVX2,
+//    64 on AVX-512), so runs of 64 or 128 elements (a head of D = 64 or 128) never reach it.
+//  - CPU, fp16: c10::Half(float) and at::vec both convert with F16C (_cvtss_sh,
+//    _mm256_cvtps_ph): the sign and the top 10 payload bits are kept, the quiet bit set.
+// Which of two NaN operands an add returns is the hardware's choice (torch's CPU scalar
+// and vector paths differ there; a GPU returns the canonical NaN), so it is not pinned down.
+// kDeviceNaN: this pass of the compiler builds device code (NaN sums take torch's CUDA bits).
+#if defined(__CUDA_ARCH__)
+constexpr bool kDeviceNaN = true;
+#else
+constexpr bool kDeviceNaN = false;
+#endif
+
 UK_HD uint32_t float_bits(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
@@ -213,8 +282,10 @@ UK_HD uint16_t float_to_half(float f) {
   uint32_t x = float_bits(f);
   const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return (uint16_t)(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
-  if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (x > 0x7f800000u) {  // NaN, see above
+    return kDeviceNaN ? (uint16_t)0x7fffu : (uint16_t)(sign | 0x7e00u | ((x & 0x7fffffu) >> 13));
+  }
+  if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // inf, and >= 65520 rounds to inf
   if (x < 0x38800000u) {                                     // half subnormal or zero
     if (x <= 0x33000000u) return sign;                       // <= 2^-25: ties to 0
     const uint32_t e = x >> 23;
@@ -235,7 +306,7 @@ UK_HD float bf16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
 
 UK_HD uint16_t float_to_bf16(float f) {
   const uint32_t u = float_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  if ((u & 0x7fffffffu) > 0x7f800000u) return kDeviceNaN ? 0x7fffu : 0xffffu;  // NaN, see above
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -273,26 +344,36 @@ UK_HD char* unpack_dst(const UnpackParams& p, const OutRow& r, int64_t u, int64_
   return p.out + r.b * p.ob + r.t * p.os + r.head * p.oh + (p.od == p.elem ? u * unit : u * p.od);
 }
 
+UK_HD bool holds(const UnpackParams& p, int s, int64_t head) { return head >= p.head0[s] && head < p.head1[s]; }
+
 // One unit of an unpack output row: the first holder copied, later holders added.
 // Returns false when no source holds `head` (the output is left as it was).
+// The first holder is loaded straight into the accumulator and each later one into its own
+// temporary: choosing the destination of a load at run time (one buffer or the other)
+// put both in local memory (NOTE: ptxas reported an 8-32 byte stack frame for 38 of the 60
+// kernels, and the bf16 16-byte kernel's PTX had 17 local loads and 9 local stores per
+// unit; now no kernel has any, checked by scripts/ptxas_check.py).
 template <class Op, int UNIT>
 UK_HD bool unpack_unit(const UnpackParams& p, const OutRow& r, int64_t u) {
   using T = typename Op::T;
   constexpr int N = UNIT / (int)sizeof(T);
+  int s = 0;
+  while (s < p.n_src && !holds(p, s, r.head)) ++s;
+  if (s == p.n_src) return false;
   union {
     T v[N];
     Unit<UNIT> raw;
-  } acc, in;
-  bool any = false;
-  for (int s = 0; s < p.n_src; ++s) {
-    if (r.head < p.head0[s] || r.head >= p.head1[s]) continue;
-    copy_unit<UNIT>(any ? &in.raw : &acc.raw, unpack_src(p, r, s, u, UNIT));
-    if (any) {
-      for (int e = 0; e < N; ++e) acc.v[e] = Op::add(acc.v[e], in.v[e]);
-    }
-    any = true;
+  } acc;
+  copy_unit<UNIT>(&acc.raw, unpack_src(p, r, s, u, UNIT));
+  for (++s; s < p.n_src; ++s) {
+    if (!holds(p, s, r.head)) continue;
+    union {
+      T v[N];
+      Unit<UNIT> raw;
+    } in;
+    copy_unit<UNIT>(&in.raw, unpack_src(p, r, s, u, UNIT));
+    for (int e = 0; e < N; ++e) acc.v[e] = Op::add(acc.v[e], in.v[e]);
   }
-  if (!any) return false;
   copy_unit<UNIT>(unpack_dst(p, r, u, UNIT), &acc.raw);
   return true;
 }

@@ -38,10 +38,10 @@ bool copy_row(const UnpackParams& p, const OutRow& r) {
 }
 
 template <class Op, int UNIT, class I>
-void unpack_rows_t(const UnpackParams& p) {
-  const I rows = (I)(p.batch * p.seq * p.out_heads);
+void unpack_rows_t(const UnpackParams& p, const HeadSpan& span) {
+  const I rows = (I)(p.batch * p.seq * span.heads);
   for (I row = 0; row < rows; ++row) {
-    const OutRow r = unpack_out_row<I>(p, row);
+    const OutRow r = unpack_out_row<I>(p, span, row);
     if (std::is_same<Op, CopyOnly>::value && copy_row(p, r)) continue;
     for (int64_t u = 0; u < p.units_per_row; ++u) {
       if (!unpack_unit<Op, UNIT>(p, r, u)) break;  // no source holds this head
@@ -52,12 +52,14 @@ void unpack_rows_t(const UnpackParams& p) {
 // The same index width the CUDA launch would use (pack.cu), unless forced wide.
 bool narrow(int64_t work, bool force_wide) { return !force_wide && narrow_index(work); }
 
+// Over the heads the sources hold only, as the CUDA launch does (unpack_head_span).
 template <class Op, int UNIT>
 void unpack_rows(const UnpackParams& p, bool force_wide) {
-  if (narrow(p.batch * p.seq * p.out_heads * p.units_per_row, force_wide)) {
-    unpack_rows_t<Op, UNIT, uint32_t>(p);
+  const HeadSpan span = unpack_head_span(p);
+  if (narrow(unpack_units(p, span), force_wide)) {
+    unpack_rows_t<Op, UNIT, uint32_t>(p, span);
   } else {
-    unpack_rows_t<Op, UNIT, int64_t>(p);
+    unpack_rows_t<Op, UNIT, int64_t>(p, span);
   }
 }
 

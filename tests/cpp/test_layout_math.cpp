@@ -42,13 +42,26 @@ static void test_half_rounding() {
   EXPECT(float_to_half(1.0f + std::ldexp(1.0f, -11)) == 0x3c00u);    // tie -> even mantissa
   EXPECT(float_to_half(1.0f + std::ldexp(3.0f, -11)) == 0x3c02u);
   EXPECT(float_to_half(2048.0f + 1.0f) == 0x6800u);                   // 2049 -> 2048
+  // NaN on the host as F16C converts it (torch's CPU add_): sign and top 10 payload bits
+  // kept, quiet bit set. Infinities stay infinities.
+  EXPECT(float_to_half(bits_float(0x7fc00000u)) == 0x7e00u);
+  EXPECT(float_to_half(bits_float(0xffc00000u)) == 0xfe00u);
+  EXPECT(float_to_half(bits_float(0x7fe22000u)) == 0x7f11u);
+  EXPECT(float_to_half(bits_float(0xff822000u)) == 0xfe11u);  // signaling: made quiet
+  EXPECT(float_to_half(bits_float(0x7f800001u)) == 0x7e00u);  // payload below the top 10 bits
+  EXPECT(float_to_half(INFINITY) == 0x7c00u && float_to_half(-INFINITY) == 0xfc00u);
 }
 
 static void test_bf16_rounding() {
   EXPECT(float_to_bf16(1.0f) == 0x3f80u);
   EXPECT(float_to_bf16(1.0f + std::ldexp(1.0f, -8)) == 0x3f80u);  // tie -> even
   EXPECT(float_to_bf16(1.0f + std::ldexp(3.0f, -8)) == 0x3f82u);
-  EXPECT(float_to_bf16(NAN) == 0x7fc0u);
+  // NaN: 0xFFFF on the host, as torch's CPU add_ writes it (at::vec's cvtfp32_bf16; the
+  // CUDA kernels write 0x7FFF, see layout_math.h), whatever the sign and payload.
+  for (uint32_t bits : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xffa5a5a5u, 0x7fffffffu}) {
+    EXPECT(float_to_bf16(bits_float(bits)) == 0xffffu);
+  }
+  EXPECT(float_to_bf16(INFINITY) == 0x7f80u && float_to_bf16(-INFINITY) == 0xff80u);
   for (uint32_t h = 0; h < 0x10000u; ++h) {
     const float f = bf16_to_float((uint16_t)h);
     if (!std::isnan(f) && float_to_bf16(f) != h) {
@@ -75,16 +88,30 @@ static Plan plan_40_8_3() {
   return p;
 }
 
-static void test_pack(int unit, bool redirect, bool wide) {
-  const Plan pl = plan_40_8_3();
-  const int B = 2, s = 3, D = 6, H[3] = {40, 8, 8}, pad = 2, rank = 1, S = 7, off = 2;
-  // Sources [B][s][H][D + pad]: rows strided, D contiguous.
-  std::vector<std::vector<float>> src(3);
-  for (int i = 0; i < 3; ++i) {
-    src[i].resize((size_t)B * s * H[i] * (D + pad));
-    for (size_t e = 0; e < src[i].size(); ++e) src[i][e] = (float)(i * 100000 + e);
-  }
+// The plan above packed from sources [B][s][H][D + pad] (rows strided, D contiguous) into
+// the send buffer, the block of rank 1 optionally redirected into its receive buffer.
+struct PackCase {
+  static constexpr int B = 2, s = 3, pad = 2, rank = 1, S = 7, off = 2;
+  static constexpr int H[3] = {40, 8, 8};
+  int D = 0;
+  bool redirect = false;
+  std::vector<std::vector<float>> src;
+  std::vector<float> send, recv;
   PackParams p{};
+};
+
+static void make_pack_case(PackCase& c, int D, int unit, bool redirect) {
+  const Plan pl = plan_40_8_3();
+  const int B = c.B, s = c.s, pad = c.pad;
+  c.D = D;
+  c.redirect = redirect;
+  c.src.assign(3, {});
+  for (int i = 0; i < 3; ++i) {
+    c.src[i].resize((size_t)B * s * c.H[i] * (D + pad));
+    for (size_t e = 0; e < c.src[i].size(); ++e) c.src[i][e] = (float)(i * 100000 + e);
+  }
+  PackParams& p = c.p;
+  p = PackParams{};
   p.n_roles = 3;
   p.n_peers = 3;
   p.batch = B;
@@ -94,7 +121,7 @@ static void test_pack(int unit, bool redirect, bool wide) {
   p.units_per_row = p.row_bytes / unit;
   for (int i = 0; i < 3; ++i) {
     const int64_t sh = (D + pad) * 4;
-    p.src[i] = Strided4{(const char*)src[i].data(), s * H[i] * sh, H[i] * sh, sh, 4};
+    p.src[i] = Strided4{(const char*)c.src[i].data(), s * c.H[i] * sh, c.H[i] * sh, sh, 4};
     p.src_unit_stride[i] = unit;
   }
   int64_t rows = 0;
@@ -111,16 +138,21 @@ static void test_pack(int unit, bool redirect, bool wide) {
     rows += (int64_t)B * s * h;
   }
   p.peer_row0[3] = rows;
-  std::vector<float> send((size_t)rows * D, -1.0f);
-  const int h_r = p.peer_heads[rank];
-  std::vector<float> recv((size_t)B * S * h_r * D, -1.0f);
-  p.dst = (char*)send.data();
-  p.redirect_peer = redirect ? rank : -1;
+  c.send.assign((size_t)rows * D, -1.0f);
+  const int h_r = p.peer_heads[c.rank];
+  c.recv.assign((size_t)B * c.S * h_r * D, -1.0f);
+  p.dst = (char*)c.send.data();
+  p.redirect_peer = redirect ? c.rank : -1;
   p.redirect_ss = (int64_t)h_r * D * 4;
-  p.redirect_sb = S * p.redirect_ss;
-  p.redirect_ptr = (char*)recv.data() + off * p.redirect_ss;
-  pack_cpu(p, wide);
-  // Naive: block of peer r is [B][s][q heads | k heads | v heads][D].
+  p.redirect_sb = c.S * p.redirect_ss;
+  p.redirect_ptr = (char*)c.recv.data() + c.off * p.redirect_ss;
+}
+
+// Naive: the block of peer r is [B][s][q heads | k heads | v heads][D].
+static void check_pack_case(const PackCase& c) {
+  const PackParams& p = c.p;
+  const int B = c.B, s = c.s, D = c.D, S = c.S, rank = c.rank, h_r = p.peer_heads[rank];
+  const int before = failures;
   size_t g = 0;
   for (int r = 0; r < 3; ++r) {
     for (int b = 0; b < B; ++b)
@@ -129,17 +161,73 @@ static void test_pack(int unit, bool redirect, bool wide) {
         for (int i = 0; i < 3; ++i)
           for (int head = p.head0[r][i]; head < p.head0[r][i] + p.heads[r][i]; ++head, ++j)
             for (int d = 0; d < D; ++d, ++g) {
-              const float want = src[i][(((size_t)b * s + t) * H[i] + head) * (D + pad) + d];
-              if (redirect && r == rank) {
-                EXPECT(send[g] == -1.0f);
-                EXPECT(recv[(((size_t)b * S + off + t) * h_r + j) * D + d] == want);
+              const float want = c.src[i][(((size_t)b * s + t) * c.H[i] + head) * (D + c.pad) + d];
+              if (c.redirect && r == rank) {
+                EXPECT(c.send[g] == -1.0f);
+                EXPECT(c.recv[(((size_t)b * S + c.off + t) * h_r + j) * D + d] == want);
               } else {
-                EXPECT(send[g] == want);
+                EXPECT(c.send[g] == want);
               }
+              if (failures > before) return;
             }
       }
   }
-  EXPECT(g == send.size());
+  EXPECT(g == c.send.size());
+}
+
+static void test_pack(int unit, bool redirect, bool wide) {
+  PackCase c;
+  make_pack_case(c, 6, unit, redirect);
+  pack_cpu(c.p, wide);
+  check_pack_case(c);
+}
+
+// The 2-D pack launch of pack.cu (pack_block, pack_grid), run thread by thread on the host:
+// the first blockDim.y threads of a block decode one row each into "shared memory", then
+// thread (x, y) copies units x, x + blockDim.x, ... of row y. The grid is cut to
+// `max_blocks` so that blocks also step over row tiles as they do past kMaxBlocks. Every row
+// must be decoded exactly once, every unit copied exactly once, and the result be the layout.
+static void test_pack_2d_launch(int D, int unit, bool redirect, int64_t max_blocks) {
+  PackCase c;
+  make_pack_case(c, D, unit, redirect);
+  const PackParams& p = c.p;
+  const int64_t rows = p.peer_row0[p.n_peers], upr = p.units_per_row;
+  const PackBlock blk = pack_block(upr);
+  const bool fits = blk.lanes >= 1 && blk.rows >= 1 && blk.lanes * blk.rows <= kThreads;
+  EXPECT(fits);
+  if (!fits) return;  // the kernel's shared rows[kThreads] would overflow
+  EXPECT(blk.lanes == (upr < kThreads ? upr : kThreads));
+  const int64_t full_grid = pack_grid(rows, blk);
+  EXPECT(full_grid * blk.rows >= rows && (full_grid - 1) * blk.rows < rows);
+  const int64_t grid = full_grid < max_blocks ? full_grid : max_blocks;
+  std::vector<int> decoded((size_t)rows, 0), copied((size_t)(rows * upr), 0);
+  std::vector<RowCopy> shared((size_t)kThreads);
+  const int threads = blk.lanes * blk.rows;
+  for (int64_t block = 0; block < grid; ++block) {
+    for (int64_t row0 = block * blk.rows; row0 < rows; row0 += grid * blk.rows) {
+      for (int tid = 0; tid < threads; ++tid) {
+        if (tid < blk.rows && row0 + tid < rows) {
+          shared[tid] = pack_row<uint32_t>(p, (uint32_t)(row0 + tid));
+          ++decoded[(size_t)(row0 + tid)];
+        }
+      }
+      for (int y = 0; y < blk.rows; ++y) {
+        if (row0 + y >= rows) continue;
+        const RowCopy r = shared[y];
+        for (int x = 0; x < blk.lanes; ++x) {
+          for (int64_t u = x; u < upr; u += blk.lanes) {
+            memcpy(r.dst + u * unit, r.src + u * r.src_unit_stride, (size_t)unit);
+            ++copied[(size_t)((row0 + y) * upr + u)];
+          }
+        }
+      }
+    }
+  }
+  bool once = true;
+  for (int n : decoded) once = once && n == 1;
+  for (int n : copied) once = once && n == 1;
+  EXPECT(once);
+  check_pack_case(c);
 }
 
 static void test_unpack_sums_in_rank_order(bool wide) {
@@ -187,6 +275,128 @@ static void test_unpack_sums_in_rank_order(bool wide) {
         const uint16_t got = out[((size_t)t * H + head) * D + d];
         EXPECT(got == (any ? acc : 0x7777u));
       }
+}
+
+// An unpack whose sources hold only heads [5, 9) of 12 (a head chunk of the pipelined path):
+// the launch visits the rows of that span only, each once; heads outside it stay as they
+// were, head 6 (held twice) is summed, and with no heads at all nothing is launched.
+static UnpackParams unpack_case(std::vector<float>& out, std::vector<std::vector<float>>& blk, const int* a,
+                                const int* b, int n_src, int B, int s, int H, int D, int unit) {
+  UnpackParams u{};
+  u.out = (char*)out.data();
+  u.ob = (int64_t)s * H * D * 4;
+  u.os = (int64_t)H * D * 4;
+  u.oh = D * 4;
+  u.od = 4;
+  u.batch = B;
+  u.seq = s;
+  u.out_heads = H;
+  u.d = D;
+  u.elem = 4;
+  u.unit = unit;
+  u.units_per_row = D * 4 / unit;
+  u.n_src = n_src;
+  for (int q = 0; q < n_src; ++q) {
+    const int h = b[q] - a[q];
+    u.blk[q] = Strided4{(const char*)blk[q].data(), (int64_t)s * h * D * 4, (int64_t)h * D * 4, D * 4, 4};
+    u.head0[q] = a[q];
+    u.head1[q] = b[q];
+  }
+  return u;
+}
+
+static void test_unpack_head_span(int unit, bool wide) {
+  const int B = 2, s = 3, H = 12, D = 4, n_src = 4;
+  const int a[n_src] = {5, 7, 6, 9}, b[n_src] = {7, 7, 9, 9};  // [7, 7) and [9, 9) hold nothing
+  std::vector<std::vector<float>> blk(n_src);
+  for (int q = 0; q < n_src; ++q) {
+    blk[q].resize((size_t)B * s * (b[q] - a[q]) * D);
+    for (size_t e = 0; e < blk[q].size(); ++e) blk[q][e] = (float)(1000 * (q + 1) + e);
+  }
+  std::vector<float> out((size_t)B * s * H * D, -7.0f);
+  const UnpackParams u = unpack_case(out, blk, a, b, n_src, B, s, H, D, unit);
+  const HeadSpan span = unpack_head_span(u);
+  EXPECT(span.head0 == 5 && span.heads == 4);
+  EXPECT(unpack_units(u, span) == (int64_t)B * s * 4 * u.units_per_row);
+  // The launch's rows: every (b, t, head in the span) exactly once, in both index widths.
+  std::vector<int> seen((size_t)B * s * H, 0);
+  for (int64_t row = 0; row < B * s * span.heads; ++row) {
+    const OutRow r = unpack_out_row<int64_t>(u, span, row);
+    const OutRow r32 = unpack_out_row<uint32_t>(u, span, (uint32_t)row);
+    EXPECT(r.b == r32.b && r.t == r32.t && r.head == r32.head);
+    EXPECT(r.head >= 5 && r.head < 9 && r.t >= 0 && r.t < s && r.b >= 0 && r.b < B);
+    ++seen[(size_t)((r.b * s + r.t) * H + r.head)];
+  }
+  for (int b_ = 0; b_ < B; ++b_)
+    for (int t = 0; t < s; ++t)
+      for (int head = 0; head < H; ++head) EXPECT(seen[(size_t)((b_ * s + t) * H + head)] == (head >= 5 && head < 9));
+  unpack_cpu(u, AddType::kF32, wide);
+  for (int b_ = 0; b_ < B; ++b_)
+    for (int t = 0; t < s; ++t)
+      for (int head = 0; head < H; ++head)
+        for (int d = 0; d < D; ++d) {
+          float want = -7.0f;
+          bool any = false;
+          for (int q = 0; q < n_src; ++q) {
+            if (head < a[q] || head >= b[q]) continue;
+            const float x = blk[q][(((size_t)b_ * s + t) * (b[q] - a[q]) + head - a[q]) * D + d];
+            want = any ? want + x : x;
+            any = true;
+          }
+          EXPECT(out[(((size_t)b_ * s + t) * H + head) * D + d] == want);
+        }
+  // No source holds a head: an empty span, nothing launched, the output untouched.
+  const int e0[2] = {3, 0}, e1[2] = {3, 0};
+  std::vector<std::vector<float>> none(2);
+  std::vector<float> out2((size_t)B * s * H * D, -7.0f);
+  const UnpackParams u2 = unpack_case(out2, none, e0, e1, 2, B, s, H, D, unit);
+  EXPECT(unpack_head_span(u2).heads == 0 && unpack_units(u2, unpack_head_span(u2)) == 0);
+  unpack_cpu(u2, AddType::kF32, wide);
+  bool untouched = true;
+  for (float x : out2) untouched = untouched && x == -7.0f;
+  EXPECT(untouched);
+}
+
+// NaN sums of reduced floats through the CPU twin's unpack, with the host's rule (torch's CPU
+// add_, see layout_math.h): bf16 any NaN -> 0xFFFF; fp16 keeps the NaN operand's sign and
+// payload, quiet bit set. Two sources hold the one head; the second is added to the first.
+static uint16_t unpack_sum_bits(AddType add, uint16_t first, uint16_t second) {
+  const int n = 8;  // one row of D = 8 two-byte elements, all equal
+  std::vector<uint16_t> b0(n, first), b1(n, second), out(n, 0x1234u);
+  UnpackParams u{};
+  u.out = (char*)out.data();
+  u.ob = u.os = u.oh = n * 2;
+  u.od = 2;
+  u.batch = u.seq = u.out_heads = 1;
+  u.d = n;
+  u.elem = 2;
+  u.unit = 16;
+  u.units_per_row = 1;
+  u.n_src = 2;
+  u.blk[0] = Strided4{(const char*)b0.data(), n * 2, n * 2, n * 2, 2};
+  u.blk[1] = Strided4{(const char*)b1.data(), n * 2, n * 2, n * 2, 2};
+  u.head0[0] = u.head0[1] = 0;
+  u.head1[0] = u.head1[1] = 1;
+  unpack_cpu(u, add);
+  for (uint16_t x : out) EXPECT(x == out[0]);
+  return out[0];
+}
+
+static void test_unpack_nan_sums() {
+  const uint16_t bf_one = 0x3f80u, bf_inf = 0x7f80u, bf_ninf = 0xff80u;
+  for (uint16_t nan : {0x7fc0u, 0xffc0u, 0x7f81u, 0xffa5u, 0x7fffu}) {
+    EXPECT(unpack_sum_bits(AddType::kBF16, nan, bf_one) == 0xffffu);
+    EXPECT(unpack_sum_bits(AddType::kBF16, bf_one, nan) == 0xffffu);
+    EXPECT(unpack_sum_bits(AddType::kBF16, nan, nan) == 0xffffu);
+  }
+  EXPECT(unpack_sum_bits(AddType::kBF16, bf_inf, bf_ninf) == 0xffffu);  // inf - inf
+  EXPECT(unpack_sum_bits(AddType::kBF16, bf_inf, bf_one) == bf_inf);
+  const uint16_t h_one = 0x3c00u;
+  EXPECT(unpack_sum_bits(AddType::kF16, 0x7d11u, h_one) == 0x7f11u);  // signaling: made quiet
+  EXPECT(unpack_sum_bits(AddType::kF16, h_one, 0xfe22u) == 0xfe22u);
+  EXPECT(unpack_sum_bits(AddType::kF16, 0x7e00u, h_one) == 0x7e00u);
+  const uint16_t inf_sum = unpack_sum_bits(AddType::kF16, 0x7c00u, 0xfc00u);  // the CPU's default NaN
+  EXPECT((inf_sum & 0x7e00u) == 0x7e00u);
 }
 
 // Address math at sizes where byte offsets exceed 32 bits while the unit index still fits
@@ -285,17 +495,20 @@ static void test_unpack_addresses_beyond_4gb(int64_t batch) {
     p.head0[q] = (int32_t)(q * hp);
     p.head1[q] = (int32_t)((q + 1) * hp);
   }
+  const HeadSpan span = unpack_head_span(p);
+  EXPECT(span.head0 == 0 && span.heads == H);
   const int64_t rows = batch * s * H;
+  EXPECT(unpack_units(p, span) == rows * p.units_per_row);
   const bool narrow = narrow_index(rows * p.units_per_row);
   EXPECT(narrow == (batch == 1));
   const int before = failures;
   int checked = 0;
   for (int64_t g = 0; g < rows; g += (g + 8 < rows ? 7919 : 1)) {
     const int64_t head = g % H, t = (g / H) % s, b = g / H / s, q = head / hp;
-    const OutRow wide = unpack_out_row<int64_t>(p, g);
+    const OutRow wide = unpack_out_row<int64_t>(p, span, g);
     EXPECT(wide.b == b && wide.t == t && wide.head == head);
     if (narrow) {
-      const OutRow r32 = unpack_out_row<uint32_t>(p, (uint32_t)g);
+      const OutRow r32 = unpack_out_row<uint32_t>(p, span, (uint32_t)g);
       EXPECT(r32.b == b && r32.t == t && r32.head == head);
     }
     for (int64_t u : {int64_t(0), p.units_per_row - 1}) {
@@ -311,7 +524,7 @@ static void test_unpack_addresses_beyond_4gb(int64_t batch) {
   EXPECT(rows * row > (int64_t(1) << 33));
 }
 
-// The 1-D launch of pack.cu: block counts, the grid-stride bound of the 32-bit index path,
+// The launches of pack.cu: block counts, the grid-stride bound of the 32-bit index path,
 // and the grid at 1M+ tokens (gridDim.x only; y and z would be limited to 65535).
 static void test_launch_geometry() {
   EXPECT(grid_blocks(1) == 1 && grid_blocks(kThreads) == 1 && grid_blocks(kThreads + 1) == 2);
@@ -328,6 +541,17 @@ static void test_launch_geometry() {
   // pack of one rank is 1.3e9 units, still 32-bit, over 2^18 blocks of 256 threads.
   const int64_t work = (int64_t(1) << 20) * 80 * 16;
   EXPECT(narrow_index(work) && grid_blocks(work) == kMaxBlocks);
+  // The pack's 2-D blocks at that size: 16 lanes x 16 rows, 2^18 blocks stepping over 8.4e7
+  // rows; the 32-bit row index (row0 + gridDim.x * blockDim.y) stays representable.
+  const int64_t rows = (int64_t(1) << 20) * 80;
+  const PackBlock blk = pack_block(16);
+  EXPECT(blk.lanes == 16 && blk.rows == 16 && pack_grid(rows, blk) == kMaxBlocks);
+  EXPECT(rows - 1 + kMaxBlocks * blk.rows <= (int64_t)UINT32_MAX);
+  // Any row length keeps more than half of the block's threads busy.
+  for (int64_t upr = 1; upr <= 3 * kThreads; ++upr) {
+    const PackBlock b = pack_block(upr);
+    EXPECT(b.lanes * b.rows <= kThreads && 2 * b.lanes * b.rows > kThreads);
+  }
 }
 
 int main() {
@@ -339,6 +563,17 @@ int main() {
       test_pack(unit, true, wide);
     }
     test_unpack_sums_in_rank_order(wide);
+    for (int unit : {4, 16}) test_unpack_head_span(unit, wide);
+  }
+  test_unpack_nan_sums();
+  // D = 6 floats: 6 or 3 units (several rows per block); D = 1: one unit, 256 rows per
+  // block; D = 300: more units than threads (each lane loops). Grids of 1, 2 or 7 blocks
+  // step over row tiles; 1 << 20 is the full grid.
+  for (int64_t blocks : {int64_t(1), int64_t(2), int64_t(7), int64_t(1) << 20}) {
+    for (int unit : {4, 8}) test_pack_2d_launch(6, unit, blocks % 2 == 0, blocks);
+    test_pack_2d_launch(1, 4, true, blocks);
+    test_pack_2d_launch(300, 4, false, blocks);
+    test_pack_2d_launch(300, 16, true, blocks);
   }
   test_pack_addresses_beyond_4gb(1);  // 1.3e9 units: 32-bit index, 64-bit byte offsets
   test_pack_addresses_beyond_4gb(2);  // 2.7e9 units: 64-bit index

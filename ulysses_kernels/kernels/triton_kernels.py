@@ -103,7 +103,10 @@ def _gather_columns_kernel(
     src_ptr,  # int64 [n_srcs, 5]
     n_rows,  # n_tok * batch
     batch,
-    D,
+    # head_dim, constexpr: with a runtime D the mask `d < D` is only known constant over the
+    # divisibility Triton specializes (16), so D = 40 or 72 in bf16 fell back to 2-byte
+    # accesses (ld.global.b16 in the sm_90 PTX). Constexpr costs one compile per head_dim.
+    D: tl.constexpr,
     ELEM: tl.constexpr,  # integer type of the element width
     FLOAT: tl.constexpr,  # float type for replica sums (unused when not HAS_SUM)
     ACC: tl.constexpr,  # accumulation type of a sum
@@ -309,8 +312,8 @@ class TritonKernels:
         acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _gather_columns_kernel[grid](
-                addr_t, cols, srcs, n_rows, batch, head_dim,
-                ELEM=_TL_INT[itemsize], FLOAT=float_ty, ACC=acc_ty, HAS_SUM=table.has_sum, IS_BF16=dtype == torch.bfloat16,
+                addr_t, cols, srcs, n_rows, batch,
+                D=head_dim, ELEM=_TL_INT[itemsize], FLOAT=float_ty, ACC=acc_ty, HAS_SUM=table.has_sum, IS_BF16=dtype == torch.bfloat16,
                 BF16_NAN=0x7FFF if device.type == "cuda" else 0xFFFF,
                 D_CONTIG=table.d_contig, VEC=vec if aligned else 1, BLOCK_R=block_r, BLOCK_D=block_d,
                 num_warps=4,
