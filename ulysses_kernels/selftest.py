@@ -17,8 +17,8 @@ A *path* is one kernel set x one communicator x one chunk count x one head layou
 * chunks: 1, 2 and ``auto`` (the head-chunked pipeline that overlaps the all-to-alls with
   attention; the table shows the count that ran);
 * layouts, sized to the world ``P`` (``--seq-per-rank`` tokens per rank): ``mha`` (2P
-  query and KV heads, batch 1: one all-to-all), ``gqa`` (2P query heads, fewer KV heads
-  than ranks), ``uneven-heads`` (P+1 query heads, no causal mask), ``uneven-shards`` (a
+  query and KV heads, batch 1: one all-to-all), ``gqa`` (2P query heads and the most KV
+  heads below P that divide them), ``uneven-heads`` (P+1 query heads, no causal mask), ``uneven-shards`` (a
   sequence that P does not divide, ``seq_lens`` from ``layout.split_lengths``).
 
 Each path runs ``ulysses_attention`` forward and backward once on every rank and compares
@@ -121,7 +121,7 @@ def make_cases(world: int, seq_per_rank: int, names=LAYOUTS) -> list[Case]:
     even = (s,) * p
     every = {
         "mha": Case("mha", 2 * p, 2 * p, even, 1, True),
-        "gqa": Case("gqa", 2 * p, max(1, p // 2), even, 2, True),
+        "gqa": Case("gqa", 2 * p, max([d for d in range(1, p) if 2 * p % d == 0], default=1), even, 2, True),
         "uneven-heads": Case("uneven-heads", p + 1, _smallest_divisor(p + 1), even, 2, False),
         "uneven-shards": Case("uneven-shards", 2 * p, 2, tuple(split_lengths(p * s + max(1, p // 2), p)), 2, True),
     }

@@ -1,0 +1,197 @@
+"""``python -m ulysses_kernels.selftest``, run as users run it: installed, from a directory
+outside the checkout, on gloo ranks on the CPU.
+
+* every path this machine can run passes at 2 spawned ranks, and the JSON lists each one;
+* the torchrun launch at 3 ranks (an awkward world size) with ``--quick``;
+* deliberately broken kernel sets (one that corrupts one element on rank 1, one that
+  raises on rank 1 only, before the all-to-all its peer waits in) are FAILs with the
+  reason, the exit status is non-zero, and the ranks stay in step: the paths after them
+  run and pass;
+* the layouts have the properties their names promise at every world size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ulysses_kernels import selftest
+from ulysses_kernels.kernels import available_kernels
+from ulysses_kernels.layout import split_lengths
+from ulysses_kernels.plan import HeadPlan
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def user_env(**extra) -> dict:
+    """A user's shell: no PYTHONPATH; TRITON_INTERPRET only where given."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def run(argv, cwd, *, env, timeout=400) -> subprocess.CompletedProcess:
+    argv = [str(a) for a in argv]
+    try:
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{shlex.join(argv)} did not finish in {timeout} s (a hang?):\n{e.stdout}\n{e.stderr}")
+
+
+def load(path: Path, r: subprocess.CompletedProcess) -> dict:
+    assert path.exists(), f"no {path.name} written:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return json.loads(path.read_text())
+
+
+def progress_lines(stderr: str) -> list[str]:
+    return re.findall(r"^\[selftest (\d+)/(\d+) .*\] (PASS|FAIL|SKIP) ([^\s:]+):", stderr, re.M)
+
+
+def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
+    # The Triton interpreter on: every kernel set this machine has is a path.
+    argv = [sys.executable, "-I", "-m", "ulysses_kernels.selftest", "--spawn", "2", "--json", "out/selftest.json"]
+    r = run(argv, tmp_path, env=user_env(TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = load(tmp_path / "out" / "selftest.json", r)
+    kernels = available_kernels()  # conftest sets TRITON_INTERPRET=1 here too
+    assert "triton" in kernels and "torch" in kernels
+    expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k, c, layout in itertools.product(kernels, ("1", "2", "auto"), selftest.LAYOUTS)}
+    paths = {p["path"]: p for p in doc["paths"]}
+    assert len(doc["paths"]) == len(paths) and set(paths) == expected, sorted(set(paths) ^ expected)
+    assert doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": len(expected), "FAIL": 0, "SKIP": 0}
+    for p in doc["paths"]:
+        assert p["status"] == "PASS" and p["dtype"] == "fp64", p
+        assert set(p["errors"]) == {"out", "dq", "dk", "dv"} and max(p["errors"].values()) <= 1e-10, p
+        assert p["max_error"] == max(p["errors"].values()) and p["bound"] == 1e-10 and p["time_ms"] > 0, p
+        if p["chunks"] == 2:
+            assert p["chunks_run"] == 2, p  # the chunked pipeline ran, not the unchunked op
+    # The layouts at 2 ranks: GQA with one KV head, 3 query heads, a 17-token sequence.
+    gqa, heads, shards = (paths[f"torch/torch-dist/chunks=1/{name}"] for name in ("gqa", "uneven-heads", "uneven-shards"))
+    assert gqa["kv_heads"] < 2 and heads["q_heads"] % 2 and sum(shards["seq_lens"]) % 2 and shards["seq_lens"] == split_lengths(sum(shards["seq_lens"]), 2)
+    env = doc["environment"]
+    for key in ("torch", "cuda", "nccl", "gpu", "git_sha", "ulysses_kernels", "date"):
+        assert key in env, key
+    assert env["gpu"] == "cpu" and doc["settings"]["world_size"] == 2 and doc["settings"]["transport"] == "gloo"
+    assert "comm nccl" in doc["not_tested"] and "comm nccl-borrowed" in doc["not_tested"]
+    # A progress line per path on stderr, in order; the table and the verdict on stdout.
+    lines = progress_lines(r.stderr)
+    assert [int(n) for n, *_ in lines] == list(range(1, len(expected) + 1)), r.stderr
+    assert [name for *_, name in lines] == [p["path"] for p in doc["paths"]]
+    table = [line for line in r.stdout.splitlines() if line.split(" ")[0] in expected]
+    assert len(table) == len(expected) and all(re.search(r"\bPASS\b", line) for line in table), r.stdout
+    assert "CPU (not a GPU claim)" in r.stdout.splitlines()[0]
+    assert f"{len(expected)} passed, 0 failed" in r.stdout and "every path matches the float64 reference" in r.stdout
+
+
+def test_torchrun_at_three_ranks_quick(tmp_path):
+    kernels = [k for k in ("torch", "cuda") if k in available_kernels()]  # cuda: the C++ extension's CPU twin
+    argv = [BIN / "torchrun", "--standalone", "--nproc-per-node", "3", "-m", "ulysses_kernels.selftest", "--quick"]
+    argv += ["--kernels", ",".join(kernels), "--json", "q.json"]
+    r = run(argv, tmp_path, env=user_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = load(tmp_path / "q.json", r)
+    expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k in kernels for c in selftest.QUICK_CHUNKS for layout in selftest.QUICK_LAYOUTS}
+    assert {p["path"] for p in doc["paths"]} == expected and doc["ok"] and doc["counts"]["PASS"] == len(expected)
+    assert doc["settings"]["world_size"] == 3
+    shards = next(p for p in doc["paths"] if p["layout"] == "uneven-shards")
+    assert len(set(shards["seq_lens"])) == 2  # 25 tokens over 3 ranks
+    if "cuda" in kernels:
+        assert next(p for p in doc["paths"] if p["kernels"] == "cuda")["kernels_label"] == "cuda: C++ CPU twin"
+
+
+FAULTS = '''
+"""Kernel sets that fail on purpose, for the self-test's own test."""
+from ulysses_kernels import layout as L
+from ulysses_kernels.kernels import KernelSetSpec, TorchKernels, register_kernel_set
+
+
+class CorruptKernels(TorchKernels):
+    """torch's kernels, but rank 1 adds 1 to one element of every tensor it unpacks."""
+
+    name = "corrupt"
+
+    @staticmethod
+    def unpack_h2s(layout, blocks, roles, outs):
+        L.unpack_h2s(layout, blocks, roles, outs)
+        if layout.rank == 1:
+            outs[0][(0,) * outs[0].dim()] += 1.0
+
+
+class RaiseKernels(TorchKernels):
+    """Rank 1 raises before the first all-to-all; rank 0 goes on into it and waits."""
+
+    name = "raise-on-rank-1"
+
+    @staticmethod
+    def pack_s2h(layout, tensors, roles, send, recv=None):
+        if layout.rank == 1:
+            raise RuntimeError("deliberate failure on rank 1")
+        L.pack_s2h(layout, tensors, roles, send, recv)
+
+
+register_kernel_set(KernelSetSpec("corrupt", __name__, "CorruptKernels"))
+register_kernel_set(KernelSetSpec("raise-on-rank-1", __name__, "RaiseKernels"))
+'''
+
+
+def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path):
+    (tmp_path / "selftest_faults.py").write_text(textwrap.dedent(FAULTS))
+    # Not -I: the module of faults is imported from the working directory, as a user's own
+    # kernel set would be (--import); the checkout is still not on the path.
+    argv = [
+        sys.executable, "-m", "ulysses_kernels.selftest", "--spawn", "2", "--import", "selftest_faults",
+        "--kernels", "raise-on-rank-1,corrupt,torch", "--chunks", "1,2", "--layouts", "gqa", "--timeout", "8", "--json", "faults.json",
+    ]  # fmt: skip
+    r = run(argv, tmp_path, env=user_env(), timeout=300)
+    assert r.returncode != 0, r.stdout + r.stderr
+    doc = load(tmp_path / "faults.json", r)
+    assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 2, "FAIL": 4, "SKIP": 0}, doc["counts"]
+    by = {p["path"]: p for p in doc["paths"]}
+    for chunks in (1, 2):
+        raised = by[f"raise-on-rank-1/torch-dist/chunks={chunks}/gqa"]
+        # Both ranks report: rank 1 its exception, rank 0 the collective that timed out waiting for it.
+        assert raised["status"] == "FAIL" and "rank 1: RuntimeError: deliberate failure on rank 1" in raised["message"], raised
+        assert "rank 0: " in raised["message"] and raised["errors"] is None, raised
+        corrupt = by[f"corrupt/torch-dist/chunks={chunks}/gqa"]
+        assert corrupt["status"] == "FAIL" and corrupt["errors"]["out"] >= 0.5 and corrupt["max_error"] > corrupt["bound"], corrupt
+        assert "out " in corrupt["message"] and "> bound" in corrupt["message"], corrupt
+        # After both failures the ranks are in step: the next paths run and pass.
+        assert by[f"torch/torch-dist/chunks={chunks}/gqa"]["status"] == "PASS", by
+    assert [p["path"].split("/")[0] for p in doc["paths"]] == ["raise-on-rank-1"] * 2 + ["corrupt"] * 2 + ["torch"] * 2
+    assert "2 passed, 4 failed" in r.stdout and "FAILED" in r.stdout and "deliberate failure on rank 1" in r.stdout
+    assert [s for _, _, s, _ in progress_lines(r.stderr)] == ["FAIL"] * 4 + ["PASS"] * 2, r.stderr
+
+
+def test_bad_arguments_name_what_is_wrong(capsys):
+    with pytest.raises(SystemExit, match=r"--kernels: unknown kernel set\(s\) \['nope'\]; registered: \['torch'"):
+        selftest.main(["--kernels", "nope"])
+    with pytest.raises(SystemExit):
+        selftest.main(["--chunks", "3"])
+    assert "--chunks: expected a comma list of 1, 2, auto, got '3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world", range(1, 10))
+def test_layouts_are_what_their_names_say(world):
+    cases = {c.name: c for c in selftest.make_cases(world, 8)}
+    assert list(cases) == list(selftest.LAYOUTS)
+    for c in cases.values():
+        HeadPlan.build(c.q_heads, c.kv_heads, world)  # every layout can be planned
+        assert len(c.seq_lens) == world
+    assert cases["mha"].q_heads == cases["mha"].kv_heads and cases["mha"].batch == 1
+    assert cases["gqa"].kv_heads < cases["gqa"].q_heads
+    assert cases["uneven-shards"].seq_lens == tuple(split_lengths(sum(cases["uneven-shards"].seq_lens), world))
+    if world >= 2:
+        assert cases["gqa"].kv_heads < world  # KV heads replicated across ranks
+        assert cases["uneven-heads"].q_heads % world
+        assert sum(cases["uneven-shards"].seq_lens) % world
