@@ -243,10 +243,12 @@ class _Rank:
             why = native
             if not why:
                 made, mine = None, ""
-                try:
-                    made = NCCLCommunicator(self.data)
-                except RuntimeError as e:
-                    mine = _short(e)
+                # Collective: a rank that fails before ncclCommInitRank leaves the others in it.
+                with _Watchdog(2 * self.timeout + 60, lambda seconds: self._hung(seconds, "comm nccl")):
+                    try:
+                        made = NCCLCommunicator(self.data)
+                    except RuntimeError as e:
+                        mine = _short(e)
                 why = self._why_not_everywhere(mine)
                 if made is not None and why:
                     made.close()
@@ -304,23 +306,32 @@ class _Rank:
     # -- one layout: inputs, float64 truth, bounds
     def truth(self, case: Case, index: int):
         """Global inputs q, k, v, dout (float64 on the CPU, the same on every rank), the
-        float64 reference out, dq, dk, dv on this device, and the per-tensor bounds."""
-        g = torch.Generator().manual_seed(1234 + index)
-        seq = sum(case.seq_lens)
-        shape_q = (case.batch, seq, case.q_heads, self.head_dim)
-        shape_kv = (case.batch, seq, case.kv_heads, self.head_dim)
-        inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)]
-        full = [x.to(self.device).clone().requires_grad_() for x in inputs[:3]]
-        out = attention_reference(*full, causal=case.causal)
-        out.backward(inputs[3].to(self.device))
-        ref = [out.detach()] + [x.grad for x in full]
-        if self.dtype == torch.float64:
-            return inputs, ref, [FLOAT64_BOUND] * len(TENSORS)
-        # One rank measures PyTorch's error and all use it: a GPU's backward need not be
-        # deterministic, and every rank must reach the same verdict.
-        bounds = [self._torch_bounds(case, inputs, ref) if self.rank == 0 else None]
-        dist.broadcast_object_list(bounds, src=0, group=self.control)
-        return inputs, ref, bounds[0]
+        float64 reference out, dq, dk, dv on this device, and the per-tensor bounds; or
+        a string saying why not (the same on every rank)."""
+        mine = {"error": None, "bounds": None}
+        try:
+            g = torch.Generator().manual_seed(1234 + index)
+            seq = sum(case.seq_lens)
+            shape_q = (case.batch, seq, case.q_heads, self.head_dim)
+            shape_kv = (case.batch, seq, case.kv_heads, self.head_dim)
+            inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)]
+            full = [x.to(self.device).clone().requires_grad_() for x in inputs[:3]]
+            out = attention_reference(*full, causal=case.causal)
+            out.backward(inputs[3].to(self.device))
+            ref = [out.detach()] + [x.grad for x in full]
+            if self.dtype == torch.float64:
+                mine["bounds"] = [FLOAT64_BOUND] * len(TENSORS)
+            elif self.rank == 0:
+                # One rank measures PyTorch's error and all use it: a GPU's backward need
+                # not be deterministic, and every rank must reach the same verdict.
+                mine["bounds"] = self._torch_bounds(case, inputs, ref)
+        except Exception as e:  # noqa: BLE001 - reported by every rank as the layout's failure
+            mine["error"] = _short(e)
+        seen = self.gather(mine)
+        errors = [f"rank {r}: {s['error']}" for r, s in enumerate(seen) if s["error"]]
+        if errors:
+            return "the float64 reference or the bound failed: " + "; ".join(errors)
+        return inputs, ref, seen[0]["bounds"]
 
     def _torch_bounds(self, case: Case, inputs, ref) -> list[float]:
         """2x the error of one-process SDPA in ``self.dtype`` on this device, per tensor."""
@@ -388,7 +399,7 @@ class _Rank:
             result["message"] = "ranks resolved different chunk counts: " + ", ".join(str(s["chunks"]) for s in seen)
             return result
 
-        with _Watchdog(2 * self.timeout + 60, lambda seconds: self._hung(result, seconds)):
+        with _Watchdog(2 * self.timeout + 60, lambda seconds: self._hung(seconds, path.label, result)):
             # 2. Collective: forward and backward. No host sync after the input checks, so on
             # a GPU a rank whose peer raised still reaches the exchange below.
             ran, mine = None, None
@@ -441,11 +452,17 @@ class _Rank:
         t1 = time.perf_counter()
         return out, (q.grad, k.grad, v.grad), lambda: t1 - t0
 
-    def _hung(self, result: dict, seconds: float) -> None:
-        print(f"selftest: rank {self.rank}: {result['path']} did not finish in {seconds:.0f} s (a hang); ending this rank", file=sys.stderr, flush=True)
+    def _hung(self, seconds: float, what: str, result: dict | None = None) -> None:
+        """The watchdog's last words: rank 0 writes what there is (``result``: the path that hung)."""
+        print(f"selftest: rank {self.rank}: {what} did not finish in {seconds:.0f} s (a hang); ending this rank", file=sys.stderr, flush=True)
         if self.rank == 0:
-            result["message"] = f"did not finish in {seconds:.0f} s on rank 0 (a hang); the run was ended here"
-            report(self.results + [result], self.env, self.settings, self.not_tested, self.args, complete=False)
+            results = list(self.results)
+            if result is not None:
+                result["message"] = f"did not finish in {seconds:.0f} s on rank 0 (a hang); the run was ended here"
+                results.append(result)
+            else:
+                self.not_tested[what] = f"did not finish in {seconds:.0f} s on rank 0 (a hang); the run was ended here"
+            report(results, self.env, self.settings, self.not_tested, self.args, complete=False)
         else:
             time.sleep(10)  # the ranks' watchdogs fire together: let rank 0 write before a launcher ends it
 
@@ -456,21 +473,21 @@ class _Rank:
         kernels, why = _kernel_choice(args.kernels)
         self.not_tested.update({f"kernels {n}": w for n, w in why.items()})
         every_rank = self.gather(kernels)
-        wanted = args.comms or list(COMMS)
-        self.make_communicators(wanted)
         cases = make_cases(self.world, self.seq_per_rank, args.layouts or (QUICK_LAYOUTS if args.quick else LAYOUTS))
         chunks = [_chunk_value(c) for c in (args.chunks or (QUICK_CHUNKS if args.quick else CHUNKS))]
-        # Communicators that are not here: left out by default, a FAIL when asked for.
-        comms = [c for c in wanted if c in self.comms or args.comms]
         self.settings = {
             "world_size": self.world, "transport": self.transport, "device": self.device.type,
             "dtype": dtype_name(self.dtype), "head_dim": self.head_dim, "seq_per_rank": self.seq_per_rank,
-            "kernels": kernels, "comms": comms, "chunks": chunks, "layouts": [c.name for c in cases],
+            "kernels": kernels, "comms": None, "chunks": chunks, "layouts": [c.name for c in cases],
             "timeout_s": self.timeout, "argv": args.argv,
             "bound_rule": f"{FLOAT64_BOUND:g} in float64; else 2x PyTorch's own SDPA error in the same dtype on the same device, per tensor",
         }  # fmt: skip
         if self.rank == 0:
             self.env = env_record(self.device, self.world, self.transport, install=info.collect())
+        wanted = args.comms or list(COMMS)
+        self.make_communicators(wanted)
+        # Communicators that are not here: left out by default, a FAIL when asked for.
+        comms = self.settings["comms"] = [c for c in wanted if c in self.comms or args.comms]
         paths = [PathSpec(kern, comm, c, case) for case in cases for kern in kernels for comm in comms for c in chunks]
         progress = Progress(len(paths), self.rank == 0, "selftest")
         differ = "" if all(k == kernels for k in every_rank) else "ranks list different kernel sets: " + "; ".join(
@@ -482,6 +499,8 @@ class _Rank:
             for path in (p for p in paths if p.case is case):
                 if self.stopped or differ:
                     result = self.blank(path, message=f"not run: {self.stopped or differ}")
+                elif isinstance(truth, str):
+                    result = self.blank(path, message=f"not run: {truth}")
                 elif path.comm not in self.comms:
                     result = self.blank(path, message=f"not run: {self.not_tested.get('comm ' + path.comm, 'not available')}")
                 else:
@@ -533,9 +552,11 @@ def report(results: list[dict], env: dict, settings: dict, not_tested: dict, arg
     counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     ok = complete and counts["FAIL"] == 0
     where = env.get("gpu") if settings.get("device") == "cuda" else CPU_LABEL
+    dtype = settings.get("dtype")
+    rule = f"{FLOAT64_BOUND:g}" if dtype == "fp64" else f"2x PyTorch's own {dtype} error (SDPA, same device)"
     out = [
         f"ulysses_kernels self-test: {settings.get('world_size')} ranks ({settings.get('transport')}) on {where}, "
-        f"{settings.get('dtype')}, head_dim {settings.get('head_dim')}; bound: {settings.get('bound_rule')}",
+        f"{dtype}, head_dim {settings.get('head_dim')}; bound per tensor (out, dq, dk, dv): {rule}",
         _table(results),
     ]
     failed = [r for r in results if r["status"] == "FAIL"]
