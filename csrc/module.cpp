@@ -175,6 +175,44 @@ PyObject* nccl_comm_info(PyObject*, PyObject* arg) {
     return Py_BuildValue("(iii)", count, rank, device);
   });
 }
+
+// nccl_comm_async_error(handle) -> (int, str): ncclCommGetAsyncError of a communicator, as
+// its ncclResult_t and NCCL's error string (with NCCL's last error message when it is an
+// error). (0, "no error") while healthy; 7 (ncclInProgress) while a nonblocking
+// communicator's call is still being set up. Host-only and non-blocking: the watchdog
+// (ulysses_kernels/comm/watchdog.py) polls it from its own thread while GPU work runs.
+PyObject* nccl_comm_async_error(PyObject*, PyObject* arg) {
+  ncclComm_t comm = nullptr;
+  if (!parse_comm(arg, &comm)) return nullptr;
+  ncclResult_t state = ncclSuccess;
+  ncclResult_t rc = ncclSuccess;
+  Py_BEGIN_ALLOW_THREADS
+  rc = ncclCommGetAsyncError(comm, &state);
+  Py_END_ALLOW_THREADS
+  return guarded([&] {
+    UK_NCCL_CHECK(rc, nullptr);  // the query itself failed (not the communicator's state)
+    std::string msg = ncclGetErrorString(state);
+    const char* last = state != ncclSuccess && state != ncclInProgress ? ncclGetLastError(comm) : nullptr;
+    if (last != nullptr && last[0] != '\0') msg += std::string(": ") + last;
+    return Py_BuildValue("(is)", static_cast<int>(state), msg.c_str());
+  });
+}
+
+// cuda_thread_capture_mode_local() -> int: sets the calling thread's CUDA stream-capture
+// mode to cudaStreamCaptureModeThreadLocal and returns the previous mode. For the
+// watchdog's own thread only: in the default (global) mode its cudaEventQuery while
+// another thread captures a CUDA graph would invalidate that capture (torch's NCCL
+// watchdog sets the same mode around its event queries).
+PyObject* cuda_thread_capture_mode_local(PyObject*, PyObject*) {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+  const cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (err != cudaSuccess) {
+    PyErr_Format(PyExc_RuntimeError, "ulysses_kernels: cudaThreadExchangeStreamCaptureMode failed at %s:%d: %s",
+                 __FILE__, __LINE__, cudaGetErrorString(err));
+    return nullptr;
+  }
+  return PyLong_FromLong(static_cast<long>(mode));
+}
 #endif
 
 PyMethodDef methods[] = {
@@ -187,6 +225,10 @@ PyMethodDef methods[] = {
     {"nccl_comm_destroy", comm_call<ncclCommDestroy>, METH_O, "ncclCommDestroy(handle)"},
     {"nccl_comm_abort", comm_call<ncclCommAbort>, METH_O, "ncclCommAbort(handle)"},
     {"nccl_comm_info", nccl_comm_info, METH_O, "(nranks, rank, cuda device) of a communicator"},
+    {"nccl_comm_async_error", nccl_comm_async_error, METH_O,
+     "ncclCommGetAsyncError(handle) as (ncclResult_t, NCCL's error string); non-blocking"},
+    {"cuda_thread_capture_mode_local", cuda_thread_capture_mode_local, METH_NOARGS,
+     "Set this thread's CUDA stream-capture mode to thread-local; returns the previous mode"},
 #endif
     {nullptr, nullptr, 0, nullptr}};
 

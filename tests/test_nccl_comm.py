@@ -109,18 +109,28 @@ def test_default_cuda_comm_without_distributed_is_none():
 
 # ---- borrowing torch's communicator: the Python side, with stand-ins for torch's NCCL group ----
 class _FakeNCCLBackend:
-    """Stands in for ProcessGroupNCCL: ``_comm_ptr()`` gives the handle it was made with."""
+    """Stands in for ProcessGroupNCCL: ``_comm_ptr()`` gives the handle it was made with;
+    ``abort()`` (torch's, which the watchdog of a borrowed communicator calls) is counted."""
 
     def __init__(self, ptr):
-        self.ptr = ptr
+        self.ptr, self.aborts = ptr, 0
 
     def _comm_ptr(self):
         return self.ptr
 
+    def abort(self):
+        self.aborts += 1
+
+
+class _FakeNCCLBackendWithoutAbort(_FakeNCCLBackend):
+    abort = None  # an older torch
+
 
 class _FakeGroup:
+    """A process group; ``destroyed = True`` is ``destroy_process_group(group)``."""
+
     def __init__(self, backend):
-        self.backend = backend
+        self.backend, self.destroyed = backend, False
 
     def _get_backend(self, device):
         assert device.type == "cuda"
@@ -128,42 +138,98 @@ class _FakeGroup:
 
 
 class _FakeExt:
-    """The extension's NCCL entry points: ``nccl_comm_info`` answers ``info``; destroy calls are recorded."""
+    """The extension's NCCL entry points: ``nccl_comm_info`` answers ``info``; init, destroy,
+    abort and the watchdog thread's set-up are recorded; ``async_error`` is what
+    ``nccl_comm_async_error`` answers."""
 
     def __init__(self, info):
-        self.info, self.destroyed = info, []
+        self.info, self.destroyed, self.aborted, self.capture_modes = info, [], [], 0
+        self.async_error = (0, "no error")
 
     def nccl_comm_info(self, handle):
         return self.info
 
+    def nccl_comm_init_rank(self, uid, nranks, rank):
+        return 0x5EED
+
     def nccl_comm_destroy(self, handle):
         self.destroyed.append(handle)
+
+    def nccl_comm_abort(self, handle):
+        self.aborted.append(handle)
+
+    def nccl_comm_async_error(self, handle):
+        return self.async_error
+
+    def cuda_thread_capture_mode_local(self):
+        self.capture_modes += 1
+        return 0
+
+
+class _FakeEvent:
+    """torch.cuda.Event: ``query()`` answers the class's ``done`` (work on the 'GPU' is done)."""
+
+    done = True
+    recorded = 0
+
+    def record(self, stream=None):
+        _FakeEvent.recorded += 1
+
+    def query(self):
+        return _FakeEvent.done
+
+
+class _FakeStream:
+    waits = 0
+
+    def wait_event(self, event):
+        _FakeStream.waits += 1
 
 
 @pytest.fixture
 def fake_cuda_group(monkeypatch):
     """A 'CUDA machine' with an initialized world of 4 where this is rank 2 on cuda:1; returns
     a function ``(ptr, info) -> (group, ext)`` wiring torch's communicator pointer and what
-    NCCL says of it."""
+    NCCL says of it. The collectives (``ops.nccl_*``) are recorded in ``ext.posted``, CUDA
+    events are ``_FakeEvent``s, and ``NCCLCommunicator(group)`` runs its real constructor
+    on the fake extension (handle 0x5EED)."""
     import contextlib
 
     import torch.distributed as dist
 
+    from ulysses_kernels import ops
     from ulysses_kernels.comm import nccl
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(_FakeEvent, "done", True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src=0, group=None, device=None: None)
+
+    def get_backend(group=None):
+        if getattr(group, "destroyed", False):
+            raise ValueError(f"Process group {group} is not initialized in the world group map")
+        return "nccl"
+
+    monkeypatch.setattr(dist, "get_backend", get_backend)
     monkeypatch.setattr(dist, "ProcessGroupNCCL", _FakeNCCLBackend, raising=False)
 
-    def make(ptr, info=(4, 2, 1)):
+    def make(ptr, info=(4, 2, 1), backend=_FakeNCCLBackend):
         ext = _FakeExt(info)
+        ext.posted = []
         monkeypatch.setattr(nccl, "_extension", lambda: ext)
         monkeypatch.setattr(nccl, "nccl_available", lambda: True)
-        return _FakeGroup(_FakeNCCLBackend(ptr)), ext
+        monkeypatch.setattr(ops, "nccl_all_to_all", lambda handle, *args: ext.posted.append(("all_to_all", handle)))
+        monkeypatch.setattr(ops, "nccl_send_recv", lambda handle, *args: ext.posted.append(("send_recv", handle)))
+        return _FakeGroup(backend(ptr)), ext
 
     return make
 
@@ -223,6 +289,256 @@ def test_functional_default_is_torch_and_borrows_only_when_opted_in_for_cuda_ten
     assert isinstance(get_communicator(group), TorchCommunicator)
     mine = object()
     assert get_communicator(group, mine, device=torch.device("cuda", 1)) is mine
+
+
+# ---- the watchdog and the lifetime of a communicator, on the fakes ------------------------------
+class _Buffer:
+    """A CUDA buffer as the communicator sees it (the fake collectives never read it)."""
+
+    dtype, device = torch.float32, torch.device("cuda", 1)
+
+    def numel(self):
+        return 8
+
+
+_X = _Buffer()
+
+
+def _wait_for(cond, seconds=10.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_own_communicator_times_out_aborts_once_and_then_raises(fake_cuda_group, monkeypatch):
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    monkeypatch.setattr(_FakeEvent, "done", False)  # the peers never answer
+    comm = NCCLCommunicator(group, timeout_s=0.2)
+    assert (comm.handle, comm.owned) == (0x5EED, True)
+    work = comm.all_to_all(_X, _X, [2] * 4, [2] * 4, async_op=True)
+    assert ext.posted == [("all_to_all", 0x5EED)]
+    assert _wait_for(lambda: comm.failure is not None), "the watchdog did not fire"
+    assert ext.aborted == [0x5EED] and ext.capture_modes == 1
+    expected = (
+        r"NCCLCommunicator \(rank 2 of 4, cuda:1, its own NCCL communicator\): all_to_all \(8 x torch.float32 in, 8 out\), "
+        r"posted \d+\.\d s ago, has not completed: no progress on this communicator for .* \(timeout 0.2 s, "
+        r"ULYSSES_KERNELS_NCCL_TIMEOUT_S\); a peer may have died .* The communicator was aborted \(ncclCommAbort\).*"
+        r"Make a new NCCLCommunicator on every rank"
+    )
+    with pytest.raises(RuntimeError, match=expected):
+        comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    with pytest.raises(RuntimeError, match=expected):
+        comm.send_recv([(1, _X)], [(3, _X)])
+    with pytest.raises(RuntimeError, match=expected):
+        work.wait()
+    assert ext.posted == [("all_to_all", 0x5EED)]  # nothing posted on the aborted communicator
+    assert "failed=True" in repr(comm)
+    comm.close()
+    assert ext.destroyed == [] and ext.aborted == [0x5EED]  # the abort freed it: no destroy
+    assert not comm._watch._thread.is_alive()
+
+
+def test_own_communicator_async_error_aborts(fake_cuda_group, monkeypatch):
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    monkeypatch.setattr(_FakeEvent, "done", False)
+    with NCCLCommunicator(group, timeout_s=600) as comm:
+        comm.send_recv([(1, _X)], [(3, _X)])
+        ext.async_error = (6, "remote process exited or there was a network error: socket closed")
+        assert _wait_for(lambda: comm.failure is not None)
+        assert ext.aborted == [0x5EED]
+        expected = r"asynchronous error while send_recv \(1 sends, 1 recvs\) was outstanding: remote process exited.*\(ncclResult_t 6\)"
+        with pytest.raises(RuntimeError, match=expected):
+            comm.send_recv([(1, _X)], [(3, _X)])
+    assert ext.destroyed == []
+
+
+def test_own_communicator_with_completed_work_is_never_aborted(fake_cuda_group):
+    import time
+
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    ext.async_error = (7, "operation in progress")  # a nonblocking communicator's pending call: not an error
+    comm = NCCLCommunicator(group, timeout_s=0.1)
+    recorded, waits = _FakeEvent.recorded, _FakeStream.waits
+    for _ in range(3):
+        comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+        comm.send_recv([(1, _X)], [(3, _X)], async_op=True).wait()
+    assert _FakeEvent.recorded - recorded == 6  # one event per call, watched
+    assert _FakeStream.waits - waits == 3  # the async work's wait() used the watched event
+    assert _wait_for(lambda: comm._watch.outstanding == 0)
+    time.sleep(0.5)
+    assert comm.failure is None and ext.aborted == []
+    thread = comm._watch._thread
+    comm.close()
+    comm.close()
+    assert ext.destroyed == [0x5EED] and ext.aborted == [] and not thread.is_alive()
+    with pytest.raises(RuntimeError, match="used after close"):
+        comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+
+
+def test_work_captured_in_a_cuda_graph_is_not_watched(fake_cuda_group, monkeypatch):
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    comm = NCCLCommunicator(group, timeout_s=0.1)
+    comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    assert ext.posted == [("all_to_all", 0x5EED)]
+    assert comm._watch.outstanding == 0 and comm._watch._thread is None  # it runs at replay
+    comm.close()
+
+
+def test_a_communicator_never_closed_is_aborted_by_its_finalizer(fake_cuda_group):
+    import gc
+
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    comm = NCCLCommunicator(group, timeout_s=60)
+    comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    watch = comm._watch
+    assert _wait_for(lambda: watch.outstanding == 0)
+    thread = watch._thread
+    del comm
+    gc.collect()
+    # Abort, not destroy: a finalizer (at garbage collection or at exit) must not block.
+    assert ext.aborted == [0x5EED] and ext.destroyed == []
+    assert watch.closed and not thread.is_alive()
+
+
+def test_the_finalizer_does_not_abort_twice(fake_cuda_group, monkeypatch):
+    import gc
+
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    monkeypatch.setattr(_FakeEvent, "done", False)
+    comm = NCCLCommunicator(group, timeout_s=0.1)
+    comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    watch = comm._watch
+    assert _wait_for(lambda: watch.failure is not None)
+    del comm
+    gc.collect()
+    assert ext.aborted == [0x5EED] and ext.destroyed == []
+
+
+def test_bad_timeout_is_refused_before_anything_collective(fake_cuda_group, monkeypatch):
+    import torch.distributed as dist
+
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+
+    def no_broadcast(*args, **kwargs):
+        raise AssertionError("broadcast before the timeout was checked")
+
+    monkeypatch.setattr(dist, "broadcast_object_list", no_broadcast)
+    with pytest.raises(ValueError, match=r"timeout_s expected a positive number of seconds, got -1"):
+        NCCLCommunicator(group, timeout_s=-1)
+    monkeypatch.setenv("ULYSSES_KERNELS_NCCL_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match=r"ULYSSES_KERNELS_NCCL_TIMEOUT_S expected a positive number of seconds, got 'soon'"):
+        NCCLCommunicator(group)
+    with pytest.raises(ValueError, match=r"ULYSSES_KERNELS_NCCL_TIMEOUT_S"):
+        NCCLCommunicator.borrow(group)
+
+
+def test_borrowed_communicator_checks_torchs_communicator_before_every_use(fake_cuda_group):
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    comm = NCCLCommunicator.borrow(group)
+    comm.all_to_all(_X, _X, [2] * 4, [2] * 4)  # the forward
+    assert ext.posted == [("all_to_all", 0xABC0)]
+    # torch replaced its communicator (a group re-made its NCCL communicator, say):
+    group.backend.ptr = 0xDEF0
+    expected = (
+        r"torch's NCCL communicator of the group, borrowed\): torch's communicator of the group on cuda:1 is no longer "
+        r"the one borrowed \(0xabc0 then, 0xdef0 now\).*borrow again"
+    )
+    with pytest.raises(RuntimeError, match=expected):
+        comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    group.backend.ptr = 0
+    with pytest.raises(RuntimeError, match=r"\(0xabc0 then, none now: torch has not created"):
+        comm.send_recv([(1, _X)], [(3, _X)])
+    # The group destroyed between the forward and the backward: no dangling handle is used.
+    group.backend.ptr = 0xABC0
+    group.destroyed = True
+    with pytest.raises(RuntimeError, match=r"the process group it was borrowed from has been destroyed.*keep a group alive until the backward"):
+        comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    assert ext.posted == [("all_to_all", 0xABC0)]
+    comm.close()
+    assert ext.destroyed == [] and ext.aborted == [] and group.backend.aborts == 0
+
+
+def test_borrowed_communicator_times_out_through_torchs_abort(fake_cuda_group, monkeypatch):
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    monkeypatch.setattr(_FakeEvent, "done", False)
+    comm = NCCLCommunicator.borrow(group, timeout_s=0.2)
+    comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    assert _wait_for(lambda: comm.failure is not None)
+    # torch owns the communicator: the abort is torch's (never ncclCommAbort on its handle).
+    assert group.backend.aborts == 1 and ext.aborted == []
+    with pytest.raises(RuntimeError, match=r"has not completed.*aborted through torch \(ProcessGroupNCCL.abort\(\)\).*restart the job"):
+        comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    comm.close()
+    assert ext.destroyed == [] and group.backend.aborts == 1
+
+
+def test_borrowed_communicator_on_a_torch_without_abort_says_so(fake_cuda_group, monkeypatch):
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0, backend=_FakeNCCLBackendWithoutAbort)
+    monkeypatch.setattr(_FakeEvent, "done", False)
+    comm = NCCLCommunicator.borrow(group, timeout_s=0.2)
+    comm.send_recv([(1, _X)], [(3, _X)])
+    assert _wait_for(lambda: comm.failure is not None)
+    with pytest.raises(RuntimeError, match=r"has no ProcessGroupNCCL.abort\(\), so nothing was aborted: torch's own timeout"):
+        comm.send_recv([(1, _X)], [(3, _X)])
+    assert ext.aborted == []
+    comm.close()
+
+
+def test_borrowed_communicator_whose_group_dies_with_work_outstanding(fake_cuda_group, monkeypatch):
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    group, ext = fake_cuda_group(0xABC0)
+    monkeypatch.setattr(_FakeEvent, "done", False)
+    comm = NCCLCommunicator.borrow(group, timeout_s=600)
+    comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    group.destroyed = True  # the watchdog sees it at its next poll: nothing left to abort
+    assert _wait_for(lambda: comm.failure is not None)
+    assert group.backend.aborts == 0 and ext.aborted == []
+    assert "has been destroyed" in comm.failure and "Nothing was aborted" in comm.failure
+    comm.close()
+
+
+def test_borrowed_communicators_finalizer_only_stops_its_watchdog(fake_cuda_group, monkeypatch):
+    import gc
+
+    from ulysses_kernels.comm import borrowed_torch_comm
+
+    group, ext = fake_cuda_group(0xABC0)
+    monkeypatch.setenv("ULYSSES_KERNELS_NATIVE_NCCL", "1")
+    comm = borrowed_torch_comm(group, torch.device("cuda", 1))  # a functional call's communicator
+    comm.all_to_all(_X, _X, [2] * 4, [2] * 4)
+    watch = comm._watch
+    thread = watch._thread
+    del comm  # what happens to a call's communicator once its backward has run
+    gc.collect()
+    assert watch.closed and not thread.is_alive()
+    assert ext.aborted == [] and ext.destroyed == [] and group.backend.aborts == 0
 
 
 def _gloo_default_is_torch(rank, world):

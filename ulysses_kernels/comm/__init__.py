@@ -7,7 +7,10 @@
 * ``nccl``: ``NCCLCommunicator``, NCCL called directly by the C++ extension, on a
   communicator of its own or on torch's own communicator of the group (borrowed), and
   ``native_nccl_enabled()``, the one reader of ``ULYSSES_KERNELS_NATIVE_NCCL``;
-* ``channel``: ``AsyncChannel``, collectives started to overlap the caller's compute.
+* ``channel``: ``AsyncChannel``, collectives started to overlap the caller's compute;
+* ``watchdog``: ``Watchdog``, the timeout of ``NCCLCommunicator``'s work (which torch's
+  watchdog does not see): on a timeout or an NCCL error it aborts the communicator, and the
+  next use raises.
 
 ``get_communicator`` picks one for a call.
 """

@@ -19,7 +19,7 @@ The group's *transport* is what torch calls its backend (``"gloo"``, ``"nccl"``)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -41,14 +41,17 @@ class Work:
       makes the *then* current stream of ``device`` wait for it on the GPU, with no host
       sync (``Work.after(stream)`` records one);
     * ``keep``: tensors referenced until ``wait()`` (buffers the exchange still reads or
-      writes, so nothing frees them while it may touch them).
+      writes, so nothing frees them while it may touch them);
+    * ``check``: called first by every ``wait()``; it raises when the communicator's work has
+      failed (``NCCLCommunicator``'s watchdog: a timeout or an NCCL error), so the caller
+      learns that the result is invalid instead of using it.
 
     ``wait()`` waits for the event first, then the works. The works and the kept tensors are
     released by the first ``wait()``; the event is kept, so a ``wait()`` from another current
     stream orders that stream too.
     """
 
-    __slots__ = ("_works", "_event", "_device", "_keep")
+    __slots__ = ("_works", "_event", "_device", "_keep", "_check")
 
     def __init__(
         self,
@@ -56,6 +59,7 @@ class Work:
         event: torch.cuda.Event | None = None,
         device: torch.device | None = None,
         keep: Sequence[torch.Tensor] = (),
+        check: Callable[[], None] | None = None,
     ):
         if (event is None) != (device is None):
             raise ValueError(
@@ -68,15 +72,18 @@ class Work:
         self._event = event
         self._device = device
         self._keep = tuple(keep)
+        self._check = check
 
     @classmethod
-    def after(cls, stream: torch.cuda.Stream, keep: Sequence[torch.Tensor] = ()) -> Work:
+    def after(cls, stream: torch.cuda.Stream, keep: Sequence[torch.Tensor] = (), check: Callable[[], None] | None = None) -> Work:
         """The work queued on ``stream`` so far: an event recorded on it now."""
         event = torch.cuda.Event()
         event.record(stream)
-        return cls(event=event, device=stream.device, keep=keep)
+        return cls(event=event, device=stream.device, keep=keep, check=check)
 
     def wait(self) -> None:
+        if self._check is not None:
+            self._check()
         if self._event is not None:
             # The stream that consumes the result waits on the GPU; the host does not.
             torch.cuda.current_stream(self._device).wait_event(self._event)
