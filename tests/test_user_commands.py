@@ -205,6 +205,22 @@ def test_missing_extension_warns_once_a_gpu_would_use_it(monkeypatch):
         assert not ops.available()
 
 
+def test_an_extension_of_another_torch_says_how_to_rebuild(monkeypatch):
+    real_import = ops.importlib.import_module
+
+    def abi_mismatch(name, *args):
+        if name == "ulysses_kernels._C":
+            raise ImportError("ulysses_kernels/_C.so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(ops.importlib, "import_module", abi_mismatch)
+    monkeypatch.setattr(ops, "_STATE", {})
+    why = r"_C does not load here \(.*undefined symbol.*\); rebuild it against torch .*: cd .* && python setup.py build_ext --inplace"
+    with pytest.raises(ImportError, match=why):
+        ops.load()
+    assert ops.build_info() == {"built": False, "error": ops._STATE["error"]}
+
+
 # ---- a wheel, as pip builds it ----------------------------------------------------------------
 def _cuda_toolkit():
     home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"

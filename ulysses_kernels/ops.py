@@ -120,6 +120,8 @@ def _import_checked():
             "ulysses_kernels._C is not built: this installation has no C++/CUDA extension (no 'cuda' kernel set, "
             f"no native NCCL communicator; the torch and Triton paths still work). Build it: {rebuild_command()}"
         ) from e
+    except ImportError as e:  # e.g. an undefined symbol: built against another torch
+        raise ImportError(f"ulysses_kernels._C does not load here ({e}); rebuild it against torch {torch.__version__}: {rebuild_command()}") from e
     info = module.build_info()
     if "max_peers" not in info:
         raise ImportError(f"ulysses_kernels._C was built from older sources than this package (its build_info has no limits); rebuild it: {rebuild_command()}")
@@ -139,7 +141,7 @@ def load():
     try:
         module = _import_checked()
     except ImportError as e:
-        _STATE["error"] = str(e) if str(e).startswith("ulysses_kernels._C") else f"ulysses_kernels._C is not usable: {e}"
+        _STATE["error"] = str(e)
         _warn_if_a_gpu_misses_it(_STATE["error"])
         raise ImportError(_STATE["error"]) from e
     _STATE["limits"] = {k: int(module.build_info()[k]) for k in ("max_peers", "max_roles")}
