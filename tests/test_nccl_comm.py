@@ -747,3 +747,135 @@ def test_default_borrows_torchs_communicator_two_ranks_on_one_gpu(monkeypatch):
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     monkeypatch.setenv("ULYSSES_KERNELS_NATIVE_NCCL", "1")  # opt-in until this test has passed on a GPU
     run_ranks(_borrow_body, 2, backend="nccl", timeout_s=_GPU_TIMEOUT_S)
+
+
+# ---- GPU, world 1: the watchdog on real NCCL work, and the borrowed handle's check -------------
+def _watchdog_body(rank, world):
+    import time
+
+    from ulysses_kernels import ops
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    C = ops.load()
+    n = 1 << 16
+    x = torch.randn(world * n, device=dev)
+    y = torch.empty_like(x)
+    # Real work that completes, under a tiny timeout: no false abort.
+    with NCCLCommunicator(device=0, timeout_s=0.5) as comm:
+        assert C.nccl_comm_async_error(comm.handle) == (0, "no error")
+        for _ in range(20):
+            comm.all_to_all(y, x, [n] * world, [n] * world)
+            comm.all_to_all(y, x, [n] * world, [n] * world, async_op=True).wait()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x)
+        time.sleep(2.0)  # four timeouts with nothing outstanding
+        assert comm.failure is None and comm._watch.outstanding == 0, comm.failure
+        assert comm._watch._thread.is_alive()
+    assert not comm._watch._thread.is_alive()
+    # The watchdog's event queries while this thread captures a CUDA graph (global capture
+    # mode, torch's default): its thread-local capture mode keeps the capture valid.
+    with NCCLCommunicator(device=0, timeout_s=30) as comm:
+        comm._watch.poll_s = 0.02
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            comm.all_to_all(y, x, [n] * world, [n] * world)  # warm-up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        probe = torch.cuda.Event()
+        probe.record()
+        queries, until = [], time.monotonic() + 1.5
+
+        def probe_done():  # a cudaEventQuery at every poll, until after the capture
+            queries.append(probe.query())
+            return time.monotonic() > until
+
+        with comm._watch.posting("probe") as item:
+            item.done = probe_done
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            comm.all_to_all(y, x, [n] * world, [n] * world)
+            seen = len(queries)
+            time.sleep(0.5)  # the watchdog polls meanwhile
+            assert len(queries) > seen, "the watchdog did not poll during the capture"
+        x.fill_(3.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x) and comm.failure is None, comm.failure
+
+
+def _watchdog_abort_body(rank, world):
+    import time
+
+    import pytest
+
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    x = torch.ones(4096, device=dev)
+    y = torch.empty_like(x)
+    comm = NCCLCommunicator(device=0, timeout_s=0.3)
+    comm.all_to_all(y, x, [4096], [4096])
+    torch.cuda.synchronize()
+    # Queued behind a kernel of ~2 s, the all-to-all cannot finish within the timeout: the
+    # watchdog aborts the communicator (as it would for a dead peer), and nothing hangs.
+    torch.cuda._sleep(3_000_000_000)
+    comm.all_to_all(y, x, [4096], [4096])
+    deadline = time.monotonic() + 60
+    while comm.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert comm.failure is not None and "has not completed" in comm.failure and "ncclCommAbort" in comm.failure, comm.failure
+    with pytest.raises(RuntimeError, match=r"NCCLCommunicator \(rank 0 of 1, cuda:0, its own NCCL communicator\): all_to_all"):
+        comm.all_to_all(y, x, [4096], [4096])
+    torch.cuda.synchronize()  # the stream moved on
+    comm.close()  # the abort freed it: no destroy
+
+
+def _borrow_check_body(rank, world):
+    import time
+
+    import pytest
+    import torch.distributed as dist
+
+    from ulysses_kernels.comm import NCCLCommunicator
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sub = dist.new_group([0], backend="nccl")
+    dist.all_reduce(torch.zeros(1, device=dev), group=sub)  # torch makes the group's communicator
+    comm = NCCLCommunicator.borrow(sub, timeout_s=0.5)
+    x = torch.arange(96.0, device=dev)
+    y = torch.empty_like(x)
+    comm.all_to_all(y, x, [96], [96])
+    torch.cuda.synchronize()
+    assert torch.equal(y, x)
+    time.sleep(1.5)  # three timeouts: completed work does not abort torch's group
+    assert comm.failure is None, comm.failure
+    z = torch.ones(4, device=dev)
+    dist.all_reduce(z, group=sub)
+    assert torch.equal(z, torch.ones_like(z))
+    dist.destroy_process_group(sub)
+    with pytest.raises(RuntimeError, match=r"the process group it was borrowed from has been destroyed"):
+        comm.all_to_all(y, x, [96], [96])
+    comm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_watchdog_on_one_gpu_no_false_abort_and_graph_capture():
+    _run_ranks_with_timeout(_watchdog_body, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_watchdog_on_one_gpu_aborts_late_work():
+    _run_ranks_with_timeout(_watchdog_abort_body, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_borrowed_communicator_of_a_destroyed_group_raises_on_one_gpu():
+    from ulysses_kernels.testing import run_ranks
+
+    run_ranks(_borrow_check_body, 1, backend="nccl", timeout_s=_GPU_TIMEOUT_S)
