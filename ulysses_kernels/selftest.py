@@ -36,11 +36,13 @@ path fails.
 Every rank runs the same paths in the same order. After each step of a path the ranks
 exchange their outcome over a gloo group kept for that, so a path that fails on one rank
 is a FAIL on all and the next path starts together. A rank that raises while its peers
-wait in a collective leaves them waiting until ``--timeout`` (the timeout of the group
-the paths run on); the run then goes on over a new group, on a GPU only once every rank's
-device has finished its queued work (else the remaining paths are reported as not run).
-A rank whose path runs longer than ``2 * --timeout + 60`` seconds is ended as hung, rank 0
-writing what it has first.
+wait in a collective leaves them waiting until ``--timeout``: the timeout of the group the
+paths run on, and of the native communicators' own watchdog (``timeout_s``), which aborts
+NCCL work stuck that long. The run then goes on over a new group (and a new native
+communicator where one was aborted), on a GPU only once every rank's device has finished
+its queued work (else the remaining paths are reported as not run). A rank whose path
+runs longer than ``2 * --timeout + 60`` seconds is ended as hung, rank 0 writing what it
+has first.
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ class _Rank:
         self.settings: dict = {}
         self.env: dict = {}
         self.stopped = ""  # why the remaining paths cannot run (a device that did not drain)
+        self.out_of_step = False  # a rank raised inside a path's collectives: recover() before the next
         self.own_nccl: NCCLCommunicator | None = None
         # Outcomes travel on a gloo group of their own: a path that leaves the data group's
         # collectives out of step can neither delay nor mismatch them. Its timeout outlasts
@@ -226,7 +229,7 @@ class _Rank:
 
     def _borrow(self) -> tuple[NCCLCommunicator | None, str]:
         try:
-            return NCCLCommunicator.borrow(self.data), ""
+            return NCCLCommunicator.borrow(self.data, timeout_s=self.timeout), ""
         except RuntimeError as e:
             return None, _short(e)
 
@@ -246,7 +249,7 @@ class _Rank:
                 # Collective: a rank that fails before ncclCommInitRank leaves the others in it.
                 with _Watchdog(2 * self.timeout + 60, lambda seconds: self._hung(seconds, "comm nccl")):
                     try:
-                        made = NCCLCommunicator(self.data)
+                        made = NCCLCommunicator(self.data, timeout_s=self.timeout)
                     except RuntimeError as e:
                         mine = _short(e)
                 why = self._why_not_everywhere(mine)
@@ -268,7 +271,9 @@ class _Rank:
         self.comms = {n: c for n, c in comms.items() if n in wanted}
 
     def _drain(self) -> bool:
-        """True when this rank's device finishes its queued work within ``--timeout``."""
+        """True when this rank's device finishes its queued work within ``--timeout`` + 30 s
+        (the native communicators' own watchdog aborts their work stuck for ``--timeout``,
+        which frees the stream)."""
         if self.device.type != "cuda":
             return True
         done = threading.Event()
@@ -281,19 +286,36 @@ class _Rank:
             done.set()
 
         threading.Thread(target=sync, daemon=True).start()
-        return done.wait(self.timeout)
+        return done.wait(self.timeout + 30)
 
     def recover(self, after: str) -> None:
         """After a path in which some rank raised inside the collective part: once every
         rank's device has drained its queued work, a new data group and its communicators
-        (our own NCCL communicator is kept: drained, it has no unmatched work). Else the
-        queued work waits on a collective that never comes, and the run stops."""
+        (our own NCCL communicator is made again if its watchdog aborted it on any rank).
+        Else the queued work waits on a collective that never comes, and the run stops."""
+        self.out_of_step = False
         if not all(self.gather(self._drain())):
             self.stopped = f"after {after}, some rank's device did not finish its queued work (collectives out of step)"
             return
         self.data = self._data_group()
         if "torch-dist" in self.comms:
             self.comms["torch-dist"] = TorchCommunicator(self.data)
+        if "nccl" in self.comms and any(self.gather(self.own_nccl.failure)):
+            self.own_nccl.close()
+            del self.comms["nccl"]
+            made, mine = None, ""
+            try:
+                made = NCCLCommunicator(self.data, timeout_s=self.timeout)
+            except RuntimeError as e:
+                mine = _short(e)
+            why = self._why_not_everywhere(mine)
+            if why or made is None:
+                if made is not None:
+                    made.close()
+                self.own_nccl = None
+                self.not_tested["comm nccl"] = f"could not be made again after {after}: {why}"
+            else:
+                self.comms["nccl"] = self.own_nccl = made
         if "nccl-borrowed" in self.comms:
             borrowed, mine = self._borrow()
             why = self._why_not_everywhere(mine)
@@ -408,7 +430,7 @@ class _Rank:
             except Exception as e:  # noqa: BLE001 - reported by every rank, then the ranks re-sync
                 mine = _short(e)
             if self._raised(result, self.gather(mine)):
-                self.recover(path.label)
+                self.out_of_step = True
                 return result
 
             # 3. Rank-local: errors and time (host syncs).
@@ -507,6 +529,8 @@ class _Rank:
                     result = self.run_path(path, truth)
                 self.results.append(result)
                 progress.step(_progress_line(result))
+                if self.out_of_step:
+                    self.recover(path.label)
         if self.rank == 0:
             report(self.results, self.env, self.settings, self.not_tested, args)
         dist.barrier(group=self.control)  # rank 0 has written everything before any rank exits
