@@ -1,9 +1,12 @@
 """The native NCCL communicator (ulysses_kernels.comm.nccl) and the extension's NCCL checks.
 
 Without a GPU: the NCCL version and unique-id calls, the linked-vs-loaded version check,
-and clean errors (no crash, no hang) when a communicator cannot be made. With one GPU and
-NCCL >= 2.30: two ranks share it (NCCL_MULTI_RANK_GPU_ENABLE=1) and run the collectives,
-a CUDA-graph capture, and the attention op end to end.
+and clean errors (no crash, no hang) when a communicator cannot be made; on fakes of torch's
+NCCL group and of the extension, borrowing, the borrowed handle's check before every use,
+the watchdog's abort (ours, or torch's for a borrowed communicator) and the finalizer. With
+one GPU: the watchdog on real work at world 1. With one GPU and NCCL >= 2.30: two ranks
+share it (NCCL_MULTI_RANK_GPU_ENABLE=1) and run the collectives, a CUDA-graph capture, and
+the attention op end to end.
 """
 
 import os

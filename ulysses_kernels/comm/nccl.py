@@ -6,7 +6,7 @@ It implements the ``ulysses_kernels.comm.Communicator`` interface with NCCL call
   ``ncclGroupEnd`` group on the *current* CUDA stream (``ncclAlltoAll`` when the linked
   NCCL has it, >= 2.28, and all splits are equal);
 * ``send_recv``: all transfers in one NCCL group;
-* no host synchronization and no allocation, so both can be captured in a CUDA graph; with
+* no host synchronization and no device allocation, so both can be captured in a CUDA graph; with
   ``async_op=True`` they return a ``Work`` whose ``wait()`` makes the caller's current
   stream wait for the NCCL work on the GPU.
 
@@ -25,9 +25,11 @@ There are two ways to get one:
 * ``NCCLCommunicator.borrow(group)`` drives torch's own communicator of an NCCL process
   group (``ProcessGroupNCCL._comm_ptr()``) with our calls. Nothing is created, so it costs
   no collective, no memory and no setup; torch keeps ownership (``close()`` only forgets
-  the handle). The functional ``ulysses_attention``, ``seq_to_head`` and ``head_to_seq``
-  use this one by default for CUDA tensors (``borrowed_torch_comm``): they have no
-  lifetime to own a communicator with, and no global cache per group is kept.
+  the handle), and the handle is looked up again before every use, so a destroyed group
+  raises instead of leaving it dangling. With ``ULYSSES_KERNELS_NATIVE_NCCL=1`` the
+  functional ``ulysses_attention``, ``seq_to_head`` and ``head_to_seq`` use this one for
+  CUDA tensors (``borrowed_torch_comm``): they have no lifetime to own a communicator
+  with, and no global cache per group is kept.
 
 NCCL errors are raised as ``RuntimeError`` with NCCL's error string and the C++ file:line.
 
