@@ -19,6 +19,8 @@
 #include "kernels/layout_math.h"  // kMaxPeers, kMaxRoles (torch-free)
 
 #ifdef ULYSSES_KERNELS_WITH_NCCL
+#include <cuda_runtime.h>  // cudaThreadExchangeStreamCaptureMode (the watchdog's thread)
+
 #include "nccl_check.h"
 #endif
 
