@@ -391,12 +391,12 @@ class _Rank:
         case = path.case
         inputs, ref, bounds = truth
         result = self.blank(path, bounds=bounds)
-        shards = [shard_sequence(x, case.seq_lens, self.rank).to(self.device, self.dtype) for x in inputs]
         ref_shards = [shard_sequence(r, case.seq_lens, self.rank) for r in ref]
 
         # 1. Rank-local, no collective: what the call resolves to, and whether it can run.
         mine = {"error": None, "skip": "", "chunks": None, "backend": None}
         try:
+            shards = [shard_sequence(x, case.seq_lens, self.rank).to(self.device, self.dtype) for x in inputs]
             call = setup_attention(
                 *shards[:3], group=self.data, comm=self.comms[path.comm], plan=None, seq_lens=case.seq_lens,
                 causal=case.causal, softmax_scale=None, attn_fn=None, kernels=path.kernels, chunks=path.chunks, check=False,
@@ -426,7 +426,7 @@ class _Rank:
             # a GPU a rank whose peer raised still reaches the exchange below.
             ran, mine = None, None
             try:
-                ran = self._call(path, shards, result["chunks_run"])
+                ran = self._call(path, shards)
             except Exception as e:  # noqa: BLE001 - reported by every rank, then the ranks re-sync
                 mine = _short(e)
             if self._raised(result, self.gather(mine)):
@@ -446,7 +446,7 @@ class _Rank:
             return result
         worst = [max(s["errors"][i] for s in seen) for i in range(len(TENSORS))]
         bad = [i for i, (e, b) in enumerate(zip(worst, bounds)) if not e <= b]  # NaN fails too
-        pick = bad[0] if bad else max(range(len(TENSORS)), key=lambda i: worst[i] / bounds[i])
+        pick = bad[0] if bad else max(range(len(TENSORS)), key=lambda i: worst[i] / bounds[i] if bounds[i] else 0.0)
         result.update(
             status="FAIL" if bad else "PASS", errors=dict(zip(TENSORS, worst)), time_ms=max(s["ms"] for s in seen),
             tensor=TENSORS[pick], max_error=worst[pick], bound=bounds[pick],
@@ -454,7 +454,7 @@ class _Rank:
         )  # fmt: skip
         return result
 
-    def _call(self, path: PathSpec, shards, chunks: int):
+    def _call(self, path: PathSpec, shards):
         """Forward and backward on this rank: out, the grads, and a function giving the
         elapsed seconds (called after the exchange: on a GPU it syncs)."""
         q, k, v = (x.detach().clone().requires_grad_() for x in shards[:3])
@@ -465,7 +465,7 @@ class _Rank:
         t0 = time.perf_counter()
         out = ulysses_attention(
             q, k, v, group=self.data, causal=case.causal, seq_lens=case.seq_lens, comm=self.comms[path.comm],
-            kernels=path.kernels, chunks=chunks,
+            kernels=path.kernels, chunks=path.chunks,
         )  # fmt: skip
         out.backward(shards[3])
         if cuda:
