@@ -33,6 +33,11 @@ Threads: ``posting()`` (the caller's thread, around the host-side NCCL calls) an
 (the watchdog's thread) exclude each other through one lock, so the abort never frees the
 communicator under a call that is being posted; the abort waits at most ``grace_s`` for it,
 since a host call that is itself stuck (a peer that never connects) is the hang to break.
+
+The thread starts at a communicator's first posting and ends when the communicator is
+closed or collected (a borrowed communicator of the functional ops: when its call's
+backward has run). NOTE: starting one cost about 0.3 ms on the 2-core build machine (start
+and join of a Python thread); it is parked, at no cost, while nothing is outstanding.
 """
 
 from __future__ import annotations
