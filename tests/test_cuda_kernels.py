@@ -410,8 +410,14 @@ def test_gpu_large_pack_uses_vector_path_and_matches():
     plan = HeadPlan.build(40, 8, 8)
     lay = Layout(plan, 3, (4096,) * 8, 2, 128)
     q, k, v = _qkv(lay, torch.bfloat16, "cuda", "fused")
-    (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv=True)
+        torch.cuda.synchronize()
     assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
+    # The 16-byte path was taken: the kernel instantiated with UNIT=16 (pack_kernel<16, I>),
+    # and no narrower one (aligned bf16 rows of 128 elements, 256 bytes each).
+    packs = {e.name for e in prof.events() if "pack_kernel" in e.name and "unpack" not in e.name}
+    assert packs and all("pack_kernel<16" in n for n in packs), packs
 
 
 @needs_gpu
