@@ -2,13 +2,15 @@
 
     python examples/train_hf.py --spawn 2                   # 2 gloo ranks on the CPU
     python examples/train_hf.py --spawn 2 --model llama     # Llama instead of Qwen2
+    python examples/train_hf.py --spawn 2 --model gpt_oss --window 8   # attention sinks, alternating 8-token windows
     python examples/train_hf.py --spawn 4 --sp-size 2       # 2 replicas x 2-rank sequence parallel
     torchrun --standalone --nproc-per-node 4 examples/train_hf.py --sp-size 2 --seq 1023   # NCCL on 4 GPUs (gloo on the CPU)
 
 Every rank of the sequence-parallel group reads the same global batch; ``shard_batch``
 keeps this rank's slice of the sequence (global positions, labels shifted globally),
-``apply`` routes the model's attention through ``ulysses_attention``, and
-``sync_gradients`` sums the gradients over the group. At step 0 the loss is checked
+``apply`` makes the model's attention sequence-parallel (the fused ``ulysses_attention``
+for plain causal attention, the model's own attention on each rank's heads for sliding
+windows, softcapping and sinks), and ``sync_gradients`` sums the gradients over the group. At step 0 the loss is checked
 against the same model run in one process on the whole sequence, and at the end the
 loss must have gone down; the exit code is non-zero otherwise.
 """
@@ -25,22 +27,40 @@ import torch.distributed as dist
 
 from ulysses_kernels.integrations import hf
 
+# --model: (config class, model class, attention implementation, config of a tiny model).
+# Gemma 2 softcaps its attention logits and GPT-OSS adds sinks: sdpa can do neither, so
+# they run eager here (flash_attention_2/3 where flash-attn is installed).
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "sdpa", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "sdpa", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "sdpa", {"sliding_window": None}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "eager", {}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "eager", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "experts_implementation": "eager",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }),
+}  # fmt: skip
 
-def build_model(args, attn_implementation: str = "sdpa"):
+
+def build_model(args):
     """A tiny random model from a config (no download); the same weights on every rank."""
     import transformers
 
-    common = {
+    config_name, model_name, attn_implementation, extra = FAMILIES[args.model]
+    config = {
         "vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
         "num_hidden_layers": args.layers, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
         "head_dim": args.head_dim, "max_position_embeddings": max(2 * args.seq, 128), "attn_implementation": attn_implementation,
+        **extra,
     }  # fmt: skip
-    if args.model == "qwen2":
-        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
-    else:
-        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    if args.model == "gemma2":
+        config["query_pre_attn_scalar"] = args.head_dim
+    if args.window and args.model == "qwen2":
+        config.update(use_sliding_window=True, sliding_window=args.window, max_window_layers=0)
+    elif args.window:
+        config["sliding_window"] = args.window  # Gemma 2 and GPT-OSS: every other layer
     torch.manual_seed(args.seed)
-    return cls(config)
+    return getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
 
 
 def make_batch(step: int, replica: int, args) -> torch.Tensor:
@@ -125,7 +145,9 @@ def parse_args(argv=None):
     p.add_argument("--spawn", type=int, default=0, help="spawn this many gloo ranks on the CPU (no torchrun)")
     p.add_argument("--sp-size", type=int, default=0, help="ranks per sequence-parallel group (default: all); "
                    "the groups are data-parallel replicas")
-    p.add_argument("--model", choices=("qwen2", "llama"), default="qwen2")
+    p.add_argument("--model", choices=tuple(FAMILIES), default="qwen2")
+    p.add_argument("--window", type=int, default=None, help="sliding window (qwen2: every layer, mistral: every "
+                   "layer, gemma2/gpt_oss: every other layer); default: none (the family's default for gemma2/gpt_oss)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--batches", type=int, default=1, help="distinct toy batches, cycled")
@@ -144,9 +166,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.hidden is None:
         args.hidden = args.heads * args.head_dim
-    if args.model == "llama" and args.hidden % args.heads:
-        # LlamaConfig raises on it too, naming neither option.
-        p.error(f"--hidden {args.hidden} expected a multiple of --heads {args.heads} for --model llama")
+    if args.model in ("llama", "gemma2") and args.hidden % args.heads:
+        # Their configs raise on it too, naming neither option.
+        p.error(f"--hidden {args.hidden} expected a multiple of --heads {args.heads} for --model {args.model}")
+    if args.window is not None and (args.model == "llama" or args.window < 1):
+        p.error(f"--window {args.window}: expected a positive window and a family with sliding windows (not llama)")
     return args
 
 

@@ -1,8 +1,14 @@
-"""The transformers integration: sequence-parallel Qwen2/Llama vs one process, errors, example.
+"""The transformers integration: sequence-parallel models vs one process, errors, example.
+
+Families: Llama, Qwen2, Qwen3 (plain causal: the fused op), Mistral and Qwen2 with sliding
+windows, Gemma 2 (window + logit softcapping, eager), Gemma 3 (mixed layer types), GPT-OSS
+(attention sinks + alternating windows, eager): the model's own attention on each rank's
+heads. The window (5) is shorter than the sequence (13) and crosses the shard boundaries.
 
 One spawn of 4 ranks holds the multi-rank checks (importing torch and transformers costs
 ~8 s of CPU per rank): sequence parallelism over all 4 ranks, over 2-rank groups (two
-pairs side by side), the errors, and the example as 2 replicas x 2-rank groups.
+pairs side by side), attention dropout's kept fraction, a user-registered attention
+implementation, the errors, and the example as 2 replicas x 2-rank groups.
 """
 
 from __future__ import annotations
@@ -16,32 +22,78 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from ulysses_kernels import HeadPlan  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 13  # divides neither 2 nor 4
 VOCAB = 61
+WINDOW = 5  # shorter than SEQ; shards are 7/6 tokens (2 ranks) and 4/3/3/3 (4 ranks)
 
-# (model family, heads, kv heads): 6 heads / 2 KV heads do not divide 4 ranks; 4 heads / 1 KV
-# head is GQA with fewer KV heads than ranks.
-CASES = [("qwen2", 6, 2), ("llama", 4, 1)]
+# family: (config class, model class, config defaults for a tiny model of that family)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 16}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"query_pre_attn_scalar": 16}),
+    # grouped_mm has no float64 kernel: the eager experts; plain RoPE instead of YaRN.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "num_local_experts": 2, "num_experts_per_tok": 1, "experts_implementation": "eager",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }),
+}  # fmt: skip
+
+# (model family, heads, kv heads, config overrides). Heads: 6 / 2 KV heads do not divide 4
+# ranks; 4 / 1 is GQA with fewer KV heads than ranks; 6 / 3 (2 ranks) and 10 / 5 (2 and 4
+# ranks) give ranks whose query heads do not group uniformly over their KV heads (rank 0 of
+# 10 / 5 over 4: heads 0-2, two of KV head 0 and one of KV head 1: KV heads expanded
+# locally), and uneven slices of GPT-OSS's sinks (3, 3, 2, 2 heads).
+CASES = [
+    ("qwen2", 6, 2, {}),
+    ("llama", 4, 1, {}),
+    ("qwen3", 4, 2, {}),
+    ("mistral", 6, 2, {"sliding_window": WINDOW}),
+    ("qwen2", 4, 1, {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    ("gemma2", 6, 3, {"sliding_window": WINDOW, "attn_logit_softcapping": 0.1, "attn_implementation": "eager", "hidden_size": 96}),
+    ("gemma3", 4, 1, {"sliding_window": WINDOW, "sliding_window_pattern": 2}),
+    ("gpt_oss", 10, 5, {"sliding_window": WINDOW, "attn_implementation": "eager"}),
+]
 
 
-def build(family: str, heads: int, kv_heads: int, **overrides):
+# Families that compute in float32 whatever the model dtype: Gemma's RMSNorm multiplies by
+# its weight in float32 (the weight's gradient is a float32 sum over the tokens, per shard
+# under sequence parallelism) and Gemma 2's eager attention takes its softmax in float32.
+# Sharded and one-process float64 runs then agree to float32 rounding, not float64's.
+# NOTE: measured at 4 ranks: Gemma 3 (sdpa) 2e-16 logits, 1.7e-7 grads (the same with a
+# window longer than the sequence, i.e. on the fused path); Gemma 2 (eager) up to 1.3e-7
+# logits, 2.2e-7 grads.
+FLOAT32_INSIDE = {"gemma2", "gemma3"}
+
+
+def tolerances(family: str) -> tuple[float, float]:
+    """``(loss and logits, grads)`` relative tolerances of a sharded float64 run."""
+    return (2e-6, 2e-6) if family in FLOAT32_INSIDE else (1e-12, 1e-9)
+
+
+def build(family: str, heads: int, kv_heads: int, sinks: float | None = None, **overrides):
+    """A tiny float64 model; GPT-OSS sinks drawn from N(0, 1) (or all ``sinks``) so that they matter."""
+    config_name, model_name, defaults = FAMILIES[family]
     cfg = {
         "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": 16, "max_position_embeddings": 64, "attn_implementation": "sdpa",
     }  # fmt: skip
+    cfg.update(defaults)
     cfg.update(overrides)
-    config_cls, model_cls = {
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[family]
     torch.manual_seed(0)
-    return model_cls(config_cls(**cfg)).double()
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**cfg)).double()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(getattr(m, "sinks", None), torch.Tensor):
+                m.sinks.normal_() if sinks is None else m.sinks.fill_(sinks)
+    return model
 
 
 def global_batch():
@@ -79,12 +131,13 @@ def check_equivalence(group):
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ids, labels = global_batch()
-    for family, heads, kv in CASES:
-        ref_loss, ref_grads, ref_logits, ref_hf_loss = reference(build(family, heads, kv), ids, labels)
-        model = hf.apply(build(family, heads, kv), group)
+    for family, heads, kv, extra in CASES:
+        ref_loss, ref_grads, ref_logits, ref_hf_loss = reference(build(family, heads, kv, **extra), ids, labels)
+        model = hf.apply(build(family, heads, kv, **extra), group)
         assert model.config._attn_implementation == "ulysses"
+        rtol, grad_rtol = tolerances(family)
         for pad in (False, True):
-            what = f"{family} {heads}/{kv} heads, world {world}, {'padded' if pad else 'uneven'}"
+            what = f"{family} {heads}/{kv} heads {extra}, world {world}, {'padded' if pad else 'uneven'}"
             batch = hf.shard_batch(ids, labels, group=group, pad=pad)
             expect_lens = [SEQ // world + (r < SEQ % world) for r in range(world)] if not pad else [-(-SEQ // world)] * world
             assert list(batch.seq_lens) == expect_lens, what
@@ -96,11 +149,11 @@ def check_equivalence(group):
             loss = batch.loss(out.logits)
             loss.backward()
             hf.sync_gradients(model, group)
-            close(hf.reduce_loss(loss, group), ref_loss, 1e-12, f"{what}: loss")
+            close(hf.reduce_loss(loss, group), ref_loss, rtol, f"{what}: loss")
             for name, p in model.named_parameters():
-                close(p.grad, ref_grads[name], 1e-9, f"{what}: grad of {name}")
+                close(p.grad, ref_grads[name], grad_rtol, f"{what}: grad of {name}")
             model.zero_grad(set_to_none=True)
-            close(hf.gather_sequence(out.logits, batch.shard, group), ref_logits, 1e-12, f"{what}: logits")
+            close(hf.gather_sequence(out.logits, batch.shard, group), ref_logits, rtol, f"{what}: logits")
 
             # transformers' own loss path (out.loss): it upcasts logits to float32, so the
             # sharded sum matches the one-process float32 sum to float32 rounding.
@@ -149,6 +202,81 @@ def check_errors(rank, world, pair):
     _raises("pass the same group", model, **pair_batch.model_inputs())
 
 
+DROPOUT_SEQ = 48  # longer than SEQ: more attention weights to count
+
+
+def check_dropout(group):
+    """Attention dropout in training: each rank drops from its own heads' attention weights
+    (not the mask one process would draw); the fraction kept is 1 - p within 5 standard
+    deviations for the heads of every rank.
+
+    q = k = 0 makes the weights of row t uniform over its t + 1 visible keys, and v = 1 makes
+    each output the sum of the kept weights over 1 - p, so output * (t + 1) * (1 - p) counts
+    the kept weights of the row (an integer, up to the float32 rounding of Llama's eager
+    softmax).
+    """
+    import torch.distributed as dist
+
+    world, p, heads, kv = dist.get_world_size(group), 0.5, 4, 2
+    model = hf.apply(
+        build("llama", heads, kv, attention_dropout=p, attention_bias=True, attn_implementation="eager", num_hidden_layers=1),
+        group,
+    )
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.weight.zero_()
+            proj.bias.zero_()
+        attn.v_proj.bias.fill_(1.0)
+    seen = []
+    attn.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    ids = torch.randint(0, VOCAB, (2, DROPOUT_SEQ), generator=torch.Generator().manual_seed(3))
+    batch = hf.shard_batch(ids, group=group)
+    model.train()
+    model(**batch.model_inputs(loss=False))
+    out = hf.gather_sequence(seen[0], batch.shard, group).view(2, DROPOUT_SEQ, heads, 16)
+    assert torch.equal(out, out[..., :1].expand_as(out))
+    visible = torch.arange(1, DROPOUT_SEQ + 1, dtype=out.dtype).view(1, -1, 1)
+    kept = out[..., 0] * visible * (1 - p)  # [batch, seq, heads]
+    assert (kept - kept.round()).abs().max() < 1e-4, "kept counts are not integers"
+    assert (kept >= 0).all() and (kept.round() <= visible).all()
+    for r, (h0, h1) in enumerate(HeadPlan.build(heads, kv, world).q_ranges):
+        n = float(visible.sum()) * 2 * (h1 - h0)
+        frac = float(kept[..., h0:h1].round().sum()) / n
+        bound = 5 * (p * (1 - p) / n) ** 0.5
+        assert abs(frac - (1 - p)) < bound, f"world {world}, rank {r}'s heads [{h0}, {h1}): kept {frac:.4f}, expected {1 - p} +- {bound:.4f}"
+
+
+def check_registered_implementation(group):
+    """A model built with a user-registered attention implementation runs it on this rank's
+    heads over the whole sequence (no mask: it registered no mask function; no local
+    position_ids), and matches one process."""
+    import torch.distributed as dist
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def my_attention(module, query, key, value, attention_mask, **kwargs):
+        calls.append((tuple(query.shape), attention_mask, "position_ids" in kwargs, module.num_key_value_groups))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("ulysses_test_attention", my_attention)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ids, labels = global_batch()
+    ref_loss, ref_grads, _, _ = reference(build("qwen2", 6, 2), ids, labels)
+    model = hf.apply(build("qwen2", 6, 2, attn_implementation="ulysses_test_attention"), group)
+    batch = hf.shard_batch(ids, labels, group=group)
+    loss = batch.loss(model(**batch.model_inputs(loss=False)).logits)
+    loss.backward()
+    hf.sync_gradients(model, group)
+    close(hf.reduce_loss(loss, group), ref_loss, 1e-12, f"registered attention, world {world}: loss")
+    for name, p in model.named_parameters():
+        close(p.grad, ref_grads[name], 1e-9, f"registered attention, world {world}: grad of {name}")
+    plan = HeadPlan.build(6, 2, world)
+    local = plan.q_count(rank)
+    assert len(calls) == 2 and all(c == ((2, local, SEQ, 16), None, False, local // plan.kv_count(rank)) for c in calls), calls
+
+
 def job(rank, world, example_argv):
     import torch.distributed as dist
 
@@ -157,10 +285,14 @@ def job(rank, world, example_argv):
     pair = pairs[rank // 2]
     check_equivalence(None)  # 4 ranks
     check_equivalence(pair)  # 2 ranks (ranks 0-1 and 2-3 at the same time)
+    for group in (None, pair):
+        check_dropout(group)
+        check_registered_implementation(group)
     check_errors(rank, world, pair)
     example = load_example()
-    losses = example.train(rank, world, example.parse_args(example_argv))
-    assert losses[-1] < losses[0]
+    for argv in (example_argv, EXAMPLE_WINDOW_ARGV):
+        losses = example.train(rank, world, example.parse_args(argv))
+        assert losses[-1] < losses[0]
 
 
 def load_example():
@@ -171,6 +303,8 @@ def load_example():
 
 
 EXAMPLE_ARGV = ["--steps", "3", "--seq", "11", "--model", "llama", "--heads", "4", "--kv-heads", "1", "--quiet"]
+# GPT-OSS (sinks, alternating windows of 4 tokens, eager) as 2 replicas x 2-rank groups.
+EXAMPLE_WINDOW_ARGV = ["--steps", "3", "--seq", "11", "--model", "gpt_oss", "--window", "4", "--heads", "4", "--kv-heads", "2", "--sp-size", "2", "--quiet"]
 
 
 def test_ranks():
@@ -182,12 +316,16 @@ def test_example_arguments():
     assert (args.spawn, args.pad, args.steps, args.seq, args.model, args.kv_heads) == (2, True, 3, 11, "llama", 1)
 
 
-@pytest.mark.parametrize("family,extra", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": None})])
-def test_one_process_matches_sdpa(family, extra):
-    """Without torch.distributed (a group of one) the routed model is the sdpa model."""
+ONE_PROCESS_CASES = [("llama", 4, 2, {}), ("qwen3", 4, 2, {}), ("mistral", 4, 2, {"sliding_window": None})] + CASES[3:]
+
+
+@pytest.mark.parametrize("family,heads,kv,extra", ONE_PROCESS_CASES)
+def test_one_process_matches_sdpa(family, heads, kv, extra):
+    """Without torch.distributed (a group of one) the routed model is the model as built
+    (sdpa, or the case's implementation)."""
     ids, labels = global_batch()
-    ref_loss, ref_grads, _, ref_hf_loss = reference(build(family, 4, 2, **extra), ids, labels)
-    model = hf.apply(build(family, 4, 2, **extra))
+    ref_loss, ref_grads, _, ref_hf_loss = reference(build(family, heads, kv, **extra), ids, labels)
+    model = hf.apply(build(family, heads, kv, **extra))
     batch = hf.shard_batch(ids, labels)
     out = model(**batch.model_inputs(loss=False))
     loss = batch.loss(out.logits)
@@ -199,14 +337,59 @@ def test_one_process_matches_sdpa(family, extra):
         close(model(**batch.model_inputs()).loss, ref_hf_loss, 1e-6, "transformers loss")
 
 
+@pytest.mark.parametrize(
+    "family,heads,kv,extra,without",
+    [
+        ("mistral", 6, 2, CASES[3][3], {"sliding_window": None}),
+        ("qwen2", 4, 1, CASES[4][3], {"use_sliding_window": False}),
+        ("gemma2", 6, 3, CASES[5][3], {"attn_logit_softcapping": None}),
+        ("gemma2", 6, 3, CASES[5][3], {"sliding_window": 64}),
+        ("gemma3", 4, 1, CASES[6][3], {"sliding_window": 64}),
+        ("gpt_oss", 10, 5, CASES[7][3], {"sinks": -1e4}),
+        ("gpt_oss", 10, 5, CASES[7][3], {"sliding_window": 64}),
+    ],
+)
+def test_features_change_the_model(family, heads, kv, extra, without):
+    """Each feature the multi-rank cases rely on (a window of 5 over 13 tokens, softcapping,
+    sinks) changes the one-process logits far beyond the tests' tolerances, so a path that
+    ignored it would fail them."""
+    ids, _ = global_batch()
+    with torch.no_grad():
+        with_it = build(family, heads, kv, **extra)(input_ids=ids).logits
+        without_it = build(family, heads, kv, **{**extra, **without})(input_ids=ids).logits
+    assert ((with_it - without_it).abs().max() / without_it.abs().max()).item() > 1e-6
+
+
+def test_mask_function():
+    """The "ulysses" mask function records each layer type's mask; the attention call builds
+    it over the global sequence with the configured implementation's mask function, once
+    per step; what cannot be rebuilt raises."""
+    from transformers import masking_utils as mu
+
+    sizes = {"batch_size": 2, "q_length": 4, "kv_length": 4}
+    causal = hf._ulysses_mask(**sizes, mask_function=mu.causal_mask_function, allow_is_causal_skip=True)
+    sliding = hf._ulysses_mask(**sizes, mask_function=mu.sliding_window_causal_mask_function(3), local_size=3)
+    assert (causal.window, sliding.window) == (None, 3)
+    shard = hf.SequenceShard((4, 4), rank=1, world_size=2, valid_len=8, batch_size=2)
+    cpu, f64 = torch.device("cpu"), torch.float64
+    q, kv = torch.arange(8).view(8, 1), torch.arange(8).view(1, 8)
+    expected = (kv <= q) & (kv > q - 3)  # global positions of both shards
+    built = sliding.build("sdpa", shard, f64, cpu)
+    assert built.shape == (1, 1, 8, 8) and torch.equal(built[0, 0], expected)
+    assert sliding.build("sdpa", shard, f64, cpu) is built  # once per step
+    assert causal.build("sdpa", shard, f64, cpu) is None  # sdpa's is_causal flag
+    eager = causal.build("eager", shard, f64, cpu)
+    assert torch.equal(eager[0, 0] == 0, kv <= q) and (eager[0, 0][kv > q] == torch.finfo(f64).min).all()
+    assert sliding.build("flash_attention_2", shard, f64, cpu) is None  # the window travels as a parameter
+    _raises("cannot rebuild", hf._ulysses_mask, **sizes, mask_function=mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: q >= 0))
+    _raises("cannot rebuild", hf._ulysses_mask, **sizes, mask_function=mu.chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long)))
+    _raises("KV cache", hf._ulysses_mask, batch_size=2, q_length=1, kv_length=5, q_offset=4)
+    _raises("padding attention_mask", hf._ulysses_mask, **sizes, attention_mask=torch.tensor([[True] * 4, [False] + [True] * 3]))
+
+
 def test_apply_errors():
     _raises("expected a transformers PreTrainedModel", hf.apply, torch.nn.Linear(4, 4))
-    _raises("sliding-window", hf.apply, build("mistral", 4, 2, sliding_window=8))
-    _raises("sliding-window", hf.apply, build("qwen2", 4, 2, use_sliding_window=True, sliding_window=8))
-    _raises("attention dropout", hf.apply, build("llama", 4, 2, attention_dropout=0.1))
-    softcapped = build("llama", 4, 2)
-    softcapped.config.attn_logit_softcapping = 30.0
-    _raises("softcapping", hf.apply, softcapped)
+    _raises("is_causal = False", hf.apply, build("gemma3", 4, 1, use_bidirectional_attention=True))
     _raises("check expected", hf.apply, build("llama", 4, 2), check="sometimes")
 
 
@@ -217,6 +400,8 @@ def test_call_errors_one_process():
     bare = build("llama", 4, 2)
     bare.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
     _raises("not prepared by", bare, **hf.shard_batch(ids, labels).model_inputs())
+    # apply cannot tell which implementation such a model should run on each rank's heads.
+    _raises("already set to 'ulysses' without apply", hf.apply, bare)
     # A group without torch.distributed is explained.
     with pytest.raises(hf.HFIntegrationError, match="a group was given"):
         hf.shard_batch(ids, group=object())

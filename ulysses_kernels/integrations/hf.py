@@ -11,7 +11,7 @@
         opt.step(); opt.zero_grad()
         print(hf.reduce_loss(out.loss, group))   # the global mean loss
 
-``apply`` registers ``ulysses_attention`` in transformers' ``AttentionInterface`` (and a
+``apply`` registers an attention function in transformers' ``AttentionInterface`` (and a
 mask function in ``AttentionMaskInterface``) under the name ``"ulysses"`` and switches the
 model to it with ``set_attn_implementation``; no model class is patched. The process-group
 settings live on the model's own attention modules; the per-step sequence layout
@@ -26,25 +26,43 @@ Layout of one step, global sequence of ``S`` tokens over ``P`` ranks::
       | shard_batch: rank r keeps columns [start_r, start_r + seq_lens[r])
     rank r     [B, seq_lens[r]] input_ids, shifted labels, global positions
 
+One attention call (``_ulysses_attention_forward``), q/k/v ``[B, H, seq_lens[r], D]``:
+
+    plain causal (no window shorter than S, no softcap, no sinks, no dropout) and a
+    built-in implementation: the fused ``ulysses_attention`` (SDPA/flash, chunked overlap)
+    otherwise: seq_to_head -> this rank's heads over all S tokens -> the model's own
+    attention implementation (eager, sdpa, flash_attention_2/3, a registered one) with
+    the model's keywords, per-head sinks sliced to the rank's heads, the layer type's
+    mask rebuilt over global positions -> head_to_seq
+
+Under Ulysses a window, a softcap or a sink is local to a head: after the exchange each
+rank holds the whole sequence for its heads, so the model's attention computes exactly
+what one process would (attention dropout draws its own random mask on each rank).
+
 Supported: decoder-only causal LMs whose attention goes through ``AttentionInterface``
-(Llama, Qwen2/Qwen3, Mistral with ``sliding_window=None``), any head layout (GQA with
-fewer KV heads than ranks, heads not divisible by the ranks), uneven shards or padding.
-Not supported (clear errors): padding/packed-sequence/custom masks, sliding windows,
-logit softcapping, attention dropout, KV caches (generation).
+(Llama, Qwen2/Qwen3, Mistral, Gemma 2/3, GPT-OSS: sliding windows, mixed layer types,
+logit softcapping, attention sinks, attention dropout), any head layout (GQA with fewer KV
+heads than ranks, heads not divisible by the ranks), uneven shards or padding.
+Not supported (clear errors): padding/packed-sequence/custom masks, chunked or
+bidirectional attention, KV caches (generation).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from ..attention import ulysses_attention
+from ..attention import head_to_seq, seq_to_head, ulysses_attention
+from ..backends import expand_kv
 from ..checks import UlyssesInputError
 from ..comm import get_communicator
 from ..layout import split_lengths  # the project's one rule for uneven shards (re-exported here)
+from ..plan import HeadPlan
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -90,6 +108,9 @@ class SequenceShard:
     # Input signatures already validated across ranks in this step (one check per step,
     # not per layer); the same on every rank because every rank runs the same layers.
     _checked: set = field(default_factory=set, repr=False)
+    # Global attention masks built in this step, one per (implementation, window, dtype,
+    # device): each layer type's mask is built once per step, at its first layer.
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def total(self) -> int:
@@ -356,10 +377,19 @@ def gather_sequence(x: torch.Tensor, shard: SequenceShard, group=None, dim: int 
 # The model side
 # --------------------------------------------------------------------------------------
 
+# Implementations whose plain causal attention (softmax(q k^T * scale) v, no window, no
+# softcap, no sinks, no dropout) is exactly what the fused ``ulysses_attention`` computes.
+# A call that needs nothing more runs the fused op (its SDPA/flash backends, chunked
+# overlap); anything else, or a user's own implementation, runs the model's attention.
+_FUSED_IMPLEMENTATIONS = frozenset(
+    {"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention"}
+)
 
-@dataclass(eq=False)
+
+@dataclass(frozen=True, eq=False)
 class _Settings:
-    """What ``apply`` chose for one model; held by each of its attention modules."""
+    """What ``apply`` chose for one attention module (the group settings are shared by the
+    model's modules; ``inner_impl``/``inner_fn`` are the module's own)."""
 
     group: object
     comm: object
@@ -367,6 +397,87 @@ class _Settings:
     kernels: object
     chunks: int | str
     check: str
+    inner_impl: str = ""  # the implementation the model was configured with ("sdpa", "eager", ...)
+    inner_fn: Callable | None = None  # its attention function (for "eager": the model's own)
+
+
+@dataclass(frozen=True, eq=False)
+class _GlobalMask:
+    """The mask one layer type asked for, as the ``"ulysses"`` mask function records it.
+
+    transformers calls the mask function once per forward per layer type, with the
+    *local* sizes; after the exchange each rank attends over the global sequence, whose
+    length only the attention call knows (from the step's ``SequenceShard``). So the mask
+    function returns this record (no tensor) and ``build`` makes the global mask in the
+    attention call, with the model's own mask function for the configured implementation,
+    over global indices ``0 .. total-1``: once per step per layer type (cached on the
+    shard), never gathered.
+
+    ``window``: ``None`` for plain causal, else the sliding window (a token sees itself and
+    the ``window - 1`` before it). ``mask_kwargs``: what the mask function was called with,
+    minus the sizes, the dtype and the device.
+    """
+
+    window: int | None
+    mask_kwargs: dict
+
+    def covers(self, total: int) -> bool:
+        """The mask is plain causal over ``total`` tokens (no window, or one that long)."""
+        return self.window is None or self.window >= total
+
+    def build(self, impl: str, shard: SequenceShard, dtype: torch.dtype, device: torch.device):
+        """The mask ``impl``'s attention expects over the global sequence: what one process
+        would build for ``shard.total`` tokens (``None`` where it needs none: sdpa's causal
+        flag, flash attention's window parameter, an implementation without a mask function)."""
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        if impl not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # as transformers does
+            return None
+        key = (impl, self.window, self.mask_kwargs.get("allow_is_causal_skip", True), dtype, device)
+        if key not in shard._masks:
+            # Batch 1: every row of the batch has the same mask (no padding), broadcast by the attention.
+            shard._masks[key] = ALL_MASK_ATTENTION_FUNCTIONS[impl](
+                batch_size=1, q_length=shard.total, kv_length=shard.total, q_offset=0, kv_offset=0,
+                attention_mask=None, dtype=dtype, device=device, **self.mask_kwargs,
+            )  # fmt: skip
+        return shard._masks[key]
+
+
+class _ConfigView:
+    """A model config read through, with ``_attn_implementation`` set to the configured one."""
+
+    def __init__(self, config, impl: str):
+        self.__dict__.update(_config=config, _attn_implementation=impl)
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class _LocalHeads:
+    """The model's attention module as its attention function sees it on this rank.
+
+    Every attribute is the module's except ``num_key_value_groups`` (the grouping of this
+    rank's heads, which need not be the model's), ``sinks`` (this rank's query heads'
+    slice, a view: the gradient reaches the parameter) and ``config`` (a ``_ConfigView``:
+    flash attention reads ``config._attn_implementation`` to pick its kernel).
+    """
+
+    def __init__(self, module, impl: str, groups: int, heads: slice, q_heads: int):
+        self.__dict__.update(_module=module, num_key_value_groups=groups, config=_ConfigView(module.config, impl))
+        sinks = getattr(module, "sinks", None)
+        if sinks is not None:
+            self.__dict__["sinks"] = _head_slice(sinks, q_heads, heads, f"{type(module).__name__}.sinks")
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _head_slice(t: torch.Tensor, q_heads: int, heads: slice, what: str) -> torch.Tensor:
+    """Rows ``heads`` of a per-query-head tensor ``[q_heads, ...]`` (sinks): this rank's."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != q_heads:
+        shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise HFIntegrationError(f"{what}: expected one value per query head (shape [{q_heads}, ...]), got {shape}")
+    return t[heads]
 
 
 def _fail_module(module) -> HFIntegrationError:
@@ -377,39 +488,95 @@ def _fail_module(module) -> HFIntegrationError:
     )
 
 
-def _ulysses_attention_forward(
-    module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs,
-):
+def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
     """transformers attention function: ``[B, H, s_local, D]`` q/k/v in, ``[B, s_local, Hq, D]`` out.
 
-    k/v arrive un-repeated (GQA); ``ulysses_attention`` keeps them grouped. The causal
-    mask is global (built by ``ulysses_attention``), so transformers' local mask must be
-    ``None`` (our mask function makes sure of it).
+    k/v arrive un-repeated (GQA). ``attention_mask`` is the ``_GlobalMask`` our mask
+    function returned for this layer's type. The keywords are the model's (``scaling``,
+    ``dropout``, ``sliding_window``, ``softcap``, ``s_aux``, ...). Plain causal calls of a
+    built-in implementation run the fused ``ulysses_attention``; the others run the
+    model's own attention function on this rank's heads over the global sequence
+    (``_model_attention``).
     """
     settings, shard = _call_context(module, kwargs)
-    _check_supported(module, shard, attention_mask, dropout, sliding_window, softcap, kwargs)
-    comm = settings.comm
-    _check_sharded_input(type(module).__name__, shard, comm, query)
+    kwargs.pop(_SHARD_KWARG)
+    mask = _layer_mask(module, attention_mask)
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise HFIntegrationError(
+            f"{type(module).__name__}: non-causal attention is not supported (ulysses applies a global causal mask)"
+        )
+    _check_sharded_input(type(module).__name__, shard, settings.comm, query)
+    if not _plain_causal(settings, shard, mask, module, kwargs):
+        return _model_attention(module, settings, shard, mask, query, key, value, kwargs), None
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
-    sig = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling)
-    check = settings.check == "always" or (settings.check == "step" and sig not in shard._checked)
+    scaling = kwargs.get("scaling")
+    sig = ("fused", tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling)
+    check = _check_now(settings, shard, sig)
     out = ulysses_attention(
         q, k, v, settings.group, causal=True, softmax_scale=scaling, seq_lens=shard.seq_lens,
-        attn_fn=settings.attn_fn, comm=comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
+        attn_fn=settings.attn_fn, comm=settings.comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
     )  # fmt: skip
     if check:
         shard._checked.add(sig)
     return out, None
+
+
+def _plain_causal(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, module, kwargs) -> bool:
+    """The call is plain causal attention over the global sequence of a built-in
+    implementation: no window shorter than the sequence, no softcap, no sinks, no dropout."""
+    window = kwargs.get("sliding_window")
+    return (
+        settings.inner_impl in _FUSED_IMPLEMENTATIONS
+        and mask.covers(shard.total)
+        and (window is None or window >= shard.total)
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and getattr(module, "sinks", None) is None
+        and not kwargs.get("dropout")
+    )
+
+
+def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
+    """The model's own attention on this rank's heads over the global sequence.
+
+    ``[B, H, s_local, D]`` q/k/v -> ``seq_to_head`` -> ``[B, hq, S, D]`` (``plan.q_ranges[rank]``)
+    and the KV heads those use (gathered to one per query head where the rank's heads do
+    not group uniformly) -> the configured implementation with every keyword the model
+    passed (``s_aux`` and ``module.sinks`` sliced to the rank's heads; ``position_ids``,
+    local ones, left out) and the global mask -> ``[B, S, hq, D]`` -> ``head_to_seq`` ->
+    ``[B, s_local, Hq, D]``.
+    """
+    comm, name, q_heads = settings.comm, type(module).__name__, query.shape[1]
+    plan = HeadPlan.build(q_heads, key.shape[1], comm.world_size)
+    sig = ("model", tuple(query.shape), tuple(key.shape), query.dtype, query.device)
+    check = _check_now(settings, shard, sig)
+    q, k, v = seq_to_head(
+        *(t.transpose(1, 2) for t in (query, key, value)), group=settings.group, seq_lens=shard.seq_lens, plan=plan,
+        comm=comm, kernels=settings.kernels, check=check,
+    )  # fmt: skip
+    if check:
+        shard._checked.add(sig)
+    k, v = expand_kv(k, v, plan.local_kv_map(comm.rank))  # [B, S, hkv, D], uniform groups
+    heads = slice(*plan.q_ranges[comm.rank])
+    local = _LocalHeads(module, settings.inner_impl, q.shape[2] // k.shape[2], heads, q_heads)
+    inner = {n: a for n, a in kwargs.items() if n != "position_ids"}
+    if kwargs.get("s_aux") is not None:
+        inner["s_aux"] = _head_slice(kwargs["s_aux"], q_heads, heads, f"{name}: s_aux")
+    global_mask = mask.build(settings.inner_impl, shard, q.dtype, q.device)
+    out = settings.inner_fn(local, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), global_mask, **inner)[0]
+    expected = [q.shape[0], shard.total, q.shape[2], v.shape[3]]
+    if list(out.shape) != expected:
+        raise HFIntegrationError(
+            f"{name}: the {settings.inner_impl!r} attention returned shape {list(out.shape)}, expected {expected} "
+            "([batch, seq, heads, head_dim] over this rank's heads)"
+        )
+    return head_to_seq(out, plan, group=settings.group, seq_lens=shard.seq_lens, comm=comm, kernels=settings.kernels)
+
+
+def _check_now(settings: _Settings, shard: SequenceShard, sig: tuple) -> bool:
+    """Whether this call validates its inputs across ranks (``apply``'s ``check``)."""
+    return settings.check == "always" or (settings.check == "step" and sig not in shard._checked)
 
 
 def _call_context(module, kwargs) -> tuple[_Settings, SequenceShard]:
@@ -427,28 +594,19 @@ def _call_context(module, kwargs) -> tuple[_Settings, SequenceShard]:
     return settings, shard
 
 
-def _check_supported(module, shard: SequenceShard, attention_mask, dropout, sliding_window, softcap, kwargs) -> None:
-    """Raise on what plain causal attention over the global sequence cannot honor: a mask,
-    dropout, softcapping, a window shorter than the sequence, attention sinks, non-causal."""
-    name = type(module).__name__
-    if attention_mask is not None:
-        raise HFIntegrationError(
-            f"{name}: an explicit attention mask reached sequence-parallel attention (shape "
-            f"{list(attention_mask.shape)}); only plain causal attention over the global sequence is supported: "
-            "drop attention_mask (use labels=-100 for padding)"
-        )
-    if dropout:
-        raise HFIntegrationError(f"{name}: attention dropout ({dropout}) is not supported; set config.attention_dropout = 0.0")
-    if softcap is not None:
-        raise HFIntegrationError(f"{name}: attention logit softcapping ({softcap}) is not supported")
-    if sliding_window is not None and shard.valid_len > sliding_window:
-        raise HFIntegrationError(
-            f"{name}: sliding-window attention (window {sliding_window}) over {shard.valid_len} tokens is not supported"
-        )
-    if kwargs.get("s_aux") is not None:
-        raise HFIntegrationError(f"{name}: attention sinks (s_aux) are not supported")
-    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
-        raise HFIntegrationError(f"{name}: non-causal attention is not supported (ulysses applies a global causal mask)")
+def _layer_mask(module, attention_mask) -> _GlobalMask:
+    """The layer's ``_GlobalMask`` (plain causal when the model passed none); a tensor mask
+    (a prepared 4-D mask given to the model) cannot be honored across shards."""
+    if isinstance(attention_mask, _GlobalMask):
+        return attention_mask
+    if attention_mask is None:
+        return _GlobalMask(None, {})
+    shape = list(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+    raise HFIntegrationError(
+        f"{type(module).__name__}: an explicit attention mask reached sequence-parallel attention ({shape}); "
+        "the mask is rebuilt over the global sequence from the model's causal or sliding-window pattern: "
+        "drop attention_mask (use labels=-100 for padding)"
+    )
 
 
 def _check_sharded_input(name: str, shard: SequenceShard, comm, query: torch.Tensor) -> None:
@@ -474,50 +632,106 @@ def _check_sharded_input(name: str, shard: SequenceShard, comm, query: torch.Ten
         )
 
 
-def _ulysses_mask(*args, mask_function=None, attention_mask=None, **kwargs):
-    """Mask function for ``AttentionMaskInterface``: verify that plain causal is wanted, build nothing.
+def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+    """Mask function for ``AttentionMaskInterface``: record the layer type's mask, build nothing.
 
-    Called once per forward (not per layer). A padding mask or a packed-sequence,
-    sliding-window or custom overlay would change the causal mask, which we cannot
-    honor across shards, so it raises instead of being silently dropped.
+    Called once per forward per layer type (``layer_types``: ``full_attention``,
+    ``sliding_attention``) with the local sizes. Returns a ``_GlobalMask`` that the
+    attention call turns into the global mask (``_GlobalMask.build``). What cannot be
+    rebuilt over the global sequence raises: a KV cache, a padding mask, and masks other
+    than causal and sliding-window causal (packed sequences, chunked or bidirectional
+    attention, custom overlays).
     """
-    from transformers.masking_utils import causal_mask_function
-
-    if mask_function is not None and mask_function is not causal_mask_function:
+    if int(q_offset) or int(kv_offset) or q_length != kv_length:
         raise HFIntegrationError(
-            "sequence-parallel attention supports the plain causal mask only; the model asked for another "
-            "(sliding window, packed sequences detected from restarting position_ids, or a custom overlay)"
+            f"sequence-parallel attention got a KV cache (query offset {int(q_offset)}, {kv_length} keys for "
+            f"{q_length} queries): generation with past_key_values / use_cache=True is not supported; "
+            "run the model with use_cache=False (ShardedBatch.model_inputs() does)"
         )
     if attention_mask is not None and not bool(attention_mask.all()):
         raise HFIntegrationError(
             "sequence-parallel attention got a padding attention_mask with masked tokens; padding is not "
             "supported as a mask: drop attention_mask and set the padded labels to -100 (shard_batch does this)"
         )
-    return None
+    kept = {n: a for n, a in kwargs.items() if n not in ("dtype", "device")}
+    if mask_function is not None:
+        kept["mask_function"] = mask_function
+    return _GlobalMask(_window_of(mask_function), kept)
+
+
+def _window_of(mask_function) -> int | None:
+    """``None`` for transformers' causal mask function, ``w`` for its sliding-window causal
+    mask function of window ``w`` (recognised by their code, not their names); anything
+    else raises, since only these two are known to depend on positions alone."""
+    from transformers import masking_utils as mu
+
+    if mask_function is None or mask_function is mu.causal_mask_function:
+        return None
+    parts = _closure(mask_function, mu.and_masks(mu.causal_mask_function)).get("mask_functions")
+    if isinstance(parts, tuple) and len(parts) == 2 and parts[1] is mu.causal_mask_function:
+        window = _closure(parts[0], mu.sliding_window_overlay(1)).get("sliding_window")
+        if isinstance(window, int) and window > 0:
+            return window
+    raise HFIntegrationError(
+        "sequence-parallel attention rebuilds the causal and the sliding-window causal mask over the global "
+        f"sequence; the model asked for another mask ({getattr(mask_function, '__qualname__', mask_function)!r}: "
+        "packed sequences detected from restarting position_ids, chunked or bidirectional attention, or a custom "
+        "overlay), which it cannot rebuild"
+    )
+
+
+def _closure(fn, like) -> dict:
+    """The closure variables of ``fn`` if it was made by the same code as ``like``, else ``{}``."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code is not like.__code__ or not fn.__closure__:
+        return {}
+    return {n: cell.cell_contents for n, cell in zip(code.co_freevars, fn.__closure__)}
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
-    # transformers' attention modules (Llama, Qwen2, Mistral, ...) carry these three.
+    # transformers' attention modules (Llama, Qwen2, Mistral, Gemma, GPT-OSS, ...) carry these.
     return [m for m in model.modules() if all(hasattr(m, a) for a in ("scaling", "is_causal", "config")) and hasattr(m, "head_dim")]
 
 
 def _check_config(config) -> None:
-    cls = type(config).__name__
-    if getattr(config, "sliding_window", None) is not None or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise HFIntegrationError(
-            f"apply: {cls} uses sliding-window attention (sliding_window={getattr(config, 'sliding_window', None)}), "
-            "which sequence-parallel attention does not support; when every training sequence is at most the "
-            "window long the window has no effect and you may set config.sliding_window = None before building the model"
-        )
-    for attr in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(config, attr, None) is not None:
-            raise HFIntegrationError(f"apply: {cls}.{attr} = {getattr(config, attr)}: logit softcapping is not supported")
-    if getattr(config, "attention_dropout", 0.0):
-        raise HFIntegrationError(
-            f"apply: {cls}.attention_dropout = {config.attention_dropout}: attention dropout is not supported; set it to 0.0"
-        )
     if not getattr(config, "is_causal", True):
-        raise HFIntegrationError(f"apply: {cls}.is_causal = False: only causal (decoder) attention is supported")
+        raise HFIntegrationError(f"apply: {type(config).__name__}.is_causal = False: only causal (decoder) attention is supported")
+
+
+def _configured_implementation(module) -> str:
+    """The attention implementation ``module`` runs before ``apply`` switches it (on a
+    second ``apply``: the one the first recorded)."""
+    impl = getattr(module.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        return impl or "eager"  # None: transformers falls back to the model's eager attention
+    previous = getattr(module, _SETTINGS_ATTR, None)
+    if previous is None:
+        raise HFIntegrationError(
+            f"apply: {type(module).__name__} is already set to {ATTN_IMPLEMENTATION!r} without apply, so the "
+            "implementation to run on each rank's heads is unknown; build the model with it "
+            "(attn_implementation='sdpa', 'eager', 'flash_attention_2', ...) and call apply"
+        )
+    return previous.inner_impl
+
+
+def _attention_function(module, impl: str) -> Callable:
+    """The function transformers would call for ``impl`` in ``module``: the registered one,
+    or for ``"eager"`` the model's own ``eager_attention_forward`` (Gemma 2's softcaps,
+    GPT-OSS's adds the sinks), found in the module of ``module``'s class or a base's."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if impl != "eager":
+        if impl not in ALL_ATTENTION_FUNCTIONS:
+            raise HFIntegrationError(f"apply: {type(module).__name__} uses attention implementation {impl!r}, which is not registered")
+        return ALL_ATTENTION_FUNCTIONS[impl]
+    for cls in type(module).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        if callable(fn):
+            return fn
+    raise HFIntegrationError(
+        f"apply: {type(module).__name__} is configured for 'eager' attention but its module has no eager_attention_forward; "
+        "build the model with attn_implementation='sdpa' (or another registered implementation)"
+    )
 
 
 def register() -> None:
@@ -530,17 +744,26 @@ def register() -> None:
 
 
 def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None):
-    """Route a transformers model's attention through ``ulysses_attention`` over ``group``.
+    """Make a transformers model sequence-parallel over ``group``.
+
+    Each attention call exchanges q/k/v so that every rank holds the whole sequence for
+    its heads. Plain causal attention then runs the fused ``ulysses_attention``; a
+    sliding window shorter than the sequence, logit softcapping, attention sinks,
+    attention dropout or a user-registered implementation run the model's own attention
+    implementation (the one it was built with: ``eager``, ``sdpa``, ``flash_attention_2/3``
+    or a registered one) on the rank's heads with every keyword the model passes, and the
+    mask of each layer type rebuilt over the global sequence.
 
     Args:
         model: a ``transformers.PreTrainedModel`` whose attention uses ``AttentionInterface``
-            (Llama, Qwen2, Qwen3, Mistral, ... families), causal, without sliding window,
-            softcapping or attention dropout.
+            (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, ... families), causal.
         group: the sequence-parallel process group (default: the world).
-        attn_fn, kernels, chunks: passed to ``ulysses_attention``.
+        attn_fn, kernels, chunks: passed to ``ulysses_attention`` (``kernels`` also to the
+            exchanges around the model's own attention; ``attn_fn`` and ``chunks`` apply to
+            the fused path only).
         check: ``"step"`` (default): validate the inputs across ranks at the first attention
-            call of each step (one tiny all-gather per step); ``"always"``: every layer;
-            ``"never"``: no exchange.
+            call of each step (one tiny all-gather per step and path); ``"always"``: every
+            layer; ``"never"``: no exchange.
         comm: a communicator (default: torch.distributed's; with
             ``ULYSSES_KERNELS_NATIVE_NCCL=1``, opt-in until native NCCL has run on a GPU, a
             native ``NCCLCommunicator`` on NCCL groups, made here and owned by the model).
@@ -572,6 +795,11 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     modules = _attention_modules(model)
     if not modules:
         raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
+    bidirectional = sorted({type(m).__name__ for m in modules if not m.is_causal})
+    if bidirectional:
+        raise HFIntegrationError(f"apply: {', '.join(bidirectional)}.is_causal = False: only causal (decoder) attention is supported")
+    # Resolved before the model is switched, so that a refusal leaves it as it was.
+    inner = [(m, impl, _attention_function(m, impl)) for m in modules for impl in [_configured_implementation(m)]]
     register()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -580,10 +808,9 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
     if wrong:
         raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
-    settings = _Settings(group, get_communicator(group, comm, native=True), attn_fn, kernels, chunks, check)
-    for m in modules:
+    shared = _Settings(group, get_communicator(group, comm, native=True), attn_fn, kernels, chunks, check)
+    for m, impl, fn in inner:
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
-        object.__setattr__(m, _SETTINGS_ATTR, settings)
+        object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
     return model
-
