@@ -90,15 +90,37 @@ class AttentionBackend:
             with torch.no_grad():
                 k2, v2 = expand_kv(k, v, kv_map)
                 return self.attend(q, k2, v2, causal, scale), None
+        gathered = None
+        if not uniform_group(len(kv_map), k.shape[2], kv_map):
+            # The kernel saves the gathered k, v; the leaves are those copies (dk, dv are
+            # summed back to the KV heads in ``backward``, as autograd's index_select
+            # backward would). A q that shares its storage with k, v (the receive buffer)
+            # is copied too, so that the buffer, whose k, v heads nothing reads any more,
+            # is not kept alive for the backward by q alone.
+            index = kv_index(kv_map, k.device)
+            gathered = (index, k.shape[2])
+            if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
+                q = q.clone(memory_format=torch.contiguous_format)
+            k, v = gather_kv(k, v, index)
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
         with torch.enable_grad():
-            k2, v2 = expand_kv(leaves[1], leaves[2], kv_map)
-            out = self.attend(leaves[0], k2, v2, causal, scale)
-        return out.detach(), (leaves, out)
+            out = self.attend(*leaves, causal, scale)
+        # The state is a list that ``backward`` empties: what the graph saved goes with it.
+        return out.detach(), [leaves, out, gathered]
 
     def backward(self, state, dout):
-        leaves, out = state
-        return torch.autograd.grad(out, leaves, dout)
+        """The gradients for ``q``, ``k``, ``v``. Empties ``state``: the attention inputs it
+        holds are freed before the gradients are returned, not when the caller lets go."""
+        leaves, out, gathered = state
+        state.clear()
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        del leaves, out
+        if gathered is not None:
+            index, hkv = gathered
+            shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
+            dk = dk.new_zeros(shape).index_add_(2, index, dk)
+            dv = dv.new_zeros(shape).index_add_(2, index, dv)
+        return dq, dk, dv
 
 
 class SDPABackend(AttentionBackend):

@@ -9,12 +9,17 @@ Data movement per call (the budget of one copy per byte on the wire):
   ``[B, s_r, H, D]`` outputs, summing replicated KV heads.
 
 Buffers: each call allocates one send buffer (``a2a_seq_to_head`` only) and one receive buffer
-from the caching allocator; the receive buffer of ``a2a_seq_to_head`` lives as long as the
-views of it (for attention, until the backward has used them).
+from the caching allocator, and holds nothing once it returns: the send buffer goes when the
+exchange has consumed it; the receive buffer of ``a2a_seq_to_head`` lives as long as the
+views of it (for attention, until the attention backward has run); the receive buffer of
+``a2a_head_to_seq`` holds the peers' blocks only when the exchange is grouped send/recv
+(the rank's own rows are unpacked from the local tensors) and goes after the unpack.
+docs/design.md ("Buffers and who owns them") gives the peak of one call as a formula.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,7 +28,7 @@ from . import layout as L
 from .kernels import TorchKernels
 from .layout import Q_ONLY, QKV, Layout
 
-__all__ = ["a2a_seq_to_head", "a2a_head_to_seq", "SeqToHead", "HeadToSeq", "UlyssesAttentionFunction"]
+__all__ = ["a2a_seq_to_head", "a2a_head_to_seq", "SeqToHead", "HeadToSeq", "LocalAttention", "UlyssesAttentionFunction"]
 
 
 def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -67,12 +72,40 @@ def _one_collective(layout: Layout, n_tensors: int) -> bool:
     return n_tensors == 1 and layout.batch == 1 and layout.world_size > 1
 
 
+def _h2s_recv(layout: Layout, roles, like: torch.Tensor, own: bool):
+    """The receive side of a head-to-sequence exchange: ``(buffer, blocks)``, ``blocks`` per
+    source, per role the ``[B, s_r, h, D]`` wire-format block (``layout.h2s_recv_views``).
+    ``own=False`` (grouped send/recv) leaves this rank's blocks out of the buffer (``None``):
+    its rows never touch the wire, so the buffer holds the peers' blocks only."""
+    if own:
+        recv = _flat(sum(layout.h2s_splits(roles)[1]), like)
+        return recv, layout.h2s_recv_views(recv, roles)
+    shapes = [
+        None if p == layout.rank else [(layout.batch, layout.seq_local, layout.head_count(s, p), layout.head_dim) for s in roles]
+        for p in range(layout.world_size)
+    ]
+    recv = _flat(sum(math.prod(x) for per in shapes if per for x in per), like)
+    blocks, start = [], 0
+    for per in shapes:
+        if per is None:
+            blocks.append(None)
+            continue
+        views = []
+        for shape in per:
+            n = math.prod(shape)
+            views.append(recv[start : start + n].view(shape))
+            start += n
+        blocks.append(views)
+    return recv, blocks
+
+
 def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now):
     """Post the head-to-sequence exchange of local ``[B, S, h, D]`` tensors (one per role).
 
     Rows that are contiguous per batch element go on the wire in place; others are packed
-    first. Returns ``(handle, recv, wire)``; pass ``recv`` and ``wire`` to
-    ``head_to_seq_blocks`` once the handle is waited.
+    first. Returns ``(handle, blocks)``: per source, per role, the ``[B, s_r, h, D]`` block
+    to unpack once the handle is waited (this rank's own rows are read from the local
+    tensors; the blocks keep the receive buffer and the local tensors alive until then).
     """
     wire = []
     for x in local:
@@ -82,13 +115,13 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
             kernels.pack_h2s(layout, x, packed)
             x = packed.view(x.shape)
         wire.append(x)
-    send_splits, recv_splits = layout.h2s_splits(roles)
-    recv = _flat(sum(recv_splits), wire[0])
-    if _one_collective(layout, len(wire)):
+    one = _one_collective(layout, len(wire))
+    recv, blocks = _h2s_recv(layout, roles, wire[0], own=one)
+    if one:
+        send_splits, recv_splits = layout.h2s_splits(roles)
         flat = wire[0].reshape(-1)
         call = lambda a: comm.all_to_all(recv, flat, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
-        blocks = layout.h2s_recv_views(recv, roles)
         sends, recvs = [], []
         for p in range(layout.world_size):
             if p == layout.rank:
@@ -98,16 +131,9 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
                 sends += [(p, src[b].reshape(-1)) for b in range(layout.batch)]
                 recvs += [(p, dst[b].reshape(-1)) for b in range(layout.batch)]
         call = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
-    return start((recv, *wire), call), recv, wire
-
-
-def head_to_seq_blocks(layout: Layout, recv, wire, roles) -> list[list[torch.Tensor]]:
-    """Per source, per role: the ``[B, s_r, h, D]`` block to unpack."""
-    blocks = layout.h2s_recv_views(recv, roles)
-    if not _one_collective(layout, len(wire)):
         # Our own rows never touch the wire: unpack reads them from the local tensors.
         blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
-    return blocks
+    return start((recv, *wire), call), blocks
 
 
 def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
@@ -120,13 +146,13 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
     """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]``."""
     if layout.world_size == 1:
         return list(local)
-    _, recv, wire = post_head_to_seq(layout, local, roles, comm, kernels)
-    like = wire[0]
+    like = local[0]
+    _, blocks = post_head_to_seq(layout, local, roles, comm, kernels)
     outs = [
         torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
         for s in roles
     ]
-    kernels.unpack_h2s(layout, head_to_seq_blocks(layout, recv, wire, roles), roles, outs)
+    kernels.unpack_h2s(layout, blocks, roles, outs)
     return outs
 
 
@@ -177,27 +203,41 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
 SeqToHead, HeadToSeq = exchange_functions(a2a_seq_to_head, a2a_head_to_seq)
 
 
-class UlyssesAttentionFunction(torch.autograd.Function):
-    """All-to-all, local attention, all-to-all; the backward mirrors it. ``call``: the
-    ``CallSetup`` (its ``backend`` is ``backends.for_rank``'s pick for this rank)."""
+class LocalAttention(torch.autograd.Function):
+    """The rank's attention backend (``call.backend``) on its head-sharded ``q``, ``k``,
+    ``v`` (``[B, S, h, D]`` views of the sequence-to-head receive buffer), as an autograd
+    node of its own between the two exchanges. Its backward gives up the backend's state
+    (the saved attention inputs and output) before it returns, and the autograd engine
+    frees ``dout`` (``[B, s_r, Hq, D]``) once the exchange that consumed it has run and the
+    head-sharded ``dout`` once this node has run."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call):
-        needs_grad = any(ctx.needs_input_grad[:3])
-        layout, comm, kernels = call.layout, call.comm, call.kernels
-        q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels)
-        out_l, state = call.backend.forward(q_l, k_l, v_l, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=needs_grad)
-        del q_l, k_l, v_l
+    def forward(ctx, call, q, k, v):
+        needs_grad = any(ctx.needs_input_grad[1:4])
+        out, state = call.backend.forward(q, k, v, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=needs_grad)
         ctx.call, ctx.state = call, state
-        return a2a_head_to_seq(layout, [out_l], Q_ONLY, comm, kernels)[0]
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        call = ctx.call
-        layout, comm, kernels = call.layout, call.comm, call.kernels
-        (dout_l,) = a2a_seq_to_head(layout, [dout], Q_ONLY, comm, kernels)
-        grads = call.backend.backward(ctx.state, dout_l)
+        backend, state = ctx.call.backend, ctx.state
         ctx.state = None
-        dq, dk, dv = a2a_head_to_seq(layout, list(grads), QKV, comm, kernels)
-        return dq, dk, dv, None
+        return (None, *backend.backward(state, dout))
+
+
+class UlyssesAttentionFunction:
+    """All-to-all, local attention, all-to-all, as three autograd nodes (``SeqToHead``,
+    ``LocalAttention``, ``HeadToSeq``, the composition the compiled path traces too); the
+    backward runs them in reverse: dout to heads, the attention backward, dq/dk/dv back to
+    the sequence. Three nodes rather than one so that each buffer goes at its last use:
+    ``dout`` after its exchange, the head-sharded ``dout`` and the saved attention state
+    after the attention backward (one node would hold all of them until dq/dk/dv arrive).
+    ``call``: the ``CallSetup`` (its ``backend`` is ``backends.for_rank``'s pick)."""
+
+    @staticmethod
+    def apply(q, k, v, call):
+        q_l, k_l, v_l = SeqToHead.apply(call, q, k, v)
+        out_l = LocalAttention.apply(call, q_l, k_l, v_l)
+        del q_l, k_l, v_l  # the backend's state holds what its backward needs
+        return HeadToSeq.apply(call, out_l)

@@ -7,7 +7,7 @@ import torch
 
 from ..backends import AttentionBackend, KVGradSum, gather_kv, kv_index
 from ..comm import AsyncChannel
-from ..exchange import head_to_seq_blocks, post_head_to_seq, post_seq_to_head
+from ..exchange import post_head_to_seq, post_seq_to_head
 from ..layout import Q_ONLY, QKV, Layout
 from ..plan import HeadPlan
 from .schedule import Chunk, Schedule, build_schedule
@@ -22,14 +22,10 @@ def _start_s2h(chan: AsyncChannel, lay: Layout, tensors, roles, kernels):
 
 def _start_h2s(chan: AsyncChannel, lay: Layout, local: torch.Tensor, role: str, kernels):
     """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``role``'s heads).
-    Returns (pending, receive buffer, wire tensor)."""
-    pending, recv, wire = post_head_to_seq(lay, [local], (role,), chan.comm, kernels, chan.start)
-    return pending, recv, wire[0]
-
-
-def _h2s_blocks(lay: Layout, recv, local, role: str):
-    """Per source: the received ``[B, s_r, h, D]`` block (our own read from ``local``)."""
-    return [per[0] for per in head_to_seq_blocks(lay, recv, [local], (role,))]
+    Returns (pending, blocks): per source, the ``[B, s_r, h, D]`` block to unpack once
+    ``pending`` is waited (our own read from ``local``)."""
+    pending, blocks = post_head_to_seq(lay, [local], (role,), chan.comm, kernels, chan.start)
+    return pending, [per[0] for per in blocks]
 
 
 def _attend_chunk(backend, chunk: Chunk, q, k, v, causal, scale, needs_grad):
@@ -41,6 +37,10 @@ def _attend_chunk(backend, chunk: Chunk, q, k, v, causal, scale, needs_grad):
         out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
         return out, (state, None)
     index = kv_index(chunk.expand, k.device)
+    if needs_grad:
+        # As AttentionBackend.forward does for a gathered map: q leaves the chunk's receive
+        # buffer, whose k, v heads the gather has copied, so that the buffer can go.
+        q = q.clone(memory_format=torch.contiguous_format)
     k2, v2 = gather_kv(k, v, index)
     ident = tuple(range(q.shape[2]))
     out, state = backend.forward(q, k2, v2, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
@@ -72,8 +72,9 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         # a shared KV head's query heads (the schedule's `shared`).
         sched = build_schedule(layout, call.chunks, call.split_groups)
         chan = AsyncChannel(comm, q.device)
-        B, D = layout.batch, layout.head_dim
-        out = q.new_empty(B, layout.seq_local, layout.plan.q_heads, D)
+        # The result is allocated at the first unpack, after the first chunk's attention
+        # (not before it, where it would add to that peak).
+        out = None
         states = []
         shared_kv = None  # a shared KV head: (k, v) views of the first chunk's receive buffer
         pending_in = _start_s2h(chan, sched.chunks[0].layout, (q, k, v), QKV, kernels)
@@ -98,9 +99,9 @@ class ChunkedAttentionFunction(torch.autograd.Function):
             started = (_start_h2s(chan, chunk.layout, out_c, "q", kernels), chunk)
             del out_c
             if pending_out is not None:
-                _finish_out(pending_out, out, kernels)
+                out = _finish_out(pending_out, out, layout, kernels)
             pending_out = started
-        _finish_out(pending_out, out, kernels)
+        out = _finish_out(pending_out, out, layout, kernels)
         ctx.call = call
         ctx.states = states
         return out
@@ -112,10 +113,10 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
         sched = build_schedule(layout, call.chunks, call.split_groups)
         chan = AsyncChannel(comm, dout.device)
-        B, D, plan, rank = layout.batch, layout.head_dim, layout.plan, layout.rank
-        dq = dout.new_empty(B, layout.seq_local, plan.q_heads, D)
-        dk = dout.new_empty(B, layout.seq_local, plan.kv_heads, D)
-        dv = dout.new_empty(B, layout.seq_local, plan.kv_heads, D)
+        B, D, rank = layout.batch, layout.head_dim, layout.rank
+        # dq, dk, dv are allocated at the first unpack: by then the first chunk's attention
+        # backward has run and freed its state.
+        outs = None
         kv_blocks = {}  # (chunk, source) -> (dk block, dv block) for the replica sums
         kv_sum = KVGradSum()  # a shared KV head's gradient, summed over the chunks' query heads
         pending_in = _start_s2h(chan, sched.chunks[0].layout, (dout,), Q_ONLY, kernels)
@@ -149,31 +150,44 @@ class ChunkedAttentionFunction(torch.autograd.Function):
             started = ([_start_h2s(chan, chunk.grad, g, st, kernels) for g, st in zip(grads, roles)], c)
             del grads
             if pending_out is not None:
-                _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
+                outs = _finish_grads(pending_out, sched, outs, kv_blocks, kernels)
             pending_out = started
-        _finish_grads(pending_out, sched, (dq, dk, dv), kv_blocks, kernels)
+        dq, dk, dv = _finish_grads(pending_out, sched, outs, kv_blocks, kernels)
         _sum_replicas(layout, sched, (dk, dv), kv_blocks, kernels)
         ctx.states = None
         return dq, dk, dv, None
 
 
-def _finish_out(pending, out, kernels) -> None:
-    (work, recv, local), chunk = pending
+def _new_results(layout: Layout, roles, like: torch.Tensor) -> list[torch.Tensor]:
+    """The op's sequence-sharded results ``[B, s_r, H, D]``, one per role."""
+    return [like.new_empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim) for s in roles]
+
+
+def _finish_out(pending, out, layout: Layout, kernels) -> torch.Tensor:
+    """Wait for one chunk's output exchange and unpack it into ``out`` (allocated here the
+    first time). Returns ``out``."""
+    (work, blocks), chunk = pending
     work.wait()
-    blocks = [[x] for x in _h2s_blocks(chunk.layout, recv, local, "q")]
-    kernels.unpack_h2s(chunk.layout, blocks, Q_ONLY, [out])
+    if out is None:
+        (out,) = _new_results(layout, Q_ONLY, blocks[0])
+    kernels.unpack_h2s(chunk.layout, [[x] for x in blocks], Q_ONLY, [out])
+    return out
 
 
-def _finish_grads(pending, sched: Schedule, outs, kv_blocks, kernels) -> None:
+def _finish_grads(pending, sched: Schedule, outs, kv_blocks, kernels) -> list[torch.Tensor]:
+    """Wait for one chunk's gradient exchanges and unpack them into ``outs`` (dq, dk, dv;
+    allocated here the first time). Returns ``outs``."""
     started, c = pending
     chunk = sched.chunks[c]
     per_role = []
-    for (work, recv, local), st in zip(started, QKV):
+    for work, blocks in started:
         work.wait()
-        per_role.append(_h2s_blocks(chunk.grad, recv, local, st))
+        per_role.append(blocks)
+    if outs is None:
+        outs = _new_results(chunk.grad, QKV, per_role[0][0])
     if not chunk.grad_kv:  # query-head gradients only
         kernels.unpack_h2s(chunk.unpack, [[b] for b in per_role[0]], Q_ONLY, [outs[0]])
-        return
+        return outs
     world = chunk.grad.world_size
     blocks = []
     for p in range(world):
@@ -183,6 +197,7 @@ def _finish_grads(pending, sched: Schedule, outs, kv_blocks, kernels) -> None:
         if (c, p) in sched.replica_blocks:  # held for _sum_replicas; other blocks go now
             kv_blocks[(c, p)] = (dk_b, dv_b)
     kernels.unpack_h2s(chunk.unpack, blocks, QKV, list(outs))
+    return outs
 
 
 def _sum_replicas(layout: Layout, sched: Schedule, outs, kv_blocks, kernels) -> None:
