@@ -116,6 +116,17 @@ def test_documented_example_command(cmd, tmp_path):
     assert "matches one process" in out, out  # step 0 checked against one process (the exit code checks the rest)
 
 
+def test_every_model_builds_with_the_default_sizes():
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("train_hf_example", ROOT / EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for family in example.FAMILIES:
+        args = example.parse_args(["--model", family])
+        model = example.build_model(args)  # raises when the config rejects the default sizes
+        assert model.config.hidden_size == args.hidden == args.heads * args.head_dim, family
+
+
 # ---- the build: less than asked is an error, not a quieter install ----------------------------
 def _load_setup():
     spec = importlib.util.spec_from_file_location("ulysses_kernels_setup", ROOT / "setup.py")
