@@ -408,10 +408,11 @@ class _GlobalMask:
     transformers calls the mask function once per forward per layer type, with the
     *local* sizes; after the exchange each rank attends over the global sequence, whose
     length only the attention call knows (from the step's ``SequenceShard``). So the mask
-    function returns this record (no tensor) and ``build`` makes the global mask in the
-    attention call, with the model's own mask function for the configured implementation,
-    over global indices ``0 .. total-1``: once per step per layer type (cached on the
-    shard), never gathered.
+    function returns this record (no tensor) for a sliding window, ``None`` for plain
+    causal (the attention call then uses ``_GlobalMask(None, {})``), and ``build`` makes
+    the global mask in the attention call, with transformers' mask function for the
+    configured implementation, over global indices ``0 .. total-1``: once per step per
+    layer type (cached on the shard), never gathered.
 
     ``window``: ``None`` for plain causal, else the sliding window (a token sees itself and
     the ``window - 1`` before it). ``mask_kwargs``: what the mask function was called with,
@@ -595,8 +596,8 @@ def _call_context(module, kwargs) -> tuple[_Settings, SequenceShard]:
 
 
 def _layer_mask(module, attention_mask) -> _GlobalMask:
-    """The layer's ``_GlobalMask`` (plain causal when the model passed none); a tensor mask
-    (a prepared 4-D mask given to the model) cannot be honored across shards."""
+    """The layer's ``_GlobalMask`` (plain causal when the mask function returned none); a
+    tensor mask (a prepared 4-D mask given to the model) cannot be honored across shards."""
     if isinstance(attention_mask, _GlobalMask):
         return attention_mask
     if attention_mask is None:
@@ -636,11 +637,13 @@ def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     """Mask function for ``AttentionMaskInterface``: record the layer type's mask, build nothing.
 
     Called once per forward per layer type (``layer_types``: ``full_attention``,
-    ``sliding_attention``) with the local sizes. Returns a ``_GlobalMask`` that the
-    attention call turns into the global mask (``_GlobalMask.build``). What cannot be
-    rebuilt over the global sequence raises: a KV cache, a padding mask, and masks other
-    than causal and sliding-window causal (packed sequences, chunked or bidirectional
-    attention, custom overlays).
+    ``sliding_attention``) with the local sizes. Returns ``None`` for plain causal (what
+    the attention call assumes when it gets no mask, and what any model code passes on
+    safely) and a ``_GlobalMask`` for a sliding window; the attention call turns either
+    into the global mask (``_GlobalMask.build``). What cannot be rebuilt over the global
+    sequence raises: a KV cache, a padding mask, and masks other than causal and
+    sliding-window causal (packed sequences, chunked or bidirectional attention, custom
+    overlays).
     """
     if int(q_offset) or int(kv_offset) or q_length != kv_length:
         raise HFIntegrationError(
@@ -653,10 +656,11 @@ def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
             "sequence-parallel attention got a padding attention_mask with masked tokens; padding is not "
             "supported as a mask: drop attention_mask and set the padded labels to -100 (shard_batch does this)"
         )
+    window = _window_of(mask_function)
+    if window is None:
+        return None
     kept = {n: a for n, a in kwargs.items() if n not in ("dtype", "device")}
-    if mask_function is not None:
-        kept["mask_function"] = mask_function
-    return _GlobalMask(_window_of(mask_function), kept)
+    return _GlobalMask(window, {**kept, "mask_function": mask_function})
 
 
 def _window_of(mask_function) -> int | None:
@@ -799,7 +803,10 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     if bidirectional:
         raise HFIntegrationError(f"apply: {', '.join(bidirectional)}.is_causal = False: only causal (decoder) attention is supported")
     # Resolved before the model is switched, so that a refusal leaves it as it was.
-    inner = [(m, impl, _attention_function(m, impl)) for m in modules for impl in [_configured_implementation(m)]]
+    inner = []
+    for m in modules:
+        impl = _configured_implementation(m)
+        inner.append((m, impl, _attention_function(m, impl)))
     register()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
