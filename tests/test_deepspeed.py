@@ -6,18 +6,26 @@
   KV heads than ranks; 10/5 gives ranks whose query heads straddle KV groups), a local
   attention that flattens its heads (Megatron's core attention), sub-groups of 2 ranks, and
   the argument errors;
-* equal to DeepSpeed's own module where DeepSpeed works (skips without DeepSpeed).
+* equal to DeepSpeed's own module where DeepSpeed works (skips without DeepSpeed);
+* DeepSpeed engines at dp 2 x sp 2 through ``mesh.parallel_groups(...).mpu()``: ZeRO-1 and 2,
+  ``reduce_scatter`` on and off, a tiny float64 Qwen2 through ``hf.apply``, 3 SGD steps with
+  the loss of ``mesh.scale_loss``: parameters, grad norm and logged loss equal one process
+  on the global batch (to 1e-6: DeepSpeed's optimizer path is not all float64), parameters
+  identical on every rank; the settings ``grad_divisor`` refuses (ZeRO-3 with sp > 1,
+  DeepSpeed's own mesh config, prescaled gradients) raise naming the setting.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ulysses_kernels.integrations import hf, mesh
 from ulysses_kernels.integrations.deepspeed import DeepSpeedIntegrationError, DistributedAttention
 from ulysses_kernels.reference import attention_reference
 from ulysses_kernels.testing import run_ranks
@@ -150,3 +158,62 @@ def _vs_deepspeed(rank, world):
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")
 def test_equals_deepspeed_where_it_runs():
     run_ranks(_vs_deepspeed, 4)
+
+
+# ---- DeepSpeed engines at dp 2 x sp 2 -------------------------------------------------------
+ZERO_CASES = [(1, True), (1, False), (2, True), (2, False)]  # (stage, reduce_scatter); ZeRO-3 with sp > 1 is refused
+
+
+def ds_config(stage: int, reduce_scatter: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "reduce_scatter": reduce_scatter},
+        "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+    }  # fmt: skip
+
+
+def _zero_stages(rank, world):
+    import deepspeed
+    from test_fsdp2 import LR, STEPS, build_model, reference_run, replica_batch  # the same model, batches and reference
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # deepspeed.initialize asks for it (a launcher sets it)
+    deepspeed.init_distributed(dist_backend="gloo")
+    groups = mesh.parallel_groups(sp_size=2)
+    ref_losses, ref_norms, ref_params = reference_run(groups.dp_size)
+    for stage, reduce_scatter in ZERO_CASES:
+        what = f"ZeRO-{stage} reduce_scatter={reduce_scatter}"
+        config = ds_config(stage, reduce_scatter)
+        model = hf.apply(build_model(), groups.sp_group)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config, mpu=groups.mpu())
+        divisor = mesh.grad_divisor(engine, groups)
+        for step in range(STEPS):
+            ids, labels = replica_batch(step, groups.dp_rank)
+            batch = hf.shard_batch(ids, labels, group=groups.sp_group)
+            share = batch.loss(engine(**batch.model_inputs(loss=False)).logits)
+            engine.backward(mesh.scale_loss(share, batch.num_tokens, groups, divisor))
+            engine.step()
+            norm = torch.as_tensor(float(engine.get_global_grad_norm()), dtype=torch.float64)
+            torch.testing.assert_close(norm, ref_norms[step], rtol=1e-6, atol=0, msg=lambda m: f"{what} grad norm, step {step}: {m}")  # noqa: B023
+            for name, p in engine.module.named_parameters():
+                full = p.detach().clone()
+                torch.testing.assert_close(full.double(), ref_params[step][name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{what} {name}, step {step}: {m}")  # noqa: B023
+                everyone = [torch.empty_like(full) for _ in range(world)]
+                dist.all_gather(everyone, full)
+                assert all(torch.equal(x, full) for x in everyone), f"{what} {name}: parameters differ across ranks"
+            torch.testing.assert_close(mesh.global_loss(share, batch.num_tokens, groups).double(), ref_losses[step], rtol=1e-6, atol=0)
+        engine.destroy()
+    # Settings that do not give the one-process gradient are refused, each named.
+    for config, needle in (
+        (ds_config(3, True), r"'stage': 3\} with sequence parallelism"),
+        (ds_config(3, False), r"'stage': 3\} with sequence parallelism"),
+        ({**ds_config(2, True), "sequence_parallel_size": 2, "data_parallel_size": 2}, "'sequence_parallel_size'"),
+        ({**ds_config(1, True), "prescale_gradients": True}, "prescale_gradients"),
+    ):
+        with pytest.raises(mesh.MeshError, match=needle):
+            mesh.grad_divisor(config, groups)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_zero_stages_dp2_sp2_equal_one_process():
+    run_ranks(_zero_stages, 4)
