@@ -97,11 +97,10 @@ class AttentionBackend:
             # backward would). A q that shares its storage with k, v (the receive buffer)
             # is copied too, so that the buffer, whose k, v heads nothing reads any more,
             # is not kept alive for the backward by q alone.
-            index = kv_index(kv_map, k.device)
-            gathered = (index, k.shape[2])
+            gathered = (tuple(kv_map), k.shape[2])  # the index is rebuilt for the backward
             if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
                 q = q.clone(memory_format=torch.contiguous_format)
-            k, v = gather_kv(k, v, index)
+            k, v = gather_kv(k, v, kv_index(kv_map, k.device))
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
         with torch.enable_grad():
             out = self.attend(*leaves, causal, scale)
@@ -116,7 +115,8 @@ class AttentionBackend:
         dq, dk, dv = torch.autograd.grad(out, leaves, dout)
         del leaves, out
         if gathered is not None:
-            index, hkv = gathered
+            kv_map, hkv = gathered
+            index = kv_index(kv_map, dk.device)
             shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
             dk = dk.new_zeros(shape).index_add_(2, index, dk)
             dv = dv.new_zeros(shape).index_add_(2, index, dv)

@@ -1,4 +1,5 @@
-"""Count the bytes that layout copies write, and the bytes the all-to-alls carry.
+"""Count the bytes that layout copies write, the bytes the all-to-alls carry, and the bytes
+alive at the peak.
 
 ``CopyCounter`` is a ``TorchDispatchMode`` that adds up the bytes written by copy-like aten
 ops (and by in-place adds, which is how replicated KV gradients are summed) while it is
@@ -6,6 +7,11 @@ active and not paused. Wrap the attention backend in ``counter.paused()`` to cou
 the data movement around it. ``ulysses_payload_bytes`` is what the all-to-alls of one
 forward+backward carry for one rank (replicated KV heads counted as sent), so
 ``counter.bytes / payload`` is the number of copies per byte on the wire.
+
+``LiveBytes`` is a ``TorchDispatchMode`` that follows every tensor storage allocated while
+it is active until it is freed, and records the peak and what was alive then, by
+allocation site; ``ulysses_peak_moments`` is what that peak should be for one rank's call
+(the formula of docs/design.md).
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .backends import shares_one_kv, uniform_group
 from .layout import Q_ONLY, QKV, Layout
 
-__all__ = ["CopyCounter", "LiveBytes", "ulysses_payload_bytes", "ulysses_buffer_bytes"]
+__all__ = ["CopyCounter", "LiveBytes", "ulysses_payload_bytes", "ulysses_buffer_bytes", "h2s_recv_elems", "ulysses_peak_moments"]
 
 aten = torch.ops.aten
 
@@ -123,13 +130,60 @@ def ulysses_buffer_bytes(layout: Layout, element_size: int) -> int:
     return elems * element_size
 
 
+def ulysses_peak_moments(layout: Layout, element_size: int, *, backward: bool) -> dict[str, int]:
+    """Bytes one rank's ``ulysses_attention`` (unchunked, a built-in backend: SDPA or
+    flash-attn, which save a float32 logsumexp ``[B, hq, S]``) holds at each of its
+    moments, counting what the op allocates (not the caller's q, k, v, dout) while the
+    caller keeps ``out`` alive for the backward. The op's peak is the largest; the terms
+    are the buffers of docs/design.md ("Buffers and who owns them").
+
+    ``backward=False``: inference (q, k, v do not require grad), nothing is saved.
+    """
+    e, lay = element_size, layout
+    B, S, D, r = lay.batch, lay.seq_total, lay.head_dim, lay.rank
+    hq, hkv = lay.head_count("q", r), lay.head_count("kv", r)
+    kv_map = lay.plan.local_kv_map(r)
+    shared = shares_one_kv(kv_map)
+    gathered = not shared and not uniform_group(len(kv_map), hkv, kv_map)
+    head = B * S * D * e  # one head over the whole sequence, [B, S, 1, D]
+    send_qkv, recv_qkv = sum(lay.s2h_send_splits(QKV)) * e, sum(lay.s2h_recv_splits(QKV)) * e
+    send_dout, recv_dout = sum(lay.s2h_send_splits(Q_ONLY)) * e, sum(lay.s2h_recv_splits(Q_ONLY)) * e
+    out_l, lse = hq * head, B * hq * S * 4
+    kv2 = 2 * hq * head if gathered else 0  # k, v gathered to one KV head per query head
+    out = lay.batch * lay.seq_local * lay.plan.q_heads * D * e
+    moments = {"q/k/v exchange": send_qkv + recv_qkv}
+    if not backward:
+        moments["attention"] = recv_qkv + kv2 + out_l + lse
+        moments["output exchange"] = out_l + h2s_recv_elems(lay, Q_ONLY) * e + out
+        return moments
+    # Saved for the backward: the receive buffer (q, k, v are views of it), or with a
+    # gathered map a copy of q and the gathered k, v; the output and lse.
+    saved = (hq * head + kv2 if gathered else recv_qkv) + out_l + lse
+    # With a gathered map the receive buffer, the q copy, k, v and the int64 index meet here.
+    moments["attention"] = recv_qkv + (hq * head + kv2 + 8 * hq if gathered else 0) + out_l + lse
+    moments["output exchange"] = saved + h2s_recv_elems(lay, Q_ONLY) * e + out
+    moments["dout exchange"] = saved + out + send_dout + recv_dout
+    # The kernel's dk, dv: per query head for SharedKV (summed after) and gathered maps
+    # (index_add-ed after), per KV head otherwise.
+    dq_l = hq * head
+    dkv_kernel = 2 * (hq if shared or gathered else hkv) * head
+    moments["attention backward"] = saved + out + recv_dout + dq_l + dkv_kernel
+    if shared:  # KVGradSum, after the state is freed: a wide accumulator, then the result
+        wide = max(e, 4)
+        moments["KV gradient sum"] = out + recv_dout + dq_l + dkv_kernel + 2 * head // e * wide + (2 * head if wide != e else 0)
+    grads_l = dq_l + 2 * hkv * head  # sent in place
+    results = lay.batch * lay.seq_local * D * (lay.plan.q_heads + 2 * lay.plan.kv_heads) * e
+    moments["dq/dk/dv exchange"] = out + grads_l + h2s_recv_elems(lay, QKV) * e + results
+    return moments
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storage alive, from allocation to free, and what is alive at the peak.
 
     Every storage a tensor op creates while the mode is active is counted until it is
     freed (a weak reference's callback, as ``torch.distributed._tools.mem_tracker`` does);
-    ``track`` adds tensors made before (the caller's inputs). ``.peak`` is the highest
-    ``.current`` seen; ``.at_peak`` the bytes alive at that moment per label. A storage's
+    views of tensors made before are not, and ``track`` adds such tensors (the caller's
+    inputs) when they should count. ``.peak`` is the highest ``.current`` seen; ``.at_peak`` the bytes alive at that moment per label. A storage's
     label is ``phase/site``: the phase set by ``phase()`` when it was allocated and the
     first frame outside torch that allocated it, as ``module.function:name`` (``name``: the
     variable the source line assigns, e.g. ``exchange.post_seq_to_head:send``).
@@ -187,9 +241,15 @@ class LiveBytes(TorchDispatchMode):
             self.at_peak = self.live()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # Views (and in-place results) share an input's storage: not an allocation, and
+        # the input may be a tensor made before the mode (the caller's q, k, v).
+        # ``lift_fresh`` is how ``torch.tensor(data)`` hands its new tensor to the dispatcher.
+        fresh = func.overloadpacket is aten.lift_fresh
+        inputs = set() if fresh else {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
                 self._add(t, None)
         self._update_peak()
         return out
@@ -199,15 +259,26 @@ _ASSIGN = re.compile(r"\s*([A-Za-z_][\w, ]*?)\s*(?::[^=]*)?=(?!=)")
 
 
 def _site() -> str:
-    """``module.function:name`` of the first frame outside torch and this module."""
+    """``module.function:name`` of the frame outside torch that allocated: the first of up to
+    three frames (a helper such as ``exchange._flat`` returns its allocation to a caller that
+    names it) whose source line assigns a name; else the first frame, with no name."""
     frame = sys._getframe(2)
     torch_dir = os.path.dirname(torch.__file__)
     while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__):
         frame = frame.f_back
     if frame is None:
         return "?"
-    code = frame.f_code
-    module = os.path.splitext(os.path.basename(code.co_filename))[0]
-    m = _ASSIGN.match(linecache.getline(code.co_filename, frame.f_lineno))
-    name = m.group(1).replace(" ", "") if m else ""
-    return f"{module}.{code.co_name}:{name}"
+    first = frame
+    for _ in range(3):
+        code = frame.f_code
+        m = _ASSIGN.match(linecache.getline(code.co_filename, frame.f_lineno))
+        if m:
+            return f"{_module(code)}.{code.co_name}:{m.group(1).replace(' ', '')}"
+        frame = frame.f_back
+        if frame is None:
+            break
+    return f"{_module(first.f_code)}.{first.f_code.co_name}:"
+
+
+def _module(code) -> str:
+    return os.path.splitext(os.path.basename(code.co_filename))[0]

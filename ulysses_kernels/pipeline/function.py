@@ -36,15 +36,14 @@ def _attend_chunk(backend, chunk: Chunk, q, k, v, causal, scale, needs_grad):
     if chunk.expand is None or not isinstance(backend, AttentionBackend):
         out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
         return out, (state, None)
-    index = kv_index(chunk.expand, k.device)
     if needs_grad:
         # As AttentionBackend.forward does for a gathered map: q leaves the chunk's receive
         # buffer, whose k, v heads the gather has copied, so that the buffer can go.
         q = q.clone(memory_format=torch.contiguous_format)
-    k2, v2 = gather_kv(k, v, index)
+    k2, v2 = gather_kv(k, v, kv_index(chunk.expand, k.device))
     ident = tuple(range(q.shape[2]))
     out, state = backend.forward(q, k2, v2, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
-    return out, (state, (index, k.shape[2]))
+    return out, (state, (chunk.expand, k.shape[2]))  # the index is rebuilt for the backward
 
 
 def _attend_chunk_backward(backend, saved, dout):
@@ -52,7 +51,8 @@ def _attend_chunk_backward(backend, saved, dout):
     dq, dk, dv = backend.backward(state, dout)
     if expanded is not None:
         # As autograd's index_select backward: zeros, then index_add_ in query-head order.
-        index, hkv = expanded
+        kv_map, hkv = expanded
+        index = kv_index(kv_map, dk.device)
         shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
         dk = dk.new_zeros(shape).index_add_(2, index, dk)
         dv = dv.new_zeros(shape).index_add_(2, index, dv)
