@@ -104,8 +104,8 @@ def _fsdp2(rank, world):
         mesh.grad_divisor({"sequence_parallel_size": 2, "zero_optimization": {"stage": 1}}, groups)
     with pytest.raises(mesh.MeshError, match="gradient_predivide_factor"):
         mesh.grad_divisor({"gradient_predivide_factor": 2.0}, groups)
-    with pytest.raises(mesh.MeshError, match=r"'stage': 3\} with sequence parallelism \(sp_size 2\)"):
-        mesh.grad_divisor({"zero_optimization": {"stage": 3}}, groups)
+    assert mesh.grad_divisor({"zero_optimization": {"stage": 3}}, groups) == 4
+    assert mesh.grad_divisor({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, groups) == 2
     assert mesh.grad_divisor({"zero_optimization": {"stage": 1, "reduce_scatter": False}}, groups) == 2
     assert mesh.grad_divisor({"zero_optimization": {"stage": 2}}, groups) == 2
 

@@ -25,19 +25,17 @@ the engines then reduce the gradients over all ``dp x sp`` ranks, but divide the
     engine                                             divides the sum over dp x sp by
     FSDP2 (fully_shard on the flattened dp x sp mesh)  dp x sp   (reduce-scatter mean)
     DeepSpeed ZeRO-0/1/2 (reduce_scatter on or off)    dp        (divides by dp x sp / sp)
-    DeepSpeed ZeRO-3, reduce_scatter on (its default)  dp x sp   (sp 1 only: see below)
-    DeepSpeed ZeRO-3, reduce_scatter off               dp        (sp 1 only)
+    DeepSpeed ZeRO-3, reduce_scatter on (its default)  dp x sp
+    DeepSpeed ZeRO-3, reduce_scatter off               dp        (divides by dp x sp / sp)
     a plain SUM all-reduce (``hf.sync_gradients``)     1
 
 so ``scale_loss`` multiplies by that divisor (``grad_divisor``). Read from DeepSpeed
 0.19.8's ``runtime/engine.py``, ``zero/stage_1_and_2.py``, ``zero/stage3.py`` and
 ``comm/coalesced_collectives.py``; the tests check each against one process.
 
-DeepSpeed ZeRO-3 with sp > 1 through this ``mpu`` is refused (``grad_divisor`` raises):
-measured with DeepSpeed 0.19.8 at dp 2 x sp 2, sequence partners end a step with different
-gradients and parameters whatever the loss scale. So is a DeepSpeed config that sets
-``sequence_parallel_size``/``data_parallel_size`` (DeepSpeed's own mesh), with which
-ZeRO-1/2 let sequence partners' parameters diverge.
+A DeepSpeed config that sets ``sequence_parallel_size``/``data_parallel_size`` (DeepSpeed's
+own mesh, with which ZeRO-1/2 let sequence partners' parameters diverge) is refused: pass
+``mpu=groups.mpu()`` instead.
 """
 
 from __future__ import annotations
@@ -148,9 +146,16 @@ class DeepSpeedMPU:
     def get_sequence_data_parallel_rank(self) -> int:
         return dist.get_rank(self._groups.dp_sp_group)
 
-    # data parallelism (the batch size arithmetic: train_batch = micro x accumulation x dp)
+    # data parallelism
     def get_data_parallel_group(self):
-        return self._groups.dp_group
+        # NOTE: the dp x sp group, not the dp group: ZeRO-3 partitions the parameters over the
+        # mpu's data-parallel group (zero/parameter_offload.py) and reduce-scatters their
+        # gradients over it, so the sequence partners must be in it. With the dp group alone,
+        # measured at dp 2 x sp 2, sequence partners ended a step with different gradients
+        # (grad norms 2.18 and 1.83 against one process's 1.43).
+        return self._groups.dp_sp_group
+
+    # the batch size arithmetic (train_batch = micro x accumulation x dp) counts replicas
 
     def get_data_parallel_world_size(self) -> int:
         return self._groups.dp_size
@@ -159,7 +164,7 @@ class DeepSpeedMPU:
         return self._groups.dp_rank
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self._groups.dp_group)
+        return dist.get_process_group_ranks(self.get_data_parallel_group())
 
     # model (tensor) parallelism: none
     def get_model_parallel_group(self):
@@ -242,16 +247,6 @@ def _deepspeed_divisor(config: dict, groups: ParallelGroups) -> int:
         )
     zero = config.get("zero_optimization", {}) or {}
     stage = int(zero.get("stage", 0))
-    if stage == 3 and groups.sp_size > 1:
-        # NOTE: measured with DeepSpeed 0.19.8 at dp 2 x sp 2 (float64 Qwen2, gloo): the grad
-        # norm after one step differs between ranks (2.18 and 1.83 against one process's
-        # 1.43) and so do the parameters, with reduce_scatter on or off; at sp 1 (dp 4) the
-        # same run equals one process. Refused until that is understood.
-        raise MeshError(
-            "grad_divisor: DeepSpeed 'zero_optimization': {'stage': 3} with sequence parallelism (sp_size "
-            f"{groups.sp_size}) through mpu=groups.mpu() does not give the one-process gradient (measured with "
-            "DeepSpeed 0.19.8); use stage 1 or 2, or FSDP2 (fully_shard on groups.dp_sp_mesh)"
-        )
     if stage == 3 and zero.get("reduce_scatter", True):
         return groups.dp_size * groups.sp_size
     return groups.dp_size
