@@ -10,7 +10,7 @@ from torch import nn
 from . import pipeline
 from .call import setup_attention, setup_exchange, setup_head_to_seq
 from .comm import get_communicator
-from .exchange import HeadToSeq, SeqToHead, UlyssesAttentionFunction
+from .exchange import HeadToSeq, SeqToHead, eager_attention
 from .plan import HeadPlan
 from .traceable import HeadToSeqTraced, SeqToHeadTraced, traced_attention
 
@@ -85,7 +85,7 @@ def ulysses_attention(
         return traced_attention(q, k, v, call)
     if call.chunks > 1:
         return pipeline.chunked_attention(q, k, v, call)
-    return UlyssesAttentionFunction.apply(q, k, v, call)
+    return eager_attention(q, k, v, call)
 
 
 class UlyssesAttention(nn.Module):

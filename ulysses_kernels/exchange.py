@@ -28,7 +28,7 @@ from . import layout as L
 from .kernels import TorchKernels
 from .layout import Q_ONLY, QKV, Layout
 
-__all__ = ["a2a_seq_to_head", "a2a_head_to_seq", "SeqToHead", "HeadToSeq", "LocalAttention", "UlyssesAttentionFunction"]
+__all__ = ["a2a_seq_to_head", "a2a_head_to_seq", "SeqToHead", "HeadToSeq", "LocalAttention", "eager_attention"]
 
 
 def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -226,18 +226,16 @@ class LocalAttention(torch.autograd.Function):
         return (None, *backend.backward(state, dout))
 
 
-class UlyssesAttentionFunction:
-    """All-to-all, local attention, all-to-all, as three autograd nodes (``SeqToHead``,
-    ``LocalAttention``, ``HeadToSeq``, the composition the compiled path traces too); the
-    backward runs them in reverse: dout to heads, the attention backward, dq/dk/dv back to
-    the sequence. Three nodes rather than one so that each buffer goes at its last use:
-    ``dout`` after its exchange, the head-sharded ``dout`` and the saved attention state
-    after the attention backward (one node would hold all of them until dq/dk/dv arrive).
-    ``call``: the ``CallSetup`` (its ``backend`` is ``backends.for_rank``'s pick)."""
-
-    @staticmethod
-    def apply(q, k, v, call):
-        q_l, k_l, v_l = SeqToHead.apply(call, q, k, v)
-        out_l = LocalAttention.apply(call, q_l, k_l, v_l)
-        del q_l, k_l, v_l  # the backend's state holds what its backward needs
-        return HeadToSeq.apply(call, out_l)
+def eager_attention(q, k, v, call):
+    """Ulysses attention, eager: all-to-all, local attention, all-to-all, as three autograd
+    nodes (``SeqToHead``, ``LocalAttention``, ``HeadToSeq``, the composition the compiled
+    path traces too); the backward runs them in reverse: dout to heads, the attention
+    backward, dq/dk/dv back to the sequence. Three nodes rather than one so that each buffer
+    goes at its last use: ``dout`` after its exchange, the head-sharded ``dout`` and the
+    saved attention state after the attention backward (one node would hold all of them
+    until dq/dk/dv arrive). ``call``: the ``CallSetup`` (its ``backend`` is
+    ``backends.for_rank``'s pick)."""
+    q_l, k_l, v_l = SeqToHead.apply(call, q, k, v)
+    out_l = LocalAttention.apply(call, q_l, k_l, v_l)
+    del q_l, k_l, v_l  # the backend's state holds what its backward needs
+    return HeadToSeq.apply(call, out_l)
