@@ -403,3 +403,21 @@ if __name__ == "__main__":
     import os
 
     _nccl_stress_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kv_index_stays_on_the_device():
+    """A chunk's KV gather index is copied to the GPU once per map and reused (no copy per
+    chunk, so a captured graph reads no host memory); on the CPU it is a fresh tensor."""
+    from ulysses_kernels.backends import kv_index
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    first = kv_index((0, 0, 1), dev)
+    assert first.device == dev and first.tolist() == [0, 0, 1]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        again = kv_index([0, 0, 1], dev)
+        torch.cuda.synchronize()
+    assert again is first
+    assert not [e for e in prof.events() if "Memcpy" in e.name], "the second call copied from the host"
+    assert kv_index((0, 0, 1), torch.device("cpu")).device.type == "cpu"

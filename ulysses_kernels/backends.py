@@ -20,6 +20,7 @@ head order) so that the chunked pipeline can split the query heads and stay bit-
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Callable, Sequence
@@ -51,10 +52,25 @@ def uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
 
 
 def kv_index(kv_map: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``kv_map`` as an int64 index tensor on ``device`` without a host sync: a
-    non-blocking copy from host memory (``torch.tensor(..., device="cuda")`` would make the
-    host wait for the GPU work queued before it, losing any overlap)."""
-    return torch.tensor(list(kv_map), dtype=torch.int64).to(device, non_blocking=True)
+    """``kv_map`` as an int64 index tensor on ``device``, read-only.
+
+    On a GPU the tensor is kept on the device per ``(kv_map, device)`` (a bounded cache of a
+    few bytes each, keyed by values, not by a group): the first call for a map copies it
+    once, and every later call reuses it with no copy, no host sync and nothing a CUDA graph
+    capture would refuse (a per-call copy from pageable host memory cannot be captured, and
+    a blocking one would make the host wait for the queued GPU work). As with the Triton
+    tables, run a layout once before capturing it. Elsewhere, and inside ``torch.compile``,
+    a fresh tensor."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return torch.tensor(list(kv_map), dtype=torch.int64, device=device)
+    return _device_index(tuple(int(i) for i in kv_map), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_index(kv_map: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # A blocking copy, once per (map, device): the tensor is complete before any stream
+    # reads it, whichever stream that is.
+    return torch.tensor(kv_map, dtype=torch.int64, device=device)
 
 
 def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int], *, always: bool = False):
