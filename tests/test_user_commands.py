@@ -263,3 +263,30 @@ def test_wheel_pins_its_torch_and_carries_no_build_path(tmp_path):
     code = f"import sys; sys.path[:0] = {[target, PURELIB]!r}; from ulysses_kernels import ops; ops.load(); print(ops.__file__, ops.build_info()['nccl'])"
     out = run([sys.executable, "-I", "-S", "-c", code], tmp_path).stdout.split()
     assert out == [str(tmp_path / "target" / "ulysses_kernels" / "ops.py"), "True"], out
+
+
+# ---- the engine examples (FSDP2, DeepSpeed ZeRO-3), as their docs write them -------------------
+ENGINE_EXAMPLES = [
+    ("examples/train_fsdp2.py", "python examples/train_fsdp2.py --spawn 4 --sp-size 2", None),
+    ("examples/deepspeed_zero3", "python examples/deepspeed_zero3/train.py --spawn 4 --sp-size 2", "deepspeed"),
+]
+
+
+@pytest.mark.parametrize(("path", "cmd", "needs"), ENGINE_EXAMPLES, ids=["fsdp2", "deepspeed_zero3"])
+def test_engine_example_command(path, cmd, needs, tmp_path):
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"{needs} is not installed (CI installs it with ULYSSES_KERNELS_PEERS=1)")
+    docs = (ROOT / "docs/scaling.md").read_text() + (ROOT / "README.md").read_text()
+    docs += (ROOT / path / "README.md").read_text() if (ROOT / path).is_dir() else (ROOT / path).read_text()
+    assert cmd in " ".join(docs.split()), f"{cmd!r} is not documented as written"
+    # A copy outside the checkout, run from its parent as the docs write it.
+    (tmp_path / "examples").mkdir()
+    src = ROOT / path
+    if src.is_dir():
+        shutil.copytree(src, tmp_path / path)
+    else:
+        shutil.copy(src, tmp_path / path)
+    argv = shlex.split(cmd)
+    argv[0] = sys.executable
+    out = run(argv, tmp_path, timeout=600).stdout
+    assert "matches one process" in out, out  # step 0 against one process; the exit code checks the loss fell
