@@ -37,6 +37,7 @@ __all__ = [
     "expand_kv",
     "gather_kv",
     "kv_index",
+    "scatter_kv_grads",
     "uniform_group",
     "shares_one_kv",
     "BACKENDS",
@@ -92,6 +93,15 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor):
     return k.index_select(2, index), v.index_select(2, index)
 
 
+def scatter_kv_grads(dk: torch.Tensor, dv: torch.Tensor, kv_map: Sequence[int], hkv: int):
+    """The backward of ``gather_kv`` with ``kv_index(kv_map)``: per-query-head ``dk``, ``dv``
+    ``[B, S, hq, D]`` summed into ``[B, S, hkv, D]``, as autograd's ``index_select``
+    backward does (zeros, then ``index_add_`` in query-head order)."""
+    index = kv_index(kv_map, dk.device)
+    shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
+    return dk.new_zeros(shape).index_add_(2, index, dk), dv.new_zeros(shape).index_add_(2, index, dv)
+
+
 class AttentionBackend:
     """Base class: forward through ``attend`` under autograd, backward with autograd.grad."""
 
@@ -131,11 +141,7 @@ class AttentionBackend:
         dq, dk, dv = torch.autograd.grad(out, leaves, dout)
         del leaves, out
         if gathered is not None:
-            kv_map, hkv = gathered
-            index = kv_index(kv_map, dk.device)
-            shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
-            dk = dk.new_zeros(shape).index_add_(2, index, dk)
-            dv = dv.new_zeros(shape).index_add_(2, index, dv)
+            dk, dv = scatter_kv_grads(dk, dv, *gathered)
         return dq, dk, dv
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import AttentionBackend, KVGradSum, gather_kv, kv_index
+from ..backends import AttentionBackend, KVGradSum, gather_kv, kv_index, scatter_kv_grads
 from ..comm import AsyncChannel
 from ..exchange import post_head_to_seq, post_seq_to_head
 from ..layout import Q_ONLY, QKV, Layout
@@ -50,12 +50,7 @@ def _attend_chunk_backward(backend, saved, dout):
     state, expanded = saved
     dq, dk, dv = backend.backward(state, dout)
     if expanded is not None:
-        # As autograd's index_select backward: zeros, then index_add_ in query-head order.
-        kv_map, hkv = expanded
-        index = kv_index(kv_map, dk.device)
-        shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
-        dk = dk.new_zeros(shape).index_add_(2, index, dk)
-        dv = dv.new_zeros(shape).index_add_(2, index, dv)
+        dk, dv = scatter_kv_grads(dk, dv, *expanded)
     return dq, dk, dv
 
 
