@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 import torch
+from test_watchdog import _wait_for  # the same bounded poll as the watchdog's own tests
 
 from ulysses_kernels import ops
 
@@ -305,17 +306,6 @@ class _Buffer:
 
 
 _X = _Buffer()
-
-
-def _wait_for(cond, seconds=10.0):
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_own_communicator_times_out_aborts_once_and_then_raises(fake_cuda_group, monkeypatch):
