@@ -7,12 +7,15 @@
   attention that flattens its heads (Megatron's core attention), sub-groups of 2 ranks, and
   the argument errors;
 * equal to DeepSpeed's own module where DeepSpeed works (skips without DeepSpeed);
-* DeepSpeed engines at dp 2 x sp 2 through ``mesh.parallel_groups(...).mpu()``: ZeRO-1, 2 and 3,
-  ``reduce_scatter`` on and off, a tiny float64 Qwen2 through ``hf.apply``, 3 SGD steps with
-  the loss of ``mesh.scale_loss``: parameters, grad norm and logged loss equal one process
-  on the global batch (to 1e-6: DeepSpeed's optimizer path is not all float64), parameters
-  identical on every rank; the settings ``grad_divisor`` refuses (DeepSpeed's own mesh
-  config, prescaled gradients) raise naming the setting.
+* DeepSpeed engines at dp 2 x sp 2, both ways of making the groups: ours through
+  ``mesh.parallel_groups(...).mpu()`` (ZeRO-1, 2 and 3, ``reduce_scatter`` on and off) and
+  DeepSpeed's own (``mesh_param=(2, 2)`` for the same six, and the config's
+  ``data_parallel_size``/``sequence_parallel_size`` for ZeRO-3 and ZeRO-2), a tiny float64
+  Qwen2 through ``hf.apply``, 3 SGD steps with the loss of ``mesh.scale_loss``: parameters,
+  grad norm and logged loss equal one process on the global batch (to 1e-6: DeepSpeed's
+  optimizer path is not all float64), parameters identical on every rank; with DeepSpeed's
+  own groups ZeRO-1/2 are refused on every rank, naming the setting (they let sequence
+  partners' parameters diverge), as are the other settings ``grad_divisor`` refuses.
 """
 
 from __future__ import annotations
@@ -39,9 +42,8 @@ def sdpa_local(seq_dim: int, flat: bool = False):
 
     def local(q, k, v, scale=None):
         q, k, v = (t.transpose(0, 1) if seq_dim == 0 else t for t in (q, k, v))  # [b, S, h, d]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
-        ).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, S, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
         out = out.transpose(0, 1) if seq_dim == 0 else out
         return out.flatten(2) if flat else out
 
@@ -162,6 +164,9 @@ def test_equals_deepspeed_where_it_runs():
 
 # ---- DeepSpeed engines at dp 2 x sp 2 -------------------------------------------------------
 ZERO_CASES = [(1, True), (1, False), (2, True), (2, False), (3, True), (3, False)]  # (stage, reduce_scatter)
+# (how DeepSpeed makes its own groups, stage, reduce_scatter): every stage and reduce_scatter
+# through mesh_param; the config's sizes (the same mesh) once per outcome.
+DEEPSPEED_GROUPS_CASES = [("mesh_param", stage, rs) for stage, rs in ZERO_CASES] + [("config", 3, True), ("config", 2, False)]
 
 
 def ds_config(stage: int, reduce_scatter: bool) -> dict:
@@ -172,44 +177,93 @@ def ds_config(stage: int, reduce_scatter: bool) -> dict:
     }  # fmt: skip
 
 
+def _train_and_check(engine, groups, stage, what, reference) -> None:
+    """3 SGD steps with ``mesh.scale_loss``: grad norm, parameters and logged loss against one
+    process, and the parameters equal on every rank."""
+    import deepspeed
+    from test_fsdp2 import STEPS, replica_batch
+
+    ref_losses, ref_norms, ref_params = reference
+    world = dist.get_world_size()
+    divisor = mesh.grad_divisor(engine, groups)
+    for step in range(STEPS):
+        ids, labels = replica_batch(step, groups.dp_rank)
+        batch = hf.shard_batch(ids, labels, group=groups.sp_group)
+        share = batch.loss(engine(**batch.model_inputs(loss=False)).logits)
+        engine.backward(mesh.scale_loss(share, batch.num_tokens, groups, divisor))
+        engine.step()
+        norm = torch.as_tensor(float(engine.get_global_grad_norm()), dtype=torch.float64)
+        torch.testing.assert_close(norm, ref_norms[step], rtol=1e-6, atol=0, msg=lambda m: f"{what} grad norm, step {step}: {m}")  # noqa: B023
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+            for name, p in engine.module.named_parameters():
+                full = p.detach().clone()
+                torch.testing.assert_close(full.double(), ref_params[step][name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{what} {name}, step {step}: {m}")  # noqa: B023
+                everyone = [torch.empty_like(full) for _ in range(world)]
+                dist.all_gather(everyone, full)
+                assert all(torch.equal(x, full) for x in everyone), f"{what} {name}: parameters differ across ranks"
+        torch.testing.assert_close(mesh.global_loss(share, batch.num_tokens, groups).double(), ref_losses[step], rtol=1e-6, atol=0)
+
+
+def _deepspeed_groups_engine(route: str, stage: int, reduce_scatter: bool, dp: int, sp: int):
+    """An engine whose dp x sp groups DeepSpeed makes itself (``route``: ``mesh_param`` or the
+    config's ``data_parallel_size``/``sequence_parallel_size``), the groups taken from its
+    mesh, and the model made sequence-parallel over them after ``initialize``."""
+    import deepspeed
+    from test_fsdp2 import LR, build_model
+
+    config, kwargs = ds_config(stage, reduce_scatter), {}
+    if route == "mesh_param":
+        kwargs["mesh_param"] = (dp, sp)
+    else:
+        config.update(data_parallel_size=dp, sequence_parallel_size=sp)
+    model = build_model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config, **kwargs)
+    groups = mesh.parallel_groups(mesh=engine.mesh_device)
+    hf.apply(engine.module, groups.sp_group)
+    return engine, groups
+
+
 def _zero_stages(rank, world):
     import deepspeed
-    from test_fsdp2 import LR, STEPS, build_model, reference_run, replica_batch  # the same model, batches and reference
+    from test_fsdp2 import LR, build_model, reference_run
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # deepspeed.initialize asks for it (a launcher sets it)
     deepspeed.init_distributed(dist_backend="gloo")
     groups = mesh.parallel_groups(sp_size=2)
-    ref_losses, ref_norms, ref_params = reference_run(groups.dp_size)
+    reference = reference_run(groups.dp_size)
+    # Our groups, through the mpu (first: an engine made with mesh_param leaves DeepSpeed's
+    # process-global mesh set, which would override a later mpu's groups).
     for stage, reduce_scatter in ZERO_CASES:
-        what = f"ZeRO-{stage} reduce_scatter={reduce_scatter}"
-        config = ds_config(stage, reduce_scatter)
         model = hf.apply(build_model(), groups.sp_group)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config, mpu=groups.mpu())
-        divisor = mesh.grad_divisor(engine, groups)
-        for step in range(STEPS):
-            ids, labels = replica_batch(step, groups.dp_rank)
-            batch = hf.shard_batch(ids, labels, group=groups.sp_group)
-            share = batch.loss(engine(**batch.model_inputs(loss=False)).logits)
-            engine.backward(mesh.scale_loss(share, batch.num_tokens, groups, divisor))
-            engine.step()
-            norm = torch.as_tensor(float(engine.get_global_grad_norm()), dtype=torch.float64)
-            torch.testing.assert_close(norm, ref_norms[step], rtol=1e-6, atol=0, msg=lambda m: f"{what} grad norm, step {step}: {m}")  # noqa: B023
-            with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
-                for name, p in engine.module.named_parameters():
-                    full = p.detach().clone()
-                    torch.testing.assert_close(full.double(), ref_params[step][name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{what} {name}, step {step}: {m}")  # noqa: B023
-                    everyone = [torch.empty_like(full) for _ in range(world)]
-                    dist.all_gather(everyone, full)
-                    assert all(torch.equal(x, full) for x in everyone), f"{what} {name}: parameters differ across ranks"
-            torch.testing.assert_close(mesh.global_loss(share, batch.num_tokens, groups).double(), ref_losses[step], rtol=1e-6, atol=0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                          config=ds_config(stage, reduce_scatter), mpu=groups.mpu())  # fmt: skip
+        _train_and_check(engine, groups, stage, f"mpu ZeRO-{stage} reduce_scatter={reduce_scatter}", reference)
         engine.destroy()
+    # DeepSpeed's own groups: ZeRO-3 trains right with the same scale; ZeRO-1/2 reduce over
+    # the dp group only (measured: sequence partners' parameters diverge) and are refused on
+    # every rank, naming the setting.
+    for route, stage, reduce_scatter in DEEPSPEED_GROUPS_CASES:
+        what = f"{route} ZeRO-{stage} reduce_scatter={reduce_scatter}"
+        engine, own = _deepspeed_groups_engine(route, stage, reduce_scatter, groups.dp_size, groups.sp_size)
+        assert dist.get_process_group_ranks(own.sp_group) == dist.get_process_group_ranks(groups.sp_group), what
+        if stage == 3:
+            _train_and_check(engine, own, stage, what, reference)
+        else:
+            setting = "mesh_param" if route == "mesh_param" else "'data_parallel_size'/'sequence_parallel_size'"
+            with pytest.raises(mesh.MeshError, match=f"own dp x sp groups \\({setting}\\) with ZeRO stage {stage}: .*diverge"):
+                mesh.grad_divisor(engine, own)
+        engine.destroy()
+    dist.barrier()  # every rank came through the refusals (none hangs or trains on)
     # Settings that do not give the one-process gradient are refused, each named.
     for config, needle in (
-        ({**ds_config(2, True), "sequence_parallel_size": 2, "data_parallel_size": 2}, "'sequence_parallel_size'"),
+        ({**ds_config(2, True), "sequence_parallel_size": 2}, "'sequence_parallel_size' without 'data_parallel_size'"),
+        ({**ds_config(1, True), "sequence_parallel_size": 2, "data_parallel_size": 2}, "ZeRO stage 1: .*diverge"),
+        ({**ds_config(3, True), "sequence_parallel_size": 4, "data_parallel_size": 1}, "mesh is 1 x 4, the groups' 2 x 2"),
         ({**ds_config(1, True), "prescale_gradients": True}, "prescale_gradients"),
     ):
         with pytest.raises(mesh.MeshError, match=needle):
             mesh.grad_divisor(config, groups)
+    assert mesh.grad_divisor({**ds_config(3, False), "sequence_parallel_size": 2, "data_parallel_size": 2}, groups) == groups.dp_size
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")

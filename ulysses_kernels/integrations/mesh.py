@@ -33,9 +33,16 @@ so ``scale_loss`` multiplies by that divisor (``grad_divisor``). Read from DeepS
 0.19.8's ``runtime/engine.py``, ``zero/stage_1_and_2.py``, ``zero/stage3.py`` and
 ``comm/coalesced_collectives.py``; the tests check each against one process.
 
-A DeepSpeed config that sets ``sequence_parallel_size``/``data_parallel_size`` (DeepSpeed's
-own mesh, with which ZeRO-1/2 let sequence partners' parameters diverge) is refused: pass
-``mpu=groups.mpu()`` instead.
+DeepSpeed can also make the groups itself (``deepspeed.initialize(..., mesh_param=(dp, sp))``,
+or ``data_parallel_size`` and ``sequence_parallel_size`` in its config): then take the
+groups from its mesh, ``parallel_groups(mesh=engine.mesh_device)``, and ``hf.apply`` the
+model (``engine.module``) with their ``sp_group``. Measured at dp 2 x sp 2 (DeepSpeed
+0.19.8, gloo, float64, 3 SGD steps against one process): with DeepSpeed's own groups
+ZeRO-3 reduces over all ``dp x sp`` ranks and divides as above (``dp x sp`` with
+``reduce_scatter`` on, ``dp`` off), so it is right with the same scale; ZeRO-0/1/2 reduce
+only over the ``dp`` group, so sequence partners end each step with different parameters,
+which no loss scale repairs: ``grad_divisor`` refuses them, naming the setting (use
+``mpu=groups.mpu()`` there).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from ..checks import UlyssesInputError
 __all__ = ["MeshError", "ParallelGroups", "DeepSpeedMPU", "parallel_groups", "grad_divisor", "scale_loss", "global_loss"]
 
 DIM_NAMES = ("dp", "sp")
+DEEPSPEED_DIM_NAMES = ("data_parallel", "sequence_parallel")  # the mesh deepspeed.initialize makes from mesh_param
 
 
 class MeshError(UlyssesInputError):
@@ -117,7 +125,8 @@ class DeepSpeedMPU:
     ``dp x sp`` ranks and counts the batch over ``dp`` replicas.
 
     Do not also set ``sequence_parallel_size``/``data_parallel_size`` in the DeepSpeed
-    config: they make DeepSpeed build a mesh of its own (``grad_divisor`` refuses them).
+    config or pass ``mesh_param``: they make DeepSpeed build a mesh of its own as well
+    (``grad_divisor`` refuses an engine with both).
     """
 
     def __init__(self, groups: ParallelGroups):
@@ -198,7 +207,8 @@ def parallel_groups(sp_size: int | None = None, *, dp_size: int | None = None, m
     Args:
         sp_size: ranks per sequence group (must divide the world). Default: from ``mesh``.
         dp_size: data replicas; default ``world // sp_size``.
-        mesh: a 2-D DeviceMesh to use instead, ``[dp, sp]`` (dimension names ``("dp", "sp")``
+        mesh: a 2-D DeviceMesh to use instead, ``[dp, sp]`` (dimension names ``("dp", "sp")``,
+            DeepSpeed's ``("data_parallel", "sequence_parallel")`` (``engine.mesh_device``),
             or unnamed, in that order).
         device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` when the process group's
             transport is NCCL, else ``"cpu"``.
@@ -221,8 +231,8 @@ def parallel_groups(sp_size: int | None = None, *, dp_size: int | None = None, m
         if mesh.ndim != 2:
             raise MeshError(f"parallel_groups: mesh expected 2 dimensions [dp, sp], got {mesh.ndim}")
         names = mesh.mesh_dim_names
-        if names is not None and tuple(names) != DIM_NAMES:
-            raise MeshError(f"parallel_groups: mesh dimension names expected {DIM_NAMES}, got {tuple(names)}")
+        if names is not None and tuple(names) not in (DIM_NAMES, DEEPSPEED_DIM_NAMES):
+            raise MeshError(f"parallel_groups: mesh dimension names expected {DIM_NAMES} or {DEEPSPEED_DIM_NAMES}, got {tuple(names)}")
         if sp_size is not None and mesh.size(1) != sp_size:
             raise MeshError(f"parallel_groups: sp_size ({sp_size}) differs from the mesh's sp dimension ({mesh.size(1)})")
         if names is None:
@@ -230,21 +240,38 @@ def parallel_groups(sp_size: int | None = None, *, dp_size: int | None = None, m
     return ParallelGroups(mesh, _flatten(mesh))
 
 
-def _deepspeed_divisor(config: dict, groups: ParallelGroups) -> int:
-    """What DeepSpeed divides the dp x sp gradient sum by, from its config (a dict)."""
-    for key in ("sequence_parallel_size", "data_parallel_size"):
-        if key in config:
-            raise MeshError(
-                f"grad_divisor: the DeepSpeed config sets {key!r}, which makes DeepSpeed build its own dp x sp mesh "
-                "(with it ZeRO-1/2 let sequence partners' parameters diverge); remove it and pass "
-                "mpu=groups.mpu() to deepspeed.initialize"
-            )
+def _deepspeed_own_groups(config: dict, groups: ParallelGroups, own_mesh) -> None:
+    """Check a DeepSpeed setup that makes its dp x sp groups itself (``own_mesh``: the engine's
+    ``mesh_device``; or ``data_parallel_size``/``sequence_parallel_size`` in ``config``)."""
+    keys = [k for k in ("data_parallel_size", "sequence_parallel_size") if k in config]
+    if own_mesh is None and len(keys) == 1:
+        raise MeshError(
+            f"grad_divisor: the DeepSpeed config sets {keys[0]!r} without "
+            f"{({'data_parallel_size', 'sequence_parallel_size'} - set(keys)).pop()!r}: DeepSpeed then makes no sequence "
+            "group (its gradient scaling is not checked); set both, or neither and pass mpu=groups.mpu() to deepspeed.initialize"
+        )
+    shape = tuple(own_mesh.shape) if own_mesh is not None else (config["data_parallel_size"], config["sequence_parallel_size"])
+    if shape != (groups.dp_size, groups.sp_size):
+        raise MeshError(f"grad_divisor: DeepSpeed's dp x sp mesh is {shape[0]} x {shape[1]}, the groups' {groups.dp_size} x {groups.sp_size}")
+    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+    if stage != 3:
+        setting = "mesh_param" if own_mesh is not None and not keys else "'data_parallel_size'/'sequence_parallel_size'"
+        raise MeshError(
+            f"grad_divisor: DeepSpeed's own dp x sp groups ({setting}) with ZeRO stage {stage}: DeepSpeed reduces the "
+            "gradients over the data-parallel group only, so sequence partners' parameters diverge (measured; no loss "
+            "scale repairs it). Use ZeRO-3, or pass mpu=groups.mpu() to deepspeed.initialize instead"
+        )
+
+
+def _deepspeed_divisor(config: dict, groups: ParallelGroups, own_mesh=None) -> int:
+    """What DeepSpeed divides the dp x sp gradient sum by, from its config (a dict) and, for
+    an engine, the mesh it made itself (``own_mesh``)."""
+    if own_mesh is not None or "sequence_parallel_size" in config or "data_parallel_size" in config:
+        _deepspeed_own_groups(config, groups, own_mesh)
     if config.get("prescale_gradients", False):
         raise MeshError("grad_divisor: DeepSpeed's 'prescale_gradients': true is not supported (its scaling is not checked); remove it")
     if config.get("gradient_predivide_factor", 1.0) != 1.0:
-        raise MeshError(
-            f"grad_divisor: DeepSpeed's 'gradient_predivide_factor' expected 1.0, got {config['gradient_predivide_factor']}"
-        )
+        raise MeshError(f"grad_divisor: DeepSpeed's 'gradient_predivide_factor' expected 1.0, got {config['gradient_predivide_factor']}")
     zero = config.get("zero_optimization", {}) or {}
     stage = int(zero.get("stage", 0))
     if stage == 3 and zero.get("reduce_scatter", True):
@@ -257,8 +284,10 @@ def grad_divisor(engine, groups: ParallelGroups) -> int:
 
     ``engine``: ``"fsdp2"`` (``fully_shard`` on ``groups.dp_sp_mesh`` with its default
     reduce-scatter mean), ``"sum"`` (a SUM all-reduce over ``groups.dp_sp_group``), a
-    DeepSpeed config dict, or a ``DeepSpeedEngine`` (its config is read). Raises
-    ``MeshError`` naming a DeepSpeed setting whose scaling is not right or not checked.
+    DeepSpeed config dict, or a ``DeepSpeedEngine`` (its config and, when DeepSpeed made
+    the groups itself, its ``mesh_device`` are read). Raises ``MeshError`` naming a
+    DeepSpeed setting whose gradient is not right or not checked (DeepSpeed's own groups
+    with ZeRO-0/1/2 among them).
     """
     if engine == "fsdp2":
         return groups.dp_size * groups.sp_size
@@ -270,7 +299,10 @@ def grad_divisor(engine, groups: ParallelGroups) -> int:
     if isinstance(config, dict) and hasattr(engine, "zero_optimization_stage"):
         if engine.zero_optimization_stage() != int((config.get("zero_optimization") or {}).get("stage", 0)):
             raise MeshError("grad_divisor: the engine's ZeRO stage differs from its config's")
-        return _deepspeed_divisor(config, groups)
+        own_mesh = getattr(engine, "mesh_device", None)
+        if own_mesh is not None and getattr(engine, "mpu", None) is not None:
+            raise MeshError("grad_divisor: the DeepSpeed engine has both an mpu and its own mesh (mesh_param); pass one of them")
+        return _deepspeed_divisor(config, groups, own_mesh)
     raise MeshError(f"grad_divisor: engine expected 'fsdp2', 'sum', a DeepSpeed config dict or engine, got {type(engine).__name__}")
 
 
