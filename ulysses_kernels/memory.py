@@ -1,0 +1,284 @@
+"""Per-GPU memory of a training setup with Ulysses sequence parallelism (an estimate by formula).
+
+    python -m ulysses_kernels.memory --layers 96 --hidden 12288 --heads 96 --vocab 50257 \\
+        --mlp plain --seq 32768 --sp 8 --zero 3 --offload-optimizer --checkpointing
+    python -m ulysses_kernels.memory ... --json        # the same numbers for a program
+
+The model is a decoder of ``layers`` identical layers as transformers writes Llama and Qwen2
+(RMSNorm, RoPE, attention through ``hf.apply``, a gated MLP; ``--mlp plain`` for a GPT-style
+``fc -> activation -> fc``), trained with ZeRO stage 0-3 over the ``dp x sp`` ranks and
+mixed-precision Adam (a float32 master copy and two moments; no master copy in float32).
+
+"Activations" are the bytes of tensors the forward allocates and that are alive when it
+ends (what autograd keeps for the backward, and the loss's ``log_softmax``), parameters
+and the caller's inputs not counted; ``peak_forward`` adds the largest transient on top
+(one layer's working set, or the logits at the loss). Per layer, in elements of the
+model's dtype (``e`` bytes) for this rank's ``s`` tokens of batch ``b``, hidden ``h``,
+intermediate ``f``, its ``hq``/``hkv`` heads over the whole sequence ``S``:
+
+    two RMSNorms          2 x (2 b s h)           (+ a float32 copy of the input, b s h x 4 B, when e != 4)
+    attention             q/k/v receive (hq + 2 hkv) b S d, its output hq b S d, the float32
+                          logsumexp, the gathered output b s Hq d (the o_proj input)
+    two residual sums     2 b s h
+    MLP                   4 b s f gated (gate, up, act(gate), product), 2 b s f plain
+
+With activation checkpointing (non-reentrant, transformers' ``activation_checkpointing_enable``)
+each layer keeps its input and, in this version, Ulysses' attention state (the q/k/v
+receive buffer and the attention output: the op holds them outside autograd's saved
+tensors, where checkpointing cannot drop them). Measured against a dispatch-mode
+live-bytes tracker (``traffic.LiveBytes``) for tiny Llama and Qwen2 models on 1 and 2 gloo
+ranks (``tests/test_memory_calculator.py``).
+
+The Ulysses row is the exchange's own peak for one layer (``traffic.ulysses_peak_moments``,
+the buffers of docs/design.md), which overlaps the activation row by that layer's saved
+receive buffer and output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+from .checks import UlyssesInputError
+from .layout import QKV, Layout, split_lengths
+from .plan import HeadPlan
+from .traffic import ulysses_peak_moments
+
+__all__ = ["MemoryInputError", "Setup", "parameter_count", "activation_bytes", "memory_rows", "main"]
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+GB = 1e9
+
+
+class MemoryInputError(UlyssesInputError):
+    """A training setup the memory calculator cannot describe."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training setup. ``seq``: tokens of one sequence (split over ``sp`` ranks);
+    ``batch``: sequences per replica per step; ``dp x sp`` ranks form ZeRO's group."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate: int | None = None  # default: 4 x hidden (plain), 8/3 x hidden rounded up to 256 (gated)
+    mlp: str = "gated"
+    batch: int = 1
+    sp: int = 1
+    dp: int = 1
+    zero: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    dtype: str = "bfloat16"
+    checkpointing: bool = False
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "heads", "vocab", "seq", "batch", "sp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MemoryInputError(f"memory: {name} expected a positive int, got {value!r}")
+        for name in ("kv_heads", "head_dim", "intermediate"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise MemoryInputError(f"memory: {name} expected a positive int or None, got {value!r}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise MemoryInputError(f"memory: hidden ({self.hidden}) expected a multiple of heads ({self.heads}), or give head_dim")
+        if self.heads % self.kv_count:
+            raise MemoryInputError(f"memory: heads ({self.heads}) expected a multiple of kv_heads ({self.kv_count})")
+        if self.sp > self.heads:
+            raise MemoryInputError(f"memory: sp ({self.sp}) expected at most heads ({self.heads}): Ulysses needs a query head per rank")
+        if self.seq < self.sp:
+            raise MemoryInputError(f"memory: seq ({self.seq}) expected at least sp ({self.sp}) tokens")
+        if self.mlp not in ("gated", "plain"):
+            raise MemoryInputError(f"memory: mlp expected 'gated' or 'plain', got {self.mlp!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise MemoryInputError(f"memory: zero expected a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise MemoryInputError(f"memory: dtype expected one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.offload_param and self.zero != 3:
+            raise MemoryInputError(f"memory: offload_param expected ZeRO stage 3, got stage {self.zero}")
+        if self.offload_optimizer and self.zero == 0:
+            raise MemoryInputError("memory: offload_optimizer expected ZeRO stage 1, 2 or 3, got stage 0")
+
+    @property
+    def kv_count(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def dim(self) -> int:
+        return self.hidden // self.heads if self.head_dim is None else self.head_dim
+
+    @property
+    def ffn(self) -> int:
+        if self.intermediate is not None:
+            return self.intermediate
+        return 4 * self.hidden if self.mlp == "plain" else -(-8 * self.hidden // 3 // 256) * 256
+
+    @property
+    def element_size(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def layout(self, rank: int) -> Layout:
+        """The Ulysses exchange of one attention layer as ``rank`` of the sequence group sees it."""
+        return Layout(HeadPlan.build(self.heads, self.kv_count, self.sp), rank, tuple(split_lengths(self.seq, self.sp)), self.batch, self.dim)
+
+
+def parameter_count(setup: Setup) -> tuple[int, int]:
+    """``(whole model, one layer)`` parameters: attention (no biases), MLP, two norms per
+    layer, the embedding (twice when untied) and the final norm."""
+    h, d = setup.hidden, setup.dim
+    attention = h * setup.heads * d * 2 + h * setup.kv_count * d * 2
+    mlp = (3 if setup.mlp == "gated" else 2) * h * setup.ffn
+    layer = attention + mlp + 2 * h
+    embeddings = setup.vocab * h * (1 if setup.tie_embeddings else 2)
+    return setup.layers * layer + embeddings + h, layer
+
+
+def _norm_saved(setup: Setup, tokens: int) -> int:
+    """Bytes an RMSNorm keeps: its normalized input and its output in the model's dtype,
+    and (transformers upcasts) a float32 copy of its input when the dtype is not float32."""
+    e, h = setup.element_size, setup.hidden
+    return tokens * h * (2 * e + (4 if e != 4 else 0))
+
+
+def _attention_state(setup: Setup, rank: int) -> int:
+    """Bytes of the Ulysses op's attention state: the q/k/v receive buffer and the attention output."""
+    lay = setup.layout(rank)
+    e, hq = setup.element_size, lay.head_count("q", rank)
+    return sum(lay.s2h_recv_splits(QKV)) * e + hq * setup.batch * lay.seq_total * setup.dim * e
+
+
+def activation_bytes(setup: Setup, rank: int = 0) -> dict[str, int]:
+    """Forward activation bytes on ``rank`` of the sequence group (see the module docstring):
+    ``saved`` (alive when the forward ends), ``peak_forward``, ``per_layer`` (what one layer
+    keeps) and ``layer_working_set`` (one layer's forward without checkpointing: what the
+    recompute of one layer allocates in the backward)."""
+    e, b, h, f, d = setup.element_size, setup.batch, setup.hidden, setup.ffn, setup.dim
+    lay = setup.layout(rank)
+    tokens = b * lay.seq_local
+    wide = max(e, 4)  # the float32 (float64) logsumexp and loss
+    # The residual stream (embedding output, each residual sum) is kept only in float32: in
+    # other dtypes the RMSNorm after it keeps its float32 copy instead (``_norm_saved``).
+    stream = tokens * h * e if e == 4 else 0
+    lse = wide * b * lay.head_count("q", rank) * lay.seq_total
+    gathered = tokens * setup.heads * d * e if setup.sp > 1 else 0  # the o_proj input (at sp 1: the attention output itself)
+    attention = _attention_state(setup, rank) + lse + gathered
+    mlp = (4 if setup.mlp == "gated" else 2) * tokens * f * e
+    full_layer = 2 * _norm_saved(setup, tokens) + attention + 2 * stream + mlp
+    head = stream + _norm_saved(setup, tokens) + 2 * tokens * d * e  # embedding output, final norm, RoPE cos and sin
+    loss = tokens * setup.vocab * wide  # log_softmax (kept), and the logits (or their float32 copy) beside it
+    if setup.checkpointing:
+        per_layer = tokens * h * e + _attention_state(setup, rank)
+        body = setup.layers * per_layer
+        # The last layer's MLP, before its output and the final norm exist: the residual
+        # sum, the norm's output and gate, up, act(gate) (plain: fc, act(fc)).
+        working = tokens * e * (2 * h + (3 if setup.mlp == "gated" else 2) * f)
+        peak = max(head - _norm_saved(setup, tokens) + body - tokens * h * e + working, head + body + 2 * loss)
+    else:
+        per_layer = full_layer
+        body = setup.layers * per_layer
+        peak = head + body + 2 * loss
+    return {"saved": head + body + loss, "peak_forward": peak, "per_layer": per_layer, "layer_working_set": full_layer}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: ``gpu`` bytes per GPU, ``host`` bytes per rank in CPU memory."""
+
+    item: str
+    formula: str
+    gpu: int
+    host: int = 0
+
+
+def _state_rows(setup: Setup) -> list[Row]:
+    """Parameters, gradients and optimizer state under ZeRO over the ``dp x sp`` ranks."""
+    p, layer = parameter_count(setup)
+    e, n = setup.element_size, setup.dp * setup.sp
+    master = 4 if e != 4 else 0  # the float32 master copy of mixed precision
+    opt = (master + 8) * p // (n if setup.zero >= 1 else 1)
+    params = e * p // (n if setup.zero == 3 else 1)
+    rows = [
+        Row("parameters", f"{e} P" + (f" / {n}" if setup.zero == 3 else "") + (" (offloaded)" if setup.offload_param else ""),
+            0 if setup.offload_param else params, params if setup.offload_param else 0),
+        Row("gradients", f"{e} P" + (f" / {n}" if setup.zero >= 2 else ""), e * p // (n if setup.zero >= 2 else 1)),
+        Row("optimizer (fp32 master, Adam m, v)" if master else "optimizer (Adam m, v)",
+            f"{master + 8} P" + (f" / {n}" if setup.zero >= 1 else "") + (" (offloaded)" if setup.offload_optimizer else ""),
+            0 if setup.offload_optimizer else opt, opt if setup.offload_optimizer else 0),
+    ]  # fmt: skip
+    if setup.zero == 3:
+        rows.append(Row("one layer gathered (parameters, its gradients)", f"2 x {e} x {layer:.3g}", 2 * e * layer))
+    return rows
+
+
+def memory_rows(setup: Setup) -> list[Row]:
+    """The table for the sequence rank that needs the most (ranks differ only with uneven heads or shards)."""
+    acts = max((activation_bytes(setup, r) for r in range(setup.sp)), key=lambda a: a["peak_forward"])
+    e = setup.element_size
+    ulysses = max(max(ulysses_peak_moments(setup.layout(r), e, backward=True).values()) for r in range(setup.sp))
+    what = "layer inputs + Ulysses attention state" if setup.checkpointing else "saved by every layer"
+    rows = _state_rows(setup) + [
+        Row(f"activations ({what})", f"{setup.layers} x {acts['per_layer']:.3g} + embedding, final norm, loss", acts["saved"]),
+        Row("forward transient (peak_forward - activations)", "one layer's MLP or the logits at the loss" if setup.checkpointing
+            else "the logits at the loss", acts["peak_forward"] - acts["saved"]),
+    ]  # fmt: skip
+    if setup.checkpointing:
+        rows.append(Row("one layer's recompute (backward)", "one layer's activations without checkpointing", acts["layer_working_set"]))
+    rows.append(Row("Ulysses exchange, one layer's peak", "max(traffic.ulysses_peak_moments)", ulysses))
+    return rows
+
+
+def render(setup: Setup, rows: list[Row]) -> str:
+    """The table a person reads (markdown: docs/scaling.md quotes it)."""
+    lines = ["| item | formula | per GPU | host, per rank |", "|---|---|---|---|"]
+    lines += [f"| {r.item} | `{r.formula}` | {r.gpu / GB:.1f} GB | {r.host / GB:.1f} GB |" for r in rows]
+    lines.append(f"| total | | {sum(r.gpu for r in rows) / GB:.1f} GB | {sum(r.host for r in rows) / GB:.1f} GB |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ulysses_kernels.memory", description=__doc__.split("\n\n")[0])
+    for name in ("layers", "hidden", "heads", "vocab", "seq"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    for name in ("kv-heads", "head-dim", "intermediate"):
+        p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--mlp", default="gated", help="gated (Llama, Qwen2) or plain (GPT)")
+    for name in ("batch", "sp", "dp"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    p.add_argument("--dtype", default="bfloat16", help=", ".join(DTYPE_BYTES))
+    for flag in ("offload-optimizer", "offload-param", "checkpointing", "untied-embeddings"):
+        p.add_argument(f"--{flag}", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    as_json = args.pop("json")
+    args["tie_embeddings"] = not args.pop("untied_embeddings")
+    try:
+        setup = Setup(**args)
+        rows = memory_rows(setup)
+    except UlyssesInputError as e:
+        parser.error(str(e))
+    if as_json:
+        out = {"setup": asdict(setup), "parameters": parameter_count(setup)[0], "activations": activation_bytes(setup),
+               "rows": [asdict(r) for r in rows], "total_gpu": sum(r.gpu for r in rows), "total_host": sum(r.host for r in rows)}  # fmt: skip
+        print(json.dumps(out, indent=1))
+    else:
+        print(render(setup, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
