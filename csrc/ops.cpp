@@ -87,7 +87,7 @@ int64_t checked_world_size(const char* op, const char* what, const char* per, in
 
 // pack_s2h: tensors [B, s, H_i, D] -> send, peer-major [B][s][heads of peer p][D] blocks;
 // with `recv`, the block of peer `rank` goes to recv viewed as [B][S][h(rank)][D] at
-// tokens [seq_offset, seq_offset + s) instead.
+// tokens [seq_offset, seq_offset + s) instead, and send holds the other peers' blocks only.
 PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, const at::Tensor& send,
                          const std::optional<at::Tensor>& recv = std::nullopt, int64_t rank = -1,
                          int64_t seq_offset = 0) {
@@ -136,8 +136,8 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
     rows += S * B * h;
   }
   p.peer_row0[peers] = rows;
-  check_send(send, rows * D, "pack_s2h");
   p.redirect_peer = -1;
+  p.redirect_rows = 0;
   if (recv.has_value()) {
     const at::Tensor& r = *recv;
     TORCH_CHECK(0 <= rank && rank < peers, "ulysses_kernels.pack_s2h: rank expected in [0, ", peers,
@@ -152,11 +152,14 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
     TORCH_CHECK(0 <= seq_offset && seq_offset + S <= total, "ulysses_kernels.pack_s2h: seq_offset expected in [0, ",
                 total - S, "] (recv holds ", total, " tokens, tensors[0] ", S, "), got ", seq_offset);
     p.redirect_peer = static_cast<int32_t>(rank);
+    p.redirect_rows = p.peer_row0[rank + 1] - p.peer_row0[rank];
     p.redirect_ss = h * p.row_bytes;
     p.redirect_sb = total * p.redirect_ss;
     p.redirect_ptr = static_cast<char*>(r.mutable_data_ptr()) + seq_offset * p.redirect_ss;
     bits |= reinterpret_cast<uintptr_t>(p.redirect_ptr);
   }
+  // With recv, send holds the other peers' blocks only.
+  check_send(send, (rows - p.redirect_rows) * D, "pack_s2h");
   p.unit = pick_unit(bits, elem, rows_contiguous);
   p.units_per_row = p.row_bytes / p.unit;
   for (int64_t i = 0; i < n; ++i) p.src_unit_stride[i] = p.unit / elem * p.src[i].sd;

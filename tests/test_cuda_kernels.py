@@ -74,7 +74,7 @@ def _qkv(lay, dtype, device, kind):
 
 def _pack_both(lay, tensors, roles, kernels, with_recv):
     dtype, device = tensors[0].dtype, tensors[0].device
-    n = sum(lay.s2h_send_splits(roles))
+    n = sum(lay.s2h_send_splits(roles, own=not with_recv))  # with recv: the peers' blocks only
     sends = [torch.full((n,), FILL, dtype=dtype, device=device) for _ in range(2)]
     recvs = [torch.full((sum(lay.s2h_recv_splits(roles)),), FILL, dtype=dtype, device=device) for _ in range(2)]
     L.pack_s2h(lay, tensors, roles, sends[0], **({"recv": recvs[0]} if with_recv else {}))
@@ -92,6 +92,18 @@ def test_pack_s2h_matches_reference(plan, rank, batch, d, dtype, kind):
             (ref, got), (ref_r, got_r) = _pack_both(lay, tensors, roles, CK, with_recv)
             assert torch.equal(ref, got), f"send differs ({roles}, recv={with_recv})"
             assert torch.equal(ref_r, got_r), f"recv differs ({roles}, recv={with_recv})"
+
+
+def test_pack_s2h_with_recv_wants_the_peers_blocks_only():
+    # With recv the rank's own block goes to the receive buffer; a send buffer with room
+    # for it too is the old contract and is refused by size, by name.
+    lay = _layout(HeadPlan.build(10, 2, 4), 1, 2, 8)
+    q, k, v = _qkv(lay, torch.float32, "cpu", "contiguous")
+    ranges = cuda_kernels.s2h_head_ranges(lay, QKV)
+    full, peers = sum(lay.s2h_send_splits(QKV)), sum(lay.s2h_send_splits(QKV, own=False))
+    recv = torch.empty(sum(lay.s2h_recv_splits(QKV)))
+    with pytest.raises(RuntimeError, match=f"pack_s2h: send.numel\\(\\) expected {peers}, got {full}"):
+        torch.ops.ulysses_kernels.pack_s2h([q, k, v], ranges, torch.empty(full), recv, lay.rank, lay.seq_offset(lay.rank))
 
 
 def _blocks(lay, roles, dtype, device, seed):
@@ -317,6 +329,7 @@ def _op_samples():
     q, k, v = _qkv(lay, torch.float32, "cpu", "fused")
     ranges = cuda_kernels.s2h_head_ranges(lay, QKV)
     send = torch.empty(sum(lay.s2h_send_splits(QKV)))
+    send_peers = torch.empty(sum(lay.s2h_send_splits(QKV, own=False)))  # with recv: the peers' blocks only
     recv = torch.empty(sum(lay.s2h_recv_splits(QKV)))
     blocks = [b for per in _blocks(lay, QKV, torch.float32, "cpu", seed=3) for b in per]
     outs = _outs(lay, QKV, torch.float32, "cpu")
@@ -324,7 +337,7 @@ def _op_samples():
     ops = torch.ops.ulysses_kernels
     return [
         (ops.pack_s2h.default, ([q, k, v], ranges, send), {}),
-        (ops.pack_s2h.default, ([q, k, v], ranges, send, recv, 1, lay.seq_offset(1)), {}),
+        (ops.pack_s2h.default, ([q, k, v], ranges, send_peers, recv, 1, lay.seq_offset(1)), {}),
         (ops.pack_h2s.default, (local, torch.empty(local.numel())), {}),
         (ops.unpack_h2s.default, (blocks, ranges, outs), {}),
     ]

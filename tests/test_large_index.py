@@ -98,7 +98,7 @@ def _check_pack_s2h_far(kernels, dtype, device):
     q = _far((B, s, 4, D), dtype, 1, device)
     k = _far((B, s, 2, D), dtype, 2, device)
     v = _far((B, s, 2, D), dtype, 3, device)
-    n_send, n_recv = sum(lay.s2h_send_splits(QKV)), sum(lay.s2h_recv_splits(QKV))
+    n_send, n_recv = sum(lay.s2h_send_splits(QKV, own=False)), sum(lay.s2h_recv_splits(QKV))  # with recv: the peers' blocks
     assert n_recv > 2**32
     ref_send, got_send = (torch.full((n_send,), 7, dtype=dtype, device=device) for _ in range(2))
     ref_recv, got_recv = (_untouched(n_recv, dtype, device) for _ in range(2))

@@ -37,10 +37,11 @@ def simulate_seq_to_head(plan, seq_lens, full, roles, pack=pack_s2h, own_rows_in
     nan = float("nan")
     recvs = [torch.full((sum(lay.s2h_recv_splits(roles)),), nan, dtype=full[0].dtype) for lay in layouts]
     sends = []
+    own = not own_rows_in_place  # the send buffer holds this rank's own block
     for r, lay in enumerate(layouts):
-        send = torch.full((sum(lay.s2h_send_splits(roles)),), nan, dtype=full[0].dtype)
-        pack(lay, [_shard(x, seq_lens, r) for x in full], roles, send, **({"recv": recvs[r]} if own_rows_in_place else {}))
-        sends.append(lay.s2h_send_pieces(send, roles))
+        send = torch.full((sum(lay.s2h_send_splits(roles, own=own)),), nan, dtype=full[0].dtype)
+        pack(lay, [_shard(x, seq_lens, r) for x in full], roles, send, **({} if own else {"recv": recvs[r]}))
+        sends.append(lay.s2h_send_pieces(send, roles, own=own))
     for p, lay in enumerate(layouts):
         pieces = lay.s2h_recv_pieces(recvs[p], roles)
         for r in range(P):
@@ -138,6 +139,13 @@ def test_split_sizes_match_buffer_sizes():
     plan = HeadPlan.build(40, 8, 3)
     lay = Layout(plan, 1, (5, 6, 7), 2, 16)
     assert lay.s2h_send_splits(QKV) == [6 * 2 * 16 * (plan.q_count(p) + 2 * plan.kv_count(p)) for p in range(3)]
+    # pack_s2h(recv=...) puts this rank's own block in the receive buffer: no room for it in send.
+    assert lay.s2h_send_splits(QKV, own=False) == [n if p != 1 else 0 for p, n in enumerate(lay.s2h_send_splits(QKV))]
+    send = torch.empty(sum(lay.s2h_send_splits(QKV, own=False)))
+    pieces = lay.s2h_send_pieces(send, QKV, own=False)
+    assert [sum(x.numel() for x in per) for per in pieces] == lay.s2h_send_splits(QKV, own=False)
+    views = lay.s2h_send_views(send, QKV, torch.empty(sum(lay.s2h_recv_splits(QKV))))
+    assert sum(v.numel() for p in (0, 2) for v in views[p]) == send.numel()  # the peers' views tile send
     assert lay.s2h_recv_splits(QKV) == [s * 2 * 16 * (13 + 2 * 4) for s in (5, 6, 7)]
     send, recv = lay.h2s_splits(Q_ONLY)
     assert send == [s * 2 * 16 * 13 for s in (5, 6, 7)]

@@ -74,8 +74,9 @@ def _check_pack_s2h(lay: Layout, dtype, gen, fused=False):
     TritonKernels.pack_s2h(lay, (q, k, v), QKV, got)
     assert torch.equal(_bits(ref), _bits(got)), (lay, dtype, fused)
     # This rank's own heads straight into the receive buffer (the batch > 1 path).
-    nr = sum(lay.s2h_recv_splits(QKV))
+    nr, ns = sum(lay.s2h_recv_splits(QKV)), sum(lay.s2h_send_splits(QKV, own=False))  # send: the peers' blocks only
     ref_r, got_r = torch.zeros(nr, dtype=dtype, device=DEVICE), torch.zeros(nr, dtype=dtype, device=DEVICE)
+    ref, got = torch.zeros(ns, dtype=dtype, device=DEVICE), torch.ones(ns, dtype=dtype, device=DEVICE)
     L.pack_s2h(lay, (q, k, v), QKV, ref, recv=ref_r)
     TritonKernels.pack_s2h(lay, (q, k, v), QKV, got, recv=got_r)
     assert torch.equal(_bits(ref), _bits(got)) and torch.equal(_bits(ref_r), _bits(got_r)), (lay, dtype, fused)

@@ -50,16 +50,19 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
     once the handle is waited.
     """
     like, rank = tensors[0], layout.rank
-    send_splits, recv_splits = layout.s2h_send_splits(roles), layout.s2h_recv_splits(roles)
+    recv_splits = layout.s2h_recv_splits(roles)
     recv = _flat(sum(recv_splits), like)
-    send = _flat(sum(send_splits), like)
     if layout.batch == 1 and layout.world_size > 1:
+        send_splits = layout.s2h_send_splits(roles)
+        send = _flat(sum(send_splits), like)
         kernels.pack_s2h(layout, tensors, roles, send)
         call = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
-        # One piece per (peer, batch element); our own rows are packed in place.
+        # One piece per (peer, batch element); our own rows are packed in place, so the
+        # send buffer holds the peers' blocks only.
+        send = _flat(sum(layout.s2h_send_splits(roles, own=False)), like)
         kernels.pack_s2h(layout, tensors, roles, send, recv=recv)
-        send_p, recv_p = layout.s2h_send_pieces(send, roles), layout.s2h_recv_pieces(recv, roles)
+        send_p, recv_p = layout.s2h_send_pieces(send, roles, own=False), layout.s2h_recv_pieces(recv, roles)
         peers = [p for p in range(layout.world_size) if p != rank]
         sends = [(p, x) for p in peers for x in send_p[p]]
         recvs = [(p, x) for p in peers for x in recv_p[p]]

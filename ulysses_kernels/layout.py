@@ -21,7 +21,8 @@ Sequence-sharded to head-sharded (q/k/v forward, dout backward), seen from rank 
     batch element b, ``[b, off_p : off_p + s_p]``, are one contiguous piece, as is the
     send block's ``[b]`` slice: with batch 1 one ``all_to_all`` moves everything; with a
     larger batch one grouped send/recv per (peer, batch element) does, and the rank's own
-    block is packed straight into its rows of the receive buffer (``pack_s2h(recv=...)``).
+    block is packed straight into its rows of the receive buffer (``pack_s2h(recv=...)``):
+    the send buffer then holds the peers' blocks only (``s2h_send_splits(own=False)``).
 
 Head-sharded to sequence-sharded (output forward, dq/dk/dv backward). Wire format of the
 block rank ``p`` sends to rank ``r`` for one role: ``[B][s_r][h(p)][D]``. A local tensor
@@ -93,10 +94,12 @@ class Layout:
         return self.plan.q_heads if role == "q" else self.plan.kv_heads
 
     # ---- sequence-sharded -> head-sharded -------------------------------------------
-    def s2h_send_splits(self, roles: Sequence[str]) -> list[int]:
-        """Elements this rank sends to each peer."""
+    def s2h_send_splits(self, roles: Sequence[str], own: bool = True) -> list[int]:
+        """Elements of each peer's block of the send buffer. ``own=False``: this rank's own
+        block is 0, the buffer of ``pack_s2h(recv=...)`` (its own rows go to the receive
+        buffer instead)."""
         per_token = self.batch * self.head_dim
-        return [self.seq_local * per_token * self.heads(roles, p) for p in range(self.world_size)]
+        return [0 if p == self.rank and not own else self.seq_local * per_token * self.heads(roles, p) for p in range(self.world_size)]
 
     def s2h_recv_splits(self, roles: Sequence[str]) -> list[int]:
         """Elements this rank receives from each source."""
@@ -107,9 +110,10 @@ class Layout:
         """Per peer, per role: the ``[B, s_r, h, D]`` destination of that peer's heads.
 
         Blocks of the flat send buffer; with ``recv`` given, this rank's own block is its
-        rows of the receive buffer instead (its part of ``send`` is then left unused)."""
+        rows of the receive buffer instead, and ``send`` holds the peers' blocks only
+        (``s2h_send_splits(roles, own=False)`` elements)."""
         views, start = [], 0
-        for p, n in enumerate(self.s2h_send_splits(roles)):
+        for p, n in enumerate(self.s2h_send_splits(roles, own=recv is None)):
             counts = [self.head_count(s, p) for s in roles]
             if p == self.rank and recv is not None:
                 off = self.seq_offset(p)
@@ -123,10 +127,11 @@ class Layout:
     def _recv4(self, recv: torch.Tensor, roles: Sequence[str]) -> torch.Tensor:
         return recv.view(self.batch, self.seq_total, self.heads(roles, self.rank), self.head_dim)
 
-    def s2h_send_pieces(self, send: torch.Tensor, roles: Sequence[str]) -> list[list[torch.Tensor]]:
-        """Per peer, per batch element: the contiguous piece of the send buffer."""
+    def s2h_send_pieces(self, send: torch.Tensor, roles: Sequence[str], own: bool = True) -> list[list[torch.Tensor]]:
+        """Per peer, per batch element: the contiguous piece of the send buffer (``own``:
+        as ``s2h_send_splits``; without its own block, this rank's entry is empty)."""
         pieces, start = [], 0
-        for n in self.s2h_send_splits(roles):
+        for n in self.s2h_send_splits(roles, own=own):
             pieces.append(list(send[start : start + n].view(self.batch, -1).unbind(0)))
             start += n
         return pieces

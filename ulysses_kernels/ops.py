@@ -209,7 +209,8 @@ def pack_s2h(
 
     ``head_ranges``: ``[peer][role][start, end]`` flattened. With ``recv`` (``[B, S, h, D]``
     contiguous, flat), the block of peer ``rank`` goes to its rows at tokens
-    ``[seq_offset, seq_offset + s_r)`` of ``recv`` instead of ``send``.
+    ``[seq_offset, seq_offset + s_r)`` of ``recv`` instead, and ``send`` holds the other
+    peers' blocks only.
     """
     _lib().pack_s2h(list(tensors), list(head_ranges), send, recv, rank, seq_offset)
 
@@ -250,6 +251,9 @@ def _fake_pack_s2h(tensors, head_ranges, send, recv=None, rank=-1, seq_offset=0)
     _check(len(head_ranges) % (2 * n) == 0 and len(head_ranges) > 0, f"pack_s2h: head_ranges expected 2 * {n} * world_size values, got {len(head_ranges)}")
     B, S, _, D = tensors[0].shape
     heads = sum(b - a for a, b in zip(head_ranges[0::2], head_ranges[1::2]))
+    if recv is not None and 0 <= rank < len(head_ranges) // (2 * n):  # its block goes to recv
+        mine = head_ranges[rank * 2 * n : (rank + 1) * 2 * n]
+        heads -= sum(b - a for a, b in zip(mine[0::2], mine[1::2]))
     _check(send.dim() == 1 and send.numel() == S * B * D * heads, f"pack_s2h: send.numel() expected {S * B * D * heads}, got {send.numel()}")
     for i, x in enumerate(tensors):
         _check(x.dtype == send.dtype, f"pack_s2h: tensors[{i}].dtype expected {send.dtype} (the dtype of send), got {x.dtype}")

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .backends import shares_one_kv, uniform_group
 from .layout import Q_ONLY, QKV, Layout
 
-__all__ = ["CopyCounter", "LiveBytes", "ulysses_payload_bytes", "ulysses_buffer_bytes", "h2s_recv_elems", "ulysses_peak_moments"]
+__all__ = ["CopyCounter", "LiveBytes", "ulysses_payload_bytes", "ulysses_buffer_bytes", "s2h_send_elems", "h2s_recv_elems", "ulysses_peak_moments"]
 
 aten = torch.ops.aten
 
@@ -104,6 +104,14 @@ def ulysses_payload_bytes(layout: Layout, element_size: int, backward: bool = Tr
     return elems * element_size
 
 
+def s2h_send_elems(layout: Layout, roles) -> int:
+    """Elements of the sequence-to-head send buffer of ``roles``: every peer's block when
+    the exchange is one ``all_to_all`` (batch 1: the rank's own block travels through the
+    collective), else the peers' blocks only (the rank's own rows are packed straight into
+    its receive buffer)."""
+    return sum(layout.s2h_send_splits(roles, own=layout.batch == 1 and layout.world_size > 1))
+
+
 def h2s_recv_elems(layout: Layout, roles) -> int:
     """Elements of the head-to-sequence receive buffer of ``roles``: every source's block
     when the exchange is one ``all_to_all`` (one tensor at batch 1: the rank's own block
@@ -118,13 +126,13 @@ def h2s_recv_elems(layout: Layout, roles) -> int:
 def ulysses_buffer_bytes(layout: Layout, element_size: int) -> int:
     """Bytes one rank allocates in one forward+backward of ``ulysses_attention`` outside the
     attention backend, when the backend returns rows contiguous per batch element: one send
-    and one receive buffer for q/k/v and for dout, one receive buffer for the output and for
+    (``s2h_send_elems``) and one receive buffer for q/k/v and for dout, one receive buffer for the output and for
     dq/dk/dv (they are sent in place; ``h2s_recv_elems``), and the results ``out``, ``dq``,
     ``dk``, ``dv``."""
     hq, hkv = layout.plan.q_heads, layout.plan.kv_heads
     rows = layout.batch * layout.seq_local * layout.head_dim
-    elems = sum(layout.s2h_send_splits(QKV)) + sum(layout.s2h_recv_splits(QKV))
-    elems += sum(layout.s2h_send_splits(Q_ONLY)) + sum(layout.s2h_recv_splits(Q_ONLY))
+    elems = s2h_send_elems(layout, QKV) + sum(layout.s2h_recv_splits(QKV))
+    elems += s2h_send_elems(layout, Q_ONLY) + sum(layout.s2h_recv_splits(Q_ONLY))
     elems += h2s_recv_elems(layout, Q_ONLY) + h2s_recv_elems(layout, QKV)
     elems += rows * (2 * hq + 2 * hkv)
     return elems * element_size
@@ -146,8 +154,8 @@ def ulysses_peak_moments(layout: Layout, element_size: int, *, backward: bool) -
     shared = shares_one_kv(kv_map)
     gathered = not shared and not uniform_group(len(kv_map), hkv, kv_map)
     head = B * S * D * e  # one head over the whole sequence, [B, S, 1, D]
-    send_qkv, recv_qkv = sum(lay.s2h_send_splits(QKV)) * e, sum(lay.s2h_recv_splits(QKV)) * e
-    send_dout, recv_dout = sum(lay.s2h_send_splits(Q_ONLY)) * e, sum(lay.s2h_recv_splits(Q_ONLY)) * e
+    send_qkv, recv_qkv = s2h_send_elems(lay, QKV) * e, sum(lay.s2h_recv_splits(QKV)) * e
+    send_dout, recv_dout = s2h_send_elems(lay, Q_ONLY) * e, sum(lay.s2h_recv_splits(Q_ONLY)) * e
     out_l, lse = hq * head, B * hq * S * 4
     kv2 = 2 * hq * head if gathered else 0  # k, v gathered to one KV head per query head
     out = lay.batch * lay.seq_local * lay.plan.q_heads * D * e

@@ -38,7 +38,7 @@ namespace ulysses_kernels {
 constexpr int kMaxPeers = 64;
 constexpr int kMaxRoles = 3;
 // Head indices and per-peer head counts are int32_t below: the structs are kernel
-// parameters (PackParams 2544 bytes, UnpackParams 3176), and int64_t heads would take
+// parameters (PackParams 2552 bytes, UnpackParams 3176), and int64_t heads would take
 // PackParams past CUDA's classic 4 KB limit. The host layer (csrc/ops.cpp) rejects more.
 constexpr int64_t kMaxHeads = INT32_MAX;
 
@@ -62,10 +62,13 @@ struct PackParams {
   int32_t heads[kMaxPeers][kMaxRoles]; // heads of role i sent to peer p
   char* dst;
   // Rows of peer `redirect_peer` (-1: none) go to redirect_ptr + b * redirect_sb +
-  // t * redirect_ss + head * row_bytes instead of the send buffer.
+  // t * redirect_ss + head * row_bytes instead of the send buffer, which then holds the
+  // other peers' blocks only: the rows of later peers sit redirect_rows (the redirected
+  // block's rows; 0 without a redirect) lower in it.
   int32_t redirect_peer;
   char* redirect_ptr;
   int64_t redirect_sb, redirect_ss;
+  int64_t redirect_rows;
 };
 
 struct UnpackParams {
@@ -180,7 +183,7 @@ UK_HD RowCopy pack_row(const PackParams& p, I row) {
   r.src = s.ptr + (int64_t)b * s.sb + (int64_t)t * s.ss + ((int64_t)p.head0[peer][i] + (int64_t)j) * s.sh;
   r.dst = peer == p.redirect_peer
               ? p.redirect_ptr + (int64_t)b * p.redirect_sb + (int64_t)t * p.redirect_ss + (int64_t)j0 * p.row_bytes
-              : p.dst + (int64_t)row * p.row_bytes;
+              : p.dst + ((int64_t)row - (peer > p.redirect_peer ? p.redirect_rows : 0)) * p.row_bytes;
   r.src_unit_stride = p.src_unit_stride[i];
   return r;
 }

@@ -241,7 +241,8 @@ class TritonKernels:
         recv: torch.Tensor | None = None,
     ) -> None:
         """``tensors`` (``[B, s_r, H, D]`` each, any strides) -> flat send buffer (peer-major);
-        with ``recv``, this rank's own heads go straight into its rows of ``recv``."""
+        with ``recv``, this rank's own heads go straight into its rows of ``recv`` and
+        ``send`` holds the peers' blocks only (``layout.s2h_send_splits(roles, own=False)``)."""
         key = ("s2h", layout, tuple(roles), tuple(t.stride() for t in tensors), recv is not None)
         table = cls._get(key, lambda: _columns_pack_s2h(layout, tensors, roles, recv is not None), layout.head_dim, send.element_size())
         bufs = [send] if recv is None else [send, recv]
@@ -352,7 +353,7 @@ def _columns_pack_s2h(layout: Layout, tensors, roles, with_recv: bool) -> tuple[
     # The destinations are whatever views the layout defines (layout.s2h_send_views), taken
     # on meta buffers: the kernel follows the layout math instead of restating it.
     meta = {"device": "meta", "dtype": torch.float32}
-    send = torch.empty(sum(layout.s2h_send_splits(roles)), **meta)
+    send = torch.empty(sum(layout.s2h_send_splits(roles, own=not with_recv)), **meta)
     recv = torch.empty(sum(layout.s2h_recv_splits(roles)), **meta) if with_recv else None
     send_idx, recv_idx = len(tensors), len(tensors) + 1
     cols, srcs = [], []
