@@ -213,7 +213,6 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
     p.od = D == 1 ? elem : byte_stride(out, 3);
     p.batch = B;
     p.seq = S;
-    p.out_heads = H;
     p.d = D;
     p.elem = elem;
     p.n_src = static_cast<int32_t>(peers);

@@ -38,7 +38,7 @@ namespace ulysses_kernels {
 constexpr int kMaxPeers = 64;
 constexpr int kMaxRoles = 3;
 // Head indices and per-peer head counts are int32_t below: the structs are kernel
-// parameters (PackParams 2552 bytes, UnpackParams 3176), and int64_t heads would take
+// parameters (PackParams 2552 bytes, UnpackParams 3168), and int64_t heads would take
 // PackParams past CUDA's classic 4 KB limit. The host layer (csrc/ops.cpp) rejects more.
 constexpr int64_t kMaxHeads = INT32_MAX;
 
@@ -74,7 +74,7 @@ struct PackParams {
 struct UnpackParams {
   char* out;
   int64_t ob, os, oh, od;  // byte strides of the [B][s][H][D] output
-  int64_t batch, seq, out_heads, d;
+  int64_t batch, seq, d;
   int64_t unit;            // bytes per unit
   int64_t units_per_row;   // d * elem / unit
   int64_t elem;            // element size in bytes

@@ -249,7 +249,6 @@ static void test_unpack_sums_in_rank_order(bool wide) {
   u.od = 2;
   u.batch = B;
   u.seq = s;
-  u.out_heads = H;
   u.d = D;
   u.elem = 2;
   u.unit = 8;
@@ -291,7 +290,6 @@ static UnpackParams unpack_case(std::vector<float>& out, std::vector<std::vector
   u.od = 4;
   u.batch = B;
   u.seq = s;
-  u.out_heads = H;
   u.d = D;
   u.elem = 4;
   u.unit = unit;
@@ -368,7 +366,7 @@ static uint16_t unpack_sum_bits(AddType add, uint16_t first, uint16_t second) {
   u.out = (char*)out.data();
   u.ob = u.os = u.oh = n * 2;
   u.od = 2;
-  u.batch = u.seq = u.out_heads = 1;
+  u.batch = u.seq = 1;
   u.d = n;
   u.elem = 2;
   u.unit = 16;
@@ -485,7 +483,6 @@ static void test_unpack_addresses_beyond_4gb(int64_t batch) {
   p.od = 2;
   p.batch = batch;
   p.seq = s;
-  p.out_heads = H;
   p.d = D;
   p.elem = 2;
   p.unit = 16;
