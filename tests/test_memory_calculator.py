@@ -8,7 +8,8 @@ counted), on 2 gloo ranks and on 1 process: what is alive when the forward ends 
 kept for the backward) and the forward's peak, each within 2% of
 ``memory.activation_bytes`` on every rank. Shapes: float32, bfloat16 and float64 (the
 RMSNorm's float32 copies and the residual stream differ), activation checkpointing on and
-off, GQA with fewer KV heads than ranks, batch 1 and 2.
+off, GQA with fewer KV heads than ranks, batch 1 and 2, and a Llama whose MLP is GPT's
+``fc -> GELU -> fc`` (``--mlp plain``, the 176B recipe's; its norms stay RMSNorms).
 """
 
 from __future__ import annotations
@@ -43,17 +44,36 @@ CASES = [
     ("qwen2", "bfloat16", False, 1, 96, 48, 6, 1, 112, 3, 80),
     ("qwen2", "bfloat16", True, 1, 96, 48, 6, 1, 112, 3, 80),
     ("llama", "float64", False, 2, 64, 32, 4, 2, 80, 2, 64),
+    ("llama-plain", "bfloat16", False, 1, 64, 32, 4, 4, 128, 2, 64),  # a GPT-style MLP (the 176B recipe's)
+    ("llama-plain", "bfloat16", True, 1, 64, 32, 4, 4, 256, 3, 64),  # its peak in a layer's MLP, not at the loss
 ]
+
+
+class PlainMLP(torch.nn.Module):
+    """GPT's ``fc -> GELU -> fc`` in place of Llama's gated MLP."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.fc_in = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.fc_out = torch.nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.fc_out(torch.nn.functional.gelu(self.fc_in(x)))
 
 
 def _model(family, dtype, checkpointing, hidden, heads, kv_heads, intermediate, layers, vocab):
     cls, config = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                   "llama-plain": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[family]  # fmt: skip
     cfg = config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
                  max_position_embeddings=512, attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(0)
-    model = cls(cfg).to(getattr(torch, dtype)).train()
+    model = cls(cfg)
+    if family == "llama-plain":
+        for layer in model.model.layers:
+            layer.mlp = PlainMLP(hidden, intermediate)
+    model = model.to(getattr(torch, dtype)).train()
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     return hf.apply(model, None)
@@ -71,7 +91,7 @@ def _measure(case, rank: int, world: int) -> list[str]:
         measured = {"saved": tracker.current, "peak_forward": tracker.peak}
     share.backward()  # the kept tensors are the backward's: it runs
     setup = memory.Setup(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab, seq=seq,
-                         batch=batch, sp=world, dtype=dtype, checkpointing=ckpt)  # fmt: skip
+                         batch=batch, sp=world, dtype=dtype, checkpointing=ckpt, mlp="plain" if family == "llama-plain" else "gated")  # fmt: skip
     want = memory.activation_bytes(setup, rank)
     misses = []
     for key, got in measured.items():

@@ -6,8 +6,9 @@
 
 The model is a decoder of ``layers`` identical layers as transformers writes Llama and Qwen2
 (RMSNorm, RoPE, attention through ``hf.apply``, a gated MLP; ``--mlp plain`` for a GPT-style
-``fc -> activation -> fc``), trained with ZeRO stage 0-3 over the ``dp x sp`` ranks and
-mixed-precision Adam (a float32 master copy and two moments; no master copy in float32).
+``fc -> activation -> fc``, its norms still counted as RMSNorms), trained with ZeRO stage
+0-3 over the ``dp x sp`` ranks and mixed-precision Adam (a float32 master copy and two
+moments; no master copy in float32).
 
 "Activations" are the bytes of tensors the forward allocates and that are alive when it
 ends (what autograd keeps for the backward, and the loss's ``log_softmax``), parameters
@@ -46,7 +47,7 @@ from .layout import QKV, Layout, split_lengths
 from .plan import HeadPlan
 from .traffic import ulysses_peak_moments
 
-__all__ = ["MemoryInputError", "Setup", "parameter_count", "activation_bytes", "memory_rows", "main"]
+__all__ = ["MemoryInputError", "Setup", "parameter_count", "activation_bytes", "worst_activations", "memory_rows", "main"]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -173,15 +174,17 @@ def activation_bytes(setup: Setup, rank: int = 0) -> dict[str, int]:
     attention = _attention_state(setup, rank) + lse + gathered
     mlp = (4 if setup.mlp == "gated" else 2) * tokens * f * e
     full_layer = 2 * _norm_saved(setup, tokens) + attention + 2 * stream + mlp
-    head = stream + _norm_saved(setup, tokens) + 2 * tokens * d * e  # embedding output, final norm, RoPE cos and sin
+    # The last layer's output (in float32; under checkpointing the embedding output is
+    # layer 0's input), the final norm, RoPE's cos and sin.
+    head = stream + _norm_saved(setup, tokens) + 2 * tokens * d * e
     loss = tokens * setup.vocab * wide  # log_softmax (kept), and the logits (or their float32 copy) beside it
     if setup.checkpointing:
         per_layer = tokens * h * e + _attention_state(setup, rank)
         body = setup.layers * per_layer
-        # The last layer's MLP, before its output and the final norm exist: the residual
-        # sum, the norm's output and gate, up, act(gate) (plain: fc, act(fc)).
+        # The last layer's MLP, before its output and the final norm exist (``head`` less
+        # both): the residual sum, the norm's output and gate, up, act(gate) (plain: fc, act(fc)).
         working = tokens * e * (2 * h + (3 if setup.mlp == "gated" else 2) * f)
-        peak = max(head - _norm_saved(setup, tokens) + body - tokens * h * e + working, head + body + 2 * loss)
+        peak = max(head - _norm_saved(setup, tokens) - stream + body + working, head + body + 2 * loss)
     else:
         per_layer = full_layer
         body = setup.layers * per_layer
@@ -219,9 +222,14 @@ def _state_rows(setup: Setup) -> list[Row]:
     return rows
 
 
+def worst_activations(setup: Setup) -> dict[str, int]:
+    """``activation_bytes`` of the sequence rank with the highest forward peak."""
+    return max((activation_bytes(setup, r) for r in range(setup.sp)), key=lambda a: a["peak_forward"])
+
+
 def memory_rows(setup: Setup) -> list[Row]:
     """The table for the sequence rank that needs the most (ranks differ only with uneven heads or shards)."""
-    acts = max((activation_bytes(setup, r) for r in range(setup.sp)), key=lambda a: a["peak_forward"])
+    acts = worst_activations(setup)
     e = setup.element_size
     ulysses = max(max(ulysses_peak_moments(setup.layout(r), e, backward=True).values()) for r in range(setup.sp))
     what = "layer inputs + Ulysses attention state" if setup.checkpointing else "saved by every layer"
@@ -272,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     except UlyssesInputError as e:
         parser.error(str(e))
     if as_json:
-        out = {"setup": asdict(setup), "parameters": parameter_count(setup)[0], "activations": activation_bytes(setup),
+        out = {"setup": asdict(setup), "parameters": parameter_count(setup)[0], "activations": worst_activations(setup),
                "rows": [asdict(r) for r in rows], "total_gpu": sum(r.gpu for r in rows), "total_host": sum(r.host for r in rows)}  # fmt: skip
         print(json.dumps(out, indent=1))
     else:
