@@ -9,8 +9,9 @@
 * equal to DeepSpeed's own module where DeepSpeed works (skips without DeepSpeed);
 * DeepSpeed engines at dp 2 x sp 2, both ways of making the groups: ours through
   ``mesh.parallel_groups(...).mpu()`` (ZeRO-1, 2 and 3, ``reduce_scatter`` on and off) and
-  DeepSpeed's own (``mesh_param=(2, 2)`` for the same six, and the config's
-  ``data_parallel_size``/``sequence_parallel_size`` for ZeRO-3 and ZeRO-2), a tiny float64
+  DeepSpeed's own (its ``parallel_state_sp`` module as the mpu and ``mesh_param=(2, 2)``
+  for the same six, the config's ``data_parallel_size``/``sequence_parallel_size`` for
+  ZeRO-3 and ZeRO-2), a tiny float64
   Qwen2 through ``hf.apply``, 3 SGD steps with the loss of ``mesh.scale_loss``: parameters,
   grad norm and logged loss equal one process on the global batch (to 1e-6: DeepSpeed's
   optimizer path is not all float64), parameters identical on every rank; with DeepSpeed's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -223,22 +225,38 @@ def _deepspeed_groups_engine(route: str, stage: int, reduce_scatter: bool, dp: i
     return engine, groups
 
 
+def _forget_engine_groups(engine) -> None:
+    """Destroy ``engine`` and the groups DeepSpeed remembers from it.
+
+    NOTE: DeepSpeed 0.19.8 keeps the last engine's mpu and mesh in ``deepspeed.utils.groups``
+    (``engine.destroy()`` leaves them), and a later engine made without an mpu (or without a
+    mesh) would take the earlier one's groups: each case here starts from none."""
+    from deepspeed.utils import groups as ds_groups
+
+    engine.destroy()
+    ds_groups.mpu = None
+    ds_groups.mesh_device = None
+
+
 def _zero_stages(rank, world):
     import deepspeed
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as parallel_state_sp
     from test_fsdp2 import LR, build_model, reference_run
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # deepspeed.initialize asks for it (a launcher sets it)
     deepspeed.init_distributed(dist_backend="gloo")
     groups = mesh.parallel_groups(sp_size=2)
+    parallel_state_sp.initialize_sequence_parallel(groups.sp_size)  # DeepSpeed's Ulysses-for-HF groups, the same ranks
+    assert dist.get_process_group_ranks(parallel_state_sp.get_sequence_parallel_group()) == dist.get_process_group_ranks(groups.sp_group)
     reference = reference_run(groups.dp_size)
-    # Our groups, through the mpu (first: an engine made with mesh_param leaves DeepSpeed's
-    # process-global mesh set, which would override a later mpu's groups).
-    for stage, reduce_scatter in ZERO_CASES:
-        model = hf.apply(build_model(), groups.sp_group)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                                          config=ds_config(stage, reduce_scatter), mpu=groups.mpu())  # fmt: skip
-        _train_and_check(engine, groups, stage, f"mpu ZeRO-{stage} reduce_scatter={reduce_scatter}", reference)
-        engine.destroy()
+    # An mpu: ours, then DeepSpeed's parallel_state_sp module. Every stage trains right.
+    for name, mpu in (("mpu", groups.mpu()), ("parallel_state_sp", parallel_state_sp)):
+        for stage, reduce_scatter in ZERO_CASES:
+            model = hf.apply(build_model(), groups.sp_group)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                              config=ds_config(stage, reduce_scatter), mpu=mpu)  # fmt: skip
+            _train_and_check(engine, groups, stage, f"{name} ZeRO-{stage} reduce_scatter={reduce_scatter}", reference)
+            _forget_engine_groups(engine)
     # DeepSpeed's own groups: ZeRO-3 trains right with the same scale; ZeRO-1/2 reduce over
     # the dp group only (measured: sequence partners' parameters diverge) and are refused on
     # every rank, naming the setting.
@@ -252,7 +270,7 @@ def _zero_stages(rank, world):
             setting = "mesh_param" if route == "mesh_param" else "'data_parallel_size'/'sequence_parallel_size'"
             with pytest.raises(mesh.MeshError, match=f"own dp x sp groups \\({setting}\\) with ZeRO stage {stage}: .*diverge"):
                 mesh.grad_divisor(engine, own)
-        engine.destroy()
+        _forget_engine_groups(engine)
     dist.barrier()  # every rank came through the refusals (none hangs or trains on)
     # Settings that do not give the one-process gradient are refused, each named.
     for config, needle in (
@@ -264,6 +282,13 @@ def _zero_stages(rank, world):
         with pytest.raises(mesh.MeshError, match=needle):
             mesh.grad_divisor(config, groups)
     assert mesh.grad_divisor({**ds_config(3, False), "sequence_parallel_size": 2, "data_parallel_size": 2}, groups) == groups.dp_size
+    # An engine whose groups are not these groups' (a stand-in: only what grad_divisor reads).
+    sp4 = mesh.parallel_groups(sp_size=4)
+    for mpu, own_mesh, needle in ((parallel_state_sp, None, r"mpu.get_sequence_parallel_world_size\(\) is 2, the groups' 4"),
+                                  (parallel_state_sp, groups.mesh, "both an mpu and its own mesh")):  # fmt: skip
+        engine = SimpleNamespace(config=ds_config(3, True), zero_optimization_stage=lambda: 3, mpu=mpu, mesh_device=own_mesh)
+        with pytest.raises(mesh.MeshError, match=needle):
+            mesh.grad_divisor(engine, sp4)
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")

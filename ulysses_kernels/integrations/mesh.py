@@ -42,7 +42,10 @@ ZeRO-3 reduces over all ``dp x sp`` ranks and divides as above (``dp x sp`` with
 ``reduce_scatter`` on, ``dp`` off), so it is right with the same scale; ZeRO-0/1/2 reduce
 only over the ``dp`` group, so sequence partners end each step with different parameters,
 which no loss scale repairs: ``grad_divisor`` refuses them, naming the setting (use
-``mpu=groups.mpu()`` there).
+``mpu=groups.mpu()`` there). DeepSpeed's other groups, the ``parallel_state_sp`` module
+as the mpu (after ``initialize_sequence_parallel(sp)``; what its
+``UlyssesSPAttentionHF.register_with_transformers`` returns), reduce over every rank and
+divide as ours: every stage is right with the same scale (measured as above).
 """
 
 from __future__ import annotations
@@ -263,6 +266,14 @@ def _deepspeed_own_groups(config: dict, groups: ParallelGroups, own_mesh) -> Non
         )
 
 
+def _check_mpu(mpu, groups: ParallelGroups) -> None:
+    """The engine's mpu (ours, or DeepSpeed's ``parallel_state_sp``) has the groups' sizes."""
+    want = {"get_sequence_parallel_world_size": groups.sp_size, "get_sequence_data_parallel_world_size": groups.dp_size * groups.sp_size}
+    for getter, size in want.items():
+        if hasattr(mpu, getter) and getattr(mpu, getter)() != size:
+            raise MeshError(f"grad_divisor: the DeepSpeed engine's mpu.{getter}() is {getattr(mpu, getter)()}, the groups' {size}")
+
+
 def _deepspeed_divisor(config: dict, groups: ParallelGroups, own_mesh=None) -> int:
     """What DeepSpeed divides the dp x sp gradient sum by, from its config (a dict) and, for
     an engine, the mesh it made itself (``own_mesh``)."""
@@ -299,9 +310,11 @@ def grad_divisor(engine, groups: ParallelGroups) -> int:
     if isinstance(config, dict) and hasattr(engine, "zero_optimization_stage"):
         if engine.zero_optimization_stage() != int((config.get("zero_optimization") or {}).get("stage", 0)):
             raise MeshError("grad_divisor: the engine's ZeRO stage differs from its config's")
-        own_mesh = getattr(engine, "mesh_device", None)
-        if own_mesh is not None and getattr(engine, "mpu", None) is not None:
+        own_mesh, mpu = getattr(engine, "mesh_device", None), getattr(engine, "mpu", None)
+        if own_mesh is not None and mpu is not None:
             raise MeshError("grad_divisor: the DeepSpeed engine has both an mpu and its own mesh (mesh_param); pass one of them")
+        if mpu is not None:
+            _check_mpu(mpu, groups)
         return _deepspeed_divisor(config, groups, own_mesh)
     raise MeshError(f"grad_divisor: engine expected 'fsdp2', 'sum', a DeepSpeed config dict or engine, got {type(engine).__name__}")
 
