@@ -39,10 +39,10 @@ groups from its mesh, ``parallel_groups(mesh=engine.mesh_device)``, and ``hf.app
 model (``engine.module``) with their ``sp_group``. Measured at dp 2 x sp 2 (DeepSpeed
 0.19.8, gloo, float64, 3 SGD steps against one process): with DeepSpeed's own groups
 ZeRO-3 reduces over all ``dp x sp`` ranks and divides as above (``dp x sp`` with
-``reduce_scatter`` on, ``dp`` off), so it is right with the same scale; ZeRO-0/1/2 reduce
+``reduce_scatter`` on, ``dp`` off), so it is right with the same scale; ZeRO-1/2 reduce
 only over the ``dp`` group, so sequence partners end each step with different parameters,
-which no loss scale repairs: ``grad_divisor`` refuses them, naming the setting (use
-``mpu=groups.mpu()`` there). DeepSpeed's other groups, the ``parallel_state_sp`` module
+which no loss scale repairs: ``grad_divisor`` refuses them (and ZeRO-0, not measured),
+naming the setting (use ``mpu=groups.mpu()`` there). DeepSpeed's other groups, the ``parallel_state_sp`` module
 as the mpu (after ``initialize_sequence_parallel(sp)``; what its
 ``UlyssesSPAttentionHF.register_with_transformers`` returns), reduce over every rank and
 divide as ours: every stage is right with the same scale (measured as above).
