@@ -102,8 +102,27 @@ def scatter_kv_grads(dk: torch.Tensor, dv: torch.Tensor, kv_map: Sequence[int], 
     return dk.new_zeros(shape).index_add_(2, index, dk), dv.new_zeros(shape).index_add_(2, index, dv)
 
 
+class _AttentionInputs(torch.autograd.Function):
+    """Identity on ``q``, ``k``, ``v`` whose only grad-requiring input is a 0-element dummy:
+    the attention graph then starts at this node (no ``AccumulateGrad`` holding q/k/v), and
+    the gradient edges of its outputs are where ``AttentionBackend.backward`` stops."""
+
+    @staticmethod
+    def forward(ctx, dummy, q, k, v):
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        return None, None, None, None
+
+
 class AttentionBackend:
-    """Base class: forward through ``attend`` under autograd, backward with autograd.grad."""
+    """Base class: forward through ``attend`` under autograd, backward with autograd.grad.
+
+    The state holds no tensor: only the gradient edges of the attention inputs and output
+    (``torch.autograd.graph.get_gradient_edge``), so every tensor the backward needs lives
+    in the attention graph's saved tensors, which saved-tensor hooks (activation
+    checkpointing, ``save_on_cpu``) see and may drop or move (docs/design.md)."""
 
     name = "base"
 
@@ -118,28 +137,31 @@ class AttentionBackend:
                 return self.attend(q, k2, v2, causal, scale), None
         gathered = None
         if not uniform_group(len(kv_map), k.shape[2], kv_map):
-            # The kernel saves the gathered k, v; the leaves are those copies (dk, dv are
-            # summed back to the KV heads in ``backward``, as autograd's index_select
-            # backward would). A q that shares its storage with k, v (the receive buffer)
-            # is copied too, so that the buffer, whose k, v heads nothing reads any more,
-            # is not kept alive for the backward by q alone.
+            # The kernel saves the gathered k, v, the attention inputs (dk, dv are summed
+            # back to the KV heads in ``backward``, as autograd's index_select backward
+            # would). A q that shares its storage with k, v (the receive buffer) is copied
+            # too, so that the buffer, whose k, v heads nothing reads any more, is not
+            # kept alive for the backward by q alone.
             gathered = (tuple(kv_map), k.shape[2])  # the index is rebuilt for the backward
             if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
                 q = q.clone(memory_format=torch.contiguous_format)
             k, v = gather_kv(k, v, kv_index(kv_map, k.device))
-        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        dummy = torch.empty(0, dtype=q.dtype, device=q.device, requires_grad=True)
         with torch.enable_grad():
-            out = self.attend(*leaves, causal, scale)
-        # The state is a list that ``backward`` empties: what the graph saved goes with it.
-        return out.detach(), [leaves, out, gathered]
+            inputs = _AttentionInputs.apply(dummy, q.detach(), k.detach(), v.detach())
+            out = self.attend(*inputs, causal, scale)
+        edges = [torch.autograd.graph.get_gradient_edge(x) for x in (out, *inputs)]
+        # The state is a list that ``backward`` empties: the graph (and what it saved) goes with it.
+        return out.detach(), [edges, gathered]
 
     def backward(self, state, dout):
-        """The gradients for ``q``, ``k``, ``v``. Empties ``state``: the attention inputs it
-        holds are freed before the gradients are returned, not when the caller lets go."""
-        leaves, out, gathered = state
+        """The gradients for ``q``, ``k``, ``v``. Empties ``state``: the attention inputs
+        the graph saved are freed before the gradients are returned, not when the caller
+        lets go."""
+        (out, *inputs), gathered = state
         state.clear()
-        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
-        del leaves, out
+        dq, dk, dv = torch.autograd.grad([out], inputs, [dout])
+        del out, inputs
         if gathered is not None:
             dk, dv = scatter_kv_grads(dk, dv, *gathered)
         return dq, dk, dv
