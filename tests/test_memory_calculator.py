@@ -127,7 +127,7 @@ def test_activation_terms():
     layer = norms + attention + 2 * tokens * 64 * e + 4 * tokens * 160 * e
     assert memory.activation_bytes(memory.Setup(**kw))["per_layer"] == layer
     ckpt = memory.activation_bytes(memory.Setup(**kw, checkpointing=True))
-    assert ckpt["per_layer"] == tokens * 64 * e + (8 + 2 * 4) // 2 * 2 * 128 * 8 * e + 4 * 2 * 128 * 8 * e
+    assert ckpt["per_layer"] == tokens * 64 * e  # the layer's input: checkpointing drops the attention state too
     assert ckpt["layer_working_set"] == layer
 
 

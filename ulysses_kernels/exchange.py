@@ -209,8 +209,10 @@ SeqToHead, HeadToSeq = exchange_functions(a2a_seq_to_head, a2a_head_to_seq)
 class LocalAttention(torch.autograd.Function):
     """The rank's attention backend (``call.backend``) on its head-sharded ``q``, ``k``,
     ``v`` (``[B, S, h, D]`` views of the sequence-to-head receive buffer), as an autograd
-    node of its own between the two exchanges. Its backward gives up the backend's state
-    (the saved attention inputs and output) before it returns, and the autograd engine
+    node of its own between the two exchanges. The backend's state (for built-in backends,
+    gradient edges of the attention graph: no tensor, so that checkpointing and saved-tensor
+    hooks see the saved attention inputs and output; docs/design.md) is the only thing kept
+    for the backward. Its backward gives up that state before it returns, and the autograd engine
     frees ``dout`` (``[B, s_r, Hq, D]``) once the exchange that consumed it has run and the
     head-sharded ``dout`` once this node has run."""
 
@@ -240,5 +242,5 @@ def eager_attention(q, k, v, call):
     ``backends.for_rank``'s pick)."""
     q_l, k_l, v_l = SeqToHead.apply(call, q, k, v)
     out_l = LocalAttention.apply(call, q_l, k_l, v_l)
-    del q_l, k_l, v_l  # the backend's state holds what its backward needs
+    del q_l, k_l, v_l  # the attention graph's saved tensors hold what its backward needs
     return HeadToSeq.apply(call, out_l)

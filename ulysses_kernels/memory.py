@@ -24,9 +24,9 @@ intermediate ``f``, its ``hq``/``hkv`` heads over the whole sequence ``S``:
     MLP                   4 b s f gated (gate, up, act(gate), product), 2 b s f plain
 
 With activation checkpointing (non-reentrant, transformers' ``activation_checkpointing_enable``)
-each layer keeps its input and, in this version, Ulysses' attention state (the q/k/v
-receive buffer and the attention output: the op holds them outside autograd's saved
-tensors, where checkpointing cannot drop them). Measured against a dispatch-mode
+each layer keeps its input only: Ulysses' attention state (the q/k/v receive buffer and
+the attention output) lives in autograd's saved tensors, which checkpointing drops and
+recomputes like any other layer's. Measured against a dispatch-mode
 live-bytes tracker (``traffic.LiveBytes``) for tiny Llama and Qwen2 models on 1 and 2 gloo
 ranks (``tests/test_memory_calculator.py``).
 
@@ -179,7 +179,7 @@ def activation_bytes(setup: Setup, rank: int = 0) -> dict[str, int]:
     head = stream + _norm_saved(setup, tokens) + 2 * tokens * d * e
     loss = tokens * setup.vocab * wide  # log_softmax (kept), and the logits (or their float32 copy) beside it
     if setup.checkpointing:
-        per_layer = tokens * h * e + _attention_state(setup, rank)
+        per_layer = tokens * h * e
         body = setup.layers * per_layer
         # The last layer's MLP, before its output and the final norm exist (``head`` less
         # both): the residual sum, the norm's output and gate, up, act(gate) (plain: fc, act(fc)).
@@ -232,7 +232,7 @@ def memory_rows(setup: Setup) -> list[Row]:
     acts = worst_activations(setup)
     e = setup.element_size
     ulysses = max(max(ulysses_peak_moments(setup.layout(r), e, backward=True).values()) for r in range(setup.sp))
-    what = "layer inputs + Ulysses attention state" if setup.checkpointing else "saved by every layer"
+    what = "layer inputs" if setup.checkpointing else "saved by every layer"
     rows = _state_rows(setup) + [
         Row(f"activations ({what})", f"{setup.layers} x {acts['per_layer']:.3g} + embedding, final norm, loss", acts["saved"]),
         Row("forward transient (peak_forward - activations)", "one layer's MLP or the logits at the loss" if setup.checkpointing

@@ -98,6 +98,9 @@ class ChunkedAttentionFunction(torch.autograd.Function):
             pending_out = started
         out = _finish_out(pending_out, out, layout, kernels)
         ctx.call = call
+        # The chunks' backend states: gradient edges and integers, no tensor (the receive
+        # buffers and outputs live in the attention graphs' saved tensors, which
+        # checkpointing and saved-tensor hooks see; docs/design.md).
         ctx.states = states
         return out
 
