@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import Layout
-from .plan import HeadPlan
+from .plan import HeadPlan, more_ranks_than_heads
 
 __all__ = ["UlyssesInputError", "Signature", "signature", "validate", "prepare", "check_head_to_seq"]
 
@@ -115,9 +115,7 @@ def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads)
         if len(seq_lens) != world_size:
             # Lengths of other size cannot be encoded; this is the same on every rank
             # that passes the same list, which is the contract for seq_lens.
-            raise UlyssesInputError(
-                f"ulysses_attention: seq_lens has {len(seq_lens)} entries, expected one per rank ({world_size})"
-            )
+            raise UlyssesInputError(f"ulysses_attention: seq_lens has {len(seq_lens)} entries, expected one per rank ({world_size})")
     return Signature(
         rank=rank,
         world_size=world_size,
@@ -158,10 +156,7 @@ def _local_problems(sig: Signature) -> list[str]:
     if sig.plan_heads is not None and sig.plan_heads != (hq, hkv):
         out.append(f"(q_heads, kv_heads) expected {sig.plan_heads} (the plan), got ({hq}, {hkv}) from q.shape[2], k.shape[2]")
     if hq >= 1 and sig.world_size > hq:
-        out.append(
-            f"world_size ({sig.world_size}) > q_heads ({hq}): Ulysses needs at least one query head "
-            f"per rank (a hybrid with ring attention is not implemented yet)"
-        )
+        out.append(more_ranks_than_heads(sig.world_size, hq))
     for name, code in zip(names[1:], sig.dtypes[1:]):
         if code != sig.dtypes[0]:
             out.append(f"{name}.dtype expected {_dtype_name(sig.dtypes[0])} (q.dtype), got {_dtype_name(code)}")
@@ -214,10 +209,7 @@ def _seq_lens_disagreement(sigs: Sequence[Signature]) -> list[str]:
         return []
     bad = [g.rank for g, x in zip(sigs, lists) if x != lists[0]]
     shown = lambda x: None if x is None else list(x)
-    return [
-        f"ranks disagree on seq_lens: rank 0 has {shown(lists[0])}, ranks {bad} have {[shown(lists[r]) for r in bad]} "
-        f"(pass the same list on every rank)"
-    ]
+    return [f"ranks disagree on seq_lens: rank 0 has {shown(lists[0])}, ranks {bad} have {[shown(lists[r]) for r in bad]} (pass the same list on every rank)"]
 
 
 def _layout_hint(sig: Signature) -> str:
@@ -292,7 +284,5 @@ def check_head_to_seq(x, plan: HeadPlan, *, rank: int, world_size: int, seq_lens
             raise UlyssesInputError(f"head_to_seq: x.shape[1] ({x.shape[1]}) is not divisible by world_size ({world_size}); pass seq_lens")
         seq_lens = (x.shape[1] // world_size,) * world_size
     elif len(seq_lens) != world_size or sum(seq_lens) != x.shape[1]:
-        raise UlyssesInputError(
-            f"head_to_seq: seq_lens expected {world_size} entries summing to x.shape[1] = {x.shape[1]}, got {list(seq_lens)}"
-        )
+        raise UlyssesInputError(f"head_to_seq: seq_lens expected {world_size} entries summing to x.shape[1] = {x.shape[1]}, got {list(seq_lens)}")
     return Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])

@@ -16,14 +16,15 @@ Rules (all ranks compute the same plan from the same three integers):
   the number of KV heads sent is ``P + Hkv - c`` where ``c`` is the number of connected
   rank/group components, so a small dynamic program over the rank boundaries maximises
   the boundaries that fall on a group boundary.
-* ``world_size > q_heads`` cannot be served by head parallelism alone and is an error.
+* ``world_size > q_heads`` cannot be served by head parallelism alone and is an error that
+  names a ``make_sp_groups`` split (Ulysses x ring) that can.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadPlan", "PlanError"]
+__all__ = ["HeadPlan", "PlanError", "more_ranks_than_heads"]
 
 
 class PlanError(ValueError):
@@ -59,6 +60,17 @@ def _balanced_counts(q_heads: int, kv_heads: int, world_size: int) -> tuple[int,
     return tuple(counts)
 
 
+def more_ranks_than_heads(world_size: int, q_heads: int) -> str:
+    """The error text for a flat group larger than the query heads, naming a 2-D split that
+    fits: the largest Ulysses size that divides the group and has a query head per rank."""
+    ulysses = max(u for u in range(1, q_heads + 1) if world_size % u == 0)
+    return (
+        f"world_size ({world_size}) > q_heads ({q_heads}): Ulysses needs at least one query head per rank; "
+        f"split the group in two levels, Ulysses inside and ring attention across: "
+        f"group=ulysses_kernels.make_sp_groups(ulysses_size={ulysses}, ring_size={world_size // ulysses})"
+    )
+
+
 @dataclass(frozen=True)
 class HeadPlan:
     """Assignment of query and KV heads to the ranks of a sequence-parallel group.
@@ -81,15 +93,9 @@ class HeadPlan:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"HeadPlan: {name} must be a positive int, got {value!r}")
         if q_heads % kv_heads != 0:
-            raise PlanError(
-                f"HeadPlan: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})"
-            )
+            raise PlanError(f"HeadPlan: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
         if world_size > q_heads:
-            raise PlanError(
-                f"HeadPlan: world_size ({world_size}) > q_heads ({q_heads}): Ulysses needs at "
-                f"least one query head per rank; use a sequence-parallel group of at most "
-                f"{q_heads} ranks (a hybrid with ring attention is not implemented yet)"
-            )
+            raise PlanError(f"HeadPlan: {more_ranks_than_heads(world_size, q_heads)}")
         group = q_heads // kv_heads
         counts = _balanced_counts(q_heads, kv_heads, world_size)
         q_ranges, kv_ranges, start = [], [], 0
@@ -153,8 +159,7 @@ class HeadPlan:
         """A printable per-rank table of the plan."""
         ideal = (self.q_heads + 2 * self.kv_heads) / self.world_size
         lines = [
-            f"HeadPlan: {self.q_heads} query heads, {self.kv_heads} KV heads "
-            f"(group {self.group_size}), {self.world_size} ranks",
+            f"HeadPlan: {self.q_heads} query heads, {self.kv_heads} KV heads (group {self.group_size}), {self.world_size} ranks",
             f"  KV replication {self.kv_replication:.3f}x ({self.kv_sent} KV heads sent for "
             f"{self.kv_heads}), load imbalance {self.imbalance:.3f}x, "
             f"q/k/v bytes sent {self.traffic_ratio:.3f}x the even ideal",
@@ -163,8 +168,7 @@ class HeadPlan:
         for r in range(self.world_size):
             (q0, q1), (k0, k1) = self.q_ranges[r], self.kv_ranges[r]
             lines.append(
-                f"  {r:4d}  [{q0:3d},{q1:3d})  [{k0:3d},{k1:3d})  {q1 - q0:2d}  {k1 - k0:2d}"
-                f"  {self.local_heads(r):16d}  {self.local_heads(r) / ideal:6.3f}x"
+                f"  {r:4d}  [{q0:3d},{q1:3d})  [{k0:3d},{k1:3d})  {q1 - q0:2d}  {k1 - k0:2d}  {self.local_heads(r):16d}  {self.local_heads(r) / ideal:6.3f}x"
             )
         return "\n".join(lines)
 
