@@ -115,7 +115,9 @@ def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads)
         if len(seq_lens) != world_size:
             # Lengths of other size cannot be encoded; this is the same on every rank
             # that passes the same list, which is the contract for seq_lens.
-            raise UlyssesInputError(f"ulysses_attention: seq_lens has {len(seq_lens)} entries, expected one per rank ({world_size})")
+            raise UlyssesInputError(
+                f"ulysses_attention: seq_lens has {len(seq_lens)} entries, expected one per rank ({world_size})"
+            )
     return Signature(
         rank=rank,
         world_size=world_size,
@@ -209,7 +211,10 @@ def _seq_lens_disagreement(sigs: Sequence[Signature]) -> list[str]:
         return []
     bad = [g.rank for g, x in zip(sigs, lists) if x != lists[0]]
     shown = lambda x: None if x is None else list(x)
-    return [f"ranks disagree on seq_lens: rank 0 has {shown(lists[0])}, ranks {bad} have {[shown(lists[r]) for r in bad]} (pass the same list on every rank)"]
+    return [
+        f"ranks disagree on seq_lens: rank 0 has {shown(lists[0])}, ranks {bad} have {[shown(lists[r]) for r in bad]} "
+        f"(pass the same list on every rank)"
+    ]
 
 
 def _layout_hint(sig: Signature) -> str:
@@ -284,5 +289,7 @@ def check_head_to_seq(x, plan: HeadPlan, *, rank: int, world_size: int, seq_lens
             raise UlyssesInputError(f"head_to_seq: x.shape[1] ({x.shape[1]}) is not divisible by world_size ({world_size}); pass seq_lens")
         seq_lens = (x.shape[1] // world_size,) * world_size
     elif len(seq_lens) != world_size or sum(seq_lens) != x.shape[1]:
-        raise UlyssesInputError(f"head_to_seq: seq_lens expected {world_size} entries summing to x.shape[1] = {x.shape[1]}, got {list(seq_lens)}")
+        raise UlyssesInputError(
+            f"head_to_seq: seq_lens expected {world_size} entries summing to x.shape[1] = {x.shape[1]}, got {list(seq_lens)}"
+        )
     return Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])
