@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.distributed as dist
 
+from ..comm import TorchCommunicator
 from ..plan import HeadPlan
 from .layout import block_chunks, check_seq_layout
 
@@ -150,6 +152,16 @@ def _check_world() -> None:
         raise RuntimeError("make_sp_groups: torch.distributed is not initialized; call torch.distributed.init_process_group first (or launch with torchrun)")
 
 
+def _group_ranks(group) -> tuple[int, ...]:
+    """The global ranks of ``group`` in group order, known to every process of the world
+    (a process outside ``group`` cannot ask its handle: one small all-gather over the world)."""
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    mine = dist.get_rank(group)  # -1 outside the group
+    everyone = TorchCommunicator(None).all_gather_ints([mine], torch.device("cpu"))
+    return tuple(g for _, g in sorted((r[0], g) for g, r in enumerate(everyone) if r[0] >= 0))
+
+
 def make_sp_groups(ulysses_size: int, ring_size: int, group=None, placement: str = "head_first", *,
                    seq_layout: str = "contiguous") -> SPGroups:  # fmt: skip
     """Cut ``group`` (default: the world) into Ulysses groups and ring groups.
@@ -170,7 +182,7 @@ def make_sp_groups(ulysses_size: int, ring_size: int, group=None, placement: str
     ulysses_size, ring_size = _positive_int("ulysses_size", ulysses_size), _positive_int("ring_size", ring_size)
     check_seq_layout(seq_layout, "make_sp_groups")
     _check_world()
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    ranks = _group_ranks(group)
     ulysses, ring = sp_rank_lists(len(ranks), ulysses_size, ring_size, placement)
     me = dist.get_rank()
     rank = ranks.index(me) if me in ranks else None
