@@ -163,6 +163,14 @@ def test_shard_and_unshard_round_trip(layout):
         uk.shard_sequence(x[:, :20], sp, rank=0)
 
 
+def test_compiled_path_refuses_a_2d_group():
+    sp = SPGroups(1, 1, "head_first", "contiguous", (0,), ((0,),), ((0,),), 0)
+    q = torch.randn(1, 4, 2, D)
+    fn = torch.compile(lambda q: uk.ulysses_attention(q, q, q, group=sp), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="a 2-D group .* does not run inside torch.compile yet"):
+        fn(q)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not flash_available(), reason="needs a CUDA GPU and flash-attn")
 def test_flash_attend_lse_matches_math():
