@@ -244,6 +244,9 @@ def _misuse(rank, sp):
     odd = torch.randn(1, 3, 4, D, dtype=torch.float64)  # ring blocks of 1 * 3 tokens cannot halve
     zig = uk.make_sp_groups(1, 8, seq_layout="zigzag")
     _expect(uk.UlyssesInputError, "expected an even count", lambda: uk.ulysses_attention(odd, odd, odd, group=zig))
+    # A Ulysses level larger than the heads names a split of the whole group that works.
+    _expect(uk.UlyssesInputError, r"the 2-D group's ulysses_size \(2\) > q_heads \(1\).*make_sp_groups\(ulysses_size=1, ring_size=8\)",
+            lambda: uk.ulysses_attention(x[:, :, :1], x[:, :, :1], x[:, :, :1], group=sp))  # fmt: skip
     # A flat group larger than the heads names a split that works.
     two = torch.randn(1, S_LOCAL, 2, D, dtype=torch.float64)
     _expect(uk.UlyssesInputError, r"make_sp_groups\(ulysses_size=2, ring_size=4\)", lambda: uk.ulysses_attention(two, two, two))

@@ -158,7 +158,7 @@ def _local_problems(sig: Signature) -> list[str]:
     if sig.plan_heads is not None and sig.plan_heads != (hq, hkv):
         out.append(f"(q_heads, kv_heads) expected {sig.plan_heads} (the plan), got ({hq}, {hkv}) from q.shape[2], k.shape[2]")
     if hq >= 1 and sig.world_size > hq:
-        out.append(more_ranks_than_heads(sig.world_size, hq))
+        out.append(more_ranks_than_heads(sig.world_size, hq, f"world_size ({sig.world_size})"))
     for name, code in zip(names[1:], sig.dtypes[1:]):
         if code != sig.dtypes[0]:
             out.append(f"{name}.dtype expected {_dtype_name(sig.dtypes[0])} (q.dtype), got {_dtype_name(code)}")

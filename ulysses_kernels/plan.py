@@ -60,13 +60,15 @@ def _balanced_counts(q_heads: int, kv_heads: int, world_size: int) -> tuple[int,
     return tuple(counts)
 
 
-def more_ranks_than_heads(world_size: int, q_heads: int) -> str:
-    """The error text for a flat group larger than the query heads, naming a 2-D split that
-    fits: the largest Ulysses size that divides the group and has a query head per rank."""
+def more_ranks_than_heads(world_size: int, q_heads: int, what: str = "world_size") -> str:
+    """The error text for a Ulysses level larger than the query heads (``what``: the flat
+    group's ``world_size``, or a 2-D group's ``ulysses_size``), naming a 2-D split of the
+    ``world_size`` ranks that fits: the largest Ulysses size that divides them and has a
+    query head per rank."""
     ulysses = max(u for u in range(1, q_heads + 1) if world_size % u == 0)
     return (
-        f"world_size ({world_size}) > q_heads ({q_heads}): Ulysses needs at least one query head per rank; "
-        f"split the group in two levels, Ulysses inside and ring attention across: "
+        f"{what} > q_heads ({q_heads}): Ulysses needs at least one query head per rank; "
+        f"split the {world_size} ranks in two levels, Ulysses inside and ring attention across: "
         f"group=ulysses_kernels.make_sp_groups(ulysses_size={ulysses}, ring_size={world_size // ulysses})"
     )
 
@@ -97,7 +99,7 @@ class HeadPlan:
                 f"HeadPlan: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})"
             )
         if world_size > q_heads:
-            raise PlanError(f"HeadPlan: {more_ranks_than_heads(world_size, q_heads)}")
+            raise PlanError(f"HeadPlan: {more_ranks_than_heads(world_size, q_heads, f'world_size ({world_size})')}")
         group = q_heads // kv_heads
         counts = _balanced_counts(q_heads, kv_heads, world_size)
         q_ranges, kv_ranges, start = [], [], 0

@@ -38,6 +38,7 @@ import torch
 from ..backends import SharedKV, gather_kv, kv_index, scatter_kv_grads, shares_one_kv, uniform_group
 from ..checks import UlyssesInputError, _dtype_code
 from ..comm import Communicator, get_communicator
+from ..plan import more_ranks_than_heads
 from .groups import SPGroups
 from .layout import block_chunks, block_pieces
 from .merge import PartialAttention, acc_dtype
@@ -169,6 +170,8 @@ def _ring_problems(sp: SPGroups, q, seq_lens) -> list[str]:
         # Packed or uneven sequences with the ring level: not supported yet (the positions
         # of ``ring.layout`` assume equal shards).
         out.append(f"seq_lens {list(seq_lens)}: the ring level of a 2-D group needs equal shards on every rank")
+    if q.dim() == 4 and sp.ulysses_size > q.shape[2] >= 1:
+        out.append(more_ranks_than_heads(sp.world_size, q.shape[2], f"the 2-D group's ulysses_size ({sp.ulysses_size})"))
     if q.dim() == 4 and sp.seq_layout == "zigzag" and (sp.ulysses_size * q.shape[1]) % 2:
         out.append(
             f"seq_layout 'zigzag' splits each ring block of ulysses_size * q.shape[1] = "
