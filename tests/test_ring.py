@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 import ulysses_kernels as uk
-from ulysses_kernels.backends import FlashBackend, flash_available, math_attention_lse
+from ulysses_kernels.backends import FlashBackend, MathBackend, flash_available, math_attention_lse
 from ulysses_kernels.reference import attention_reference
-from ulysses_kernels.ring import block_pieces, merge_lse, shard_rows, sp_rank_lists
+from ulysses_kernels.ring import RingBackend, block_pieces, merge_lse, shard_rows, sp_rank_lists
 from ulysses_kernels.ring.groups import SPGroups
-from ulysses_kernels.testing import run_ranks
+from ulysses_kernels.testing import ThreadGroup, run_ranks
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 SPLITS = [(1, 0), (0, 1), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2)]  # 0: the other factor is P
@@ -180,6 +180,36 @@ def test_flash_attend_lse_matches_math():
     ref_out, ref_lse = math_attention_lse(q.double(), k.double(), v.double(), True, 0.125)
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-3, atol=1e-3)
+
+
+# ---- thread ranks: the ring alone, with a communicator that poisons early reads -------------
+def _ring_rank(comm, layout, causal, hq, hkv):
+    """``RingBackend`` over ``comm``'s ranks (Ulysses size 1): rank j holds ring block j."""
+    torch.set_num_threads(1)
+    R, L = comm.world_size, 8
+    q, k, v, do = _inputs(hq, hkv, 2, R * L, seed=5)
+    rows = shard_rows(R * L, 1, R, comm.rank, layout)
+    mine = [x.index_select(1, rows) for x in (q, k, v, do)]
+    ring = RingBackend(MathBackend(), comm, comm, comm.rank, R, layout)  # one channel: the fake orders them
+    kv_map = tuple(h * hkv // hq for h in range(hq))
+    out, state = ring.forward(*mine[:3], causal=causal, scale=0.3, kv_map=kv_map, needs_grad=True)
+    return rows, out, ring.backward(state, mine[3])
+
+
+@pytest.mark.parametrize("layout,causal,R", [("contiguous", True, 3), ("zigzag", True, 4), ("zigzag", False, 2)])
+def test_ring_backend_on_thread_ranks(layout, causal, R):
+    """Every receive buffer is NaN until its wait(): a block read before its transfer lands
+    (or a send buffer reused early) would show here."""
+    hq, hkv = 4, 2
+    results = ThreadGroup(R, timeout=60).run(_ring_rank, layout, causal, hq, hkv)
+    q, k, v, do = _inputs(hq, hkv, 2, R * 8, seed=5)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = attention_reference(*full, causal=causal, softmax_scale=0.3)
+    ref.backward(do)
+    for rows, out, (dq, dk, dv) in results:
+        torch.testing.assert_close(out, ref.index_select(1, rows), **TOL)
+        for got, f in zip((dq, dk, dv), full):
+            torch.testing.assert_close(got, f.grad.index_select(1, rows), **TOL)
 
 
 # ---- gloo ranks --------------------------------------------------------------------------
