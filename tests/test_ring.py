@@ -14,7 +14,7 @@ import torch.distributed as dist
 import ulysses_kernels as uk
 from ulysses_kernels.backends import FlashBackend, MathBackend, flash_available, math_attention_lse
 from ulysses_kernels.reference import attention_reference
-from ulysses_kernels.ring import RingBackend, block_pieces, merge_lse, shard_rows, sp_rank_lists
+from ulysses_kernels.ring import RingBackend, block_pieces, merge_lse, shard_rows, sp_rank_lists, tile_rows
 from ulysses_kernels.ring.groups import SPGroups
 from ulysses_kernels.testing import ThreadGroup, run_ranks
 
@@ -107,11 +107,13 @@ def test_block_pieces_are_the_global_causal_mask(layout, u, r):
         want = blocks[i][None, :] <= blocks[j][:, None]  # key position <= query position
         got = torch.zeros(L, L, dtype=torch.bool)
         chunks = lambda n: [int(c) for c in blocks[n].view(-1, L // (2 if layout == "zigzag" else 1))[:, 0] // (L // (2 if layout == "zigzag" else 1))]  # noqa: E731
-        for rows, cols, diag in block_pieces(chunks(j), chunks(i), L, True):
-            assert not got[rows, cols].any(), "pieces overlap"
-            piece = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
-            got[rows, cols] = piece.tril() if diag else piece
-        assert torch.equal(got, want), (j, i)
+        for tile in (L, 5):  # whole pieces, and row tiles of 5 (tile_rows)
+            got.zero_()
+            for rows, cols, diag in tile_rows(block_pieces(chunks(j), chunks(i), L, True), tile):
+                assert not got[rows, cols].any(), "pieces overlap"
+                piece = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
+                got[rows, cols] = piece.tril(cols.stop - cols.start - piece.shape[0]) if diag else piece  # bottom-right aligned
+            assert torch.equal(got, want), (j, i, tile)
         assert len(block_pieces(chunks(j), chunks(i), L, True)) <= 1  # one call per ring step
     assert block_pieces([0], [1], 4, False) == [(slice(0, 4), slice(0, 4), False)]
 
@@ -183,25 +185,26 @@ def test_flash_attend_lse_matches_math():
 
 
 # ---- thread ranks: the ring alone, with a communicator that poisons early reads -------------
-def _ring_rank(comm, layout, causal, hq, hkv):
+def _ring_rank(comm, layout, causal, hq, hkv, tile_bytes):
     """``RingBackend`` over ``comm``'s ranks (Ulysses size 1): rank j holds ring block j."""
     torch.set_num_threads(1)
     R, L = comm.world_size, 8
     q, k, v, do = _inputs(hq, hkv, 2, R * L, seed=5)
     rows = shard_rows(R * L, 1, R, comm.rank, layout)
     mine = [x.index_select(1, rows) for x in (q, k, v, do)]
-    ring = RingBackend(MathBackend(), comm, comm, comm.rank, R, layout)  # one channel: the fake orders them
+    ring = RingBackend(MathBackend(), comm, comm, comm.rank, R, layout, tile_bytes)  # one channel: the fake orders them
     kv_map = tuple(h * hkv // hq for h in range(hq))
     out, state = ring.forward(*mine[:3], causal=causal, scale=0.3, kv_map=kv_map, needs_grad=True)
     return rows, out, ring.backward(state, mine[3])
 
 
 @pytest.mark.parametrize("layout,causal,R", [("contiguous", True, 3), ("zigzag", True, 4), ("zigzag", False, 2)])
-def test_ring_backend_on_thread_ranks(layout, causal, R):
+@pytest.mark.parametrize("tile_bytes", [1 << 28, 3 * 2 * 4 * 8 * 8])  # whole pieces; 3 rows a call (batch 2 x 4 heads x 8 keys x 8 B a row)
+def test_ring_backend_on_thread_ranks(layout, causal, R, tile_bytes):
     """Every receive buffer is NaN until its wait(): a block read before its transfer lands
-    (or a send buffer reused early) would show here."""
+    (or a send buffer reused early) would show here. Row tiles give the same result."""
     hq, hkv = 4, 2
-    results = ThreadGroup(R, timeout=60).run(_ring_rank, layout, causal, hq, hkv)
+    results = ThreadGroup(R, timeout=60).run(_ring_rank, layout, causal, hq, hkv, tile_bytes)
     q, k, v, do = _inputs(hq, hkv, 2, R * 8, seed=5)
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = attention_reference(*full, causal=causal, softmax_scale=0.3)

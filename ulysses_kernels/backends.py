@@ -108,8 +108,10 @@ class AttentionBackend:
     """Base class: forward through ``attend`` under autograd, backward with autograd.grad."""
 
     name = "base"
-    # Whether ``attend_lse`` computes what ``attend`` does (the ring level needs it).
+    # Whether ``attend_lse`` computes what ``attend`` does (the ring level needs it), and
+    # whether it holds the [B, H, S, T] scores in memory (the ring then tiles the rows).
     supports_lse = True
+    lse_scores_in_memory = True
 
     def attend(self, q, k, v, causal: bool, scale: float) -> torch.Tensor:
         """``[B, S, hq, D]`` attention with ``hq % hkv == 0`` grouped heads."""
@@ -258,6 +260,8 @@ class FlashBackend(AttentionBackend):
         from flash_attn import flash_attn_func
 
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+    lse_scores_in_memory = False
 
     def attend_lse(self, q, k, v, causal, scale):
         """flash-attn's forward with its log-sum-exp (``return_attn_probs=True``: ``(out,

@@ -13,7 +13,7 @@
 
 from .attention import RingBackend, check_ring_inputs, ring_backend
 from .groups import PLACEMENTS, SPGroups, make_sp_groups, sp_rank_lists
-from .layout import SEQ_LAYOUTS, block_pieces, shard_rows
+from .layout import SEQ_LAYOUTS, block_pieces, shard_rows, tile_rows
 from .merge import PartialAttention, acc_dtype, merge_lse
 from .shard import shard_sequence, unshard_sequence
 
@@ -32,5 +32,6 @@ __all__ = [
     "shard_rows",
     "shard_sequence",
     "sp_rank_lists",
+    "tile_rows",
     "unshard_sequence",
 ]

@@ -40,10 +40,17 @@ from ..checks import UlyssesInputError, _dtype_code
 from ..comm import Communicator, get_communicator
 from ..plan import more_ranks_than_heads
 from .groups import SPGroups
-from .layout import block_chunks, block_pieces
+from .layout import block_chunks, block_pieces, tile_rows
 from .merge import PartialAttention, acc_dtype
 
 __all__ = ["RingBackend", "ring_backend", "check_ring_inputs"]
+
+
+# NOTE: the explicit block attention (math forward, every block backward) holds
+# [B, h, rows, keys] scores and as many probabilities in the accumulation dtype; 256 MiB of
+# scores per call keeps a 128K-key block at 64 rows per call for 8 heads in float32 (not
+# measured on a GPU: a bound on memory, not a tuned size).
+TILE_BYTES = 256 << 20
 
 
 def _mode(kv_map, hkv: int) -> str:
@@ -61,16 +68,23 @@ class RingBackend:
     group's two channels; ``ring_rank``/``ring_size``/``seq_layout``: which blocks this rank
     and its peers hold."""
 
-    def __init__(self, inner, kv_comm: Communicator, grad_comm: Communicator, ring_rank: int, ring_size: int, seq_layout: str):
-        self.inner, self.kv_comm, self.grad_comm = inner, kv_comm, grad_comm
+    def __init__(self, inner, kv_comm: Communicator, grad_comm: Communicator, ring_rank: int, ring_size: int, seq_layout: str,
+                 tile_bytes: int = TILE_BYTES):  # fmt: skip
+        self.inner, self.kv_comm, self.grad_comm, self.tile_bytes = inner, kv_comm, grad_comm, tile_bytes
         self.ring_rank, self.ring_size, self.seq_layout = ring_rank, ring_size, seq_layout
         self.name = f"ring({inner.name})"
         self.next, self.prev = (ring_rank + 1) % ring_size, (ring_rank - 1) % ring_size
 
-    def _pieces(self, src: int, block_len: int, causal: bool):
+    def _pieces(self, src: int, q, causal: bool, explicit: bool):
+        """The rectangles of the step that holds ring rank ``src``'s block; with ``explicit``
+        (scores held in memory) in row tiles of at most ``tile_bytes`` of scores."""
         q_chunks = block_chunks(self.ring_rank, self.ring_size, self.seq_layout)[0]
         kv_chunks = block_chunks(src, self.ring_size, self.seq_layout)[0]
-        return block_pieces(q_chunks, kv_chunks, block_len, causal)
+        pieces = block_pieces(q_chunks, kv_chunks, q.shape[1], causal)
+        if not explicit:
+            return pieces
+        row_bytes = q.shape[0] * q.shape[2] * q.shape[1] * acc_dtype(q.dtype).itemsize  # one query row's scores
+        return tile_rows(pieces, max(1, self.tile_bytes // row_bytes))
 
     def _ring(self, comm: Communicator, tensors):
         """Yield ``(src, tensors)`` per ring step: this rank's blocks, then each block from
@@ -100,7 +114,7 @@ class RingBackend:
         k, v = k.contiguous(), v.contiguous()  # the send buffers of the first step
         acc = PartialAttention(q)
         for src, (kb, vb) in self._ring(self.kv_comm, (k, v)):
-            for rows, cols, diag in self._pieces(src, q.shape[1], causal):
+            for rows, cols, diag in self._pieces(src, q, causal, self.inner.lse_scores_in_memory):
                 o, lse = self.inner.attend_lse(q[:, rows], *self._block_kv(kb[:, cols], vb[:, cols], mode, kv_map), diag, scale)
                 acc.add(rows, o, lse)
         out = acc.out.to(q.dtype)
@@ -120,7 +134,7 @@ class RingBackend:
         pending = None  # (work, (dk, dv)) of the accumulator arriving from the previous ring rank
         for src, (kb, vb) in self._ring(self.kv_comm, (k, v)):
             grads = []
-            for rows, cols, diag in self._pieces(src, q.shape[1], causal):
+            for rows, cols, diag in self._pieces(src, q, causal, True):  # the block backward is explicit
                 kx, vx = self._block_kv(kb[:, cols], vb[:, cols], mode, kv_map)
                 dq_p, dk_p, dv_p = self.inner.attend_lse_backward(dout[:, rows], q[:, rows], kx, vx, out[:, rows], lse[:, :, rows], diag, scale)
                 dq[:, rows] += dq_p

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-__all__ = ["SEQ_LAYOUTS", "check_seq_layout", "block_chunks", "shard_rows", "block_pieces"]
+__all__ = ["SEQ_LAYOUTS", "check_seq_layout", "block_chunks", "shard_rows", "block_pieces", "tile_rows"]
 
 SEQ_LAYOUTS = ("contiguous", "zigzag")
 
@@ -96,3 +96,16 @@ def block_pieces(q_chunks, kv_chunks, block_len: int, causal: bool) -> list[tupl
         else:
             pieces.append((q_rows, slice(*kv), False))
     return pieces
+
+
+def tile_rows(pieces, max_rows: int) -> list[tuple[slice, slice, bool]]:
+    """``pieces`` with no more than ``max_rows`` query rows each (bounds the ``[rows, keys]``
+    scores an explicit attention holds). A causal (diagonal) piece's row tile ``[a+r0, a+r1)``
+    keeps keys ``[a, a+r1)``: with the mask aligned to the bottom right, row ``a+r0+i`` sees
+    keys up to itself, as in the whole piece."""
+    out = []
+    for rows, cols, diag in pieces:
+        for r0 in range(rows.start, rows.stop, max_rows):
+            r1 = min(r0 + max_rows, rows.stop)
+            out.append((slice(r0, r1), slice(cols.start, cols.start + r1 - rows.start) if diag else cols, diag))
+    return out
