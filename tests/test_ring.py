@@ -283,6 +283,7 @@ def _misuse(rank, sp):
     # A flat group larger than the heads names a split that works.
     two = torch.randn(1, S_LOCAL, 2, D, dtype=torch.float64)
     _expect(uk.UlyssesInputError, r"make_sp_groups\(ulysses_size=2, ring_size=4\)", lambda: uk.ulysses_attention(two, two, two))
+    _expect(TypeError, "pass its ulysses_group", lambda: uk.seq_to_head(x, group=sp))
     # A process outside the SPGroups' group: a clear error, not a hang.
     sub = uk.make_sp_groups(2, 1, group=dist.new_group([0, 1]))
     assert (sub.rank is None) == (rank >= 2)

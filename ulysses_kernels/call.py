@@ -67,6 +67,11 @@ class CallSetup:
 def _members(group, comm) -> Communicator:
     """Who takes part: ``comm`` if given, else torch.distributed on ``group`` (a world of
     one without torch.distributed). Cheap: it holds the group only."""
+    if isinstance(group, SPGroups):  # only the attention op runs both levels
+        raise TypeError(
+            "seq_to_head/head_to_seq: group is an SPGroups (2-D); the bare exchanges run inside one group: "
+            "pass its ulysses_group (and a HeadPlan over ulysses_size ranks)"
+        )
     return comm if comm is not None else get_communicator(group)
 
 
