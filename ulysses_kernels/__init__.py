@@ -10,6 +10,7 @@ from .attention import UlyssesAttention, head_to_seq, seq_to_head, ulysses_atten
 from .checks import UlyssesInputError
 from .comm import Communicator, TorchCommunicator
 from .plan import HeadPlan, PlanError
+from .ring import SPGroups, make_sp_groups, shard_sequence, unshard_sequence
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,8 @@ __all__ = [
     "UlyssesInputError",
     "Communicator",
     "TorchCommunicator",
+    "SPGroups",
+    "make_sp_groups",
+    "shard_sequence",
+    "unshard_sequence",
 ]

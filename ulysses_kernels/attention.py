@@ -12,6 +12,7 @@ from .call import setup_attention, setup_exchange, setup_head_to_seq
 from .comm import get_communicator
 from .exchange import HeadToSeq, SeqToHead, eager_attention
 from .plan import HeadPlan
+from .ring import SPGroups
 from .traceable import HeadToSeqTraced, SeqToHeadTraced, traced_attention
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
@@ -41,7 +42,12 @@ def ulysses_attention(
         k, v: ``[batch, seq_local, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``.
             q, k and v share dtype (any float) and device.
         group: the sequence-parallel process group (default: the world; without
-            ``torch.distributed`` initialized, a group of one).
+            ``torch.distributed`` initialized, a group of one), or an ``SPGroups``
+            (``make_sp_groups(ulysses_size, ring_size)``): the Ulysses exchange inside each
+            Ulysses group, ring attention over the ring groups, the exchange back; rank r of
+            the whole group holds the r-th contiguous shard, or the shard of
+            ``shard_sequence`` for ``SPGroups.seq_layout="zigzag"`` (the op reads the layout
+            from the ``SPGroups``; it never guesses). Not inside ``torch.compile``.
         causal: causal mask over the *global* sequence.
         softmax_scale: default ``head_dim ** -0.5``.
         seq_lens: tokens per rank when the shards are uneven (the same list on every rank).
@@ -122,7 +128,9 @@ class UlyssesAttention(nn.Module):
         # one module per layer must not hold one NCCL communicator per layer): without
         # ``comm`` each call picks the functional op's default.
         self.group, self.comm = group, comm
-        self.plan = HeadPlan.build(q_heads, kv_heads, (comm if comm is not None else get_communicator(group)).world_size)
+        # A 2-D group (SPGroups): heads are planned over its Ulysses group.
+        size = group.ulysses_size if isinstance(group, SPGroups) else (comm if comm is not None else get_communicator(group)).world_size
+        self.plan = HeadPlan.build(q_heads, kv_heads, size)
         self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check
         self.kernels, self.chunks = kernels, chunks
         self._checked: set[tuple] = set()

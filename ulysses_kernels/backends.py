@@ -41,6 +41,8 @@ __all__ = [
     "uniform_group",
     "shares_one_kv",
     "BACKENDS",
+    "math_attention_lse",
+    "math_attention_lse_backward",
 ]
 
 
@@ -125,10 +127,24 @@ class AttentionBackend:
     checkpointing, ``save_on_cpu``) see and may drop or move (docs/design.md)."""
 
     name = "base"
+    # Whether ``attend_lse`` computes what ``attend`` does (the ring level needs it), and
+    # whether it holds the [B, H, S, T] scores in memory (the ring then tiles the rows).
+    supports_lse = True
+    lse_scores_in_memory = True
 
     def attend(self, q, k, v, causal: bool, scale: float) -> torch.Tensor:
         """``[B, S, hq, D]`` attention with ``hq % hkv == 0`` grouped heads."""
         raise NotImplementedError
+
+    def attend_lse(self, q, k, v, causal: bool, scale: float):
+        """``attend`` with the log-sum-exp: ``(out, lse [B, hq, S])`` (one ring block).
+        Default: ``math_attention_lse`` (exact in float64)."""
+        return math_attention_lse(q, k, v, causal, scale)
+
+    def attend_lse_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        """One ring block's gradients against the final ``out``/``lse``
+        (``math_attention_lse_backward``)."""
+        return math_attention_lse_backward(dout, q, k, v, out, lse, causal, scale)
 
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad):
         if not needs_grad:
@@ -198,6 +214,58 @@ def math_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     return torch.einsum("bhst,bthd->bshd", probs, v).to(q.dtype)
 
 
+def _math_scores(q, k, causal: bool, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """Scaled scores ``[B, H, S, T]`` (``-inf`` where masked) of grouped-head ``q``, ``k``."""
+    k = k.to(acc).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    scores = torch.einsum("bshd,bthd->bhst", q.to(acc), k) * scale
+    if causal:
+        s, t = scores.shape[-2:]
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+def _probs(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(scores - lse)``; a row with no key (``lse = -inf``) gets zeros, not NaN."""
+    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - lse.unsqueeze(-1))
+
+
+def math_attention_lse(q, k, v, causal: bool, scale: float):
+    """``math_attention`` that also returns the log-sum-exp of each row's scores.
+
+    Returns ``(out, lse)``: ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` in the
+    accumulation dtype (``merge.acc_dtype``: float64 stays, else float32); a row with no
+    visible key has ``out = 0`` and ``lse = -inf``."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = _math_scores(q, k, causal, scale, acc)
+    lse = torch.logsumexp(scores, dim=-1)
+    v = v.to(acc).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return torch.einsum("bhst,bthd->bshd", _probs(scores, lse), v), lse
+
+
+def math_attention_lse_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients of one block of keys recomputed against the *final* ``out`` and ``lse`` of
+    the rows (over all blocks): ``p = exp(scores - lse)``, ``dv = p^T dout``,
+    ``ds = p * (dout v^T - rowsum(dout * out))``, ``dq = ds k * scale``, ``dk = ds^T q * scale``.
+    ``dk``, ``dv`` are summed over each KV head's query heads (``[B, T, hkv, D]``); all three
+    in the accumulation dtype."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    g = q.shape[2] // k.shape[2]
+    probs = _probs(_math_scores(q, k, causal, scale, acc), lse.to(acc))
+    dout, q = dout.to(acc), q.to(acc)
+    ke, ve = (x.to(acc).repeat_interleave(g, dim=2) for x in (k, v))
+    dv = torch.einsum("bhst,bshd->bthd", probs, dout)
+    rows = (dout * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, S]
+    ds = probs * (torch.einsum("bshd,bthd->bhst", dout, ve) - rows.unsqueeze(-1))
+    dq = torch.einsum("bhst,bthd->bshd", ds, ke) * scale
+    dk = torch.einsum("bhst,bshd->bthd", ds, q) * scale
+    if g > 1:
+        b, t, _, d = dk.shape
+        dk, dv = (x.view(b, t, k.shape[2], g, d).sum(3) for x in (dk, dv))
+    return dq, dk, dv
+
+
 class MathBackend(AttentionBackend):
     name = "math"
 
@@ -215,8 +283,21 @@ class FlashBackend(AttentionBackend):
 
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
 
+    lse_scores_in_memory = False
+
+    def attend_lse(self, q, k, v, causal, scale):
+        """flash-attn's forward with its log-sum-exp (``return_attn_probs=True``: ``(out,
+        softmax_lse [B, H, S] float32, ...)``). The block backward is the inherited explicit
+        one (float32; flash-attn's backward against a given LSE is not wired yet)."""
+        from flash_attn import flash_attn_func
+
+        out, lse, *_ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+        return out, lse
+
 
 class CallableBackend(AttentionBackend):
+    supports_lse = False  # a user's function returns no log-sum-exp
+
     def __init__(self, fn: Callable):
         self.fn = fn
         self.name = getattr(fn, "__name__", "callable")

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from .backends import AttentionBackend, default_scale, for_rank, resolve_backend
-from .checks import UlyssesInputError, check_head_to_seq, prepare
+from .checks import UlyssesInputError, _float_bits, check_head_to_seq, prepare
 from .comm import Communicator, get_communicator
 from .kernels import KernelSet, get_kernels
 from .layout import Layout
 from .pipeline import choose_chunks, chunk_plans
 from .plan import HeadPlan
+from .ring import SPGroups, check_ring_inputs, ring_backend
 
 __all__ = ["CallSetup", "setup_attention", "setup_exchange", "setup_head_to_seq"]
 
@@ -66,6 +67,11 @@ class CallSetup:
 def _members(group, comm) -> Communicator:
     """Who takes part: ``comm`` if given, else torch.distributed on ``group`` (a world of
     one without torch.distributed). Cheap: it holds the group only."""
+    if isinstance(group, SPGroups):  # only the attention op runs both levels
+        raise TypeError(
+            "seq_to_head/head_to_seq: group is an SPGroups (2-D); the bare exchanges run inside one group: "
+            "pass its ulysses_group (and a HeadPlan over ulysses_size ranks)"
+        )
     return comm if comm is not None else get_communicator(group)
 
 
@@ -90,23 +96,53 @@ def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_
     return 1 if n == 1 else len(chunk_plans(layout.plan, n, split_groups=split_groups))
 
 
-def setup_attention(
-    q, k, v, *, group, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check
-) -> CallSetup:
-    """The ``CallSetup`` of ``ulysses_attention`` (arguments as documented there)."""
+def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softmax_scale, check):
+    """``prepare`` inside this rank's Ulysses group, then the whole 2-D group's agreement
+    (``ring.check_ring_inputs``: every rank raises when any rank's inputs are bad)."""
+    failed = None
+    try:
+        lens = None if seq_lens is None else (int(seq_lens[0]),) * sp.ulysses_size  # equal shards: checked below
+        prepared = prepare(q, k, v, comm=members, plan=plan, seq_lens=lens, causal=causal, softmax_scale=softmax_scale, check=check)
+    except UlyssesInputError as e:
+        failed, prepared = e, None
+    scale = default_scale(q.shape[3], softmax_scale) if q.dim() == 4 else 0.0
+    check_ring_inputs(sp, q, k, causal=causal, scale_bits=_float_bits(scale), seq_lens=seq_lens, failed=failed, check=check)
+    return prepared
+
+
+def setup_attention(q, k, v, *, group, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check) -> CallSetup:
+    """The ``CallSetup`` of ``ulysses_attention`` (arguments as documented there).
+
+    ``group`` an ``SPGroups`` (2-D): the Ulysses group takes the place of the group (members,
+    checks, plan, exchange; ``comm``, if given, is the Ulysses group's) and the rank's backend
+    is ``ring.RingBackend`` around the built-in backend, which the chunked pipeline runs per
+    head chunk like any backend."""
     traced = torch.compiler.is_compiling()
+    sp = group if isinstance(group, SPGroups) else None
+    if sp is not None:
+        if traced:
+            raise NotImplementedError(
+                "ulysses_attention: a 2-D group (SPGroups, ring attention) does not run inside torch.compile yet; "
+                "run the op eagerly (torch.compiler.disable) or pass a flat group"
+            )
+        sp.member_rank()
+        group = sp.ulysses_group
     members = _members(group, comm)
-    plan, layout = prepare(
-        q, k, v, comm=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check and not traced
-    )  # fmt: skip
+    if sp is not None:
+        plan, layout = _prepare_2d(sp, q, k, v, members=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check)
+    else:
+        plan, layout = prepare(
+            q, k, v, comm=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check and not traced
+        )  # fmt: skip
     comm = _transport(group, comm, members, q.device, traced)
     kv_map = plan.local_kv_map(layout.rank)
     base = resolve_backend(attn_fn, q)
     split = isinstance(base, AttentionBackend)
     kern = get_kernels(kernels, q.device, layout, traceable=traced)
     n = 1 if traced else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
+    backend = ring_backend(sp, base) if sp is not None else for_rank(base, kv_map)
     return CallSetup(
-        plan, layout, comm, kern, for_rank(base, kv_map), split, bool(causal), default_scale(q.shape[3], softmax_scale), kv_map, n, traced
+        plan, layout, comm, kern, backend, split, bool(causal), default_scale(q.shape[3], softmax_scale), kv_map, n, traced
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import Layout
-from .plan import HeadPlan
+from .plan import HeadPlan, more_ranks_than_heads
 
 __all__ = ["UlyssesInputError", "Signature", "signature", "validate", "prepare", "check_head_to_seq"]
 
@@ -158,10 +158,7 @@ def _local_problems(sig: Signature) -> list[str]:
     if sig.plan_heads is not None and sig.plan_heads != (hq, hkv):
         out.append(f"(q_heads, kv_heads) expected {sig.plan_heads} (the plan), got ({hq}, {hkv}) from q.shape[2], k.shape[2]")
     if hq >= 1 and sig.world_size > hq:
-        out.append(
-            f"world_size ({sig.world_size}) > q_heads ({hq}): Ulysses needs at least one query head "
-            f"per rank (a hybrid with ring attention is not implemented yet)"
-        )
+        out.append(more_ranks_than_heads(sig.world_size, hq, f"world_size ({sig.world_size})"))
     for name, code in zip(names[1:], sig.dtypes[1:]):
         if code != sig.dtypes[0]:
             out.append(f"{name}.dtype expected {_dtype_name(sig.dtypes[0])} (q.dtype), got {_dtype_name(code)}")

@@ -16,14 +16,15 @@ Rules (all ranks compute the same plan from the same three integers):
   the number of KV heads sent is ``P + Hkv - c`` where ``c`` is the number of connected
   rank/group components, so a small dynamic program over the rank boundaries maximises
   the boundaries that fall on a group boundary.
-* ``world_size > q_heads`` cannot be served by head parallelism alone and is an error.
+* ``world_size > q_heads`` cannot be served by head parallelism alone and is an error that
+  names a ``make_sp_groups`` split (Ulysses x ring) that can.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadPlan", "PlanError"]
+__all__ = ["HeadPlan", "PlanError", "more_ranks_than_heads"]
 
 
 class PlanError(ValueError):
@@ -59,6 +60,19 @@ def _balanced_counts(q_heads: int, kv_heads: int, world_size: int) -> tuple[int,
     return tuple(counts)
 
 
+def more_ranks_than_heads(world_size: int, q_heads: int, what: str = "world_size") -> str:
+    """The error text for a Ulysses level larger than the query heads (``what``: the flat
+    group's ``world_size``, or a 2-D group's ``ulysses_size``), naming a 2-D split of the
+    ``world_size`` ranks that fits: the largest Ulysses size that divides them and has a
+    query head per rank."""
+    ulysses = max(u for u in range(1, q_heads + 1) if world_size % u == 0)
+    return (
+        f"{what} > q_heads ({q_heads}): Ulysses needs at least one query head per rank; "
+        f"split the {world_size} ranks in two levels, Ulysses inside and ring attention across: "
+        f"group=ulysses_kernels.make_sp_groups(ulysses_size={ulysses}, ring_size={world_size // ulysses})"
+    )
+
+
 @dataclass(frozen=True)
 class HeadPlan:
     """Assignment of query and KV heads to the ranks of a sequence-parallel group.
@@ -85,11 +99,7 @@ class HeadPlan:
                 f"HeadPlan: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})"
             )
         if world_size > q_heads:
-            raise PlanError(
-                f"HeadPlan: world_size ({world_size}) > q_heads ({q_heads}): Ulysses needs at "
-                f"least one query head per rank; use a sequence-parallel group of at most "
-                f"{q_heads} ranks (a hybrid with ring attention is not implemented yet)"
-            )
+            raise PlanError(f"HeadPlan: {more_ranks_than_heads(world_size, q_heads, f'world_size ({world_size})')}")
         group = q_heads // kv_heads
         counts = _balanced_counts(q_heads, kv_heads, world_size)
         q_ranges, kv_ranges, start = [], [], 0

@@ -19,6 +19,9 @@ Methods (``--methods``, default all that can run):
                cuda is the C++ extension's CPU twin)
   deepspeed    ``deepspeed.sequence.layer.DistributedAttention`` when importable
   yunchang     ``yunchang.UlyssesAttention`` when importable
+  hybrid-UxR   ``ulysses_attention`` on a 2-D group ``make_sp_groups(U, R)`` (Ulysses over U
+               contiguous ranks, ring attention over R; contiguous shards, the torch kernel
+               set); with real ranks, one row per split of the world (U*R = world)
   layout-<k>   ours, data movement only: the packs/unpacks of one layer without the
                collectives (fwd: q/k/v pack + output unpack; bwd: dout pack + dq/dk/dv unpack)
   chain-layout the chain's permute copies without the collectives
@@ -50,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses_kernels import layout as L
-from ulysses_kernels import ulysses_attention
+from ulysses_kernels import make_sp_groups, ulysses_attention
 from ulysses_kernels.backends import default_scale, for_rank, resolve_backend
 from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import common as C
@@ -337,6 +340,7 @@ def method_names(args, world: int, P: int) -> list[str]:
     names = ["local", "local-sharedkv"]
     if world > 1 or P == 1:
         names += ["chain"] + [f"ulysses-{k}" for k in kernels] + ["deepspeed", "yunchang"]
+        names += [f"hybrid-{u}x{world // u}" for u in range(1, world) if world % u == 0]
     names += [f"layout-{k}" for k in kernels] + ["chain-layout"]
     if args.methods != "all":
         names = [m.strip() for m in args.methods.split(",")]
@@ -380,6 +384,11 @@ def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
         return Method(name, fn)
     if name in ("deepspeed", "yunchang"):
         return peer_method(name, backend, scale, world, inp.H, inp.Hkv)
+    if name.startswith("hybrid-"):
+        sp = args.sp_groups.get(name)
+        if sp is None:
+            raise Skip(f"{name} needs U*R = {world} real ranks")
+        return Method(name, lambda q, k, v: ulysses_attention(q, k, v, sp, causal=True, attn_fn=backend, chunks=args.chunks, check=False))
     if name.startswith("layout-"):
         kern = get_kernels(name[len("layout-"):], inp.device)
         return layout_method(name, kern, layout, torch.empty(0, dtype=inp.dtype, device=inp.device))
@@ -497,7 +506,7 @@ def prepare_method(name: str, args, g: Group, device: torch.device):
     """``(method, None)``, or ``(None, why)`` when it cannot run here (its own skip, a
     missing kernel set, or a size whose estimated memory does not fit)."""
     try:
-        if g.emulated and (name in COMM_METHODS or name.startswith("ulysses-")):
+        if g.emulated and (name in COMM_METHODS or name.startswith(("ulysses-", "hybrid-"))):
             raise Skip("needs real ranks (one process emulates only local/layout rows)")
         m = build_method(name, args, g.inp, g.plan, g.rank, g.world, g.P, g.backend, g.scale, g.layout)
         if device.type == "cuda":
@@ -616,6 +625,7 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
     layouts = C.parse_layouts("bench_attention", args.layouts, args.models)
     seqs = seq_lengths(args, P)
     names = method_names(args, world, P)
+    args.sp_groups = hybrid_groups(names, world)
     if rank == 0:
         print_header(args, world, P, backend_name, device, dtype, names)
     rows, notes, dead = [], {}, set()
@@ -633,6 +643,22 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
     if rank == 0:
         report(rows, breakdown, notes, device)
     return rows, breakdown, notes
+
+
+def hybrid_groups(names, world: int) -> dict:
+    """``{name: SPGroups}`` for the ``hybrid-UxR`` methods that fit ``world`` real ranks,
+    made once per run (collective: every rank makes them in the same order)."""
+    groups = {}
+    for name in names:
+        if not name.startswith("hybrid-") or world == 1:
+            continue
+        try:
+            u, r = (int(x) for x in name[len("hybrid-") :].split("x"))
+        except ValueError:
+            continue  # build_method says why
+        if u * r == world:
+            groups[name] = make_sp_groups(u, r)
+    return groups
 
 
 def _ratios(rows):

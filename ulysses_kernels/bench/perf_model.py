@@ -22,6 +22,19 @@ per rank, head_dim D, e bytes per element, the plan of ``HeadPlan.build(Hq, Hkv,
             plus the KV repeat. bwd mirrors fwd.
   total     compute + wire + layout (chunks=1: nothing overlaps, all communication exposed)
 
+Hybrid (``--hybrid``): Ulysses over ``U`` contiguous ranks x ring attention over ``R``
+(``make_sp_groups(U, R)``, zigzag layout: every rank the same causal work), per rank:
+
+  compute   the flat formula with h = most query heads on a rank of ``HeadPlan.build(Hq, Hkv, U)``,
+            divided by R (each rank's queries are 1/R of the sequence), in R equal steps
+  ulysses   the all-to-alls above over the U ranks of a Ulysses group, s = S/P tokens each
+  ring      per step, K/V of the rank's block (e*B*(S/R)*D*2*hkv bytes; bwd: also dK/dV in
+            float32) to the next ring rank, over InfiniBand when the ring leaves the node,
+            else NVLink; each transfer overlaps that step's attention, so the ring costs
+            c + (R-1)*max(c, w) (c, w: one step's compute and transfer); ring exposed = the
+            part above R*c
+  total     ulysses + layout + ring
+
 Constants default to published figures (see docs/performance.md for the sources) and are
 all options; ``--attention-json`` replaces compute and layout times by those measured by
 ``ulysses_kernels.bench.attention`` (its ``bench_attention_latest.json``; rows ``local``, ``layout-<k>``, ``chain-layout`` with the same
@@ -92,6 +105,86 @@ def model_layer(Hq, Hkv, P, S, args) -> dict | None:
     flops_fwd = 4 * B * S * S * max(hq) * D / 2
     compute = {"fwd": flops_fwd / (args.fwd_tflops * 1e12), "bwd": 2.5 * flops_fwd / (args.bwd_tflops * 1e12)}
     return {"plan": plan, "compute": compute, "wire": wire, "layout": lay, "chain": chain}
+
+
+def ring_crosses_nodes(U: int, R: int, gpus_per_node: int) -> bool:
+    """Some hop of a ring group (ranks u, u+U, ...) joins two nodes."""
+    return any((j * U + u) // gpus_per_node != ((j + 1) % R * U + u) // gpus_per_node for u in range(U) for j in range(R) if R > 1)
+
+
+def model_hybrid(Hq, Hkv, U, R, S, args) -> dict | None:
+    """Seconds per layer of the Ulysses x ring hybrid (module docstring); None when the
+    Ulysses plan is impossible (U > Hq)."""
+    try:
+        plan = HeadPlan.build(Hq, Hkv, U)
+    except PlanError:
+        return None
+    B, D, e, G = args.batch, args.head_dim, args.bytes, args.gpus_per_node
+    s, tok = S / (U * R), e * B * D
+    nvl, ib, hbm = args.nvlink_busbw * 1e9, args.ib_busbw * 1e9, args.hbm_bw * 1e12
+    hq, hkv = [plan.q_count(r) for r in range(U)], [plan.kv_count(r) for r in range(U)]
+    qkv = [hq[r] + 2 * hkv[r] for r in range(U)]
+
+    def a2a(heads_s2h, heads_h2s):
+        t = 0.0
+        for r in range(U):
+            s2h = wire_seconds([s * tok * heads_s2h[p] for p in range(U)], [s * tok * heads_s2h[r]] * U, r, G, nvl, ib)
+            h2s = wire_seconds([s * tok * heads_h2s[r]] * U, [s * tok * heads_h2s[p] for p in range(U)], r, G, nvl, ib)
+            t = max(t, s2h + h2s)
+        return t
+
+    flops_fwd = 4 * B * S * S * max(hq) * D / 2 / R
+    step_c = {"fwd": flops_fwd / R / (args.fwd_tflops * 1e12), "bwd": 2.5 * flops_fwd / R / (args.bwd_tflops * 1e12)}
+    link = ib if ring_crosses_nodes(U, R, G) else nvl
+    kv_bytes = (S / R) * B * D * 2 * max(hkv)
+    step_w = {"fwd": kv_bytes * e / link, "bwd": kv_bytes * (e + 4) / link}  # bwd: K/V and float32 dK/dV
+    ring = {p: step_c[p] + (R - 1) * max(step_c[p], step_w[p]) for p in ("fwd", "bwd")}
+    send_qkv = s * tok * (Hq + 2 * plan.kv_sent)
+    return {
+        "plan": plan,
+        "compute": {p: R * step_c[p] for p in ring},
+        "ulysses": {"fwd": a2a(qkv, hq), "bwd": a2a(hq, qkv)},
+        "ring_wire": {p: (R - 1) * step_w[p] for p in ring},
+        "ring": ring,
+        "layout": {"fwd": 2 * (send_qkv + s * tok * Hq) / hbm, "bwd": 2 * (s * tok * Hq + send_qkv) / hbm},
+        "crosses": link == ib,
+    }
+
+
+def hybrid_table(args) -> list[dict]:
+    """One row per (model, P, split U x R with U | P, sequence, pass); R = 1 is Ulysses alone."""
+    rows = []
+    names = list(MODELS) if args.models == "all" else args.models.split(",")
+    for model in names:
+        Hq, Hkv = MODELS[model]
+        for P in (int(x) for x in args.worlds.split(",")):
+            for U in (u for u in range(1, P + 1) if P % u == 0):
+                for S in (parse_size(x) for x in args.seqs.split(",")):
+                    m = model_hybrid(Hq, Hkv, U, P // U, S, args)
+                    if m is None:
+                        continue
+                    rows += [_hybrid_row(model, P, U, S, p, m) for p in args.passes.split(",")]
+    return rows
+
+
+def _hybrid_row(model: str, P: int, U: int, S: int, p: str, m: dict) -> dict:
+    parts = ("fwd", "bwd") if p == "fwdbwd" else (p,)
+    get = {key: sum(m[key][x] for x in parts) for key in ("compute", "ulysses", "ring_wire", "ring", "layout")}
+    total = get["ulysses"] + get["layout"] + get["ring"]
+    return {
+        "model": model, "P": P, "U": U, "R": P // U, "seq": S, "pass": p, "compute_ms": get["compute"] * 1e3,
+        "ulysses_ms": get["ulysses"] * 1e3, "ring_wire_ms": get["ring_wire"] * 1e3,
+        "ring_exposed_ms": (get["ring"] - get["compute"]) * 1e3, "layout_ms": get["layout"] * 1e3,
+        "total_ms": total * 1e3, "exposed": 1 - get["compute"] / total, "ring_link": "IB" if m["crosses"] else "NVLink",
+    }  # fmt: skip
+
+
+HYBRID_COLUMNS = [
+    ("model", "model", ""), ("P", "P", "d"), ("U", "U", "d"), ("R", "R", "d"), ("seq", "seq", "d"), ("pass", "pass", ""),
+    ("compute_ms", "compute(ms)", ".2f"), ("ulysses_ms", "a2a(ms)", ".2f"), ("ring_wire_ms", "ring wire", ".2f"),
+    ("ring_exposed_ms", "ring exposed", ".2f"), ("layout_ms", "layout(ms)", ".3f"), ("total_ms", "total(ms)", ".2f"),
+    ("exposed", "exposed", ".1%"), ("ring_link", "ring link", ""),
+]  # fmt: skip
 
 
 MAKE_ATTENTION_JSON = (
@@ -189,11 +282,18 @@ def parse_args(argv=None):
     p.add_argument("--fwd-tflops", type=float, default=350.0, help="attention forward TFLOP/s (default 350: FA2-class on H100)")
     p.add_argument("--bwd-tflops", type=float, default=260.0, help="attention backward TFLOP/s (default 260: an assumption, 0.75x fwd)")
     p.add_argument("--attention-json", default=None, help="bench_attention JSON whose local/layout rows replace the model")
+    p.add_argument("--hybrid", action="store_true", help="the Ulysses x ring table (every split U x R of each world) instead")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.hybrid:
+        print(f"# perf model, Ulysses x ring (formulas, not measurements): NVLink busbw {args.nvlink_busbw} GB/s, "
+              f"IB {args.ib_busbw} GB/s/GPU, attention fwd {args.fwd_tflops} / bwd {args.bwd_tflops} TFLOP/s, "
+              f"{args.gpus_per_node} GPUs per node, zigzag layout")  # fmt: skip
+        print_table(HYBRID_COLUMNS, hybrid_table(args))
+        return 0
     rows = table(args)
     print(f"# perf model (formulas, not measurements): NVLink busbw {args.nvlink_busbw} GB/s, IB {args.ib_busbw} GB/s/GPU, "
           f"HBM copy {args.hbm_bw} TB/s, attention fwd {args.fwd_tflops} / bwd {args.bwd_tflops} TFLOP/s, "

@@ -63,6 +63,7 @@ from ..checks import UlyssesInputError
 from ..comm import get_communicator
 from ..layout import split_lengths  # the project's one rule for uneven shards (re-exported here)
 from ..plan import HeadPlan
+from ..ring import SPGroups
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -184,7 +185,16 @@ class ShardedBatch:
         return ce / max(self.num_tokens, 1)
 
 
+def _process_group(group):
+    """The process group of the whole sequence-parallel group (an ``SPGroups``' ``group``)."""
+    return group.group if isinstance(group, SPGroups) else group
+
+
 def _rank_world(group) -> tuple[int, int]:
+    if isinstance(group, SPGroups):
+        if group.rank is None:
+            raise HFIntegrationError(f"this process (global rank {dist.get_rank()}) is not a member of the given SPGroups")
+        return group.rank, group.world_size
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise HFIntegrationError("a group was given but torch.distributed is not initialized")
@@ -235,9 +245,11 @@ def shard_batch(
     position_ids = _global_positions(input_ids, position_ids)
     bsz, seq = input_ids.shape
     total, seq_lens = _shard_lengths(seq, world, pad)
+    if isinstance(group, SPGroups):
+        _check_2d_shards(group, seq, total, seq_lens)
     shifted, num_tokens = _shift_labels(labels, ignore_index)
     if check and world > 1:
-        _check_same_batch(group, input_ids.device, bsz, seq, total, num_tokens)
+        _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens)
 
     shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz)
     return ShardedBatch(
@@ -248,6 +260,18 @@ def shard_batch(
         num_tokens=num_tokens,
         shard=shard,
     )
+
+
+def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens) -> None:
+    """A 2-D group's ring level needs equal, contiguous shards (``SequenceShard`` slices
+    contiguous columns)."""
+    if sp.seq_layout != "contiguous":
+        raise HFIntegrationError(f"shard_batch: SPGroups.seq_layout {sp.seq_layout!r}: the transformers integration shards contiguously; use 'contiguous'")
+    if len(set(seq_lens)) > 1:
+        raise HFIntegrationError(
+            f"shard_batch: the ring level of a 2-D group needs equal shards, and {seq} tokens do not split over {len(seq_lens)} ranks; "
+            "use pad=True (or a sequence length that is a multiple of the group size)"
+        )
 
 
 def _checked_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
@@ -324,7 +348,7 @@ def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
     """
     total = loss.detach().clone()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=_process_group(group))
     return total
 
 
@@ -336,6 +360,7 @@ def sync_gradients(model: torch.nn.Module, group=None) -> None:
     One collective per (dtype, device). With data parallelism on top, reduce over the
     data-parallel group separately (as usual, averaging there).
     """
+    group = _process_group(group)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     buckets: dict[tuple, list[torch.Tensor]] = {}
@@ -368,7 +393,7 @@ def gather_sequence(x: torch.Tensor, shard: SequenceShard, group=None, dim: int 
         pad_shape[dim] = width - x.shape[dim]
         padded = torch.cat([padded, padded.new_zeros(pad_shape)], dim=dim)
     parts = [torch.empty_like(padded) for _ in range(shard.world_size)]
-    dist.all_gather(parts, padded.contiguous(), group=group)
+    dist.all_gather(parts, padded.contiguous(), group=_process_group(group))
     full = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, shard.seq_lens)], dim=dim)
     return full.narrow(dim, 0, shard.valid_len)
 
@@ -506,8 +531,13 @@ def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
         raise HFIntegrationError(
             f"{type(module).__name__}: non-causal attention is not supported (ulysses applies a global causal mask)"
         )
-    _check_sharded_input(type(module).__name__, shard, settings.comm, query)
+    _check_sharded_input(type(module).__name__, shard, settings, query)
     if not _plain_causal(settings, shard, mask, module, kwargs):
+        if isinstance(settings.group, SPGroups):
+            raise HFIntegrationError(
+                f"{type(module).__name__}: with a 2-D group (SPGroups) only plain causal attention runs (the fused op with "
+                "ring attention); a sliding window shorter than the sequence, softcapping, sinks or dropout need a flat group"
+            )
         return _model_attention(module, settings, shard, mask, query, key, value, kwargs), None
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
@@ -610,13 +640,15 @@ def _layer_mask(module, attention_mask) -> _GlobalMask:
     )
 
 
-def _check_sharded_input(name: str, shard: SequenceShard, comm, query: torch.Tensor) -> None:
-    """The batch was sharded for this rank of ``comm``'s group, and ``query``
-    (``[B, H, s_local, D]``) is this rank's shard of it."""
-    if (shard.rank, shard.world_size) != (comm.rank, comm.world_size):
+def _check_sharded_input(name: str, shard: SequenceShard, settings: _Settings, query: torch.Tensor) -> None:
+    """The batch was sharded for this rank of ``apply``'s group (for an ``SPGroups``: the
+    whole 2-D group), and ``query`` (``[B, H, s_local, D]``) is this rank's shard of it."""
+    sp, comm = settings.group, settings.comm
+    rank, world = (sp.rank, sp.world_size) if isinstance(sp, SPGroups) else (comm.rank, comm.world_size)
+    if (shard.rank, shard.world_size) != (rank, world):
         raise HFIntegrationError(
             f"{name}: the batch was sharded for rank {shard.rank} of {shard.world_size} but apply() was given a group "
-            f"in which this process is rank {comm.rank} of {comm.world_size}; pass the same group to apply and shard_batch"
+            f"in which this process is rank {rank} of {world}; pass the same group to apply and shard_batch"
         )
     local = query.shape[2]
     if local != shard.local_len or query.shape[0] != shard.batch_size:
@@ -761,7 +793,10 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     Args:
         model: a ``transformers.PreTrainedModel`` whose attention uses ``AttentionInterface``
             (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, ... families), causal.
-        group: the sequence-parallel process group (default: the world).
+        group: the sequence-parallel process group (default: the world), or an ``SPGroups``
+            (``make_sp_groups``: Ulysses x ring; plain causal attention only, equal
+            contiguous shards: ``shard_batch(..., pad=True)``). Pass the same to
+            ``shard_batch``, ``sync_gradients``, ``reduce_loss`` and ``gather_sequence``.
         attn_fn, kernels, chunks: passed to ``ulysses_attention`` (``kernels`` also to the
             exchanges around the model's own attention; ``attn_fn`` and ``chunks`` apply to
             the fused path only).
@@ -815,7 +850,9 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
     if wrong:
         raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
-    shared = _Settings(group, get_communicator(group, comm, native=True), attn_fn, kernels, chunks, check)
+    # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
+    exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
+    shared = _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check)
     for m, impl, fn in inner:
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
