@@ -9,7 +9,9 @@ nothing the op allocated (receive buffers, attention outputs, the backend's save
 is alive under non-reentrant checkpointing or the copying hooks. Before the backend held
 its state as graph edges it kept each layer's receive buffer and attention output there.
 Layouts: MHA, a rank whose query heads share one KV head (``SharedKV``), a gathered map
-(6 q / 3 kv heads on 2 ranks: local maps (0, 0, 1) and (0, 1, 1)); chunks 1 and 2.
+(6 q / 3 kv heads on 2 ranks: local maps (0, 0, 1) and (0, 1, 1)), and ring attention over
+the 2 ranks (``make_sp_groups(1, 2)``: ``RingBackend``, whose state keeps its tensors with
+``backends.save_tensors``); chunks 1 and 2.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import contextlib
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ulysses_kernels import ulysses_attention
+from ulysses_kernels import make_sp_groups, ulysses_attention
 from ulysses_kernels.testing import run_ranks
 from ulysses_kernels.traffic import LiveBytes
 
 LAYERS, D, S_LOCAL = 3, 4, 6
-LAYOUTS = {"mha": (4, 4), "shared-kv": (8, 2), "gathered": (6, 3)}
+# name: (q heads, kv heads, ring attention over the 2 ranks)
+LAYOUTS = {"mha": (4, 4, False), "shared-kv": (8, 2, False), "gathered": (6, 3, False), "ring": (4, 2, True)}
 # Modes whose forward keeps nothing of the op: the hooks drop (checkpointing) or copy what
 # autograd saves. "plain" and "save_on_cpu" (a no-op copy on the CPU) keep it, by design.
 FREEING = ("checkpoint", "copy-hooks")
@@ -40,24 +43,24 @@ def _weights(hq, hkv, seed):
     return [(w(h, h), w(h, hkv * D), w(h, hkv * D), w(h, h)) for _ in range(LAYERS)]
 
 
-def _layer(x, wq, wk, wv, wo, hkv, chunks):
+def _layer(x, wq, wk, wv, wo, hkv, chunks, group):
     b, s, h = x.shape
     q = (x @ wq).view(b, s, h // D, D)
     k = (x @ wk).view(b, s, hkv, D)
     v = (x @ wv).view(b, s, hkv, D)
-    attn = ulysses_attention(q, k, v, attn_fn="sdpa", chunks=chunks).reshape(b, s, h)
+    attn = ulysses_attention(q, k, v, group, attn_fn="sdpa", chunks=chunks).reshape(b, s, h)
     y = x + attn @ wo
     return y
 
 
-def _forward(x, weights, hkv, chunks, mode):
+def _forward(x, weights, hkv, chunks, group, mode):
     for ws in weights:
         if mode == "checkpoint":
-            x = checkpoint(_layer, x, *ws, hkv, chunks, use_reentrant=False)
+            x = checkpoint(_layer, x, *ws, hkv, chunks, group, use_reentrant=False)
         elif mode == "reentrant":
-            x = checkpoint(_layer, x, *ws, hkv, chunks, use_reentrant=True)
+            x = checkpoint(_layer, x, *ws, hkv, chunks, group, use_reentrant=True)
         else:
-            x = _layer(x, *ws, hkv, chunks)
+            x = _layer(x, *ws, hkv, chunks, group)
     return x
 
 
@@ -77,7 +80,7 @@ class _CopyHooks:
         return t
 
 
-def _run(rank, hq, hkv, chunks, mode):
+def _run(rank, hq, hkv, chunks, group, mode):
     """Gradients of the toy's loss and the bytes the op's own sites hold after the forward."""
     weights = _weights(hq, hkv, seed=1)
     g = torch.Generator().manual_seed(100 + rank)
@@ -91,7 +94,7 @@ def _run(rank, hq, hkv, chunks, mode):
         ctx = contextlib.nullcontext()
     tracker = LiveBytes()
     with tracker, ctx:
-        loss = _forward(x0, weights, hkv, chunks, mode).square().sum()
+        loss = _forward(x0, weights, hkv, chunks, group, mode).square().sum()
     # Labels are "module.function:name" of the allocating frame: the toy's own (this file)
     # are layer outputs, projections and the hooks' copies; the op's are everything else.
     op_bytes = sum(n for label, n in tracker.live().items() if not label.startswith("test_checkpoint."))
@@ -101,13 +104,15 @@ def _run(rank, hq, hkv, chunks, mode):
 
 
 def _body(rank, world):
-    for name, (hq, hkv) in LAYOUTS.items():
+    ring = make_sp_groups(1, world)
+    for name, (hq, hkv, on_ring) in LAYOUTS.items():
+        group = ring if on_ring else None
         for chunks in (1, 2):
-            ref, ref_bytes, _ = _run(rank, hq, hkv, chunks, "plain")
+            ref, ref_bytes, _ = _run(rank, hq, hkv, chunks, group, "plain")
             # The plain run keeps every layer's attention state: the bound below is meaningful.
             assert ref_bytes > 0, (name, chunks)
             for mode in ("checkpoint", "reentrant", "save_on_cpu", "copy-hooks"):
-                grads, op_bytes, packed = _run(rank, hq, hkv, chunks, mode)
+                grads, op_bytes, packed = _run(rank, hq, hkv, chunks, group, mode)
                 where = f"rank {rank} {name} chunks={chunks} {mode}"
                 for i, (a, b) in enumerate(zip(grads, ref)):
                     assert torch.equal(a, b), f"{where}: gradient {i} differs by {(a - b).abs().max().item():.3g}"

@@ -43,6 +43,7 @@ __all__ = [
     "BACKENDS",
     "math_attention_lse",
     "math_attention_lse_backward",
+    "save_tensors",
 ]
 
 
@@ -116,6 +117,30 @@ class _AttentionInputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         return None, None, None, None
+
+
+class _SavedTensors(torch.autograd.Function):
+    """Holds tensors in its saved tensors; never differentiated (``save_tensors``)."""
+
+    @staticmethod
+    def forward(ctx, dummy, *tensors):
+        ctx.save_for_backward(*tensors)
+        ctx.count = len(tensors)
+        return dummy.view_as(dummy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None,) * (1 + ctx.count)
+
+
+def save_tensors(*tensors: torch.Tensor):
+    """``tensors`` kept in autograd's saved tensors, for a backend with its own backward
+    (its state holds the returned handle, not the tensors): saved-tensor hooks (activation
+    checkpointing, ``save_on_cpu``) see them as they see any saved tensor, and the tensors
+    go when the handle does. ``handle.saved_tensors`` gives them back (once, in the backward)."""
+    dummy = torch.empty(0, device=tensors[0].device, requires_grad=True)
+    with torch.enable_grad():
+        return _SavedTensors.apply(dummy, *tensors).grad_fn
 
 
 class AttentionBackend:

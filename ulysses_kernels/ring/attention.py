@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import SharedKV, gather_kv, kv_index, scatter_kv_grads, shares_one_kv, uniform_group
+from ..backends import SharedKV, gather_kv, kv_index, save_tensors, scatter_kv_grads, shares_one_kv, uniform_group
 from ..checks import UlyssesInputError, _dtype_code
 from ..comm import Communicator, get_communicator
 from ..plan import more_ranks_than_heads
@@ -120,14 +120,17 @@ class RingBackend:
         out = acc.out.to(q.dtype)
         if not needs_grad:
             return out, None
-        # A list that ``backward`` empties, as ``AttentionBackend``'s state.
-        return out, [q, k, v, out, acc.lse, causal, scale, tuple(kv_map), mode]
+        # A list that ``backward`` empties, as ``AttentionBackend``'s state; its tensors in
+        # autograd's saved tensors, where checkpointing and offloading hooks see them.
+        return out, [save_tensors(q, k, v, out, acc.lse), causal, scale, tuple(kv_map), mode]
 
     def backward_per_head(self, state, dout):
         """``dq``, ``dk``, ``dv``; for a shared KV head ``dk``/``dv`` per query head
         (``[B, L, hq, D]``, not yet summed). Empties ``state``."""
-        q, k, v, out, lse, causal, scale, kv_map, mode = state
+        saved, causal, scale, kv_map, mode = state
         state.clear()
+        q, k, v, out, lse = saved.saved_tensors
+        del saved
         dt = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         travel = (k.shape[0], k.shape[1], len(kv_map) if mode == "shared" else k.shape[2], k.shape[3])
