@@ -31,6 +31,7 @@ import torch
 from .backends import AttentionBackend, default_scale, for_rank, resolve_backend
 from .checks import UlyssesInputError, check_head_to_seq, prepare
 from .comm import Communicator, get_communicator
+from .documents import Documents, documents
 from .kernels import KernelSet, get_kernels
 from .layout import Layout
 from .pipeline import choose_chunks, chunk_plans
@@ -47,7 +48,10 @@ class CallSetup:
     built-in backend on a rank whose query heads share its one KV head), ``None`` for the
     bare exchanges. ``split_groups``: the backend is a built-in one, so the chunked
     pipeline may split a shared KV head's query heads (the same answer on every rank).
-    ``chunks``: the resolved chunk count (1: the unchunked op).
+    ``chunks``: the resolved chunk count (1: the unchunked op). ``docs``: the document
+    boundaries of a packed sequence (``documents.Documents``: the global ``cu_seqlens``,
+    which are also every rank's view after the sequence-to-head exchange), ``None`` for
+    ordinary batches; the backend receives them as ``docs=``.
     """
 
     plan: HeadPlan
@@ -61,6 +65,7 @@ class CallSetup:
     kv_map: tuple[int, ...] = ()
     chunks: int = 1
     traced: bool = False
+    docs: Documents | None = None
 
 
 def _members(group, comm) -> Communicator:
@@ -91,13 +96,15 @@ def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_
 
 
 def setup_attention(
-    q, k, v, *, group, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check
+    q, k, v, *, group, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check, cu_seqlens=None, max_seqlen=None
 ) -> CallSetup:
     """The ``CallSetup`` of ``ulysses_attention`` (arguments as documented there)."""
     traced = torch.compiler.is_compiling()
     members = _members(group, comm)
+    docs = documents(cu_seqlens, max_seqlen)
     plan, layout = prepare(
-        q, k, v, comm=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check and not traced
+        q, k, v, comm=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
+        check=check and not traced, docs=docs,
     )  # fmt: skip
     comm = _transport(group, comm, members, q.device, traced)
     kv_map = plan.local_kv_map(layout.rank)
@@ -106,7 +113,8 @@ def setup_attention(
     kern = get_kernels(kernels, q.device, layout, traceable=traced)
     n = 1 if traced else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     return CallSetup(
-        plan, layout, comm, kern, for_rank(base, kv_map), split, bool(causal), default_scale(q.shape[3], softmax_scale), kv_map, n, traced
+        plan, layout, comm, kern, for_rank(base, kv_map), split, bool(causal), default_scale(q.shape[3], softmax_scale), kv_map, n, traced,
+        docs,
     )  # fmt: skip
 
 
