@@ -35,6 +35,9 @@ region the op is composed instead of traceable pieces:
   mismatch between ranks (for example unequal shards without ``seq_lens``) is not caught
   there. Run the op (or the module) once eagerly on a new input signature to check it
   across ranks.
+* Packed documents (``call.docs``: plain ints, constants of the graph) reach the backend as
+  in eager; the per-document SDPA loop traces into the graph (tested with ``aot_eager``,
+  fullgraph, at world size 1). flash-attn's varlen kernel under compile is untested (GPU).
 * ``chunks`` is ignored: the chunked pipeline overlaps collectives with async work handles
   and side streams, which a graph does not express; the compiled graph runs unchunked
   and leaves scheduling to the compiler.
