@@ -335,8 +335,8 @@ def _global_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None
     position_ids = position_ids.expand(bsz, seq)
     if seq > 1 and not bool((position_ids.diff(dim=1) == 1).all()):
         raise HFIntegrationError(
-            "shard_batch: position_ids must count up by one along the sequence; restarting positions "
-            "(packed sequences) need a block-diagonal mask, which the ulysses integration does not support"
+            "shard_batch: position_ids must count up by one along the sequence, or (packed documents, batch 1) "
+            "restart at 0 at each document"
         )
     return position_ids
 
@@ -728,8 +728,9 @@ def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     safely) and a ``_GlobalMask`` for a sliding window; the attention call turns either
     into the global mask (``_GlobalMask.build``). What cannot be rebuilt over the global
     sequence raises: a KV cache, a padding mask, and masks other than causal and
-    sliding-window causal (packed sequences, chunked or bidirectional attention, custom
-    overlays).
+    sliding-window causal (chunked or bidirectional attention, custom overlays).
+    transformers' wrapper for packed sequences (restarting positions on this rank) is taken
+    off (``_unpacked``): the attention call takes the documents from the step's shard.
     """
     if int(q_offset) or int(kv_offset) or q_length != kv_length:
         raise HFIntegrationError(
@@ -782,8 +783,7 @@ def _window_of(mask_function) -> int | None:
     raise HFIntegrationError(
         "sequence-parallel attention rebuilds the causal and the sliding-window causal mask over the global "
         f"sequence; the model asked for another mask ({getattr(mask_function, '__qualname__', mask_function)!r}: "
-        "packed sequences detected from restarting position_ids, chunked or bidirectional attention, or a custom "
-        "overlay), which it cannot rebuild"
+        "chunked or bidirectional attention, or a custom overlay), which it cannot rebuild"
     )
 
 
