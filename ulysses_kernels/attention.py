@@ -52,10 +52,8 @@ def ulysses_attention(
         attn_fn: ``None`` (flash-attn on CUDA when importable, else SDPA), ``"flash"``,
             ``"sdpa"``, ``"math"``, a callable ``fn(q, k, v, causal=, softmax_scale=)`` over
             ``[B, S, H, D]`` grouped heads, or a backend object (see ``backends``). With
-            ``cu_seqlens`` a callable is called as ``fn(q, k, v, causal=, softmax_scale=,
-            cu_seqlens=, max_seqlen=)``: ``q`` ``[1, S, hq, D]`` (the whole packed sequence,
-            this rank's heads), ``cu_seqlens`` the global boundaries as a tuple of ints;
-            it must attend within each document only (causal inside one when ``causal``).
+            documents a callable also gets ``cu_seqlens=`` (the global boundaries, a tuple)
+            and ``max_seqlen=``, and must attend within each document of its ``[1, S, hq, D]``.
         plan: a prebuilt ``HeadPlan`` (default: ``HeadPlan.build(q_heads, kv_heads, world)``).
         comm: a communicator. Default: torch.distributed on ``group``. Our native NCCL
             all-to-all is opt-in until it has run on a GPU: ``comm=NCCLCommunicator(group)``
@@ -75,18 +73,14 @@ def ulysses_attention(
             all-gather and a host sync) so that bad or mismatched inputs raise the same
             error on every rank. ``False`` skips the exchange: then all ranks must pass
             matching shapes and options, or the collectives may fail or hang.
-        cu_seqlens: packed documents: ``q`` is ``[1, s_local, Hq, D]``, several documents
-            laid end to end over the *global* sequence, and ``cu_seqlens`` their global
-            cumulative boundaries ``(0, end_0, ..., S)`` (a list of ints or a 1-D integer
-            tensor, the same on every rank; a CUDA tensor costs a host sync). Attention is
-            block-diagonal per document, causal inside a document when ``causal``.
-            Documents may cross shard boundaries and be shorter than the group; padding is
-            a trailing document of its own (``documents.pad_documents``). Checked with
-            ``check``: starts at 0, strictly increasing, ends at the global length, the
-            same on every rank (folded into the one all-gather); without ``check`` only
-            rank-locally, and equal boundaries on every rank are the caller's contract.
-        max_seqlen: the longest document; default derived from ``cu_seqlens`` (no
-            collective).
+        cu_seqlens: packed documents (``q`` ``[1, s_local, Hq, D]``): the *global* boundaries
+            ``(0, end_0, ..., S)``, a list of ints or a 1-D integer tensor (a CUDA one costs a
+            host sync), the same on every rank. Attention is block-diagonal per document,
+            causal inside one when ``causal``; documents may cross shards and be shorter
+            than the group; padding is a trailing document (``documents.pad_documents``).
+            ``check`` validates them (from 0, increasing, to S, equal on every rank) in the
+            same all-gather; without it only rank-locally (equality is the caller's contract).
+        max_seqlen: the longest document; default derived from ``cu_seqlens`` (no collective).
 
     Returns:
         ``[batch, seq_local, q_heads, head_dim]``: full attention over the global sequence,
