@@ -166,7 +166,7 @@ def _check_errors(rank, world):
     call = lambda cu, **kw: uk.ulysses_attention(q, k, v, cu_seqlens=cu, **kw)  # noqa: E731
     # Bad on one rank only: every rank raises, naming that rank.
     _raises(r"rank 1: cu_seqlens\[0\] expected 0, got 2", lambda: call([0, 3, 8] if rank == 0 else [2, 3, 8]))
-    _raises(r"rank 1: cu_seqlens\[-1\] expected 8 \(the global sequence length\), got 7", lambda: call([0, 3, 8] if rank == 0 else [0, 3, 7]))
+    _raises(r"rank 1: cu_seqlens\[-1\] expected 8 \(the global sequence length: q.shape\[1\] x.*\), got 7", lambda: call([0, 3, 8] if rank == 0 else [0, 3, 7]))
     _raises(r"rank 1: cu_seqlens must be strictly increasing .* cu_seqlens\[2\] = 3 <= cu_seqlens\[1\]", lambda: call([0, 3, 8] if rank == 0 else [0, 3, 3, 8]))
     # Valid on each rank but different: the same disagreement everywhere.
     _raises(r"ranks disagree on cu_seqlens: rank 0 has 3 entries from 0 to 8 .*ranks \[1\]", lambda: call([0, 3, 8] if rank == 0 else [0, 5, 8]))
@@ -182,7 +182,7 @@ def test_errors_world_one():
     q, k, v, _ = _inputs(4, 2, 9, 8, seed=0)
     call = lambda cu, **kw: uk.ulysses_attention(q, k, v, cu_seqlens=cu, **kw)  # noqa: E731
     _raises(r"cu_seqlens\[0\] expected 0, got 1", lambda: call([1, 4, 9]))
-    _raises(r"cu_seqlens\[-1\] expected 9 \(the global sequence length\), got 8", lambda: call([0, 4, 8]))
+    _raises(r"cu_seqlens\[-1\] expected 9 \(the global sequence length: q.shape\[1\] x world size.*\), got 8", lambda: call([0, 4, 8]))
     _raises(r"strictly increasing .* cu_seqlens\[2\] = 2 <= cu_seqlens\[1\] = 4", lambda: call([0, 4, 2, 9]))
     _raises(r"cu_seqlens expected at least 2 entries \(0 and the global length 9\), got 1", lambda: call([0]))
     _raises(r"max_seqlen expected >= 5 \(the longest document\), got 4", lambda: call([0, 4, 9], max_seqlen=4))

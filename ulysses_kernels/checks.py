@@ -150,7 +150,8 @@ def _doc_problems(sig: Signature, total: int) -> list[str]:
     if first != 0:
         out.append(f"cu_seqlens[0] expected 0, got {first}")
     if last != total:
-        out.append(f"cu_seqlens[-1] expected {total} (the global sequence length), got {last}")
+        how = "sum(seq_lens)" if sig.seq_lens is not None else "q.shape[1] x world size; pass seq_lens for uneven shards"
+        out.append(f"cu_seqlens[-1] expected {total} (the global sequence length: {how}), got {last}")
     if bad > 0:
         out.append(f"cu_seqlens must be strictly increasing (documents of length >= 1): cu_seqlens[{bad}] = {value} <= cu_seqlens[{bad - 1}] = {before}")
     elif max_seqlen < longest:
