@@ -279,6 +279,10 @@ def test_compiled_packed_world_one():
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for m, f in zip(mine, full):
         torch.testing.assert_close(m.grad, f.grad, rtol=1e-12, atol=1e-12)
+    # Boundaries as a tensor have no values while tracing: a clear error in a full graph.
+    traced = torch.compile(lambda q, cu: uk.ulysses_attention(q, q, q, cu_seqlens=cu), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="inside torch.compile pass cu_seqlens as a list of ints"):
+        traced(q, torch.tensor(cu))
 
 
 @pytest.mark.gpu

@@ -71,6 +71,9 @@ def documents(cu_seqlens, max_seqlen: int | None = None) -> Documents | None:
             raise ValueError("ulysses_attention: max_seqlen was given without cu_seqlens")
         return None
     if isinstance(cu_seqlens, torch.Tensor):
+        if torch.compiler.is_compiling():
+            # A tensor's values are unknown while tracing; the boundaries shape the graph.
+            raise TypeError("ulysses_attention: inside torch.compile pass cu_seqlens as a list of ints, not a tensor")
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
             raise TypeError(
                 f"ulysses_attention: cu_seqlens expected a 1-D integer tensor or a list of ints, "

@@ -37,7 +37,9 @@ region the op is composed instead of traceable pieces:
   across ranks.
 * Packed documents (``call.docs``: plain ints, constants of the graph) reach the backend as
   in eager; the per-document SDPA loop traces into the graph (tested with ``aot_eager``,
-  fullgraph, at world size 1). flash-attn's varlen kernel under compile is untested (GPU).
+  fullgraph, at world size 1). Pass ``cu_seqlens`` as a list there: a tensor's values are
+  unknown while tracing (a clear ``TypeError`` in a full graph). flash-attn's varlen kernel
+  under compile is untested (GPU).
 * ``chunks`` is ignored: the chunked pipeline overlaps collectives with async work handles
   and side streams, which a graph does not express; the compiled graph runs unchunked
   and leaves scheduling to the compiler.
