@@ -45,14 +45,18 @@ them): ``shard_batch`` finds the documents from position ids that restart at 0 (
 drops the target of each document's last token, and puts the global boundaries on the
 step's ``SequenceShard``; every layer passes them to ``ulysses_attention(cu_seqlens=...)``
 (block-diagonal attention; the boundaries are found once per step, never gathered per layer).
+Layers that run the model's own attention (windows, softcapping, sinks) get the documents
+overlaid on the global mask they build (the ``eager`` and ``sdpa`` implementations).
 
 Supported: decoder-only causal LMs whose attention goes through ``AttentionInterface``
 (Llama, Qwen2/Qwen3, Mistral, Gemma 2/3, GPT-OSS: sliding windows, mixed layer types,
 logit softcapping, attention sinks, attention dropout), any head layout (GQA with fewer KV
 heads than ranks, heads not divisible by the ranks), uneven shards or padding, packed
-documents on plain causal attention.
-Not supported (clear errors): padding/custom masks, packed documents with a sliding window,
-softcapping, sinks or dropout, chunked or bidirectional attention, KV caches (generation).
+documents (plain causal layers on any built-in implementation; windows, softcapping, sinks
+on ``eager``/``sdpa``).
+Not supported (clear errors): padding/custom masks, packed documents on the model's own
+attention with flash or a registered implementation, chunked or bidirectional attention,
+KV caches (generation).
 """
 
 from __future__ import annotations
@@ -450,6 +454,11 @@ _FUSED_IMPLEMENTATIONS = frozenset(
 )
 
 
+# Implementations whose attention takes the mask ``_GlobalMask.build`` makes as it is: packed
+# documents reach them as an overlay of that mask (others, e.g. flash attention, get none).
+_MASKED_IMPLEMENTATIONS = frozenset({"eager", "sdpa"})
+
+
 @dataclass(frozen=True, eq=False)
 class _Settings:
     """What ``apply`` chose for one attention module (the group settings are shared by the
@@ -504,9 +513,23 @@ class _GlobalMask:
             # Batch 1: every row of the batch has the same mask (no padding), broadcast by the attention.
             shard._masks[key] = ALL_MASK_ATTENTION_FUNCTIONS[impl](
                 batch_size=1, q_length=shard.total, kv_length=shard.total, q_offset=0, kv_offset=0,
-                attention_mask=None, dtype=dtype, device=device, **self.mask_kwargs,
+                attention_mask=None, dtype=dtype, device=device, **self._with_documents(shard, device),
             )  # fmt: skip
         return shard._masks[key]
+
+    def _with_documents(self, shard: SequenceShard, device: torch.device) -> dict:
+        """The mask keywords, for a packed batch with the step's global documents overlaid
+        (transformers' packed-sequence mask over global document ids: a token sees only its
+        own document; the window counts global indices, which within a document are its
+        positions)."""
+        if shard.documents is None:
+            return self.mask_kwargs
+        from transformers import masking_utils as mu
+
+        ids = document_ids(shard.documents.cu_seqlens, device).unsqueeze(0)
+        inner = self.mask_kwargs.get("mask_function", mu.causal_mask_function)
+        overlay = mu.and_masks(mu.packed_sequence_mask_function(ids), inner)
+        return {**self.mask_kwargs, "mask_function": overlay, "allow_is_causal_skip": False}
 
 
 class _ConfigView:
@@ -601,10 +624,11 @@ def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
                 "not sharded as packed; pass the global position_ids (or cu_seqlens) to shard_batch"
             )
         return None
-    if not _plain_causal(settings, shard, mask, module, kwargs):
+    if not _plain_causal(settings, shard, mask, module, kwargs) and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
         raise HFIntegrationError(
-            f"{type(module).__name__}: packed documents run on plain causal attention only; this layer asks for a "
-            f"sliding window, logit softcapping, attention sinks, dropout or the {settings.inner_impl!r} implementation's own attention"
+            f"{type(module).__name__}: packed documents with a sliding window, logit softcapping, attention sinks, dropout "
+            f"or a registered implementation run on the 'eager' or 'sdpa' implementation (their mask carries the "
+            f"documents); this model runs {settings.inner_impl!r}"
         )
     return shard.documents
 
