@@ -4,6 +4,7 @@
     python examples/train_hf.py --spawn 2 --model llama     # Llama instead of Qwen2
     python examples/train_hf.py --spawn 2 --model gpt_oss --window 8   # attention sinks, alternating 8-token windows
     python examples/train_hf.py --spawn 4 --sp-size 2       # 2 replicas x 2-rank sequence parallel
+    python examples/train_hf.py --spawn 2 --packed          # documents packed into one sequence (padding-free)
     torchrun --standalone --nproc-per-node 4 examples/train_hf.py --sp-size 2 --seq 1023   # NCCL on 4 GPUs (gloo on the CPU)
 
 Every rank of the sequence-parallel group reads the same global batch; ``shard_batch``
@@ -13,6 +14,11 @@ for plain causal attention, the model's own attention on each rank's heads for s
 windows, softcapping and sinks), and ``sync_gradients`` sums the gradients over the group. At step 0 the loss is checked
 against the same model run in one process on the whole sequence, and at the end the
 loss must have gone down; the exit code is non-zero otherwise.
+
+``--packed``: each step's batch is one sequence of documents end to end, with position ids
+that restart at 0 per document (the format of transformers' ``DataCollatorWithFlattening``);
+``shard_batch`` finds the documents, and attention stays inside each one. Step 0 is checked
+against the same model run in one process on each document separately.
 """
 
 from __future__ import annotations
@@ -77,6 +83,34 @@ def make_batch(step: int, replica: int, args) -> torch.Tensor:
     return (start + stride * torch.arange(args.seq)) % args.vocab
 
 
+def make_packed_batch(step: int, replica: int, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([1, seq] token ids, [1, seq] position ids)``: documents of mixed lengths (1 token
+    up to half the sequence) end to end, positions 0, 1, ... within each document."""
+    g = torch.Generator().manual_seed(1000 * (replica + 1) + step % args.batches)
+    lengths = []
+    while sum(lengths) < args.seq:
+        lengths.append(min(int(torch.randint(1, max(2, args.seq // 2), (1,), generator=g)), args.seq - sum(lengths)))
+    docs = []
+    for n in lengths:
+        start, stride = torch.randint(0, args.vocab, (1,), generator=g), torch.randint(1, 4, (1,), generator=g)
+        docs.append((start + stride * torch.arange(n)) % args.vocab)
+    return torch.cat(docs).unsqueeze(0), torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+
+
+def one_process_loss(reference, ids: torch.Tensor, positions: torch.Tensor | None) -> float:
+    """The mean loss of the whole batch in one process: over the whole sequence, or for a
+    packed batch over each document run on its own (a document's last token has no target)."""
+    if positions is None:
+        return reference(input_ids=ids, labels=ids).loss.item()
+    starts = torch.nonzero(positions[0] == 0).flatten().tolist() + [ids.shape[1]]
+    total, count = 0.0, 0
+    for a, b in zip(starts[:-1], starts[1:]):
+        if b - a > 1:  # a one-token document has no target
+            total += reference(input_ids=ids[:, a:b], labels=ids[:, a:b]).loss.item() * (b - a - 1)
+            count += b - a - 1
+    return total / count
+
+
 def make_groups(rank: int, world: int, sp_size: int):
     """Sequence-parallel groups of ``sp_size`` consecutive ranks; data-parallel across them.
 
@@ -108,8 +142,12 @@ def train(rank: int, world: int, args) -> list[float]:
 
     losses = []
     for step in range(args.steps):
-        ids = make_batch(step, replica, args).to(device)
-        batch = hf.shard_batch(ids, group=group, pad=args.pad)
+        positions = None
+        if args.packed:
+            ids, positions = (x.to(device) for x in make_packed_batch(step, replica, args))
+        else:
+            ids = make_batch(step, replica, args).to(device)
+        batch = hf.shard_batch(ids, group=group, pad=args.pad, position_ids=positions)
         out = model(**batch.model_inputs())  # out.loss: this rank's share of the mean loss
         out.loss.backward()
         hf.sync_gradients(model, group)  # SUM over the sequence-parallel group
@@ -122,7 +160,7 @@ def train(rank: int, world: int, args) -> list[float]:
         replica_loss = hf.reduce_loss(out.loss, group)
         if step == 0:
             with torch.no_grad():
-                expected = reference(input_ids=ids, labels=ids).loss.item()
+                expected = one_process_loss(reference, ids, positions)
             # NOTE: transformers computes the loss in float32 whatever the model dtype; the
             # sharded sum differs from the one-process sum by float32 rounding (measured
             # 1.2e-7 relative on the tiny float64 model at 4 ranks), hence 1e-5 and not 1e-9.
@@ -154,6 +192,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=37, help="global sequence length (need not divide the ranks)")
     p.add_argument("--pad", action="store_true", help="pad the sequence to a multiple of the ranks instead of uneven shards")
+    p.add_argument("--packed", action="store_true", help="one sequence of documents end to end (position ids restart per document)")
     p.add_argument("--vocab", type=int, default=61)
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: heads x head_dim)")
     p.add_argument("--layers", type=int, default=2)

@@ -10,6 +10,7 @@ from torch import nn
 from . import pipeline
 from .call import setup_attention, setup_exchange, setup_head_to_seq
 from .comm import get_communicator
+from .documents import documents
 from .exchange import HeadToSeq, SeqToHead, eager_attention
 from .plan import HeadPlan
 from .ring import SPGroups
@@ -33,6 +34,8 @@ def ulysses_attention(
     kernels=None,
     chunks: int | str = 1,
     check: bool = True,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across ``group``.
 
@@ -54,7 +57,9 @@ def ulysses_attention(
             Default: every rank holds ``q.shape[1]`` tokens (checked when ``check``).
         attn_fn: ``None`` (flash-attn on CUDA when importable, else SDPA), ``"flash"``,
             ``"sdpa"``, ``"math"``, a callable ``fn(q, k, v, causal=, softmax_scale=)`` over
-            ``[B, S, H, D]`` grouped heads, or a backend object (see ``backends``).
+            ``[B, S, H, D]`` grouped heads, or a backend object (see ``backends``). With
+            documents a callable also gets ``cu_seqlens=`` (the global boundaries, a tuple)
+            and ``max_seqlen=``, and must attend within each document of its ``[1, S, hq, D]``.
         plan: a prebuilt ``HeadPlan`` (default: ``HeadPlan.build(q_heads, kv_heads, world)``).
         comm: a communicator. Default: torch.distributed on ``group``. Our native NCCL
             all-to-all is opt-in until it has run on a GPU: ``comm=NCCLCommunicator(group)``
@@ -74,6 +79,14 @@ def ulysses_attention(
             all-gather and a host sync) so that bad or mismatched inputs raise the same
             error on every rank. ``False`` skips the exchange: then all ranks must pass
             matching shapes and options, or the collectives may fail or hang.
+        cu_seqlens: packed documents (``q`` ``[1, s_local, Hq, D]``): the *global* boundaries
+            ``(0, end_0, ..., S)``, a list of ints or a 1-D integer tensor (a CUDA one costs a
+            host sync), the same on every rank. Attention is block-diagonal per document,
+            causal inside one when ``causal``; documents may cross shards and be shorter
+            than the group; padding is a trailing document (``documents.pad_documents``).
+            ``check`` validates them (from 0, increasing, to S, equal on every rank) in the
+            same all-gather; without it only rank-locally (equality is the caller's contract).
+        max_seqlen: the longest document; default derived from ``cu_seqlens`` (no collective).
 
     Returns:
         ``[batch, seq_local, q_heads, head_dim]``: full attention over the global sequence,
@@ -85,7 +98,7 @@ def ulysses_attention(
     """
     call = setup_attention(
         q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
-        attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check,
+        attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
     )  # fmt: skip
     if call.traced:
         return traced_attention(q, k, v, call)
@@ -104,7 +117,9 @@ class UlyssesAttention(nn.Module):
 
     ``check="once"`` (default) validates each new input signature (shapes, dtype, options)
     across ranks once per module and skips the exchange afterwards; ``"always"`` checks every
-    call; ``"never"`` does not exchange (see ``ulysses_attention(check=False)``).
+    call; ``"never"`` does not exchange (see ``ulysses_attention(check=False)``). The
+    signature includes ``cu_seqlens`` and ``max_seqlen`` of a packed sequence: new boundaries
+    are checked once too.
     """
 
     def __init__(
@@ -135,13 +150,19 @@ class UlyssesAttention(nn.Module):
         self.kernels, self.chunks = kernels, chunks
         self._checked: set[tuple] = set()
 
-    def forward(self, q, k, v, seq_lens: Sequence[int] | None = None) -> torch.Tensor:
-        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device, None if seq_lens is None else tuple(seq_lens))
+    def forward(self, q, k, v, seq_lens: Sequence[int] | None = None, cu_seqlens=None, max_seqlen: int | None = None) -> torch.Tensor:
+        """``ulysses_attention`` with the module's settings; ``seq_lens``, ``cu_seqlens`` and
+        ``max_seqlen`` as documented there."""
+        docs = documents(cu_seqlens, max_seqlen)
+        key = (
+            tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device,
+            None if seq_lens is None else tuple(seq_lens), docs,
+        )  # fmt: skip
         check = self.check == "always" or (self.check == "once" and key not in self._checked)
         out = ulysses_attention(
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, seq_lens=seq_lens,
             group=self.group, attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, kernels=self.kernels, chunks=self.chunks,
-            check=check,
+            check=check, cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
         )  # fmt: skip
         if check and not torch.compiler.is_compiling():  # compiled graphs skip the cross-rank check
             self._checked.add(key)
@@ -163,6 +184,12 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     with ``kv_heads = q_heads``), so pass the plan of your attention layer.
     Inside ``torch.compile`` this and ``head_to_seq`` trace (forward and backward) as
     ``ulysses_attention`` does: rank-local checks, one functional all-to-all per exchange.
+
+    Packed documents: the results hold the whole sequence in global order, so the boundaries
+    your own attention needs between the two exchanges are the global ``cu_seqlens``
+    (``documents.documents(cu_seqlens)``; flash-attn's ``flash_attn_varlen_func(q[0], k[0],
+    v[0], cu, cu, max_seqlen, max_seqlen, ...)`` with ``cu`` int32 on the device), the same
+    on every rank and in every layer: nothing to exchange.
     """
     call = setup_exchange(q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, kernels=kernels, check=check)
     fn = SeqToHeadTraced if call.traced else SeqToHead

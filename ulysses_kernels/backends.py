@@ -8,10 +8,17 @@ and ``kv_map[i]``, the local KV head of local query head ``i``. A backend comput
     out, state = backend.forward(q, k, v, causal=..., scale=..., kv_map=..., needs_grad=...)
     dq, dk, dv = backend.backward(state, dout)
 
+For a packed sequence (``B == 1``, documents end to end) ``forward`` and ``attend`` also get
+``docs=`` (``documents.Documents``: the global ``cu_seqlens`` and ``max_seqlen``) and
+attention is block-diagonal over the documents, causal inside each when causal. The
+keyword is passed only when there are documents, so backends written before it keep
+working on ordinary batches.
+
 Backends: ``"flash"`` (flash-attn, CUDA, fp16/bf16), ``"sdpa"`` (torch
 ``scaled_dot_product_attention``, any device), ``"math"`` (explicit softmax, exact in
 float64), any callable ``fn(q, k, v, causal=, softmax_scale=) -> out`` over ``[B, S, H, D]``
-with uniform grouped heads, or any object with ``forward``/``backward`` as above.
+with uniform grouped heads (for a packed sequence also ``cu_seqlens=`` (a tuple of ints)
+and ``max_seqlen=``), or any object with ``forward``/``backward`` as above.
 
 ``for_rank`` picks what a rank runs: on a rank whose query heads all share its one KV head,
 built-in backends run inside ``SharedKV``, which sums that head's gradient itself (in query
@@ -44,7 +51,26 @@ __all__ = [
     "math_attention_lse",
     "math_attention_lse_backward",
     "save_tensors",
+    "doc_kwargs",
+    "per_document",
 ]
+
+
+def doc_kwargs(docs) -> dict:
+    """``{"docs": docs}`` for a packed sequence, ``{}`` otherwise: what a backend's
+    ``forward``/``attend`` is called with (backends that predate documents need not take
+    the keyword)."""
+    return {} if docs is None else {"docs": docs}
+
+
+def per_document(fn, q, k, v, docs) -> torch.Tensor:
+    """``fn(q_d, k_d, v_d)`` on each document's rows of ``[1, S, H, D]`` tensors, joined
+    along the sequence: block-diagonal attention from any dense attention ``fn``.
+
+    NOTE: on the CPU, one thread, 4096 tokens in 7 documents (32 to 1500 tokens), 4 heads,
+    head_dim 64, float32, SDPA forward + backward: 0.31 s as this loop, 1.49 s as one call
+    with a boolean block-diagonal [S, S] mask (the mask computes and stores all S^2 scores)."""
+    return torch.cat([fn(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in docs.spans()], dim=1)
 
 
 def uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
@@ -157,8 +183,9 @@ class AttentionBackend:
     supports_lse = True
     lse_scores_in_memory = True
 
-    def attend(self, q, k, v, causal: bool, scale: float) -> torch.Tensor:
-        """``[B, S, hq, D]`` attention with ``hq % hkv == 0`` grouped heads."""
+    def attend(self, q, k, v, causal: bool, scale: float, docs=None) -> torch.Tensor:
+        """``[B, S, hq, D]`` attention with ``hq % hkv == 0`` grouped heads; with ``docs``
+        (``B == 1``) block-diagonal over the documents."""
         raise NotImplementedError
 
     def attend_lse(self, q, k, v, causal: bool, scale: float):
@@ -171,11 +198,12 @@ class AttentionBackend:
         (``math_attention_lse_backward``)."""
         return math_attention_lse_backward(dout, q, k, v, out, lse, causal, scale)
 
-    def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad):
+    def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
+        kw = doc_kwargs(docs)
         if not needs_grad:
             with torch.no_grad():
                 k2, v2 = expand_kv(k, v, kv_map)
-                return self.attend(q, k2, v2, causal, scale), None
+                return self.attend(q, k2, v2, causal, scale, **kw), None
         gathered = None
         if not uniform_group(len(kv_map), k.shape[2], kv_map):
             # The kernel saves the gathered k, v, the attention inputs (dk, dv are summed
@@ -190,7 +218,7 @@ class AttentionBackend:
         dummy = torch.empty(0, dtype=q.dtype, device=q.device, requires_grad=True)
         with torch.enable_grad():
             inputs = _AttentionInputs.apply(dummy, q.detach(), k.detach(), v.detach())
-            out = self.attend(*inputs, causal, scale)
+            out = self.attend(*inputs, causal, scale, **kw)
         edges = [torch.autograd.graph.get_gradient_edge(x) for x in (out, *inputs)]
         # The state is a list that ``backward`` empties: the graph (and what it saved) goes with it.
         return out.detach(), [edges, gathered]
@@ -211,7 +239,9 @@ class AttentionBackend:
 class SDPABackend(AttentionBackend):
     name = "sdpa"
 
-    def attend(self, q, k, v, causal, scale):
+    def attend(self, q, k, v, causal, scale, docs=None):
+        if docs is not None:
+            return per_document(lambda *x: self.attend(*x, causal, scale), q, k, v, docs)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -294,16 +324,26 @@ def math_attention_lse_backward(dout, q, k, v, out, lse, causal: bool, scale: fl
 class MathBackend(AttentionBackend):
     name = "math"
 
-    def attend(self, q, k, v, causal, scale):
+    def attend(self, q, k, v, causal, scale, docs=None):
+        if docs is not None:
+            return per_document(lambda *x: math_attention(*x, causal, scale), q, k, v, docs)
         return math_attention(q, k, v, causal, scale)
 
 
 class FlashBackend(AttentionBackend):
-    """flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, grouped heads natively)."""
+    """flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, grouped heads natively); packed
+    documents through ``flash_attn_varlen_func`` (``[total, h, D]``, int32 ``cu_seqlens`` on
+    the device, one copy per boundaries and device: ``Documents.on``)."""
 
     name = "flash"
 
-    def attend(self, q, k, v, causal, scale):
+    def attend(self, q, k, v, causal, scale, docs=None):
+        if docs is not None:
+            from flash_attn import flash_attn_varlen_func
+
+            cu, n = docs.on(q.device), docs.max_seqlen
+            out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, n, n, softmax_scale=scale, causal=causal)
+            return out.unsqueeze(0)
         from flash_attn import flash_attn_func
 
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
@@ -327,7 +367,9 @@ class CallableBackend(AttentionBackend):
         self.fn = fn
         self.name = getattr(fn, "__name__", "callable")
 
-    def attend(self, q, k, v, causal, scale):
+    def attend(self, q, k, v, causal, scale, docs=None):
+        if docs is not None:
+            return self.fn(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=docs.cu_seqlens, max_seqlen=docs.max_seqlen)
         return self.fn(q, k, v, causal=causal, softmax_scale=scale)
 
 
@@ -395,9 +437,10 @@ class SharedKV:
         acc.add(dk, dv)
         return acc.result()
 
-    def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad):
+    def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
         ident = tuple(range(q.shape[2]))
-        return self.inner.forward(q, *self.expand(k, v, q.shape[2]), causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
+        k, v = self.expand(k, v, q.shape[2])
+        return self.inner.forward(q, k, v, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad, **doc_kwargs(docs))
 
     def backward_per_head(self, state, dout):
         """``dq`` and the per-query-head ``dk``, ``dv`` (``[B, S, hq, D]``), not yet summed."""

@@ -31,6 +31,7 @@ import torch
 from .backends import AttentionBackend, default_scale, for_rank, resolve_backend
 from .checks import UlyssesInputError, _float_bits, check_head_to_seq, prepare
 from .comm import Communicator, get_communicator
+from .documents import Documents, documents
 from .kernels import KernelSet, get_kernels
 from .layout import Layout
 from .pipeline import choose_chunks, chunk_plans
@@ -48,7 +49,10 @@ class CallSetup:
     built-in backend on a rank whose query heads share its one KV head), ``None`` for the
     bare exchanges. ``split_groups``: the backend is a built-in one, so the chunked
     pipeline may split a shared KV head's query heads (the same answer on every rank).
-    ``chunks``: the resolved chunk count (1: the unchunked op).
+    ``chunks``: the resolved chunk count (1: the unchunked op). ``docs``: the document
+    boundaries of a packed sequence (``documents.Documents``: the global ``cu_seqlens``,
+    which are also every rank's view after the sequence-to-head exchange), ``None`` for
+    ordinary batches; the backend receives them as ``docs=``.
     """
 
     plan: HeadPlan
@@ -62,6 +66,7 @@ class CallSetup:
     kv_map: tuple[int, ...] = ()
     chunks: int = 1
     traced: bool = False
+    docs: Documents | None = None
 
 
 def _members(group, comm) -> Communicator:
@@ -110,13 +115,16 @@ def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softm
     return prepared
 
 
-def setup_attention(q, k, v, *, group, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check) -> CallSetup:
+def setup_attention(
+    q, k, v, *, group, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check, cu_seqlens=None, max_seqlen=None
+) -> CallSetup:
     """The ``CallSetup`` of ``ulysses_attention`` (arguments as documented there).
 
     ``group`` an ``SPGroups`` (2-D): the Ulysses group takes the place of the group (members,
     checks, plan, exchange; ``comm``, if given, is the Ulysses group's) and the rank's backend
     is ``ring.RingBackend`` around the built-in backend, which the chunked pipeline runs per
-    head chunk like any backend."""
+    head chunk like any backend. Packed documents (``cu_seqlens``) with a 2-D group are
+    refused (a ``ValueError`` raised alike on every rank: it depends on the arguments only)."""
     traced = torch.compiler.is_compiling()
     sp = group if isinstance(group, SPGroups) else None
     if sp is not None:
@@ -128,11 +136,18 @@ def setup_attention(q, k, v, *, group, comm, plan, seq_lens, causal, softmax_sca
         sp.member_rank()
         group = sp.ulysses_group
     members = _members(group, comm)
+    docs = documents(cu_seqlens, max_seqlen)
     if sp is not None:
+        if docs is not None:
+            raise ValueError(
+                "ulysses_attention: packed documents (cu_seqlens) with a 2-D group (SPGroups, ring attention) are not supported "
+                "yet; pass a flat Ulysses group for packed batches, or unpacked batches to the 2-D group"
+            )
         plan, layout = _prepare_2d(sp, q, k, v, members=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check)
     else:
         plan, layout = prepare(
-            q, k, v, comm=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check and not traced
+            q, k, v, comm=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
+            check=check and not traced, docs=docs,
         )  # fmt: skip
     comm = _transport(group, comm, members, q.device, traced)
     kv_map = plan.local_kv_map(layout.rank)
@@ -142,7 +157,8 @@ def setup_attention(q, k, v, *, group, comm, plan, seq_lens, causal, softmax_sca
     n = 1 if traced else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     backend = ring_backend(sp, base) if sp is not None else for_rank(base, kv_map)
     return CallSetup(
-        plan, layout, comm, kern, backend, split, bool(causal), default_scale(q.shape[3], softmax_scale), kv_map, n, traced
+        plan, layout, comm, kern, backend, split, bool(causal), default_scale(q.shape[3], softmax_scale), kv_map, n, traced,
+        docs,
     )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .documents import Documents
 from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
@@ -74,6 +75,7 @@ class Signature:
     scale_bits: int
     seq_lens: tuple[int, ...] | None
     plan_heads: tuple[int, int] | None  # (q_heads, kv_heads) of a prebuilt plan
+    docs: tuple[int, ...] = ()  # packed documents: ``_doc_summary`` (empty: none)
 
     def encode(self) -> list[int]:
         vals = [self.rank, self.world_size]
@@ -85,6 +87,7 @@ class Signature:
         vals += [self.causal, self.scale_bits]
         vals += [-1, -1] if self.plan_heads is None else list(self.plan_heads)
         vals += [0] + [0] * self.world_size if self.seq_lens is None else [1] + list(self.seq_lens)
+        vals += [len(self.docs)] + list(self.docs) + [0] * (_DOC_FIELDS - len(self.docs))
         return vals
 
     @classmethod
@@ -103,10 +106,60 @@ class Signature:
         plan_heads = None if ph[0] < 0 else ph
         given = next(it)
         lens = tuple(next(it) for _ in range(world))
-        return cls(rank, world, tuple(shapes), dtypes, devices, causal, scale_bits, lens if given else None, plan_heads)
+        n_docs = next(it)
+        docs = tuple(next(it) for _ in range(_DOC_FIELDS))[:n_docs]
+        return cls(rank, world, tuple(shapes), dtypes, devices, causal, scale_bits, lens if given else None, plan_heads, docs)
 
 
-def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads) -> Signature:
+# The boundaries travel in the signature as a fixed-size summary (the all-gather needs one
+# length on every rank): what the rank-local checks report, and a digest for agreement.
+_DOC_FIELDS = 9
+_DIGEST_MOD = (1 << 61) - 1
+
+
+def _doc_summary(docs: Documents | None) -> tuple[int, ...]:
+    """``(entries, first, last, bad index, value before it, bad value, max_seqlen, longest
+    document, digest)``: ``bad index`` is the first boundary not above the one before it
+    (-1: none)."""
+    if docs is None:
+        return ()
+    cu = docs.cu_seqlens
+    bad = next((i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]), -1)
+    digest = 0
+    for x in cu:  # a polynomial digest in plain ints (it runs inside torch.compile's trace too)
+        digest = (digest * 1_000_003 + x + 1) % _DIGEST_MOD
+    first, last = (cu[0], cu[-1]) if cu else (0, 0)
+    longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+    return (len(cu), first, last, bad, cu[bad - 1] if bad > 0 else 0, cu[bad] if bad > 0 else 0, docs.max_seqlen, longest, digest)
+
+
+def _doc_text(sig: Signature) -> str | None:
+    """How the disagreement message shows one rank's boundaries."""
+    if not sig.docs:
+        return None
+    return f"{sig.docs[0]} entries from {sig.docs[1]} to {sig.docs[2]} (digest {sig.docs[8]:016x})"
+
+
+def _doc_problems(sig: Signature, total: int) -> list[str]:
+    """Rank-local problems of the boundaries of a packed sequence of ``total`` tokens."""
+    n, first, last, bad, before, value, max_seqlen, longest, _ = sig.docs
+    b = sig.shapes[0][0]
+    out = [] if b == 1 else [f"packed documents (cu_seqlens) need batch 1 (q.shape[0]), got {b}"]
+    if n < 2:
+        return out + [f"cu_seqlens expected at least 2 entries (0 and the global length {total}), got {n}"]
+    if first != 0:
+        out.append(f"cu_seqlens[0] expected 0, got {first}")
+    if last != total:
+        how = "sum(seq_lens)" if sig.seq_lens is not None else "q.shape[1] x world size; pass seq_lens for uneven shards"
+        out.append(f"cu_seqlens[-1] expected {total} (the global sequence length: {how}), got {last}")
+    if bad > 0:
+        out.append(f"cu_seqlens must be strictly increasing (documents of length >= 1): cu_seqlens[{bad}] = {value} <= cu_seqlens[{bad - 1}] = {before}")
+    elif max_seqlen < longest:
+        out.append(f"max_seqlen expected >= {longest} (the longest document), got {max_seqlen}")
+    return out
+
+
+def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads, docs=None) -> Signature:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ulysses_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -128,6 +181,7 @@ def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads)
         scale_bits=_float_bits(scale) if scale is not None else 0,
         seq_lens=seq_lens,
         plan_heads=plan_heads,
+        docs=_doc_summary(docs),
     )
 
 
@@ -170,6 +224,8 @@ def _local_problems(sig: Signature) -> list[str]:
             out.append(f"seq_lens must be >= 0 with a positive total, got {list(sig.seq_lens)}")
         elif sig.seq_lens[sig.rank] != s:
             out.append(f"q.shape[1] (seq_local) expected seq_lens[{sig.rank}] = {sig.seq_lens[sig.rank]}, got {s}")
+    if sig.docs and not out:
+        out += _doc_problems(sig, sum(sig.seq_lens) if sig.seq_lens is not None else s * sig.world_size)
     return out
 
 
@@ -186,6 +242,8 @@ def _global_problems(sigs: Sequence[Signature]) -> list[str]:
         ("device type", lambda g: _device_name(g.devices[0][0], -1)),
         ("causal", lambda g: bool(g.causal)),
         ("softmax_scale", lambda g: struct.unpack("<d", struct.pack("<q", g.scale_bits))[0]),
+        ("max_seqlen", lambda g: g.docs[6] if g.docs else None),
+        ("cu_seqlens", _doc_text),
     )  # seq_lens: _seq_lens_disagreement, checked first
     for what, get in fields:
         values = [get(g) for g in sigs]
@@ -249,7 +307,7 @@ def validate(sigs: Sequence[Signature], *, gathered: bool) -> None:
         raise UlyssesInputError("ulysses_attention: " + "; ".join(problems) + hint)
 
 
-def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check):
+def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check, docs=None):
     """Validate, then build the plan and the ``Layout`` of this rank's call.
 
     With ``check`` (and more than one rank) the signatures of all ranks are exchanged, so
@@ -260,7 +318,7 @@ def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check):
     rank, world = comm.rank, comm.world_size
     sig = signature(
         q, k, v, rank=rank, world_size=world, causal=causal, scale=softmax_scale, seq_lens=seq_lens,
-        plan_heads=None if plan is None else (plan.q_heads, plan.kv_heads),
+        plan_heads=None if plan is None else (plan.q_heads, plan.kv_heads), docs=docs,
     )  # fmt: skip
     if check and world > 1 and not torch.compiler.is_compiling():
         validate([Signature.decode(x) for x in comm.all_gather_ints(sig.encode(), q.device)], gathered=True)

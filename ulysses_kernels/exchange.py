@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from . import layout as L
+from .backends import doc_kwargs
 from .kernels import TorchKernels
 from .layout import Q_ONLY, QKV, Layout
 
@@ -219,7 +220,9 @@ class LocalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, q, k, v):
         needs_grad = any(ctx.needs_input_grad[1:4])
-        out, state = call.backend.forward(q, k, v, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=needs_grad)
+        out, state = call.backend.forward(
+            q, k, v, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=needs_grad, **doc_kwargs(call.docs)
+        )  # fmt: skip
         ctx.call, ctx.state = call, state
         return out
 

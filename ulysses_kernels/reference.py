@@ -2,6 +2,8 @@
 
 * ``attention_reference``: single-process attention over the whole sequence (float64 by
   default), what ``ulysses_attention`` must equal.
+* ``packed_attention_reference``: the same for a packed sequence, one document at a time
+  (each document run on its own, as one process would without packing).
 * ``shard_sequence``: the rows of a global tensor that one rank holds.
 """
 
@@ -11,13 +13,21 @@ import torch
 
 from .backends import default_scale, math_attention
 
-__all__ = ["attention_reference", "shard_sequence"]
+__all__ = ["attention_reference", "packed_attention_reference", "shard_sequence"]
 
 
 def attention_reference(q, k, v, causal=True, softmax_scale=None, dtype=torch.float64):
     """``[B, S, Hq, D]`` attention over the full sequence, computed in ``dtype``."""
     scale = default_scale(q.shape[3], softmax_scale)
     return math_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal, scale)
+
+
+def packed_attention_reference(q, k, v, cu_seqlens, causal=True, softmax_scale=None, dtype=torch.float64):
+    """``[1, S, Hq, D]`` attention of a packed sequence: ``attention_reference`` over each
+    document ``[cu_seqlens[i], cu_seqlens[i + 1])`` on its own, joined along the sequence."""
+    cu = [int(x) for x in cu_seqlens]
+    parts = [attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal, softmax_scale, dtype) for a, b in zip(cu[:-1], cu[1:])]
+    return torch.cat(parts, dim=1)
 
 
 def shard_sequence(x: torch.Tensor, seq_lens, rank: int) -> torch.Tensor:

@@ -35,6 +35,11 @@ region the op is composed instead of traceable pieces:
   mismatch between ranks (for example unequal shards without ``seq_lens``) is not caught
   there. Run the op (or the module) once eagerly on a new input signature to check it
   across ranks.
+* Packed documents (``call.docs``: plain ints, constants of the graph) reach the backend as
+  in eager; the per-document SDPA loop traces into the graph (tested with ``aot_eager``,
+  fullgraph, at world size 1). Pass ``cu_seqlens`` as a list there: a tensor's values are
+  unknown while tracing (a clear ``TypeError`` in a full graph). flash-attn's varlen kernel
+  under compile is untested (GPU).
 * ``chunks`` is ignored: the chunked pipeline overlaps collectives with async work handles
   and side streams, which a graph does not express; the compiled graph runs unchunked
   and leaves scheduling to the compiler.
@@ -58,7 +63,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .backends import AttentionBackend, SharedKV, expand_kv
+from .backends import AttentionBackend, SharedKV, doc_kwargs, expand_kv
 from .exchange import exchange_functions
 from .layout import Layout
 
@@ -124,15 +129,15 @@ class _BackendAttention(torch.autograd.Function):
     when those two trace (``SharedKV.backward``'s ``KVGradSum`` does)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, backend, causal, scale, kv_map):
-        out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=kv_map, needs_grad=True)
+    def forward(ctx, q, k, v, backend, causal, scale, kv_map, docs):
+        out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=kv_map, needs_grad=True, **doc_kwargs(docs))
         ctx.backend, ctx.state = backend, state
         return out
 
     @staticmethod
     def backward(ctx, dout):
         dq, dk, dv = ctx.backend.backward(ctx.state, dout)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 class _SharedKVExpand(torch.autograd.Function):
@@ -158,17 +163,18 @@ def _under_autograd(backend) -> bool:
     return isinstance(backend, AttentionBackend) and kind.forward is AttentionBackend.forward and kind.backward is AttentionBackend.backward
 
 
-def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int]) -> torch.Tensor:
+def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int], docs=None) -> torch.Tensor:
     """Local attention ``[B, S, hq, D]`` over this rank's heads, differentiable by autograd;
-    ``backend`` is ``backends.for_rank``'s pick, as in eager."""
+    ``backend`` is ``backends.for_rank``'s pick, as in eager. ``docs``: the packed
+    sequence's boundaries (plain ints: the per-document SDPA loop traces into the graph)."""
     inner = backend.inner if isinstance(backend, SharedKV) else backend
     if not _under_autograd(inner):
-        return _BackendAttention.apply(q, k, v, backend, causal, scale, tuple(kv_map))
+        return _BackendAttention.apply(q, k, v, backend, causal, scale, tuple(kv_map), docs)
     if inner is not backend:
         k, v = _SharedKVExpand.apply(k, v, q.shape[2])
         kv_map = range(q.shape[2])
     k2, v2 = expand_kv(k, v, kv_map)
-    return inner.attend(q, k2, v2, causal, scale)
+    return inner.attend(q, k2, v2, causal, scale, **doc_kwargs(docs))
 
 
 def traced_attention(q, k, v, call) -> torch.Tensor:
@@ -176,5 +182,5 @@ def traced_attention(q, k, v, call) -> torch.Tensor:
     the trace: rank-local checks, a traceable kernel set); see the module docstring for
     what differs from the eager op (checks, chunks, two copies)."""
     q_l, k_l, v_l = SeqToHeadTraced.apply(call, q, k, v)
-    out_l = _attend(call.backend, q_l, k_l, v_l, call.causal, call.scale, call.kv_map)
+    out_l = _attend(call.backend, q_l, k_l, v_l, call.causal, call.scale, call.kv_map, call.docs)
     return HeadToSeqTraced.apply(call, out_l)

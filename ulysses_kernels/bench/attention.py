@@ -22,6 +22,13 @@ Methods (``--methods``, default all that can run):
   hybrid-UxR   ``ulysses_attention`` on a 2-D group ``make_sp_groups(U, R)`` (Ulysses over U
                contiguous ranks, ring attention over R; contiguous shards, the torch kernel
                set); with real ranks, one row per split of the world (U*R = world)
+  packed-<k>    ``ulysses_attention`` on one packed sequence (batch 1) of documents with a
+               realistic length mix (``packed_documents``: log-normal, median 512 tokens,
+               from 16 tokens up to half the sequence), block-diagonal causal attention
+  equal-<k>     the same tokens as the same number of equal-length documents: what a batch
+               of equal-length sequences computes (``x_equal`` = packed / equal time)
+  local-packed the compute floor of the packed rows (this rank's heads, all rows, no
+               communication)
   layout-<k>   ours, data movement only: the packs/unpacks of one layer without the
                collectives (fwd: q/k/v pack + output unpack; bwd: dout pack + dq/dk/dv unpack)
   chain-layout the chain's permute copies without the collectives
@@ -29,7 +36,8 @@ Methods (``--methods``, default all that can run):
 With one process and ``--sp P`` the local and layout rows are those of rank 0 of a ``P``-way
 group (the input of ``ulysses_kernels.bench.perf_model``); the communicating methods need real ranks.
 
-TFLOP/s: causal attention FLOPs of this rank's heads, 4*B*S^2*h*D/2 forward, 2.5x that
+TFLOP/s: causal attention FLOPs of this rank's heads, 4*B*S^2*h*D/2 forward (packed and
+equal rows: 4*h*D*sum(L_i^2)/2 over their documents, column ``docs``), 2.5x that
 backward, 3.5x forward+backward (the FlashAttention convention), over the time of the
 slowest rank. ``x_chain`` = chain time / this time (speed-up over the chain, same run);
 ``x_floor`` = this time / local time. #wrong: elements of the output and of dq, on a sample
@@ -54,9 +62,10 @@ import torch.distributed as dist
 
 from ulysses_kernels import layout as L
 from ulysses_kernels import make_sp_groups, ulysses_attention
-from ulysses_kernels.backends import default_scale, for_rank, resolve_backend
+from ulysses_kernels.backends import default_scale, doc_kwargs, for_rank, resolve_backend
 from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import common as C
+from ulysses_kernels.documents import Documents, documents
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
@@ -109,8 +118,9 @@ def sample_rows(n_rows: int, count: int) -> list[int]:
     return sorted({round(i * (n_rows - 1) / (count - 1)) for i in range(count)})
 
 
-def reference_rows(inp: Inputs, rows, heads, scale, k_full, v_full):
-    """float32 causal attention output and dq for global ``rows`` x global query ``heads``."""
+def reference_rows(inp: Inputs, rows, heads, scale, k_full, v_full, docs=None):
+    """float32 causal attention output and dq for global ``rows`` x global query ``heads``
+    (with ``docs``: within each document only)."""
     g = inp.H // inp.Hkv
     rows_t = torch.tensor(rows, device=inp.device)
     per_block = {}
@@ -120,6 +130,9 @@ def reference_rows(inp: Inputs, rows, heads, scale, k_full, v_full):
     do_rows = torch.cat([inp.block(p, "dout")[:, [t - p * inp.s for t in ts]] for p, ts in sorted(per_block.items())], 1)
     cols = torch.arange(inp.S, device=inp.device)
     mask = cols.view(1, -1) > rows_t.view(-1, 1)  # [n, S] causal
+    if docs is not None:
+        doc = torch.bucketize(cols, torch.tensor(docs.cu_seqlens[1:-1], device=inp.device), right=True)
+        mask |= doc.view(1, -1) != doc[rows_t].view(-1, 1)  # other documents
     outs, dqs = [], []
     for h in heads:
         kk = k_full[:, :, h // g].float()  # [B, S, D]
@@ -151,18 +164,19 @@ class Method:
     for bit with the pure-PyTorch reference (elements that differ, on this rank).
     """
 
-    def __init__(self, name, fn=None, seq_sharded=True, layout_only=False, fwd=None, bwd=None, check=None):
+    def __init__(self, name, fn=None, seq_sharded=True, layout_only=False, fwd=None, bwd=None, check=None, docs=None):
         self.name, self.fn, self.seq_sharded, self.layout_only = name, fn, seq_sharded, layout_only
         self.fwd_only, self.bwd_only, self.check_layout = fwd, bwd, check
+        self.docs = docs  # packed rows: the documents (``Documents``) the method attends within
 
 
-def local_method(plan, rank, backend, scale, name="local"):
+def local_method(plan, rank, backend, scale, name="local", docs=None):
     kv_map = plan.local_kv_map(rank)
 
     class _Local(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            out, state = backend.forward(q, k, v, causal=True, scale=scale, kv_map=kv_map, needs_grad=True)
+            out, state = backend.forward(q, k, v, causal=True, scale=scale, kv_map=kv_map, needs_grad=True, **doc_kwargs(docs))
             ctx.state = state
             return out
 
@@ -172,7 +186,28 @@ def local_method(plan, rank, backend, scale, name="local"):
             ctx.state = None
             return tuple(grads)
 
-    return Method(name, lambda q, k, v: _Local.apply(q, k, v), seq_sharded=False)
+    return Method(name, lambda q, k, v: _Local.apply(q, k, v), seq_sharded=False, docs=docs)
+
+
+def packed_documents(S: int, seed: int = 0) -> Documents:
+    """A realistic document-length mix over ``S`` tokens (SFT-like: many short documents,
+    a few long ones): lengths log-normal with median 512 and sigma 1, clipped to
+    ``[16, S // 2]``, the last one cut to fit. The same on every rank (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < S:
+        n = int(torch.empty(1).log_normal_(mean=6.238, std=1.0, generator=g).clamp(16, max(16, S // 2)))  # e^6.238 = 512
+        lens.append(min(n, S - sum(lens)))
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return documents(cu)
+
+
+def equal_documents(S: int, count: int) -> Documents:
+    """``count`` documents of equal length over ``S`` tokens (the remainder in the last)."""
+    n = S // count
+    return documents([i * n for i in range(count)] + [S])
 
 
 def layout_method(name, kern, layout: Layout, like: torch.Tensor):
@@ -337,10 +372,11 @@ def seq_lengths(args, P: int) -> list[int]:
 
 def method_names(args, world: int, P: int) -> list[str]:
     kernels = available_kernels()
-    names = ["local", "local-sharedkv"]
+    names = ["local", "local-sharedkv", "local-packed"]
     if world > 1 or P == 1:
         names += ["chain"] + [f"ulysses-{k}" for k in kernels] + ["deepspeed", "yunchang"]
         names += [f"hybrid-{u}x{world // u}" for u in range(1, world) if world % u == 0]
+        names += [f"{m}-{k}" for k in kernels for m in ("packed", "equal")]
     names += [f"layout-{k}" for k in kernels] + ["chain-layout"]
     if args.methods != "all":
         names = [m.strip() for m in args.methods.split(",")]
@@ -369,6 +405,10 @@ def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
         if wrapped is backend:
             raise Skip("this rank's query heads do not all share one KV head (no SharedKV)")
         return local_method(plan, rank, wrapped, scale, name)
+    if name == "local-packed":
+        return local_method(plan, rank, backend, scale, name, docs=packed_documents(inp.S))
+    if name.startswith(("packed-", "equal-")):
+        return packed_method(name, args, inp, backend)
     if name == "chain":
         if inp.H % world:
             raise Skip(f"chain needs query heads ({inp.H}) divisible by the world size ({world})")
@@ -395,6 +435,25 @@ def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
     if name == "chain-layout":
         return chain_layout_method(inp, P)
     raise Skip(f"unknown method {name!r}")
+
+
+def packed_method(name: str, args, inp: Inputs, backend) -> Method:
+    """``packed-<k>``: the realistic document mix; ``equal-<k>``: as many equal documents."""
+    if inp.B != 1:
+        raise Skip(f"packed rows need --batch 1 (documents end to end), got {inp.B}")
+    kind, kern = name.split("-", 1)
+    get_kernels(kern, inp.device)  # raises ValueError when the set is not available
+    docs = packed_documents(inp.S)
+    if kind == "equal":
+        docs = equal_documents(inp.S, docs.count)
+
+    def fn(q, k, v):
+        return ulysses_attention(
+            q, k, v, causal=True, attn_fn=backend, kernels=kern, chunks=args.chunks, check=False, cu_seqlens=docs.cu_seqlens,
+            max_seqlen=docs.max_seqlen,
+        )  # fmt: skip
+
+    return Method(name, fn, docs=docs)
 
 
 def make_inputs(m: Method, inp: Inputs, plan: HeadPlan, rank: int):
@@ -466,7 +525,7 @@ def check_method(m: Method, outs, inp: Inputs, plan: HeadPlan, rank: int, scale:
         local = sample_rows(inp.S, n_rows)
         rows = local
         heads = list(range(*plan.q_ranges[rank]))
-    ref_o, ref_dq = reference_rows(inp, rows, heads, scale, *kv_full)
+    ref_o, ref_dq = reference_rows(inp, rows, heads, scale, *kv_full, docs=m.docs)
     return count_wrong(out[:, local], ref_o, inp.dtype) + count_wrong(dq[:, local], ref_dq, inp.dtype)
 
 
@@ -550,7 +609,8 @@ def method_rows(m: Method, res: dict, wrong, args, g: Group, dtype) -> list[dict
     """One row per pass: the slowest rank's time and peak memory, TFLOP/s of the busiest rank."""
     inp = g.inp
     hq_max = max(g.plan.q_count(r) for r in range(g.P))  # the slowest rank sets the pace
-    flops_fwd = 4 * args.batch * inp.S * inp.S * hq_max * args.head_dim / 2
+    pairs = inp.S * inp.S if m.docs is None else sum((b - a) ** 2 for a, b in m.docs.spans())
+    flops_fwd = 4 * args.batch * pairs * hq_max * args.head_dim / 2
     rows = []
     for p in args.passes:
         t = C.reduce_max(res[p][0])
@@ -559,7 +619,7 @@ def method_rows(m: Method, res: dict, wrong, args, g: Group, dtype) -> list[dict
             "model": g.model, "heads": f"{inp.H}/{inp.Hkv}", "seq": inp.S, "world": g.P, "method": m.name, "pass": p,
             "time_ms": t * 1e3, "tflops": None if m.layout_only else flops_fwd * FLOP_FACTOR[p] / t / 1e12,
             "mem_gib": None if mem is None else mem / 2**30, "wrong": wrong, "dtype": C.dtype_name(dtype),
-            "backend": g.backend.name,
+            "backend": g.backend.name, "docs": 1 if m.docs is None else m.docs.count,
         })  # fmt: skip
     return rows
 
@@ -663,14 +723,19 @@ def hybrid_groups(names, world: int) -> dict:
 
 def _ratios(rows):
     """x_chain: the chain's time over this row's (layout rows: chain-layout's over this);
-    x_floor: this row's time over the local floor's (attention rows only);
+    x_floor: this row's time over the local floor's (attention rows only; packed rows:
+    over local-packed's); x_equal: a packed row's time over its equal-length row's;
     extra_gib: this row's peak memory over the local floor's (the buffers and copies of the
     all-to-alls; GPU only)."""
     by = {(r["method"], r["pass"]): r for r in rows}
     for r in rows:
+        equal = by.get(("equal-" + r["method"][len("packed-") :], r["pass"])) if r["method"].startswith("packed-") else None
+        r["x_equal"] = r["time_ms"] / equal["time_ms"] if equal else None
         is_layout = r["method"].startswith("layout-") or r["method"] == "chain-layout"
         chain = by.get(("chain-layout" if is_layout else "chain", r["pass"]))
-        local = by.get(("local", r["pass"]))
+        name = r["method"]
+        floor = "local-packed" if name.startswith("packed-") or name == "local-packed" else None if name.startswith("equal-") else "local"
+        local = by.get((floor, r["pass"]))
         r["x_chain"] = chain["time_ms"] / r["time_ms"] if chain else None
         r["x_floor"] = r["time_ms"] / local["time_ms"] if local and not is_layout else None
         has_mem = local and r["mem_gib"] is not None and local["mem_gib"] is not None and not is_layout
@@ -701,7 +766,7 @@ COLUMNS = [
     ("model", "model", ""), ("seq", "seq", "d"), ("world", "P", "d"), ("method", "method", ""), ("pass", "pass", ""),
     ("time_ms", "time(ms)", ".3f"), ("tflops", "TFLOP/s", ".1f"), ("x_chain", "x_chain", ".2f"),
     ("x_floor", "x_floor", ".2f"), ("mem_gib", "mem(GiB)", ".2f"), ("extra_gib", "extra(GiB)", ".2f"),
-    ("wrong", "#wrong", "d"),
+    ("docs", "docs", "d"), ("x_equal", "x_equal", ".2f"), ("wrong", "#wrong", "d"),
 ]  # fmt: skip
 BREAKDOWN_COLUMNS = [
     ("model", "model", ""), ("seq", "seq", "d"), ("pass", "pass", ""), ("kernels", "kernels", ""),

@@ -39,12 +39,24 @@ Under Ulysses a window, a softcap or a sink is local to a head: after the exchan
 rank holds the whole sequence for its heads, so the model's attention computes exactly
 what one process would (attention dropout draws its own random mask on each rank).
 
+Packed sequences (batch 1, documents end to end, as ``DataCollatorWithFlattening`` makes
+them): ``shard_batch`` finds the documents from position ids that restart at 0 (or takes
+``cu_seqlens``), keeps the per-document positions (RoPE as if each document ran alone),
+drops the target of each document's last token, and puts the global boundaries on the
+step's ``SequenceShard``; every layer passes them to ``ulysses_attention(cu_seqlens=...)``
+(block-diagonal attention; the boundaries are found once per step, never gathered per layer).
+Layers that run the model's own attention (windows, softcapping, sinks) get the documents
+overlaid on the global mask they build (the ``eager`` and ``sdpa`` implementations).
+
 Supported: decoder-only causal LMs whose attention goes through ``AttentionInterface``
 (Llama, Qwen2/Qwen3, Mistral, Gemma 2/3, GPT-OSS: sliding windows, mixed layer types,
 logit softcapping, attention sinks, attention dropout), any head layout (GQA with fewer KV
-heads than ranks, heads not divisible by the ranks), uneven shards or padding.
-Not supported (clear errors): padding/packed-sequence/custom masks, chunked or
-bidirectional attention, KV caches (generation).
+heads than ranks, heads not divisible by the ranks), uneven shards or padding, packed
+documents (plain causal layers on any built-in implementation; windows, softcapping, sinks
+on ``eager``/``sdpa``).
+Not supported (clear errors): padding/custom masks, packed documents on the model's own
+attention with flash or a registered implementation, chunked or bidirectional attention,
+KV caches (generation).
 """
 
 from __future__ import annotations
@@ -61,6 +73,7 @@ from ..attention import head_to_seq, seq_to_head, ulysses_attention
 from ..backends import expand_kv
 from ..checks import UlyssesInputError
 from ..comm import get_communicator
+from ..documents import Documents, document_ids, documents, pad_documents
 from ..layout import split_lengths  # the project's one rule for uneven shards (re-exported here)
 from ..plan import HeadPlan
 from ..ring import SPGroups
@@ -98,6 +111,8 @@ class SequenceShard:
 
     ``seq_lens[r]`` tokens live on rank ``r`` (contiguous, in rank order); ``total`` is
     ``sum(seq_lens)`` (the padded length), ``valid_len`` the length before padding.
+    ``documents``: a packed batch's global document boundaries over ``total`` tokens (the
+    padding, if any, is the last document), ``None`` for ordinary batches.
     Passed to the model as the ``ulysses_shard`` keyword; the attention function reads it.
     """
 
@@ -106,6 +121,7 @@ class SequenceShard:
     world_size: int
     valid_len: int
     batch_size: int
+    documents: Documents | None = None
     # Input signatures already validated across ranks in this step (one check per step,
     # not per layer); the same on every rank because every rank runs the same layers.
     _checked: set = field(default_factory=set, repr=False)
@@ -215,6 +231,7 @@ def shard_batch(
     pad_token_id: int = 0,
     ignore_index: int = -100,
     check: bool = True,
+    cu_seqlens=None,
 ) -> ShardedBatch:
     """Shard one global causal-LM batch along the sequence for this rank.
 
@@ -227,14 +244,18 @@ def shard_batch(
             token is rank r+1's first token.
         group: the sequence-parallel group (the one given to ``apply``).
         position_ids: ``[batch or 1, seq]`` global positions; default ``0 .. seq-1``. They
-            must count up by one (packed sequences that restart positions need a
-            block-diagonal mask, which is not supported).
+            count up by one, or (a packed batch: batch 1, ``DataCollatorWithFlattening``'s
+            format) restart at 0 at the start of each document.
         pad: ``False`` (default): uneven shards, ``seq_lens = split_lengths(seq, world)``.
             ``True``: pad the sequence with ``pad_token_id`` up to a multiple of the world
             size (targets ``-100``, positions continuing); the padding comes last, so
             causal attention never lets a real token see it. Both are exact.
         check: exchange ``(batch, seq, target count)`` across the group once, so that ranks
             fed different batches raise the same error on every rank.
+        cu_seqlens: a packed batch's document boundaries ``(0, ..., seq)`` (a list or an
+            integer tensor), instead of restarting ``position_ids``. Packed: attention stays
+            inside each document, positions restart per document, the last token of each
+            document has no target; with ``pad`` the padding is a trailing document.
 
     Returns:
         ``ShardedBatch`` with this rank's ``input_ids``, shifted ``labels``, global
@@ -242,21 +263,35 @@ def shard_batch(
     """
     rank, world = _rank_world(group)
     labels = _checked_labels(input_ids, labels)
-    position_ids = _global_positions(input_ids, position_ids)
+    cu = _packed_boundaries(input_ids, position_ids, cu_seqlens)
+    if cu is None:
+        position_ids = _global_positions(input_ids, position_ids)
     bsz, seq = input_ids.shape
     total, seq_lens = _shard_lengths(seq, world, pad)
     if isinstance(group, SPGroups):
         _check_2d_shards(group, seq, total, seq_lens)
-    shifted, num_tokens = _shift_labels(labels, ignore_index)
+        if cu is not None:
+            raise HFIntegrationError(
+                "shard_batch: packed documents (cu_seqlens, or position_ids that restart) with a 2-D group (SPGroups) are not "
+                "supported yet; use a flat sequence-parallel group for packed batches"
+            )
+    shifted, num_tokens = _shift_labels(labels, ignore_index, cu)
     if check and world > 1:
-        _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens)
+        _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu))
 
-    shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz)
+    docs = None if cu is None else documents(pad_documents(cu, total))
+    if docs is None:
+        # Positions count up by one (checked by _global_positions), so the padded ones simply continue.
+        positions = position_ids[:, :1] + torch.arange(total, device=input_ids.device)
+    else:
+        # Per document 0, 1, ... (the padding is a document of its own).
+        ids = document_ids(docs.cu_seqlens, input_ids.device)
+        positions = (torch.arange(total, device=input_ids.device) - ids.new_tensor(docs.cu_seqlens[:-1])[ids]).unsqueeze(0)
+    shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz, docs)
     return ShardedBatch(
         input_ids=shard.shard(input_ids, pad_value=pad_token_id),
         labels=shard.shard(shifted, pad_value=-100),
-        # Positions count up by one (checked by _global_positions), so the padded ones simply continue.
-        position_ids=shard.shard(position_ids[:, :1] + torch.arange(total, device=input_ids.device)),
+        position_ids=shard.shard(positions),
         num_tokens=num_tokens,
         shard=shard,
     )
@@ -272,6 +307,39 @@ def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens) -> None:
             f"shard_batch: the ring level of a 2-D group needs equal shards, and {seq} tokens do not split over {len(seq_lens)} ranks; "
             "use pad=True (or a sequence length that is a multiple of the group size)"
         )
+def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tuple[int, ...] | None:
+    """A packed batch's document boundaries over the unpadded sequence: ``cu_seqlens`` if
+    given, else where ``position_ids`` restart at 0 (``None``: not packed). Packed batches
+    are batch 1 and their positions, when given, are 0, 1, ... within each document."""
+    seq = input_ids.shape[1]
+    restarts = position_ids is not None and position_ids.dim() == 2 and seq > 1 and not bool((position_ids.diff(dim=1) == 1).all())
+    if cu_seqlens is None and not restarts:
+        return None
+    if input_ids.shape[0] != 1:
+        raise HFIntegrationError(
+            f"shard_batch: packed documents (cu_seqlens, or position_ids that restart) need batch 1 (documents end to end), "
+            f"got input_ids of shape {list(input_ids.shape)}"
+        )
+    if cu_seqlens is None:
+        pos = position_ids.reshape(-1)
+        if int(pos[0]) != 0:
+            raise HFIntegrationError(f"shard_batch: packed position_ids must start at 0 (each document counts 0, 1, ...), got {int(pos[0])}")
+        starts = torch.nonzero(pos == 0).flatten().tolist()
+        cu = tuple(starts) + (seq,)
+    else:
+        cu = documents(cu_seqlens).cu_seqlens
+        bad = next((i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]), None)
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or bad is not None:
+            raise HFIntegrationError(f"shard_batch: cu_seqlens expected strictly increasing boundaries from 0 to the sequence length {seq}, got {list(cu)}")
+    if position_ids is not None:
+        ids = document_ids(cu, input_ids.device)
+        expected = torch.arange(seq, device=input_ids.device) - ids.new_tensor(cu[:-1])[ids]
+        if position_ids.shape != (1, seq) or not torch.equal(position_ids.reshape(-1).to(expected.dtype), expected):
+            raise HFIntegrationError(
+                "shard_batch: in a packed batch position_ids must be [1, seq] and count 0, 1, ... within each document "
+                f"(documents {list(cu)}), got {position_ids.reshape(-1)[:32].tolist()}{' ...' if seq > 32 else ''}"
+            )
+    return cu
 
 
 def _checked_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
@@ -298,8 +366,8 @@ def _global_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None
     position_ids = position_ids.expand(bsz, seq)
     if seq > 1 and not bool((position_ids.diff(dim=1) == 1).all()):
         raise HFIntegrationError(
-            "shard_batch: position_ids must count up by one along the sequence; restarting positions "
-            "(packed sequences) need a block-diagonal mask, which the ulysses integration does not support"
+            "shard_batch: position_ids must count up by one along the sequence, or (packed documents, batch 1) "
+            "restart at 0 at each document"
         )
     return position_ids
 
@@ -317,23 +385,26 @@ def _shard_lengths(seq: int, world: int, pad: bool) -> tuple[int, list[int]]:
     return seq, split_lengths(seq, world)
 
 
-def _shift_labels(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, int]:
+def _shift_labels(labels: torch.Tensor, ignore_index: int, cu=None) -> tuple[torch.Tensor, int]:
     """The global label shift, done once before sharding: ``(shifted, num_tokens)`` where the
-    target of position t is ``labels[t + 1]`` (the last position has none), ignored targets
-    are ``-100`` whatever ``ignore_index`` was, and ``num_tokens`` counts the others."""
+    target of position t is ``labels[t + 1]`` (the last position, and in a packed batch the
+    last position of each document ``cu``, has none), ignored targets are ``-100`` whatever
+    ``ignore_index`` was, and ``num_tokens`` counts the others."""
     shifted = torch.full_like(labels, ignore_index)
     shifted[:, :-1] = labels[:, 1:]
+    if cu is not None:
+        shifted[:, [end - 1 for end in cu[1:]]] = ignore_index
     if ignore_index != -100:
         shifted = torch.where(shifted == ignore_index, torch.full_like(shifted, -100), shifted)
     return shifted, int((shifted != -100).sum())
 
 
-def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int) -> None:
-    """One all-gather of ``(batch, seq, padded length, target count)``: ranks fed different
-    batches raise the same error on every rank. Collective."""
-    everyone = get_communicator(group).all_gather_ints([bsz, seq, total, num_tokens], device)
+def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int, bounds: int) -> None:
+    """One all-gather of ``(batch, seq, padded length, target count, document boundaries)``:
+    ranks fed different batches raise the same error on every rank. Collective."""
+    everyone = get_communicator(group).all_gather_ints([bsz, seq, total, num_tokens, bounds], device)
     if any(v != everyone[0] for v in everyone):
-        rows = ", ".join(f"rank {r}: batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]}" for r, v in enumerate(everyone))
+        rows = ", ".join(f"rank {r}: batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]} cu_seqlens entries={v[4]}" for r, v in enumerate(everyone))
         raise HFIntegrationError(
             "shard_batch: the ranks of the sequence-parallel group were given different batches "
             f"(every rank must pass the same global batch): {rows}"
@@ -411,6 +482,11 @@ _FUSED_IMPLEMENTATIONS = frozenset(
 )
 
 
+# Implementations whose attention takes the mask ``_GlobalMask.build`` makes as it is: packed
+# documents reach them as an overlay of that mask (others, e.g. flash attention, get none).
+_MASKED_IMPLEMENTATIONS = frozenset({"eager", "sdpa"})
+
+
 @dataclass(frozen=True, eq=False)
 class _Settings:
     """What ``apply`` chose for one attention module (the group settings are shared by the
@@ -446,6 +522,7 @@ class _GlobalMask:
 
     window: int | None
     mask_kwargs: dict
+    packed: bool = False  # transformers saw restarting positions on this rank (packed documents)
 
     def covers(self, total: int) -> bool:
         """The mask is plain causal over ``total`` tokens (no window, or one that long)."""
@@ -464,9 +541,23 @@ class _GlobalMask:
             # Batch 1: every row of the batch has the same mask (no padding), broadcast by the attention.
             shard._masks[key] = ALL_MASK_ATTENTION_FUNCTIONS[impl](
                 batch_size=1, q_length=shard.total, kv_length=shard.total, q_offset=0, kv_offset=0,
-                attention_mask=None, dtype=dtype, device=device, **self.mask_kwargs,
+                attention_mask=None, dtype=dtype, device=device, **self._with_documents(shard, device),
             )  # fmt: skip
         return shard._masks[key]
+
+    def _with_documents(self, shard: SequenceShard, device: torch.device) -> dict:
+        """The mask keywords, for a packed batch with the step's global documents overlaid
+        (transformers' packed-sequence mask over global document ids: a token sees only its
+        own document; the window counts global indices, which within a document are its
+        positions)."""
+        if shard.documents is None:
+            return self.mask_kwargs
+        from transformers import masking_utils as mu
+
+        ids = document_ids(shard.documents.cu_seqlens, device).unsqueeze(0)
+        inner = self.mask_kwargs.get("mask_function", mu.causal_mask_function)
+        overlay = mu.and_masks(mu.packed_sequence_mask_function(ids), inner)
+        return {**self.mask_kwargs, "mask_function": overlay, "allow_is_causal_skip": False}
 
 
 class _ConfigView:
@@ -532,6 +623,7 @@ def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
             f"{type(module).__name__}: non-causal attention is not supported (ulysses applies a global causal mask)"
         )
     _check_sharded_input(type(module).__name__, shard, settings, query)
+    docs = _packed(module, settings, shard, mask, kwargs)
     if not _plain_causal(settings, shard, mask, module, kwargs):
         if isinstance(settings.group, SPGroups):
             raise HFIntegrationError(
@@ -542,15 +634,36 @@ def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
     scaling = kwargs.get("scaling")
-    sig = ("fused", tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling)
+    sig = ("fused", tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling, docs)
     check = _check_now(settings, shard, sig)
     out = ulysses_attention(
         q, k, v, settings.group, causal=True, softmax_scale=scaling, seq_lens=shard.seq_lens,
         attn_fn=settings.attn_fn, comm=settings.comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
+        cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
     )  # fmt: skip
     if check:
         shard._checked.add(sig)
     return out, None
+
+
+def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, kwargs) -> Documents | None:
+    """The step's documents (``None``: not packed), after checking that this call can honor
+    them: plain causal attention (the fused op). The model's mask function saw only this
+    rank's positions; the boundaries come from ``shard_batch``, global."""
+    if shard.documents is None:
+        if mask.packed:
+            raise HFIntegrationError(
+                f"{type(module).__name__}: position_ids restart inside the sequence (packed documents) but the batch was "
+                "not sharded as packed; pass the global position_ids (or cu_seqlens) to shard_batch"
+            )
+        return None
+    if not _plain_causal(settings, shard, mask, module, kwargs) and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
+        raise HFIntegrationError(
+            f"{type(module).__name__}: packed documents with a sliding window, logit softcapping, attention sinks, dropout "
+            f"or a registered implementation run on the 'eager' or 'sdpa' implementation (their mask carries the "
+            f"documents); this model runs {settings.inner_impl!r}"
+        )
+    return shard.documents
 
 
 def _plain_causal(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, module, kwargs) -> bool:
@@ -674,8 +787,9 @@ def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     safely) and a ``_GlobalMask`` for a sliding window; the attention call turns either
     into the global mask (``_GlobalMask.build``). What cannot be rebuilt over the global
     sequence raises: a KV cache, a padding mask, and masks other than causal and
-    sliding-window causal (packed sequences, chunked or bidirectional attention, custom
-    overlays).
+    sliding-window causal (chunked or bidirectional attention, custom overlays).
+    transformers' wrapper for packed sequences (restarting positions on this rank) is taken
+    off (``_unpacked``): the attention call takes the documents from the step's shard.
     """
     if int(q_offset) or int(kv_offset) or q_length != kv_length:
         raise HFIntegrationError(
@@ -688,11 +802,28 @@ def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
             "sequence-parallel attention got a padding attention_mask with masked tokens; padding is not "
             "supported as a mask: drop attention_mask and set the padded labels to -100 (shard_batch does this)"
         )
+    mask_function, packed = _unpacked(mask_function)
     window = _window_of(mask_function)
     if window is None:
-        return None
+        return _GlobalMask(None, {}, packed=True) if packed else None
     kept = {n: a for n, a in kwargs.items() if n not in ("dtype", "device")}
-    return _GlobalMask(window, {**kept, "mask_function": mask_function})
+    return _GlobalMask(window, {**kept, "mask_function": mask_function}, packed)
+
+
+def _unpacked(mask_function) -> tuple[Callable, bool]:
+    """``(mask function, packed)``: transformers wraps the layer's mask function for packed
+    sequences when this rank's position ids restart (``packed_sequence_compatibility_function``:
+    a document overlay and positions remapped); the attention call takes the documents from
+    the step's shard instead (global, not this rank's view), so the wrapper is taken off."""
+    from transformers import masking_utils as mu
+
+    parts = _closure(mask_function, mu.and_masks(mu.causal_mask_function)).get("mask_functions")
+    if isinstance(parts, tuple) and len(parts) == 2:
+        overlay = _closure(parts[0], mu.packed_sequence_mask_function(None))
+        remap = _closure(parts[1], mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None))
+        if "packed_sequence_mask" in overlay and "mask_function" in remap:
+            return remap["mask_function"], True
+    return mask_function, False
 
 
 def _window_of(mask_function) -> int | None:
@@ -711,8 +842,7 @@ def _window_of(mask_function) -> int | None:
     raise HFIntegrationError(
         "sequence-parallel attention rebuilds the causal and the sliding-window causal mask over the global "
         f"sequence; the model asked for another mask ({getattr(mask_function, '__qualname__', mask_function)!r}: "
-        "packed sequences detected from restarting position_ids, chunked or bidirectional attention, or a custom "
-        "overlay), which it cannot rebuild"
+        "chunked or bidirectional attention, or a custom overlay), which it cannot rebuild"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import AttentionBackend, KVGradSum, gather_kv, kv_index, scatter_kv_grads
+from ..backends import AttentionBackend, KVGradSum, doc_kwargs, gather_kv, kv_index, scatter_kv_grads
 from ..comm import AsyncChannel
 from ..exchange import post_head_to_seq, post_seq_to_head
 from ..layout import Q_ONLY, QKV, Layout
@@ -28,13 +28,15 @@ def _start_h2s(chan: AsyncChannel, lay: Layout, local: torch.Tensor, role: str, 
     return pending, [per[0] for per in blocks]
 
 
-def _attend_chunk(backend, chunk: Chunk, q, k, v, causal, scale, needs_grad):
-    """One chunk's attention: ``(out, saved)`` for ``_attend_chunk_backward``."""
+def _attend_chunk(backend, chunk: Chunk, q, k, v, causal, scale, needs_grad, docs):
+    """One chunk's attention: ``(out, saved)`` for ``_attend_chunk_backward``. Chunks split
+    heads, never the sequence: a packed sequence's ``docs`` go to every chunk unchanged."""
+    kw = doc_kwargs(docs)
     if chunk.shared:  # backend is SharedKV; its state goes to backward_per_head as is
-        return backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
+        return backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad, **kw)
     # Only backends built on AttentionBackend gather KV heads the known way (gather_kv).
     if chunk.expand is None or not isinstance(backend, AttentionBackend):
-        out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad)
+        out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad, **kw)
         return out, (state, None)
     if needs_grad:
         # As AttentionBackend.forward does for a gathered map: q leaves the chunk's receive
@@ -42,7 +44,7 @@ def _attend_chunk(backend, chunk: Chunk, q, k, v, causal, scale, needs_grad):
         q = q.clone(memory_format=torch.contiguous_format)
     k2, v2 = gather_kv(k, v, kv_index(chunk.expand, k.device))
     ident = tuple(range(q.shape[2]))
-    out, state = backend.forward(q, k2, v2, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad)
+    out, state = backend.forward(q, k2, v2, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad, **kw)
     return out, (state, (chunk.expand, k.shape[2]))  # the index is rebuilt for the backward
 
 
@@ -86,7 +88,7 @@ class ChunkedAttentionFunction(torch.autograd.Function):
                     shared_kv = (k_c, v_c)
                 k_c, v_c = shared_kv
             if q_c.shape[2]:
-                out_c, saved = _attend_chunk(backend, chunk, q_c, k_c, v_c, causal, scale, needs_grad)
+                out_c, saved = _attend_chunk(backend, chunk, q_c, k_c, v_c, causal, scale, needs_grad, call.docs)
             else:
                 out_c, saved = q_c, None  # no head of this chunk here: an empty [B, S, 0, D]
             del q_c, k_c, v_c

@@ -1,0 +1,101 @@
+"""Document boundaries of a packed sequence: many documents in one sharded sequence.
+
+A packed batch is ``[1, S, H, D]``: documents laid end to end, the global sequence split
+into contiguous shards as usual (rank r holds the r-th shard; a document may cross shard
+boundaries). ``cu_seqlens`` are the *global* cumulative boundaries, flash-attn's
+convention: ``(0, end_0, end_1, ..., S)``, document i is tokens ``[cu[i], cu[i+1])``.
+Attention is block-diagonal over the documents (causal inside a document when causal).
+
+After the sequence-to-head exchange every rank holds the whole sequence in global order,
+so the boundaries its attention needs are these same global ones: ``Documents`` is built
+once per call from the arguments (no collective), and every layer of a step that passes
+the same boundaries computes the same value. Padding is a trailing document of its own
+(``pad_documents``): pad tokens attend only to padding.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Documents", "documents", "pad_documents", "document_ids"]
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The boundaries of one packed sequence, as plain ints (hashable, the same on every rank).
+
+    ``cu_seqlens``: ``(0, ..., total)``, strictly increasing (checked in ``checks``).
+    ``max_seqlen``: the longest document (given, or derived from ``cu_seqlens``).
+    """
+
+    cu_seqlens: tuple[int, ...]
+    max_seqlen: int
+
+    @property
+    def total(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @property
+    def count(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    def spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each document."""
+        return list(zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]))
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """``cu_seqlens`` as an int32 tensor on ``device`` (flash-attn's varlen argument).
+
+        On a GPU kept per ``(boundaries, device)`` in a small bounded cache keyed by values:
+        every layer of a step reuses one copy (no per-layer host-to-device copy)."""
+        if device.type != "cuda" or torch.compiler.is_compiling():
+            return torch.tensor(self.cu_seqlens, dtype=torch.int32, device=device)
+        return _device_cu_seqlens(self.cu_seqlens, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_cu_seqlens(cu_seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+
+
+def documents(cu_seqlens, max_seqlen: int | None = None) -> Documents | None:
+    """``cu_seqlens`` (a sequence of ints, or a 1-D integer tensor: a CUDA tensor costs one
+    host sync) as ``Documents``; ``None`` when ``cu_seqlens`` is None. Only the types are
+    checked here; the values are checked by ``checks`` (the same error on every rank)."""
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError("ulysses_attention: max_seqlen was given without cu_seqlens")
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if torch.compiler.is_compiling():
+            # A tensor's values are unknown while tracing; the boundaries shape the graph.
+            raise TypeError("ulysses_attention: inside torch.compile pass cu_seqlens as a list of ints, not a tensor")
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+            raise TypeError(
+                f"ulysses_attention: cu_seqlens expected a 1-D integer tensor or a list of ints, "
+                f"got a tensor of shape {list(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+            )
+        cu = tuple(int(x) for x in cu_seqlens.tolist())
+    elif isinstance(cu_seqlens, Sequence) and all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+        cu = tuple(int(x) for x in cu_seqlens)
+    else:
+        raise TypeError(f"ulysses_attention: cu_seqlens expected a list of ints or a 1-D integer tensor, got {cu_seqlens!r}")
+    longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+    return Documents(cu, longest if max_seqlen is None else int(max_seqlen))
+
+
+def pad_documents(cu_seqlens: Sequence[int], total: int) -> tuple[int, ...]:
+    """``cu_seqlens`` of a sequence padded to ``total`` tokens: the padding is one trailing
+    document (pad tokens attend only to padding, so real tokens never see them)."""
+    cu = tuple(int(x) for x in cu_seqlens)
+    return cu if cu[-1] == total else cu + (int(total),)
+
+
+def document_ids(cu_seqlens: Sequence[int], device=None) -> torch.Tensor:
+    """``[S]`` int64: the document index of each token."""
+    cu = torch.tensor(list(cu_seqlens), dtype=torch.int64, device=device)
+    return torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), cu.diff())
