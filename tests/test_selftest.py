@@ -1,12 +1,14 @@
 """``python -m ulysses_kernels.selftest``, run as users run it: installed, from a directory
 outside the checkout, on gloo ranks on the CPU.
 
-* every path this machine can run passes at 2 spawned ranks, and the JSON lists each one;
+* every path this machine can run passes at 2 spawned ranks (flat and 2-D Ulysses x ring
+  groups, plain and under activation checkpointing), and the JSON lists each one;
 * the torchrun launch at 3 ranks (an awkward world size) with ``--quick``;
 * deliberately broken kernel sets (one that corrupts one element on rank 1, one that
-  raises on rank 1 only, before the all-to-all its peer waits in) are FAILs with the
-  reason, the exit status is non-zero, and the ranks stay in step: the paths after them
-  run and pass;
+  raises on rank 1 only, before the all-to-all its peer waits in, one whose results drift
+  by 1e-13 a call, so a checkpointed run differs from the plain one) and a ring level that
+  corrupts its zigzag output on rank 1 are FAILs with the reason, the exit status is
+  non-zero, and the ranks stay in step: the paths after them run and pass;
 * the layouts have the properties their names promise at every world size.
 """
 
@@ -66,7 +68,9 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
     doc = load(tmp_path / "out" / "selftest.json", r)
     kernels = available_kernels()  # conftest sets TRITON_INTERPRET=1 here too
     assert "triton" in kernels and "torch" in kernels
-    expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k, c, layout in itertools.product(kernels, ("1", "2", "auto"), selftest.LAYOUTS)}
+    layouts = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring-1x2", "ring-1x2-zigzag")
+    expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k, c, layout in itertools.product(kernels, ("1", "2", "auto"), layouts)}
+    expected |= {f"{k}/torch-dist/chunks=1/{layout}/checkpoint" for k, layout in itertools.product(kernels, layouts)}
     paths = {p["path"]: p for p in doc["paths"]}
     assert len(doc["paths"]) == len(paths) and set(paths) == expected, sorted(set(paths) ^ expected)
     assert doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": len(expected), "FAIL": 0, "SKIP": 0}
@@ -76,6 +80,15 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
         assert p["max_error"] == max(p["errors"].values()) and p["bound"] == 1e-10 and p["time_ms"] > 0, p
         if p["chunks"] == 2:
             assert p["chunks_run"] == 2, p  # the chunked pipeline ran, not the unchunked op
+        assert set(p) == set(doc["paths"][0]), p  # every record has the same fields
+        # The checkpointed run is bit-equal to the plain one on the CPU.
+        assert p["checkpoint"] == p["path"].endswith("/checkpoint") and (p["checkpoint_diff"] is None) != p["checkpoint"], p
+        assert not p["checkpoint"] or set(p["checkpoint_diff"].values()) == {0.0}, p
+        two_d = p["layout"].startswith("ring-")
+        assert (p["ulysses_size"], p["ring_size"]) == ((1, 2) if two_d else (2, 1)), p
+        assert p["seq_layout"] == ("zigzag" if p["layout"].endswith("zigzag") else "contiguous"), p
+        assert p["backend"].startswith("ring(") == two_d, p
+        assert (p["cu_seqlens"] == [0, 1, 9, 11, 16]) if p["layout"] == "packed" else p["cu_seqlens"] is None, p
     # The layouts at 2 ranks: GQA with one KV head, 3 query heads, a 17-token sequence.
     gqa, heads, shards = (paths[f"torch/torch-dist/chunks=1/{name}"] for name in ("gqa", "uneven-heads", "uneven-shards"))
     assert gqa["kv_heads"] < 2 and heads["q_heads"] % 2 and sum(shards["seq_lens"]) % 2 and shards["seq_lens"] == split_lengths(sum(shards["seq_lens"]), 2)
@@ -101,7 +114,9 @@ def test_torchrun_at_three_ranks_quick(tmp_path):
     r = run(argv, tmp_path, env=user_env())
     assert r.returncode == 0, r.stdout + r.stderr
     doc = load(tmp_path / "q.json", r)
-    expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k in kernels for c in selftest.QUICK_CHUNKS for layout in selftest.QUICK_LAYOUTS}
+    layouts = ("gqa", "uneven-shards", "packed", "ring-1x3-zigzag")  # QUICK_LAYOUTS at 3 ranks
+    expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k in kernels for c in selftest.QUICK_CHUNKS for layout in layouts}
+    expected |= {f"{k}/torch-dist/chunks=1/{layout}/checkpoint" for k in kernels for layout in layouts}
     assert {p["path"] for p in doc["paths"]} == expected and doc["ok"] and doc["counts"]["PASS"] == len(expected)
     assert doc["settings"]["world_size"] == 3
     shards = next(p for p in doc["paths"] if p["layout"] == "uneven-shards")
@@ -140,8 +155,43 @@ class RaiseKernels(TorchKernels):
         L.pack_s2h(layout, tensors, roles, send, recv)
 
 
+class DriftKernels(TorchKernels):
+    """Rank 1 adds 1e-13 more to one element at every unpack: each call is within float64's
+    bound, but no two calls agree (a checkpointed run differs from the plain one)."""
+
+    name = "drift"
+    calls = 0
+
+    @staticmethod
+    def unpack_h2s(layout, blocks, roles, outs):
+        L.unpack_h2s(layout, blocks, roles, outs)
+        if layout.rank == 1:
+            DriftKernels.calls += 1
+            outs[0][(0,) * outs[0].dim()] += 1e-13 * DriftKernels.calls
+
+
 register_kernel_set(KernelSetSpec("corrupt", __name__, "CorruptKernels"))
 register_kernel_set(KernelSetSpec("raise-on-rank-1", __name__, "RaiseKernels"))
+register_kernel_set(KernelSetSpec("drift", __name__, "DriftKernels"))
+'''
+
+RING_FAULTS = '''
+"""A ring level whose zigzag output is wrong by 1 in one element on rank 1."""
+import torch.distributed as dist
+from ulysses_kernels.ring.attention import RingBackend
+
+_forward = RingBackend.forward
+
+
+def forward(self, q, k, v, **kw):
+    out, state = _forward(self, q, k, v, **kw)
+    if self.seq_layout == "zigzag" and dist.get_rank() == 1:
+        out = out.clone()
+        out[(0,) * out.dim()] += 1.0
+    return out, state
+
+
+RingBackend.forward = forward
 '''
 
 
@@ -151,12 +201,12 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
     # kernel set would be (--import); the checkout is still not on the path.
     argv = [
         sys.executable, "-m", "ulysses_kernels.selftest", "--spawn", "2", "--import", "selftest_faults",
-        "--kernels", "raise-on-rank-1,corrupt,torch", "--chunks", "1,2", "--layouts", "gqa", "--timeout", "8", "--json", "faults.json",
+        "--kernels", "raise-on-rank-1,corrupt,drift,torch", "--chunks", "1,2", "--layouts", "gqa", "--timeout", "8", "--json", "faults.json",
     ]  # fmt: skip
     r = run(argv, tmp_path, env=user_env(), timeout=300)
     assert r.returncode != 0, r.stdout + r.stderr
     doc = load(tmp_path / "faults.json", r)
-    assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 2, "FAIL": 4, "SKIP": 0}, doc["counts"]
+    assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 5, "FAIL": 7, "SKIP": 0}, doc["counts"]
     by = {p["path"]: p for p in doc["paths"]}
     for chunks in (1, 2):
         raised = by[f"raise-on-rank-1/torch-dist/chunks={chunks}/gqa"]
@@ -168,9 +218,40 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
         assert "out " in corrupt["message"] and "> bound" in corrupt["message"], corrupt
         # After both failures the ranks are in step: the next paths run and pass.
         assert by[f"torch/torch-dist/chunks={chunks}/gqa"]["status"] == "PASS", by
-    assert [p["path"].split("/")[0] for p in doc["paths"]] == ["raise-on-rank-1"] * 2 + ["corrupt"] * 2 + ["torch"] * 2
-    assert "2 passed, 4 failed" in r.stdout and "FAILED" in r.stdout and "deliberate failure on rank 1" in r.stdout
-    assert [s for _, _, s, _ in progress_lines(r.stderr)] == ["FAIL"] * 4 + ["PASS"] * 2, r.stderr
+        assert by[f"drift/torch-dist/chunks={chunks}/gqa"]["status"] == "PASS", by  # 1e-13 is within the bound
+    # Under checkpointing: drift's two runs differ (a FAIL that names the tensor), torch's are bit-equal.
+    drift = by["drift/torch-dist/chunks=1/gqa/checkpoint"]
+    assert drift["status"] == "FAIL" and drift["max_error"] <= drift["bound"] and 0 < drift["checkpoint_diff"]["out"] < 1e-11, drift
+    assert drift["message"].startswith("out under checkpoint differs from the plain run by"), drift
+    assert "bit-equal expected on the CPU" in drift["message"], drift
+    assert by["torch/torch-dist/chunks=1/gqa/checkpoint"]["status"] == "PASS", by
+    for kernels in ("raise-on-rank-1", "corrupt"):
+        assert by[f"{kernels}/torch-dist/chunks=1/gqa/checkpoint"]["status"] == "FAIL", by
+    kernel_sets = ["raise-on-rank-1", "corrupt", "drift", "torch"]
+    assert [p["path"].split("/")[0] for p in doc["paths"]] == [k for k in kernel_sets for _ in (1, 2)] + kernel_sets
+    assert "5 passed, 7 failed" in r.stdout and "FAILED" in r.stdout and "deliberate failure on rank 1" in r.stdout
+    assert [s for _, _, s, _ in progress_lines(r.stderr)] == ["FAIL"] * 4 + ["PASS"] * 4 + ["FAIL"] * 3 + ["PASS"], r.stderr
+
+
+def test_a_wrong_ring_level_fails_and_the_next_paths_pass(tmp_path):
+    (tmp_path / "selftest_ring_faults.py").write_text(textwrap.dedent(RING_FAULTS))
+    argv = [
+        sys.executable, "-m", "ulysses_kernels.selftest", "--spawn", "2", "--import", "selftest_ring_faults",
+        "--kernels", "torch", "--chunks", "1", "--layouts", "ring-zigzag,ring", "--json", "ring.json",
+    ]  # fmt: skip
+    r = run(argv, tmp_path, env=user_env(), timeout=300)
+    assert r.returncode != 0, r.stdout + r.stderr
+    doc = load(tmp_path / "ring.json", r)
+    assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 2, "FAIL": 2, "SKIP": 0}, doc["counts"]
+    status = {p["path"]: p["status"] for p in doc["paths"]}
+    assert status == {
+        "torch/torch-dist/chunks=1/ring-1x2-zigzag": "FAIL", "torch/torch-dist/chunks=1/ring-1x2-zigzag/checkpoint": "FAIL",
+        "torch/torch-dist/chunks=1/ring-1x2": "PASS", "torch/torch-dist/chunks=1/ring-1x2/checkpoint": "PASS",
+    }, status  # fmt: skip
+    zigzag = doc["paths"][0]
+    assert zigzag["errors"]["out"] >= 0.5 and zigzag["message"].startswith("out ") and zigzag["seq_layout"] == "zigzag", zigzag
+    assert [s for _, _, s, _ in progress_lines(r.stderr)] == ["FAIL", "FAIL", "PASS", "PASS"], r.stderr
+    assert "2 passed, 2 failed" in r.stdout and "FAILED" in r.stdout
 
 
 def test_bad_arguments_name_what_is_wrong(capsys):
@@ -183,15 +264,28 @@ def test_bad_arguments_name_what_is_wrong(capsys):
 
 @pytest.mark.parametrize("world", range(1, 10))
 def test_layouts_are_what_their_names_say(world):
-    cases = {c.name: c for c in selftest.make_cases(world, 8)}
-    assert list(cases) == list(selftest.LAYOUTS)
+    cases = {c.name: c for c in selftest.make_cases(world, 7)}  # 7: zigzag's shards still even
+    splits = selftest.ring_splits(world)
+    rings = [f"ring-{u}x{r}{s}" for s in ("", "-zigzag") for u, r in splits]
+    assert list(cases) == list(selftest.LAYOUTS[:5]) + rings
     for c in cases.values():
-        HeadPlan.build(c.q_heads, c.kv_heads, world)  # every layout can be planned
+        HeadPlan.build(c.q_heads, c.kv_heads, c.split[0] if c.split else world)  # every layout can be planned
         assert len(c.seq_lens) == world
+        if c.split:
+            u, r = c.split
+            assert u * r == world and r >= 2 and c.kv_heads < max(u, 2) and c.causal, c
+            assert len(set(c.seq_lens)) == 1 and c.seq_lens[0] % 2 == 0, c
+    assert splits == {1: [], 2: [(1, 2)], 3: [(1, 3)], 4: [(2, 2)], 6: [(3, 2), (2, 3)], 8: [(4, 2), (2, 4)], 9: [(3, 3)]}.get(world, splits)
     assert cases["mha"].q_heads == cases["mha"].kv_heads and cases["mha"].batch == 1
     assert cases["gqa"].kv_heads < cases["gqa"].q_heads
     assert cases["uneven-shards"].seq_lens == tuple(split_lengths(sum(cases["uneven-shards"].seq_lens), world))
+    packed = cases["packed"]
+    assert packed.batch == 1 and sum(packed.docs) == 7 * world and min(packed.docs) >= 1 and len(set(packed.docs)) > 1
+    assert packed.cu_seqlens[0] == 0 and packed.cu_seqlens[-1] == 7 * world
     if world >= 2:
+        assert min(packed.docs) < world  # a document shorter than the group
+        # and one that crosses a shard boundary
+        assert any(a < 7 * r < b for a, b in itertools.pairwise(packed.cu_seqlens) for r in range(1, world))
         assert cases["gqa"].kv_heads < world  # KV heads replicated across ranks
         assert cases["uneven-heads"].q_heads % world
         assert sum(cases["uneven-shards"].seq_lens) % world

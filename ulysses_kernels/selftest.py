@@ -5,7 +5,7 @@
     python -m ulysses_kernels.selftest --spawn 2             # 2 gloo ranks on the CPU
     python -m ulysses_kernels.selftest --json selftest.json  # also write every result as JSON
 
-A *path* is one kernel set x one communicator x one chunk count x one head layout:
+A *path* is one kernel set x one communicator x one chunk count x one layout:
 
 * kernel sets: every one ``kernels.available_kernels()`` lists here (on a CPU, ``cuda`` is
   the C++ extension's CPU twin of the CUDA kernels, and ``triton`` runs only with
@@ -19,11 +19,27 @@ A *path* is one kernel set x one communicator x one chunk count x one head layou
 * layouts, sized to the world ``P`` (``--seq-per-rank`` tokens per rank): ``mha`` (2P
   query and KV heads, batch 1: one all-to-all), ``gqa`` (2P query heads and the most KV
   heads below P that divide them), ``uneven-heads`` (P+1 query heads, no causal mask), ``uneven-shards`` (a
-  sequence that P does not divide, ``seq_lens`` from ``layout.split_lengths``).
+  sequence that P does not divide, ``seq_lens`` from ``layout.split_lengths``), ``packed``
+  (``gqa``'s heads, batch 1, documents of mixed lengths given as ``cu_seqlens``, one shorter
+  than P and one crossing a shard boundary: ``packed_documents``), and the 2-D group
+  (``make_sp_groups``, Ulysses inside groups of U ranks, ring attention across R = P/U) in
+  ``ring`` (contiguous shards) and ``ring-zigzag`` (``seq_layout="zigzag"``, the inputs
+  sharded with ``ring.shard_sequence``): one case ``ring-UxR`` per split of ``ring_splits``
+  (at 2 ranks 1x2, at 4 2x2, at 8 4x2 and 2x4; none at 1), 2U query heads over fewer KV
+  heads, causal. The 2-D groups are made once per run, in the same order on every rank (and
+  again after the group recovery below); their Ulysses level runs on torch.distributed, so
+  they are ``torch-dist`` paths only. Their groups are torch's defaults (``make_sp_groups``
+  takes no timeout): a ring path stuck waiting on a peer is ended by the hang watchdog below,
+  not by ``--timeout``;
+* checkpointing: per layout and kernel set one more path (``.../checkpoint``, chunks
+  ``CHECKPOINT_CHUNKS``) runs the op plainly and then under
+  ``torch.utils.checkpoint(..., use_reentrant=False)``, as training does: the checkpointed
+  run is checked against float64 like any path, and against the plain run (bit-equal on the
+  CPU; within the bound on a GPU, whose backward need not be deterministic).
 
 Each path runs ``ulysses_attention`` forward and backward once on every rank and compares
-out, dq, dk and dv with single-process float64 attention (``reference.attention_reference``)
-on the same device. Bound: 1e-10 for float64 inputs (the CPU default); in a lower precision
+out, dq, dk and dv with single-process float64 attention (``reference.attention_reference``,
+per document for ``packed``) on the same device. Bound: 1e-10 for float64 inputs (the CPU default); in a lower precision
 (bf16, the GPU default) at most 2x PyTorch's own error in that dtype on the same device
 (SDPA in one process against the same reference), per tensor. The time is that of the
 one checked call (first-call set-up included): a check, not a benchmark.
@@ -50,6 +66,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import itertools
 import json
 import os
 import pathlib
@@ -62,6 +79,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from . import info
 from .attention import ulysses_attention
@@ -71,24 +89,35 @@ from .comm import NCCLCommunicator, TorchCommunicator, nccl_available
 from .kernels import KERNEL_SETS, available_kernels, kernel_set_report
 from .layout import split_lengths
 from .reference import attention_reference, shard_sequence
+from .ring import SPGroups, make_sp_groups
+from .ring import shard_sequence as shard_2d
 from .testing import RanksFailed, run_ranks
 
 __all__ = ["LAYOUTS", "COMMS", "Case", "PathSpec", "make_cases", "main"]
 
 TENSORS = ("out", "dq", "dk", "dv")
 FLOAT64_BOUND = 1e-10  # as the tests: float64 all the way, only summation order differs
-LAYOUTS = ("mha", "gqa", "uneven-heads", "uneven-shards")
+LAYOUTS = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring", "ring-zigzag")
 COMMS = ("torch-dist", "nccl", "nccl-borrowed")
 CHUNKS = ("1", "2", "auto")
-QUICK_LAYOUTS = ("gqa", "uneven-shards")
+QUICK_LAYOUTS = ("gqa", "uneven-shards", "packed", "ring-zigzag")
 QUICK_CHUNKS = ("1", "2")
+# NOTE: the op's default. With chunks=2 and batch > 1 the op hangs under non-reentrant
+# checkpointing with torch's default early stop (the recompute stops with the pipeline's
+# all-to-alls in flight; measured on 2 gloo ranks; set_checkpoint_early_stop(False) runs):
+# checked here once the pipeline survives it.
+CHECKPOINT_CHUNKS = 1
 SPAWN_BACKSTOP_S = 3600  # run_ranks' deadline for the whole run (hangs are caught per path before)
 
 
 # ---- what runs -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
-    """One head layout: ``[batch, seq_lens[r], q_heads, head_dim]`` q on rank r."""
+    """One head layout: ``[batch, seq_lens[r], q_heads, head_dim]`` q on rank r.
+
+    ``split``: ``(ulysses_size, ring_size)`` of a 2-D group (``make_sp_groups``), whose shards
+    follow ``seq_layout``; ``None``: the flat group. ``docs``: the lengths of the packed
+    documents of the global sequence (``cu_seqlens``); ``None``: one sequence per batch row."""
 
     name: str
     q_heads: int
@@ -96,20 +125,29 @@ class Case:
     seq_lens: tuple[int, ...]
     batch: int
     causal: bool
+    split: tuple[int, int] | None = None
+    seq_layout: str = "contiguous"
+    docs: tuple[int, ...] | None = None
+
+    @property
+    def cu_seqlens(self) -> tuple[int, ...] | None:
+        return None if self.docs is None else (0, *itertools.accumulate(self.docs))
 
 
 @dataclass(frozen=True)
 class PathSpec:
-    """One kernel set x communicator x chunk count x layout."""
+    """One kernel set x communicator x chunk count x layout; ``checkpoint``: run once plainly
+    and once under activation checkpointing, the two runs compared."""
 
     kernels: str
     comm: str
     chunks: int | str
     case: Case
+    checkpoint: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.kernels}/{self.comm}/chunks={self.chunks}/{self.case.name}"
+        return f"{self.kernels}/{self.comm}/chunks={self.chunks}/{self.case.name}" + ("/checkpoint" if self.checkpoint else "")
 
 
 def _smallest_divisor(n: int) -> int:
@@ -117,17 +155,65 @@ def _smallest_divisor(n: int) -> int:
     return next((d for d in range(2, n) if n % d == 0), n)
 
 
+def _fewer_kv_heads(q_heads: int, ranks: int) -> int:
+    """The most KV heads below ``ranks`` that divide ``q_heads`` (1 at least)."""
+    return max([d for d in range(1, ranks) if q_heads % d == 0], default=1)
+
+
+def packed_documents(world: int, seq_per_rank: int) -> tuple[int, ...]:
+    """Document lengths of the ``packed`` layout's ``world * seq_per_rank`` tokens: one
+    shorter than the world (``world // 2`` tokens, 1 at least), one of a shard's length that
+    starts there and so crosses the first shard boundary, and the rest in two of mixed lengths."""
+    total, short = world * seq_per_rank, max(1, world // 2)
+    lengths = [short, min(seq_per_rank, total - short)]
+    rest = total - sum(lengths)
+    return tuple(n for n in lengths + [rest // 3, rest - rest // 3] if n)
+
+
+def ring_splits(world: int) -> list[tuple[int, int]]:
+    """The ``(ulysses_size, ring_size)`` splits the ring layouts run at ``world`` ranks: the
+    largest Ulysses group with a ring (ring size the smallest divisor above 1), and the
+    smallest Ulysses group above 1 with the longest ring (at 8 ranks 4x2 and 2x4, at 4 ranks
+    2x2, at 2 or 3 ranks one ring); none at one rank."""
+    if world < 2:
+        return []
+    d = _smallest_divisor(world)
+    return list(dict.fromkeys([(world // d, d)] + ([(d, world // d)] if world // d >= 2 else [])))
+
+
 def make_cases(world: int, seq_per_rank: int, names=LAYOUTS) -> list[Case]:
-    """The layouts ``names`` for a world of ``world`` ranks (see the module docstring)."""
+    """The layouts ``names`` for a world of ``world`` ranks (see the module docstring); the
+    ring layouts give one case per ``ring_splits(world)``, none at one rank."""
     p, s = world, seq_per_rank
     even = (s,) * p
     every = {
-        "mha": Case("mha", 2 * p, 2 * p, even, 1, True),
-        "gqa": Case("gqa", 2 * p, max([d for d in range(1, p) if 2 * p % d == 0], default=1), even, 2, True),
-        "uneven-heads": Case("uneven-heads", p + 1, _smallest_divisor(p + 1), even, 2, False),
-        "uneven-shards": Case("uneven-shards", 2 * p, 2, tuple(split_lengths(p * s + max(1, p // 2), p)), 2, True),
+        "mha": [Case("mha", 2 * p, 2 * p, even, 1, True)],
+        "gqa": [Case("gqa", 2 * p, _fewer_kv_heads(2 * p, p), even, 2, True)],
+        "uneven-heads": [Case("uneven-heads", p + 1, _smallest_divisor(p + 1), even, 2, False)],
+        "uneven-shards": [Case("uneven-shards", 2 * p, 2, tuple(split_lengths(p * s + max(1, p // 2), p)), 2, True)],
+        "packed": [Case("packed", 2 * p, _fewer_kv_heads(2 * p, p), even, 1, True, docs=packed_documents(p, s))],
     }
-    return [every[n] for n in names]
+    for layout, suffix in (("contiguous", ""), ("zigzag", "-zigzag")):
+        # Zigzag cuts each rank's shard in two halves: an even shard for every --seq-per-rank.
+        every["ring" + suffix] = [
+            Case(f"ring-{u}x{r}{suffix}", 2 * u, _fewer_kv_heads(2 * u, u), (s + s % 2,) * p, 2, True, (u, r), layout)
+            for u, r in ring_splits(p)
+        ]
+    return [c for n in names for c in every[n]]
+
+
+def make_paths(cases: list[Case], kernels: list[str], comms: list[str], chunks: list) -> list[PathSpec]:
+    """Per case: every kernel set x communicator x chunk count, then one checkpoint path per
+    kernel set (the first communicator, ``CHECKPOINT_CHUNKS``). A 2-D case runs its Ulysses
+    level on torch.distributed (the run's communicators belong to the flat group):
+    ``torch-dist`` only."""
+    paths = []
+    for case in cases:
+        usable = [c for c in comms if case.split is None or c == "torch-dist"]
+        paths += [PathSpec(k, comm, c, case) for k in kernels for comm in usable for c in chunks]
+        if usable:
+            paths += [PathSpec(k, usable[0], CHECKPOINT_CHUNKS, case, checkpoint=True) for k in kernels]
+    return paths
 
 
 def _chunk_value(text: str) -> int | str:
@@ -160,6 +246,15 @@ def _short(e: BaseException) -> str:
 
 def _max_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (x.detach().double() - ref).abs().max()
+
+
+def _per_document(case: Case, attend, q, k, v) -> torch.Tensor:
+    """``attend(q, k, v)`` over the global ``[B, S, H, D]`` sequence, or over each packed
+    document of ``case`` on its own (the outputs concatenated)."""
+    if case.docs is None:
+        return attend(q, k, v)
+    spans = list(itertools.pairwise(case.cu_seqlens))
+    return torch.cat([attend(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in spans], dim=1)
 
 
 class _Watchdog:
@@ -210,6 +305,7 @@ class _Rank:
         self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3 * self.timeout + 120))
         self.data = self._data_group()
         self.comms: dict = {}
+        self.sp: dict[tuple[int, int], SPGroups | str] = {}  # per ring split: its groups, or why none
 
     # -- exchanges, groups, communicators
     def gather(self, value) -> list:
@@ -270,6 +366,19 @@ class _Rank:
                 self.not_tested["comm nccl-borrowed"] = why
         self.comms = {n: c for n, c in comms.items() if n in wanted}
 
+    def make_sp_groups(self, splits) -> None:
+        """``self.sp``: the 2-D groups of each ``(ulysses_size, ring_size)`` split over the
+        data group, or why not (collective: every rank makes every group, in this order)."""
+        self.sp = {}
+        for split in splits:
+            made, mine = None, ""
+            try:
+                made = make_sp_groups(*split, group=self.data)
+            except (RuntimeError, ValueError) as e:
+                mine = _short(e)
+            why = self._why_not_everywhere(mine)
+            self.sp[split] = f"the 2-D group {split[0]}x{split[1]} could not be made: {why}" if why else made
+
     def _drain(self) -> bool:
         """True when this rank's device finishes its queued work within ``--timeout`` + 30 s
         (the native communicators' own watchdog aborts their work stuck for ``--timeout``,
@@ -298,6 +407,7 @@ class _Rank:
             self.stopped = f"after {after}, some rank's device did not finish its queued work (collectives out of step)"
             return
         self.data = self._data_group()
+        self.make_sp_groups(list(self.sp))  # the old ones may be out of step too
         if "torch-dist" in self.comms:
             self.comms["torch-dist"] = TorchCommunicator(self.data)
         if "nccl" in self.comms and any(self.gather(self.own_nccl.failure)):
@@ -338,7 +448,7 @@ class _Rank:
             shape_kv = (case.batch, seq, case.kv_heads, self.head_dim)
             inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)]
             full = [x.to(self.device).clone().requires_grad_() for x in inputs[:3]]
-            out = attention_reference(*full, causal=case.causal)
+            out = _per_document(case, lambda q, k, v: attention_reference(q, k, v, causal=case.causal), *full)
             out.backward(inputs[3].to(self.device))
             ref = [out.detach()] + [x.grad for x in full]
             if self.dtype == torch.float64:
@@ -358,19 +468,39 @@ class _Rank:
     def _torch_bounds(self, case: Case, inputs, ref) -> list[float]:
         """2x the error of one-process SDPA in ``self.dtype`` on this device, per tensor."""
         low = [x.to(self.device, self.dtype).clone().requires_grad_() for x in inputs[:3]]
-        q, k, v = (x.transpose(1, 2) for x in low)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=True).transpose(1, 2)
+        def sdpa(q, k, v):
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=True).transpose(1, 2)
+
+        out = _per_document(case, sdpa, *low)
         out.backward(inputs[3].to(self.device, self.dtype))
         errs = [_max_err(out, ref[0])] + [_max_err(x.grad, r) for x, r in zip(low, ref[1:])]
         return [2 * e.item() for e in errs]
 
     # -- one path
+    def _shard(self, x: torch.Tensor, case: Case) -> torch.Tensor:
+        """This rank's rows of the global ``x`` (``[B, S, ...]``) in ``case``'s layout."""
+        if case.split is None:
+            return shard_sequence(x, case.seq_lens, self.rank)
+        return shard_2d(x, self.sp[case.split], layout=case.seq_layout)
+
+    def _group(self, path: PathSpec):
+        """``group`` and ``comm`` of ``ulysses_attention`` for ``path``: a 2-D group runs its
+        Ulysses level on torch.distributed (the run's communicators are the flat group's)."""
+        case = path.case
+        if case.split is None:
+            return self.data, self.comms[path.comm]
+        return self.sp[case.split].with_layout(case.seq_layout), None
+
     def blank(self, path: PathSpec, status: str = "FAIL", message: str = "", bounds=None) -> dict:
         """The result record of ``path`` before it ran."""
         case = path.case
         return {
             "path": path.label, "kernels": path.kernels, "kernels_label": kernel_label(path.kernels, self.device),
             "comm": path.comm, "chunks": path.chunks, "chunks_run": None, "layout": case.name,
+            "ulysses_size": case.split[0] if case.split else self.world, "ring_size": case.split[1] if case.split else 1,
+            "seq_layout": case.seq_layout, "checkpoint": path.checkpoint, "checkpoint_diff": None,
+            "cu_seqlens": None if case.docs is None else list(case.cu_seqlens),
             "q_heads": case.q_heads, "kv_heads": case.kv_heads, "seq_lens": list(case.seq_lens), "batch": case.batch,
             "head_dim": self.head_dim, "causal": case.causal, "dtype": dtype_name(self.dtype), "backend": None,
             "status": status, "tensor": None, "max_error": None, "bound": None, "errors": None,
@@ -391,18 +521,19 @@ class _Rank:
         case = path.case
         inputs, ref, bounds = truth
         result = self.blank(path, bounds=bounds)
-        ref_shards = [shard_sequence(r, case.seq_lens, self.rank) for r in ref]
 
         # 1. Rank-local, no collective: what the call resolves to, and whether it can run.
         mine = {"error": None, "skip": "", "chunks": None, "backend": None}
         try:
-            shards = [shard_sequence(x, case.seq_lens, self.rank).to(self.device, self.dtype) for x in inputs]
+            ref_shards = [self._shard(r, case) for r in ref]
+            shards = [self._shard(x, case).to(self.device, self.dtype) for x in inputs]
+            group, comm = self._group(path)
             call = setup_attention(
-                *shards[:3], group=self.data, comm=self.comms[path.comm], plan=None, seq_lens=case.seq_lens,
-                causal=case.causal, softmax_scale=None, attn_fn=None, kernels=path.kernels, chunks=path.chunks, check=False,
+                *shards[:3], group=group, comm=comm, plan=None, seq_lens=case.seq_lens, causal=case.causal,
+                softmax_scale=None, attn_fn=None, kernels=path.kernels, chunks=path.chunks, check=False, cu_seqlens=case.cu_seqlens,
             )  # fmt: skip
             if not getattr(call.kernels, "supports", lambda _: True)(call.layout):
-                mine["skip"] = f"kernel set {path.kernels!r} does not take {self.world} ranks"
+                mine["skip"] = f"kernel set {path.kernels!r} does not take {call.layout.world_size} ranks"
             mine["chunks"], mine["backend"] = call.chunks, getattr(call.backend, "name", type(call.backend).__name__)
         except Exception as e:  # noqa: BLE001 - any failure of a path is its result, reported by every rank
             mine["error"] = _short(e)
@@ -433,46 +564,78 @@ class _Rank:
                 self.out_of_step = True
                 return result
 
-            # 3. Rank-local: errors and time (host syncs).
+            # 3. Rank-local: errors, the checkpointed run against the plain one, and time (host syncs).
             mine = {"error": None}
             try:
-                out, grads, elapsed = ran
+                runs, elapsed = ran
+                out, grads = runs[-1]
                 mine["errors"] = [_max_err(x, r).item() for x, r in zip((out, *grads), ref_shards)]
+                if path.checkpoint:
+                    plain = (runs[0][0], *runs[0][1])
+                    mine["diff"] = [(x.detach() - y.detach()).abs().max().item() for x, y in zip((out, *grads), plain)]
                 mine["ms"] = elapsed() * 1e3
             except Exception as e:  # noqa: BLE001 - as above
                 mine["error"] = _short(e)
             seen = self.gather(mine)
         if self._raised(result, [s["error"] for s in seen]):
             return result
+        return self._judge(result, seen, bounds)
+
+    def _judge(self, result: dict, seen: list[dict], bounds) -> dict:
+        """``result`` decided from every rank's errors (and checkpoint differences): each
+        tensor within its bound; a checkpointed run bit-equal to the plain one on the CPU,
+        within the bound on a GPU (whose backward need not be deterministic)."""
         worst = [max(s["errors"][i] for s in seen) for i in range(len(TENSORS))]
         bad = [i for i, (e, b) in enumerate(zip(worst, bounds)) if not e <= b]  # NaN fails too
         pick = bad[0] if bad else max(range(len(TENSORS)), key=lambda i: worst[i] / bounds[i] if bounds[i] else 0.0)
+        problems = [f"{TENSORS[i]} {worst[i]:.3e} > bound {bounds[i]:.1e}" for i in bad]
+        if "diff" in seen[0]:
+            diff = [max(s["diff"][i] for s in seen) for i in range(len(TENSORS))]
+            allowed = bounds if self.device.type == "cuda" else [0.0] * len(TENSORS)
+            result["checkpoint_diff"] = dict(zip(TENSORS, diff))
+            problems += [
+                f"{TENSORS[i]} under checkpoint differs from the plain run by {diff[i]:.3e} "
+                + (f"> bound {allowed[i]:.1e}" if allowed[i] else "(bit-equal expected on the CPU)")
+                for i in range(len(TENSORS)) if not diff[i] <= allowed[i]
+            ]  # fmt: skip
         result.update(
-            status="FAIL" if bad else "PASS", errors=dict(zip(TENSORS, worst)), time_ms=max(s["ms"] for s in seen),
-            tensor=TENSORS[pick], max_error=worst[pick], bound=bounds[pick],
-            message=", ".join(f"{TENSORS[i]} {worst[i]:.3e} > bound {bounds[i]:.1e}" for i in bad),
+            status="FAIL" if problems else "PASS", errors=dict(zip(TENSORS, worst)), time_ms=max(s["ms"] for s in seen),
+            tensor=TENSORS[pick], max_error=worst[pick], bound=bounds[pick], message=", ".join(problems),
         )  # fmt: skip
         return result
 
-    def _call(self, path: PathSpec, shards):
-        """Forward and backward on this rank: out, the grads, and a function giving the
-        elapsed seconds (called after the exchange: on a GPU it syncs)."""
-        q, k, v = (x.detach().clone().requires_grad_() for x in shards[:3])
-        case, cuda = path.case, self.device.type == "cuda"
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        out = ulysses_attention(
-            q, k, v, group=self.data, causal=case.causal, seq_lens=case.seq_lens, comm=self.comms[path.comm],
-            kernels=path.kernels, chunks=path.chunks,
+    def _attend(self, path: PathSpec, q, k, v) -> torch.Tensor:
+        group, comm = self._group(path)
+        case = path.case
+        return ulysses_attention(
+            q, k, v, group=group, causal=case.causal, seq_lens=case.seq_lens, comm=comm, kernels=path.kernels, chunks=path.chunks,
+            cu_seqlens=case.cu_seqlens,
         )  # fmt: skip
-        out.backward(shards[3])
-        if cuda:
-            end.record()
-            return out, (q.grad, k.grad, v.grad), lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
-        t1 = time.perf_counter()
-        return out, (q.grad, k.grad, v.grad), lambda: t1 - t0
+
+    def _call(self, path: PathSpec, shards):
+        """Forward and backward on this rank (plainly, then for a checkpoint path under
+        ``torch.utils.checkpoint``): ``(runs, elapsed)``, each run's out and grads, and a
+        function giving the last run's seconds (called after the exchange: on a GPU it syncs)."""
+        runs, elapsed, cuda = [], None, self.device.type == "cuda"
+        for checkpointed in (False, True) if path.checkpoint else (False,):
+            q, k, v = (x.detach().clone().requires_grad_() for x in shards[:3])
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            if checkpointed:
+                out = checkpoint(self._attend, path, q, k, v, use_reentrant=False)
+            else:
+                out = self._attend(path, q, k, v)
+            out.backward(shards[3])
+            if cuda:
+                end.record()
+                elapsed = lambda start=start, end=end: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]  # noqa: E731
+            else:
+                seconds = time.perf_counter() - t0
+                elapsed = lambda seconds=seconds: seconds  # noqa: E731
+            runs.append((out, (q.grad, k.grad, v.grad)))
+        return runs, elapsed
 
     def _hung(self, seconds: float, what: str, result: dict | None = None) -> None:
         """The watchdog's last words: rank 0 writes what there is (``result``: the path that hung)."""
@@ -510,7 +673,9 @@ class _Rank:
         self.make_communicators(wanted)
         # Communicators that are not here: left out by default, a FAIL when asked for.
         comms = self.settings["comms"] = [c for c in wanted if c in self.comms or args.comms]
-        paths = [PathSpec(kern, comm, c, case) for case in cases for kern in kernels for comm in comms for c in chunks]
+        paths = make_paths(cases, kernels, comms, chunks)
+        self._note_ring_left_out(cases, paths, args.layouts or (QUICK_LAYOUTS if args.quick else LAYOUTS))
+        self.make_sp_groups(list(dict.fromkeys(p.case.split for p in paths if p.case.split)))
         progress = Progress(len(paths), self.rank == 0, "selftest")
         differ = "" if all(k == kernels for k in every_rank) else "ranks list different kernel sets: " + "; ".join(
             f"rank {r}: {k}" for r, k in enumerate(every_rank)
@@ -525,6 +690,8 @@ class _Rank:
                     result = self.blank(path, message=f"not run: {truth}")
                 elif path.comm not in self.comms:
                     result = self.blank(path, message=f"not run: {self.not_tested.get('comm ' + path.comm, 'not available')}")
+                elif isinstance(self.sp.get(path.case.split), str):
+                    result = self.blank(path, message=f"not run: {self.sp[path.case.split]}")
                 else:
                     result = self.run_path(path, truth)
                 self.results.append(result)
@@ -535,6 +702,14 @@ class _Rank:
             report(self.results, self.env, self.settings, self.not_tested, args)
         dist.barrier(group=self.control)  # rank 0 has written everything before any rank exits
         return not any(r["status"] == "FAIL" for r in self.results)
+
+    def _note_ring_left_out(self, cases: list[Case], paths: list[PathSpec], names) -> None:
+        """``not_tested``: why a ring layout asked for has no path."""
+        for name in (n for n in names if n.startswith("ring")):
+            if not any(c.name.startswith("ring-") and c.seq_layout == ("zigzag" if "zigzag" in name else "contiguous") for c in cases):
+                self.not_tested[f"layout {name}"] = f"needs at least 2 ranks (ring_size >= 2), this run has {self.world}"
+            elif not any(p.case.split for p in paths):
+                self.not_tested[f"layout {name}"] = "runs with comm torch-dist only (not in --comms)"
 
     def close(self) -> None:
         if self.own_nccl is not None:
@@ -556,6 +731,7 @@ def _table(results: list[dict]) -> str:
     for r in results:
         heads = f"{r['q_heads']}q/{r['kv_heads']}kv"
         seq = f"{r['batch']}x{sum(r['seq_lens'])}" + ("" if len(set(r["seq_lens"])) == 1 else " uneven")
+        seq += f" {len(r['cu_seqlens']) - 1} docs" if r["cu_seqlens"] else ""
         err = "" if r["max_error"] is None else f"{r['tensor']} {r['max_error']:.2e}"
         bound = "" if r["bound"] is None else f"{r['bound']:.1e}"
         ms = "" if r["time_ms"] is None else f"{r['time_ms']:.1f}"
