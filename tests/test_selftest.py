@@ -201,12 +201,13 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
     # kernel set would be (--import); the checkout is still not on the path.
     argv = [
         sys.executable, "-m", "ulysses_kernels.selftest", "--spawn", "2", "--import", "selftest_faults",
-        "--kernels", "raise-on-rank-1,corrupt,drift,torch", "--chunks", "1,2", "--layouts", "gqa", "--timeout", "8", "--json", "faults.json",
+        "--kernels", "raise-on-rank-1,corrupt,drift,torch", "--chunks", "1,2", "--layouts", "gqa,ring", "--timeout", "8",
+        "--json", "faults.json",
     ]  # fmt: skip
     r = run(argv, tmp_path, env=user_env(), timeout=300)
     assert r.returncode != 0, r.stdout + r.stderr
     doc = load(tmp_path / "faults.json", r)
-    assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 5, "FAIL": 7, "SKIP": 0}, doc["counts"]
+    assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 17, "FAIL": 7, "SKIP": 0}, doc["counts"]
     by = {p["path"]: p for p in doc["paths"]}
     for chunks in (1, 2):
         raised = by[f"raise-on-rank-1/torch-dist/chunks={chunks}/gqa"]
@@ -228,9 +229,14 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
     for kernels in ("raise-on-rank-1", "corrupt"):
         assert by[f"{kernels}/torch-dist/chunks=1/gqa/checkpoint"]["status"] == "FAIL", by
     kernel_sets = ["raise-on-rank-1", "corrupt", "drift", "torch"]
-    assert [p["path"].split("/")[0] for p in doc["paths"]] == [k for k in kernel_sets for _ in (1, 2)] + kernel_sets
-    assert "5 passed, 7 failed" in r.stdout and "FAILED" in r.stdout and "deliberate failure on rank 1" in r.stdout
-    assert [s for _, _, s, _ in progress_lines(r.stderr)] == ["FAIL"] * 4 + ["PASS"] * 4 + ["FAIL"] * 3 + ["PASS"], r.stderr
+    assert [p["path"].split("/")[0] for p in doc["paths"]] == ([k for k in kernel_sets for _ in (1, 2)] + kernel_sets) * 2
+    # The 2-D group after the group recovery (made again with the new data group): every
+    # path passes (its Ulysses groups have one rank: none of the faults fires there).
+    ring = [p for p in doc["paths"] if p["layout"] == "ring-1x2"]
+    assert len(ring) == 12 and all(p["status"] == "PASS" for p in ring), ring
+    assert "17 passed, 7 failed" in r.stdout and "FAILED" in r.stdout and "deliberate failure on rank 1" in r.stdout
+    statuses = ["FAIL"] * 4 + ["PASS"] * 4 + ["FAIL"] * 3 + ["PASS"] + ["PASS"] * 12
+    assert [s for _, _, s, _ in progress_lines(r.stderr)] == statuses, r.stderr
 
 
 def test_a_wrong_ring_level_fails_and_the_next_paths_pass(tmp_path):
