@@ -102,10 +102,12 @@ COMMS = ("torch-dist", "nccl", "nccl-borrowed")
 CHUNKS = ("1", "2", "auto")
 QUICK_LAYOUTS = ("gqa", "uneven-shards", "packed", "ring-zigzag")
 QUICK_CHUNKS = ("1", "2")
-# NOTE: the op's default. With chunks=2 and batch > 1 the op hangs under non-reentrant
-# checkpointing with torch's default early stop (the recompute stops with the pipeline's
-# all-to-alls in flight; measured on 2 gloo ranks; set_checkpoint_early_stop(False) runs):
-# checked here once the pipeline survives it.
+# NOTE: the op's default. With chunks=2 (seen at batch 2) the op fails intermittently under
+# non-reentrant checkpointing: on 2 gloo ranks about one run in two ends in a collective
+# timeout, with or without the early stop. The chunked backward's first attention backward
+# unpacks the checkpoint, whose recompute (the input check's all-gather, the forward's
+# all-to-alls) runs while the backward's next all-to-all is in flight on the same group.
+# chunks=1: 12 of 12 runs passed. Checked here with chunks=2 once the pipeline orders them.
 CHECKPOINT_CHUNKS = 1
 SPAWN_BACKSTOP_S = 3600  # run_ranks' deadline for the whole run (hangs are caught per path before)
 
@@ -113,7 +115,7 @@ SPAWN_BACKSTOP_S = 3600  # run_ranks' deadline for the whole run (hangs are caug
 # ---- what runs -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
-    """One head layout: ``[batch, seq_lens[r], q_heads, head_dim]`` q on rank r.
+    """One layout: ``[batch, seq_lens[r], q_heads, head_dim]`` q on rank r.
 
     ``split``: ``(ulysses_size, ring_size)`` of a 2-D group (``make_sp_groups``), whose shards
     follow ``seq_layout``; ``None``: the flat group. ``docs``: the lengths of the packed
@@ -468,6 +470,7 @@ class _Rank:
     def _torch_bounds(self, case: Case, inputs, ref) -> list[float]:
         """2x the error of one-process SDPA in ``self.dtype`` on this device, per tensor."""
         low = [x.to(self.device, self.dtype).clone().requires_grad_() for x in inputs[:3]]
+
         def sdpa(q, k, v):
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
             return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=True).transpose(1, 2)
