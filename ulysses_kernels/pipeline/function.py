@@ -104,11 +104,21 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         # buffers and outputs live in the attention graphs' saved tensors, which
         # checkpointing and saved-tensor hooks see; docs/design.md).
         ctx.states = states
+        # A 0-element marker, saved last: under activation checkpointing (non-reentrant) the
+        # backward reads it before it posts any exchange, so the checkpoint's recompute (this
+        # forward's collectives again) runs then, with nothing of ours in flight, on every
+        # rank at the same point (otherwise the first chunk's attention backward would set it
+        # off while the next chunk's dout exchange is posted: the ranks' collectives then
+        # interleave, measured to hang on gloo at batch 2). Saved after the last exchange has
+        # finished, it also keeps the checkpoint's early stop from cutting this forward short
+        # with exchanges in flight.
+        ctx.save_for_backward(q.new_empty(0))
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
+        (_marker,) = ctx.saved_tensors  # a pending checkpoint recompute runs here (see forward)
         call = ctx.call
         layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
         sched = build_schedule(layout, call.chunks, call.split_groups)
