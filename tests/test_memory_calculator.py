@@ -14,7 +14,9 @@ off, GQA with fewer KV heads than ranks, batch 1 and 2, and a Llama whose MLP is
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
 import re
 import shlex
 import sys
@@ -113,8 +115,16 @@ def test_activations_match_a_measurement_on_2_ranks():
     run_ranks(_all_cases, 2)
 
 
+def _one_process_misses() -> list[str]:
+    return [m for case in CASES for m in _measure(case, 0, 1)]
+
+
 def test_activations_match_a_measurement_on_1_process():
-    misses = [m for case in CASES for m in _measure(case, 0, 1)]
+    # In a fresh process, as a user's training runs: in pytest's own process, state that
+    # earlier tests leave behind (measured: after tests/test_compile.py's torch.compile runs)
+    # adds up to 16 KB to the bf16 forward peaks here.
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        misses = pool.submit(_one_process_misses).result(timeout=600)
     assert not misses, "\n".join(misses)
 
 
