@@ -31,6 +31,8 @@ from ulysses_kernels.kernels import available_kernels
 from ulysses_kernels.layout import split_lengths
 from ulysses_kernels.plan import HeadPlan
 
+CK = selftest.CHECKPOINT_CHUNKS  # the chunk count of the checkpoint paths
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -70,7 +72,7 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
     assert "triton" in kernels and "torch" in kernels
     layouts = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring-1x2", "ring-1x2-zigzag")
     expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k, c, layout in itertools.product(kernels, ("1", "2", "auto"), layouts)}
-    expected |= {f"{k}/torch-dist/chunks=1/{layout}/checkpoint" for k, layout in itertools.product(kernels, layouts)}
+    expected |= {f"{k}/torch-dist/chunks={CK}/{layout}/checkpoint" for k, layout in itertools.product(kernels, layouts)}
     paths = {p["path"]: p for p in doc["paths"]}
     assert len(doc["paths"]) == len(paths) and set(paths) == expected, sorted(set(paths) ^ expected)
     assert doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": len(expected), "FAIL": 0, "SKIP": 0}
@@ -116,7 +118,7 @@ def test_torchrun_at_three_ranks_quick(tmp_path):
     doc = load(tmp_path / "q.json", r)
     layouts = ("gqa", "uneven-shards", "packed", "ring-1x3-zigzag")  # QUICK_LAYOUTS at 3 ranks
     expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k in kernels for c in selftest.QUICK_CHUNKS for layout in layouts}
-    expected |= {f"{k}/torch-dist/chunks=1/{layout}/checkpoint" for k in kernels for layout in layouts}
+    expected |= {f"{k}/torch-dist/chunks={CK}/{layout}/checkpoint" for k in kernels for layout in layouts}
     assert {p["path"] for p in doc["paths"]} == expected and doc["ok"] and doc["counts"]["PASS"] == len(expected)
     assert doc["settings"]["world_size"] == 3
     shards = next(p for p in doc["paths"] if p["layout"] == "uneven-shards")
@@ -221,13 +223,13 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
         assert by[f"torch/torch-dist/chunks={chunks}/gqa"]["status"] == "PASS", by
         assert by[f"drift/torch-dist/chunks={chunks}/gqa"]["status"] == "PASS", by  # 1e-13 is within the bound
     # Under checkpointing: drift's two runs differ (a FAIL that names the tensor), torch's are bit-equal.
-    drift = by["drift/torch-dist/chunks=1/gqa/checkpoint"]
+    drift = by[f"drift/torch-dist/chunks={CK}/gqa/checkpoint"]
     assert drift["status"] == "FAIL" and drift["max_error"] <= drift["bound"] and 0 < drift["checkpoint_diff"]["out"] < 1e-11, drift
     assert drift["message"].startswith("out under checkpoint differs from the plain run by"), drift
     assert "bit-equal expected on the CPU" in drift["message"], drift
-    assert by["torch/torch-dist/chunks=1/gqa/checkpoint"]["status"] == "PASS", by
+    assert by[f"torch/torch-dist/chunks={CK}/gqa/checkpoint"]["status"] == "PASS", by
     for kernels in ("raise-on-rank-1", "corrupt"):
-        assert by[f"{kernels}/torch-dist/chunks=1/gqa/checkpoint"]["status"] == "FAIL", by
+        assert by[f"{kernels}/torch-dist/chunks={CK}/gqa/checkpoint"]["status"] == "FAIL", by
     kernel_sets = ["raise-on-rank-1", "corrupt", "drift", "torch"]
     assert [p["path"].split("/")[0] for p in doc["paths"]] == ([k for k in kernel_sets for _ in (1, 2)] + kernel_sets) * 2
     # The 2-D group after the group recovery (made again with the new data group): every
@@ -251,8 +253,8 @@ def test_a_wrong_ring_level_fails_and_the_next_paths_pass(tmp_path):
     assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 2, "FAIL": 2, "SKIP": 0}, doc["counts"]
     status = {p["path"]: p["status"] for p in doc["paths"]}
     assert status == {
-        "torch/torch-dist/chunks=1/ring-1x2-zigzag": "FAIL", "torch/torch-dist/chunks=1/ring-1x2-zigzag/checkpoint": "FAIL",
-        "torch/torch-dist/chunks=1/ring-1x2": "PASS", "torch/torch-dist/chunks=1/ring-1x2/checkpoint": "PASS",
+        "torch/torch-dist/chunks=1/ring-1x2-zigzag": "FAIL", f"torch/torch-dist/chunks={CK}/ring-1x2-zigzag/checkpoint": "FAIL",
+        "torch/torch-dist/chunks=1/ring-1x2": "PASS", f"torch/torch-dist/chunks={CK}/ring-1x2/checkpoint": "PASS",
     }, status  # fmt: skip
     zigzag = doc["paths"][0]
     assert zigzag["errors"]["out"] >= 0.5 and zigzag["message"].startswith("out ") and zigzag["seq_layout"] == "zigzag", zigzag

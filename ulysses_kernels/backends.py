@@ -27,6 +27,7 @@ head order) so that the chunked pipeline can split the query heads and stay bit-
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -34,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 __all__ = [
     "AttentionBackend",
@@ -51,6 +53,7 @@ __all__ = [
     "math_attention_lse",
     "math_attention_lse_backward",
     "save_tensors",
+    "one_recompute",
     "doc_kwargs",
     "per_document",
 ]
@@ -167,6 +170,21 @@ def save_tensors(*tensors: torch.Tensor):
     dummy = torch.empty(0, device=tensors[0].device, requires_grad=True)
     with torch.enable_grad():
         return _SavedTensors.apply(dummy, *tensors).grad_fn
+
+
+def one_recompute():
+    """A context for a backward that runs nested backward passes (``torch.autograd.grad`` over
+    attention graphs, as ``AttentionBackend.backward`` does): under non-reentrant activation
+    checkpointing each nested pass is a graph task of its own, and the checkpoint would run
+    its recompute (the region's forward: our collectives again) once per nested pass, at
+    points that differ between ranks whose chunks hold no heads (a hang). Inside one
+    ``torch.utils.checkpoint.GraphExecGroup`` the region is recomputed once, at the first
+    unpack. An enclosing group (the caller's) is used as it is; torch without the class
+    (older than 2.9): a no-op."""
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    if group is None or torch._C._get_graph_exec_group() is not None:
+        return contextlib.nullcontext()
+    return group()
 
 
 class AttentionBackend:

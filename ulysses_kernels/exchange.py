@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from . import layout as L
-from .backends import doc_kwargs
+from .backends import doc_kwargs, one_recompute
 from .kernels import TorchKernels
 from .layout import Q_ONLY, QKV, Layout
 
@@ -224,14 +224,19 @@ class LocalAttention(torch.autograd.Function):
             q, k, v, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=needs_grad, **doc_kwargs(call.docs)
         )  # fmt: skip
         ctx.call, ctx.state = call, state
+        # Read first in backward: a pending checkpoint recompute runs then, once, for the
+        # nested passes of the backend's backward too (``backends.one_recompute``).
+        ctx.save_for_backward(q.new_empty(0))
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        backend, state = ctx.call.backend, ctx.state
-        ctx.state = None
-        return (None, *backend.backward(state, dout))
+        with one_recompute():
+            (_marker,) = ctx.saved_tensors
+            backend, state = ctx.call.backend, ctx.state
+            ctx.state = None
+            return (None, *backend.backward(state, dout))
 
 
 def eager_attention(q, k, v, call):

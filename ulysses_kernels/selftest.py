@@ -102,12 +102,9 @@ COMMS = ("torch-dist", "nccl", "nccl-borrowed")
 CHUNKS = ("1", "2", "auto")
 QUICK_LAYOUTS = ("gqa", "uneven-shards", "packed", "ring-zigzag")
 QUICK_CHUNKS = ("1", "2")
-# NOTE: chunks=1 (the op's default). The chunked pipeline under non-reentrant checkpointing
-# hung at batch 2 when the checkpoint's recompute ran while the backward's next exchange was
-# in flight; the pipeline now reads a marker first (pipeline/function.py, tested in
-# tests/test_checkpoint.py), but with chunks=2 the uneven-heads layout here (3 query heads on
-# 2 gloo ranks) still timed out in its checkpointed run (measured once, 300 s): open.
-CHECKPOINT_CHUNKS = 1
+# The chunked pipeline (its exchanges in flight while attention runs, nested backward
+# passes per chunk) is the path that met the checkpoint's recompute badly: checked here.
+CHECKPOINT_CHUNKS = 2
 SPAWN_BACKSTOP_S = 3600  # run_ranks' deadline for the whole run (hangs are caught per path before)
 
 

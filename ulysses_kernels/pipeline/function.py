@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import AttentionBackend, KVGradSum, doc_kwargs, gather_kv, kv_index, scatter_kv_grads
+from ..backends import AttentionBackend, KVGradSum, doc_kwargs, gather_kv, kv_index, one_recompute, scatter_kv_grads
 from ..comm import AsyncChannel
 from ..exchange import post_head_to_seq, post_seq_to_head
 from ..layout import Q_ONLY, QKV, Layout
@@ -118,7 +118,12 @@ class ChunkedAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        (_marker,) = ctx.saved_tensors  # a pending checkpoint recompute runs here (see forward)
+        with one_recompute():
+            (_marker,) = ctx.saved_tensors  # a pending checkpoint recompute runs here (see forward)
+            return ChunkedAttentionFunction._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         call = ctx.call
         layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
         sched = build_schedule(layout, call.chunks, call.split_groups)
