@@ -64,6 +64,18 @@ def wire_seconds(send_to: list[float], recv_from: list[float], rank: int, gpus_p
     return t
 
 
+def exchange_seconds(heads_s2h: list[int], heads_h2s: list[int], head_bytes: float, gpus_per_node: int, nvl: float, ib: float) -> float:
+    """The slowest rank's sequence-to-head exchange of ``heads_s2h[p]`` heads per rank ``p``
+    followed by the head-to-sequence one of ``heads_h2s[p]`` (``head_bytes``: one head of one
+    rank's tokens); the group is ranks ``0 .. len(heads_s2h) - 1``."""
+    n, t = len(heads_s2h), 0.0
+    for r in range(n):
+        s2h = wire_seconds([head_bytes * heads_s2h[p] for p in range(n)], [head_bytes * heads_s2h[r]] * n, r, gpus_per_node, nvl, ib)
+        h2s = wire_seconds([head_bytes * heads_h2s[r]] * n, [head_bytes * heads_h2s[p] for p in range(n)], r, gpus_per_node, nvl, ib)
+        t = max(t, s2h + h2s)
+    return t
+
+
 def model_layer(Hq, Hkv, P, S, args) -> dict | None:
     """Seconds per layer for one pass direction set; None when the plan is impossible."""
     try:
@@ -79,15 +91,7 @@ def model_layer(Hq, Hkv, P, S, args) -> dict | None:
     qkv = [hq[r] + 2 * hkv[r] for r in range(P)]
 
     # ours: s2h of q/k/v (fwd) and of dout (bwd); h2s of the output (fwd) and dq/dk/dv (bwd)
-    def ours_wire(heads_s2h, heads_h2s):
-        t = 0.0
-        for r in range(P):
-            s2h = wire_seconds([s * tok * heads_s2h[p] for p in range(P)], [s * tok * heads_s2h[r]] * P, r, G, nvl, ib)
-            h2s = wire_seconds([s * tok * heads_h2s[r]] * P, [s * tok * heads_h2s[p] for p in range(P)], r, G, nvl, ib)
-            t = max(t, s2h + h2s)
-        return t
-
-    wire = {"fwd": ours_wire(qkv, hq), "bwd": ours_wire(hq, qkv)}
+    wire = {"fwd": exchange_seconds(qkv, hq, s * tok, G, nvl, ib), "bwd": exchange_seconds(hq, qkv, s * tok, G, nvl, ib)}
     send_qkv = s * tok * (Hq + 2 * plan.kv_sent)  # the pack writes every byte sent, once
     lay = {"fwd": 2 * (send_qkv + s * tok * Hq) / hbm, "bwd": 2 * (s * tok * Hq + send_qkv) / hbm}
 
@@ -125,13 +129,6 @@ def model_hybrid(Hq, Hkv, U, R, S, args) -> dict | None:
     hq, hkv = [plan.q_count(r) for r in range(U)], [plan.kv_count(r) for r in range(U)]
     qkv = [hq[r] + 2 * hkv[r] for r in range(U)]
 
-    def a2a(heads_s2h, heads_h2s):
-        t = 0.0
-        for r in range(U):
-            s2h = wire_seconds([s * tok * heads_s2h[p] for p in range(U)], [s * tok * heads_s2h[r]] * U, r, G, nvl, ib)
-            h2s = wire_seconds([s * tok * heads_h2s[r]] * U, [s * tok * heads_h2s[p] for p in range(U)], r, G, nvl, ib)
-            t = max(t, s2h + h2s)
-        return t
 
     flops_fwd = 4 * B * S * S * max(hq) * D / 2 / R
     step_c = {"fwd": flops_fwd / R / (args.fwd_tflops * 1e12), "bwd": 2.5 * flops_fwd / R / (args.bwd_tflops * 1e12)}
@@ -143,7 +140,7 @@ def model_hybrid(Hq, Hkv, U, R, S, args) -> dict | None:
     return {
         "plan": plan,
         "compute": {p: R * step_c[p] for p in ring},
-        "ulysses": {"fwd": a2a(qkv, hq), "bwd": a2a(hq, qkv)},
+        "ulysses": {"fwd": exchange_seconds(qkv, hq, s * tok, G, nvl, ib), "bwd": exchange_seconds(hq, qkv, s * tok, G, nvl, ib)},
         "ring_wire": {p: (R - 1) * step_w[p] for p in ring},
         "ring": ring,
         "layout": {"fwd": 2 * (send_qkv + s * tok * Hq) / hbm, "bwd": 2 * (s * tok * Hq + send_qkv) / hbm},
