@@ -17,9 +17,9 @@ the 2 ranks (``make_sp_groups(1, 2)``: ``RingBackend``, whose state keeps its te
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
+from test_memory import _settled_collectives  # noqa: E402
 from torch.utils.checkpoint import checkpoint
 
 from ulysses_kernels import make_sp_groups, ulysses_attention
@@ -81,20 +81,6 @@ class _CopyHooks:
         return t
 
 
-def _op_bytes(tracker, settle: bool) -> int:
-    """Bytes the op's own sites hold. ``settle``: wait (at most 5 s) for gloo to let go of a
-    finished collective's tensors: its worker thread drops the work, and with it the tensors
-    (here the last layer's attention output and its receive buffer), a moment after
-    ``wait()`` returns (seen in about one run in three on a loaded machine). Tensors the op
-    itself keeps stay alive and still fail the test."""
-    deadline = time.monotonic() + (5.0 if settle else 0.0)
-    while True:
-        n = sum(n for label, n in tracker.live().items() if not label.startswith("test_checkpoint."))
-        if n == 0 or time.monotonic() > deadline:
-            return n
-        time.sleep(0.01)
-
-
 def _run(rank, hq, hkv, chunks, group, mode):
     """Gradients of the toy's loss and the bytes the op's own sites hold after the forward."""
     weights = _weights(hq, hkv, seed=1)
@@ -112,13 +98,23 @@ def _run(rank, hq, hkv, chunks, group, mode):
         loss = _forward(x0, weights, hkv, chunks, group, mode).square().sum()
     # Labels are "module.function:name" of the allocating frame: the toy's own (this file)
     # are layer outputs, projections and the hooks' copies; the op's are everything else.
-    op_bytes = _op_bytes(tracker, settle=mode in FREEING)
+    op_bytes = sum(n for label, n in tracker.live().items() if not label.startswith("test_checkpoint."))
     loss.backward()
     grads = [x0.grad] + [w.grad for ws in weights for w in ws]
     return grads, op_bytes, hooks.packed
 
 
 def _body(rank, world):
+    # Collectives that return once gloo has let go of their tensors (test_memory's): else
+    # gloo's worker can still hold the last layer's output right after wait().
+    restore = _settled_collectives()
+    try:
+        _checks(rank, world)
+    finally:
+        restore()
+
+
+def _checks(rank, world):
     ring = make_sp_groups(1, world)
     for name, (hq, hkv, on_ring) in LAYOUTS.items():
         group = ring if on_ring else None
