@@ -196,6 +196,15 @@ def check_errors(rank, world, pair):
     # Ranks that disagree on the batch: every rank raises after the one exchange.
     bad = ids[:, : SEQ - 1] if rank == 0 else ids
     _raises("different batches", hf.shard_batch, bad)
+    # The same shape and target count, other tokens (a sampler that shards by global rank):
+    # caught by the content fingerprint; so are targets alone and document boundaries alone.
+    _raises("different batches", hf.shard_batch, ids.roll(rank, dims=1), ids.roll(rank, dims=1))
+    other_labels = ids.clone()
+    other_labels[:, 1 + rank] = -100
+    _raises("different batches", hf.shard_batch, ids, other_labels)
+    _raises("different batches", hf.shard_batch, ids[:1], cu_seqlens=[0, 3 + rank, SEQ])
+    # The same batch on every rank, the fingerprint the same: no error (checked above too).
+    assert hf.shard_batch(ids, ids.clone()).num_tokens == hf.shard_batch(ids).num_tokens
 
     # A group that does not match: the model runs over the world, the batch was sharded
     # over a pair of ranks.

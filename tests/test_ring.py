@@ -4,8 +4,10 @@ single-process attention, for every (ulysses, ring) split of 4, 6 and 8 ranks, c
 not, contiguous and zigzag, with KV heads fewer than the Ulysses size and query heads that
 do not divide it. One launch per world size: every configuration runs inside the ranks."""
 
+import datetime
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -295,3 +297,17 @@ def _misuse(rank, sp):
 
 def test_ring_exact_on_gloo_ranks():
     run_ranks(_rank_all_splits, 8, timeout_s=300)
+
+
+def _rank_group_timeout(rank, world):
+    sp = uk.make_sp_groups(2, 1, timeout=datetime.timedelta(seconds=2))
+    if rank == 0:  # its peer never joins: the groups' own timeout ends the wait, not the world's
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="(?i)timed out"):
+            dist.all_reduce(torch.ones(1), group=sp.ulysses_group)
+        assert time.monotonic() - start < 20
+    dist.barrier()
+
+
+def test_make_sp_groups_timeout_reaches_the_groups():
+    run_ranks(_rank_group_timeout, 2, timeout_s=60)

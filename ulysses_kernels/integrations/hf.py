@@ -250,8 +250,11 @@ def shard_batch(
             ``True``: pad the sequence with ``pad_token_id`` up to a multiple of the world
             size (targets ``-100``, positions continuing); the padding comes last, so
             causal attention never lets a real token see it. Both are exact.
-        check: exchange ``(batch, seq, target count)`` across the group once, so that ranks
-            fed different batches raise the same error on every rank.
+        check: exchange ``(batch, seq, target count, a fingerprint of the tokens, targets and
+            document boundaries)`` across the group once (one all-gather of 6 integers), so
+            that ranks fed different batches raise the same error on every rank, including
+            batches of the same shape (a sampler that shards by global rank instead of by
+            data-parallel rank).
         cu_seqlens: a packed batch's document boundaries ``(0, ..., seq)`` (a list or an
             integer tensor), instead of restarting ``position_ids``. Packed: attention stays
             inside each document, positions restart per document, the last token of each
@@ -277,7 +280,8 @@ def shard_batch(
             )
     shifted, num_tokens = _shift_labels(labels, ignore_index, cu)
     if check and world > 1:
-        _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu))
+        _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu),
+                          _fingerprint(input_ids, shifted, cu))
 
     docs = None if cu is None else documents(pad_documents(cu, total))
     if docs is None:
@@ -399,12 +403,33 @@ def _shift_labels(labels: torch.Tensor, ignore_index: int, cu=None) -> tuple[tor
     return shifted, int((shifted != -100).sum())
 
 
-def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int, bounds: int) -> None:
-    """One all-gather of ``(batch, seq, padded length, target count, document boundaries)``:
-    ranks fed different batches raise the same error on every rank. Collective."""
-    everyone = get_communicator(group).all_gather_ints([bsz, seq, total, num_tokens, bounds], device)
+def _fingerprint(input_ids: torch.Tensor, shifted: torch.Tensor, cu) -> int:
+    """A 63-bit fingerprint of the batch's tokens, shifted targets and document boundaries:
+    position-weighted sums in wrapping int64 arithmetic (exact, so the same batch gives the
+    same value on any device and in any summation order; one host sync)."""
+    mask = (1 << 63) - 1
+
+    def weighted(t: torch.Tensor) -> torch.Tensor:
+        idx = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+        weights = idx * -7046029254386353131 + 1442695040888963407  # odd multiplier: a bijection of the index
+        return ((t.reshape(-1).to(torch.int64) + 0x9E3779B9) * (weights | 1)).sum()
+
+    fp = int((weighted(input_ids) * 31 + weighted(shifted)).item())
+    for x in cu or ():
+        fp = (fp * 1099511628211 + x + 1) & mask  # FNV-style, on Python ints
+    return fp & mask
+
+
+def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int, bounds: int, fingerprint: int) -> None:
+    """One all-gather of ``(batch, seq, padded length, target count, document boundaries,
+    content fingerprint)``: ranks fed different batches raise the same error on every rank.
+    Collective."""
+    everyone = get_communicator(group).all_gather_ints([bsz, seq, total, num_tokens, bounds, fingerprint], device)
     if any(v != everyone[0] for v in everyone):
-        rows = ", ".join(f"rank {r}: batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]} cu_seqlens entries={v[4]}" for r, v in enumerate(everyone))
+        rows = ", ".join(
+            f"rank {r}: batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]} cu_seqlens entries={v[4]} fingerprint={v[5]:016x}"
+            for r, v in enumerate(everyone)
+        )
         raise HFIntegrationError(
             "shard_batch: the ranks of the sequence-parallel group were given different batches "
             f"(every rank must pass the same global batch): {rows}"

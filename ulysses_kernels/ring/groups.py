@@ -163,7 +163,7 @@ def _group_ranks(group) -> tuple[int, ...]:
 
 
 def make_sp_groups(ulysses_size: int, ring_size: int, group=None, placement: str = "head_first", *,
-                   seq_layout: str = "contiguous") -> SPGroups:  # fmt: skip
+                   seq_layout: str = "contiguous", timeout=None) -> SPGroups:  # fmt: skip
     """Cut ``group`` (default: the world) into Ulysses groups and ring groups.
 
     Collective over the *world*, like ``torch.distributed.new_group``: every process calls it
@@ -178,6 +178,9 @@ def make_sp_groups(ulysses_size: int, ring_size: int, group=None, placement: str
         seq_layout: ``"contiguous"`` (rank r holds the r-th contiguous shard) or ``"zigzag"``
             (causal load balance; shard with ``shard_sequence``). Change later with
             ``SPGroups.with_layout``.
+        timeout: a ``datetime.timedelta`` for the new groups' collectives (passed to
+            ``new_group``). ``None``: torch's default for the backend (``new_group`` does not
+            inherit the timeout given to ``init_process_group``: pass it again here).
     """
     ulysses_size, ring_size = _positive_int("ulysses_size", ulysses_size), _positive_int("ring_size", ring_size)
     check_seq_layout(seq_layout, "make_sp_groups")
@@ -190,7 +193,7 @@ def make_sp_groups(ulysses_size: int, ring_size: int, group=None, placement: str
     # Every process makes every group, in the same order (torch's new_group contract).
     for name, lists in (("ulysses_group", ulysses), ("ring_group", ring), ("ring_grad_group", ring)):
         for members in lists:
-            made = dist.new_group([ranks[r] for r in members])
+            made = dist.new_group([ranks[r] for r in members], timeout=timeout)
             if rank is not None and rank in members:
                 handles[name] = made
     return SPGroups(ulysses_size, ring_size, placement, seq_layout, ranks, ulysses, ring, rank, group, **handles)
