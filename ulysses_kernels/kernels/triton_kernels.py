@@ -143,10 +143,15 @@ def _gather_columns_kernel(
 
     if HAS_SUM:
         acc = _to_acc(vals, FLOAT, ACC, IS_BF16)
-        for k in range(1, n_src):
+        # A while loop, not `for k in range(1, n_src)`: Triton 3.6's interpreter turns a loaded
+        # bound into a Python int with int() of a 1-element array, which NumPy >= 2.5 refuses
+        # (torch 2.11 ships Triton 3.6); the comparison in a while works everywhere.
+        k = 1
+        while k < n_src:
             x = _load_source(addr_ptr, src_ptr + (s0 + k) * 5, tok, b, d, mask, ELEM, D_CONTIG, VEC, ALIGN)
             # Round after every add: the reference adds replicas one `add_` at a time.
             acc = _to_acc(_from_acc(acc + _to_acc(x, FLOAT, ACC, IS_BF16), FLOAT, ELEM, IS_BF16, BF16_NAN), FLOAT, ACC, IS_BF16)
+            k += 1
         vals = _from_acc(acc, FLOAT, ELEM, IS_BF16, BF16_NAN)
 
     dst_base = tl.multiple_of(tl.load(addr_ptr + dst_t).to(tl.pointer_type(ELEM)), ALIGN)
