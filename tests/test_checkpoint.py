@@ -161,3 +161,18 @@ def test_checkpointed_op_alone_chunked_batch2():
 
 def test_checkpointing_frees_attention_state_and_keeps_gradients():
     run_ranks(_body, 2)
+
+
+def test_save_tensors_handle_outlives_the_nodes_output():
+    """The handle alone keeps the tensors: torch 2.11 released a custom Function's saved
+    tensors once its outputs were freed, so a handle holding only ``grad_fn`` raised in the
+    ring's backward there (every ring test failed on torch 2.11)."""
+    import gc
+
+    from ulysses_kernels.backends import save_tensors
+
+    x = torch.randn(3, dtype=torch.float64)
+    handle = save_tensors(x, x * 2)
+    gc.collect()
+    a, b = handle.saved_tensors
+    assert torch.equal(a, x) and torch.equal(b, x * 2)

@@ -162,14 +162,30 @@ class _SavedTensors(torch.autograd.Function):
         return (None,) * (1 + ctx.count)
 
 
-def save_tensors(*tensors: torch.Tensor):
+class SavedHandle:
+    """What ``save_tensors`` returns: the node's 0-element output, so the node stays alive.
+    Holding the node alone (``grad_fn``) is not enough before torch 2.14: when a custom
+    Function's outputs are all freed, torch 2.11 releases its saved tensors, and reading
+    them raises "Trying to backward through the graph a second time" (measured)."""
+
+    __slots__ = ("_marker",)
+
+    def __init__(self, marker: torch.Tensor):
+        self._marker = marker
+
+    @property
+    def saved_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._marker.grad_fn.saved_tensors
+
+
+def save_tensors(*tensors: torch.Tensor) -> SavedHandle:
     """``tensors`` kept in autograd's saved tensors, for a backend with its own backward
     (its state holds the returned handle, not the tensors): saved-tensor hooks (activation
     checkpointing, ``save_on_cpu``) see them as they see any saved tensor, and the tensors
     go when the handle does. ``handle.saved_tensors`` gives them back (once, in the backward)."""
     dummy = torch.empty(0, device=tensors[0].device, requires_grad=True)
     with torch.enable_grad():
-        return _SavedTensors.apply(dummy, *tensors).grad_fn
+        return SavedHandle(_SavedTensors.apply(dummy, *tensors))
 
 
 def one_recompute():

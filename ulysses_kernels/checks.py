@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .documents import Documents
+from .documents import Documents, longest_document
 from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
@@ -129,8 +129,7 @@ def _doc_summary(docs: Documents | None) -> tuple[int, ...]:
     for x in cu:  # a polynomial digest in plain ints (it runs inside torch.compile's trace too)
         digest = (digest * 1_000_003 + x + 1) % _DIGEST_MOD
     first, last = (cu[0], cu[-1]) if cu else (0, 0)
-    longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
-    return (len(cu), first, last, bad, cu[bad - 1] if bad > 0 else 0, cu[bad] if bad > 0 else 0, docs.max_seqlen, longest, digest)
+    return (len(cu), first, last, bad, cu[bad - 1] if bad > 0 else 0, cu[bad] if bad > 0 else 0, docs.max_seqlen, longest_document(cu), digest)
 
 
 def _doc_text(sig: Signature) -> str | None:

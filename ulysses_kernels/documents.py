@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Documents", "documents", "pad_documents", "document_ids"]
+__all__ = ["Documents", "documents", "pad_documents", "document_ids", "longest_document"]
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,15 @@ def documents(cu_seqlens, max_seqlen: int | None = None) -> Documents | None:
         cu = tuple(int(x) for x in cu_seqlens)
     else:
         raise TypeError(f"ulysses_attention: cu_seqlens expected a list of ints or a 1-D integer tensor, got {cu_seqlens!r}")
-    longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
-    return Documents(cu, longest if max_seqlen is None else int(max_seqlen))
+    return Documents(cu, longest_document(cu) if max_seqlen is None else int(max_seqlen))
+
+
+def longest_document(cu: Sequence[int]) -> int:
+    """The longest document of boundaries ``cu`` (0 for fewer than two). A list, not a
+    generator with ``default=``: torch.compile before torch 2.14 cannot trace ``max()`` over
+    a generator (torch 2.11, ``fullgraph=True``: measured), and this runs inside its trace."""
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    return max(lengths) if lengths else 0
 
 
 def pad_documents(cu_seqlens: Sequence[int], total: int) -> tuple[int, ...]:
