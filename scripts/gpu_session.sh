@@ -3,19 +3,20 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled; see
 # /work/.library/device/README.md): each `run` call runs one or more stages, in order.
 #
-#   bash scripts/gpu_session.sh build tests nccl2   # call 1, ~7-8 min (estimates: nothing has run
+#   bash scripts/gpu_session.sh build tests nccl2   # call 1, ~8-9 min (estimates: nothing has run
 #   bash scripts/gpu_session.sh bench attn          # call 2, ~7 min    on a GPU yet)
 #   then, with 8+ min left: re-run what was SKIPPED/FAILED, or GPU_SESSION_ATTN_MODELS=qwen2.5-14b attn
 #
 # Stages (each one sets up what it needs first, so any stage runs on a fresh machine):
 #   build  venv seeing the system torch (scripts/setup.sh, ULYSSES_KERNELS_SYSTEM_TORCH=1), _C for
 #          this GPU's arch only; nvidia-smi, nvcc, `python -m ulysses_kernels.info`, torch's NCCL
-#   tests  the GPU test files, one pytest each (--maxfail 3, not -x: one failure must not hide the
+#   tests  the self-test (python -m ulysses_kernels.selftest: every path on the one GPU), then
+#          the GPU test files, one pytest each (--maxfail 3, not -x: one failure must not hide the
 #          file's GPU tests behind it; per-test timeout), the two-rank tests excluded
 #   bench  bench_pack, bench_attention (rank 0 of 8, llama3-8b, 4K..256K), perf_model, and as
 #          checks only (not committed) bench_alltoall and bench_overlap on a world of one
 #   nccl2  2 NCCL ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; skipped if NCCL < 2.30):
-#          the two-rank tests and bench_overlap --world 2 (correctness; timings not a claim)
+#          the self-test at 2 ranks, the two-rank tests and bench_overlap --world 2 (correctness; timings not a claim)
 #   attn   bench_attention 4K..1M for $GPU_SESSION_ATTN_MODELS (default llama3-8b), perf_model
 #
 # What comes back in $OUT (at most 4 files): summary_<stages>.txt; gpu_session_<stages>.tgz with
@@ -168,6 +169,11 @@ stage_tests() {
   local f targs=()
   if "$PY" -c 'import pytest_timeout' 2>/dev/null; then targs=(--timeout "${GPU_SESSION_TEST_TIMEOUT:-240}")
   else say "note: pytest-timeout missing: no per-test timeout (each file still has one)"; fi
+  # The self-test first: every path (kernel sets x communicators x chunks x layouts, ring and
+  # packed and checkpointed ones included) forward and backward against float64, one rank
+  # per GPU (here 1, NCCL); its JSON is what docs/gpu_validation.md's rows cite.
+  # (--timeout 90: its hang watchdog, 2 * 90 + 60 s, ends a stuck run inside the step limit.)
+  step selftest 240 "$PY" -m ulysses_kernels.selftest --timeout 90 --json "$LOG/selftest_gpu.json" || true
   # test_large_index last: its CUDA/Triton far views (64-bit offsets, ~30 GiB of GPU memory
   # at peak) and >2^31-unit moves run nowhere else on a GPU; ~1 min with its CPU cases.
   for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_compile.py tests/test_large_index.py}; do
@@ -205,6 +211,8 @@ stage_nccl2() {
   local v
   v=$("$PY" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)), int(tuple(v) >= (2, 30)))' 2>/dev/null || echo "? 1")
   if [ "${v#* }" != 1 ] && [ "$DRY" != 1 ]; then say "SKIPPED  nccl2: NCCL ${v% *} < 2.30 has no multi-rank-per-GPU"; return 0; fi
+  step selftest_w2 240 env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+    -m ulysses_kernels.selftest --timeout 90 --json "$LOG/selftest_w2.json" || true
   step two_ranks 300 env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" -m pytest -q -ra -k two_ranks --junitxml "$LOG/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
   local o=(--layouts 32/8 --seqs 8K,32K)
   [ "$TINY" = 1 ] && o=(--layouts 8/2 --seqs 64,256 --head-dim 16)
