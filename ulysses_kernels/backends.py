@@ -54,6 +54,7 @@ __all__ = [
     "math_attention_lse_backward",
     "save_tensors",
     "one_recompute",
+    "chunks_recompute_apart",
     "doc_kwargs",
     "per_document",
 ]
@@ -188,6 +189,11 @@ def save_tensors(*tensors: torch.Tensor) -> SavedHandle:
         return SavedHandle(_SavedTensors.apply(dummy, *tensors))
 
 
+def _graph_exec_group():
+    """``torch.utils.checkpoint.GraphExecGroup`` (torch >= 2.9), else None."""
+    return getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+
+
 def one_recompute():
     """A context for a backward that runs nested backward passes (``torch.autograd.grad`` over
     attention graphs, as ``AttentionBackend.backward`` does): under non-reentrant activation
@@ -197,10 +203,23 @@ def one_recompute():
     ``torch.utils.checkpoint.GraphExecGroup`` the region is recomputed once, at the first
     unpack. An enclosing group (the caller's) is used as it is; torch without the class
     (older than 2.9): a no-op."""
-    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    group = _graph_exec_group()
     if group is None or torch._C._get_graph_exec_group() is not None:
         return contextlib.nullcontext()
     return group()
+
+
+def chunks_recompute_apart() -> bool:
+    """Whether a chunked backward would recompute a checkpointed region once per nested pass:
+    saved-tensor hooks are active (non-reentrant ``torch.utils.checkpoint``, ``save_on_cpu``)
+    and torch has no ``GraphExecGroup`` (before 2.9). A rank whose chunk holds no head runs
+    fewer nested passes, so fewer recomputes (our collectives again) than its peers: a hang,
+    measured on torch 2.8 (the self-test's uneven-heads checkpoint path at chunks=2 timed
+    out). The call then runs unchunked (``call._resolve_chunks``), which the forward and the
+    recompute decide alike: both run under the checkpoint's hooks."""
+    if _graph_exec_group() is not None:
+        return False
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 class AttentionBackend:

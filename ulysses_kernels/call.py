@@ -24,11 +24,12 @@ traceable, the communicator is the members' (torch's functional collectives) and
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-from .backends import AttentionBackend, default_scale, for_rank, resolve_backend
+from .backends import AttentionBackend, chunks_recompute_apart, default_scale, for_rank, resolve_backend
 from .checks import UlyssesInputError, _float_bits, check_head_to_seq, prepare
 from .comm import Communicator, get_communicator
 from .documents import Documents, documents
@@ -98,6 +99,14 @@ def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_
         n = chunks
     else:
         raise ValueError(f"ulysses_attention: chunks expected an int >= 1 or 'auto', got {chunks!r}")
+    if n > 1 and chunks_recompute_apart():
+        warnings.warn(
+            f"ulysses_attention: chunks={chunks!r} runs as 1 chunk under activation checkpointing (saved-tensor hooks) on "
+            f"torch {torch.__version__}: before torch 2.9 (torch.utils.checkpoint.GraphExecGroup) the chunked backward "
+            "would recompute the region once per chunk, unevenly across ranks (a hang); upgrade torch for the overlap",
+            stacklevel=4,
+        )
+        return 1
     return 1 if n == 1 else len(chunk_plans(layout.plan, n, split_groups=split_groups))
 
 
