@@ -12,6 +12,7 @@ eagerly instead of as a compiled graph, or if a collective is missing from a gra
 
 import pytest
 import torch
+from dynamo_support import traced_error
 
 import ulysses_kernels as uk
 from ulysses_kernels.backends import AttentionBackend
@@ -234,11 +235,11 @@ def test_errors_raise_while_tracing():
     q, k, v, _ = _inputs(6, 4, 1, 8, 8, seed=1)
     torch._dynamo.reset()
     f = torch.compile(lambda q, k, v: uk.ulysses_attention(q, k, v), fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match="must be a multiple of kv_heads"):
+    with pytest.raises(Exception, match=traced_error("must be a multiple of kv_heads")):
         f(q, k, v)
     q, k, v, _ = _inputs(4, 2, 1, 8, 8, seed=1)
     g = torch.compile(lambda q, k, v: uk.ulysses_attention(q, k, v, kernels="triton"), fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match="kernels='triton' does not trace"):
+    with pytest.raises(Exception, match=traced_error("kernels='triton' does not trace")):
         g(q, k, v)
 
 

@@ -25,6 +25,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from ulysses_kernels import selftest
 from ulysses_kernels.kernels import available_kernels
@@ -32,6 +33,9 @@ from ulysses_kernels.layout import split_lengths
 from ulysses_kernels.plan import HeadPlan
 
 CK = selftest.CHECKPOINT_CHUNKS  # the chunk count of the checkpoint paths
+# Before torch 2.9 a checkpointed call runs unchunked (backends.chunks_recompute_apart), so the
+# self-test holds it to the bound, not to bit-equality with the chunked plain run.
+BIT_EQUAL_CHECKPOINT = hasattr(torch.utils.checkpoint, "GraphExecGroup")
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -83,9 +87,10 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
         if p["chunks"] == 2:
             assert p["chunks_run"] == 2, p  # the chunked pipeline ran, not the unchunked op
         assert set(p) == set(doc["paths"][0]), p  # every record has the same fields
-        # The checkpointed run is bit-equal to the plain one on the CPU.
+        # The checkpointed run is bit-equal to the plain one on the CPU (from torch 2.9).
         assert p["checkpoint"] == p["path"].endswith("/checkpoint") and (p["checkpoint_diff"] is None) != p["checkpoint"], p
-        assert not p["checkpoint"] or set(p["checkpoint_diff"].values()) == {0.0}, p
+        if p["checkpoint"]:
+            assert set(p["checkpoint_diff"].values()) == {0.0} if BIT_EQUAL_CHECKPOINT else max(p["checkpoint_diff"].values()) <= 1e-10, p
         two_d = p["layout"].startswith("ring-")
         assert (p["ulysses_size"], p["ring_size"]) == ((1, 2) if two_d else (2, 1)), p
         assert p["seq_layout"] == ("zigzag" if p["layout"].endswith("zigzag") else "contiguous"), p
@@ -105,7 +110,9 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
     assert [name for *_, name in lines] == [p["path"] for p in doc["paths"]]
     table = [line for line in r.stdout.splitlines() if line.split(" ")[0] in expected]
     assert len(table) == len(expected) and all(re.search(r"\bPASS\b", line) for line in table), r.stdout
-    assert "CPU (not a GPU claim)" in r.stdout.splitlines()[0]
+    # The header is our first line (torch 2.8's gloo prints "[Gloo] Rank 0 is connected ..." before it).
+    ours = [line for line in r.stdout.splitlines() if not line.startswith("[Gloo]")]
+    assert ours[0].startswith("ulysses_kernels self-test") and "CPU (not a GPU claim)" in ours[0], r.stdout[:2000]
     assert f"{len(expected)} passed, 0 failed" in r.stdout and "every path matches the float64 reference" in r.stdout
 
 
@@ -209,7 +216,9 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
     r = run(argv, tmp_path, env=user_env(), timeout=300)
     assert r.returncode != 0, r.stdout + r.stderr
     doc = load(tmp_path / "faults.json", r)
-    assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 17, "FAIL": 7, "SKIP": 0}, doc["counts"]
+    # Before torch 2.9 drift's checkpoint path passes (held to the bound, as on a GPU).
+    fails = 7 if BIT_EQUAL_CHECKPOINT else 6
+    assert not doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": 24 - fails, "FAIL": fails, "SKIP": 0}, doc["counts"]
     by = {p["path"]: p for p in doc["paths"]}
     for chunks in (1, 2):
         raised = by[f"raise-on-rank-1/torch-dist/chunks={chunks}/gqa"]
@@ -224,9 +233,12 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
         assert by[f"drift/torch-dist/chunks={chunks}/gqa"]["status"] == "PASS", by  # 1e-13 is within the bound
     # Under checkpointing: drift's two runs differ (a FAIL that names the tensor), torch's are bit-equal.
     drift = by[f"drift/torch-dist/chunks={CK}/gqa/checkpoint"]
-    assert drift["status"] == "FAIL" and drift["max_error"] <= drift["bound"] and 0 < drift["checkpoint_diff"]["out"] < 1e-11, drift
-    assert drift["message"].startswith("out under checkpoint differs from the plain run by"), drift
-    assert "bit-equal expected on the CPU" in drift["message"], drift
+    if BIT_EQUAL_CHECKPOINT:
+        assert drift["status"] == "FAIL" and drift["max_error"] <= drift["bound"] and 0 < drift["checkpoint_diff"]["out"] < 1e-11, drift
+        assert drift["message"].startswith("out under checkpoint differs from the plain run by"), drift
+        assert "bit-equal expected on the CPU" in drift["message"], drift
+    else:
+        assert drift["status"] == "PASS" and 0 < drift["checkpoint_diff"]["out"] < 1e-11, drift
     assert by[f"torch/torch-dist/chunks={CK}/gqa/checkpoint"]["status"] == "PASS", by
     for kernels in ("raise-on-rank-1", "corrupt"):
         assert by[f"{kernels}/torch-dist/chunks={CK}/gqa/checkpoint"]["status"] == "FAIL", by
@@ -236,8 +248,9 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
     # path passes (its Ulysses groups have one rank: none of the faults fires there).
     ring = [p for p in doc["paths"] if p["layout"] == "ring-1x2"]
     assert len(ring) == 12 and all(p["status"] == "PASS" for p in ring), ring
-    assert "17 passed, 7 failed" in r.stdout and "FAILED" in r.stdout and "deliberate failure on rank 1" in r.stdout
-    statuses = ["FAIL"] * 4 + ["PASS"] * 4 + ["FAIL"] * 3 + ["PASS"] + ["PASS"] * 12
+    assert f"{24 - fails} passed, {fails} failed" in r.stdout and "FAILED" in r.stdout and "deliberate failure on rank 1" in r.stdout
+    # Checkpoint paths: raise, corrupt, drift (PASS before torch 2.9: held to the bound), torch.
+    statuses = ["FAIL"] * 4 + ["PASS"] * 4 + ["FAIL", "FAIL", "FAIL" if BIT_EQUAL_CHECKPOINT else "PASS", "PASS"] + ["PASS"] * 12
     assert [s for _, _, s, _ in progress_lines(r.stderr)] == statuses, r.stderr
 
 

@@ -124,7 +124,10 @@ def _doc_summary(docs: Documents | None) -> tuple[int, ...]:
     if docs is None:
         return ()
     cu = docs.cu_seqlens
-    bad = next((i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]), -1)
+    bad = -1
+    for i in range(len(cu) - 1, 0, -1):  # a loop, not next(genexpr): torch 2.8's dynamo cannot trace that
+        if cu[i] <= cu[i - 1]:
+            bad = i
     digest = 0
     for x in cu:  # a polynomial digest in plain ints (it runs inside torch.compile's trace too)
         digest = (digest * 1_000_003 + x + 1) % _DIGEST_MOD
@@ -302,7 +305,8 @@ def validate(sigs: Sequence[Signature], *, gathered: bool) -> None:
     if not problems and gathered and len(sigs) > 1:
         problems = _global_problems(sigs)
     if problems:
-        hint = next((h for h in map(_layout_hint, sigs) if h), "")
+        hints = [h for h in map(_layout_hint, sigs) if h]  # a list: torch 2.8's dynamo cannot trace next(genexpr)
+        hint = hints[0] if hints else ""
         raise UlyssesInputError("ulysses_attention: " + "; ".join(problems) + hint)
 
 
