@@ -165,9 +165,9 @@ class _SavedTensors(torch.autograd.Function):
 
 class SavedHandle:
     """What ``save_tensors`` returns: the node's 0-element output, so the node stays alive.
-    Holding the node alone (``grad_fn``) is not enough before torch 2.14: when a custom
-    Function's outputs are all freed, torch 2.11 releases its saved tensors, and reading
-    them raises "Trying to backward through the graph a second time" (measured)."""
+    Holding the node alone (``grad_fn``) is not enough on torch 2.11 (it is on 2.14): there,
+    when a custom Function's outputs are all freed, its saved tensors are released, and
+    reading them raises "Trying to backward through the graph a second time" (measured)."""
 
     __slots__ = ("_marker",)
 
