@@ -210,8 +210,7 @@ def test_before_torch_2_9_checkpointed_calls_run_unchunked(monkeypatch):
     assert not backends.chunks_recompute_apart()  # no hooks active here
     calls.clear()
     with pytest.warns(UserWarning, match=r"chunks=2 runs as 1 chunk under activation checkpointing"):
-        out = checkpoint(f, q, k, v, use_reentrant=False)
-    out.sum().backward()
+        checkpoint(f, q, k, v, use_reentrant=False).sum().backward()  # the forward and each recompute warn
     # One call over all 4 heads each: the forward, then a recompute per graph task (the outer
     # backward's and the nested pass's; without GraphExecGroup nothing makes them one).
     assert calls == [4, 4, 4], calls
