@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends import AttentionBackend, chunks_recompute_apart, default_scale, for_rank, resolve_backend
-from .checks import UlyssesInputError, _float_bits, check_head_to_seq, prepare
+from .checks import UlyssesInputError, check_head_to_seq, float_bits, prepare
 from .comm import Communicator, get_communicator
 from .documents import Documents, documents
 from .kernels import KernelSet, get_kernels
@@ -120,7 +120,7 @@ def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softm
     except UlyssesInputError as e:
         failed, prepared = e, None
     scale = default_scale(q.shape[3], softmax_scale) if q.dim() == 4 else 0.0
-    check_ring_inputs(sp, q, k, causal=causal, scale_bits=_float_bits(scale), seq_lens=seq_lens, failed=failed, check=check)
+    check_ring_inputs(sp, q, k, causal=causal, scale_bits=float_bits(scale), seq_lens=seq_lens, failed=failed, check=check)
     return prepared
 
 

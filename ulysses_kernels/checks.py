@@ -27,7 +27,7 @@ from .documents import Documents, longest_document
 from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
-__all__ = ["UlyssesInputError", "Signature", "signature", "validate", "prepare", "check_head_to_seq"]
+__all__ = ["UlyssesInputError", "Signature", "signature", "validate", "prepare", "check_head_to_seq", "dtype_code", "float_bits"]
 
 _DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -41,7 +41,9 @@ class UlyssesInputError(ValueError):
     """Inputs that the sequence-parallel group cannot run, raised on every rank."""
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small int naming ``dtype`` in the integers ranks exchange (the per-call signature,
+    the ring level's agreement check)."""
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
 
@@ -58,7 +60,8 @@ def _device_name(code: int, index: int) -> str:
     return name if index < 0 else f"{name}:{index}"
 
 
-def _float_bits(x: float) -> int:
+def float_bits(x: float) -> int:
+    """The IEEE-754 bits of ``x`` as a float64, as an int: ranks compare scales exactly."""
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
@@ -177,10 +180,10 @@ def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads,
         rank=rank,
         world_size=world_size,
         shapes=tuple(tuple(x.shape) for x in (q, k, v)),
-        dtypes=tuple(_dtype_code(x.dtype) for x in (q, k, v)),
+        dtypes=tuple(dtype_code(x.dtype) for x in (q, k, v)),
         devices=tuple((_device_code(x.device), -1 if x.device.index is None else x.device.index) for x in (q, k, v)),
         causal=int(bool(causal)),
-        scale_bits=_float_bits(scale) if scale is not None else 0,
+        scale_bits=float_bits(scale) if scale is not None else 0,
         seq_lens=seq_lens,
         plan_heads=plan_heads,
         docs=_doc_summary(docs),

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import SharedKV, gather_kv, kv_index, save_tensors, scatter_kv_grads, shares_one_kv, uniform_group
-from ..checks import UlyssesInputError, _dtype_code
+from ..checks import UlyssesInputError, dtype_code
 from ..comm import Communicator, get_communicator
 from ..plan import more_ranks_than_heads
 from .groups import SPGroups
@@ -211,7 +211,7 @@ def check_ring_inputs(sp: SPGroups, q, k, *, causal, scale_bits: int, seq_lens, 
             raise failed
         return
     shape = [*q.shape, k.shape[2]] if q.dim() == 4 and k.dim() == 4 else [-1] * 5
-    mine = [int(failed is not None or bool(problems)), *shape, _dtype_code(q.dtype), int(bool(causal)), scale_bits]
+    mine = [int(failed is not None or bool(problems)), *shape, dtype_code(q.dtype), int(bool(causal)), scale_bits]
     everyone = get_communicator(sp.group).all_gather_ints(mine, q.device)
     if problems:
         raise UlyssesInputError("ulysses_attention: " + "; ".join(problems))
