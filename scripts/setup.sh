@@ -29,6 +29,13 @@ EOF_PTH
     "$PY" -m venv .venv
   fi
 fi
+if [ "$SYSTEM_TORCH" = "1" ] && [ ! -e .venv/bin/torchrun ]; then
+  # A venv that borrows torch has none of its console scripts: torchrun as pip would write
+  # it, on this venv's python (the base one's would not see ulysses_kernels), so that the
+  # documented `torchrun ... -m ulysses_kernels.selftest` runs here too.
+  printf '#!%s\nimport sys\nfrom torch.distributed.run import main\nsys.exit(main())\n' "$PWD/.venv/bin/python" > .venv/bin/torchrun
+  chmod +x .venv/bin/torchrun
+fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 # -I: neither the working directory nor PYTHONPATH is on sys.path, so the source tree in the
 # repository root cannot pass for an installed package.
