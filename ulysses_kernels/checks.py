@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .documents import Documents, longest_document
+from .documents import Documents, boundaries_digest, first_unordered, longest_document
 from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
@@ -117,7 +117,6 @@ class Signature:
 # The boundaries travel in the signature as a fixed-size summary (the all-gather needs one
 # length on every rank): what the rank-local checks report, and a digest for agreement.
 _DOC_FIELDS = 9
-_DIGEST_MOD = (1 << 61) - 1
 
 
 def _doc_summary(docs: Documents | None) -> tuple[int, ...]:
@@ -127,15 +126,9 @@ def _doc_summary(docs: Documents | None) -> tuple[int, ...]:
     if docs is None:
         return ()
     cu = docs.cu_seqlens
-    bad = -1
-    for i in range(len(cu) - 1, 0, -1):  # a loop, not next(genexpr): torch 2.8's dynamo cannot trace that
-        if cu[i] <= cu[i - 1]:
-            bad = i
-    digest = 0
-    for x in cu:  # a polynomial digest in plain ints (it runs inside torch.compile's trace too)
-        digest = (digest * 1_000_003 + x + 1) % _DIGEST_MOD
+    bad = first_unordered(cu)
     first, last = (cu[0], cu[-1]) if cu else (0, 0)
-    return (len(cu), first, last, bad, cu[bad - 1] if bad > 0 else 0, cu[bad] if bad > 0 else 0, docs.max_seqlen, longest_document(cu), digest)
+    return (len(cu), first, last, bad, cu[bad - 1] if bad > 0 else 0, cu[bad] if bad > 0 else 0, docs.max_seqlen, longest_document(cu), boundaries_digest(cu))
 
 
 def _doc_text(sig: Signature) -> str | None:

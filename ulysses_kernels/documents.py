@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Documents", "documents", "pad_documents", "document_ids", "longest_document"]
+__all__ = ["Documents", "documents", "pad_documents", "document_ids", "longest_document", "first_unordered", "boundaries_digest"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,27 @@ def longest_document(cu: Sequence[int]) -> int:
     a generator (torch 2.11, ``fullgraph=True``: measured), and this runs inside its trace."""
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     return max(lengths) if lengths else 0
+
+
+def first_unordered(cu: Sequence[int]) -> int:
+    """The first index ``i`` with ``cu[i] <= cu[i - 1]`` (-1: strictly increasing). A loop,
+    not ``next(genexpr)``: torch 2.8's dynamo cannot trace that, and this runs in its trace."""
+    for i in range(1, len(cu)):
+        if cu[i] <= cu[i - 1]:
+            return i
+    return -1
+
+
+_DIGEST_MOD = (1 << 61) - 1
+
+
+def boundaries_digest(cu: Sequence[int]) -> int:
+    """A polynomial digest of the boundaries in plain ints (it runs inside torch.compile's
+    trace too), below 2**61: ranks compare it to find boundaries that differ."""
+    digest = 0
+    for x in cu:
+        digest = (digest * 1_000_003 + x + 1) % _DIGEST_MOD
+    return digest
 
 
 def pad_documents(cu_seqlens: Sequence[int], total: int) -> tuple[int, ...]:

@@ -73,7 +73,7 @@ from ..attention import head_to_seq, seq_to_head, ulysses_attention
 from ..backends import expand_kv
 from ..checks import UlyssesInputError
 from ..comm import get_communicator
-from ..documents import Documents, document_ids, documents, pad_documents
+from ..documents import Documents, boundaries_digest, document_ids, documents, first_unordered, pad_documents
 from ..layout import split_lengths  # the project's one rule for uneven shards (re-exported here)
 from ..plan import HeadPlan
 from ..ring import SPGroups
@@ -332,8 +332,7 @@ def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tup
         cu = tuple(starts) + (seq,)
     else:
         cu = documents(cu_seqlens).cu_seqlens
-        bad = next((i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]), None)
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or bad is not None:
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or first_unordered(cu) > 0:
             raise HFIntegrationError(f"shard_batch: cu_seqlens expected strictly increasing boundaries from 0 to the sequence length {seq}, got {list(cu)}")
     if position_ids is not None:
         ids = document_ids(cu, input_ids.device)
@@ -415,9 +414,7 @@ def _fingerprint(input_ids: torch.Tensor, shifted: torch.Tensor, cu) -> int:
         return ((t.reshape(-1).to(torch.int64) + 0x9E3779B9) * (weights | 1)).sum()
 
     fp = int((weighted(input_ids) * 31 + weighted(shifted)).item())
-    for x in cu or ():
-        fp = (fp * 1099511628211 + x + 1) & mask  # FNV-style, on Python ints
-    return fp & mask
+    return (fp * 1_000_003 + (-1 if cu is None else boundaries_digest(cu))) & mask
 
 
 def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int, bounds: int, fingerprint: int) -> None:
