@@ -125,6 +125,27 @@ def close(a, b, rtol, what):
     return err
 
 
+def check_step(model, batch, group, refs, rtol, grad_rtol, what, ref_hf_loss):
+    """One sharded training step against the one-process ``refs`` (loss, parameter gradients,
+    logits): the reduced loss, every synced gradient, the gathered logits, then transformers'
+    own loss path (``out.loss``) against ``ref_hf_loss``. That path upcasts logits to float32,
+    so the sharded sum matches the one-process float32 sum to float32 rounding (measured
+    1.2e-7 relative at 4 ranks; float64 paths: 2e-16 loss, 7e-16 grads)."""
+    ref_loss, ref_grads, ref_logits = refs
+    out = model(**batch.model_inputs(loss=False))
+    loss = batch.loss(out.logits)
+    loss.backward()
+    hf.sync_gradients(model, group)
+    close(hf.reduce_loss(loss, group), ref_loss, rtol, f"{what}: loss")
+    for name, p in model.named_parameters():
+        close(p.grad, ref_grads[name], grad_rtol, f"{what}: grad of {name}")
+    model.zero_grad(set_to_none=True)
+    close(hf.gather_sequence(out.logits, batch.shard, group), ref_logits, rtol, f"{what}: logits")
+    with torch.no_grad():
+        hf_loss = hf.reduce_loss(model(**batch.model_inputs()).loss, group)
+    close(hf_loss.double(), ref_hf_loss.double(), 1e-6, f"{what}: transformers loss")
+
+
 def check_equivalence(group):
     """Loss, every parameter gradient and the gathered logits equal the one-process run."""
     import torch.distributed as dist
@@ -144,23 +165,7 @@ def check_equivalence(group):
             assert batch.num_tokens == int((labels[:, 1:] != -100).sum())
             # Global positions: rank r's first position is the sum of the lengths before it.
             assert batch.position_ids[0, 0].item() == sum(expect_lens[:rank])
-
-            out = model(**batch.model_inputs(loss=False))
-            loss = batch.loss(out.logits)
-            loss.backward()
-            hf.sync_gradients(model, group)
-            close(hf.reduce_loss(loss, group), ref_loss, rtol, f"{what}: loss")
-            for name, p in model.named_parameters():
-                close(p.grad, ref_grads[name], grad_rtol, f"{what}: grad of {name}")
-            model.zero_grad(set_to_none=True)
-            close(hf.gather_sequence(out.logits, batch.shard, group), ref_logits, rtol, f"{what}: logits")
-
-            # transformers' own loss path (out.loss): it upcasts logits to float32, so the
-            # sharded sum matches the one-process float32 sum to float32 rounding.
-            # NOTE: measured 1.2e-7 relative at 4 ranks (float64 paths: 2e-16 loss, 7e-16 grads).
-            with torch.no_grad():
-                hf_loss = hf.reduce_loss(model(**batch.model_inputs()).loss, group)
-            close(hf_loss.double(), ref_hf_loss.double(), 1e-6, f"{what}: transformers loss")
+            check_step(model, batch, group, (ref_loss, ref_grads, ref_logits), rtol, grad_rtol, what, ref_hf_loss)
 
 
 def _raises(match, fn, *args, **kwargs):

@@ -16,6 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf import check_step, close  # noqa: E402
+
 from ulysses_kernels.integrations import hf  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
@@ -79,11 +81,6 @@ def reference(model, ids, labels, cu):
     return total, grads, torch.cat(logits, dim=1)
 
 
-def close(a, b, rtol, what):
-    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.0e}"
-
-
 def check_equivalence(group):
     import torch.distributed as dist
 
@@ -101,18 +98,8 @@ def check_equivalence(group):
             assert list(batch.shard.documents.cu_seqlens) == expected_cu, what
             # Each document's last token has no target.
             assert batch.num_tokens == sum(int((labels[0, a + 1 : b] != -100).sum()) for a, b in zip(cu[:-1], cu[1:])), what
-            out = model(**batch.model_inputs(loss=False))
-            loss = batch.loss(out.logits)
-            loss.backward()
-            hf.sync_gradients(model, group)
-            close(hf.reduce_loss(loss, group), ref_loss, rtol, f"{what}: loss")
-            for name, p in model.named_parameters():
-                close(p.grad, ref_grads[name], grad_rtol, f"{what}: grad of {name}")
-            model.zero_grad(set_to_none=True)
-            close(hf.gather_sequence(out.logits, batch.shard, group), ref_logits, rtol, f"{what}: logits")
-            # transformers' own loss (float32 logits inside) on the same batch.
-            with torch.no_grad():
-                close(hf.reduce_loss(model(**batch.model_inputs()).loss, group).double(), ref_loss, 1e-6, f"{what}: out.loss")
+            # transformers' own loss (float32 logits inside) against the same per-document reference.
+            check_step(model, batch, group, (ref_loss, ref_grads, ref_logits), rtol, grad_rtol, what, ref_loss)
 
 
 def check_collectives(group):
