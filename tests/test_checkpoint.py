@@ -206,7 +206,7 @@ def test_before_torch_2_9_checkpointed_calls_run_unchunked(monkeypatch):
         warnings.simplefilter("error")
         checkpoint(f, q, k, v, use_reentrant=False).sum().backward()  # torch >= 2.9: chunked, no warning
     assert not backends.chunks_recompute_apart() and calls[:2] == [2, 2], calls
-    monkeypatch.setattr(backends, "_graph_exec_group", lambda: None)
+    monkeypatch.setattr(backends, "graph_exec_group", lambda: None)
     assert not backends.chunks_recompute_apart()  # no hooks active here
     calls.clear()
     with pytest.warns(UserWarning, match=r"chunks=2 runs as 1 chunk under activation checkpointing"):

@@ -55,6 +55,7 @@ __all__ = [
     "save_tensors",
     "one_recompute",
     "chunks_recompute_apart",
+    "graph_exec_group",
     "doc_kwargs",
     "per_document",
 ]
@@ -189,7 +190,7 @@ def save_tensors(*tensors: torch.Tensor) -> SavedHandle:
         return SavedHandle(_SavedTensors.apply(dummy, *tensors))
 
 
-def _graph_exec_group():
+def graph_exec_group():
     """``torch.utils.checkpoint.GraphExecGroup`` (torch >= 2.9), else None."""
     return getattr(torch.utils.checkpoint, "GraphExecGroup", None)
 
@@ -203,7 +204,7 @@ def one_recompute():
     ``torch.utils.checkpoint.GraphExecGroup`` the region is recomputed once, at the first
     unpack. An enclosing group (the caller's) is used as it is; torch without the class
     (older than 2.9): a no-op."""
-    group = _graph_exec_group()
+    group = graph_exec_group()
     if group is None or torch._C._get_graph_exec_group() is not None:
         return contextlib.nullcontext()
     return group()
@@ -217,7 +218,7 @@ def chunks_recompute_apart() -> bool:
     measured on torch 2.8 (the self-test's uneven-heads checkpoint path at chunks=2 timed
     out). The call then runs unchunked (``call._resolve_chunks``), which the forward and the
     recompute decide alike: both run under the checkpoint's hooks."""
-    if _graph_exec_group() is not None:
+    if graph_exec_group() is not None:
         return False
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
