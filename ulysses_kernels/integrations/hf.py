@@ -75,6 +75,7 @@ from ..checks import UlyssesInputError
 from ..comm import get_communicator
 from ..documents import Documents, boundaries_digest, document_ids, documents, first_unordered, pad_documents
 from ..layout import split_lengths  # the project's one rule for uneven shards (re-exported here)
+from ..longctx.install import enable as enable_long_context
 from ..plan import HeadPlan
 from ..ring import SPGroups
 
@@ -931,7 +932,10 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _ulysses_mask)
 
 
-def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None):
+def apply(
+    model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None,
+    tiled_loss: bool | int = False, tiled_mlp: bool | int = False, offload_activations=False,
+):  # fmt: skip
     """Make a transformers model sequence-parallel over ``group``.
 
     Each attention call exchanges q/k/v so that every rank holds the whole sequence for
@@ -958,6 +962,11 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
         comm: a communicator (default: torch.distributed's; with
             ``ULYSSES_KERNELS_NATIVE_NCCL=1``, opt-in until native NCCL has run on a GPU, a
             native ``NCCLCommunicator`` on NCCL groups, made here and owned by the model).
+        tiled_loss, tiled_mlp, offload_activations: the long-context pieces
+            (``ulysses_kernels.longctx``, docs/longctx.md), each off by default: the LM head and
+            loss over sequence tiles (``out.loss`` as before, no logits), the MLP over sequence
+            tiles recomputed in the backward (``True`` or tokens per tile), the inputs that
+            activation checkpointing keeps in host memory (``True`` or an ``ActivationOffload``).
 
     Returns the model (changed in place: ``config._attn_implementation == "ulysses"``). Its
     forward then expects ``shard_batch(...).model_inputs()``. The model's GQA layout,
@@ -994,6 +1003,9 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     for m in modules:
         impl = _configured_implementation(m)
         inner.append((m, impl, _attention_function(m, impl)))
+    # The long-context pieces (they refuse before changing anything, as the checks above).
+    enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, offload_activations=offload_activations,
+                        shard_kwarg=_SHARD_KWARG)  # fmt: skip
     register()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
