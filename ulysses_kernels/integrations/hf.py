@@ -934,7 +934,7 @@ def register() -> None:
 
 def apply(
     model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None,
-    tiled_loss: bool | int = False, tiled_mlp: bool | int = False, offload_activations=False,
+    tiled_loss: bool | int = False, tiled_mlp: bool | int = False, tiled_norms: bool | int = False, offload_activations=False,
 ):  # fmt: skip
     """Make a transformers model sequence-parallel over ``group``.
 
@@ -962,10 +962,10 @@ def apply(
         comm: a communicator (default: torch.distributed's; with
             ``ULYSSES_KERNELS_NATIVE_NCCL=1``, opt-in until native NCCL has run on a GPU, a
             native ``NCCLCommunicator`` on NCCL groups, made here and owned by the model).
-        tiled_loss, tiled_mlp, offload_activations: the long-context pieces
+        tiled_loss, tiled_mlp, tiled_norms, offload_activations: the long-context pieces
             (``ulysses_kernels.longctx``, docs/longctx.md), each off by default: the LM head and
-            loss over sequence tiles (``out.loss`` as before, no logits), the MLP over sequence
-            tiles recomputed in the backward (``True`` or tokens per tile), the inputs that
+            loss over sequence tiles (``out.loss`` as before, no logits), the MLP and the norms over
+            sequence tiles recomputed in the backward (``True`` or tokens per tile), the inputs that
             activation checkpointing keeps in host memory (``True`` or an ``ActivationOffload``).
 
     Returns the model (changed in place: ``config._attn_implementation == "ulysses"``). Its
@@ -1004,8 +1004,8 @@ def apply(
         impl = _configured_implementation(m)
         inner.append((m, impl, _attention_function(m, impl)))
     # The long-context pieces (they refuse before changing anything, as the checks above).
-    enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, offload_activations=offload_activations,
-                        shard_kwarg=_SHARD_KWARG)  # fmt: skip
+    enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
+                        offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
     register()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -18,6 +18,11 @@ Everything is set on the model's own module instances (no class is patched) and 
 * tiled MLP: each decoder layer's ``mlp.forward`` runs ``tiling.tiled_apply`` over its
   original forward, with a tile count the same on every rank (from the step's
   ``SequenceShard``: ``batch x`` the longest shard's tokens).
+* tiled norms: the same for each decoder layer's norms (``*norm`` children: transformers'
+  ``input_layernorm``, ``post_attention_layernorm``) and the final norm. transformers'
+  RMSNorm keeps a float32 copy of its input for the backward and makes three float32
+  ``[rows, hidden]`` temporaries there (in bf16: 4 and 6 bytes per element over the
+  2 of the output); tiled, it keeps its input and output only.
 * activation offload: each decoder layer's ``forward`` runs inside ``ActivationOffload.hooks()``
   when it is checkpointed (transformers' ``activation_checkpointing_enable``), so the input
   the checkpoint keeps goes to host memory.
@@ -63,6 +68,8 @@ class LongContext:
     loss_tile_rows: int | None = None
     tiled_mlp: bool = False
     mlp_tile_rows: int | None = None
+    tiled_norms: bool = False
+    norm_tile_rows: int | None = None
     offload: ActivationOffload | None = None
     accum_dtype: torch.dtype | None = None
     shard_kwarg: str = "ulysses_shard"
@@ -74,7 +81,7 @@ class LongContext:
 
     @property
     def active(self) -> bool:
-        return self.tiled_loss or self.tiled_mlp or self.offload is not None
+        return self.tiled_loss or self.tiled_mlp or self.tiled_norms or self.offload is not None
 
     def rows_max(self, local_rows: int) -> int:
         """Rows (batch x tokens) of the group's longest shard this step: ranks agree on it."""
@@ -146,6 +153,7 @@ def enable(
     tiled_loss: bool | int = False,
     tiled_mlp: bool | int = False,
     offload_activations: bool | ActivationOffload = False,
+    tiled_norms: bool | int = False,
     accum_dtype: torch.dtype | None = None,
     shard_kwarg: str = "ulysses_shard",
 ) -> LongContext | None:
@@ -158,6 +166,8 @@ def enable(
             over sequence tiles, no logits (``out.logits`` is None).
         tiled_mlp: ``True`` or tokens per tile: each decoder layer's MLP over sequence tiles,
             recomputed in the backward.
+        tiled_norms: ``True`` or tokens per tile: the decoder layers' norms and the final norm
+            over sequence tiles, recomputed in the backward.
         offload_activations: ``True`` (a new ``ActivationOffload``) or one to use: the
             inputs that activation checkpointing keeps, in host memory. Needs checkpointing
             (``model.activation_checkpointing_enable()``) when training.
@@ -168,6 +178,7 @@ def enable(
     """
     loss_on, loss_rows = _tile_setting("tiled_loss", tiled_loss)
     mlp_on, mlp_rows = _tile_setting("tiled_mlp", tiled_mlp)
+    norms_on, norm_rows = _tile_setting("tiled_norms", tiled_norms)
     if offload_activations is True:
         offload = ActivationOffload()
     elif offload_activations is False or offload_activations is None:
@@ -176,13 +187,14 @@ def enable(
         offload = offload_activations
     else:
         raise LongContextError(f"apply: offload_activations expected False, True or an ActivationOffload, got {type(offload_activations).__name__}")
-    lc = LongContext(loss_on, loss_rows, mlp_on, mlp_rows, offload, accum_dtype, shard_kwarg)
+    lc = LongContext(loss_on, loss_rows, mlp_on, mlp_rows, norms_on, norm_rows, offload, accum_dtype, shard_kwarg)
     # Refusals first, so that a refused model is left as it was.
     head = _head_for_loss(model) if loss_on else None
-    layers = _decoder_layers(model) if (mlp_on or offload is not None) else []
-    if (mlp_on or offload is not None) and not layers:
+    layers = _decoder_layers(model) if (mlp_on or norms_on or offload is not None) else []
+    if (mlp_on or norms_on or offload is not None) and not layers:
         raise LongContextError(f"apply: found no decoder layers (GradientCheckpointingLayer) in {type(model).__name__}")
     mlps = [_mlp_of(layer) for layer in layers] if mlp_on else []
+    norms = _norms_of(model, layers) if norms_on else []
 
     previous = state(model)
     if previous is not None:
@@ -196,7 +208,9 @@ def enable(
     if loss_on:
         _install_loss(lc, model, head)
     for mlp in mlps:
-        _install_mlp(lc, mlp, model)
+        _install_tiled(lc, mlp, _widest(mlp), lambda: lc.mlp_tile_rows)
+    for norm in norms:
+        _install_tiled(lc, norm, norm.weight.shape[-1], lambda: lc.norm_tile_rows)
     if offload is not None:
         for layer in layers:
             _install_offload(lc, layer)
@@ -317,17 +331,34 @@ def _widest(mlp: torch.nn.Module) -> int:
     return max(widths) if widths else 1
 
 
-def _install_mlp(lc: LongContext, mlp: torch.nn.Module, model) -> None:
-    previous = mlp.__dict__.get("forward")
-    width = _widest(mlp)
+def _norms_of(model, layers) -> list[torch.nn.Module]:
+    """The norms of the residual stream: each decoder layer's direct children named ``*norm``
+    (``input_layernorm``, ``post_attention_layernorm``, Gemma's feed-forward norms) and the
+    base model's final ``norm``; per-head norms inside attention (Qwen3's q/k norms) are not."""
+    found = []
+    for layer in layers:
+        found += [m for name, m in layer.named_children() if name.endswith("norm")]
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    final = getattr(base, "norm", None)
+    if isinstance(final, torch.nn.Module):
+        found.append(final)
+    norms = [m for m in found if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 1]
+    if not norms:
+        raise LongContextError(f"apply: tiled_norms found no norms in {type(model).__name__}'s decoder layers")
+    return norms
 
-    def mlp_forward(x):
+
+def _install_tiled(lc: LongContext, module: torch.nn.Module, width: int, tile_rows) -> None:
+    """``module.forward`` over sequence tiles; the tile count is the same on every rank."""
+    previous = module.__dict__.get("forward")
+
+    def tiled_forward(x):
         rows = x.numel() // x.shape[-1]
-        tile_rows = lc.mlp_tile_rows or default_tile_rows(width, x.element_size())
-        return tiled_apply(mlp, x, tiles=tile_count(lc.rows_max(rows), tile_rows), fn=_original(mlp, previous),
+        per_tile = tile_rows() or default_tile_rows(width, max(x.element_size(), 4))
+        return tiled_apply(module, x, tiles=tile_count(lc.rows_max(rows), per_tile), fn=_original(module, previous),
                            accum_dtype=lc.accum_dtype)  # fmt: skip
 
-    _set_forward(mlp, mlp_forward, lc._undo)
+    _set_forward(module, tiled_forward, lc._undo)
 
 
 def _install_offload(lc: LongContext, layer: torch.nn.Module) -> None:
