@@ -80,13 +80,21 @@ class Setup:
     dtype: str = "bfloat16"
     checkpointing: bool = False
     tie_embeddings: bool = True
+    # The long-context pieces (ulysses_kernels.longctx); tile rows None: their defaults.
+    tiled_loss: bool = False
+    tiled_mlp: bool = False
+    tiled_norms: bool = False
+    offload_activations: bool = False
+    loss_tile_rows: int | None = None
+    mlp_tile_rows: int | None = None
+    norm_tile_rows: int | None = None
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "vocab", "seq", "batch", "sp", "dp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MemoryInputError(f"memory: {name} expected a positive int, got {value!r}")
-        for name in ("kv_heads", "head_dim", "intermediate"):
+        for name in ("kv_heads", "head_dim", "intermediate", "loss_tile_rows", "mlp_tile_rows", "norm_tile_rows"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise MemoryInputError(f"memory: {name} expected a positive int or None, got {value!r}")
@@ -108,6 +116,8 @@ class Setup:
             raise MemoryInputError(f"memory: offload_param expected ZeRO stage 3, got stage {self.zero}")
         if self.offload_optimizer and self.zero == 0:
             raise MemoryInputError("memory: offload_optimizer expected ZeRO stage 1, 2 or 3, got stage 0")
+        if self.offload_activations and not self.checkpointing:
+            raise MemoryInputError("memory: offload_activations expected checkpointing (it offloads the inputs checkpointing keeps)")
 
     @property
     def kv_count(self) -> int:

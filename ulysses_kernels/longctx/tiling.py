@@ -149,12 +149,11 @@ class SequenceTiled(torch.autograd.Function):
             if needs_x:
                 dx[start:stop] = grads[0]
                 grads = grads[1:]
-            for j, g in enumerate(grads):
-                if g is None:
-                    continue
-                wide = call.accum_dtype or _accum_dtype(g.dtype)
-                acc[j] = g.to(wide) if acc[j] is None else acc[j].add_(g)
-            del grads
+            for j in range(len(grads)):
+                if grads[j] is not None:
+                    wide = call.accum_dtype or _accum_dtype(grads[j].dtype)
+                    acc[j] = grads[j].to(wide) if acc[j] is None else acc[j].add_(grads[j])
+            del grads  # (no loop variable may keep the last tile's gradient into the next tile)
         param_grads: list[torch.Tensor | None] = [None] * len(call.params)
         for j, i in enumerate(wanted):
             if acc[j] is not None:
