@@ -71,6 +71,7 @@ class Setup:
     head_dim: int | None = None
     intermediate: int | None = None  # default: 4 x hidden (plain), 8/3 x hidden rounded up to 256 (gated)
     mlp: str = "gated"
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
     batch: int = 1
     sp: int = 1
     dp: int = 1

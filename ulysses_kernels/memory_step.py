@@ -28,6 +28,7 @@ one ``GraphExecGroup`` (docs/longctx.md): the replay assumes one recompute.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from .backends import shares_one_kv, uniform_group
@@ -65,12 +66,16 @@ class _Timeline:
         self._n = 0
         self.record = False  # keep what is alive at the peak (debugging the replay)
         self.at_peak: dict[str, int] = {}
+        self.moments: dict[str, int] = {}
 
     def new(self, name: str, nbytes: int, where: str = "") -> str:
         if name in self.live:
             raise AssertionError(f"memory_step: {name} allocated twice")
         self.live[name] = nbytes
         self.current += nbytes
+        if self.record:
+            key = where or re.sub(r"^L\d+\.|bt?\d+\.|\d+$", "", name)
+            self.moments[key] = max(self.moments.get(key, 0), self.current)
         if self.current > self.peak:
             self.peak, self.moment = self.current, where or name
             if self.record:
@@ -152,6 +157,8 @@ class _Step:
         self.n = n
         d = setup.dim
         self.rows = _Rows(n, e, setup.hidden, setup.ffn, setup.heads * d, setup.kv_count * d)
+        self.qrows = _Rows(n * setup.heads, e, d, 0, 0, 0)  # per-head norms: one row per head and token
+        self.krows = _Rows(n * setup.kv_count, e, d, 0, 0, 0)
         self.params = {
             "q": setup.hidden * setup.heads * d, "k": setup.hidden * setup.kv_count * d, "v": setup.hidden * setup.kv_count * d,
             "o": setup.hidden * setup.heads * d, "mlp": setup.hidden * setup.ffn, "norm": setup.hidden,
@@ -268,13 +275,19 @@ class _Step:
         return out
 
     def _tiles(self, rows: int, tile_rows: int) -> int:
-        rows_max = self.s.batch * max(self.lay.seq_lens) if self.lay.seq_lens else rows
+        """The tile count every rank uses: from the group's longest shard (``LongContext.rows_max``)."""
+        per_token = max(1, rows // self.n)  # rows per token: 1, or the heads of a per-head norm
+        rows_max = self.s.batch * max(self.lay.seq_lens) * per_token
         return max(1, math.ceil(rows_max / tile_rows))
 
     @staticmethod
     def _tile_sizes(rows: int, count: int) -> list[int]:
+        """The sizes of the first two tiles (``tiling.tile_bounds``; empty ones dropped): every
+        later tile repeats the second's allocations with at most as many rows, on the same
+        tensors alive (the first allocates the output or the gradient sums), so the replay's
+        peak and end state are those of all the tiles."""
         base, extra = divmod(rows, count)
-        return [base + (i < extra) for i in range(count) if base + (i < extra) > 0]
+        return [base + (i < extra) for i in range(min(count, 2)) if base + (i < extra) > 0]
 
     def _sub(self, rows: _Rows, n: int) -> _Rows:
         return _Rows(n, rows.e, rows.h, rows.f, rows.dq, rows.dkv)
@@ -421,12 +434,24 @@ class _Step:
         """q/k/v projections, RoPE, ``ulysses_attention``, o_proj; returns o_proj's output.
         The q/k/v inputs of the op stay until the attention module returns."""
         t, R = self.t, self.rows
-        t.new(p + "q", R.Q)
-        t.new(p + "k", R.K)
-        t.new(p + "v", R.K)
-        self.rope(p + "q", R.Q, p + "qe")
-        self.rope(p + "k", R.K, p + "ke")
-        t.free(p + "q", p + "k")
+        if self.s.qk_norm:  # Qwen3: an RMSNorm over head_dim on q and k before RoPE
+            pre = []
+            for role, size, hr in (("q", R.Q, self.qrows), ("k", R.K, self.krows)):
+                t.new(p + role, size)
+                pre.append(self._head_norm(p + role + "n.", hr, keep))
+                if not (keep and (self.s.tiled_norms or hr.C == 0)):
+                    t.free(p + role)  # saved only by a float32 norm (pow) or a tiled one
+            t.new(p + "v", R.K)
+            self.rope(pre[0], R.Q, p + "qe")
+            self.rope(pre[1], R.K, p + "ke")
+            t.free(*pre)
+        else:
+            t.new(p + "q", R.Q)
+            t.new(p + "k", R.K)
+            t.new(p + "v", R.K)
+            self.rope(p + "q", R.Q, p + "qe")
+            self.rope(p + "k", R.K, p + "ke")
+            t.free(p + "q", p + "k")
         if self.send_qkv:
             t.new(p + "send", self.send_qkv)
         t.new(p + "recv", self.recv_qkv, "q/k/v exchange")
@@ -507,21 +532,45 @@ class _Step:
         t.new(p + "dWv", self.params["v"] * e, w)
         t.new(p + "dxv", R.X, w)
         t.free(dv, p + "dWv")
-        t.new(p + "dkc", R.K, w)
-        t.free(p + "dkp")
+        dkp, dqp, copies = p + "dkp", p + "dqp", (True, True)
+        if self.s.qk_norm:  # each per-head norm's backward, then (untiled) the view's copy
+            dkp, ck = self._head_norm_backward(p + "kn.", self.krows, dkp, p + "k")
+            dqp, cq = self._head_norm_backward(p + "qn.", self.qrows, dqp, p + "q")
+            copies = (ck, cq)
+        self._view_grad(dkp, p + "dkc", R.K, copies[0], w)
         t.new(p + "dWk", self.params["k"] * e, w)
         t.new(p + "dxk", R.X, w)
         t.free(p + "dkc")
         acc = self._accumulate(p + "dxv", p + "dxk", R.X, w)
         t.free(p + "dWk")
-        t.new(p + "dqc", R.Q, w)
-        t.free(p + "dqp")
+        self._view_grad(dqp, p + "dqc", R.Q, copies[1], w)
         t.new(p + "dWq", self.params["q"] * e, w)
         t.new(p + "dxq", R.X, w)
         t.free(p + "dqc", x)
         acc = self._accumulate(acc, p + "dxq", R.X, w)
         t.free(p + "dWq")
         return acc
+
+    def _head_norm(self, p: str, rows: _Rows, keep: bool) -> str:
+        if self.s.tiled_norms:
+            return self.tiled_forward(p, lambda q, sub: self.norm_forward(q, sub, keep=False), rows, self.norm_rows, rows.h)
+        return self.norm_forward(p, rows, keep)
+
+    def _head_norm_backward(self, p: str, rows: _Rows, grad: str, x: str) -> tuple[str, bool]:
+        """A per-head norm's backward: ``(input gradient, whether the view before it copies it)``:
+        the untiled norm's gradient keeps RoPE's transposed strides, the tiled one is contiguous."""
+        w = "q/k norm backward"
+        if self.s.tiled_norms:
+            return self.tiled_norm_backward(p, rows, self.norm_rows, grad, x, None, w + " (tiled)"), False
+        return self.norm_backward(p, rows, grad, x if rows.C == 0 else None, None, w), True
+
+    def _view_grad(self, grad: str, out: str, nbytes: int, copy: bool, where: str) -> None:
+        """The projection output's view: a copy of a strided gradient, else the gradient itself."""
+        if copy:
+            self.t.new(out, nbytes, where)
+            self.t.free(grad)
+        else:
+            self.t.live[out] = self.t.live.pop(grad)
 
     # ---- a decoder layer ---------------------------------------------------------------------
     def _norm(self, p: str, keep: bool) -> str:
@@ -619,17 +668,21 @@ class _Step:
         t.new("in0", R.X, "embedding")
         t.new("cos", n * s.dim * e)
         t.new("sin", n * s.dim * e)
+        # A layer's input stays when checkpointing keeps it (not offloaded), or when its first
+        # norm saves it (tiled, or float32: otherwise the norm saves its float32 copy).
+        norm_keeps_x = s.tiled_norms or R.C == 0
+        dropped = offload or (not ckpt and not norm_keeps_x)
         for l in range(L):
             if offload:
                 t.host_new(R.X)
             self.layer_forward(l, keep=not ckpt)
-            if offload and l > 0:
-                t.free(f"in{l}")  # its device copy goes once the layer returns (the host copy stays)
+            if dropped and l > 0:
+                t.free(f"in{l}")  # goes once the layer returns (offloaded: the host copy stays)
         last = f"in{L}"
         self._norm("fn.", keep=True)
-        if not (s.tiled_norms or R.C == 0):
-            t.free(last)  # not saved by the final norm (its float32 copy is)
-        if offload:
+        if not norm_keeps_x:
+            t.free(last)
+        if dropped:
             t.free("in0")  # the embedding output, held until the base model returns
         self.loss_forward()
         forward_peak, forward_end = t.peak, t.current
@@ -641,7 +694,7 @@ class _Step:
         else:
             grad = self.norm_backward("fn.", R, dh, fn_x, None, "final norm backward")
         for l in reversed(range(L)):
-            x = f"in{l}"
+            x = None if (dropped and not ckpt) else f"in{l}"
             if ckpt:
                 if offload:
                     if x not in t.live:

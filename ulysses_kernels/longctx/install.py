@@ -83,12 +83,14 @@ class LongContext:
     def active(self) -> bool:
         return self.tiled_loss or self.tiled_mlp or self.tiled_norms or self.offload is not None
 
-    def rows_max(self, local_rows: int) -> int:
-        """Rows (batch x tokens) of the group's longest shard this step: ranks agree on it."""
+    def rows_max(self, local_rows: int, x: torch.Tensor | None = None) -> int:
+        """Rows of the group's longest shard this step (ranks agree on it): ``batch x`` its
+        tokens, times the rows per token of ``x`` (``[batch, seq_local, ..., width]``: heads)."""
         shard = self.shard
-        if shard is None:
+        if shard is None or shard.local_len == 0:
             return local_rows
-        return shard.batch_size * max(shard.seq_lens)
+        per_token = local_rows // (shard.batch_size * shard.local_len)
+        return shard.batch_size * max(shard.seq_lens) * max(per_token, 1)
 
 
 def state(model: torch.nn.Module) -> LongContext | None:
@@ -332,12 +334,15 @@ def _widest(mlp: torch.nn.Module) -> int:
 
 
 def _norms_of(model, layers) -> list[torch.nn.Module]:
-    """The norms of the residual stream: each decoder layer's direct children named ``*norm``
-    (``input_layernorm``, ``post_attention_layernorm``, Gemma's feed-forward norms) and the
-    base model's final ``norm``; per-head norms inside attention (Qwen3's q/k norms) are not."""
+    """The norms of each decoder layer: its direct children named ``*norm`` (``input_layernorm``,
+    ``post_attention_layernorm``, Gemma's feed-forward norms) and those of its attention
+    (Qwen3's per-head ``q_norm``/``k_norm``), and the base model's final ``norm``."""
     found = []
     for layer in layers:
         found += [m for name, m in layer.named_children() if name.endswith("norm")]
+        attn = getattr(layer, "self_attn", None)
+        if isinstance(attn, torch.nn.Module):
+            found += [m for name, m in attn.named_children() if name.endswith("norm")]
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     final = getattr(base, "norm", None)
     if isinstance(final, torch.nn.Module):
@@ -355,7 +360,7 @@ def _install_tiled(lc: LongContext, module: torch.nn.Module, width: int, tile_ro
     def tiled_forward(x):
         rows = x.numel() // x.shape[-1]
         per_tile = tile_rows() or default_tile_rows(width, max(x.element_size(), 4))
-        return tiled_apply(module, x, tiles=tile_count(lc.rows_max(rows), per_tile), fn=_original(module, previous),
+        return tiled_apply(module, x, tiles=tile_count(lc.rows_max(rows, x), per_tile), fn=_original(module, previous),
                            accum_dtype=lc.accum_dtype)  # fmt: skip
 
     _set_forward(module, tiled_forward, lc._undo)
