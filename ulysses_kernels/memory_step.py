@@ -294,7 +294,14 @@ class _Step:
 
     # ---- the MLP ---------------------------------------------------------------------------
     def mlp_forward(self, p: str, rows: _Rows, keep: bool) -> str:
+        """Up to the down projection's input (``prod``; GPT's plain MLP: ``act``)."""
         t = self.t
+        if self.s.mlp == "plain":  # fc -> activation -> fc
+            t.new(p + "gate", rows.F)
+            t.new(p + "prod", rows.F, "mlp forward")
+            if not keep:
+                t.free(p + "gate")
+            return p + "prod"
         t.new(p + "gate", rows.F)
         t.new(p + "act", rows.F)
         if not keep:
@@ -329,6 +336,18 @@ class _Step:
             dws.append(p + "dWd")
         if grad:
             t.free(grad)
+        if self.s.mlp == "plain":  # the activation's backward, then fc_in's
+            t.new(p + "dgate", rows.F, where)
+            t.free(p + "dprod", p + "gate")
+            t.new(p + "dWg", w, where)
+            out = t.new(p + "dxg", rows.X, where)
+            t.free(p + "dgate", x)
+            if params:
+                t.free(p + "dWg")
+            else:
+                dws.append(p + "dWg")
+            self._tile_dws = dws
+            return out
         t.new(p + "dact", rows.F, where)
         t.new(p + "dup", rows.F, where)
         t.free(p + "dprod", p + "act", p + "up")
@@ -374,12 +393,12 @@ class _Step:
                 if acc_e == ep:
                     accs = dws
                 else:
-                    accs = [t.new(f"{p}acc{j}", self.params["mlp"] * acc_e, where) for j in range(3)]
+                    accs = [t.new(f"{p}acc{j}", self.params["mlp"] * acc_e, where) for j in range(len(dws))]
                     t.free(*dws)
             else:
                 t.free(*dws)
         if acc_e != ep:  # cast back to the parameters' dtype: returned, accumulated, forgotten
-            for j in range(3):
+            for _ in accs:
                 t.blip(self.params["mlp"] * ep, where)
         t.free(*accs)
         return dx
