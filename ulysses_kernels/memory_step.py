@@ -37,7 +37,7 @@ from .longctx.loss import loss_tile_rows
 from .longctx.tiling import default_tile_rows
 from .traffic import h2s_recv_elems, s2h_send_elems
 
-__all__ = ["StepMemory", "step_memory"]
+__all__ = ["StepMemory", "step_memory", "rank_key"]
 
 
 @dataclass(frozen=True)
@@ -513,6 +513,8 @@ class _Step:
         t.new(p + "dql", self.hq * self.head, w)
         t.new(p + "dkl", self.dkv_kernel // 2, w)
         t.new(p + "dvl", self.dkv_kernel // 2, w)
+        if self.s.flash_workspace:  # flash-attn's mha_bwd: float32 dq_accum [B, S, hq, D], softmax_d [B, hq, S]
+            t.blip(self.hq * self.head // self.e * 4 + self.lse, w + " (flash-attn workspace)")
         t.free(p + "outl", p + "lse")
         t.free(*((p + "qc", p + "kvg") if self.gathered else (p + "recv",)))
         if self.shared:  # KVGradSum: float32 accumulators of the one KV head, then the casts
@@ -610,10 +612,10 @@ class _Step:
         self.mlp_forward(p, R, keep)
         return None if keep else self.mlp_down(p, R, keep=False)
 
-    def layer_forward(self, l: int, keep: bool) -> str:
-        """Layer ``l``'s forward on its input ``in{l}``; returns its output. ``keep=False``:
+    def layer_forward(self, i: int, keep: bool) -> str:
+        """Layer ``i``'s forward on its input ``in{i}``; returns its output. ``keep=False``:
         under checkpointing (nothing kept); ``keep=True`` without checkpointing."""
-        t, R, p = self.t, self.rows, f"L{l}."
+        t, R, p = self.t, self.rows, f"L{i}."
         n1 = self._norm(p + "n1.", keep)
         o = self.attention_forward(p + "a.", keep)
         if not keep:
@@ -626,7 +628,7 @@ class _Step:
             m = self.mlp_down(p + "m.", R, keep=True)
         if not keep:
             t.free(n2)
-        out = t.new(f"in{l + 1}", R.X, "layer output")
+        out = t.new(f"in{i + 1}", R.X, "layer output")
         t.free(m)
         if not self._keeps_res1(keep):
             t.free(p + "res1")
@@ -636,9 +638,9 @@ class _Step:
         """res1 (attention's residual sum) is saved by norm2: tiled (its input), float32 (pow's)."""
         return keep and (self.s.tiled_norms or self.rows.C == 0)
 
-    def layer_recompute(self, l: int) -> None:
+    def layer_recompute(self, i: int) -> None:
         """The checkpointed layer's forward again, in the backward, up to its last saved tensor."""
-        t, R, p = self.t, self.rows, f"L{l}."
+        t, R, p = self.t, self.rows, f"L{i}."
         self._norm(p + "n1.", keep=True)
         o = self.attention_forward(p + "a.", keep=True)
         t.new(p + "res1", R.X)
@@ -651,10 +653,10 @@ class _Step:
         if not self._keeps_res1(True):
             t.free(p + "res1")
 
-    def layer_backward(self, l: int, grad: str, x: str) -> str:
-        """Layer ``l``'s backward from the gradient of its output; frees its input ``x`` (when its
+    def layer_backward(self, i: int, grad: str, x: str | None) -> str:
+        """Layer ``i``'s backward from the gradient of its output; frees its input ``x`` (when its
         last saved reference goes); returns the input's gradient."""
-        t, R, p = self.t, self.rows, f"L{l}."
+        t, R, p = self.t, self.rows, f"L{i}."
         s = self.s
         n1 = p + "n1.out"
         n2 = p + "n2.out"
@@ -691,12 +693,12 @@ class _Step:
         # norm saves it (tiled, or float32: otherwise the norm saves its float32 copy).
         norm_keeps_x = s.tiled_norms or R.C == 0
         dropped = offload or (not ckpt and not norm_keeps_x)
-        for l in range(L):
+        for i in range(L):
             if offload:
                 t.host_new(R.X)
-            self.layer_forward(l, keep=not ckpt)
-            if dropped and l > 0:
-                t.free(f"in{l}")  # goes once the layer returns (offloaded: the host copy stays)
+            self.layer_forward(i, keep=not ckpt)
+            if dropped and i > 0:
+                t.free(f"in{i}")  # goes once the layer returns (offloaded: the host copy stays)
         last = f"in{L}"
         self._norm("fn.", keep=True)
         if not norm_keeps_x:
@@ -712,27 +714,27 @@ class _Step:
             grad = self.tiled_norm_backward("fn.", R, self.norm_rows, dh, fn_x, None, "final norm backward (tiled)")
         else:
             grad = self.norm_backward("fn.", R, dh, fn_x, None, "final norm backward")
-        for l in reversed(range(L)):
-            x = None if (dropped and not ckpt) else f"in{l}"
+        for i in reversed(range(L)):
+            x = None if (dropped and not ckpt) else f"in{i}"
             if ckpt:
                 if offload:
                     if x not in t.live:
                         t.new(x, R.X, "offload: brought back")
                         t.host_free(R.X)
-                    if l > 0 and f"in{l - 1}" not in t.live:
-                        t.new(f"in{l - 1}", R.X, "offload: prefetched")
+                    if i > 0 and f"in{i - 1}" not in t.live:
+                        t.new(f"in{i - 1}", R.X, "offload: prefetched")
                         t.host_free(R.X)
-                self.layer_recompute(l)
+                self.layer_recompute(i)
                 if offload and not s.tiled_norms and R.C:
                     t.free(x)  # the brought-back input is saved by nothing (the norm saves its copy)
                     x = None
-            grad = self.layer_backward(l, grad, x)
+            grad = self.layer_backward(i, grad, x)
         t.blip(self.params["head"] * s.element_size, "embedding backward")
         t.free(grad)
         return StepMemory(t.peak, t.moment, forward_peak, forward_end, t.host_peak)
 
     def loss_forward(self) -> None:
-        s, t, R = self.s, self.t, self.rows
+        s, t = self.s, self.t
         e, n, V, wide = self.e, self.n, s.vocab, self.wide
         if s.tiled_loss:
             t.new("lse", n * wide)
@@ -799,6 +801,12 @@ def _tile_rows(setup) -> tuple[int, int, int]:
     mlp = setup.mlp_tile_rows or default_tile_rows(setup.ffn, e)
     norm = setup.norm_tile_rows or default_tile_rows(setup.hidden, max(e, 4))
     return loss, mlp, norm
+
+
+def rank_key(setup, rank: int) -> tuple:
+    """What the replay of ``rank`` depends on: ranks with equal keys have equal steps."""
+    st = _Step(setup, rank)
+    return (st.n, st.hq, st.hkv, st.shared, st.gathered, st.send_qkv, st.recv_qkv, st.send_dout, st.out_recv, st.dqkv_recv)
 
 
 def step_memory(setup, rank: int = 0) -> StepMemory:
