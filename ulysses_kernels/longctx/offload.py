@@ -40,17 +40,20 @@ __all__ = ["ActivationOffload"]
 
 
 class _Offloaded:
-    """One saved tensor while it lives in host memory (and, once brought back, on the device)."""
+    """One saved tensor in host memory (and, brought back ahead of its unpack, on the device).
+    The host buffer lives as long as autograd keeps the handle (until the backward has passed
+    the layer)."""
 
-    __slots__ = ("host", "device_tensor", "ready", "device", "nbytes", "index", "__weakref__")
+    __slots__ = ("host", "device_tensor", "ready", "device", "nbytes", "index", "unpacked", "__weakref__")
 
     def __init__(self, host: torch.Tensor, device: torch.device, index: int):
-        self.host: torch.Tensor | None = host
+        self.host = host
         self.device_tensor: torch.Tensor | None = None
         self.ready = None  # CUDA event: the host-to-device copy has run
         self.device = device
         self.nbytes = host.numel() * host.element_size()
         self.index = index
+        self.unpacked = False
 
 
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -100,8 +103,9 @@ class ActivationOffload:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def stats(self) -> dict[str, int]:
-        """``host_bytes`` (now), ``host_peak`` (the most held at once), ``offloaded`` and
-        ``restored`` (tensors moved out and back since the object was made)."""
+        """``host_bytes`` (now: 0 once the backward has passed every layer), ``host_peak`` (the
+        most held at once), ``offloaded`` and ``restored`` (tensors moved out and back since the
+        object was made)."""
         return {"host_bytes": self.host_bytes, "host_peak": self.host_peak, "offloaded": self.offloaded, "restored": self.restored}
 
     # ---- pack: device -> host ------------------------------------------------------------
@@ -134,6 +138,7 @@ class ActivationOffload:
             host = _host_copy(t.detach(), pin)
         handle = _Offloaded(host, t.device, len(self._saved))
         self._saved.append(weakref.ref(handle))
+        weakref.finalize(handle, self._host_released, handle.nbytes)
         self.host_bytes += handle.nbytes
         self.host_peak = max(self.host_peak, self.host_bytes)
         self.offloaded += 1
@@ -141,8 +146,8 @@ class ActivationOffload:
 
     # ---- unpack: host -> device ----------------------------------------------------------
     def _bring_back(self, handle: _Offloaded) -> None:
-        """Start the host-to-device copy of ``handle`` (and let its host buffer go)."""
-        if handle.device_tensor is not None or handle.host is None:
+        """Start the host-to-device copy of ``handle`` (kept on the handle until unpacked)."""
+        if handle.device_tensor is not None:
             return
         if handle.device.type == "cuda":
             side = self._stream(handle.device)
@@ -151,9 +156,6 @@ class ActivationOffload:
                 handle.ready = side.record_event()
         else:
             handle.device_tensor = _device_copy(handle.host, handle.device)
-        # The pinned allocator keeps the block until the copy has run (it records the event).
-        handle.host = None
-        self.host_bytes -= handle.nbytes
         self.restored += 1
 
     def _unpack(self, packed):
@@ -164,22 +166,28 @@ class ActivationOffload:
             earlier = self._previous(packed.index)
             if earlier is not None:
                 self._bring_back(earlier)
-        t = packed.device_tensor
+        # The handle lets the device tensor go: it lives as long as the recompute uses it, as
+        # the original did (a second unpack, retain_graph, copies the host buffer again).
+        t, packed.device_tensor = packed.device_tensor, None
         if packed.ready is not None:
             current = torch.cuda.current_stream(packed.device)
             current.wait_event(packed.ready)
             t.record_stream(current)  # made on the offload stream, used on this one
             packed.ready = None
+        packed.unpacked = True
         return t
 
     def _previous(self, index: int) -> _Offloaded | None:
-        """The live handle saved last before ``index`` whose tensor is still in host memory."""
+        """The live handle saved last before ``index`` that was never unpacked nor brought back."""
         for ref in reversed(self._saved[:index]):
             handle = ref()
-            if handle is not None and handle.host is not None:
+            if handle is not None and not handle.unpacked and handle.device_tensor is None:
                 return handle
         self._prune()
         return None
+
+    def _host_released(self, nbytes: int) -> None:
+        self.host_bytes -= nbytes
 
     def _prune(self) -> None:
         """Forget handles autograd has freed (a finished backward)."""
