@@ -86,6 +86,14 @@ class _TileCall:
     current: Callable[[], tuple[torch.Tensor, ...]]  # the module's trainable parameters now
     accum_dtype: torch.dtype | None
     name: str
+    # DeepSpeed ZeRO-3 parameters: a sub-module's (an MLP's gate_proj, ...) are empty until the
+    # sub-module runs inside a tile, so no autograd edge can be made to them here (it would
+    # record their empty shape), and empty again when this function's backward returns (the
+    # engine frees a sub-module's parameters after its backward), too late for one
+    # accumulation. Their gradients are accumulated per tile, while gathered, under DeepSpeed's
+    # protocol for tiled compute: ``ds_grad_is_ready`` False until the last tile, so that its
+    # reduce runs once per step (what its TiledMLP does; tests/test_longctx_engines.py).
+    zero3: tuple[torch.Tensor, ...] = ()
 
 
 def _run(fn, x_tile: torch.Tensor) -> torch.Tensor:
@@ -124,8 +132,8 @@ class SequenceTiled(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         call: _TileCall = ctx.call
         (x,) = ctx.saved_tensors
-        now = call.current()
-        if len(now) != len(call.params) or any(a is not b for a, b in zip(now, call.params)):
+        now, then = call.current(), call.params + call.zero3
+        if len(now) != len(then) or any(a is not b for a, b in zip(now, then)):
             raise TilingError(
                 f"{call.name}: the module's parameters in the backward are not the objects the forward used "
                 "(an engine swapped them between forward and backward); the tiled gradient cannot reach them"
@@ -137,12 +145,20 @@ class SequenceTiled(torch.autograd.Function):
         grad_flat = grad_out.reshape(rows, grad_out.shape[-1])
         dx = torch.empty_like(flat) if needs_x else None
         acc: list[torch.Tensor | None] = [None] * len(wanted)
-        for start, stop in tile_bounds(rows, call.count):
-            if stop == start:
-                continue
+        bounds = [(a, b) for a, b in tile_bounds(rows, call.count) if b > a]
+        for k, (start, stop) in enumerate(bounds):
             xt = flat[start:stop].requires_grad_(needs_x)
             with torch.enable_grad():
                 y = _run(call.fn, xt)
+            if call.zero3:
+                for p in call.zero3:
+                    p.ds_grad_is_ready = k + 1 == len(bounds)
+                torch.autograd.backward(y, grad_flat[start:stop], inputs=([xt] if needs_x else []) + list(call.zero3))
+                del y
+                if needs_x:
+                    dx[start:stop] = xt.grad
+                    xt.grad = None
+                continue
             inputs = ([xt] if needs_x else []) + [call.params[i] for i in wanted]
             grads = torch.autograd.grad(y, inputs, grad_flat[start:stop], allow_unused=True)
             del y
@@ -198,5 +214,11 @@ def tiled_apply(
     if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
         raise TilingError(f"tiled_apply: tiles expected a positive int, got {tiles!r}")
     params = trainable(module)
-    call = _TileCall(fn or module.forward, tiles, params, lambda: trainable(module), accum_dtype, type(module).__name__)
+    zero3 = ()
+    if any(getattr(p, "ds_id", None) is not None for p in params):  # DeepSpeed ZeRO-3: its own protocol (_TileCall.zero3)
+        zero3, params = params, ()
+    call = _TileCall(fn or module.forward, tiles, params, lambda: trainable(module), accum_dtype, type(module).__name__, zero3)
     return SequenceTiled.apply(x, call, *params)
+
+
+
