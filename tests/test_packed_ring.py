@@ -17,6 +17,7 @@ rank of the 2-D group before any data moves.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -261,3 +262,22 @@ def test_gpu_flash_varlen_steps(monkeypatch):
         low_o, _ = MathBackend().attend_lse(q[:, rows], k[:, cols], v[:, cols], diag, 0.125)
         assert (out.double() - want_o).abs().max() <= 2 * (low_o.double() - want_o).abs().max() + 1e-3
         torch.testing.assert_close(lse.double(), want_l, rtol=1e-3, atol=1e-3)
+
+
+def test_ring_balance_table(tmp_path, capsys):
+    """``bench.ring_balance``: unpacked, contiguous is ``(2R-1)/R`` and zigzag 1; the ring
+    ranks' work adds up to every document's causal pairs; the CLI prints and writes rows."""
+    from ulysses_kernels.bench import ring_balance as rb
+
+    for R in (2, 4):
+        assert rb.balance(1024, R, "none", "contiguous", 1)["imbalance"] == pytest.approx((2 * R - 1) / R, rel=1e-2)
+        assert rb.balance(1024, R, "none", "zigzag", 1)["imbalance"] == 1.0
+    cu = rb.document_mix(1 << 15, "longtail", seed=3)
+    assert cu[0] == 0 and cu[-1] == 1 << 15 and all(b > a for a, b in itertools.pairwise(cu))
+    for layout in ("contiguous", "zigzag"):
+        sched = ring_schedule(4, layout, (1 << 15) // 4, True, cu)
+        assert sum(sched.pairs(j) for j in range(4)) == sum((b - a) * (b - a + 1) // 2 for a, b in itertools.pairwise(cu))
+    assert rb.main(["--seqs", "4K", "--rings", "2", "--batches", "2", "--json", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "max/mean" in out and len([line for line in out.splitlines() if line.strip().startswith("4096")]) == 6
+    assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 6
