@@ -25,6 +25,23 @@ import torch
 import torch.nn.functional as F
 
 
+class _CPUDeviceModule:
+    """What verl calls on ``get_torch_device()`` (``torch.cuda``'s memory and cache helpers),
+    answered for the CPU: no cache to empty, no device memory to report."""
+
+    def __getattr__(self, name):
+        if hasattr(torch.cpu, name):
+            return getattr(torch.cpu, name)
+        if name.startswith(("max_memory", "memory_")) or name == "mem_get_info":
+            return lambda *a, **k: 0 if name != "mem_get_info" else (0, 0)
+        if name in ("empty_cache", "reset_peak_memory_stats", "set_device", "manual_seed", "manual_seed_all", "ipc_collect"):
+            return lambda *a, **k: None
+        raise AttributeError(f"verl_cpu: the CPU stand-in for torch.cuda has no {name!r}")
+
+
+_CPU_DEVICE_MODULE = _CPUDeviceModule()
+
+
 def _platform_class():
     from verl.plugin.platform.platform_base import PlatformBase
 
@@ -33,7 +50,7 @@ def _platform_class():
 
         device_name = property(lambda self: "cpu")
         vendor_name = property(lambda self: "cpu")
-        device_module = property(lambda self: torch.cpu)
+        device_module = property(lambda self: _CPU_DEVICE_MODULE)
 
         def is_available(self) -> bool:
             return True
