@@ -335,6 +335,27 @@ def _sp4_body(rank, world):
     assert ours.sent == verls.sent, (ours.sent, verls.sent)
     assert uv.is_applied()
 
+    # Refusals reach every rank (from the one all-gather of the sizes and flags, before any
+    # exchange), so no rank is left waiting in a collective.
+    from verl.utils.ulysses import FSDPUlyssesShardingManager
+
+    model, _ = _models(_config("qwen2", 6, 2), "flash")
+    _patch(model, 4)
+    wrong_sp, _ = _models(_config("qwen2", 6, 2), "flash")
+    _patch(wrong_sp, 2)
+    ids, pos = torch.arange(8).unsqueeze(0), torch.arange(8 * rank, 8 * rank + 8).unsqueeze(0)
+    padded = torch.ones(1, 8, dtype=torch.long)
+    padded[0, -1] = 0 if rank == 0 else 1
+    cases = (
+        (model, {"attention_mask": padded}, "disagree on this forward's input.*rank 0: .*padding mask=1"),
+        (model, {"input_ids": ids[:, : 8 - (rank == 1)], "position_ids": pos[:, : 8 - (rank == 1)]}, "disagree.*rank 1: seq_local=7"),
+        (wrong_sp, {}, "group has 4 ranks but the model was prepared for ulysses_sequence_parallel_size=2"),
+    )
+    with FSDPUlyssesShardingManager(mesh):
+        for m, kwargs, message in cases:
+            with pytest.raises(uv.VerlIntegrationError, match=message):
+                m(**{"input_ids": ids, "position_ids": pos, "use_cache": False, **kwargs})
+
 
 def test_small_layouts_at_sp4():
     run_ranks(_sp4_body, 4)
