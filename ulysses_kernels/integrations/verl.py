@@ -80,7 +80,6 @@ __all__ = [
     "apply",
     "apply_monkey_patch",
     "is_applied",
-    "prepare_model",
     "revert",
 ]
 
@@ -113,7 +112,7 @@ class _Options:
 
 @dataclass(eq=False)
 class _ModelState:
-    """What ``prepare_model`` recorded on one model (instance attribute ``_ulysses_verl``)."""
+    """What our ``apply_monkey_patch`` recorded on one model (instance attribute ``_ulysses_verl``)."""
 
     sp_size: int
     q_heads: int
@@ -251,15 +250,6 @@ def apply_monkey_patch(model, ulysses_sp_size: int = 1, use_remove_padding: bool
     if not hasattr(mp.apply_monkey_patch, _ORIGINAL_ATTR):
         apply()
     return mp.apply_monkey_patch(model, ulysses_sp_size, use_remove_padding, *args, **kwargs)
-
-
-def prepare_model(model, ulysses_sp_size: int, *, kernels=None, chunks: int | str = 1, check: str = "step"):
-    """Only the sequence-parallel part, without verl's other patches: switch ``model`` (a
-    transformers text decoder) to our Ulysses over verl's sequence-parallel group of
-    ``ulysses_sp_size`` ranks. Idempotent. Returns the model."""
-    state = _checked_state(model, int(ulysses_sp_size), _Options(kernels, chunks, check))
-    _prepare(model, state)
-    return model
 
 
 # --------------------------------------------------------------------------------------
