@@ -70,13 +70,14 @@ if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! ha
   has_dists "${PEER_PKGS[@]}" || { echo "[setup] the peers are not at their pinned versions after installing them" >&2; exit 1; }
 fi
 # verl 0.9.1 (tests/test_verl*.py): --no-deps, it asks for transformers<5.11 (works with 5.23.0; pip reports the conflict); its other requirements as tested, 51 s/0.75 GB uncached.
-if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists verl; then
+VERL_PKGS=(verl==0.9.1 accelerate==1.15.0 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 hydra-core==1.3.8 pandas==3.1.1 peft==0.21.2
+  pyarrow==26.0.1 pybind11==3.1.0 pylatexenc==2.11 "ray[default]==2.60.0" torchdata==0.11.0 tensordict==0.10.0 wandb==0.31.0 tensorboard==2.21.0)
+if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists "${VERL_PKGS[@]/\[default\]/}"; then
   torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
-  echo "[setup] installing verl==0.9.1 and its requirements (keeping $torch_pin, transformers==5.23.0)"
-  "${PIP[@]}" install -q --no-deps verl==0.9.1 2>&1 | { grep -v "^WARNING: Location" || true; }
-  "${PIP[@]}" install -q accelerate==1.15.0 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 hydra-core==1.3.8 pandas==3.1.1 \
-    peft==0.21.2 pyarrow==26.0.1 pybind11==3.1.0 pylatexenc==2.11 "ray[default]==2.60.0" torchdata==0.11.0 tensordict==0.10.0 \
-    wandb==0.31.0 tensorboard==2.21.0 "$torch_pin" transformers==5.23.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+  echo "[setup] installing verl==0.9.1 (--no-deps) and its requirements (keeping $torch_pin, transformers==5.23.0)"
+  "${PIP[@]}" install -q --no-deps "${VERL_PKGS[0]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  "${PIP[@]}" install -q "${VERL_PKGS[@]:1}" "$torch_pin" transformers==5.23.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+  has_dists "${VERL_PKGS[@]/\[default\]/}" || { echo "[setup] verl or its requirements are not at their pinned versions after installing them" >&2; exit 1; }
 fi
 # pyproject.toml's SPDX license string needs setuptools >= 77 (torch >= 2.14 requires it anyway;
 # an older system torch may come with an older one).
