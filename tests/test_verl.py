@@ -219,8 +219,8 @@ def test_qwen25_14b_heads_at_sp16():
     """40/8 heads over 16 gloo ranks: logits and the sp-averaged gradient equal one process."""
     start = time.monotonic()
     run_ranks(_sp16_body, 16)
-    # NOTE: 55 s wall measured on the 2-core build machine (16 processes each importing
-    # torch, transformers and verl; the model step itself takes about 3 s).
+    # NOTE: 16 processes each importing torch, transformers and verl dominate (the model step
+    # is a few seconds): 66 s wall on the shared 2-core machine at load ~8, 229 s at load ~15.
     print(f"16 ranks: {time.monotonic() - start:.0f} s")
 
 
