@@ -671,7 +671,8 @@ def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, 
     else:
         from transformers.masking_utils import sliding_window_causal_mask_function
 
-        mask = _GlobalMask(int(window), {"mask_function": sliding_window_causal_mask_function(int(window))})
+        # local_size: sdpa's mask function skips the mask (plain causal) unless it knows the window.
+        mask = _GlobalMask(int(window), {"mask_function": sliding_window_causal_mask_function(int(window)), "local_size": int(window)})
     return _attend(module, settings, shard, mask, query, key, value, kwargs)
 
 
