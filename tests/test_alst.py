@@ -179,7 +179,8 @@ def ulysses_sp_hf(alst, adapter, path: str, zero_stage: int, sample: list[int]) 
     assert grad_b is not None
     torch_assert_equal(loss_a, loss_b)
     if zero_stage in (1, 2):
-        torch.testing.assert_close(grad_a, grad_b, rtol=1.6e-02, atol=1e-03)  # DeepSpeed's tolerance
+        if world == 2:  # DeepSpeed's test runs at 2 ranks; its tolerance (at 4 ranks the factor below exceeds it)
+            torch.testing.assert_close(grad_a, grad_b, rtol=1.6e-02, atol=1e-03)
         # NOTE: the port's own check: exactly sp times the baseline (measured with both classes).
         torch.testing.assert_close(grad_b, world * grad_a, rtol=1e-5, atol=1e-9)
     else:
@@ -363,3 +364,299 @@ def _suite(rank, world, impl, path, checkpoint_dir):
 def test_deepspeed_alst_suite(impl, tmp_path):
     """DeepSpeed's ALST tests, once with its class and once through ``enable_alst()``."""
     run_ranks(_suite, 2, impl, save_llama(str(tmp_path / "llama")), str(tmp_path / "ckpt"))
+
+
+# ---- beyond DeepSpeed's suite: what its class cannot run, at 4 ranks ----------------------------
+
+
+def register(alst, model, impl: str = "sdpa", batch: int = 1):
+    return alst.register_with_transformers(model_name_or_path=model, core_attn_implementation=impl,
+                                           sequence_parallel_size=dist.get_world_size(), micro_batch_size=batch)  # fmt: skip
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Targets of each position (the next label; -100 after the last), as the adapter shifts them."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def reference_step(model, ids, targets, positions, cu=None):
+    """One process: ``(loss, grads)`` of the mean token loss; a packed batch (``cu``) runs each
+    document alone (what packing must reproduce)."""
+    model.zero_grad()
+    if cu is None:
+        logits = model(input_ids=ids, position_ids=positions).logits
+    else:
+        logits = torch.cat([model(input_ids=ids[:, a:b], position_ids=positions[:, a:b]).logits for a, b in zip(cu[:-1], cu[1:])], dim=1)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    loss = loss / (targets != -100).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def sp_step(model, ids, targets, positions, group=None):
+    """This rank's contiguous shard (``split_lengths``) through the model whose attention the
+    ALST class intercepts: ``(global loss, gradients summed over the group)``."""
+    from ulysses_kernels.integrations import hf
+    from ulysses_kernels.layout import split_lengths
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    lens = split_lengths(ids.shape[1], world)
+    cut = slice(sum(lens[:rank]), sum(lens[: rank + 1]))
+    model.zero_grad()
+    logits = model(input_ids=ids[:, cut], position_ids=positions[:, cut]).logits
+    share = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, cut].flatten(), ignore_index=-100, reduction="sum")
+    share = share / (targets != -100).sum()
+    share.backward()
+    hf.sync_gradients(model, group)
+    return hf.reduce_loss(share, group), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def packed_batch():
+    """Three documents (5, 3, 8 tokens) in 16, crossing the 4-token shards; labels -100 at each
+    document's first token (``DataCollatorWithFlattening``), so no target crosses documents."""
+    cu = [0, 5, 8, 16]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, 16), generator=g)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, cu[:-1]] = -100
+    return ids, shifted(labels), positions, cu
+
+
+def plain_batch(seq: int, seed: int):
+    ids = torch.randint(3, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
+    return ids, shifted(ids), torch.arange(seq).repeat(2, 1)
+
+
+def errors(got, want) -> float:
+    loss, grads = got
+    ref_loss, ref_grads = want
+    return max([abs(float(loss - ref_loss))] + [float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads])
+
+
+def gathers_per_forward(model, ids, positions) -> int:
+    """``torch.distributed.all_gather`` calls in one forward of this rank's shard."""
+    from ulysses_kernels.layout import split_lengths
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lens = split_lengths(ids.shape[1], world)
+    cut = slice(sum(lens[:rank]), sum(lens[: rank + 1]))
+    original, count = dist.all_gather, [0]
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[:, cut], position_ids=positions[:, cut])
+    finally:
+        dist.all_gather = original
+    return count[0]
+
+
+def _beyond(rank, world, paths):
+    """At 4 ranks: DeepSpeed's class refuses 10/2 and 6/2 heads, ours trains them (the ported
+    test); packed documents, an sdpa window, uneven shards and the per-step gathers, DeepSpeed's
+    class first, then ours."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_kernels.integrations.deepspeed import disable_alst
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    f64 = {"dtype": torch.float64}
+    load = lambda key, layers=None: AutoModelForCausalLM.from_pretrained(paths[key], **f64, **({} if layers is None else {"num_hidden_layers": layers}))
+    # One-process references, before any registration (the interception is process-wide).
+    ids, targets, positions, cu = packed_batch()
+    refs = {"packed": reference_step(load("llama"), ids, targets, positions, cu)}
+    w_ids, w_targets, w_pos = plain_batch(16, 4)
+    refs["window"] = reference_step(load("mistral"), w_ids, w_targets, w_pos)
+    u_ids, u_targets, u_pos = plain_batch(13, 5)
+    refs["uneven"] = reference_step(load("llama_6_2"), u_ids, u_targets, u_pos)
+    refs["packed_6_2"] = reference_step(load("llama_6_2"), ids, targets, positions, cu)
+
+    measured = {}
+    for impl in ("deepspeed", "ours"):
+        alst, adapter = alst_classes(impl)
+        if impl == "deepspeed":
+            for key in ("llama_10_2", "llama_6_2"):
+                with pytest.raises(ValueError, match="not divisible by SP size"):
+                    register(alst, paths[key])
+                forget_registrations()
+            # its adapter refuses a length the group does not divide
+            loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(u_ids[:1], u_pos[:1]), batch_size=1, collate_fn=collate_fn)
+            with pytest.raises(ValueError, match="isn't divisible by sp-size"):
+                next(iter(adapter(loader, sp_rank=rank, sp_group=None, sp_world_size=world, device="cpu")))
+        else:
+            for key, sample in (("llama_10_2", [1, 10, 10, 10, 10, 10, 2, 2]), ("llama_6_2", [1, 10, 10, 2, 10, 10, 2, 2])):
+                for zero_stage in (2, 3):
+                    ulysses_sp_hf(alst, adapter, paths[key], zero_stage, sample)
+        # packed documents and an sdpa window, on a layout both classes run (4/4 heads)
+        model = load("llama")
+        register(alst, model)
+        measured[impl, "packed"] = errors(sp_step(model, ids, targets, positions), refs["packed"])
+        forget_registrations()
+        model = load("mistral")
+        register(alst, model, batch=2)
+        measured[impl, "window"] = errors(sp_step(model, w_ids, w_targets, w_pos), refs["window"])
+        forget_registrations()
+        # all_gathers in one forward, 2 and 4 layers
+        for layers in (2, 4):
+            model = load("llama", layers)
+            register(alst, model, batch=2)
+            measured[impl, f"gathers_{layers}"] = gathers_per_forward(model, w_ids, w_pos)
+            forget_registrations()
+    # ours only: uneven shards (13 tokens over 4 ranks: 4, 3, 3, 3) and packed 6/2 heads
+    model = load("llama_6_2")
+    register(alst, model, batch=2)
+    measured["ours", "uneven"] = errors(sp_step(model, u_ids, u_targets, u_pos), refs["uneven"])
+    measured["ours", "packed_6_2"] = errors(sp_step(model, ids, targets, positions), refs["packed_6_2"])
+    forget_registrations()
+    disable_alst()
+
+    # NOTE: float64; ours is exact to rounding (measured below 1e-14). DeepSpeed's class attends
+    # across documents and ignores the window under sdpa: errors of 1e-2 and more (measured).
+    for what in ("packed", "window", "uneven", "packed_6_2"):
+        assert measured["ours", what] < 1e-10, (what, measured)
+    for what in ("packed", "window"):
+        assert measured["deepspeed", what] > 1e-4, (what, measured)
+    # Ours gathers the positions in the first layer of a step only; DeepSpeed's in every layer.
+    assert measured["ours", "gathers_2"] == measured["ours", "gathers_4"] > 0, measured
+    assert measured["deepspeed", "gathers_4"] - measured["deepspeed", "gathers_2"] == 2, measured
+
+
+@needs_deepspeed
+def test_what_deepspeed_cannot(tmp_path):
+    """10/2 and 6/2 heads over 4 ranks (DeepSpeed: ValueError) through DeepSpeed's own test,
+    ZeRO-2 and 3; packed documents and an sdpa sliding window exact (DeepSpeed's differ);
+    uneven shards; positions gathered once per step."""
+    paths = {
+        "llama": save_llama(str(tmp_path / "llama")),
+        "llama_10_2": save_llama(str(tmp_path / "llama_10_2"), heads=10, kv_heads=2),
+        "llama_6_2": save_llama(str(tmp_path / "llama_6_2"), heads=6, kv_heads=2),
+    }
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=4, head_dim=4, max_position_embeddings=64, sliding_window=4)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(cfg).save_pretrained(str(tmp_path / "mistral"))
+    paths["mistral"] = str(tmp_path / "mistral")
+    run_ranks(_beyond, 4, paths)
+
+
+# ---- per-head state at an uneven head split (no DeepSpeed needed) -----------------------------
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float64)
+
+
+def alibi_attention(q, k, v, slopes):
+    """Causal attention with ALiBi over ``[b, S, h, d]`` (k/v grouped over the query heads)."""
+    k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, S, d]
+    seq = q.shape[2]
+    distance = torch.arange(seq).view(-1, 1) - torch.arange(seq).view(1, -1)
+    bias = -slopes.view(-1, 1, 1) * distance.clamp_min(0)
+    bias = bias.masked_fill(distance < 0, float("-inf"))
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + bias
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def gpt_oss(heads: int, kv_heads: int, impl: str):
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=32, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=4, max_position_embeddings=64, sliding_window=4, num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation=impl,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).double()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(getattr(m, "sinks", None), torch.Tensor):
+                m.sinks.normal_()  # the default is 0; sinks drawn so that they matter
+    return model
+
+
+def _per_head_state(rank, world):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from ulysses_kernels.integrations.alst import UlyssesSPAttentionHF
+    from ulysses_kernels.integrations.deepspeed import DistributedAttention
+
+    hq, hkv, seq = 10, 5, 12
+    # Our split of 10 query / 5 KV heads over 4 ranks (DeepSpeed's: 4, 2, 2, 2).
+    layer_slopes = alibi_slopes(hq)
+    holder = []
+    layer = DistributedAttention(lambda q, k, v: alibi_attention(q, k, v, layer_slopes[holder[0].query_heads(hq, hkv)]), None, gather_idx=1)
+    holder.append(layer)
+    assert layer.query_heads(hq, hkv) == range(*[(0, 3), (3, 6), (6, 8), (8, 10)][rank])
+    # ALiBi through the drop-in, slopes indexed by query_heads: exact against one process.
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, seq, h, 4, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = alibi_attention(*ref_in, layer_slopes)
+    gout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(gout)
+    n = seq // world
+    cut = slice(rank * n, (rank + 1) * n)
+    mine = [t[:, cut].clone().requires_grad_() for t in (q, k, v)]
+    out = layer(*mine)
+    out.backward(gout[:, cut])
+    for got, want in zip([out] + [t.grad for t in mine], [ref] + [t.grad for t in ref_in]):
+        torch.testing.assert_close(got, want[:, cut], rtol=1e-12, atol=1e-12)
+
+    # GPT-OSS sinks (per query head) and alternating 4-token windows at 10/5 heads, through the
+    # ALST entry point on a registered eager implementation: the rank's sinks are its heads'.
+    AttentionInterface.register("sinks_eager", eager_attention_forward)
+    AttentionMaskInterface.register("sinks_eager", eager_mask)
+    ids, targets, positions = plain_batch(seq, 12)
+    model = gpt_oss(hq, hkv, "sinks_eager")
+    want = reference_step(model, ids, targets, positions)
+    sinks = [m.sinks for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)]
+    saved = [s.detach().clone() for s in sinks]
+    with torch.no_grad():
+        for s in sinks:
+            s.zero_()
+    without_sinks = reference_step(model, ids, targets, positions)
+    with torch.no_grad():
+        for s, x in zip(sinks, saved):
+            s.copy_(x)
+    uattn_mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sinks_eager", world, 2)
+    assert uattn_mpu.get_sequence_parallel_world_size() == world
+    got = sp_step(model, ids, targets, positions)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS["sinks_eager"].unregister()
+    assert ALL_ATTENTION_FUNCTIONS["sinks_eager"] is eager_attention_forward
+    assert errors(without_sinks, want) > 1e-3  # the sinks matter far beyond the tolerance
+    assert errors(got, want) < 1e-10, errors(got, want)
+
+
+def test_per_head_state():
+    """Per-head state at 10/5 heads over 4 ranks (our split 3, 3, 2, 2): ALiBi slopes through
+    ``DistributedAttention.query_heads`` and GPT-OSS's sinks through the ALST entry point,
+    exact against one process in float64."""
+    run_ranks(_per_head_state, 4)
+
+
+@needs_deepspeed
+def test_head_split_vs_deepspeed():
+    """The documented splits: DeepSpeed's ``DistributedAttention`` deals out whole KV groups
+    (10/5 heads over 4 ranks: 4, 2, 2, 2), ours balances the query heads (3, 3, 2, 2); where
+    the heads divide evenly into whole KV groups both are the same equal ranges."""
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+
+    from ulysses_kernels.plan import HeadPlan
+
+    def ours(hq, hkv, world):
+        return [b - a for a, b in HeadPlan.build(hq, hkv, world).q_ranges]
+
+    assert get_shard_size_list(10, 4, AutoTPMeta(num_kv_heads=5)) == [4, 2, 2, 2]
+    assert ours(10, 5, 4) == [3, 3, 2, 2]
+    for hq, hkv, world in ((8, 4, 4), (8, 8, 4), (16, 8, 8), (40, 8, 8)):
+        assert get_shard_size_list(hq, world, AutoTPMeta(num_kv_heads=hkv)) == ours(hq, hkv, world), (hq, hkv, world)
