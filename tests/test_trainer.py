@@ -16,7 +16,8 @@ A tiny Qwen2 with 3 query heads and 1 KV head: 2 ranks do not divide the query h
 (DeepSpeed's own class refuses it: checked here through the same Trainer). Three optimizer
 steps at sp 2 give the losses, gradient norms and parameters of the same Trainer at sp 1 in
 one process (the adapter gives each step one sample split over the sequence ranks; a sequential
-sampler makes the sp 1 run see the samples in the same order).
+sampler makes the sp 1 run see the samples in the same order), with gradient checkpointing:
+each step gathers the positions once, for the forward and the recompute of every layer.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def trainer(outdir: str, sp: int):
     args = transformers.TrainingArguments(
         output_dir=outdir, per_device_train_batch_size=1, max_steps=STEPS, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-        deepspeed=dict(ZERO3), parallelism_config=pc, disable_tqdm=True,
+        deepspeed=dict(ZERO3), parallelism_config=pc, disable_tqdm=True, gradient_checkpointing=True,
     )  # fmt: skip
     return SequentialTrainer(model=build_model(), args=args, train_dataset=dataset(), data_collator=collate)
 
@@ -118,8 +119,27 @@ def _train(rank, world, sp, outdir, result_file):
         from ulysses_kernels.integrations.deepspeed import enable_alst
 
         enable_alst()  # the one added line
+    calls = {"forward": 0, "_new_shard": 0}
+    if sp > 1:
+        from ulysses_kernels.integrations.alst import UlyssesSPAttentionHF
+
+        for name in calls:  # count the attention calls and the per-step gathers of positions
+            original = getattr(UlyssesSPAttentionHF, name)
+
+            def counted(self, *args, _name=name, _original=original, **kwargs):
+                calls[_name] += 1
+                return _original(self, *args, **kwargs)
+
+            setattr(UlyssesSPAttentionHF, name, counted)
     tr = trainer(outdir, sp)
     tr.train()
+    if sp > 1:
+        # Each step gathers the positions once, though every layer's attention runs again in
+        # the backward under gradient checkpointing. NOTE: measured 3 calls per layer and step
+        # (the forward and two recomputes: docs/design.md, a backward not wrapped in
+        # GraphExecGroup); 1 without checkpointing.
+        layers = tr.model.config.num_hidden_layers
+        assert calls["_new_shard"] == STEPS and calls["forward"] >= 2 * STEPS * layers, calls
     logs = [h for h in tr.state.log_history if "loss" in h]
     result = {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "params": full_parameters(tr)}
     if sp > 1:
