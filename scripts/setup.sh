@@ -58,7 +58,15 @@ fi
 if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists deepspeed; then
   torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
   echo "[setup] installing deepspeed (DS_BUILD_OPS=0, keeping $torch_pin)"
-  DS_BUILD_OPS=0 "${PIP[@]}" install -q deepspeed "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  DS_BUILD_OPS=0 "${PIP[@]}" install -q deepspeed==0.19.8 "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
+fi
+# accelerate, the path of transformers' Trainer with ParallelismConfig(sp_backend="deepspeed") into
+# DeepSpeed's ALST entry point (tests/test_trainer.py; tests/test_alst.py needs DeepSpeed only).
+# Pinned: the version the tests passed with (co-installable with torch 2.14.1, transformers
+# 5.23.0 and deepspeed 0.19.8: pip's resolver, checked).
+if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists accelerate; then
+  echo "[setup] installing accelerate==1.15.0"
+  "${PIP[@]}" install -q accelerate==1.15.0 "torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')" 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 # pyproject.toml's SPDX license string needs setuptools >= 77 (torch >= 2.14 requires it anyway;
 # an older system torch may come with an older one).
