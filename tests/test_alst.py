@@ -660,3 +660,29 @@ def test_head_split_vs_deepspeed():
     assert ours(10, 5, 4) == [3, 3, 2, 2]
     for hq, hkv, world in ((8, 4, 4), (8, 8, 4), (16, 8, 8), (40, 8, 8)):
         assert get_shard_size_list(hq, world, AutoTPMeta(num_kv_heads=hkv)) == ours(hq, hkv, world), (hq, hkv, world)
+
+
+# ---- Qwen2.5-14B's head layout at sp 16 -----------------------------------------------------
+
+
+def _qwen25_14b_heads(rank, world):
+    from ulysses_kernels.integrations.alst import UlyssesSPAttentionHF
+
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=80, intermediate_size=32, num_hidden_layers=2, num_attention_heads=40,
+                                   num_key_value_heads=8, head_dim=2, max_position_embeddings=64, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).double()
+    ids, targets, positions = plain_batch(35, 16)  # 35 tokens over 16 ranks: 3 on the first three, 2 on the others
+    want = reference_step(model, ids, targets, positions)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 2)
+    assert (mpu.get_sequence_parallel_world_size(), mpu.get_model_parallel_rank()) == (16, rank)
+    got = sp_step(model, ids, targets, positions)
+    assert errors(got, want) < 1e-10, errors(got, want)
+
+
+@pytest.mark.skipif(os.environ.get("ULYSSES_KERNELS_TEST_SP16") != "1", reason="16 gloo ranks (about 2 minutes on 2 cores): set ULYSSES_KERNELS_TEST_SP16=1")
+def test_qwen25_14b_heads_at_sp16():
+    """40 query / 8 KV heads (Qwen2.5-14B's; DeepSpeed: 40 is not divisible by 16) over 16
+    ranks through the ALST entry point, uneven shards: loss and every gradient equal one
+    process in float64."""
+    run_ranks(_qwen25_14b_heads, 16)
