@@ -411,6 +411,18 @@ def sp_step(model, ids, targets, positions, group=None):
     return hf.reduce_loss(share, group), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def shard_batch_step(model, ids, labels, positions=None):
+    """``sp_step`` with the batch made by ``hf.shard_batch`` (unshifted labels; any length)."""
+    from ulysses_kernels.integrations import hf
+
+    batch = hf.shard_batch(ids, labels, group=None, position_ids=positions)
+    model.zero_grad()
+    share = batch.loss(model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits)
+    share.backward()
+    hf.sync_gradients(model)
+    return hf.reduce_loss(share), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def packed_batch():
     """Three documents (5, 3, 8 tokens) in 16, crossing the 4-token shards; labels -100 at each
     document's first token (``DataCollatorWithFlattening``), so no target crosses documents."""
@@ -509,11 +521,14 @@ def _beyond(rank, world, paths):
             register(alst, model, batch=2)
             measured[impl, f"gathers_{layers}"] = gathers_per_forward(model, w_ids, w_pos)
             forget_registrations()
-    # ours only: uneven shards (13 tokens over 4 ranks: 4, 3, 3, 3) and packed 6/2 heads
+    # ours only, batches from hf.shard_batch (docs/trainer.md): uneven shards (13 tokens over
+    # 4 ranks: 4, 3, 3, 3) and packed documents, 6/2 heads
     model = load("llama_6_2")
     register(alst, model, batch=2)
-    measured["ours", "uneven"] = errors(sp_step(model, u_ids, u_targets, u_pos), refs["uneven"])
-    measured["ours", "packed_6_2"] = errors(sp_step(model, ids, targets, positions), refs["packed_6_2"])
+    measured["ours", "uneven"] = errors(shard_batch_step(model, u_ids, u_ids), refs["uneven"])
+    packed_labels = ids.clone()
+    packed_labels[0, cu[:-1]] = -100
+    measured["ours", "packed_6_2"] = errors(shard_batch_step(model, ids, packed_labels, positions), refs["packed_6_2"])
     forget_registrations()
     disable_alst()
 
