@@ -21,11 +21,13 @@ test's loss aggregation backpropagates the global loss on every rank and ZeRO-2 
 reduced sum by dp only): DeepSpeed's loose ZeRO-2 tolerance (atol 1e-3 against gradients of
 2.5e-4) hides that; the port asserts the factor.
 
-Beyond DeepSpeed's suite (``test_what_deepspeed_cannot``, ``test_per_head_state``): the head
-layouts DeepSpeed refuses (10/2 and 6/2 heads over 4 ranks), packed documents and an sdpa
-sliding window (DeepSpeed drops the mask: both differ from one process, measured), uneven
-shards, the positions gathered once per step (DeepSpeed: every layer), the mpu's checkpoint
-convention, and per-head state (sinks, ALiBi) at an uneven head split.
+Beyond DeepSpeed's suite (``test_what_deepspeed_cannot``, ``test_per_head_state``,
+``test_errors``, and the switch itself in the suite's run of ours): the head layouts DeepSpeed
+refuses (10/2 and 6/2 heads over 4 ranks; 40/8 over 16 with ``ULYSSES_KERNELS_TEST_SP16=1``),
+packed documents and an sdpa sliding window (DeepSpeed drops the mask: both differ from one
+process, measured), uneven shards, the positions gathered once per step (DeepSpeed: every
+layer), per-head state (sinks, ALiBi) at an uneven head split, and the refusals, raised on
+every rank.
 """
 
 from __future__ import annotations
@@ -336,12 +338,42 @@ def checkpoint_load(mpu, checkpoint_dir: str) -> None:
     forget_registrations()
 
 
+def switch(deepspeed_cls, ours, path: str) -> None:
+    """``enable_alst()`` (already called): DeepSpeed's class, imported before it, runs ours too;
+    idempotent; ``disable_alst()`` gives DeepSpeed's class and method back."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as parallel_state_sp
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ulysses_kernels.integrations import mesh
+    from ulysses_kernels.integrations.deepspeed import alst_enabled, disable_alst, enable_alst
+
+    assert deepspeed_cls is not ours and alst_enabled()
+    mpu = deepspeed_cls.register_with_transformers(path, "sdpa", dist.get_world_size(), 1)
+    assert isinstance(mpu, mesh.DeepSpeedMPU) and isinstance(ALL_ATTENTION_FUNCTIONS["sdpa"], ours)
+    forget_registrations()
+    enable_alst()
+    assert ulysses_sp.UlyssesSPAttentionHF is ours
+    disable_alst()
+    assert not alst_enabled() and ulysses_sp.UlyssesSPAttentionHF is deepspeed_cls
+    mpu = deepspeed_cls.register_with_transformers(path, "sdpa", dist.get_world_size(), 1)
+    assert mpu is parallel_state_sp  # DeepSpeed's own again
+    assert type(ALL_ATTENTION_FUNCTIONS["sdpa"]).__name__ == "function"  # DeepSpeed's wrapper
+    forget_registrations()
+    enable_alst()
+
+
 def _suite(rank, world, impl, path, checkpoint_dir):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
+    # DeepSpeed's class, imported before any switch (as ArcticTraining's trainer module does)
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF as imported_before
+
     alst, adapter = alst_classes(impl)
+    if impl == "ours":
+        switch(imported_before, alst, path)
     for zero_stage in (2, 3):
         ulysses_sp_hf(alst, adapter, path, zero_stage, [1, 10, 10, 10, 2, 2])
     with_peft_model(alst, path)
@@ -701,3 +733,84 @@ def test_qwen25_14b_heads_at_sp16():
     ranks through the ALST entry point, uneven shards: loss and every gradient equal one
     process in float64."""
     run_ranks(_qwen25_14b_heads, 16)
+
+
+# ---- errors: clear, and on every rank ---------------------------------------------------------
+
+
+def _errors(rank, world, path):
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ulysses_kernels.integrations.alst import ALSTIntegrationError, UlyssesSPAttentionHF
+
+    reg = UlyssesSPAttentionHF.register_with_transformers
+    assert reg(path, "sdpa", 1, 1) is None  # sequence_parallel_size 1: nothing to do, as DeepSpeed
+    with pytest.raises(ALSTIntegrationError, match="seq_length_is_variable=False needs seq_length"):
+        reg(path, "sdpa", world, 1, seq_length_is_variable=False)
+    with pytest.raises(ALSTIntegrationError, match="'eager' is called by the model without transformers' AttentionInterface"):
+        reg(path, "eager", world, 1)
+    with pytest.raises(ALSTIntegrationError, match="'no_such_attention' is not a registered attention implementation"):
+        reg(path, "no_such_attention", world, 1)
+    one_head = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                        num_key_value_heads=1, head_dim=4)  # fmt: skip
+    with pytest.raises(ValueError, match="make_sp_groups"):  # more ranks than query heads: HeadPlan's error
+        reg(type("M", (), {"config": one_head})(), "sdpa", world, 1)
+    forget = lambda: [ALL_ATTENTION_FUNCTIONS._local_mapping.pop(k) for k in list(ALL_ATTENTION_FUNCTIONS._local_mapping)]
+    forget()
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    reg(model, None, world, 1)  # None: the model's configured implementation
+    uattn = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert isinstance(uattn, UlyssesSPAttentionHF) and uattn.core_attn_implementation == "sdpa"
+    reg(model, "sdpa", world, 1)  # a second registration wraps the model's function, not the first wrapper
+    second = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert second is not uattn and second.attn is sdpa_attention_forward
+    second.unregister()  # each gives back what it replaced
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is uattn
+    uattn.unregister()
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+    module = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(rank)
+
+    def qkv(bsz=1, local=4):
+        return [torch.randn(bsz, 4, local, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+
+    def call(uattn, *args, q=None, **kwargs):
+        return uattn(module, *(q or qkv()), None, *args, **kwargs)
+
+    def on_every_rank(match, fn, *args, **kwargs):
+        with pytest.raises(ALSTIntegrationError, match=match):
+            fn(*args, **kwargs)
+        dist.barrier()  # every rank came through (none hangs in a collective)
+
+    fixed = UlyssesSPAttentionHF(sdpa_attention_forward, 1, 4, 4, 4, 2, None, seq_length_is_variable=False, global_seq_length=12,
+                                 core_attn_implementation="sdpa")  # fmt: skip
+    uattn = UlyssesSPAttentionHF(sdpa_attention_forward, 1, 4, 4, 4, 2, None, seq_length_is_variable=True, core_attn_implementation="sdpa")
+    pos = torch.arange(4).unsqueeze(0) + 4 * rank
+    on_every_rank("called without position_ids", call, uattn)
+    on_every_rank("generation is not supported", uattn, module, *qkv()[:1], *qkv(local=6)[1:], None, position_ids=pos)
+    on_every_rank("positional argument", call, uattn, 0.5, position_ids=pos)
+    # one rank's position_ids malformed: every rank raises, naming it
+    bad = pos if rank == 0 else pos[:, :3]
+    on_every_rank(r"position_ids expected \[batch or 1, this rank's tokens\] on every rank; wrong on rank 1", call, uattn, position_ids=bad)
+    # ranks holding different batches, a split that is not the contiguous one, a fixed length
+    on_every_rank("hold different batches", call, uattn, q=qkv(bsz=1 + rank), position_ids=pos)
+    local = 3 if rank == 0 else 5
+    on_every_rank(r"hold \[3, 5\] tokens of a 8-token sequence; expected the contiguous split \[4, 4\]", call, uattn,
+                  q=qkv(local=local), position_ids=torch.arange(local).unsqueeze(0) + 3 * rank)  # fmt: skip
+    on_every_rank("seq_length_is_variable=False with seq_length 12, got a 8-token sequence", call, fixed, position_ids=pos)
+    # positions restarting (packed documents) in a batch of 2: shard_batch's rule, on every rank
+    packed = torch.tensor([[0, 1, 0, 1]]).repeat(2, 1)
+    on_every_rank("the gathered position_ids cannot be sharded: .*need batch 1", call, uattn, q=qkv(bsz=2), position_ids=packed)
+    # and a good call still runs after all of that
+    out, weights = call(uattn, position_ids=pos)
+    assert out.shape == (1, 4, 4, 4) and weights is None
+
+
+def test_errors(tmp_path):
+    """Each refusal names the setting and the expected and actual values, and a bad input on one
+    rank raises on every rank (2 gloo ranks; no DeepSpeed needed)."""
+    run_ranks(_errors, 2, save_llama(str(tmp_path / "llama")))

@@ -206,12 +206,18 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
     def _new_shard(self, query: torch.Tensor, position_ids: torch.Tensor) -> hf.SequenceShard:
         bsz, local = query.shape[0], query.shape[2]
-        if position_ids.dim() != 2 or position_ids.shape[1] != local or position_ids.shape[0] not in (1, bsz):
-            raise ALSTIntegrationError(
-                f"UlyssesSPAttentionHF: position_ids expected [{bsz} or 1, {local}] (this rank's tokens), got shape {list(position_ids.shape)}"
-            )
+        # Checked after the exchange of the shapes, so that a rank with a bad shape and its
+        # peers raise the same error (none waits in a collective the other skipped).
+        shape = list(position_ids.shape)
+        fits = position_ids.dim() == 2 and shape[1] == local and shape[0] in (1, bsz)
         comm = self._attention_settings().comm
-        everyone = comm.all_gather_ints([bsz, position_ids.shape[0], local], position_ids.device)
+        everyone = comm.all_gather_ints([bsz, shape[0] if fits else -1, local, int(fits)], position_ids.device)
+        if not all(v[3] for v in everyone):
+            bad = ", ".join(f"rank {r}" for r, v in enumerate(everyone) if not v[3])
+            raise ALSTIntegrationError(
+                f"UlyssesSPAttentionHF: position_ids expected [batch or 1, this rank's tokens] on every rank; wrong on {bad} "
+                f"(this rank: expected [{bsz} or 1, {local}], got {shape})"
+            )
         lens = [v[2] for v in everyone]
         if any(v[:2] != everyone[0][:2] for v in everyone):
             rows = ", ".join(f"rank {r}: batch {v[0]}, position_ids rows {v[1]}" for r, v in enumerate(everyone))
