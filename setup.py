@@ -11,8 +11,9 @@ What is built (``decide()``; a summary is printed):
 * ``ULYSSES_KERNELS_SKIP_EXTENSION=1``: nothing; the package works through its Python paths.
 
 Anything less than that is an error at build time, not a quieter install: torch not
-importable (pip's build isolation: install with ``pip install --no-build-isolation .``), or
-a CUDA torch with no CUDA toolkit. pip shows a build's output only when it fails, so a
+importable (pip's build isolation: install with ``INSTALL_COMMANDS`` below; refused already
+when pip asks for the wheel's metadata, before it downloads any dependency), setuptools
+too old for pyproject.toml, or a CUDA torch with no CUDA toolkit. pip shows a build's output only when it fails, so a
 warning would never reach the user (docs/build.md).
 
 A wheel with the extension requires the exact torch it was built against (the binary
@@ -37,9 +38,21 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;9.0"
 # The dependency of a build without the extension; one with it pins the torch it was built against.
 TORCH_REQUIREMENT = "torch>=2.8"  # the oldest torch the suite has run on (docs/build.md)
+# torch.distributed's object collectives (the demo's and the self-test's all_gather_object)
+# need numpy, which torch does not require.
+OTHER_REQUIREMENTS = ["numpy"]
+# pyproject.toml's SPDX license string (PEP 639): older setuptools stop at an opaque
+# "invalid pyproject.toml config: project.license" before this file can say anything.
+MIN_SETUPTOOLS = 77
 # setup.py commands that compile or install (the others only write metadata or an sdist:
 # pip runs those first, in the same environment, and they must not fail).
 BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "bdist_egg", "install", "develop", "editable_wheel"}
+# The wheel's metadata (PEP 517 prepare_metadata_for_build_wheel/editable): pip asks for it
+# before it resolves the dependencies, so refusing here refuses before torch is downloaded.
+# (egg_info also serves sdists, which need no torch: it never refuses.)
+WHEEL_METADATA_COMMANDS = {"dist_info"}
+# What to run where pip's build isolation hid torch (printed by the refusal, tested as printed).
+INSTALL_COMMANDS = "pip install 'setuptools>=77' && pip install --no-build-isolation ."
 # Where torch's nvidia-nccl wheel puts libnccl.so.2, seen from site-packages/ulysses_kernels/_C*.so
 # (what torch itself does for its nvidia libraries).
 NCCL_WHEEL_RUNPATH = "$ORIGIN/../nvidia/nccl/lib"
@@ -143,9 +156,10 @@ def decide(env, torch_version, torch_cuda, cuda_home) -> str:
     if torch_version is None:
         raise BuildError(
             "torch is not importable at build time, so ulysses_kernels._C (the C++/CUDA extension) cannot be built. "
-            "pip's build isolation hides the installed torch: install with\n"
-            "    pip install --no-build-isolation .\n"
-            "(into an environment that has torch), or ask for the pure-Python package with\n"
+            "pip's build isolation hides the installed torch. Into an environment that has the torch you will run "
+            "with (pip install torch first, if it has none), install with\n"
+            f"    {INSTALL_COMMANDS}\n"
+            "or ask for the pure-Python package with\n"
             "    ULYSSES_KERNELS_SKIP_EXTENSION=1 pip install ."
         )
     if _truthy("ULYSSES_KERNELS_SKIP_CUDA_BUILD", env) or torch_cuda is None:
@@ -162,7 +176,22 @@ def decide(env, torch_version, torch_cuda, cuda_home) -> str:
 
 
 def _building(argv) -> bool:
-    return any(a in BUILD_COMMANDS for a in argv[1:])
+    """A command that builds, or the wheel metadata pip asks for before resolving dependencies."""
+    return any(a in BUILD_COMMANDS or a in WHEEL_METADATA_COMMANDS for a in argv[1:])
+
+
+def check_setuptools(version: str) -> None:
+    """BuildError when ``version`` (setuptools') cannot read pyproject.toml."""
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        return
+    if major < MIN_SETUPTOOLS:
+        raise BuildError(
+            f"setuptools {version} is too old to build ulysses_kernels (pyproject.toml's project.license needs >= {MIN_SETUPTOOLS}; "
+            "a new venv of Python <= 3.11 comes with 65.5). Upgrade it, then build again:\n"
+            f"    {INSTALL_COMMANDS}"
+        )
 
 
 def _torch_distribution_version():
@@ -194,11 +223,11 @@ def extensions():
     except BuildError:
         if _building(sys.argv):
             raise
-        # Metadata only (pip asks for it before building): the build step will fail.
-        return [], {}, [TORCH_REQUIREMENT]
+        # Metadata of an sdist (egg_info): no torch needed.
+        return [], {}, [TORCH_REQUIREMENT, *OTHER_REQUIREMENTS]
     if what == "none":
         _log("ULYSSES_KERNELS_SKIP_EXTENSION=1: pure-Python install, no _C extension")
-        return [], {}, [TORCH_REQUIREMENT]
+        return [], {}, [TORCH_REQUIREMENT, *OTHER_REQUIREMENTS]
     if what == "cpu":
         if cuda_home and torch.version.cuda is None:
             _log(f"torch {torch.__version__} is a CPU build: building the CPU-only extension")
@@ -248,7 +277,7 @@ def extensions():
     _log(f"MAX_JOBS={os.environ.get('MAX_JOBS', '(torch default)')}")
     pin = f"torch=={_torch_distribution_version()}"
     _log(f"requires {pin} (the extension matches only the torch it was built against)")
-    return [ext], {"build_ext": _timed(BuildExtension)}, [pin]
+    return [ext], {"build_ext": _timed(BuildExtension)}, [pin, *OTHER_REQUIREMENTS]
 
 
 def _timed(base):
@@ -263,6 +292,9 @@ def _timed(base):
 
 if __name__ == "__main__":
     try:
+        import setuptools
+
+        check_setuptools(setuptools.__version__)
         ext_modules, cmdclass, install_requires = extensions()
     except BuildError as e:
         sys.exit(f"\n[ulysses_kernels build] ERROR: {e}\n")

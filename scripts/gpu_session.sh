@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_session.sh build tests nccl2   # call 1, ~8-9 min (estimates: nothing has run
 #   bash scripts/gpu_session.sh bench attn          # call 2, ~7 min    on a GPU yet)
+#   (each with GPU_SESSION_GIT_SHA=<sha of HEAD> in front: see CARRY below)
 #   then, with 8+ min left: re-run what was SKIPPED/FAILED, or GPU_SESSION_ATTN_MODELS=qwen2.5-14b attn
 #
 # Stages (each one sets up what it needs first, so any stage runs on a fresh machine):
@@ -24,9 +25,10 @@
 # to the repo root (`tar xzf ... -C <repo>` puts results where they are committed); after a build,
 # gpu_carry/_C.cpython-312-*.so and gpu_carry/stamp.
 # CARRY to later calls (a fresh machine skips the ~1 min build): copy $OUT's gpu_carry/* here to
-# build/gpu_carry/ and pass carry=["build/gpu_carry", ".git"] (call 1: [".git"]). The .so (~8 MB)
-# is used only when its stamp matches csrc/, setup.py, python, torch and arch; .git (~3 MB) lets
-# the results record the git sha (else "unknown"; GPU_SESSION_GIT_SHA=<sha> then names it here).
+# build/gpu_carry/ and pass carry=["build/gpu_carry"] (call 1: no carry). The .so (~8 MB) is used
+# only when its stamp matches csrc/, setup.py, python, torch and arch. The device tool refuses to
+# carry .git (measured 2026-11-25), so name the sha: GPU_SESSION_GIT_SHA=$(git rev-parse --short
+# HEAD) in front of the command (results say "unknown" otherwise).
 # Not .venv: it is a few links to the machine's own python, recreated in seconds.
 #
 # Every step runs under `timeout`, inside a budget for the whole call (GPU_SESSION_BUDGET_S,
@@ -144,7 +146,7 @@ setup() {
   [ -n "${GPU_SESSION_GIT_SHA:-}" ] && export ULYSSES_KERNELS_GIT_SHA=$GPU_SESSION_GIT_SHA  # bench JSON, without .git
   local sha
   if sha=$(git rev-parse --short HEAD 2>/dev/null); then git diff --quiet HEAD || sha="$sha +local edits"
-  else sha=${GPU_SESSION_GIT_SHA:-"unknown (carry .git or set GPU_SESSION_GIT_SHA)"}; fi
+  else sha=${GPU_SESSION_GIT_SHA:-"unknown (set GPU_SESSION_GIT_SHA)"}; fi
   say "$TAG | git $sha | $(date -u +%FT%TZ) | $("$PY" -c '
 import torch, triton
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU check)"

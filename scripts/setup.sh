@@ -40,33 +40,37 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 # -I: neither the working directory nor PYTHONPATH is on sys.path, so the source tree in the
 # repository root cannot pass for an installed package.
 VPY=(.venv/bin/python -I)
-has_dists() {  # installed distributions, by their metadata (importing torch takes seconds)
+# Everything the set-up installs is pinned to the versions the suite passed with (a fresh
+# machine must get what CI got): the base, then the peers (ULYSSES_KERNELS_PEERS=1).
+# matplotlib: the benchmarks' PNGs (about 20 s here; without it they skip the plot).
+BASE_PKGS=("$TORCH_SPEC" numpy==2.4.6 pytest==9.2.0 ninja==1.13.2 transformers==5.23.0 matplotlib==3.11.2)
+# DeepSpeed: the engine tests, the ALST comparison and bench_attention's deepspeed row (they
+# skip without it). An sdist, not a pure-Python wheel (27 s to build here with DS_BUILD_OPS=0;
+# its first call JIT-compiles a C++ shared-memory op). yunchang is not installed: its
+# UlyssesAttention needs flash-attn. accelerate: the path of transformers' Trainer with
+# ParallelismConfig(sp_backend="deepspeed") into DeepSpeed's ALST entry point
+# (tests/test_trainer.py; pip's resolver puts accelerate 1.15.0 with torch 2.14.1,
+# transformers 5.23.0 and deepspeed 0.19.8).
+PEER_PKGS=(deepspeed==0.19.8 accelerate==1.15.0)
+has_dists() {  # installed distributions ("name" or "name==version"), by their metadata (importing torch takes seconds)
   "${VPY[@]}" -c 'import importlib.metadata as m, sys
-for d in sys.argv[1:]: m.version(d)' "$@" 2>/dev/null
+for spec in sys.argv[1:]:
+    name, _, want = spec.partition("==")
+    have = m.version(name)
+    if want and have != want and not have.startswith(want + "+"):
+        sys.exit(f"{name} {have} installed, {want} pinned")' "$@" 2>/dev/null
 }
 if [ "$SYSTEM_TORCH" = "1" ]; then
   has_dists torch pytest || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
-elif ! has_dists torch numpy pytest ninja transformers matplotlib; then
-  # matplotlib: the benchmarks' PNGs (about 20 s here; without it they skip the plot).
-  echo "[setup] installing $TORCH_SPEC numpy pytest ninja transformers==5.23.0 matplotlib into .venv"
-  "${PIP[@]}" install -q "$TORCH_SPEC" numpy pytest ninja transformers==5.23.0 matplotlib 2>&1 | { grep -v "^WARNING: Location" || true; }
+elif ! has_dists "${BASE_PKGS[@]}"; then
+  echo "[setup] installing ${BASE_PKGS[*]} into .venv"
+  "${PIP[@]}" install -q "${BASE_PKGS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
-# ULYSSES_KERNELS_PEERS=1: also DeepSpeed, the baseline of bench_attention's deepspeed row
-# (tests/test_bench_peers.py skips without it). Opt-in: it is an sdist, not a pure-Python
-# wheel (27 s to build here with DS_BUILD_OPS=0, and its first call JIT-compiles a C++
-# shared-memory op). yunchang is not installed: its UlyssesAttention needs flash-attn.
-if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists deepspeed; then
+if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists "${PEER_PKGS[@]}"; then
   torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
-  echo "[setup] installing deepspeed (DS_BUILD_OPS=0, keeping $torch_pin)"
-  DS_BUILD_OPS=0 "${PIP[@]}" install -q deepspeed==0.19.8 "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
-fi
-# accelerate, the path of transformers' Trainer with ParallelismConfig(sp_backend="deepspeed") into
-# DeepSpeed's ALST entry point (tests/test_trainer.py; tests/test_alst.py needs DeepSpeed only).
-# Pinned: the version the tests passed with (co-installable with torch 2.14.1, transformers
-# 5.23.0 and deepspeed 0.19.8: pip's resolver, checked).
-if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists accelerate; then
-  echo "[setup] installing accelerate==1.15.0"
-  "${PIP[@]}" install -q accelerate==1.15.0 "torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  echo "[setup] installing ${PEER_PKGS[*]} (DS_BUILD_OPS=0, keeping $torch_pin)"
+  DS_BUILD_OPS=0 "${PIP[@]}" install -q "${PEER_PKGS[@]}" "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  has_dists "${PEER_PKGS[@]}" || { echo "[setup] the peers are not at their pinned versions after installing them" >&2; exit 1; }
 fi
 # pyproject.toml's SPDX license string needs setuptools >= 77 (torch >= 2.14 requires it anyway;
 # an older system torch may come with an older one).

@@ -2,15 +2,20 @@
 forward and backward, for awkward layouts; the all-to-all ops round-trip bit-exact; and
 bad input raises the same clear error on every rank without hanging the group."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import ulysses_kernels as uk
+from ulysses_kernels.checks import Signature, rank_list, signature, validate
+from ulysses_kernels.comm import LocalCommunicator, NoProcessGroupError
 from ulysses_kernels.reference import attention_reference, shard_sequence
 from ulysses_kernels.testing import run_ranks
 
 # world -> [(q_heads, kv_heads, batch, seq_lens, causal)]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {
     2: [(4, 4, 2, [5, 3], True), (4, 4, 1, [4, 4], False), (8, 2, 2, [3, 4], True), (3, 1, 1, [2, 3], True)],
     3: [(40, 8, 1, [3, 2, 4], True), (6, 6, 2, [2, 2, 2], False), (10, 2, 2, [4, 4, 4], True)],
@@ -170,7 +175,6 @@ def _errors_body(rank, world):
                   r"q_heads \(6, q.shape\[2\]\) must be a multiple of kv_heads \(4, k.shape\[2\]\)")
     _expect_error(bad(v=only_rank1(v.double(), v)), r"rank 1: v.dtype expected float32 \(q.dtype\), got float64")
     _expect_error(bad(k=only_rank1(k.to("meta"), k)), r"rank 1: k.device expected cpu \(q.device\), got meta")
-    _expect_error(bad(q=q[0]), r"q must be 4-D \[batch, seq_local, heads, head_dim\], got shape \[3, 8, 8\]")
     few = world + 1
     _expect_error(bad(q=torch.randn(B, s, world - 1, D), k=torch.randn(B, s, 1, D), v=torch.randn(B, s, 1, D)),
                   rf"world_size \({world}\) > q_heads \({world - 1}\)")
@@ -180,14 +184,22 @@ def _errors_body(rank, world):
     _expect_error(bad(q=q2, k=k2, v=v2), r"ranks hold different sequence lengths \[3, 4(, 3)*\].*pass seq_lens=")
     _expect_error(bad(seq_lens=[s] * world if rank else [s] * (world - 1) + [s + 1]), r"ranks disagree on seq_lens")
     _expect_error(bad(seq_lens=[s + 1] + [s] * (world - 1)), r"rank 0: q.shape\[1\] \(seq_local\) expected seq_lens\[0\] = 4, got 3")
-    _expect_error(bad(q=only_rank1(torch.randn(B, s, hq * 2, D), q)), r"ranks disagree on q_heads \(q.shape\[2\]\)")
     # Rank 1's list changes its own entry: the disagreement is named, not a shape on rank 1.
     mine = [s] * world if rank != 1 else [s, s + 1] + [s] * (world - 2)
+    others = rank_list([r for r in range(world) if r != 1])  # "rank 0" at 2 ranks, "ranks 0, 2-3" at 4
     _expect_error(
         bad(seq_lens=mine),
-        rf"^ulysses_attention: ranks disagree on seq_lens: rank 0 has \[{s}(, {s})*\], ranks \[1\] have \[\[{s}, {s + 1}.*\]\] "
+        rf"^ulysses_attention: ranks disagree on seq_lens: {others} ha(s|ve) \[{s}(, {s})*\]; rank 1 has \[{s}, {s + 1}(, {s})*\] "
         r"\(pass the same list on every rank\)$",
     )
+    heads_differ = rf"ranks disagree on q_heads \(q.shape\[2\]\): {others} ha(s|ve) {hq}; rank 1 has {2 * hq}$"
+    _expect_error(bad(q=only_rank1(torch.randn(B, s, hq * 2, D), q)), heads_differ)
+    # Integer tensors are refused with the other checks (before: SDPA's own error, naming no tensor).
+    ints = [torch.randint(0, 9, x.shape) for x in (q, k, v)]
+    _expect_error(bad(q=ints[0], k=ints[1], v=ints[2]),
+                  rf"^ulysses_attention: ranks 0-{world - 1}: q.dtype expected a floating-point dtype \(float32, bfloat16, float16, float64\), got int64$")
+    # The same problem on every rank is said once, with the ranks it applies to.
+    _expect_error(bad(q=q[0]), rf"^ulysses_attention: ranks 0-{world - 1}: q must be 4-D \[batch, seq_local, heads, head_dim\], got shape \[3, 8, 8\]$")
     # [B, H, S, D] passed by mistake (16 tokens per rank, 8 query heads): a hint on the layout.
     t = 16
     bhsd = [torch.randn(B, h, t, D) for h in (hq, hkv, hkv)]
@@ -218,6 +230,62 @@ def _errors_body(rank, world):
     parts = [torch.empty_like(x) for x in (q,) for _ in range(world)]
     dist.all_gather(parts, q)
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def _readme_lower_level(rank, world):
+    """The README's "Lower level" lines, run as written around a user's attention over equal
+    q and KV head counts: at 3 ranks rank 1's query heads 14-26 straddle KV heads 2-5, so the
+    lines without ``plan.local_kv_map`` would be wrong (or fail on a shape)."""
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    start = readme.index("# Lower level")
+    end = readme.index("out = uk.head_to_seq(out, plan)", start)
+    code = readme[start : readme.index("\n", end)]
+    D, S = 4, 6 * world
+    q, k, v, _ = _inputs(40, 8, 1, S, D, seed=11)
+    shards = {n: shard_sequence(x, [S // world] * world, rank) for n, x in zip("qkv", (q, k, v))}
+    scope = {"uk": uk, "world_size": world, "rank": rank, **shards,
+             "my_attention": lambda qq, kk, vv: attention_reference(qq, kk, vv, causal=True)}  # fmt: skip
+    exec(code, scope)
+    torch.testing.assert_close(scope["out"], shard_sequence(attention_reference(q, k, v), [S // world] * world, rank), rtol=1e-12, atol=1e-12)
+
+
+def test_readme_lower_level_example_at_3_ranks():
+    run_ranks(_readme_lower_level, 3)
+
+
+def test_error_text_does_not_grow_with_the_world():
+    """64 ranks with the same bad input, and 64 ranks of which three disagree: one line each."""
+    world, q = 64, torch.empty(1, 4, 64, 8, dtype=torch.int32)
+    sigs = [signature(q, q, q, rank=r, world_size=world, causal=True, scale=None, seq_lens=None, plan_heads=None) for r in range(world)]
+    with pytest.raises(uk.UlyssesInputError) as info:
+        validate([Signature.decode(g.encode()) for g in sigs], gathered=True)
+    assert str(info.value) == (
+        "ulysses_attention: ranks 0-63: q.dtype expected a floating-point dtype (float32, bfloat16, float16, float64), got int32"
+    )
+    x, y = torch.empty(1, 4, 64, 8), torch.empty(1, 4, 64, 8, dtype=torch.float16)
+    odd = {5, 6, 40}
+    sigs = [signature(*(y if r in odd else x,) * 3, rank=r, world_size=world, causal=True, scale=None, seq_lens=None, plan_heads=None)
+            for r in range(world)]  # fmt: skip
+    with pytest.raises(uk.UlyssesInputError) as info:
+        validate(sigs, gathered=True)
+    assert str(info.value) == "ulysses_attention: ranks disagree on dtype: ranks 0-4, 7-39, 41-63 have float32; ranks 5-6, 40 have float16"
+    assert rank_list([3]) == "rank 3" and rank_list([0, 1, 2, 4]) == "ranks 0-2, 4"
+
+
+def test_launched_ranks_without_a_process_group_raise(monkeypatch):
+    """torchrun started 4 processes but the script never called init_process_group: each
+    rank would attend over its own shard only. Raise instead, naming the fix."""
+    q, k, v, _ = _inputs(4, 2, 1, 6, 8, seed=3)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(NoProcessGroupError, match=r"WORLD_SIZE=4 .* torch.distributed is not initialized .*init_process_group"):
+        uk.ulysses_attention(q, k, v)
+    with pytest.raises(NoProcessGroupError, match="WORLD_SIZE=4"):
+        uk.UlyssesAttention(4, 2)
+    # A deliberate world of one per process says so.
+    torch.testing.assert_close(uk.ulysses_attention(q, k, v, comm=LocalCommunicator()), attention_reference(q, k, v), rtol=1e-12, atol=1e-12)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert uk.ulysses_attention(q, k, v).shape == q.shape
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -11,10 +11,10 @@
   ``mesh.parallel_groups(...).mpu()`` (ZeRO-1, 2 and 3, ``reduce_scatter`` on and off) and
   DeepSpeed's own (its ``parallel_state_sp`` module as the mpu and ``mesh_param=(2, 2)``
   for the same six, the config's ``data_parallel_size``/``sequence_parallel_size`` for
-  ZeRO-3 and ZeRO-2), a tiny float64
-  Qwen2 through ``hf.apply``, 3 SGD steps with the loss of ``mesh.scale_loss``: parameters,
-  grad norm and logged loss equal one process on the global batch (to 1e-6: DeepSpeed's
-  optimizer path is not all float64), parameters identical on every rank; with DeepSpeed's
+  ZeRO-3 and ZeRO-2), a tiny Qwen2 (float64; float32 at ZeRO-3, which
+  refuses float64) through ``hf.apply``, 3 SGD steps with the loss of ``mesh.scale_loss``:
+  parameters, grad norm and logged loss equal one float64 process on the global batch (to
+  1e-6: DeepSpeed's optimizer path is not all float64), parameters identical on every rank; with DeepSpeed's
   own groups ZeRO-1/2 are refused on every rank, naming the setting (they let sequence
   partners' parameters diverge), as are the other settings ``grad_divisor`` refuses.
 """
@@ -179,14 +179,27 @@ def ds_config(stage: int, reduce_scatter: bool) -> dict:
     }  # fmt: skip
 
 
+def _model_dtype(stage: int) -> torch.dtype:
+    """float64 where DeepSpeed takes it; ZeRO-3 refuses float64 parameters (0.19.8:
+    ``Invalid data type torch.float64`` from ``zero.Init``, which stage 3 runs on the model)."""
+    return torch.float32 if stage == 3 else torch.float64
+
+
 def _train_and_check(engine, groups, stage, what, reference) -> None:
     """3 SGD steps with ``mesh.scale_loss``: grad norm, parameters and logged loss against one
-    process, and the parameters equal on every rank."""
+    process (float64), and the parameters equal on every rank."""
     import deepspeed
     from test_fsdp2 import STEPS, replica_batch
 
     ref_losses, ref_norms, ref_params = reference
     world = dist.get_world_size()
+    # NOTE: rtol 1e-6 for both dtypes: DeepSpeed's optimizer path is float32 at ZeRO-1/2 too
+    # (float64 models measured up to 1.2e-7 off in a parameter near 1, 3.6e-8 in the grad
+    # norm), and the float32 ZeRO-3 cases measured the same (1.2e-7, 4.2e-8; loss 5.2e-8).
+    # atol: a float32 parameter is rounded at each of the 3 updates (half an ulp of |p| <= ~0.2:
+    # <= 7.5e-9 each), and an update that cancels it to a small value keeps that absolute
+    # error (measured 1.1e-8 at a parameter of 1.5e-4, embed_tokens at step 1): 5e-8 in float32.
+    rtol, atol = 1e-6, (5e-8 if _model_dtype(stage) == torch.float32 else 1e-8)
     divisor = mesh.grad_divisor(engine, groups)
     for step in range(STEPS):
         ids, labels = replica_batch(step, groups.dp_rank)
@@ -195,15 +208,16 @@ def _train_and_check(engine, groups, stage, what, reference) -> None:
         engine.backward(mesh.scale_loss(share, batch.num_tokens, groups, divisor))
         engine.step()
         norm = torch.as_tensor(float(engine.get_global_grad_norm()), dtype=torch.float64)
-        torch.testing.assert_close(norm, ref_norms[step], rtol=1e-6, atol=0, msg=lambda m: f"{what} grad norm, step {step}: {m}")  # noqa: B023
+        logged = mesh.global_loss(share, batch.num_tokens, groups).double()
+        torch.testing.assert_close(norm, ref_norms[step], rtol=rtol, atol=0, msg=lambda m: f"{what} grad norm, step {step}: {m}")  # noqa: B023
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
             for name, p in engine.module.named_parameters():
                 full = p.detach().clone()
-                torch.testing.assert_close(full.double(), ref_params[step][name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{what} {name}, step {step}: {m}")  # noqa: B023
+                torch.testing.assert_close(full.double(), ref_params[step][name], rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}, step {step}: {m}")  # noqa: B023
                 everyone = [torch.empty_like(full) for _ in range(world)]
                 dist.all_gather(everyone, full)
                 assert all(torch.equal(x, full) for x in everyone), f"{what} {name}: parameters differ across ranks"
-        torch.testing.assert_close(mesh.global_loss(share, batch.num_tokens, groups).double(), ref_losses[step], rtol=1e-6, atol=0)
+        torch.testing.assert_close(logged, ref_losses[step], rtol=rtol, atol=0)
 
 
 def _deepspeed_groups_engine(route: str, stage: int, reduce_scatter: bool, dp: int, sp: int):
@@ -218,7 +232,7 @@ def _deepspeed_groups_engine(route: str, stage: int, reduce_scatter: bool, dp: i
         kwargs["mesh_param"] = (dp, sp)
     else:
         config.update(data_parallel_size=dp, sequence_parallel_size=sp)
-    model = build_model()
+    model = build_model().to(_model_dtype(stage))
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config, **kwargs)
     groups = mesh.parallel_groups(mesh=engine.mesh_device)
     hf.apply(engine.module, groups.sp_group)
@@ -252,7 +266,7 @@ def _zero_stages(rank, world):
     # An mpu: ours, then DeepSpeed's parallel_state_sp module. Every stage trains right.
     for name, mpu in (("mpu", groups.mpu()), ("parallel_state_sp", parallel_state_sp)):
         for stage, reduce_scatter in ZERO_CASES:
-            model = hf.apply(build_model(), groups.sp_group)
+            model = hf.apply(build_model().to(_model_dtype(stage)), groups.sp_group)
             engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                               config=ds_config(stage, reduce_scatter), mpu=mpu)  # fmt: skip
             _train_and_check(engine, groups, stage, f"{name} ZeRO-{stage} reduce_scatter={reduce_scatter}", reference)

@@ -200,7 +200,7 @@ def check_errors(rank, world, pair):
 
     # Ranks that disagree on the batch: every rank raises after the one exchange.
     bad = ids[:, : SEQ - 1] if rank == 0 else ids
-    _raises("different batches", hf.shard_batch, bad)
+    _raises(r"different batches .*: rank 0 has batch=2 seq=12 .*; ranks 1-3 have batch=2 seq=13 ", hf.shard_batch, bad)  # grouped
     # The same shape and target count, other tokens (a sampler that shards by global rank):
     # caught by the content fingerprint; so are targets alone and document boundaries alone.
     _raises("different batches", hf.shard_batch, ids.roll(rank, dims=1), ids.roll(rank, dims=1))
@@ -408,6 +408,27 @@ def test_apply_errors():
     _raises("expected a transformers PreTrainedModel", hf.apply, torch.nn.Linear(4, 4))
     _raises("is_causal = False", hf.apply, build("gemma3", 4, 1, use_bidirectional_attention=True))
     _raises("check expected", hf.apply, build("llama", 4, 2), check="sometimes")
+
+
+def test_apply_leaves_a_shared_config_alone():
+    """Two models built from one config object: apply on one leaves the other (and the
+    config) as they were; the applied model holds copies, related as before."""
+    ids, labels = global_batch()
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    applied, other = transformers.Qwen2ForCausalLM(config).double(), transformers.Qwen2ForCausalLM(config).double()
+    assert applied.config is config and other.config is config  # transformers shares the object
+    hf.apply(applied)
+    assert config._attn_implementation == "sdpa" and other.config is config
+    assert applied.config is not config and applied.config._attn_implementation == hf.ATTN_IMPLEMENTATION
+    assert all(m.config is applied.config for m in applied.modules() if hasattr(m, "config") and hasattr(m, "q_proj"))
+    other.load_state_dict(applied.state_dict())
+    with torch.no_grad():
+        ref = other(input_ids=ids).logits  # before: "not prepared by ... apply"
+        close(applied(**hf.shard_batch(ids, labels).model_inputs(loss=False)).logits, ref, 1e-12, "logits")
 
 
 def test_call_errors_one_process():

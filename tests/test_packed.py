@@ -170,12 +170,12 @@ def _check_errors(rank, world):
     _raises(r"rank 1: cu_seqlens\[-1\] expected 8 \(the global sequence length: q.shape\[1\] x.*\), got 7", lambda: call([0, 3, 8] if rank == 0 else [0, 3, 7]))
     _raises(r"rank 1: cu_seqlens must be strictly increasing .* cu_seqlens\[2\] = 3 <= cu_seqlens\[1\]", lambda: call([0, 3, 8] if rank == 0 else [0, 3, 3, 8]))
     # Valid on each rank but different: the same disagreement everywhere.
-    _raises(r"ranks disagree on cu_seqlens: rank 0 has 3 entries from 0 to 8 .*ranks \[1\]", lambda: call([0, 3, 8] if rank == 0 else [0, 5, 8]))
-    _raises(r"ranks disagree on cu_seqlens: rank 0 has 3 entries .*ranks \[1\] have \[None\]", lambda: call([0, 3, 8] if rank == 0 else None))
-    _raises(r"ranks disagree on max_seqlen: rank 0 has 5, ranks \[1\] have \[6\]", lambda: call([0, 3, 8], max_seqlen=5 + rank))
+    _raises(r"ranks disagree on cu_seqlens: rank 0 has 3 entries from 0 to 8 .*; rank 1 has 3 entries", lambda: call([0, 3, 8] if rank == 0 else [0, 5, 8]))
+    _raises(r"ranks disagree on cu_seqlens: rank 0 has 3 entries .*; rank 1 has None", lambda: call([0, 3, 8] if rank == 0 else None))
+    _raises(r"ranks disagree on max_seqlen: rank 0 has 5; rank 1 has 6$", lambda: call([0, 3, 8], max_seqlen=5 + rank))
     # Batch 2 is refused; the group still works afterwards.
     q2, k2, v2 = (torch.cat([x, x]) for x in (q, k, v))
-    _raises(r"rank 0: packed documents \(cu_seqlens\) need batch 1 \(q.shape\[0\]\), got 2", lambda: uk.ulysses_attention(q2, k2, v2, cu_seqlens=[0, 8]))
+    _raises(r"ranks 0-1: packed documents \(cu_seqlens\) need batch 1 \(q.shape\[0\]\), got 2", lambda: uk.ulysses_attention(q2, k2, v2, cu_seqlens=[0, 8]))
     assert uk.ulysses_attention(q, k, v, cu_seqlens=[0, 3, 8]).shape == q.shape
 
 

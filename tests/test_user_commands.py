@@ -85,6 +85,29 @@ def test_torchrun_demo_from_outside_the_checkout(tmp_path):
     run([BIN / "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "ulysses_kernels.demo"], tmp_path, timeout=400)
 
 
+def test_torchrun_without_a_process_group_fails_on_every_rank(tmp_path):
+    """A script under torchrun that forgets init_process_group: every rank raises (before,
+    each rank silently attended over its own shard only, as a world of one)."""
+    script = tmp_path / "forgot_init.py"
+    script.write_text(
+        "import torch, ulysses_kernels as uk\n"
+        "q = torch.randn(1, 8, 4, 8)\n"
+        "uk.ulysses_attention(q, q[:, :, :2], q[:, :, :2])\n"
+        "print('attended alone')\n"
+    )
+    r = run([BIN / "torchrun", "--standalone", "--nproc-per-node", "2", script], tmp_path, timeout=300, expect_rc=1)
+    out = r.stdout + r.stderr
+    assert "attended alone" not in out, out
+    assert len(re.findall(r"NoProcessGroupError: ulysses_kernels: WORLD_SIZE=2 in the environment", out)) >= 2, out
+
+
+def test_readme_says_to_activate_the_venv_before_its_commands():
+    """The commands after the first two run in the set-up's venv; the README says so before
+    its first ``python -m`` (the system python has no torch)."""
+    text = (ROOT / "README.md").read_text()
+    assert "source .venv/bin/activate" in text[: text.index("python -m ")], "the README does not say to activate .venv before its commands"
+
+
 # ---- every documented command line of the example, as written ---------------------------------
 def documented_example_commands() -> list[str]:
     """``python``/``torchrun`` command lines of ``examples/train_hf.py`` in the docs, comments dropped."""
@@ -146,6 +169,10 @@ def test_build_decision():
     with pytest.raises(S.BuildError, match=r"(?s)torch 2\.14\.1\+cu130 is a CUDA 13\.0 build but no CUDA toolkit.*ULYSSES_KERNELS_SKIP_CUDA_BUILD=1"):
         S.decide({}, "2.14.1+cu130", "13.0", None)
     assert S._building(["setup.py", "bdist_wheel", "--dist-info-dir", "x"]) and not S._building(["setup.py", "egg_info"])
+    assert S._building(["setup.py", "dist_info", "--output-dir", "x"])  # the wheel's metadata: before pip downloads torch
+    S.check_setuptools("77.0.3")
+    with pytest.raises(S.BuildError, match=r"setuptools 65\.5\.0 is too old .*\n    pip install 'setuptools>=77' && pip install --no-build-isolation \.$"):
+        S.check_setuptools("65.5.0")
     assert S.nccl_runpath("/a/venv/lib/python3.11/site-packages/nvidia/nccl/lib") == "$ORIGIN/../nvidia/nccl/lib"
     assert S.nccl_runpath("/usr/lib/x86_64-linux-gnu") is None
 
@@ -167,14 +194,71 @@ def test_a_build_that_cannot_see_torch_fails_and_says_how(tmp_path):
     hide.mkdir(parents=True)
     (hide / "__init__.py").write_text("raise ImportError('no torch in this build environment (as under pip build isolation)')\n")
     env = user_env(PYTHONPATH=str(tmp_path / "hide"))
-    # pip first asks for the metadata: that works (and without the extension, requires torch>=2.8) ...
+    # An sdist's metadata needs no torch (and without the extension, requires torch>=2.8 and numpy) ...
     run([sys.executable, "setup.py", "egg_info"], src, env=env, timeout=120)
     requires = (src / "ulysses_kernels.egg-info" / "requires.txt").read_text().split("\n\n")[0].split()  # before the extras
-    assert requires == ["torch>=2.8"], requires
-    # ... then the build refuses, and says what to run.
-    r = run([sys.executable, "setup.py", "bdist_wheel"], src, env=env, timeout=120, expect_rc=1)
-    assert "torch is not importable at build time" in r.stderr and "pip install --no-build-isolation ." in r.stderr, r.stderr
+    assert requires == ["torch>=2.8", "numpy"], requires
+    # ... a wheel's metadata (what pip asks for before resolving dependencies) and the build refuse, saying what to run.
+    for command in ("dist_info", "bdist_wheel"):
+        r = run([sys.executable, "setup.py", command], src, env=env, timeout=120, expect_rc=1)
+        assert "torch is not importable at build time" in r.stderr, r.stderr
+        assert "pip install 'setuptools>=77' && pip install --no-build-isolation ." in r.stderr, r.stderr
     assert not list(src.glob("dist/*.whl"))
+
+
+def test_pip_install_in_a_new_venv_says_what_it_needs_before_downloading(tmp_path):
+    """A user's first try, in a new venv with no torch: plain ``pip install .`` stops at the
+    wheel's metadata with our message (before this it downloaded torch and its CUDA wheels,
+    about 540 MB, and then refused); ``--no-build-isolation`` with the venv's own old
+    setuptools (65.5 under Python 3.11) says to upgrade it (before: an opaque
+    "invalid pyproject.toml config: project.license"); the commands it prints then get past
+    setuptools to what is really missing, torch."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _source_copy(src)
+    run([sys.executable, "-m", "venv", tmp_path / "venv"], tmp_path, timeout=120)
+    py = tmp_path / "venv" / "bin" / "python"
+    env = user_env(PIP_DISABLE_PIP_VERSION_CHECK="1")
+    r = run([py, "-m", "pip", "install", src], tmp_path, env=env, timeout=600, expect_rc=1)
+    out = r.stdout + r.stderr
+    assert "torch is not importable at build time" in out and "pip install 'setuptools>=77' && pip install --no-build-isolation ." in out, out
+    assert not re.search(r"(Collecting|Downloading) torch\b", out), out
+    have = subprocess.run([py, "-c", "import setuptools; print(setuptools.__version__)"], capture_output=True, text=True).stdout.strip()
+    if have and int(have.split(".")[0]) < 77:  # Python <= 3.11's venvs; 3.12's have no setuptools at all
+        r = run([py, "-m", "pip", "install", "--no-build-isolation", src], tmp_path, env=env, timeout=600, expect_rc=1)
+        out = r.stdout + r.stderr
+        assert f"setuptools {have} is too old" in out and "project.license" in out, out
+    # The printed commands, as printed (in the source directory, where "." is the package).
+    upgrade, build = "pip install 'setuptools>=77'", "pip install --no-build-isolation ."
+    run([py, "-m", *shlex.split(upgrade)], src, env=env, timeout=600)
+    r = run([py, "-m", *shlex.split(build)], src, env=env, timeout=600, expect_rc=1)
+    out = r.stdout + r.stderr
+    assert "torch is not importable at build time" in out and "too old" not in out, out
+
+
+def test_setup_pins_every_package_it_installs():
+    """scripts/setup.sh installs the base and (ULYSSES_KERNELS_PEERS=1) the peers at exact
+    versions, and a venv it made holds those versions: an unpinned peer turned a fresh CI red
+    (DeepSpeed 0.19.8's ZeRO-3 refused the float64 model the suite had passed with)."""
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    specs = []
+    for name in ("BASE_PKGS", "PEER_PKGS"):
+        m = re.search(rf"^{name}=\((.*)\)$", text, re.M)
+        assert m, f"setup.sh defines no {name}=(...) array"
+        specs += shlex.split(m.group(1))
+    torch_spec = re.search(r'TORCH_SPEC=\$\{ULYSSES_KERNELS_TORCH:-(.*)\}', text).group(1)
+    specs = [torch_spec if s == "$TORCH_SPEC" else s for s in specs]
+    unpinned = [s for s in specs if not re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][A-Za-z0-9.+]*", s)]
+    assert not unpinned, f"setup.sh installs {unpinned} without an exact version"
+    if os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1":
+        return  # a venv borrowing the machine's packages holds what that machine has
+    for spec in specs:
+        name, want = spec.split("==")
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # a peer not installed (set-up without ULYSSES_KERNELS_PEERS=1)
+        assert have == want or have.startswith(want + "+"), f"{name} {have} is installed, setup.sh pins {want}"
 
 
 # ---- without the extension: said at import and by info, with the command that builds it -------
@@ -252,7 +336,7 @@ def test_wheel_pins_its_torch_and_carries_no_build_path(tmp_path):
         (so,) = [n for n in z.namelist() if re.fullmatch(r"ulysses_kernels/_C[^/]*\.so", n)]
         z.extractall(tmp_path / "target")
     requires = [r for r in re.findall(r"^Requires-Dist: (.*)$", metadata, re.M) if "extra ==" not in r]
-    assert requires == [f"torch=={importlib.metadata.version('torch')}"], requires
+    assert requires == [f"torch=={importlib.metadata.version('torch')}", "numpy"], requires
     assert re.search(r"^License-Expression: Apache-2\.0$", metadata, re.M), metadata
     dyn = subprocess.run(["readelf", "-d", tmp_path / "target" / so], capture_output=True, text=True, check=True).stdout
     paths = re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[(.*)\]", dyn)

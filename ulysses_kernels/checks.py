@@ -27,7 +27,10 @@ from .documents import Documents, boundaries_digest, first_unordered, longest_do
 from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
-__all__ = ["UlyssesInputError", "Signature", "signature", "validate", "prepare", "check_head_to_seq", "dtype_code", "float_bits"]
+__all__ = [
+    "UlyssesInputError", "Signature", "signature", "validate", "prepare", "check_head_to_seq", "dtype_code", "float_bits",
+    "rank_list", "by_value",
+]  # fmt: skip
 
 _DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -35,6 +38,7 @@ _DTYPES = [
     torch.int16, torch.int8, torch.uint8, torch.bool,
 ]  # fmt: skip
 _DEVICES = ["cpu", "cuda", "meta", "xpu", "mps"]
+_FLOAT_CODES = range(6)  # the floating-point entries of _DTYPES: what attention and the exchange take
 
 
 class UlyssesInputError(ValueError):
@@ -58,6 +62,28 @@ def _device_code(device: torch.device) -> int:
 def _device_name(code: int, index: int) -> str:
     name = _DEVICES[code] if code < len(_DEVICES) else "other"
     return name if index < 0 else f"{name}:{index}"
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` as ``"ranks 0-3, 7"`` (``"rank 5"`` for one): an error names a set of
+    ranks in a line that does not grow with the world."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def by_value(values: Sequence, shown=str) -> str:
+    """Per-rank ``values`` grouped by value, in order of first appearance: ``"ranks 0-2, 4
+    have float32; rank 3 has float16"``."""
+    groups: dict = {}
+    for rank, x in enumerate(values):
+        groups.setdefault(x, []).append(rank)
+    return "; ".join(f"{rank_list(rs)} {'has' if len(rs) == 1 else 'have'} {shown(x)}" for x, rs in groups.items())
 
 
 def float_bits(x: float) -> int:
@@ -211,6 +237,8 @@ def _local_problems(sig: Signature) -> list[str]:
         out.append(f"(q_heads, kv_heads) expected {sig.plan_heads} (the plan), got ({hq}, {hkv}) from q.shape[2], k.shape[2]")
     if hq >= 1 and sig.world_size > hq:
         out.append(more_ranks_than_heads(sig.world_size, hq, f"world_size ({sig.world_size})"))
+    if sig.dtypes[0] not in _FLOAT_CODES:
+        out.append(f"q.dtype expected a floating-point dtype (float32, bfloat16, float16, float64), got {_dtype_name(sig.dtypes[0])}")
     for name, code in zip(names[1:], sig.dtypes[1:]):
         if code != sig.dtypes[0]:
             out.append(f"{name}.dtype expected {_dtype_name(sig.dtypes[0])} (q.dtype), got {_dtype_name(code)}")
@@ -246,8 +274,7 @@ def _global_problems(sigs: Sequence[Signature]) -> list[str]:
     for what, get in fields:
         values = [get(g) for g in sigs]
         if any(x != values[0] for x in values):
-            bad = [g.rank for g, x in zip(sigs, values) if x != values[0]]
-            out.append(f"ranks disagree on {what}: rank 0 has {values[0]}, ranks {bad} have {[values[r] for r in bad]}")
+            out.append(f"ranks disagree on {what}: {by_value(values)}")
     if ref.seq_lens is None:
         lens = [g.shapes[0][1] for g in sigs]
         if any(x != lens[0] for x in lens):
@@ -265,12 +292,8 @@ def _seq_lens_disagreement(sigs: Sequence[Signature]) -> list[str]:
     lists = [g.seq_lens for g in sigs]
     if all(x == lists[0] for x in lists):
         return []
-    bad = [g.rank for g, x in zip(sigs, lists) if x != lists[0]]
     shown = lambda x: None if x is None else list(x)
-    return [
-        f"ranks disagree on seq_lens: rank 0 has {shown(lists[0])}, ranks {bad} have {[shown(lists[r]) for r in bad]} "
-        f"(pass the same list on every rank)"
-    ]
+    return [f"ranks disagree on seq_lens: {by_value(lists, shown)} (pass the same list on every rank)"]
 
 
 def _layout_hint(sig: Signature) -> str:
@@ -296,8 +319,12 @@ def validate(sigs: Sequence[Signature], *, gathered: bool) -> None:
     """Raise ``UlyssesInputError`` listing every problem, the same text on every rank."""
     problems = _seq_lens_disagreement(sigs) if gathered else []
     if not problems:
+        # Each distinct problem once, with the ranks that have it (the same error on 64 ranks is one line).
+        where: dict[str, list[int]] = {}
         for g in sigs:
-            problems += [f"rank {g.rank}: {p}" if gathered else p for p in _local_problems(g)]
+            for p in _local_problems(g):
+                where.setdefault(p, []).append(g.rank)
+        problems = [f"{rank_list(ranks)}: {p}" if gathered else p for p, ranks in where.items()]
     if not problems and gathered and len(sigs) > 1:
         problems = _global_problems(sigs)
     if problems:

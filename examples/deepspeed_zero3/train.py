@@ -19,6 +19,7 @@ whole global batch; at the end the loss must have gone down (non-zero exit other
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -77,14 +78,14 @@ def train(rank: int, world: int, args) -> list[float]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if cuda else torch.float64)
+    dtype = getattr(torch, args.dtype)
     groups = mesh.parallel_groups(sp_size=args.sp_size or world)
 
     with open(args.config) as fh:
         config = json.load(fh)
     config["train_micro_batch_size_per_gpu"] = args.micro_batch
-    if dtype == torch.bfloat16:
-        config["bf16"] = {"enabled": True}
+    if dtype in (torch.bfloat16, torch.float16):
+        config["bf16" if dtype == torch.bfloat16 else "fp16"] = {"enabled": True}
     model = hf.apply(build_model(args).to(device, dtype), groups.sp_group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=groups.mpu())
@@ -100,7 +101,7 @@ def train(rank: int, world: int, args) -> list[float]:
         losses.append(mesh.global_loss(share, batch.num_tokens, groups).item())
         if step == 0:
             expected = one_process_loss(args, groups.dp_size, dtype, device)
-            rtol = 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 2e-2
+            rtol = 1e-4 if dtype == torch.float32 else 2e-2
             if abs(losses[0] - expected) > rtol * abs(expected):
                 raise SystemExit(f"rank {rank}: step 0 loss {losses[0]:.10f} != one-process loss {expected:.10f}")
         if rank == 0 and not args.quiet:
@@ -126,7 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=8)
-    p.add_argument("--dtype", default=None, help="float64 (CPU default), float32 (GPU default), bfloat16")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="parameter dtype (ZeRO-3 refuses float64: DeepSpeed 0.19.8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     p.add_argument("--quiet", action="store_true")
@@ -135,6 +137,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if importlib.util.find_spec("deepspeed") is None:
+        sys.exit(
+            "this example needs DeepSpeed (tested with deepspeed==0.19.8): DS_BUILD_OPS=0 pip install deepspeed==0.19.8, "
+            "or in a checkout: ULYSSES_KERNELS_PEERS=1 bash scripts/setup.sh"
+        )
     if args.spawn:
         from ulysses_kernels.testing import run_ranks
 

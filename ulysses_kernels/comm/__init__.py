@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -37,6 +39,7 @@ __all__ = [
     "Communicator",
     "LocalCommunicator",
     "NCCLCommunicator",
+    "NoProcessGroupError",
     "TorchCommunicator",
     "Work",
     "borrowed_torch_comm",
@@ -49,10 +52,25 @@ __all__ = [
 ]
 
 
+class NoProcessGroupError(RuntimeError):
+    """A launcher started several processes but this one has no process group: without
+    this error each rank would silently attend over its own shard only."""
+
+
+def _launched_world_size() -> int:
+    """``WORLD_SIZE`` as a launcher (torchrun, the deepspeed launcher, accelerate) sets it; 1 when unset."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def get_communicator(
     group=None, comm: Communicator | None = None, native: bool = False, device: torch.device | None = None
 ) -> Communicator:
-    """The communicator for ``group``: ``comm`` if given; with ``native``, a new native NCCL
+    """The communicator for ``group``: ``comm`` if given; a world of one when there is no
+    process group (``NoProcessGroupError`` when a launcher's ``WORLD_SIZE`` says there are
+    several processes); with ``native``, a new native NCCL
     communicator where the group is NCCL and the extension has NCCL (the caller owns it:
     making one is collective); with a CUDA ``device`` (the functional ops pass their
     tensors'), torch's own NCCL communicator of the group driven by our native calls where
@@ -60,6 +78,14 @@ def get_communicator(
     if comm is not None:
         return comm
     if group is None and not (dist.is_available() and dist.is_initialized()):
+        launched = _launched_world_size()
+        if launched > 1:
+            raise NoProcessGroupError(
+                f"ulysses_kernels: WORLD_SIZE={launched} in the environment (a launcher started {launched} processes) but "
+                "torch.distributed is not initialized and no group was given, so this rank would attend over its own shard "
+                "only. Call torch.distributed.init_process_group() before the first call (or pass group=); for a deliberate "
+                "world of one per process, pass comm=ulysses_kernels.comm.LocalCommunicator()"
+            )
         return LocalCommunicator()
     if native:
         made = default_cuda_comm(group)

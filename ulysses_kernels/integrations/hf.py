@@ -61,6 +61,7 @@ KV caches (generation).
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from collections.abc import Callable
@@ -71,7 +72,7 @@ import torch.distributed as dist
 
 from ..attention import head_to_seq, seq_to_head, ulysses_attention
 from ..backends import expand_kv
-from ..checks import UlyssesInputError
+from ..checks import UlyssesInputError, by_value
 from ..comm import get_communicator
 from ..documents import Documents, boundaries_digest, document_ids, documents, first_unordered, pad_documents
 from ..layout import split_lengths  # the project's one rule for uneven shards (re-exported here)
@@ -425,10 +426,8 @@ def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: in
     Collective."""
     everyone = get_communicator(group).all_gather_ints([bsz, seq, total, num_tokens, bounds, fingerprint], device)
     if any(v != everyone[0] for v in everyone):
-        rows = ", ".join(
-            f"rank {r}: batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]} cu_seqlens entries={v[4]} fingerprint={v[5]:016x}"
-            for r, v in enumerate(everyone)
-        )
+        shown = lambda v: f"batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]} cu_seqlens entries={v[4]} fingerprint={v[5]:016x}"
+        rows = by_value([tuple(v) for v in everyone], shown)  # one entry per distinct batch, not per rank
         raise HFIntegrationError(
             "shard_batch: the ranks of the sequence-parallel group were given different batches "
             f"(every rank must pass the same global batch): {rows}"
@@ -625,7 +624,8 @@ def _fail_module(module) -> HFIntegrationError:
     return HFIntegrationError(
         f"{type(module).__name__}: the model's attention implementation is {ATTN_IMPLEMENTATION!r} but this "
         "module was not prepared by ulysses_kernels.integrations.hf.apply (call apply(model, group) on the "
-        "model that owns it)"
+        "model that owns it; a config object switched to it by hand, or shared with a model from before apply "
+        "copied configs, also lands here: build each model from its own config)"
     )
 
 
@@ -961,6 +961,25 @@ def _attention_function(module, impl: str) -> Callable:
     )
 
 
+def _own_configs(model) -> None:
+    """Give ``model`` its own copy of its config objects before ``apply`` switches them.
+
+    transformers models keep the config object they were built from (``model.config``, and
+    the same object on each attention module, rotary embedding, ...): another model built
+    from that object would otherwise see ``_attn_implementation == "ulysses"`` too and fail
+    in a module ``apply`` never prepared. One deep copy, and every module attribute that
+    held an old config (or sub-config: ``text_config``, ``vision_config``) takes its copy,
+    so the relations between them stay as they were."""
+    from transformers import PretrainedConfig
+
+    memo: dict = {}
+    copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig) and id(value) in memo:
+                object.__setattr__(module, name, memo[id(value)])
+
+
 def register() -> None:
     """Register the ``"ulysses"`` attention and mask functions with transformers (idempotent)."""
     from transformers import AttentionInterface
@@ -998,7 +1017,9 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
             ``ULYSSES_KERNELS_NATIVE_NCCL=1``, opt-in until native NCCL has run on a GPU, a
             native ``NCCLCommunicator`` on NCCL groups, made here and owned by the model).
 
-    Returns the model (changed in place: ``config._attn_implementation == "ulysses"``). Its
+    Returns the model (changed in place: ``model.config`` becomes a copy of the config it was
+    built from, with ``_attn_implementation == "ulysses"``; the object the caller passed to
+    the model stays as it was, so other models built from it are untouched). Its
     forward then expects ``shard_batch(...).model_inputs()``. The model's GQA layout,
     ``module.scaling`` and RoPE (from the global ``position_ids``) are kept.
     """
@@ -1034,6 +1055,7 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
         impl = _configured_implementation(m)
         inner.append((m, impl, _attention_function(m, impl)))
     register()
+    _own_configs(model)  # the caller's config object stays as it was (another model may share it)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     else:

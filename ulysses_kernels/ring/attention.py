@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import SharedKV, gather_kv, kv_index, save_tensors, scatter_kv_grads, shares_one_kv, uniform_group
-from ..checks import UlyssesInputError, dtype_code
+from ..checks import UlyssesInputError, by_value, dtype_code, rank_list
 from ..comm import Communicator, get_communicator
 from ..plan import more_ranks_than_heads
 from .groups import SPGroups
@@ -219,14 +219,10 @@ def check_ring_inputs(sp: SPGroups, q, k, *, causal, scale_bits: int, seq_lens, 
         raise failed
     bad = [r for r, row in enumerate(everyone) if row[0]]
     if bad:
-        raise UlyssesInputError(f"ulysses_attention: ranks {bad} of the 2-D group rejected their inputs (see the error on those ranks)")
+        raise UlyssesInputError(f"ulysses_attention: {rank_list(bad)} of the 2-D group rejected their inputs (see the error on those ranks)")
     names = ("batch (q.shape[0])", "seq_local (q.shape[1])", "q_heads (q.shape[2])", "head_dim (q.shape[3])", "kv_heads (k.shape[2])",
              "dtype", "causal", "softmax_scale")  # fmt: skip
     for i, name in enumerate(names, start=1):
         values = [row[i] for row in everyone]
         if any(x != values[0] for x in values):
-            differ = [r for r, x in enumerate(values) if x != values[0]]
-            raise UlyssesInputError(
-                f"ulysses_attention: ranks of the 2-D group disagree on {name}: rank 0 has {values[0]}, ranks {differ} have "
-                f"{[values[r] for r in differ]} (codes for dtype/softmax_scale)"
-            )
+            raise UlyssesInputError(f"ulysses_attention: ranks of the 2-D group disagree on {name}: {by_value(values)} (codes for dtype/softmax_scale)")
