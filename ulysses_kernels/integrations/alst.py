@@ -36,8 +36,8 @@ with the global positions that ``UlyssesSPDataLoaderAdapter`` put in the batch):
 What differs from DeepSpeed's class (measured in tests/test_alst.py): any head count (query
 heads that the group does not divide, GQA with fewer KV heads than ranks: no
 ``repeat_interleave`` of KV heads before the exchange), uneven shards (``split_lengths``),
-packed documents exact under every implementation (DeepSpeed's sdpa path drops the mask and
-attends across documents), the sliding window of sdpa layers kept (DeepSpeed drops the mask),
+packed documents exact under the built-in implementations (DeepSpeed's sdpa path drops the
+mask and attends across documents), the sliding window of sdpa layers kept (DeepSpeed drops the mask),
 and the positions gathered once per step instead of in every layer.
 """
 
@@ -125,8 +125,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.attn_head_count = attn_head_count
         self.global_kv_head_count = kv_head_count
         self.num_hidden_layers = num_hidden_layers
-        # The plan the fused op will use, built once here so that a layout no group can run
-        # (more ranks than query heads) fails at registration, naming a make_sp_groups split.
+        # The head plan (the value the op builds for these heads), made here so that a layout no
+        # group can run (more ranks than query heads) fails at registration, naming a
+        # make_sp_groups split.
         self.plan = HeadPlan.build(attn_head_count, kv_head_count, self.world_size)
         if not seq_length_is_variable and global_seq_length is None:
             raise ALSTIntegrationError("UlyssesSPAttentionHF: seq_length_is_variable=False needs global_seq_length (the fixed length)")
