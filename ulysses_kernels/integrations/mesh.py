@@ -141,7 +141,7 @@ class DeepSpeedMPU:
     backward-compatible helpers (``utils/bwc.py``) and activation checkpointing read first,
     is size 1. NOTE: for such an mpu DeepSpeed 0.19.8 leaves ``engine.dp_world_size`` at
     ``None`` (``groups._get_data_parallel_world_size``), so ``engine.set_train_batch_size()``
-    raises a TypeError, as with DeepSpeed's own module (measured); the batch arithmetic of
+    raises a TypeError (measured; DeepSpeed's own module takes the same branch); the batch arithmetic of
     ``deepspeed.initialize`` reads ``get_data_parallel_world_size()`` below and is right.
 
     Do not also set ``sequence_parallel_size``/``data_parallel_size`` in the DeepSpeed
