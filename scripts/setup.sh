@@ -47,8 +47,11 @@ BASE_PKGS=("$TORCH_SPEC" numpy==2.4.6 pytest==9.2.0 ninja==1.13.2 transformers==
 # DeepSpeed: the engine tests, the ALST comparison and bench_attention's deepspeed row (they
 # skip without it). An sdist, not a pure-Python wheel (27 s to build here with DS_BUILD_OPS=0;
 # its first call JIT-compiles a C++ shared-memory op). yunchang is not installed: its
-# UlyssesAttention needs flash-attn.
-PEER_PKGS=(deepspeed==0.19.8)
+# UlyssesAttention needs flash-attn. accelerate: the path of transformers' Trainer with
+# ParallelismConfig(sp_backend="deepspeed") into DeepSpeed's ALST entry point
+# (tests/test_trainer.py; pip's resolver puts accelerate 1.15.0 with torch 2.14.1,
+# transformers 5.23.0 and deepspeed 0.19.8).
+PEER_PKGS=(deepspeed==0.19.8 accelerate==1.15.0)
 has_dists() {  # installed distributions ("name" or "name==version"), by their metadata (importing torch takes seconds)
   "${VPY[@]}" -c 'import importlib.metadata as m, sys
 for spec in sys.argv[1:]:
