@@ -47,8 +47,11 @@ BASE_PKGS=("$TORCH_SPEC" numpy==2.4.6 pytest==9.2.0 ninja==1.13.2 transformers==
 # DeepSpeed: the engine tests, the ALST comparison and bench_attention's deepspeed row (they
 # skip without it). An sdist, not a pure-Python wheel (27 s to build here with DS_BUILD_OPS=0;
 # its first call JIT-compiles a C++ shared-memory op). yunchang is not installed: its
-# UlyssesAttention needs flash-attn.
-PEER_PKGS=(deepspeed==0.19.8)
+# UlyssesAttention needs flash-attn. accelerate: the path of transformers' Trainer with
+# ParallelismConfig(sp_backend="deepspeed") into DeepSpeed's ALST entry point
+# (tests/test_trainer.py; pip's resolver puts accelerate 1.15.0 with torch 2.14.1,
+# transformers 5.23.0 and deepspeed 0.19.8).
+PEER_PKGS=(deepspeed==0.19.8 accelerate==1.15.0)
 has_dists() {  # installed distributions ("name" or "name==version"), by their metadata (importing torch takes seconds)
   "${VPY[@]}" -c 'import importlib.metadata as m, sys
 for spec in sys.argv[1:]:
@@ -68,6 +71,16 @@ if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! ha
   echo "[setup] installing ${PEER_PKGS[*]} (DS_BUILD_OPS=0, keeping $torch_pin)"
   DS_BUILD_OPS=0 "${PIP[@]}" install -q "${PEER_PKGS[@]}" "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
   has_dists "${PEER_PKGS[@]}" || { echo "[setup] the peers are not at their pinned versions after installing them" >&2; exit 1; }
+fi
+# verl 0.9.1 (tests/test_verl*.py): --no-deps, it asks for transformers<5.11 (works with 5.23.0; pip reports the conflict); its other requirements as tested, 51 s/0.75 GB uncached.
+VERL_PKGS=(verl==0.9.1 accelerate==1.15.0 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 hydra-core==1.3.8 pandas==3.1.1 peft==0.21.2
+  pyarrow==26.0.1 pybind11==3.1.0 pylatexenc==2.11 "ray[default]==2.60.0" torchdata==0.11.0 tensordict==0.10.0 wandb==0.31.0 tensorboard==2.21.0)
+if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists "${VERL_PKGS[@]/\[default\]/}"; then
+  torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
+  echo "[setup] installing verl==0.9.1 (--no-deps) and its requirements (keeping $torch_pin, transformers==5.23.0)"
+  "${PIP[@]}" install -q --no-deps "${VERL_PKGS[0]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  "${PIP[@]}" install -q "${VERL_PKGS[@]:1}" "$torch_pin" transformers==5.23.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+  has_dists "${VERL_PKGS[@]/\[default\]/}" || { echo "[setup] verl or its requirements are not at their pinned versions after installing them" >&2; exit 1; }
 fi
 # pyproject.toml's SPDX license string needs setuptools >= 77 (torch >= 2.14 requires it anyway;
 # an older system torch may come with an older one).

@@ -85,6 +85,8 @@ __all__ = [
     "SequenceShard",
     "ShardedBatch",
     "apply",
+    "attention_settings",
+    "sequence_parallel_attention",
     "shard_batch",
     "split_lengths",
     "reduce_loss",
@@ -656,7 +658,44 @@ def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
     """
     settings, shard = _call_context(module, kwargs)
     kwargs.pop(_SHARD_KWARG)
-    mask = _layer_mask(module, attention_mask)
+    return _attend(module, settings, shard, _layer_mask(module, attention_mask), query, key, value, kwargs)
+
+
+def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                                settings: _Settings, shard: SequenceShard, **kwargs):  # fmt: skip
+    """One attention call of a model that ``apply`` did not switch: what the ``"ulysses"``
+    attention function does, with the settings and the step's shard given explicitly.
+
+    For callers that intercept a model's own attention implementation (DeepSpeed ALST's
+    entry point, ``integrations.alst``), so the model's mask function is not ours: the mask
+    of the layer is taken from the model's ``sliding_window`` keyword (``None`` or absent:
+    causal) and rebuilt over the global sequence as ``apply``'s mask function would record it.
+
+    Args:
+        module: the model's attention module (``scaling``, ``is_causal``, ``head_dim``, ...).
+        query, key, value: ``[B, H, seq_lens[rank], D]`` (k/v with the model's KV heads).
+        settings: ``attention_settings(...)``, made once (it may own a communicator).
+        shard: the step's ``SequenceShard`` (the same on every rank; it caches the step's
+            checks and masks, so use one object per step).
+        kwargs: the model's keywords (``scaling``, ``dropout``, ``sliding_window``,
+            ``softcap``, ``s_aux``, ``position_ids`` (dropped), ...).
+
+    Returns ``(out, None)``, ``out`` ``[B, seq_lens[rank], Hq, D]``.
+    """
+    window = kwargs.get("sliding_window")
+    if window is None:
+        mask = _GlobalMask(None, {})
+    else:
+        from transformers.masking_utils import sliding_window_causal_mask_function
+
+        # local_size: sdpa's mask function skips the mask (plain causal) unless it knows the window.
+        mask = _GlobalMask(int(window), {"mask_function": sliding_window_causal_mask_function(int(window)), "local_size": int(window)})
+    return _attend(module, settings, shard, mask, query, key, value, kwargs)
+
+
+def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
+    """The attention call of ``_ulysses_attention_forward`` once its settings, shard and mask
+    are known: the fused op for plain causal attention, else the model's own attention."""
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise HFIntegrationError(
             f"{type(module).__name__}: non-causal attention is not supported (ulysses applies a global causal mask)"
@@ -1049,11 +1088,27 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
     if wrong:
         raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
-    # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
-    exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
-    shared = _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check)
+    shared = attention_settings(group, attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, comm=comm)
     for m, impl, fn in inner:
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
         object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
     return model
+
+
+def attention_settings(group=None, *, impl: str = "", fn: Callable | None = None, attn_fn=None, kernels=None,
+                       chunks: int | str = 1, check: str = "step", comm=None) -> _Settings:  # fmt: skip
+    """The frozen settings of sequence-parallel attention calls (``apply`` makes one per
+    model; ``sequence_parallel_attention`` takes one).
+
+    ``group``, ``attn_fn``, ``kernels``, ``chunks``, ``check``, ``comm``: as for ``apply``.
+    ``impl``/``fn``: the model's configured attention implementation and its function (what
+    runs on each rank's heads when the call is not plain causal). Resolves the communicator
+    once (with ``ULYSSES_KERNELS_NATIVE_NCCL=1`` on an NCCL group making a native one, which
+    is collective): make it once, on every rank.
+    """
+    if check not in ("step", "always", "never"):
+        raise HFIntegrationError(f"attention_settings: check expected 'step', 'always' or 'never', got {check!r}")
+    # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
+    exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
+    return _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check, impl, fn)
