@@ -12,7 +12,8 @@ ranks of a ring rank. The slowest ring rank sets the pace of the layer, so the t
 ``max / mean`` of that work over the ``R`` ring ranks (1.00: balanced), averaged over
 ``--batches`` random packed batches, and the worst batch; plus what the ring schedule skips
 (``steps``: ring steps that compute, of ``R*R``; ``hops``: K/V block transfers per
-forward, of ``R*(R-1)``).
+forward, of ``R*(R-1)``). With ``--balanced``, column ``balanced``: the same batches with
+their documents reordered by ``ring.balance_documents`` (the order changes no result).
 
 Document mixes (lengths in tokens, the last document of a batch cut to fit):
 
@@ -38,12 +39,14 @@ import torch
 
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.documents import documents
+from ulysses_kernels.ring.balance import balance_documents, rank_work
 from ulysses_kernels.ring.schedule import ring_schedule
 
 MIXES = {"sft": (512, 1.0, "half"), "longtail": (2048, 1.8, "all"), "none": None}
 COLUMNS = [
     ("seq", "seq", "d"), ("ring", "R", "d"), ("mix", "mix", ""), ("layout", "layout", ""), ("docs", "docs", ".0f"),
-    ("imbalance", "max/mean", ".3f"), ("worst", "worst", ".3f"), ("steps", "steps", ".1f"), ("hops", "hops", ".1f"),
+    ("imbalance", "max/mean", ".3f"), ("worst", "worst", ".3f"), ("balanced", "balanced", ".3f"), ("steps", "steps", ".1f"),
+    ("hops", "hops", ".1f"),
     ("of_steps", "of", "d"), ("of_hops", "of", "d"),
 ]  # fmt: skip
 
@@ -62,9 +65,9 @@ def document_mix(S: int, mix: str, seed: int) -> tuple[int, ...]:
     return tuple(cu)
 
 
-def balance(S: int, R: int, mix: str, layout: str, batches: int) -> dict:
+def balance(S: int, R: int, mix: str, layout: str, batches: int, balanced: bool = False) -> dict:
     """One row: the ring ranks' work over ``batches`` random batches (module docstring)."""
-    ratios, steps, hops, docs = [], [], [], []
+    ratios, steps, hops, docs, after = [], [], [], [], []
     for b in range(batches if mix != "none" else 1):
         cu = document_mix(S, mix, seed=b)
         sched = ring_schedule(R, layout, S // R, True, cu)
@@ -73,10 +76,15 @@ def balance(S: int, R: int, mix: str, layout: str, batches: int) -> dict:
         steps.append(sched.computed_steps())
         hops.append(sched.hops())
         docs.append(documents(cu).count)
+        if balanced:
+            lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+            work = rank_work([lengths[i] for i in balance_documents(lengths, R, layout)], R, layout)
+            after.append(max(work) / (sum(work) / R))
     n = len(ratios)
     return {
         "seq": S, "ring": R, "mix": mix, "layout": layout, "docs": sum(docs) / n, "imbalance": sum(ratios) / n,
-        "worst": max(ratios), "steps": sum(steps) / n, "hops": sum(hops) / n, "of_steps": R * R, "of_hops": R * (R - 1),
+        "worst": max(ratios), "balanced": sum(after) / n if after else None, "steps": sum(steps) / n, "hops": sum(hops) / n,
+        "of_steps": R * R, "of_hops": R * (R - 1),
     }  # fmt: skip
 
 
@@ -86,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rings", default="2,4,8", help="ring sizes R (default 2,4,8)")
     p.add_argument("--mix", default="none,sft,longtail", help=f"comma list of {', '.join(MIXES)}")
     p.add_argument("--batches", type=int, default=20, help="random batches per row (default 20)")
+    p.add_argument("--balanced", action="store_true", help="also the imbalance after ring.balance_documents (slower)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
     args.seqs = [C.parse_size(x) for x in args.seqs.split(",")]
@@ -106,7 +115,7 @@ def main(argv=None) -> int:
                 print(f"# skipped seq {S} R {R}: zigzag needs a multiple of 2R = {2 * R}", file=sys.stderr)
                 continue
             for mix in args.mix:
-                rows += [balance(S, R, mix, layout, args.batches) for layout in ("contiguous", "zigzag")]
+                rows += [balance(S, R, mix, layout, args.batches, args.balanced) for layout in ("contiguous", "zigzag")]
     C.print_table(COLUMNS, rows, title=f"# ring load balance, causal, {args.batches} batches per packed row (computed from the schedule, not timed)")
     if args.json:
         with open(args.json, "w") as f:
