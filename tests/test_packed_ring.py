@@ -304,3 +304,8 @@ def test_balance_documents():
     assert imbalance(rank_work(lengths, 4, "contiguous")) > 1.9 > 1.5 > imbalance(rank_work([lengths[i] for i in order], 4, "contiguous"))
     with pytest.raises(ValueError, match=r"must split into 8 equal chunks for seq_layout='zigzag'"):
         balance_documents([3, 4], 4, "zigzag")
+    # Padded as shard_batch(pad=True) pads: the padding stays the last document.
+    docs = [5, 1, 2, 9, 3, 7]  # 27 tokens -> 28 on 2x2 zigzag
+    order = balance_documents(docs, 2, "zigzag", padded_to=28)
+    assert sorted(order) == list(range(6))
+    assert max(rank_work([docs[i] for i in order] + [1], 2, "zigzag")) <= max(rank_work(docs + [1], 2, "zigzag"))

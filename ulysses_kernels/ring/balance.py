@@ -9,7 +9,7 @@ and the slowest ring rank sets the pace of the layer. ``bench.ring_balance`` sho
 neither layout balances that on its own (docs/scaling.md). ``balance_documents`` picks an
 order that does, for the layout the group uses::
 
-    order = uk.ring.balance_documents([len(d) for d in docs], sp.ring_size, sp.seq_layout)
+    order = uk.ring.balance_documents([len(d) for d in docs], sp.ring_size, sp.seq_layout, padded_to=padded)
     packed = [docs[i] for i in order]        # then pack (DataCollatorWithFlattening, ...) as usual
 
 ``rank_work`` is the exact per-ring-rank work of an order (equal to the schedule's
@@ -79,30 +79,36 @@ def _dealt(lengths: list[int], ring_size: int, capacity: int) -> list[int]:
     return [i for b in bins for i in b]
 
 
-def balance_documents(lengths, ring_size: int, seq_layout: str = "contiguous", *, rounds: int = 300, tries: int = 8,
-                      seed: int = 0) -> list[int]:  # fmt: skip
+def balance_documents(lengths, ring_size: int, seq_layout: str = "contiguous", *, padded_to: int | None = None, rounds: int = 300,
+                      tries: int = 8, seed: int = 0) -> list[int]:  # fmt: skip
     """An order of the documents (indices into ``lengths``) whose most loaded ring rank does
     as little attention work as the search finds, never more than the given order's.
 
-    ``lengths``: the documents' token counts, in the order given (their total: the packed
-    sequence, padded, so that it splits into equal shards; padding is a document too).
+    ``lengths``: the documents' token counts, in the order given. ``padded_to``: the length
+    the packed sequence is padded to (``hf.shard_batch(pad=True)``, ``pad_documents``: the
+    padding is one document at the end, which stays there); ``None``: ``sum(lengths)``, which
+    must then split into the layout's equal chunks.
     ``ring_size``, ``seq_layout``: the 2-D group's (``SPGroups.ring_size``, ``seq_layout``).
     ``rounds`` x ``tries``: swaps tried (each round keeps the best of ``tries``). The order
     depends only on the arguments (seeded), so ranks that call it alike agree."""
     lengths = [int(x) for x in lengths]
     if any(x < 1 for x in lengths):
         raise ValueError(f"balance_documents: lengths expected positive token counts, got {lengths}")
-    t = torch.tensor(lengths, dtype=torch.int64)
-    bounds, owner = _segments(int(t.sum()), ring_size, seq_layout)
-    n = len(lengths)
+    n, total = len(lengths), sum(lengths)
+    if padded_to is not None and padded_to < total:
+        raise ValueError(f"balance_documents: padded_to ({padded_to}) is shorter than the documents ({total} tokens)")
+    pad = 0 if padded_to is None else padded_to - total
+    t = torch.tensor(lengths + [pad], dtype=torch.int64)  # the padding last (0 tokens: none)
+    bounds, owner = _segments(total + pad, ring_size, seq_layout)
+    tail = torch.tensor([n])
 
     def score(order: torch.Tensor) -> tuple[int, int]:
-        work = _work(t[order], bounds, owner, ring_size)
+        work = _work(t[torch.cat([order, tail])], bounds, owner, ring_size)
         return int(work.max()), int((work * work).sum() // max(1, int(work.sum())))
 
     starts = [torch.arange(n)]
     if seq_layout == "contiguous":
-        starts.append(torch.tensor(_dealt(lengths, ring_size, int(t.sum()) // ring_size)))
+        starts.append(torch.tensor(_dealt(lengths, ring_size, (total + pad) // ring_size)))
     best = min(starts, key=score)
     best_score = score(best)
     if n < 2 or ring_size < 2:
@@ -110,7 +116,7 @@ def balance_documents(lengths, ring_size: int, seq_layout: str = "contiguous", *
     rng = random.Random(seed)
     chunk = bounds[1] - bounds[0]
     for _ in range(rounds):
-        ordered = t[best]
+        ordered = t[torch.cat([best, tail])]
         work = _work(ordered, bounds, owner, ring_size)
         heavy, light = int(work.argmax()), int(work.argmin())
         # Documents with tokens in each ring rank's block: [docs, chunks] overlap, by owner.
@@ -118,8 +124,11 @@ def balance_documents(lengths, ring_size: int, seq_layout: str = "contiguous", *
         first, last = (ends - ordered) // chunk, (ends - 1) // chunk
         span = torch.arange(len(bounds) - 1)
         touches = (span >= first.unsqueeze(1)) & (span <= last.unsqueeze(1))
+        touches = touches[:n] & (ordered[:n] > 0).unsqueeze(1)  # documents only, not the padding
         a = torch.nonzero(touches[:, owner == heavy].any(1)).flatten().tolist()
         b = torch.nonzero(touches[:, owner == light].any(1)).flatten().tolist()
+        if not a or not b:
+            break
         round_best = None
         for _ in range(tries):
             x, y = rng.choice(a), rng.choice(b)
