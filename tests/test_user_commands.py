@@ -238,27 +238,35 @@ def test_pip_install_in_a_new_venv_says_what_it_needs_before_downloading(tmp_pat
 
 def test_setup_pins_every_package_it_installs():
     """scripts/setup.sh installs the base and (ULYSSES_KERNELS_PEERS=1) the peers at exact
-    versions, and a venv it made holds those versions: an unpinned peer turned a fresh CI red
-    (DeepSpeed 0.19.8's ZeRO-3 refused the float64 model the suite had passed with)."""
+    versions, every pip call under scripts/constraints.txt (transitive requirements too), and
+    a venv it made holds those versions: an unpinned peer turned a fresh CI red (DeepSpeed
+    0.19.8's ZeRO-3 refused the float64 model the suite had passed with)."""
     text = (ROOT / "scripts" / "setup.sh").read_text()
-    specs = []
-    for name in ("BASE_PKGS", "PEER_PKGS"):
-        m = re.search(rf"^{name}=\((.*)\)$", text, re.M)
-        assert m, f"setup.sh defines no {name}=(...) array"
-        specs += shlex.split(m.group(1))
-    torch_spec = re.search(r'TORCH_SPEC=\$\{ULYSSES_KERNELS_TORCH:-(.*)\}', text).group(1)
-    specs = [torch_spec if s == "$TORCH_SPEC" else s for s in specs]
-    unpinned = [s for s in specs if not re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][A-Za-z0-9.+]*", s)]
+    constraints = {}
+    for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, want = line.split("==")
+            constraints[name.lower().replace("_", "-")] = want
+    arrays = re.findall(r"^([A-Z]+_PKGS)=\((.*?)\)$", text, re.M | re.S)
+    assert {"BASE_PKGS", "PEER_PKGS"} <= {name for name, _ in arrays}, arrays
+    torch_spec = re.search(r"TORCH_SPEC=\$\{ULYSSES_KERNELS_TORCH:-(.*)\}", text).group(1)
+    specs = [torch_spec if s == "$TORCH_SPEC" else s for _, body in arrays for s in shlex.split(body, comments=True)]
+    unpinned = [s for s in specs if not re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[a-z,]+\])?==[0-9][A-Za-z0-9.+]*", s)]
     assert not unpinned, f"setup.sh installs {unpinned} without an exact version"
+    for spec in specs:
+        name, want = re.sub(r"\[.*\]", "", spec).split("==")
+        assert constraints.get(name.lower().replace("_", "-")) == want, f"{spec}: scripts/constraints.txt has {constraints.get(name.lower())}"
+    installs = [line for line in text.splitlines() if re.search(r'"\$\{PIP\[@\]\}" install', line) and "-e ." not in line]
+    assert installs and all('"${PINNED[@]}"' in line for line in installs), installs
     if os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1":
         return  # a venv borrowing the machine's packages holds what that machine has
-    for spec in specs:
-        name, want = spec.split("==")
-        try:
-            have = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue  # a peer not installed (set-up without ULYSSES_KERNELS_PEERS=1)
-        assert have == want or have.startswith(want + "+"), f"{name} {have} is installed, setup.sh pins {want}"
+    drift = []
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"].lower().replace("_", "-")
+        want = constraints.get(name)
+        if want is not None and dist.version != want and not dist.version.startswith(want + "+"):
+            drift.append(f"{name} {dist.version} (constraints: {want})")
+    assert not drift, f"installed versions differ from scripts/constraints.txt: {drift}"
 
 
 # ---- without the extension: said at import and by info, with the command that builds it -------
