@@ -98,9 +98,19 @@ spec = importlib.util.find_spec("ulysses_kernels")
 sys.exit(0 if spec and spec.origin and os.path.realpath(spec.origin) == os.path.realpath(sys.argv[1]) else 1)' "$PWD/ulysses_kernels/__init__.py" 2>/dev/null
 }
 if [ "$SYSTEM_TORCH" = "1" ]; then
-  # Offline: no pip build; the repository root on the venv's path is what an editable
-  # install amounts to.
-  installed_here || "${VPY[@]}" -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "_ulysses_kernels_repo.pth").write_text(sys.argv[1] + "\n")' "$PWD"
+  # Offline: no pip build. The package directory linked into the venv's site-packages is
+  # what an editable install amounts to: `import ulysses_kernels` finds this checkout from
+  # anywhere, and the checkout's root (tests/, examples/) stays off sys.path, as it is for
+  # a pip-installed package (tests/test_user_commands.py checks both).
+  # (An older set-up put the whole root on sys.path with a .pth: it goes.)
+  rm -f .venv/lib/python*/site-packages/_ulysses_kernels_repo.pth
+  installed_here || "${VPY[@]}" - "$PWD/ulysses_kernels" <<'EOF_LINK'
+import pathlib, sys, sysconfig
+link = pathlib.Path(sysconfig.get_paths()["purelib"], "ulysses_kernels")
+if link.is_symlink():
+    link.unlink()
+link.symlink_to(sys.argv[1], target_is_directory=True)
+EOF_LINK
 elif ! installed_here; then
   echo "[setup] installing ulysses_kernels (editable)"
   # The extension is built below, once and incrementally, not by pip (which rebuilds from scratch).
@@ -144,4 +154,4 @@ for d in ("torch", "nvidia-nccl-cu13", "nvidia-nccl-cu12"):
   fi
 fi
 "${VPY[@]}" -c 'import importlib.metadata as m, importlib.util as u
-print("[setup] torch", m.version("torch"), "| ulysses_kernels at", u.find_spec("ulysses_kernels").submodule_search_locations[0])'
+import os; print("[setup] torch", m.version("torch"), "| ulysses_kernels at", os.path.realpath(u.find_spec("ulysses_kernels").submodule_search_locations[0]))'

@@ -35,9 +35,11 @@ BIN = Path(sys.executable).parent  # the venv's python, torchrun, pip
 EXAMPLE = "examples/train_hf.py"
 # Where the example's command lines are documented (the example's own docstring is its --help).
 DOC_FILES = ("README.md", "docs/hf.md", EXAMPLE)
-# The venv's site-packages, for an interpreter started with -S: no .pth files run, so the
-# editable install's import hook cannot put this checkout in front of a copy under test.
-PURELIB = sysconfig.get_paths()["purelib"]
+# The site-packages that hold torch and the rest, for an interpreter started with -S: no
+# .pth files run, so the editable install's import hook cannot put this checkout in front of
+# a copy under test. The venv's own, and torch's where that is elsewhere (a venv made with
+# ULYSSES_KERNELS_SYSTEM_TORCH=1 borrows the machine's packages through a .pth).
+SITE_DIRS = list(dict.fromkeys([sysconfig.get_paths()["purelib"], str(Path(torch.__file__).resolve().parents[1])]))
 
 
 def user_env(**extra) -> dict:
@@ -206,6 +208,7 @@ def test_a_build_that_cannot_see_torch_fails_and_says_how(tmp_path):
     assert not list(src.glob("dist/*.whl"))
 
 
+@pytest.mark.skipif(os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1", reason="an offline machine (system torch): pip cannot reach a package index")
 def test_pip_install_in_a_new_venv_says_what_it_needs_before_downloading(tmp_path):
     """A user's first try, in a new venv with no torch: plain ``pip install .`` stops at the
     wheel's metadata with our message (before this it downloaded torch and its CUDA wheels,
@@ -273,7 +276,7 @@ def test_setup_pins_every_package_it_installs():
 def test_info_without_the_extension_says_how_to_build_it(tmp_path):
     site = tmp_path / "site"
     shutil.copytree(ROOT / "ulysses_kernels", site / "ulysses_kernels", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    code = f"import sys; sys.path[:0] = {[str(site), PURELIB]!r}; from ulysses_kernels import info; info.main([])"
+    code = f"import sys; sys.path[:0] = {[str(site), *SITE_DIRS]!r}; from ulysses_kernels import info; info.main([])"
     out = run([sys.executable, "-I", "-S", "-c", code], tmp_path).stdout
     ext = next(line for line in out.splitlines() if line.startswith("_C extension"))
     assert "NOT BUILT: ulysses_kernels._C is not built" in ext and "pip install --no-build-isolation" in ext, ext
@@ -352,7 +355,7 @@ def test_wheel_pins_its_torch_and_carries_no_build_path(tmp_path):
     assert str(tmp_path) not in dyn and str(ROOT) not in dyn and sys.prefix not in dyn, dyn
     # The unpacked wheel (not a checkout, not site-packages) loads: NCCL is the one torch loaded.
     target = str(tmp_path / "target")
-    code = f"import sys; sys.path[:0] = {[target, PURELIB]!r}; from ulysses_kernels import ops; ops.load(); print(ops.__file__, ops.build_info()['nccl'])"
+    code = f"import sys; sys.path[:0] = {[target, *SITE_DIRS]!r}; from ulysses_kernels import ops; ops.load(); print(ops.__file__, ops.build_info()['nccl'])"
     out = run([sys.executable, "-I", "-S", "-c", code], tmp_path).stdout.split()
     assert out == [str(tmp_path / "target" / "ulysses_kernels" / "ops.py"), "True"], out
 
