@@ -78,7 +78,7 @@ from ..documents import Documents, boundaries_digest, document_ids, documents, f
 from ..layout import split_lengths  # the project's one rule for uneven shards (re-exported here)
 from ..longctx.install import enable as enable_long_context
 from ..plan import HeadPlan
-from ..ring import SPGroups
+from ..ring import SPGroups, shard_rows
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -86,6 +86,8 @@ __all__ = [
     "SequenceShard",
     "ShardedBatch",
     "apply",
+    "attention_settings",
+    "sequence_parallel_attention",
     "shard_batch",
     "split_lengths",
     "reduce_loss",
@@ -115,6 +117,9 @@ class SequenceShard:
     ``sum(seq_lens)`` (the padded length), ``valid_len`` the length before padding.
     ``documents``: a packed batch's global document boundaries over ``total`` tokens (the
     padding, if any, is the last document), ``None`` for ordinary batches.
+    ``ring_layout``: ``(ulysses_size, ring_size, "zigzag")`` for a 2-D group whose
+    ``seq_layout`` is zigzag: rank r then holds ``ring.shard_rows`` of the sequence (two
+    chunks), not a contiguous slice; ``None``: contiguous.
     Passed to the model as the ``ulysses_shard`` keyword; the attention function reads it.
     """
 
@@ -124,6 +129,7 @@ class SequenceShard:
     valid_len: int
     batch_size: int
     documents: Documents | None = None
+    ring_layout: tuple[int, int, str] | None = None
     # Input signatures already validated across ranks in this step (one check per step,
     # not per layer); the same on every rank because every rank runs the same layers.
     _checked: set = field(default_factory=set, repr=False)
@@ -153,7 +159,16 @@ class SequenceShard:
             pad_shape = list(x.shape)
             pad_shape[dim] = self.total - x.shape[dim]
             x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
+        if self.ring_layout is not None:
+            return x.index_select(dim, self.rows(self.rank).to(x.device))
         return x.narrow(dim, self.start, self.local_len).contiguous()
+
+    def rows(self, rank: int) -> torch.Tensor:
+        """The global positions rank ``rank`` holds (int64, ascending)."""
+        if self.ring_layout is not None:
+            return shard_rows(self.total, *self.ring_layout[:2], rank, self.ring_layout[2])
+        start = sum(self.seq_lens[:rank])
+        return torch.arange(start, start + self.seq_lens[rank])
 
 
 @dataclass
@@ -273,13 +288,10 @@ def shard_batch(
         position_ids = _global_positions(input_ids, position_ids)
     bsz, seq = input_ids.shape
     total, seq_lens = _shard_lengths(seq, world, pad)
+    ring_layout = None
     if isinstance(group, SPGroups):
-        _check_2d_shards(group, seq, total, seq_lens)
-        if cu is not None:
-            raise HFIntegrationError(
-                "shard_batch: packed documents (cu_seqlens, or position_ids that restart) with a 2-D group (SPGroups) are not "
-                "supported yet; use a flat sequence-parallel group for packed batches"
-            )
+        total, seq_lens = _check_2d_shards(group, seq, total, seq_lens, pad)
+        ring_layout = None if group.seq_layout == "contiguous" else (group.ulysses_size, group.ring_size, group.seq_layout)
     shifted, num_tokens = _shift_labels(labels, ignore_index, cu)
     if check and world > 1:
         _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu),
@@ -293,7 +305,7 @@ def shard_batch(
         # Per document 0, 1, ... (the padding is a document of its own).
         ids = document_ids(docs.cu_seqlens, input_ids.device)
         positions = (torch.arange(total, device=input_ids.device) - ids.new_tensor(docs.cu_seqlens[:-1])[ids]).unsqueeze(0)
-    shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz, docs)
+    shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz, docs, ring_layout)
     return ShardedBatch(
         input_ids=shard.shard(input_ids, pad_value=pad_token_id),
         labels=shard.shard(shifted, pad_value=-100),
@@ -303,16 +315,20 @@ def shard_batch(
     )
 
 
-def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens) -> None:
-    """A 2-D group's ring level needs equal, contiguous shards (``SequenceShard`` slices
-    contiguous columns)."""
-    if sp.seq_layout != "contiguous":
-        raise HFIntegrationError(f"shard_batch: SPGroups.seq_layout {sp.seq_layout!r}: the transformers integration shards contiguously; use 'contiguous'")
-    if len(set(seq_lens)) > 1:
+def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens, pad: bool) -> tuple[int, list[int]]:
+    """``(total, seq_lens)`` for a 2-D group: its ring level needs equal shards, and zigzag
+    cuts the sequence into ``2 x ring_size`` equal chunks whose blocks split over the
+    Ulysses ranks (``pad`` pads to a multiple of ``lcm(2 x ring_size, group size)``)."""
+    multiple = sp.world_size if sp.seq_layout == "contiguous" else math.lcm(2 * sp.ring_size, sp.world_size)
+    if pad and total % multiple:
+        total = math.ceil(seq / multiple) * multiple
+        seq_lens = [total // sp.world_size] * sp.world_size
+    if len(set(seq_lens)) > 1 or total % multiple:
         raise HFIntegrationError(
-            f"shard_batch: the ring level of a 2-D group needs equal shards, and {seq} tokens do not split over {len(seq_lens)} ranks; "
-            "use pad=True (or a sequence length that is a multiple of the group size)"
+            f"shard_batch: the ring level of a 2-D group (seq_layout {sp.seq_layout!r}) needs a sequence length that is a multiple of "
+            f"{multiple}, got {seq} tokens; use pad=True"
         )
+    return total, seq_lens
 def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tuple[int, ...] | None:
     """A packed batch's document boundaries over the unpadded sequence: ``cu_seqlens`` if
     given, else where ``position_ids`` restart at 0 (``None``: not packed). Packed batches
@@ -488,6 +504,9 @@ def gather_sequence(x: torch.Tensor, shard: SequenceShard, group=None, dim: int 
     parts = [torch.empty_like(padded) for _ in range(shard.world_size)]
     dist.all_gather(parts, padded.contiguous(), group=_process_group(group))
     full = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, shard.seq_lens)], dim=dim)
+    if shard.ring_layout is not None:  # zigzag: rank order is not sequence order
+        rows = torch.cat([shard.rows(r) for r in range(shard.world_size)])
+        full = full.index_select(dim, torch.argsort(rows).to(full.device))
     return full.narrow(dim, 0, shard.valid_len)
 
 
@@ -640,7 +659,44 @@ def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
     """
     settings, shard = _call_context(module, kwargs)
     kwargs.pop(_SHARD_KWARG)
-    mask = _layer_mask(module, attention_mask)
+    return _attend(module, settings, shard, _layer_mask(module, attention_mask), query, key, value, kwargs)
+
+
+def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                                settings: _Settings, shard: SequenceShard, **kwargs):  # fmt: skip
+    """One attention call of a model that ``apply`` did not switch: what the ``"ulysses"``
+    attention function does, with the settings and the step's shard given explicitly.
+
+    For callers that intercept a model's own attention implementation (DeepSpeed ALST's
+    entry point, ``integrations.alst``), so the model's mask function is not ours: the mask
+    of the layer is taken from the model's ``sliding_window`` keyword (``None`` or absent:
+    causal) and rebuilt over the global sequence as ``apply``'s mask function would record it.
+
+    Args:
+        module: the model's attention module (``scaling``, ``is_causal``, ``head_dim``, ...).
+        query, key, value: ``[B, H, seq_lens[rank], D]`` (k/v with the model's KV heads).
+        settings: ``attention_settings(...)``, made once (it may own a communicator).
+        shard: the step's ``SequenceShard`` (the same on every rank; it caches the step's
+            checks and masks, so use one object per step).
+        kwargs: the model's keywords (``scaling``, ``dropout``, ``sliding_window``,
+            ``softcap``, ``s_aux``, ``position_ids`` (dropped), ...).
+
+    Returns ``(out, None)``, ``out`` ``[B, seq_lens[rank], Hq, D]``.
+    """
+    window = kwargs.get("sliding_window")
+    if window is None:
+        mask = _GlobalMask(None, {})
+    else:
+        from transformers.masking_utils import sliding_window_causal_mask_function
+
+        # local_size: sdpa's mask function skips the mask (plain causal) unless it knows the window.
+        mask = _GlobalMask(int(window), {"mask_function": sliding_window_causal_mask_function(int(window)), "local_size": int(window)})
+    return _attend(module, settings, shard, mask, query, key, value, kwargs)
+
+
+def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
+    """The attention call of ``_ulysses_attention_forward`` once its settings, shard and mask
+    are known: the fused op for plain causal attention, else the model's own attention."""
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise HFIntegrationError(
             f"{type(module).__name__}: non-causal attention is not supported (ulysses applies a global causal mask)"
@@ -674,7 +730,9 @@ def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     them: plain causal attention (the fused op). The model's mask function saw only this
     rank's positions; the boundaries come from ``shard_batch``, global."""
     if shard.documents is None:
-        if mask.packed:
+        # A zigzag shard's positions jump at its second chunk (transformers sees a packed
+        # sequence there); shard_batch made them from the global ones, so they are not.
+        if mask.packed and shard.ring_layout is None:
             raise HFIntegrationError(
                 f"{type(module).__name__}: position_ids restart inside the sequence (packed documents) but the batch was "
                 "not sharded as packed; pass the global position_ids (or cu_seqlens) to shard_batch"
@@ -785,6 +843,12 @@ def _check_sharded_input(name: str, shard: SequenceShard, settings: _Settings, q
         raise HFIntegrationError(
             f"{name}: the batch was sharded for rank {shard.rank} of {shard.world_size} but apply() was given a group "
             f"in which this process is rank {rank} of {world}; pass the same group to apply and shard_batch"
+        )
+    layout = sp.seq_layout if isinstance(sp, SPGroups) else "contiguous"
+    if (shard.ring_layout or (0, 0, "contiguous"))[2] != layout:
+        raise HFIntegrationError(
+            f"{name}: the batch was sharded {(shard.ring_layout or (0, 0, 'contiguous'))[2]} but apply() was given a group with "
+            f"seq_layout {layout!r}; pass the same SPGroups to apply and shard_batch"
         )
     local = query.shape[2]
     if local != shard.local_len or query.shape[0] != shard.batch_size:
@@ -970,7 +1034,7 @@ def apply(
             (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, ... families), causal.
         group: the sequence-parallel process group (default: the world), or an ``SPGroups``
             (``make_sp_groups``: Ulysses x ring; plain causal attention only, equal
-            contiguous shards: ``shard_batch(..., pad=True)``). Pass the same to
+            shards, contiguous or zigzag, packed or not: ``shard_batch(..., pad=True)``). Pass the same to
             ``shard_batch``, ``sync_gradients``, ``reduce_loss`` and ``gather_sequence``.
         attn_fn, kernels, chunks: passed to ``ulysses_attention`` (``kernels`` also to the
             exchanges around the model's own attention; ``attn_fn`` and ``chunks`` apply to
@@ -1036,11 +1100,27 @@ def apply(
     wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
     if wrong:
         raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
-    # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
-    exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
-    shared = _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check)
+    shared = attention_settings(group, attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, comm=comm)
     for m, impl, fn in inner:
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
         object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
     return model
+
+
+def attention_settings(group=None, *, impl: str = "", fn: Callable | None = None, attn_fn=None, kernels=None,
+                       chunks: int | str = 1, check: str = "step", comm=None) -> _Settings:  # fmt: skip
+    """The frozen settings of sequence-parallel attention calls (``apply`` makes one per
+    model; ``sequence_parallel_attention`` takes one).
+
+    ``group``, ``attn_fn``, ``kernels``, ``chunks``, ``check``, ``comm``: as for ``apply``.
+    ``impl``/``fn``: the model's configured attention implementation and its function (what
+    runs on each rank's heads when the call is not plain causal). Resolves the communicator
+    once (with ``ULYSSES_KERNELS_NATIVE_NCCL=1`` on an NCCL group making a native one, which
+    is collective): make it once, on every rank.
+    """
+    if check not in ("step", "always", "never"):
+        raise HFIntegrationError(f"attention_settings: check expected 'step', 'always' or 'never', got {check!r}")
+    # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
+    exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
+    return _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check, impl, fn)
