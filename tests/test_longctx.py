@@ -282,3 +282,43 @@ def test_activation_offload_alone():
         assert torch.equal(got, want)
     stats = off.stats()
     assert stats == {"host_bytes": 0, "host_peak": 3 * 4 * 16 * 8, "offloaded": 3, "restored": 3}, stats
+
+
+# ---- the head-chunked attention backward ----------------------------------------------------------
+def _chunked_job(rank, world):
+    """``attn_fn=HeadChunkedAttention(n)`` through hf.apply: every gradient and the loss equal the
+    default backend's bit for bit (float32 and float64), for ranks whose query heads share one KV
+    head (Llama 8/2 over 2 ranks), MHA ranks (8/8) and grouped ranks that fall back (8/4: 4 query
+    heads over 2 KV heads), chunk sizes 1 and 3 (not dividing), with checkpointing and the offload."""
+    ids, labels = global_batch()
+
+    def step(heads, kv, dtype, attn_fn, ckpt):
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=40, num_hidden_layers=2,
+                                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=8, attn_implementation="sdpa")  # fmt: skip
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).to(dtype).train()
+        if ckpt:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        hf.apply(model, None, attn_fn=attn_fn, tiled_loss=4, offload_activations=ckpt)
+        batch = hf.shard_batch(ids, labels)
+        out = model(**batch.model_inputs())
+        with torch.utils.checkpoint.GraphExecGroup():
+            out.loss.backward()
+        return out.loss.detach(), [p.grad for p in model.parameters()]
+
+    for heads, kv in ((8, 2), (8, 8), (8, 4)):
+        for dtype in (torch.float64, torch.float32):
+            for ckpt in (False, True):
+                ref_loss, ref_grads = step(heads, kv, dtype, None, ckpt)
+                for n in (1, 3):
+                    loss, grads = step(heads, kv, dtype, longctx.HeadChunkedAttention(n), ckpt)
+                    what = f"rank {rank}: {heads}/{kv} heads, {dtype}, checkpointing {ckpt}, {n} heads per chunk"
+                    assert torch.equal(loss, ref_loss), what
+                    for g, r in zip(grads, ref_grads):
+                        assert torch.equal(g, r), what
+
+
+def test_head_chunked_attention_equals_the_default_backend():
+    run_ranks(_chunked_job, 2)
+    with pytest.raises(ValueError, match="heads_per_chunk expected a positive int, got 0"):
+        longctx.HeadChunkedAttention(0)

@@ -10,7 +10,8 @@ as an engine reduces and frees them) are not counted; the offload's host copies 
 measured peak, forward end and host peak on every rank.
 
 Cases: tiny Llama, Qwen2 and Qwen3 models, float32 (one bfloat16 Llama), 2 and 4 gloo ranks,
-two sequence lengths each, every piece alone and all four. DeepSpeed 0.19.8's ALST pieces run
+two sequence lengths each, every piece alone and all four, and all four with the attention
+backward in head chunks (``longctx.HeadChunkedAttention``). DeepSpeed 0.19.8's ALST pieces run
 side by side on the same model and lengths (its ``TiledMLP`` on each MLP,
 ``TiledFusedLogitsLoss`` on the LM head, ``CheckpointHiddenStatesOffload`` made to move CPU
 tensors, as it moves CUDA tensors on a GPU): ours with all pieces keeps at most as many bytes
@@ -87,6 +88,8 @@ def measure(family, dtype, seq, pieces, head_dim=None):
     kw = {"tiled_loss": TILE if "loss" in pieces else False, "tiled_mlp": TILE if "mlp" in pieces else False,
           "tiled_norms": TILE if "norms" in pieces else False,
           "offload_activations": longctx.ActivationOffload() if "offload" in pieces else False}  # fmt: skip
+    if "heads" in pieces:  # the attention backward one query head at a time
+        kw["attn_fn"] = longctx.HeadChunkedAttention(1)
     hf.apply(model, None, **kw)
     ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
     return _tracked_step(model, hf.shard_batch(ids, ids.clone()), _ours, OURS_HOST)
@@ -97,7 +100,7 @@ def setup_of(family, dtype, seq, world, pieces, head_dim=None) -> memory.Setup:
         layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV, head_dim=head_dim, intermediate=FFN, vocab=VOCAB, seq=seq, sp=world,
         dtype=dtype, checkpointing=True, qk_norm=family == "qwen3", tiled_loss="loss" in pieces, tiled_mlp="mlp" in pieces,
         tiled_norms="norms" in pieces, offload_activations="offload" in pieces, loss_tile_rows=TILE, mlp_tile_rows=TILE,
-        norm_tile_rows=TILE,
+        norm_tile_rows=TILE, attention_head_chunk=1 if "heads" in pieces else None,
     )  # fmt: skip
 
 
@@ -105,6 +108,9 @@ def _cases(world):
     cases = [(f, "float32", s * world, p) for f in ("llama", "qwen2") for s in (256, 1024) for p in PIECES]
     cases += [("qwen3", "float32", 512 * world, p) for p in ("", "loss mlp norms offload")]
     cases += [("llama", "bfloat16", 512 * world + 3, p) for p in ("", "loss mlp norms offload")]  # uneven shards
+    # HeadChunkedAttention: Llama's 8/4 heads share one KV head per rank at 4 ranks, are grouped
+    # (the default backend) at 2; at head_dim 32 the attention backward is the step's peak.
+    cases += [("llama", dtype, 512 * world, "loss mlp norms offload heads", 32) for dtype in ("float32", "bfloat16")]
     return cases
 
 
@@ -112,9 +118,10 @@ def _calculator_body(rank, world):
     restore = _settled_collectives()
     try:
         misses = []
-        for family, dtype, seq, pieces in _cases(world):
-            peak, forward_end, host = measure(family, dtype, seq, pieces)
-            want = step_memory(setup_of(family, dtype, seq, world, pieces), rank)
+        for family, dtype, seq, pieces, *head_dim in _cases(world):
+            head_dim = head_dim[0] if head_dim else None
+            peak, forward_end, host = measure(family, dtype, seq, pieces, head_dim)
+            want = step_memory(setup_of(family, dtype, seq, world, pieces, head_dim), rank)
             for what, got, calc in (("peak", peak, want.peak), ("forward end", forward_end, want.forward_end), ("host", host, want.host_peak)):
                 if abs(calc - got) > TOLERANCE * max(got, 1):
                     misses.append(f"rank {rank}/{world} {family} {dtype} seq {seq} [{pieces}]: {what} measured {got} B, calculator {calc} B")

@@ -86,13 +86,15 @@ class Setup:
     # flash-attn's backward workspace (a float32 dq accumulator [B, S, hq, D] and the float32
     # [B, hq, S] softmax_d, beside dq, dk, dv): read from flash-attn's mha_bwd, not measured.
     flash_workspace: bool = False
+    # longctx.HeadChunkedAttention: the attention backward's kernel per this many query heads
+    attention_head_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "vocab", "seq", "batch", "sp", "dp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MemoryInputError(f"memory: {name} expected a positive int, got {value!r}")
-        for name in ("kv_heads", "head_dim", "intermediate", "loss_tile_rows", "mlp_tile_rows", "norm_tile_rows"):
+        for name in ("kv_heads", "head_dim", "intermediate", "loss_tile_rows", "mlp_tile_rows", "norm_tile_rows", "attention_head_chunk"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise MemoryInputError(f"memory: {name} expected a positive int or None, got {value!r}")
@@ -312,6 +314,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=None, help="tokens of one sequence (not with --max-seq)")
     for name in ("kv-heads", "head-dim", "intermediate", "loss-tile-rows", "mlp-tile-rows", "norm-tile-rows"):
         p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--attention-head-chunk", type=int, default=None,
+                   help="the attention backward per this many query heads (longctx.HeadChunkedAttention)")
     p.add_argument("--mlp", default="gated", help="gated (Llama, Qwen2) or plain (GPT)")
     for name in ("batch", "sp", "dp"):
         p.add_argument(f"--{name}", type=int, default=1)

@@ -187,6 +187,10 @@ class _Step:
         self.dqkv_recv = 0 if one else h2s_recv_elems(lay, QKV) * e
         self.kv2 = 2 * hq * head if self.gathered else 0
         self.dkv_kernel = 2 * (hq if self.shared or self.gathered else hkv) * head
+        # longctx.HeadChunkedAttention runs where the rank's query heads share one KV head or
+        # are MHA (elsewhere, and at world 1 here, the default backend)
+        mha = tuple(kv_map) == tuple(range(len(kv_map)))
+        self.head_chunked = bool(self.s.attention_head_chunk) and hq > 0 and (self.shared or mha)
 
     # ---- blocks ----------------------------------------------------------------------------
     def norm_forward(self, p: str, rows: _Rows, keep: bool) -> str:
@@ -510,6 +514,55 @@ class _Step:
         if self.send_dout:
             t.free(p + "dsend")
         t.free(grad)
+        if self.head_chunked:
+            self._chunked_kernel_backward(p, w)
+        else:
+            self._kernel_backward(p, w)
+        if self.world == 1:  # the kernel's gradients are the results
+            for a, b in (("dql", "dq"), ("dkl", "dk"), ("dvl", "dv")):
+                t.live[p + b] = t.live.pop(p + a)
+            return p + "dq", p + "dk", p + "dv"
+        t.new(p + "dqkvrecv", self.dqkv_recv, "dq/dk/dv exchange")
+        t.new(p + "dq", R.Q, "dq/dk/dv exchange")
+        t.new(p + "dk", R.K, "dq/dk/dv exchange")
+        t.new(p + "dv", R.K, "dq/dk/dv exchange")
+        t.free(p + "dqkvrecv", p + "dkl", p + "dvl", p + "dql")
+        return p + "dq", p + "dk", p + "dv"
+
+    def _chunked_kernel_backward(self, p: str, w: str) -> None:
+        """``longctx.HeadChunkedAttention``'s backward: ``dq`` (and for MHA ``dk``, ``dv``) whole,
+        the kernel per chunk of query heads, a shared KV head's gradient summed as it goes; the
+        saved tensors go when it returns."""
+        t, head, e = self.t, self.head, self.e
+        w += " (head chunks)"
+        t.new(p + "dql", self.hq * head, w)
+        if not self.shared:
+            t.new(p + "dkl", self.hkv * head, w)
+            t.new(p + "dvl", self.hkv * head, w)
+        c0 = min(self.s.attention_head_chunk, self.hq)
+        sizes = [c0] + ([min(c0, self.hq - c0)] if self.hq > c0 else [])
+        for i, c in enumerate(sizes):
+            q = f"{p}hc{i}."
+            for name in ("gq", "gk", "gv"):
+                t.new(q + name, c * head, w)
+            if self.s.flash_workspace:
+                t.blip(c * head // e * 4 + self.lse * c // self.hq, w + ", flash-attn workspace")
+            if self.shared and i == 0:  # KVGradSum: accumulators copied from the first head
+                t.new(p + "acck", head // e * self.wide, w)
+                t.new(p + "accv", head // e * self.wide, w)
+            t.free(q + "gq", q + "gk", q + "gv")
+        if self.shared:
+            if self.wide != e:
+                t.new(p + "dkl", head, w)
+                t.new(p + "dvl", head, w)
+                t.free(p + "acck", p + "accv")
+            else:
+                t.live[p + "dkl"] = t.live.pop(p + "acck")
+                t.live[p + "dvl"] = t.live.pop(p + "accv")
+        t.free(p + "outl", p + "lse", p + "recv", p + "drecv")
+
+    def _kernel_backward(self, p: str, w: str) -> None:
+        t = self.t
         t.new(p + "dql", self.hq * self.head, w)
         t.new(p + "dkl", self.dkv_kernel // 2, w)
         t.new(p + "dvl", self.dkv_kernel // 2, w)
@@ -532,16 +585,6 @@ class _Step:
             t.live[p + "dvl"] = t.live.pop(p + "accv")
         else:
             t.free(p + "drecv")
-        if self.world == 1:  # the kernel's gradients are the results
-            for a, b in (("dql", "dq"), ("dkl", "dk"), ("dvl", "dv")):
-                t.live[p + b] = t.live.pop(p + a)
-            return p + "dq", p + "dk", p + "dv"
-        t.new(p + "dqkvrecv", self.dqkv_recv, "dq/dk/dv exchange")
-        t.new(p + "dq", R.Q, "dq/dk/dv exchange")
-        t.new(p + "dk", R.K, "dq/dk/dv exchange")
-        t.new(p + "dv", R.K, "dq/dk/dv exchange")
-        t.free(p + "dqkvrecv", p + "dkl", p + "dvl", p + "dql")
-        return p + "dq", p + "dk", p + "dv"
 
     def projections_backward(self, p: str, dq: str, dk: str, dv: str, x: str) -> str:
         """RoPE backward, then v, k, q projections' backward; frees their input ``x`` (the

@@ -7,7 +7,9 @@
   gradients summed inside and delivered once per step.
 * ``offload``: the inputs activation checkpointing keeps, in (pinned) host memory until the
   recompute (``ActivationOffload``).
-* ``install``: the three on a transformers causal LM, what
+* ``attention``: an attention backend whose backward runs the kernel per chunk of query heads
+  (``HeadChunkedAttention``, passed as ``attn_fn``): the exchange's largest moment, smaller.
+* ``install``: the pieces on a transformers causal LM, what
   ``integrations.hf.apply(model, group, tiled_loss=, tiled_mlp=, offload_activations=)`` does.
 
 Each piece is usable alone and gives the same loss and gradients as without it (float
@@ -15,6 +17,7 @@ rounding of sums over tiles aside). ``python -m ulysses_kernels.memory --tiled-l
 --tiled-mlp --offload-activations`` counts what they save; docs/longctx.md.
 """
 
+from .attention import HeadChunkedAttention
 from .install import LongContext, LongContextError, enable, state
 from .loss import LOSS_TILE_BYTES, lm_head_loss, loss_tile_rows, tiled_cross_entropy
 from .offload import ActivationOffload
@@ -22,6 +25,7 @@ from .tiling import MLP_TILE_BYTES, TilingError, default_tile_rows, tile_bounds,
 
 __all__ = [
     "ActivationOffload",
+    "HeadChunkedAttention",
     "LOSS_TILE_BYTES",
     "LongContext",
     "LongContextError",

@@ -219,6 +219,3 @@ def tiled_apply(
         zero3, params = params, ()
     call = _TileCall(fn or module.forward, tiles, params, lambda: trainable(module), accum_dtype, type(module).__name__, zero3)
     return SequenceTiled.apply(x, call, *params)
-
-
-
