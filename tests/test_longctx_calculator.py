@@ -156,3 +156,12 @@ def test_bench_smoke(tmp_path):
         # then the calculator's or one [seq_local, hidden] buffer more (32 KB here, 3%).
         assert r["calc_mb"] <= r["peak_mb"] + 1e-6 and r["peak_mb"] <= 1.05 * r["calc_mb"], (name, r)
     assert rows["all"]["peak_mb"] < rows["none"]["peak_mb"] and rows["offload"]["host_mb"] > 0
+
+
+def test_head_chunked_attention_projection_in_docs():
+    """docs/longctx.md's projection for the attention backward in head chunks, recomputed."""
+    setup = replace(setup_from(f"{LLAMA_8B} {COMMON} --sp 8"), flash_workspace=True)
+    before, after = memory.max_seq(setup, 80e9), memory.max_seq(replace(setup, attention_head_chunk=1), 80e9)
+    assert after > before
+    text = (ROOT / "docs" / "longctx.md").read_text()
+    assert f"goes from {millions(before)} to {millions(after)} tokens" in " ".join(text.split())
