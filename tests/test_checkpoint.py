@@ -193,7 +193,7 @@ def test_before_torch_2_9_checkpointed_calls_run_unchunked(monkeypatch):
     timed out on 2 gloo ranks; with this, 28 of 28 paths pass there)."""
     import warnings
 
-    from ulysses_kernels import backends
+    from ulysses_kernels import backends, checkpointing
 
     if not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
         pytest.skip("this torch has no GraphExecGroup to hide (the real case runs in _checks and _op_only_body)")
@@ -205,9 +205,9 @@ def test_before_torch_2_9_checkpointed_calls_run_unchunked(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         checkpoint(f, q, k, v, use_reentrant=False).sum().backward()  # torch >= 2.9: chunked, no warning
-    assert not backends.chunks_recompute_apart() and calls[:2] == [2, 2], calls
-    monkeypatch.setattr(backends, "graph_exec_group", lambda: None)
-    assert not backends.chunks_recompute_apart()  # no hooks active here
+    assert not checkpointing.chunks_recompute_apart() and calls[:2] == [2, 2], calls
+    monkeypatch.setattr(checkpointing, "graph_exec_group", lambda: None)
+    assert not checkpointing.chunks_recompute_apart()  # no hooks active here
     calls.clear()
     with pytest.warns(UserWarning, match=r"chunks=2 runs as 1 chunk under activation checkpointing"):
         checkpoint(f, q, k, v, use_reentrant=False).sum().backward()  # the forward and each recompute warn

@@ -136,7 +136,7 @@ def test_torchrun_at_three_ranks_quick(tmp_path):
 
 FAULTS = '''
 """Kernel sets that fail on purpose, for the self-test's own test."""
-from ulysses_kernels import layout as L
+from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.kernels import KernelSetSpec, TorchKernels, register_kernel_set
 
 

@@ -1,6 +1,7 @@
-"""The layout math of the two all-to-alls, in one place, with the pure-PyTorch pack and
-unpack (the ``"torch"`` kernel set) that every other kernel set (Triton, C++/CUDA) must match
-bit for bit.
+"""The layout math of the two all-to-alls, in one place: ``Layout``, the sizes of one call
+as seen from one rank, and from it every split, offset, head range and view the exchanges
+and the kernel sets use. The kernel sets (``ulysses_kernels.kernels``: the pure-PyTorch one,
+the definition, then Triton and C++/CUDA) move the bytes; nothing here copies data.
 
 Notation: ``P`` ranks, rank ``r`` holds ``s_r`` tokens (``seq_lens[r]``), ``S = sum(s_r)``,
 ``B`` batch, ``D`` head_dim. A *role* is one tensor family moved together: ``"q"`` moves
@@ -92,6 +93,11 @@ class Layout:
 
     def total_heads(self, role: str) -> int:
         return self.plan.q_heads if role == "q" else self.plan.kv_heads
+
+    def head_ranges(self, roles: Sequence[str]) -> list[int]:
+        """``[peer][role][start, end]`` flattened: every peer's head range per role, the
+        ``head_ranges`` argument of the C++ pack and unpack ops."""
+        return [x for p in range(self.world_size) for s in roles for x in self.head_range(s, p)]
 
     # ---- sequence-sharded -> head-sharded -------------------------------------------
     def s2h_send_splits(self, roles: Sequence[str], own: bool = True) -> list[int]:
@@ -192,48 +198,3 @@ def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
 def rows_contiguous(x: torch.Tensor) -> bool:
     """True when ``x`` (``[B, S, h, D]``) can be sent in wire format without a copy."""
     return x.shape[0] == 0 or x[0].is_contiguous()
-
-
-# ---- the torch kernel set (pure PyTorch), the definition the others match: one copy per byte ----
-def pack_s2h(
-    layout: Layout,
-    tensors: Sequence[torch.Tensor],
-    roles: Sequence[str],
-    send: torch.Tensor,
-    recv: torch.Tensor | None = None,
-) -> None:
-    """Write ``tensors`` (``[B, s_r, H, D]`` each, any strides) into the flat send buffer;
-    with ``recv``, this rank's own heads go straight into its rows of the receive buffer."""
-    for p, views in enumerate(layout.s2h_send_views(send, roles, recv)):
-        for x, s, dst in zip(tensors, roles, views):
-            a, b = layout.head_range(s, p)
-            dst.copy_(x[:, :, a:b])
-
-
-def pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
-    """Write a local ``[B, S, h, D]`` tensor (any strides) into a flat wire-format buffer."""
-    send.view(local.shape).copy_(local)
-
-
-def unpack_h2s(
-    layout: Layout,
-    blocks: Sequence[Sequence[torch.Tensor]],
-    roles: Sequence[str],
-    outs: Sequence[torch.Tensor],
-) -> None:
-    """Write received blocks (per source, per role, ``[B, s_r, h, D]``) into ``outs``
-    (``[B, s_r, H, D]`` each). KV heads held by several sources are summed in rank order:
-    the lowest holder is copied, the others added, so every byte is written once per
-    replica received."""
-    for i, (s, out) in enumerate(zip(roles, outs)):
-        filled = 0  # heads [0, filled) of `out` already hold a value
-        for p in range(layout.world_size):
-            a, b = layout.head_range(s, p)
-            block = blocks[p][i]
-            overlap = max(0, min(b, filled) - a)
-            if overlap:
-                out[:, :, a : a + overlap].add_(block[:, :, :overlap])
-            if a + overlap < b:
-                out[:, :, a + overlap : b].copy_(block[:, :, overlap:])
-            filled = max(filled, b)
-

@@ -15,7 +15,7 @@ outputs and returns nothing:
   projection output) into the peer-major send buffer of ``layout.pack_s2h`` (with
   ``recv``, rank ``rank``'s own block into its rows of the receive buffer
   ``[B, S, h, D]``), in one kernel pass. ``head_ranges`` is ``[peer][role][start, end]``
-  flattened (``s2h_head_ranges``).
+  flattened (``Layout.head_ranges``).
 * ``pack_h2s(local, send)``: ``[B, S, h, D]`` (any strides) -> contiguous wire format.
 * ``unpack_h2s(blocks, head_ranges, outs)``: received ``[B, s_r, h, D]`` blocks
   (source-major, then role) into ``[B, s_r, H, D]`` outputs, replicated KV heads summed in
@@ -26,7 +26,10 @@ outputs and returns nothing:
   ``ulysses_kernels.comm.nccl.NCCLCommunicator``.
 
 CUDA tensors run the CUDA kernels; CPU tensors run their CPU twin (the same index math,
-``csrc/kernels/layout_math.h``).
+``csrc/kernels/layout_math.h``). The pack ops are called by their one caller, the ``"cuda"``
+kernel set (``kernels/cuda_kernels.py``: a ``Layout`` in, the op's arguments out), as
+``lib().pack_s2h(...)``; the NCCL ops through the typed wrappers below, which
+``comm.nccl`` calls (and its tests replace).
 """
 
 from __future__ import annotations
@@ -49,9 +52,7 @@ __all__ = [
     "rebuild_command",
     "decode_nccl_version",
     "check_nccl_versions",
-    "pack_s2h",
-    "pack_h2s",
-    "unpack_h2s",
+    "lib",
     "nccl_all_to_all",
     "nccl_send_recv",
 ]
@@ -191,52 +192,21 @@ def limits() -> dict:
     return _STATE["limits"]
 
 
-def _lib():
+def lib():
+    """``torch.ops.ulysses_kernels`` once ``_C`` is loaded (ImportError with the reason when it is not usable)."""
     load()
     return torch.ops.ulysses_kernels
 
 
-# ---- typed wrappers ----------------------------------------------------------------------------
-def pack_s2h(
-    tensors: Sequence[torch.Tensor],
-    head_ranges: Sequence[int],
-    send: torch.Tensor,
-    recv: torch.Tensor | None = None,
-    rank: int = -1,
-    seq_offset: int = 0,
-) -> None:
-    """Sequence-sharded ``[B, s_r, H_i, D]`` tensors (1 to ``max_roles``) -> the 1-D send buffer.
-
-    ``head_ranges``: ``[peer][role][start, end]`` flattened. With ``recv`` (``[B, S, h, D]``
-    contiguous, flat), the block of peer ``rank`` goes to its rows at tokens
-    ``[seq_offset, seq_offset + s_r)`` of ``recv`` instead, and ``send`` holds the other
-    peers' blocks only.
-    """
-    _lib().pack_s2h(list(tensors), list(head_ranges), send, recv, rank, seq_offset)
-
-
-def pack_h2s(local: torch.Tensor, send: torch.Tensor) -> None:
-    """``local`` ``[B, S, h, D]`` (any strides) -> ``send`` (1-D, contiguous, ``local.numel()`` elements)."""
-    _lib().pack_h2s(local, send)
-
-
-def unpack_h2s(blocks: Sequence[torch.Tensor], head_ranges: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
-    """Received ``[B, s_r, h, D]`` blocks (source-major, then role) -> ``outs`` ``[B, s_r, H_i, D]``.
-
-    ``head_ranges``: ``[source][role][start, end]`` flattened, one pair per block; heads
-    held by several sources are summed in source order.
-    """
-    _lib().unpack_h2s(list(blocks), list(head_ranges), list(outs))
-
-
+# ---- typed wrappers of the NCCL ops --------------------------------------------------------------
 def nccl_all_to_all(comm: int, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
     """All-to-all of contiguous CUDA buffers with per-rank split sizes (elements), on the current stream."""
-    _lib().nccl_all_to_all(comm, output, input, list(output_splits), list(input_splits))
+    lib().nccl_all_to_all(comm, output, input, list(output_splits), list(input_splits))
 
 
 def nccl_send_recv(comm: int, sends: Sequence[torch.Tensor], send_peers: Sequence[int], recvs: Sequence[torch.Tensor], recv_peers: Sequence[int]) -> None:
     """Every send and receive in one NCCL group, on the current stream (one peer per tensor)."""
-    _lib().nccl_send_recv(comm, list(sends), list(send_peers), list(recvs), list(recv_peers))
+    lib().nccl_send_recv(comm, list(sends), list(send_peers), list(recvs), list(recv_peers))
 
 
 # ---- fake kernels: shape checks only (the ops mutate their outputs and return nothing) --------

@@ -83,9 +83,9 @@ from torch.utils.checkpoint import checkpoint
 
 from . import info
 from .attention import ulysses_attention
-from .backends import graph_exec_group
+from .attention.call import setup_attention
 from .bench.common import CPU_LABEL, Progress, dtype_name, env_record, kernel_label, parse_dtype
-from .call import setup_attention
+from .checkpointing import graph_exec_group
 from .comm import NCCLCommunicator, TorchCommunicator, nccl_available
 from .kernels import KERNEL_SETS, available_kernels, kernel_set_report
 from .layout import split_lengths

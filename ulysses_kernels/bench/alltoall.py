@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.baselines import chain_head_to_seq, chain_seq_to_head
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.comm import NCCLCommunicator, TorchCommunicator, nccl_available
-from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan

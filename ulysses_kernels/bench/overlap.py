@@ -62,14 +62,15 @@ import sys
 import torch
 
 from ulysses_kernels import ulysses_attention
-from ulysses_kernels.backends import AttentionBackend, default_scale, for_rank, resolve_backend
+from ulysses_kernels.attention.chunked import CostModel, choose_chunks, chunk_plans
+from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
+from ulysses_kernels.backends import AttentionBackend, for_rank, resolve_backend
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.comm import TorchCommunicator
-from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.kernels import get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
-from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans
 from ulysses_kernels.plan import HeadPlan
+from ulysses_kernels.reference import default_scale
 
 MODELS = C.MODELS
 PASSES = ("fwd", "fwdbwd")

@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ulysses_kernels import layout as L
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels, get_kernels
+from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 

@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from ..attention import head_to_seq, seq_to_head
-from ..backends import expand_kv
 from ..checks import UlyssesInputError
 from ..comm import get_communicator
+from ..gqa import expand_kv
 from ..plan import HeadPlan
 
 __all__ = ["DistributedAttention", "DeepSpeedIntegrationError"]

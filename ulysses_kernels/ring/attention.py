@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import SharedKV, gather_kv, kv_index, save_tensors, scatter_kv_grads, shares_one_kv, uniform_group
+from ..backends import SharedKV
+from ..checkpointing import save_tensors
 from ..checks import UlyssesInputError, by_value, dtype_code, rank_list
 from ..comm import Communicator, get_communicator
+from ..gqa import gather_kv, kv_index, scatter_kv_grads, shares_one_kv, uniform_group
 from ..plan import more_ranks_than_heads
 from .groups import SPGroups
 from .layout import block_chunks, block_pieces, tile_rows

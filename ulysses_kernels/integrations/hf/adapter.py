@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from ...attention import head_to_seq, seq_to_head, ulysses_attention
-from ...backends import expand_kv
 from ...documents import Documents, document_ids
+from ...gqa import expand_kv
 from ...plan import HeadPlan
 from ...ring import SPGroups
 from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import AttentionBackend, KVGradSum, doc_kwargs, gather_kv, kv_index, one_recompute, scatter_kv_grads
-from ..comm import AsyncChannel
+from ...backends import AttentionBackend, doc_kwargs
+from ...checkpointing import one_recompute
+from ...comm import AsyncChannel
+from ...gqa import KVGradSum, gather_kv, kv_index, scatter_kv_grads
+from ...layout import Q_ONLY, QKV, Layout
+from ...plan import HeadPlan
 from ..exchange import post_head_to_seq, post_seq_to_head
-from ..layout import Q_ONLY, QKV, Layout
-from ..plan import HeadPlan
 from .schedule import Chunk, Schedule, build_schedule
 
 __all__ = ["ChunkedAttentionFunction", "chunked_attention"]
@@ -58,7 +60,7 @@ def _attend_chunk_backward(backend, saved, dout):
 
 # ---- the autograd function -----------------------------------------------------------------
 class ChunkedAttentionFunction(torch.autograd.Function):
-    """``exchange.eager_attention`` with the all-to-alls of head chunks overlapping attention."""
+    """``eager.eager_attention`` with the all-to-alls of head chunks overlapping attention."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):

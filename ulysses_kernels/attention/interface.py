@@ -7,14 +7,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import pipeline
+from ..comm import get_communicator
+from ..documents import documents
+from ..plan import HeadPlan
+from ..ring import SPGroups
+from . import chunked
 from .call import setup_attention, setup_exchange, setup_head_to_seq
-from .comm import get_communicator
-from .documents import documents
-from .exchange import HeadToSeq, SeqToHead, eager_attention
-from .plan import HeadPlan
-from .ring import SPGroups
-from .traceable import HeadToSeqTraced, SeqToHeadTraced, traced_attention
+from .eager import eager_attention
+from .exchange import HeadToSeq, HeadToSeqTraced, SeqToHead, SeqToHeadTraced
+from .traced import traced_attention
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
 
@@ -92,7 +93,7 @@ def ulysses_attention(
         ``[batch, seq_local, q_heads, head_dim]``: full attention over the global sequence,
         this rank's rows. Differentiable in q, k and v.
 
-    Inside ``torch.compile`` the op is built from traceable pieces (``traceable``): forward
+    Inside ``torch.compile`` the op is built from traceable pieces (``attention.traced``): forward
     and backward trace into the graph, the checks are rank-local (no cross-rank exchange),
     and ``chunks`` is ignored.
     """
@@ -103,7 +104,7 @@ def ulysses_attention(
     if call.traced:
         return traced_attention(q, k, v, call)
     if call.chunks > 1:
-        return pipeline.chunked_attention(q, k, v, call)
+        return chunked.chunked_attention(q, k, v, call)
     return eager_attention(q, k, v, call)
 
 

@@ -19,7 +19,7 @@ Order of resolution, the same for every entry point:
 
 Inside ``torch.compile`` (``traced``) the checks are rank-local, the kernel set must be
 traceable, the communicator is the members' (torch's functional collectives) and
-``chunks`` is 1 (see ``traceable``).
+``chunks`` is 1 (see ``attention.traced``).
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import AttentionBackend, chunks_recompute_apart, default_scale, for_rank, resolve_backend
-from .checks import UlyssesInputError, check_head_to_seq, float_bits, prepare
-from .comm import Communicator, get_communicator
-from .documents import Documents, documents
-from .kernels import KernelSet, get_kernels
-from .layout import Layout
-from .pipeline import choose_chunks, chunk_plans
-from .plan import HeadPlan
-from .ring import SPGroups, check_ring_inputs, ring_backend
+from ..backends import AttentionBackend, for_rank, resolve_backend
+from ..checkpointing import chunks_recompute_apart
+from ..checks import UlyssesInputError, check_head_to_seq, float_bits, prepare
+from ..comm import Communicator, get_communicator
+from ..documents import Documents, documents
+from ..kernels import KernelSet, get_kernels
+from ..layout import Layout
+from ..plan import HeadPlan
+from ..reference import default_scale
+from ..ring import SPGroups, check_ring_inputs, ring_backend
+from .chunked import choose_chunks, chunk_plans
 
 __all__ = ["CallSetup", "setup_attention", "setup_exchange", "setup_head_to_seq"]
 
@@ -92,7 +94,7 @@ def _transport(group, comm, members: Communicator, device: torch.device, traced:
 
 def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_type: str, split_groups: bool) -> int:
     """The number of head chunks the call runs: ``chunks`` (an int >= 1, or ``"auto"``:
-    ``pipeline.choose_chunks``'s cost model), capped by what the plan can split."""
+    ``chunked.choose_chunks``'s cost model), capped by what the plan can split."""
     if chunks == "auto":
         n = choose_chunks(layout, itemsize, causal, device_type, split_groups=split_groups)
     elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
