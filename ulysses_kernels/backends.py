@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpointing import save_tensors  # for backends with their own backward (docs/extending.md)
-from .gqa import KVGradSum, expand_kv, gather_kv, kv_index, scatter_kv_grads, shares_one_kv, uniform_group
+from .gqa import KVGather, shares_one_kv
 from .reference import math_attention, math_attention_lse, math_attention_lse_backward
 
 __all__ = [
@@ -113,40 +113,31 @@ class AttentionBackend:
 
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
         kw = doc_kwargs(docs)
+        heads = KVGather.of(kv_map, k.shape[2])  # gathered where the map is not uniform
         if not needs_grad:
             with torch.no_grad():
-                k2, v2 = expand_kv(k, v, kv_map)
-                return self.attend(q, k2, v2, causal, scale, **kw), None
-        gathered = None
-        if not uniform_group(len(kv_map), k.shape[2], kv_map):
-            # The kernel saves the gathered k, v, the attention inputs (dk, dv are summed
-            # back to the KV heads in ``backward``, as autograd's index_select backward
-            # would). A q that shares its storage with k, v (the receive buffer) is copied
-            # too, so that the buffer, whose k, v heads nothing reads any more, is not
-            # kept alive for the backward by q alone.
-            gathered = (tuple(kv_map), k.shape[2])  # the index is rebuilt for the backward
-            if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
-                q = q.clone(memory_format=torch.contiguous_format)
-            k, v = gather_kv(k, v, kv_index(kv_map, k.device))
+                return self.attend(q, *heads.gather(k, v), causal, scale, **kw), None
+        # A gathered map: the kernel saves the gathered k, v (dk, dv are summed back to the
+        # KV heads in ``backward``), and q leaves the receive buffer (``KVGather.own_q``).
+        q = heads.own_q(q, k)
+        k, v = heads.gather(k, v)
         dummy = torch.empty(0, dtype=q.dtype, device=q.device, requires_grad=True)
         with torch.enable_grad():
             inputs = _AttentionInputs.apply(dummy, q.detach(), k.detach(), v.detach())
             out = self.attend(*inputs, causal, scale, **kw)
         edges = [torch.autograd.graph.get_gradient_edge(x) for x in (out, *inputs)]
         # The state is a list that ``backward`` empties: the graph (and what it saved) goes with it.
-        return out.detach(), [edges, gathered]
+        return out.detach(), [edges, heads]
 
     def backward(self, state, dout):
         """The gradients for ``q``, ``k``, ``v``. Empties ``state``: the attention inputs
         the graph saved are freed before the gradients are returned, not when the caller
         lets go."""
-        (out, *inputs), gathered = state
+        (out, *inputs), heads = state
         state.clear()
         dq, dk, dv = torch.autograd.grad([out], inputs, [dout])
         del out, inputs
-        if gathered is not None:
-            dk, dv = scatter_kv_grads(dk, dv, *gathered)
-        return dq, dk, dv
+        return (dq, *heads.scatter(dk, dv))
 
 
 class SDPABackend(AttentionBackend):
@@ -219,7 +210,6 @@ class CallableBackend(AttentionBackend):
         return self.fn(q, k, v, causal=causal, softmax_scale=scale)
 
 
-
 class SharedKV:
     """A rank whose query heads all use its one KV head: attention runs as plain
     multi-head attention against a stride-0 view of that head (no copy), and the KV
@@ -237,21 +227,14 @@ class SharedKV:
         self.name = inner.name
 
     @staticmethod
-    def expand(k, v, hq: int):
-        """The one KV head ``[B, S, 1, D]`` as stride-0 ``[B, S, hq, D]`` views (no copy)."""
-        shape = (-1, -1, hq, -1)
-        return k.expand(shape), v.expand(shape)
-
-    @staticmethod
-    def sum_grads(dk, dv) -> list[torch.Tensor]:
-        """The per-query-head ``dk``, ``dv`` summed to ``[B, S, 1, D]`` (``KVGradSum``)."""
-        acc = KVGradSum()
-        acc.add(dk, dv)
-        return acc.result()
+    def heads(hq: int) -> KVGather:
+        """The ``"shared"`` ``KVGather`` of ``hq`` query heads over the one KV head: stride-0
+        views forward, ``KVGradSum`` in head order backward."""
+        return KVGather((0,) * hq, 1, "shared")
 
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
         ident = tuple(range(q.shape[2]))
-        k, v = self.expand(k, v, q.shape[2])
+        k, v = self.heads(q.shape[2]).gather(k, v)
         return self.inner.forward(q, k, v, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad, **doc_kwargs(docs))
 
     def backward_per_head(self, state, dout):
@@ -260,7 +243,7 @@ class SharedKV:
 
     def backward(self, state, dout):
         dq, dk, dv = self.backward_per_head(state, dout)
-        return (dq, *self.sum_grads(dk, dv))
+        return (dq, *self.heads(dk.shape[2]).scatter(dk, dv))
 
 
 

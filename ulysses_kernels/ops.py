@@ -210,46 +210,46 @@ def nccl_send_recv(comm: int, sends: Sequence[torch.Tensor], send_peers: Sequenc
 
 
 # ---- fake kernels: shape checks only (the ops mutate their outputs and return nothing) --------
-def _check(cond: bool, msg: str) -> None:
+def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise RuntimeError(f"ulysses_kernels.{msg}")
 
 
 def _fake_pack_s2h(tensors, head_ranges, send, recv=None, rank=-1, seq_offset=0):
     n, most = len(tensors), _STATE["limits"]["max_roles"]
-    _check(1 <= n <= most, f"pack_s2h: tensors expected 1 to {most} tensors, got {n}")
-    _check(len(head_ranges) % (2 * n) == 0 and len(head_ranges) > 0, f"pack_s2h: head_ranges expected 2 * {n} * world_size values, got {len(head_ranges)}")
+    _require(1 <= n <= most, f"pack_s2h: tensors expected 1 to {most} tensors, got {n}")
+    _require(len(head_ranges) % (2 * n) == 0 and len(head_ranges) > 0, f"pack_s2h: head_ranges expected 2 * {n} * world_size values, got {len(head_ranges)}")
     B, S, _, D = tensors[0].shape
     heads = sum(b - a for a, b in zip(head_ranges[0::2], head_ranges[1::2]))
     if recv is not None and 0 <= rank < len(head_ranges) // (2 * n):  # its block goes to recv
         mine = head_ranges[rank * 2 * n : (rank + 1) * 2 * n]
         heads -= sum(b - a for a, b in zip(mine[0::2], mine[1::2]))
-    _check(send.dim() == 1 and send.numel() == S * B * D * heads, f"pack_s2h: send.numel() expected {S * B * D * heads}, got {send.numel()}")
+    _require(send.dim() == 1 and send.numel() == S * B * D * heads, f"pack_s2h: send.numel() expected {S * B * D * heads}, got {send.numel()}")
     for i, x in enumerate(tensors):
-        _check(x.dtype == send.dtype, f"pack_s2h: tensors[{i}].dtype expected {send.dtype} (the dtype of send), got {x.dtype}")
+        _require(x.dtype == send.dtype, f"pack_s2h: tensors[{i}].dtype expected {send.dtype} (the dtype of send), got {x.dtype}")
 
 
 def _fake_pack_h2s(local, send):
-    _check(local.dim() == 4, f"pack_h2s: local expected 4 dims [B, S, h, D], got shape {list(local.shape)}")
-    _check(send.dim() == 1 and send.numel() == local.numel(), f"pack_h2s: send.numel() expected {local.numel()}, got {send.numel()}")
+    _require(local.dim() == 4, f"pack_h2s: local expected 4 dims [B, S, h, D], got shape {list(local.shape)}")
+    _require(send.dim() == 1 and send.numel() == local.numel(), f"pack_h2s: send.numel() expected {local.numel()}, got {send.numel()}")
 
 
 def _fake_unpack_h2s(blocks, head_ranges, outs):
     n, most = len(outs), _STATE["limits"]["max_roles"]
-    _check(1 <= n <= most, f"unpack_h2s: outs expected 1 to {most} tensors, got {n}")
-    _check(
+    _require(1 <= n <= most, f"unpack_h2s: outs expected 1 to {most} tensors, got {n}")
+    _require(
         len(head_ranges) == 2 * len(blocks) and len(blocks) % n == 0,
         f"unpack_h2s: blocks expected world_size x {n} tensors and 2 head range values each, got {len(blocks)} blocks, {len(head_ranges)} values",
     )
 
 
 def _fake_nccl_all_to_all(comm, output, input, output_splits, input_splits):
-    _check(sum(output_splits) == output.numel(), f"nccl_all_to_all: sum(output_splits) expected {output.numel()}, got {sum(output_splits)}")
-    _check(sum(input_splits) == input.numel(), f"nccl_all_to_all: sum(input_splits) expected {input.numel()}, got {sum(input_splits)}")
+    _require(sum(output_splits) == output.numel(), f"nccl_all_to_all: sum(output_splits) expected {output.numel()}, got {sum(output_splits)}")
+    _require(sum(input_splits) == input.numel(), f"nccl_all_to_all: sum(input_splits) expected {input.numel()}, got {sum(input_splits)}")
 
 
 def _fake_nccl_send_recv(comm, sends, send_peers, recvs, recv_peers):
-    _check(len(sends) == len(send_peers) and len(recvs) == len(recv_peers), "nccl_send_recv: one peer per tensor expected")
+    _require(len(sends) == len(send_peers) and len(recvs) == len(recv_peers), "nccl_send_recv: one peer per tensor expected")
 
 
 def _register_fakes(module) -> None:

@@ -4,7 +4,8 @@
   default), what ``ulysses_attention`` must equal.
 * ``packed_attention_reference``: the same for a packed sequence, one document at a time
   (each document run on its own, as one process would without packing).
-* ``shard_sequence``: the rows of a global tensor that one rank holds.
+* ``contiguous_shard``: the rows of a global tensor that one rank holds under ``seq_lens``
+  (contiguous shards; ``ulysses_kernels.shard_sequence`` shards for a 2-D group).
 * ``math_attention`` (explicit softmax: the ``"math"`` backend, exact in float64) and
   ``math_attention_lse``/``math_attention_lse_backward`` (one block of keys with its
   log-sum-exp, and its gradients against the final output: the ring level's default);
@@ -20,7 +21,7 @@ import torch
 __all__ = [
     "attention_reference",
     "packed_attention_reference",
-    "shard_sequence",
+    "contiguous_shard",
     "math_attention",
     "math_attention_lse",
     "math_attention_lse_backward",
@@ -42,7 +43,7 @@ def packed_attention_reference(q, k, v, cu_seqlens, causal=True, softmax_scale=N
     return torch.cat(parts, dim=1)
 
 
-def shard_sequence(x: torch.Tensor, seq_lens, rank: int) -> torch.Tensor:
+def contiguous_shard(x: torch.Tensor, seq_lens, rank: int) -> torch.Tensor:
     """Rows of ``x`` (``[B, S, ...]``) that rank ``rank`` holds under ``seq_lens``."""
     start = sum(seq_lens[:rank])
     return x[:, start : start + seq_lens[rank]]

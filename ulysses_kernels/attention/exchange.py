@@ -58,16 +58,16 @@ def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(n, dtype=like.dtype, device=like.device)
 
 
-def _run_now(tensors, call):
+def _run_now(tensors, collective):
     """``start`` for a blocking exchange: run the collective, no handle."""
-    call(False)
+    collective(False)
     return None
 
 
 def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels, start=_run_now):
     """Pack ``tensors`` (``[B, s_r, H, D]``) and post the sequence-to-head exchange.
 
-    ``start(buffers, call)`` runs ``call(async_op)`` (blocking by default; the chunked
+    ``start(buffers, collective)`` runs ``collective(async_op)`` (blocking by default; the chunked
     pipeline passes one that overlaps it with compute) and returns a handle.
     Returns ``(handle, recv)``; ``layout.s2h_recv_views(recv, roles)`` are the results
     once the handle is waited.
@@ -79,7 +79,7 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
         send_splits = layout.s2h_send_splits(roles)
         send = _flat(sum(send_splits), like)
         kernels.pack_s2h(layout, tensors, roles, send)
-        call = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
+        collective = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
         # One piece per (peer, batch element); our own rows are packed in place, so the
         # send buffer holds the peers' blocks only.
@@ -89,8 +89,8 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
         peers = [p for p in range(layout.world_size) if p != rank]
         sends = [(p, x) for p in peers for x in send_p[p]]
         recvs = [(p, x) for p in peers for x in recv_p[p]]
-        call = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
-    return start((recv, send), call), recv
+        collective = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
+    return start((recv, send), collective), recv
 
 
 def _one_collective(layout: Layout, n_tensors: int) -> bool:
@@ -146,7 +146,7 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
     if one:
         send_splits, recv_splits = layout.h2s_splits(roles)
         flat = wire[0].reshape(-1)
-        call = lambda a: comm.all_to_all(recv, flat, recv_splits, send_splits, async_op=a)  # noqa: E731
+        collective = lambda a: comm.all_to_all(recv, flat, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
         sends, recvs = [], []
         for p in range(layout.world_size):
@@ -156,10 +156,10 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
                 src = layout.h2s_send_blocks(x, p)
                 sends += [(p, src[b].reshape(-1)) for b in range(layout.batch)]
                 recvs += [(p, dst[b].reshape(-1)) for b in range(layout.batch)]
-        call = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
+        collective = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
         # Our own rows never touch the wire: unpack reads them from the local tensors.
         blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
-    return start((recv, *wire), call), blocks
+    return start((recv, *wire), collective), blocks
 
 
 def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:

@@ -92,17 +92,17 @@ class _BackendAttention(torch.autograd.Function):
 class _SharedKVExpand(torch.autograd.Function):
     """``SharedKV`` under autograd: the rank's one KV head ``[B, S, 1, D]`` as stride-0 views
     ``[B, S, hq, D]`` (one per query head, no copy); backward sums the per-query-head
-    gradients with ``KVGradSum`` (in head order, float32 accumulator for half types), the
-    sum eager's ``SharedKV.backward`` does. A bare ``expand`` would differentiate to one
-    ``sum`` over the heads, whose order and accumulator are the kernel's."""
+    gradients with ``KVGradSum`` (in head order, float32 accumulator for half types): the
+    ``"shared"`` ``KVGather`` eager's ``SharedKV`` runs. A bare ``expand`` would
+    differentiate to one ``sum`` over the heads, whose order and accumulator are the kernel's."""
 
     @staticmethod
     def forward(ctx, k, v, hq):
-        return SharedKV.expand(k, v, hq)
+        return SharedKV.heads(hq).gather(k, v)
 
     @staticmethod
     def backward(ctx, dk, dv):
-        return (*SharedKV.sum_grads(dk, dv), None)
+        return (*SharedKV.heads(dk.shape[2]).scatter(dk, dv), None)
 
 
 def _under_autograd(backend) -> bool:

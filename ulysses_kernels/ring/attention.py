@@ -1,7 +1,7 @@
 """Ring attention over the ring group, as the attention backend of a rank of a 2-D group.
 
 After the Ulysses exchange inside its Ulysses group, a rank holds for its heads the block of
-its ring rank ``j`` (``ring.layout``): ``q`` ``[B, L, hq, D]``, ``k``/``v`` ``[B, L, hkv, D]``.
+its ring rank ``j`` (``ring.seq_layout``): ``q`` ``[B, L, hq, D]``, ``k``/``v`` ``[B, L, hkv, D]``.
 ``RingBackend`` computes full attention of that ``q`` over the whole sequence:
 
 Forward, ring step ``t = 0 .. R-1`` (``R`` ring ranks; ``src = (j - t) % R`` owns the K/V block
@@ -35,15 +35,14 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import SharedKV
 from ..checkpointing import save_tensors
 from ..checks import UlyssesInputError, by_value, dtype_code, rank_list
 from ..comm import Communicator, get_communicator
-from ..gqa import gather_kv, kv_index, scatter_kv_grads, shares_one_kv, uniform_group
+from ..gqa import KVGather
 from ..plan import more_ranks_than_heads
 from .groups import SPGroups
-from .layout import block_chunks, block_pieces, tile_rows
 from .merge import PartialAttention, acc_dtype
+from .seq_layout import block_chunks, block_pieces, tile_rows
 
 __all__ = ["RingBackend", "ring_backend", "check_ring_inputs"]
 
@@ -53,14 +52,6 @@ __all__ = ["RingBackend", "ring_backend", "check_ring_inputs"]
 # scores per call keeps a 128K-key block at 64 rows per call for 8 heads in float32 (not
 # measured on a GPU: a bound on memory, not a tuned size).
 TILE_BYTES = 256 << 20
-
-
-def _mode(kv_map, hkv: int) -> str:
-    """How a K/V block meets the queries: ``"shared"`` (one KV head for every query head:
-    per-head gradients), ``"grouped"`` (plain GQA), ``"gathered"`` (gathered per query head)."""
-    if shares_one_kv(kv_map):
-        return "shared"
-    return "grouped" if uniform_group(len(kv_map), hkv, kv_map) else "gathered"
 
 
 class RingBackend:
@@ -102,48 +93,42 @@ class RingBackend:
                 work.wait()
                 held = nxt
 
-    @staticmethod
-    def _block_kv(k, v, mode: str, kv_map):
-        """A K/V block as the inner backend's grouped heads."""
-        if mode == "shared":
-            return SharedKV.expand(k, v, len(kv_map))
-        if mode == "gathered":
-            return gather_kv(k, v, kv_index(kv_map, k.device))
-        return k, v
-
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad):
-        mode = _mode(kv_map, k.shape[2])
+        # How a K/V block meets the queries: "shared" (one KV head for every query head: its
+        # gradient kept per query head until the end), "grouped" or "gathered" (per block).
+        heads = KVGather.of(kv_map, k.shape[2], shared=True)
         k, v = k.contiguous(), v.contiguous()  # the send buffers of the first step
         acc = PartialAttention(q)
         for src, (kb, vb) in self._ring(self.kv_comm, (k, v)):
             for rows, cols, diag in self._pieces(src, q, causal, self.inner.lse_scores_in_memory):
-                o, lse = self.inner.attend_lse(q[:, rows], *self._block_kv(kb[:, cols], vb[:, cols], mode, kv_map), diag, scale)
+                o, lse = self.inner.attend_lse(q[:, rows], *heads.gather(kb[:, cols], vb[:, cols]), diag, scale)
                 acc.add(rows, o, lse)
         out = acc.out.to(q.dtype)
         if not needs_grad:
             return out, None
         # A list that ``backward`` empties, as ``AttentionBackend``'s state; its tensors in
         # autograd's saved tensors, where checkpointing and offloading hooks see them.
-        return out, [save_tensors(q, k, v, out, acc.lse), causal, scale, tuple(kv_map), mode]
+        return out, [save_tensors(q, k, v, out, acc.lse), causal, scale, heads]
 
     def backward_per_head(self, state, dout):
         """``dq``, ``dk``, ``dv``; for a shared KV head ``dk``/``dv`` per query head
         (``[B, L, hq, D]``, not yet summed). Empties ``state``."""
-        saved, causal, scale, kv_map, mode = state
+        saved, causal, scale, heads = state
         state.clear()
         q, k, v, out, lse = saved.saved_tensors
         del saved
         dt = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-        travel = (k.shape[0], k.shape[1], len(kv_map) if mode == "shared" else k.shape[2], k.shape[3])
+        shared = heads.mode == "shared"
+        travel = (k.shape[0], k.shape[1], len(heads.kv_map) if shared else k.shape[2], k.shape[3])
         pending = None  # (work, (dk, dv)) of the accumulator arriving from the previous ring rank
         for src, (kb, vb) in self._ring(self.kv_comm, (k, v)):
             grads = []
             for rows, cols, diag in self._pieces(src, q, causal, True):  # the block backward is explicit
-                kx, vx = self._block_kv(kb[:, cols], vb[:, cols], mode, kv_map)
+                kx, vx = heads.gather(kb[:, cols], vb[:, cols])
                 dq_p, dk_p, dv_p = self.inner.attend_lse_backward(dout[:, rows], q[:, rows], kx, vx, out[:, rows], lse[:, :, rows], diag, scale)
                 dq[:, rows] += dq_p
-                grads.append((cols, *(scatter_kv_grads(dk_p, dv_p, kv_map, k.shape[2]) if mode == "gathered" else (dk_p, dv_p))))
+                grads.append((cols, *((dk_p, dv_p) if shared else heads.scatter(dk_p, dv_p))))
             if pending is None:
                 held = (torch.zeros(travel, dtype=dt, device=k.device), torch.zeros(travel, dtype=dt, device=k.device))
             else:
@@ -165,9 +150,9 @@ class RingBackend:
         return work, recv
 
     def backward(self, state, dout):
-        shared = state[-1] == "shared"
+        heads = state[-1]
         dq, dk, dv = self.backward_per_head(state, dout)
-        return (dq, *SharedKV.sum_grads(dk, dv)) if shared else (dq, dk, dv)
+        return (dq, *heads.scatter(dk, dv)) if heads.mode == "shared" else (dq, dk, dv)
 
 
 def ring_backend(sp: SPGroups, base) -> RingBackend:
@@ -187,7 +172,7 @@ def _ring_problems(sp: SPGroups, q, seq_lens) -> list[str]:
     out = []
     if seq_lens is not None and len({int(s) for s in seq_lens}) > 1:
         # Packed or uneven sequences with the ring level: not supported yet (the positions
-        # of ``ring.layout`` assume equal shards).
+        # of ``ring.seq_layout`` assume equal shards).
         out.append(f"seq_lens {list(seq_lens)}: the ring level of a 2-D group needs equal shards on every rank")
     if q.dim() == 4 and sp.ulysses_size > q.shape[2] >= 1:
         out.append(more_ranks_than_heads(sp.world_size, q.shape[2], f"the 2-D group's ulysses_size ({sp.ulysses_size})"))
