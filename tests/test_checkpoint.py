@@ -11,7 +11,7 @@ its state as graph edges it kept each layer's receive buffer and attention outpu
 Layouts: MHA, a rank whose query heads share one KV head (``SharedKV``), a gathered map
 (6 q / 3 kv heads on 2 ranks: local maps (0, 0, 1) and (0, 1, 1)), and ring attention over
 the 2 ranks (``make_sp_groups(1, 2)``: ``RingBackend``, whose state keeps its tensors with
-``backends.save_tensors``); chunks 1 and 2.
+``checkpointing.save_tensors``); chunks 1 and 2.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ LAYOUTS = {"mha": (4, 4, False), "shared-kv": (8, 2, False), "gathered": (6, 3, 
 # autograd saves. "plain" and "save_on_cpu" (a no-op copy on the CPU) keep it, by design.
 FREEING = ("checkpoint", "copy-hooks")
 # Before torch 2.9 (no GraphExecGroup) a call under saved-tensor hooks runs unchunked
-# (backends.chunks_recompute_apart): its gradients are then those of the plain run at 1 chunk.
+# (checkpointing.chunks_recompute_apart): its gradients are then those of the plain run at 1 chunk.
 UNCHUNKED_UNDER_HOOKS = not hasattr(torch.utils.checkpoint, "GraphExecGroup")
 HOOKED = ("checkpoint", "save_on_cpu", "copy-hooks")
 
@@ -146,7 +146,7 @@ def _op_only_body(rank, world):
     # the pipeline's marker (pipeline/function.py) this hung or timed out in about two runs
     # in three of five steps (measured on 2 gloo ranks): repeated for that reason.
     ring = make_sp_groups(1, world)
-    # (3, 3): uneven heads, a chunk with no head on one rank (before backends.one_recompute
+    # (3, 3): uneven heads, a chunk with no head on one rank (before checkpointing.one_recompute
     # its nested backward passes recomputed the region on one rank only: a hang).
     for hq, hkv, group in ((4, 4, None), (8, 2, None), (3, 3, None), (4, 2, ring)):
         for step in range(5):

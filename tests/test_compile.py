@@ -1,5 +1,5 @@
 """ulysses_attention under torch.compile(fullgraph=True) on the CPU: forward and backward
-trace into one graph each (``ulysses_kernels.traceable``), at world size 1 in process and
+trace into one graph each (``ulysses_kernels.attention.traced``), at world size 1 in process and
 at world size 2 on real gloo ranks, and match the eager op bit for bit, forward and
 backward (``aot_eager``, one intra-op thread per rank), in float64 and bfloat16, including
 ranks whose query heads share one KV head (both paths run ``backends.SharedKV`` there),

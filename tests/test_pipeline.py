@@ -1,4 +1,4 @@
-"""Chunked overlap (ulysses_kernels.pipeline): bit-identical to chunks=1, forward and backward.
+"""Chunked overlap (ulysses_kernels.attention.chunked): bit-identical to chunks=1, forward and backward.
 
 Distributed checks run on gloo ranks with asynchronous collectives; each spawn runs many
 cases (spawning costs ~10-20 s on 2 cores), among them every plan of the core tests

@@ -33,7 +33,7 @@ from ulysses_kernels.layout import split_lengths
 from ulysses_kernels.plan import HeadPlan
 
 CK = selftest.CHECKPOINT_CHUNKS  # the chunk count of the checkpoint paths
-# Before torch 2.9 a checkpointed call runs unchunked (backends.chunks_recompute_apart), so the
+# Before torch 2.9 a checkpointed call runs unchunked (checkpointing.chunks_recompute_apart), so the
 # self-test holds it to the bound, not to bit-equality with the chunked plain run.
 BIT_EQUAL_CHECKPOINT = hasattr(torch.utils.checkpoint, "GraphExecGroup")
 

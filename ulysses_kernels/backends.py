@@ -42,6 +42,7 @@ __all__ = [
     "SharedKV",
     "for_rank",
     "resolve_backend",
+    "named_backend",
     "BACKENDS",
     "save_tensors",
     "doc_kwargs",
@@ -115,6 +116,8 @@ class AttentionBackend:
         kw = doc_kwargs(docs)
         heads = KVGather.of(kv_map, k.shape[2])  # gathered where the map is not uniform
         if not needs_grad:
+            if not torch.is_grad_enabled():  # as the op calls it (inside its autograd nodes, or with nothing to differentiate)
+                return self.attend(q, *heads.gather(k, v), causal, scale, **kw), None
             with torch.no_grad():
                 return self.attend(q, *heads.gather(k, v), causal, scale, **kw), None
         # A gathered map: the kernel saves the gathered k, v (dk, dv are summed back to the
@@ -262,17 +265,23 @@ def flash_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def named_backend(attn_fn: str | None, device: torch.device, dtype: torch.dtype):
+    """The built-in backend for ``attn_fn`` ``None`` (flash-attn on CUDA in half precision
+    when importable, else SDPA) or a name of ``BACKENDS``, for tensors on ``device`` of ``dtype``."""
+    if attn_fn is None:
+        use_flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available()
+        return FlashBackend() if use_flash else SDPABackend()
+    if attn_fn not in BACKENDS:
+        raise ValueError(f"ulysses_attention: attn_fn={attn_fn!r}; expected one of {sorted(BACKENDS)}, a callable or a backend")
+    if attn_fn == "flash" and not flash_available():
+        raise ValueError("ulysses_attention: attn_fn='flash' but flash_attn is not importable")
+    return BACKENDS[attn_fn]()
+
+
 def resolve_backend(attn_fn, q: torch.Tensor):
     """The backend object for ``attn_fn`` (None, a name, a callable or a backend)."""
-    if attn_fn is None:
-        use_flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_available()
-        return FlashBackend() if use_flash else SDPABackend()
-    if isinstance(attn_fn, str):
-        if attn_fn not in BACKENDS:
-            raise ValueError(f"ulysses_attention: attn_fn={attn_fn!r}; expected one of {sorted(BACKENDS)}, a callable or a backend")
-        if attn_fn == "flash" and not flash_available():
-            raise ValueError("ulysses_attention: attn_fn='flash' but flash_attn is not importable")
-        return BACKENDS[attn_fn]()
+    if attn_fn is None or isinstance(attn_fn, str):
+        return named_backend(attn_fn, q.device, q.dtype)
     if hasattr(attn_fn, "forward") and hasattr(attn_fn, "backward"):
         return attn_fn
     if callable(attn_fn):

@@ -85,7 +85,7 @@ def chunks_recompute_apart() -> bool:
     and torch has no ``GraphExecGroup`` (before 2.9). A rank whose chunk holds no head runs
     fewer nested passes, so fewer recomputes (our collectives again) than its peers: a hang,
     measured on torch 2.8 (the self-test's uneven-heads checkpoint path at chunks=2 timed
-    out). The call then runs unchunked (``call._resolve_chunks``), which the forward and the
+    out). The call then runs unchunked (``attention.call._resolve_chunks``), which the forward and the
     recompute decide alike: both run under the checkpoint's hooks."""
     if graph_exec_group() is not None:
         return False

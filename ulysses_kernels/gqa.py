@@ -125,12 +125,8 @@ class KVGather:
         head uses the one KV head; ``"gathered"`` when the map is not uniform, or always with
         ``gather`` (a chunk of a rank whose whole map is not uniform must run the same kernels
         as the unchunked op, even where the chunk's own map is uniform); else ``"grouped"``."""
-        kv_map = tuple(kv_map)
-        if shared and shares_one_kv(kv_map):
-            return cls(kv_map, kv_heads, "shared")
-        if gather or not uniform_group(len(kv_map), kv_heads, kv_map):
-            return cls(kv_map, kv_heads, "gathered")
-        return cls(kv_map, kv_heads, "grouped")
+        build = _kv_gather.__wrapped__ if torch.compiler.is_compiling() else _kv_gather  # dynamo traces no cache
+        return build(tuple(kv_map), kv_heads, gather, shared)
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``k``, ``v`` ``[B, S, hkv, D]`` as the kernel's heads: as they are (grouped), one
@@ -172,3 +168,13 @@ def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int]) -> tuple[
     """``k``, ``v`` as plain grouped heads for ``kv_map`` (``KVGather.gather``; under autograd
     the gather's backward is the scatter): for a model's own attention between the exchanges."""
     return KVGather.of(kv_map, k.shape[2]).gather(k, v)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kv_gather(kv_map: tuple[int, ...], kv_heads: int, gather: bool, shared: bool) -> KVGather:
+    # A value per (map, heads, flags): every call of a layout gets the same one.
+    if shared and shares_one_kv(kv_map):
+        return KVGather(kv_map, kv_heads, "shared")
+    if gather or not uniform_group(len(kv_map), kv_heads, kv_map):
+        return KVGather(kv_map, kv_heads, "gathered")
+    return KVGather(kv_map, kv_heads, "grouped")

@@ -12,14 +12,14 @@ outputs and returns nothing:
 
 * ``pack_s2h(tensors, head_ranges, send, recv=None, rank=-1, seq_offset=0)``: q, k, v
   (``[B, s_r, H_i, D]`` each, any strides: separate tensors or views of one fused QKV
-  projection output) into the peer-major send buffer of ``layout.pack_s2h`` (with
+  projection output) into the peer-major send buffer of ``kernels.torch_kernels.pack_s2h`` (with
   ``recv``, rank ``rank``'s own block into its rows of the receive buffer
   ``[B, S, h, D]``), in one kernel pass. ``head_ranges`` is ``[peer][role][start, end]``
   flattened (``Layout.head_ranges``).
 * ``pack_h2s(local, send)``: ``[B, S, h, D]`` (any strides) -> contiguous wire format.
 * ``unpack_h2s(blocks, head_ranges, outs)``: received ``[B, s_r, h, D]`` blocks
   (source-major, then role) into ``[B, s_r, H, D]`` outputs, replicated KV heads summed in
-  rank order (bit-identical to ``layout.unpack_h2s``).
+  rank order (bit-identical to ``kernels.torch_kernels.unpack_h2s``).
 * ``nccl_all_to_all(comm, output, input, output_splits, input_splits)`` and
   ``nccl_send_recv(comm, sends, send_peers, recvs, recv_peers)`` (CUDA tensors, extension
   built with NCCL): on the current CUDA stream; ``comm`` is a communicator handle of
@@ -28,8 +28,8 @@ outputs and returns nothing:
 CUDA tensors run the CUDA kernels; CPU tensors run their CPU twin (the same index math,
 ``csrc/kernels/layout_math.h``). The pack ops are called by their one caller, the ``"cuda"``
 kernel set (``kernels/cuda_kernels.py``: a ``Layout`` in, the op's arguments out), as
-``lib().pack_s2h(...)``; the NCCL ops through the typed wrappers below, which
-``comm.nccl`` calls (and its tests replace).
+``torch.ops.ulysses_kernels.pack_s2h(...)``; the NCCL ops through the typed wrappers below,
+which ``comm.nccl`` calls (and its tests replace).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ A *path* is one kernel set x one communicator x one chunk count x one layout:
   ``torch.utils.checkpoint(..., use_reentrant=False)``, as training does: the checkpointed
   run is checked against float64 like any path, and against the plain run (bit-equal on the
   CPU; within the bound on a GPU, whose backward need not be deterministic, and before
-  torch 2.9, where the checkpointed call runs unchunked: ``backends.chunks_recompute_apart``).
+  torch 2.9, where the checkpointed call runs unchunked: ``checkpointing.chunks_recompute_apart``).
 
 Each path runs ``ulysses_attention`` forward and backward once on every rank and compares
 out, dq, dk and dv with single-process float64 attention (``reference.attention_reference``,

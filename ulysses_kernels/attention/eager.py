@@ -7,7 +7,8 @@ import torch
 
 from ..backends import doc_kwargs
 from ..checkpointing import one_recompute
-from .exchange import HeadToSeq, SeqToHead
+from ..layout import Q_ONLY, QKV
+from .exchange import HeadToSeq, SeqToHead, a2a_head_to_seq, a2a_seq_to_head
 
 __all__ = ["LocalAttention", "eager_attention"]
 
@@ -52,8 +53,25 @@ def eager_attention(q, k, v, call):
     goes at its last use: ``dout`` after its exchange, the head-sharded ``dout`` and the
     saved attention state after the attention backward (one node would hold all of them
     until dq/dk/dv arrive). ``call``: the ``CallSetup`` (its ``backend`` is
-    ``backends.for_rank``'s pick)."""
+    ``backends.for_rank``'s pick).
+
+    When nothing needs a gradient (inference, evaluation: grad mode off, or no input that
+    requires grad) the forwards of the three nodes run without the nodes: the same movers
+    and the same backend call, with no autograd context to build."""
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _forward_only(q, k, v, call)
     q_l, k_l, v_l = SeqToHead.apply(call, q, k, v)
     out_l = LocalAttention.apply(call, q_l, k_l, v_l)
     del q_l, k_l, v_l  # the attention graph's saved tensors hold what its backward needs
     return HeadToSeq.apply(call, out_l)
+
+
+def _forward_only(q, k, v, call):
+    """``SeqToHead``, ``LocalAttention`` and ``HeadToSeq``'s forwards, as plain calls."""
+    layout, comm, kernels = call.layout, call.comm, call.kernels
+    q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels)
+    out_l, _ = call.backend.forward(
+        q_l, k_l, v_l, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=False, **doc_kwargs(call.docs)
+    )  # fmt: skip
+    del q_l, k_l, v_l
+    return a2a_head_to_seq(layout, [out_l], Q_ONLY, comm, kernels)[0]

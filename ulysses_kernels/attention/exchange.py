@@ -85,10 +85,12 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
         # send buffer holds the peers' blocks only.
         send = _flat(sum(layout.s2h_send_splits(roles, own=False)), like)
         kernels.pack_s2h(layout, tensors, roles, send, recv=recv)
-        send_p, recv_p = layout.s2h_send_pieces(send, roles, own=False), layout.s2h_recv_pieces(recv, roles)
-        peers = [p for p in range(layout.world_size) if p != rank]
-        sends = [(p, x) for p in peers for x in send_p[p]]
-        recvs = [(p, x) for p in peers for x in recv_p[p]]
+        sends, recvs = [], []
+        if layout.world_size > 1:
+            send_p, recv_p = layout.s2h_send_pieces(send, roles, own=False), layout.s2h_recv_pieces(recv, roles)
+            peers = [p for p in range(layout.world_size) if p != rank]
+            sends = [(p, x) for p in peers for x in send_p[p]]
+            recvs = [(p, x) for p in peers for x in recv_p[p]]
         collective = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
     return start((recv, send), collective), recv
 

@@ -12,7 +12,7 @@ Every size is run by each selected ``--op`` and checked element by element:
                all_to_all_single, permute+contiguous (KV heads repeated when they do not
                divide over the ranks)
   fused-<k>    ours: one pack (kernel set <k>: torch, triton, cuda) + one all-to-all for
-               q, k and v + zero-copy receive views (``exchange.a2a_seq_to_head``);
+               q, k and v + zero-copy receive views (``attention.exchange.a2a_seq_to_head``);
                on a CPU, ``fused-cuda`` is the C++ extension's CPU twin
   fused-nccl   ours over the native NCCL communicator
 

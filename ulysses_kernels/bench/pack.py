@@ -13,7 +13,7 @@ head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)`
                         when built; on a CPU it runs its CPU twin, labelled "cuda: C++ CPU
                         twin"): q, k, v (views of one fused QKV projection output) -> the
                         one send buffer of the q/k/v all-to-all
-  pack    torch         the pure-PyTorch reference, ``layout.pack_s2h`` (one copy per peer and tensor)
+  pack    torch         the pure-PyTorch reference, ``kernels.torch_kernels.pack_s2h`` (one copy per peer and tensor)
   pack    chain         what other Ulysses implementations run per tensor before the all-to-all,
                         ``x.reshape(B, s, P, H/P, D).permute(2, 1, 0, 3, 4).contiguous()``; only the
                         send side: the chain copies once more after the collective, the fused path
@@ -22,7 +22,7 @@ head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)`
   unpack  copy          a copy of the receive buffer's bytes
   unpack  fused (<k>)   ``unpack_h2s``: the received blocks of the q/k/v roles (dq/dk/dv of the
                         backward) -> ``[B, s, H, D]``, KV heads held by several ranks summed
-  unpack  torch         ``layout.unpack_h2s``
+  unpack  torch         ``kernels.torch_kernels.unpack_h2s``
   unpack  chain         the chain's receive side: ``[P, s, B, H/P, D]`` -> permute -> ``[B, s, H, D]``
 
 The chain rows need query and KV heads that divide over the ranks (the plan's head ranges

@@ -44,6 +44,7 @@ __all__ = [
     "get_kernels",
     "available_kernels",
     "kernel_set_report",
+    "registry_generation",
 ]
 
 
@@ -98,7 +99,28 @@ def _describe_cuda() -> str:
     return "C++ extension: its CPU twin (no GPU visible; the CUDA kernels need one)"
 
 
-KERNEL_SETS: dict[str, KernelSetSpec] = {}
+class _Registry(dict):
+    """The registry's dict, counting its changes (``registry_generation``), so that a call's
+    kernel set, resolved once per input signature, is resolved again after the registry
+    changes (a new set, or a test replacing one)."""
+
+    generation = 0
+
+    def __setitem__(self, name, spec):
+        super().__setitem__(name, spec)
+        _Registry.generation += 1
+
+    def __delitem__(self, name):
+        super().__delitem__(name)
+        _Registry.generation += 1
+
+
+KERNEL_SETS: dict[str, KernelSetSpec] = _Registry()
+
+
+def registry_generation() -> int:
+    """A number that changes whenever ``KERNEL_SETS`` does."""
+    return _Registry.generation
 
 
 def register_kernel_set(spec: KernelSetSpec) -> None:

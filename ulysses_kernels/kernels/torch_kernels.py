@@ -25,10 +25,9 @@ def pack_s2h(
 ) -> None:
     """Write ``tensors`` (``[B, s_r, H, D]`` each, any strides) into the flat send buffer;
     with ``recv``, this rank's own heads go straight into its rows of the receive buffer."""
-    for p, views in enumerate(layout.s2h_send_views(send, roles, recv)):
-        for x, s, dst in zip(tensors, roles, views):
-            a, b = layout.head_range(s, p)
-            dst.copy_(x[:, :, a:b])
+    for views, ranges in zip(layout.s2h_send_views(send, roles, recv), layout.peer_ranges(roles)):
+        for x, (a, b), dst in zip(tensors, ranges, views):
+            dst.copy_(x if b - a == x.shape[2] else x.narrow(2, a, b - a))  # x[:, :, a:b]
 
 
 def pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:

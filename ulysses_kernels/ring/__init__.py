@@ -8,7 +8,7 @@
   the two Ulysses exchanges, and the ring-level checks;
 * ``shard``: ``shard_sequence``/``unshard_sequence``.
 
-``ulysses_attention(q, k, v, group=make_sp_groups(U, R))`` runs it (``call.setup_attention``).
+``ulysses_attention(q, k, v, group=make_sp_groups(U, R))`` runs it (``attention.call.setup_attention``).
 """
 
 from .attention import RingBackend, check_ring_inputs, ring_backend

@@ -27,7 +27,7 @@ it; the two channels are separate process groups, so their messages never match 
 KV heads: ``kv_map`` as in ``backends``. K/V travel with the rank's ``hkv`` heads (never
 expanded on the wire); a non-uniform map is gathered per block after the wire, and its
 gradients summed back before they travel. A rank whose query heads all share its one KV head
-(``backends.shares_one_kv``) accumulates per-query-head dK/dV and sums them in head order
+(``gqa.shares_one_kv``, ``gqa.KVGather``'s ``"shared"`` mode) accumulates per-query-head dK/dV and sums them in head order
 at the end (``backward_per_head`` is what the chunked pipeline's ``SharedKV`` path calls).
 """
 
