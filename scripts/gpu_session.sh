@@ -6,7 +6,7 @@
 #   bash scripts/gpu_session.sh build tests nccl2   # call 1, ~8-9 min (estimates: nothing has run
 #   bash scripts/gpu_session.sh bench attn          # call 2, ~7 min    on a GPU yet)
 #   (each with GPU_SESSION_GIT_SHA=<sha of HEAD> in front: see CARRY below)
-#   then, with 8+ min left: re-run what was SKIPPED/FAILED, or GPU_SESSION_ATTN_MODELS=qwen2.5-14b attn
+#   then, with 8+ min left: re-run what was SKIPPED/FAILED, `user`, or GPU_SESSION_ATTN_MODELS=qwen2.5-14b attn
 #
 # Stages (each one sets up what it needs first, so any stage runs on a fresh machine):
 #   build  venv seeing the system torch (scripts/setup.sh, ULYSSES_KERNELS_SYSTEM_TORCH=1), _C for
@@ -19,6 +19,7 @@
 #   nccl2  2 NCCL ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; skipped if NCCL < 2.30):
 #          the self-test at 2 ranks, the two-rank tests and bench_overlap --world 2 (correctness; timings not a claim)
 #   attn   bench_attention 4K..1M for $GPU_SESSION_ATTN_MODELS (default llama3-8b), perf_model
+#   user   tests/test_user_commands.py in this venv: the documented commands as a user types them
 #
 # What comes back in $OUT (at most 4 files): summary_<stages>.txt; gpu_session_<stages>.tgz with
 # build/gpu_session/<stages>/ (logs, junit, env) and the new bench/results/ files, paths relative
@@ -42,7 +43,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { sed -n '3,/^set -euo/p' "$0" | sed '$d'; exit 2; }
-for s in "$@"; do case $s in build|tests|bench|nccl2|attn) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
+for s in "$@"; do case $s in build|tests|bench|nccl2|attn|user) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
 
 DRY=${GPU_SESSION_DRY_RUN:-0} TINY=${GPU_SESSION_TINY:-0}
 BASE_PY=${GPU_SESSION_PYTHON:-python3} PY=.venv/bin/python
@@ -220,6 +221,12 @@ stage_nccl2() {
   [ "$TINY" = 1 ] && o=(--layouts 8/2 --seqs 64,256 --head-dim 16)
   step overlap_w2 180 env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
     -m ulysses_kernels.bench.overlap "${o[@]}" --out-dir "$LOG/w2" || true
+}
+
+stage_user() {  # what a user types, in this machine's system-torch venv: the torchrun demo, the
+  # documented example commands, the build's messages and a CUDA wheel (tests/test_user_commands.py;
+  # ~11 min on 2 idle CPU cores, the new-venv pip test skips: no package index offline).
+  step user_commands 420 "$PY" -m pytest -q -ra --junitxml "$LOG/junit_user_commands.xml" tests/test_user_commands.py || true
 }
 
 stage_attn() {  # one process per model, so that a timeout loses one model, not the sweep.

@@ -37,6 +37,8 @@ if [ "$SYSTEM_TORCH" = "1" ] && [ ! -e .venv/bin/torchrun ]; then
   chmod +x .venv/bin/torchrun
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+# Every install takes the versions CI passed with, transitive requirements included.
+PINNED=(-c scripts/constraints.txt)
 # -I: neither the working directory nor PYTHONPATH is on sys.path, so the source tree in the
 # repository root cannot pass for an installed package.
 VPY=(.venv/bin/python -I)
@@ -47,8 +49,11 @@ BASE_PKGS=("$TORCH_SPEC" numpy==2.4.6 pytest==9.2.0 ninja==1.13.2 transformers==
 # DeepSpeed: the engine tests, the ALST comparison and bench_attention's deepspeed row (they
 # skip without it). An sdist, not a pure-Python wheel (27 s to build here with DS_BUILD_OPS=0;
 # its first call JIT-compiles a C++ shared-memory op). yunchang is not installed: its
-# UlyssesAttention needs flash-attn.
-PEER_PKGS=(deepspeed==0.19.8)
+# UlyssesAttention needs flash-attn. accelerate: the path of transformers' Trainer with
+# ParallelismConfig(sp_backend="deepspeed") into DeepSpeed's ALST entry point
+# (tests/test_trainer.py; pip's resolver puts accelerate 1.15.0 with torch 2.14.1,
+# transformers 5.23.0 and deepspeed 0.19.8).
+PEER_PKGS=(deepspeed==0.19.8 accelerate==1.15.0)
 has_dists() {  # installed distributions ("name" or "name==version"), by their metadata (importing torch takes seconds)
   "${VPY[@]}" -c 'import importlib.metadata as m, sys
 for spec in sys.argv[1:]:
@@ -61,13 +66,23 @@ if [ "$SYSTEM_TORCH" = "1" ]; then
   has_dists torch pytest || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
 elif ! has_dists "${BASE_PKGS[@]}"; then
   echo "[setup] installing ${BASE_PKGS[*]} into .venv"
-  "${PIP[@]}" install -q "${BASE_PKGS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  "${PIP[@]}" install -q "${PINNED[@]}" "${BASE_PKGS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists "${PEER_PKGS[@]}"; then
   torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
   echo "[setup] installing ${PEER_PKGS[*]} (DS_BUILD_OPS=0, keeping $torch_pin)"
-  DS_BUILD_OPS=0 "${PIP[@]}" install -q "${PEER_PKGS[@]}" "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  DS_BUILD_OPS=0 "${PIP[@]}" install -q "${PINNED[@]}" "${PEER_PKGS[@]}" "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
   has_dists "${PEER_PKGS[@]}" || { echo "[setup] the peers are not at their pinned versions after installing them" >&2; exit 1; }
+fi
+# verl 0.9.1 (tests/test_verl*.py): --no-deps, it asks for transformers<5.11 (works with 5.23.0; pip reports the conflict); its other requirements as tested, 51 s/0.75 GB uncached.
+VERL_PKGS=(verl==0.9.1 accelerate==1.15.0 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 hydra-core==1.3.8 pandas==3.1.1 peft==0.21.2
+  pyarrow==26.0.1 pybind11==3.1.0 pylatexenc==2.11 "ray[default]==2.60.0" torchdata==0.11.0 tensordict==0.10.0 wandb==0.31.0 tensorboard==2.21.0)
+if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists "${VERL_PKGS[@]/\[default\]/}"; then
+  torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
+  echo "[setup] installing verl==0.9.1 (--no-deps) and its requirements (keeping $torch_pin, transformers==5.23.0)"
+  "${PIP[@]}" install -q "${PINNED[@]}" --no-deps "${VERL_PKGS[0]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  "${PIP[@]}" install -q "${PINNED[@]}" "${VERL_PKGS[@]:1}" "$torch_pin" transformers==5.23.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+  has_dists "${VERL_PKGS[@]/\[default\]/}" || { echo "[setup] verl or its requirements are not at their pinned versions after installing them" >&2; exit 1; }
 fi
 # pyproject.toml's SPDX license string needs setuptools >= 77 (torch >= 2.14 requires it anyway;
 # an older system torch may come with an older one).
@@ -83,9 +98,19 @@ spec = importlib.util.find_spec("ulysses_kernels")
 sys.exit(0 if spec and spec.origin and os.path.realpath(spec.origin) == os.path.realpath(sys.argv[1]) else 1)' "$PWD/ulysses_kernels/__init__.py" 2>/dev/null
 }
 if [ "$SYSTEM_TORCH" = "1" ]; then
-  # Offline: no pip build; the repository root on the venv's path is what an editable
-  # install amounts to.
-  installed_here || "${VPY[@]}" -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "_ulysses_kernels_repo.pth").write_text(sys.argv[1] + "\n")' "$PWD"
+  # Offline: no pip build. The package directory linked into the venv's site-packages is
+  # what an editable install amounts to: `import ulysses_kernels` finds this checkout from
+  # anywhere, and the checkout's root (tests/, examples/) stays off sys.path, as it is for
+  # a pip-installed package (tests/test_user_commands.py checks both).
+  # (An older set-up put the whole root on sys.path with a .pth: it goes.)
+  rm -f .venv/lib/python*/site-packages/_ulysses_kernels_repo.pth
+  installed_here || "${VPY[@]}" - "$PWD/ulysses_kernels" <<'EOF_LINK'
+import pathlib, sys, sysconfig
+link = pathlib.Path(sysconfig.get_paths()["purelib"], "ulysses_kernels")
+if link.is_symlink():
+    link.unlink()
+link.symlink_to(sys.argv[1], target_is_directory=True)
+EOF_LINK
 elif ! installed_here; then
   echo "[setup] installing ulysses_kernels (editable)"
   # The extension is built below, once and incrementally, not by pip (which rebuilds from scratch).
@@ -129,4 +154,4 @@ for d in ("torch", "nvidia-nccl-cu13", "nvidia-nccl-cu12"):
   fi
 fi
 "${VPY[@]}" -c 'import importlib.metadata as m, importlib.util as u
-print("[setup] torch", m.version("torch"), "| ulysses_kernels at", u.find_spec("ulysses_kernels").submodule_search_locations[0])'
+import os; print("[setup] torch", m.version("torch"), "| ulysses_kernels at", os.path.realpath(u.find_spec("ulysses_kernels").submodule_search_locations[0]))'

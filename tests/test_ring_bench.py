@@ -1,5 +1,6 @@
-"""The Ulysses x ring rows of the benchmarks: ``bench_attention``'s ``hybrid-UxR`` rows on 4
-gloo ranks (timed and checked against float32 attention) and ``perf_model --hybrid``."""
+"""The Ulysses x ring rows of the benchmarks: ``bench_attention``'s ``hybrid-UxR`` and
+``packed-hybrid-UxR[-zigzag]`` rows on 4 gloo ranks (timed and checked against float32
+attention; the packed rows report what the ring schedule skipped) and ``perf_model --hybrid``."""
 
 import json
 
@@ -9,16 +10,28 @@ from ulysses_kernels.bench import perf_model as pm
 
 def test_bench_attention_hybrid_rows(tmp_path, capfd):
     argv = ["--spawn", "4", "--layouts", "8/2", "--seqs", "64", "--head-dim", "8", "-w", "0", "-n", "1",
-            "--methods", "local,hybrid-2x2,hybrid-1x4,hybrid-4x2", "--out-dir", str(tmp_path)]  # fmt: skip
+            "--methods", "local,hybrid-2x2,hybrid-1x4,hybrid-4x2,packed-hybrid-2x2,packed-hybrid-1x4-zigzag", "--out-dir", str(tmp_path)]  # fmt: skip
     assert att.main(argv) == 0
     out = capfd.readouterr().out
     (path,) = [p for p in tmp_path.glob("bench_attention_*.json") if not p.name.endswith("_latest.json")]
     rows = json.loads(path.read_text())["rows"]
-    hybrid = [r for r in rows if r["method"].startswith("hybrid-")]
-    assert {r["method"] for r in hybrid} == {"hybrid-2x2", "hybrid-1x4"}
+    hybrid = [r for r in rows if "hybrid-" in r["method"]]
+    assert {r["method"] for r in hybrid} == {"hybrid-2x2", "hybrid-1x4", "packed-hybrid-2x2", "packed-hybrid-1x4-zigzag"}
     assert {r["pass"] for r in hybrid} == {"fwd", "bwd", "fwdbwd"}
     assert all(r["wrong"] == 0 for r in hybrid), hybrid  # checked against float32 attention
     assert "skipped 8/2 S=64 hybrid-4x2: hybrid-4x2 needs U*R = 4 real ranks" in out
+    # The packed rows: documents (the bench's mix, more than one at 64 tokens) and what the
+    # schedule skipped, as ring_schedule computes it for the same documents.
+    docs = att.packed_documents(64)
+    for r in hybrid:
+        if r["method"].startswith("packed-"):
+            zig = r["method"].endswith("zigzag")
+            R = 4 if zig else 2
+            sched = att.ring_schedule(R, "zigzag" if zig else "contiguous", 64 // R, True, docs.cu_seqlens)
+            assert r["docs"] == docs.count > 1 and r["ring_steps"] == f"{sched.computed_steps()}/{R * R}", r
+            assert r["ring_hops"] == f"{sched.hops()}/{R * (R - 1)}", r
+        else:
+            assert r["ring_steps"] is None and r["docs"] == 1
 
 
 def _args(*extra):

@@ -74,7 +74,7 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
     doc = load(tmp_path / "out" / "selftest.json", r)
     kernels = available_kernels()  # conftest sets TRITON_INTERPRET=1 here too
     assert "triton" in kernels and "torch" in kernels
-    layouts = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring-1x2", "ring-1x2-zigzag")
+    layouts = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring-1x2", "ring-1x2-zigzag", "ring-1x2-packed", "ring-1x2-zigzag-packed")
     expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k, c, layout in itertools.product(kernels, ("1", "2", "auto"), layouts)}
     expected |= {f"{k}/torch-dist/chunks={CK}/{layout}/checkpoint" for k, layout in itertools.product(kernels, layouts)}
     paths = {p["path"]: p for p in doc["paths"]}
@@ -93,9 +93,9 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
             assert set(p["checkpoint_diff"].values()) == {0.0} if BIT_EQUAL_CHECKPOINT else max(p["checkpoint_diff"].values()) <= 1e-10, p
         two_d = p["layout"].startswith("ring-")
         assert (p["ulysses_size"], p["ring_size"]) == ((1, 2) if two_d else (2, 1)), p
-        assert p["seq_layout"] == ("zigzag" if p["layout"].endswith("zigzag") else "contiguous"), p
+        assert p["seq_layout"] == ("zigzag" if "zigzag" in p["layout"] else "contiguous"), p
         assert p["backend"].startswith("ring(") == two_d, p
-        assert (p["cu_seqlens"] == [0, 1, 9, 11, 16]) if p["layout"] == "packed" else p["cu_seqlens"] is None, p
+        assert (p["cu_seqlens"] == [0, 1, 9, 11, 16]) if p["layout"].endswith("packed") else p["cu_seqlens"] is None, p
     # The layouts at 2 ranks: GQA with one KV head, 3 query heads, a 17-token sequence.
     gqa, heads, shards = (paths[f"torch/torch-dist/chunks=1/{name}"] for name in ("gqa", "uneven-heads", "uneven-shards"))
     assert gqa["kv_heads"] < 2 and heads["q_heads"] % 2 and sum(shards["seq_lens"]) % 2 and shards["seq_lens"] == split_lengths(sum(shards["seq_lens"]), 2)
@@ -287,7 +287,7 @@ def test_bad_arguments_name_what_is_wrong(capsys):
 def test_layouts_are_what_their_names_say(world):
     cases = {c.name: c for c in selftest.make_cases(world, 7)}  # 7: zigzag's shards still even
     splits = selftest.ring_splits(world)
-    rings = [f"ring-{u}x{r}{s}" for s in ("", "-zigzag") for u, r in splits]
+    rings = [f"ring-{u}x{r}{s}" for s in ("", "-zigzag", "-packed", "-zigzag-packed") for u, r in splits]
     assert list(cases) == list(selftest.LAYOUTS[:5]) + rings
     for c in cases.values():
         HeadPlan.build(c.q_heads, c.kv_heads, c.split[0] if c.split else world)  # every layout can be planned
@@ -296,6 +296,7 @@ def test_layouts_are_what_their_names_say(world):
             u, r = c.split
             assert u * r == world and r >= 2 and c.kv_heads < max(u, 2) and c.causal, c
             assert len(set(c.seq_lens)) == 1 and c.seq_lens[0] % 2 == 0, c
+            assert (c.docs is not None) == c.name.endswith("-packed") and (c.batch == 1 or c.docs is None), c
     assert splits == {1: [], 2: [(1, 2)], 3: [(1, 3)], 4: [(2, 2)], 6: [(3, 2), (2, 3)], 8: [(4, 2), (2, 4)], 9: [(3, 3)]}.get(world, splits)
     assert cases["mha"].q_heads == cases["mha"].kv_heads and cases["mha"].batch == 1
     assert cases["gqa"].kv_heads < cases["gqa"].q_heads

@@ -35,9 +35,11 @@ BIN = Path(sys.executable).parent  # the venv's python, torchrun, pip
 EXAMPLE = "examples/train_hf.py"
 # Where the example's command lines are documented (the example's own docstring is its --help).
 DOC_FILES = ("README.md", "docs/hf.md", EXAMPLE)
-# The venv's site-packages, for an interpreter started with -S: no .pth files run, so the
-# editable install's import hook cannot put this checkout in front of a copy under test.
-PURELIB = sysconfig.get_paths()["purelib"]
+# The site-packages that hold torch and the rest, for an interpreter started with -S: no
+# .pth files run, so the editable install's import hook cannot put this checkout in front of
+# a copy under test. The venv's own, and torch's where that is elsewhere (a venv made with
+# ULYSSES_KERNELS_SYSTEM_TORCH=1 borrows the machine's packages through a .pth).
+SITE_DIRS = list(dict.fromkeys([sysconfig.get_paths()["purelib"], str(Path(torch.__file__).resolve().parents[1])]))
 
 
 def user_env(**extra) -> dict:
@@ -206,6 +208,7 @@ def test_a_build_that_cannot_see_torch_fails_and_says_how(tmp_path):
     assert not list(src.glob("dist/*.whl"))
 
 
+@pytest.mark.skipif(os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1", reason="an offline machine (system torch): pip cannot reach a package index")
 def test_pip_install_in_a_new_venv_says_what_it_needs_before_downloading(tmp_path):
     """A user's first try, in a new venv with no torch: plain ``pip install .`` stops at the
     wheel's metadata with our message (before this it downloaded torch and its CUDA wheels,
@@ -238,34 +241,42 @@ def test_pip_install_in_a_new_venv_says_what_it_needs_before_downloading(tmp_pat
 
 def test_setup_pins_every_package_it_installs():
     """scripts/setup.sh installs the base and (ULYSSES_KERNELS_PEERS=1) the peers at exact
-    versions, and a venv it made holds those versions: an unpinned peer turned a fresh CI red
-    (DeepSpeed 0.19.8's ZeRO-3 refused the float64 model the suite had passed with)."""
+    versions, every pip call under scripts/constraints.txt (transitive requirements too), and
+    a venv it made holds those versions: an unpinned peer turned a fresh CI red (DeepSpeed
+    0.19.8's ZeRO-3 refused the float64 model the suite had passed with)."""
     text = (ROOT / "scripts" / "setup.sh").read_text()
-    specs = []
-    for name in ("BASE_PKGS", "PEER_PKGS"):
-        m = re.search(rf"^{name}=\((.*)\)$", text, re.M)
-        assert m, f"setup.sh defines no {name}=(...) array"
-        specs += shlex.split(m.group(1))
-    torch_spec = re.search(r'TORCH_SPEC=\$\{ULYSSES_KERNELS_TORCH:-(.*)\}', text).group(1)
-    specs = [torch_spec if s == "$TORCH_SPEC" else s for s in specs]
-    unpinned = [s for s in specs if not re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][A-Za-z0-9.+]*", s)]
+    constraints = {}
+    for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, want = line.split("==")
+            constraints[name.lower().replace("_", "-")] = want
+    arrays = re.findall(r"^([A-Z]+_PKGS)=\((.*?)\)$", text, re.M | re.S)
+    assert {"BASE_PKGS", "PEER_PKGS"} <= {name for name, _ in arrays}, arrays
+    torch_spec = re.search(r"TORCH_SPEC=\$\{ULYSSES_KERNELS_TORCH:-(.*)\}", text).group(1)
+    specs = [torch_spec if s == "$TORCH_SPEC" else s for _, body in arrays for s in shlex.split(body, comments=True)]
+    unpinned = [s for s in specs if not re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[a-z,]+\])?==[0-9][A-Za-z0-9.+]*", s)]
     assert not unpinned, f"setup.sh installs {unpinned} without an exact version"
+    for spec in specs:
+        name, want = re.sub(r"\[.*\]", "", spec).split("==")
+        assert constraints.get(name.lower().replace("_", "-")) == want, f"{spec}: scripts/constraints.txt has {constraints.get(name.lower())}"
+    installs = [line for line in text.splitlines() if re.search(r'"\$\{PIP\[@\]\}" install', line) and "-e ." not in line]
+    assert installs and all('"${PINNED[@]}"' in line for line in installs), installs
     if os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1":
         return  # a venv borrowing the machine's packages holds what that machine has
-    for spec in specs:
-        name, want = spec.split("==")
-        try:
-            have = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue  # a peer not installed (set-up without ULYSSES_KERNELS_PEERS=1)
-        assert have == want or have.startswith(want + "+"), f"{name} {have} is installed, setup.sh pins {want}"
+    drift = []
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"].lower().replace("_", "-")
+        want = constraints.get(name)
+        if want is not None and dist.version != want and not dist.version.startswith(want + "+"):
+            drift.append(f"{name} {dist.version} (constraints: {want})")
+    assert not drift, f"installed versions differ from scripts/constraints.txt: {drift}"
 
 
 # ---- without the extension: said at import and by info, with the command that builds it -------
 def test_info_without_the_extension_says_how_to_build_it(tmp_path):
     site = tmp_path / "site"
     shutil.copytree(ROOT / "ulysses_kernels", site / "ulysses_kernels", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    code = f"import sys; sys.path[:0] = {[str(site), PURELIB]!r}; from ulysses_kernels import info; info.main([])"
+    code = f"import sys; sys.path[:0] = {[str(site), *SITE_DIRS]!r}; from ulysses_kernels import info; info.main([])"
     out = run([sys.executable, "-I", "-S", "-c", code], tmp_path).stdout
     ext = next(line for line in out.splitlines() if line.startswith("_C extension"))
     assert "NOT BUILT: ulysses_kernels._C is not built" in ext and "pip install --no-build-isolation" in ext, ext
@@ -344,7 +355,7 @@ def test_wheel_pins_its_torch_and_carries_no_build_path(tmp_path):
     assert str(tmp_path) not in dyn and str(ROOT) not in dyn and sys.prefix not in dyn, dyn
     # The unpacked wheel (not a checkout, not site-packages) loads: NCCL is the one torch loaded.
     target = str(tmp_path / "target")
-    code = f"import sys; sys.path[:0] = {[target, PURELIB]!r}; from ulysses_kernels import ops; ops.load(); print(ops.__file__, ops.build_info()['nccl'])"
+    code = f"import sys; sys.path[:0] = {[target, *SITE_DIRS]!r}; from ulysses_kernels import ops; ops.load(); print(ops.__file__, ops.build_info()['nccl'])"
     out = run([sys.executable, "-I", "-S", "-c", code], tmp_path).stdout.split()
     assert out == [str(tmp_path / "target" / "ulysses_kernels" / "ops.py"), "True"], out
 

@@ -39,8 +39,7 @@ from .plan import HeadPlan, more_ranks_than_heads
 
 __all__ = [
     "UlyssesInputError", "Signature", "signature", "validate", "prepare", "call_key", "check_across_ranks", "planned", "encoded",
-    "check_head_to_seq", "dtype_code",
-    "float_bits", "rank_list", "by_value",
+    "check_head_to_seq", "dtype_code", "float_bits", "rank_list", "by_value", "document_summary", "document_problems", "document_text",
 ]  # fmt: skip
 
 _DTYPES = [
@@ -115,7 +114,7 @@ class Signature:
     scale_bits: int
     seq_lens: tuple[int, ...] | None
     plan_heads: tuple[int, int] | None  # (q_heads, kv_heads) of a prebuilt plan
-    docs: tuple[int, ...] = ()  # packed documents: ``_doc_summary`` (empty: none)
+    docs: tuple[int, ...] = ()  # packed documents: ``document_summary`` (empty: none)
 
     def encode(self) -> list[int]:
         vals = [self.rank, self.world_size]
@@ -156,10 +155,11 @@ class Signature:
 _DOC_FIELDS = 9
 
 
-def _doc_summary(docs: Documents | None) -> tuple[int, ...]:
+def document_summary(docs: Documents | None) -> tuple[int, ...]:
     """``(entries, first, last, bad index, value before it, bad value, max_seqlen, longest
     document, digest)``: ``bad index`` is the first boundary not above the one before it
-    (-1: none)."""
+    (-1: none). What ranks exchange about their boundaries (here and in the 2-D group's
+    check, ``ring.check_ring_inputs``); empty for ``None``."""
     if docs is None:
         return ()
     cu = docs.cu_seqlens
@@ -168,24 +168,33 @@ def _doc_summary(docs: Documents | None) -> tuple[int, ...]:
     return (len(cu), first, last, bad, cu[bad - 1] if bad > 0 else 0, cu[bad] if bad > 0 else 0, docs.max_seqlen, longest_document(cu), boundaries_digest(cu))
 
 
-def _doc_text(sig: Signature) -> str | None:
-    """How the disagreement message shows one rank's boundaries."""
-    if not sig.docs:
+def document_text(summary: Sequence[int]) -> str | None:
+    """How a disagreement message shows one rank's boundaries (``document_summary``)."""
+    if not summary:
         return None
-    return f"{sig.docs[0]} entries from {sig.docs[1]} to {sig.docs[2]} (digest {sig.docs[8]:016x})"
+    return f"{summary[0]} entries from {summary[1]} to {summary[2]} (digest {summary[8]:016x})"
+
+
+def _doc_text(sig: Signature) -> str | None:
+    return document_text(sig.docs)
 
 
 def _doc_problems(sig: Signature, total: int) -> list[str]:
     """Rank-local problems of the boundaries of a packed sequence of ``total`` tokens."""
-    n, first, last, bad, before, value, max_seqlen, longest, _ = sig.docs
-    b = sig.shapes[0][0]
-    out = [] if b == 1 else [f"packed documents (cu_seqlens) need batch 1 (q.shape[0]), got {b}"]
+    how = "sum(seq_lens)" if sig.seq_lens is not None else "q.shape[1] x world size; pass seq_lens for uneven shards"
+    return document_problems(sig.docs, sig.shapes[0][0], total, how)
+
+
+def document_problems(summary: Sequence[int], batch: int, total: int, how: str) -> list[str]:
+    """Problems of one rank's boundaries (``document_summary``) for a packed sequence of
+    ``total`` tokens (``how``: where that length comes from) and batch ``batch``."""
+    n, first, last, bad, before, value, max_seqlen, longest, _ = summary
+    out = [] if batch == 1 else [f"packed documents (cu_seqlens) need batch 1 (q.shape[0]), got {batch}"]
     if n < 2:
         return out + [f"cu_seqlens expected at least 2 entries (0 and the global length {total}), got {n}"]
     if first != 0:
         out.append(f"cu_seqlens[0] expected 0, got {first}")
     if last != total:
-        how = "sum(seq_lens)" if sig.seq_lens is not None else "q.shape[1] x world size; pass seq_lens for uneven shards"
         out.append(f"cu_seqlens[-1] expected {total} (the global sequence length: {how}), got {last}")
     if bad > 0:
         out.append(f"cu_seqlens must be strictly increasing (documents of length >= 1): cu_seqlens[{bad}] = {value} <= cu_seqlens[{bad - 1}] = {before}")
@@ -221,7 +230,7 @@ def _signature(shapes, dtypes, devices, *, rank, world_size, causal, scale, seq_
         scale_bits=float_bits(scale) if scale is not None else 0,
         seq_lens=seq_lens,
         plan_heads=plan_heads,
-        docs=_doc_summary(docs),
+        docs=document_summary(docs),
     )
 
 

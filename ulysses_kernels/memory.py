@@ -3,36 +3,27 @@
     python -m ulysses_kernels.memory --layers 96 --hidden 12288 --heads 96 --vocab 50257 \\
         --mlp plain --seq 32768 --sp 8 --zero 3 --offload-optimizer --checkpointing
     python -m ulysses_kernels.memory ... --json        # the same numbers for a program
+    python -m ulysses_kernels.memory ... --tiled-loss --tiled-mlp --tiled-norms --offload-activations \\
+        --max-seq --gpu-gb 80                          # the longest sequence that fits 80 GB
 
-The model is a decoder of ``layers`` identical layers as transformers writes Llama and Qwen2
-(RMSNorm, RoPE, attention through ``hf.apply``, a gated MLP; ``--mlp plain`` for a GPT-style
-``fc -> activation -> fc``, its norms still counted as RMSNorms), trained with ZeRO stage
-0-3 over the ``dp x sp`` ranks and mixed-precision Adam (a float32 master copy and two
-moments; no master copy in float32).
+The model is a decoder of ``layers`` identical layers as transformers writes Llama, Qwen2 and
+Qwen3 (``--qk-norm``) (RMSNorm, RoPE, attention through ``hf.apply``, a gated MLP;
+``--mlp plain`` for a GPT-style ``fc -> activation -> fc``, its norms still counted as
+RMSNorms), trained with ZeRO stage 0-3 over the ``dp x sp`` ranks and mixed-precision Adam
+(a float32 master copy and two moments; no master copy in float32).
 
-"Activations" are the bytes of tensors the forward allocates and that are alive when it
-ends (what autograd keeps for the backward, and the loss's ``log_softmax``), parameters
-and the caller's inputs not counted; ``peak_forward`` adds the largest transient on top
-(one layer's working set, or the logits at the loss). Per layer, in elements of the
-model's dtype (``e`` bytes) for this rank's ``s`` tokens of batch ``b``, hidden ``h``,
-intermediate ``f``, its ``hq``/``hkv`` heads over the whole sequence ``S``:
+Rows: parameters, gradients and optimizer state (ZeRO's arithmetic), under ZeRO-3 the
+largest module the engine gathers at once, and the activations of one training step,
+replayed tensor by tensor (``memory_step``: the forward's and backward's allocations and
+frees in order, with activation checkpointing and the long-context pieces of
+``ulysses_kernels.longctx``): what the forward leaves for the backward, and the step's peak
+above it. The host column has the offloaded optimizer (and parameters) and, with
+``--offload-activations``, the checkpointed layer inputs. The replay is measured against a
+live-bytes tracker for tiny Llama, Qwen2 and Qwen3 models on 2 and 4 gloo ranks
+(``tests/test_longctx_memory.py``: within 2%, exact in practice).
 
-    two RMSNorms          2 x (2 b s h)           (+ a float32 copy of the input, b s h x 4 B, when e != 4)
-    attention             q/k/v receive (hq + 2 hkv) b S d, its output hq b S d, the float32
-                          logsumexp, the gathered output b s Hq d (the o_proj input)
-    two residual sums     2 b s h
-    MLP                   4 b s f gated (gate, up, act(gate), product), 2 b s f plain
-
-With activation checkpointing (non-reentrant, transformers' ``activation_checkpointing_enable``)
-each layer keeps its input only: Ulysses' attention state (the q/k/v receive buffer and
-the attention output) lives in autograd's saved tensors, which checkpointing drops and
-recomputes like any other layer's. Measured against a dispatch-mode
-live-bytes tracker (``traffic.LiveBytes``) for tiny Llama and Qwen2 models on 1 and 2 gloo
-ranks (``tests/test_memory_calculator.py``).
-
-The Ulysses row is the exchange's own peak for one layer (``traffic.ulysses_peak_moments``,
-the buffers of docs/design.md), which overlaps the activation row by that layer's saved
-receive buffer and output.
+``activation_bytes`` (the forward alone, as docs/scaling.md's older figures were made) is
+kept: ``saved`` and ``peak_forward`` per layer type, measured by tests/test_memory_calculator.py.
 """
 
 from __future__ import annotations
@@ -40,14 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .checks import UlyssesInputError
 from .layout import QKV, Layout, split_lengths
+from .memory_step import StepMemory, rank_key, step_memory
 from .plan import HeadPlan
-from .traffic import ulysses_peak_moments
 
-__all__ = ["MemoryInputError", "Setup", "parameter_count", "activation_bytes", "worst_activations", "memory_rows", "main"]
+__all__ = [
+    "MemoryInputError", "Setup", "parameter_count", "activation_bytes", "worst_activations", "worst_step", "memory_rows",
+    "max_seq", "main",
+]  # fmt: skip
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -71,6 +65,7 @@ class Setup:
     head_dim: int | None = None
     intermediate: int | None = None  # default: 4 x hidden (plain), 8/3 x hidden rounded up to 256 (gated)
     mlp: str = "gated"
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
     batch: int = 1
     sp: int = 1
     dp: int = 1
@@ -80,13 +75,26 @@ class Setup:
     dtype: str = "bfloat16"
     checkpointing: bool = False
     tie_embeddings: bool = True
+    # The long-context pieces (ulysses_kernels.longctx); tile rows None: their defaults.
+    tiled_loss: bool = False
+    tiled_mlp: bool = False
+    tiled_norms: bool = False
+    offload_activations: bool = False
+    loss_tile_rows: int | None = None
+    mlp_tile_rows: int | None = None
+    norm_tile_rows: int | None = None
+    # flash-attn's backward workspace (a float32 dq accumulator [B, S, hq, D] and the float32
+    # [B, hq, S] softmax_d, beside dq, dk, dv): read from flash-attn's mha_bwd, not measured.
+    flash_workspace: bool = False
+    # longctx.HeadChunkedAttention: the attention backward's kernel per this many query heads
+    attention_head_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "vocab", "seq", "batch", "sp", "dp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MemoryInputError(f"memory: {name} expected a positive int, got {value!r}")
-        for name in ("kv_heads", "head_dim", "intermediate"):
+        for name in ("kv_heads", "head_dim", "intermediate", "loss_tile_rows", "mlp_tile_rows", "norm_tile_rows", "attention_head_chunk"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise MemoryInputError(f"memory: {name} expected a positive int or None, got {value!r}")
@@ -108,6 +116,8 @@ class Setup:
             raise MemoryInputError(f"memory: offload_param expected ZeRO stage 3, got stage {self.zero}")
         if self.offload_optimizer and self.zero == 0:
             raise MemoryInputError("memory: offload_optimizer expected ZeRO stage 1, 2 or 3, got stage 0")
+        if self.offload_activations and not self.checkpointing:
+            raise MemoryInputError("memory: offload_activations expected checkpointing (it offloads the inputs checkpointing keeps)")
 
     @property
     def kv_count(self) -> int:
@@ -218,7 +228,11 @@ def _state_rows(setup: Setup) -> list[Row]:
             0 if setup.offload_optimizer else opt, opt if setup.offload_optimizer else 0),
     ]  # fmt: skip
     if setup.zero == 3:
-        rows.append(Row("one layer gathered (parameters, its gradients)", f"2 x {e} x {layer:.3g}", 2 * e * layer))
+        # The module whose parameters the engine gathers at once: a layer, or the LM head
+        # (or embedding) when it is larger (Llama-3-8B: 0.53e9 against a layer's 0.22e9).
+        head = setup.vocab * setup.hidden
+        what, big = ("one layer", layer) if layer >= head else ("the LM head", head)
+        rows.append(Row(f"{what} gathered (parameters, its gradients)", f"2 x {e} x {big:.3g}", 2 * e * big))
     return rows
 
 
@@ -227,21 +241,62 @@ def worst_activations(setup: Setup) -> dict[str, int]:
     return max((activation_bytes(setup, r) for r in range(setup.sp)), key=lambda a: a["peak_forward"])
 
 
+def worst_step(setup: Setup) -> StepMemory:
+    """``memory_step.step_memory`` of the sequence rank with the highest step peak (ranks with
+    the same sizes, the usual case, are replayed once)."""
+    seen: dict[tuple, StepMemory] = {}
+    for r in range(setup.sp):
+        key = rank_key(setup, r)
+        if key not in seen:
+            seen[key] = step_memory(setup, r)
+    return max(seen.values(), key=lambda m: m.peak)
+
+
 def memory_rows(setup: Setup) -> list[Row]:
-    """The table for the sequence rank that needs the most (ranks differ only with uneven heads or shards)."""
-    acts = worst_activations(setup)
-    e = setup.element_size
-    ulysses = max(max(ulysses_peak_moments(setup.layout(r), e, backward=True).values()) for r in range(setup.sp))
-    what = "layer inputs" if setup.checkpointing else "saved by every layer"
+    """The table for the sequence rank that needs the most (ranks differ only with uneven heads or shards).
+
+    The activation rows are one training step replayed tensor by tensor (``memory_step``):
+    what the forward leaves for the backward, and the step's peak above it; their sum is the
+    step's activation peak, measured within 2% (tests/test_longctx_memory.py)."""
+    step = worst_step(setup)
+    pieces = [n for n, on in (("tiled loss", setup.tiled_loss), ("tiled MLP", setup.tiled_mlp), ("tiled norms", setup.tiled_norms),
+                              ("offloaded inputs", setup.offload_activations)) if on]  # fmt: skip
+    kept = "layer inputs" if setup.checkpointing else "saved by every layer"
     rows = _state_rows(setup) + [
-        Row(f"activations ({what})", f"{setup.layers} x {acts['per_layer']:.3g} + embedding, final norm, loss", acts["saved"]),
-        Row("forward transient (peak_forward - activations)", "one layer's MLP or the logits at the loss" if setup.checkpointing
-            else "the logits at the loss", acts["peak_forward"] - acts["saved"]),
+        Row(f"activations kept for the backward ({kept})", "forward end (memory_step)" + (f"; {', '.join(pieces)}" if pieces else ""),
+            step.forward_end, step.host_peak),
+        Row(f"step peak above them (at {step.moment})", "step peak - forward end (memory_step)", step.peak - step.forward_end),
     ]  # fmt: skip
-    if setup.checkpointing:
-        rows.append(Row("one layer's recompute (backward)", "one layer's activations without checkpointing", acts["layer_working_set"]))
-    rows.append(Row("Ulysses exchange, one layer's peak", "max(traffic.ulysses_peak_moments)", ulysses))
     return rows
+
+
+def total_gpu(setup: Setup) -> int:
+    """Bytes per GPU: the sum of ``memory_rows``."""
+    return sum(r.gpu for r in memory_rows(setup))
+
+
+def max_seq(setup: Setup, gpu_bytes: float, host_bytes: float | None = None) -> int:
+    """The longest sequence (a multiple of ``sp`` tokens) whose rows fit ``gpu_bytes`` per GPU
+    (and ``host_bytes`` of host memory per rank, if given); 0 when not even ``sp`` tokens fit.
+    ``setup.seq`` is ignored."""
+    step = setup.sp
+
+    def fits(k: int) -> bool:
+        rows = memory_rows(replace(setup, seq=k * step))
+        host_ok = host_bytes is None or sum(r.host for r in rows) <= host_bytes
+        return sum(r.gpu for r in rows) <= gpu_bytes and host_ok
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            raise MemoryInputError("memory: max_seq found no bound below 2^40 tokens per rank")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
 
 
 def render(setup: Setup, rows: list[Row]) -> str:
@@ -254,17 +309,29 @@ def render(setup: Setup, rows: list[Row]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ulysses_kernels.memory", description=__doc__.split("\n\n")[0])
-    for name in ("layers", "hidden", "heads", "vocab", "seq"):
+    for name in ("layers", "hidden", "heads", "vocab"):
         p.add_argument(f"--{name}", type=int, required=True)
-    for name in ("kv-heads", "head-dim", "intermediate"):
+    p.add_argument("--seq", type=int, default=None, help="tokens of one sequence (not with --max-seq)")
+    for name in ("kv-heads", "head-dim", "intermediate", "loss-tile-rows", "mlp-tile-rows", "norm-tile-rows"):
         p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--attention-head-chunk", type=int, default=None,
+                   help="the attention backward per this many query heads (longctx.HeadChunkedAttention)")
     p.add_argument("--mlp", default="gated", help="gated (Llama, Qwen2) or plain (GPT)")
     for name in ("batch", "sp", "dp"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     p.add_argument("--dtype", default="bfloat16", help=", ".join(DTYPE_BYTES))
-    for flag in ("offload-optimizer", "offload-param", "checkpointing", "untied-embeddings"):
+    for flag in ("offload-optimizer", "offload-param", "checkpointing", "untied-embeddings", "qk-norm"):
         p.add_argument(f"--{flag}", action="store_true")
+    for flag, what in (("tiled-loss", "LM head and loss over sequence tiles (no logits)"),
+                       ("tiled-mlp", "MLP over sequence tiles, recomputed in the backward"),
+                       ("tiled-norms", "RMSNorms over sequence tiles, recomputed in the backward"),
+                       ("offload-activations", "checkpointed layer inputs in host memory (needs --checkpointing)"),
+                       ("flash-workspace", "count flash-attn's float32 backward workspace (from its source; not measured)")):  # fmt: skip
+        p.add_argument(f"--{flag}", action="store_true", help=what)
+    p.add_argument("--max-seq", action="store_true", help="find the longest sequence that fits --gpu-gb")
+    p.add_argument("--gpu-gb", type=float, default=None, help="memory per GPU in GB (1e9 bytes), for --max-seq")
+    p.add_argument("--host-gb", type=float, default=None, help="host memory per rank in GB, a second limit for --max-seq")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -272,18 +339,43 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = vars(parser.parse_args(argv))
-    as_json = args.pop("json")
+    as_json, find, gpu_gb, host_gb = args.pop("json"), args.pop("max_seq"), args.pop("gpu_gb"), args.pop("host_gb")
     args["tie_embeddings"] = not args.pop("untied_embeddings")
+    if find and gpu_gb is None:
+        parser.error("--max-seq needs --gpu-gb (the memory per GPU, in GB)")
+    if find and args["seq"] is not None:
+        parser.error("--max-seq finds --seq: give one of them")
+    if not find and args["seq"] is None:
+        parser.error("the following arguments are required: --seq (or --max-seq with --gpu-gb)")
+    for flag, value in (("--gpu-gb", gpu_gb), ("--host-gb", host_gb)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} expected a positive number of GB, got {value}")
+    longest = None
     try:
-        setup = Setup(**args)
+        if find:
+            setup = Setup(**{**args, "seq": args["sp"]})
+            longest = max_seq(setup, gpu_gb * GB, None if host_gb is None else host_gb * GB)
+            if longest == 0:
+                limit = f"{gpu_gb} GB per GPU" + ("" if host_gb is None else f" and {host_gb} GB of host memory per rank")
+                parser.error(f"memory: not even {setup.sp} tokens fit {limit} with this setup")
+            setup = replace(setup, seq=longest)
+        else:
+            setup = Setup(**args)
         rows = memory_rows(setup)
+        step = worst_step(setup)
     except UlyssesInputError as e:
         parser.error(str(e))
     if as_json:
         out = {"setup": asdict(setup), "parameters": parameter_count(setup)[0], "activations": worst_activations(setup),
-               "rows": [asdict(r) for r in rows], "total_gpu": sum(r.gpu for r in rows), "total_host": sum(r.host for r in rows)}  # fmt: skip
+               "step": asdict(step), "rows": [asdict(r) for r in rows], "total_gpu": sum(r.gpu for r in rows),
+               "total_host": sum(r.host for r in rows)}  # fmt: skip
+        if find:
+            out.update(max_seq=longest, gpu_gb=gpu_gb, host_gb=host_gb)
         print(json.dumps(out, indent=1))
     else:
+        if find:
+            host = "" if host_gb is None else f" and {host_gb:g} GB of host memory per rank"
+            print(f"longest sequence within {gpu_gb:g} GB per GPU{host}: {longest:,} tokens ({longest // setup.sp:,} per rank)\n")
         print(render(setup, rows))
     return 0
 

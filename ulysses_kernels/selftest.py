@@ -26,7 +26,10 @@ A *path* is one kernel set x one communicator x one chunk count x one layout:
   ``ring`` (contiguous shards) and ``ring-zigzag`` (``seq_layout="zigzag"``, the inputs
   sharded with ``ring.shard_sequence``): one case ``ring-UxR`` per split of ``ring_splits``
   (at 2 ranks 1x2, at 4 2x2, at 8 4x2 and 2x4; none at 1), 2U query heads over fewer KV
-  heads, causal. The 2-D groups are made once per run, in the same order on every rank (and
+  heads, causal; ``ring-packed`` and ``ring-zigzag-packed`` (cases ``ring-UxR-packed``,
+  ``ring-UxR-zigzag-packed``): the same on one packed sequence (batch 1, ``packed``'s
+  document mix; at 2 to 8 ranks one document crosses a ring block boundary and, in zigzag,
+  one crosses the fold in the middle of the last ring rank's block). The 2-D groups are made once per run, in the same order on every rank (and
   again after the group recovery below); their Ulysses level runs on torch.distributed, so
   they are ``torch-dist`` paths only. Their groups get ``--timeout`` too
   (``make_sp_groups(timeout=)``), and the hang timer below backs it;
@@ -98,7 +101,7 @@ __all__ = ["LAYOUTS", "COMMS", "Case", "PathSpec", "make_cases", "main"]
 
 TENSORS = ("out", "dq", "dk", "dv")
 FLOAT64_BOUND = 1e-10  # as the tests: float64 all the way, only summation order differs
-LAYOUTS = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring", "ring-zigzag")
+LAYOUTS = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring", "ring-zigzag", "ring-packed", "ring-zigzag-packed")
 COMMS = ("torch-dist", "nccl", "nccl-borrowed")
 CHUNKS = ("1", "2", "auto")
 QUICK_LAYOUTS = ("gqa", "uneven-shards", "packed", "ring-zigzag")
@@ -194,8 +197,12 @@ def make_cases(world: int, seq_per_rank: int, names=LAYOUTS) -> list[Case]:
     }
     for layout, suffix in (("contiguous", ""), ("zigzag", "-zigzag")):
         # Zigzag cuts each rank's shard in two halves: an even shard for every --seq-per-rank.
+        even2 = (s + s % 2,) * p
         every["ring" + suffix] = [
-            Case(f"ring-{u}x{r}{suffix}", 2 * u, _fewer_kv_heads(2 * u, u), (s + s % 2,) * p, 2, True, (u, r), layout)
+            Case(f"ring-{u}x{r}{suffix}", 2 * u, _fewer_kv_heads(2 * u, u), even2, 2, True, (u, r), layout) for u, r in ring_splits(p)
+        ]
+        every["ring" + suffix + "-packed"] = [
+            Case(f"ring-{u}x{r}{suffix}-packed", 2 * u, _fewer_kv_heads(2 * u, u), even2, 1, True, (u, r), layout, short_and_crossing_documents(p, even2[0]))
             for u, r in ring_splits(p)
         ]
     return [c for n in names for c in every[n]]
@@ -709,7 +716,8 @@ class _Rank:
     def _note_ring_left_out(self, cases: list[Case], paths: list[PathSpec], names) -> None:
         """``not_tested``: why a ring layout asked for has no path."""
         for name in (n for n in names if n.startswith("ring")):
-            if not any(c.name.startswith("ring-") and c.seq_layout == ("zigzag" if "zigzag" in name else "contiguous") for c in cases):
+            zigzag, packed = "zigzag" in name, name.endswith("packed")
+            if not any(c.split and c.seq_layout == ("zigzag" if zigzag else "contiguous") and (c.docs is not None) == packed for c in cases):
                 self.not_tested[f"layout {name}"] = f"needs at least 2 ranks (ring_size >= 2), this run has {self.world}"
             elif not any(p.case.split for p in paths):
                 self.not_tested[f"layout {name}"] = "runs with comm torch-dist only (not in --comms)"

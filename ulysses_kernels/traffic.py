@@ -196,13 +196,23 @@ class LiveBytes(TorchDispatchMode):
     first frame outside torch that allocated it, as ``module.function:name`` (``name``: the
     variable the source line assigns, e.g. ``exchange.post_seq_to_head:send``).
     Kernel-internal scratch that never reaches the dispatcher is not seen.
+
+    Host memory: storages allocated at a site that starts with one of ``host_sites``
+    (``module.function``, e.g. ``"offload._host_copy"``) count in ``.host_current`` and
+    ``.host_peak`` instead: on the CPU an activation offload's "host" copies are CPU tensors
+    like the rest, and this keeps them apart from the "device" bytes. ``forget(t)`` stops
+    counting ``t``'s storage now, as if freed (a test stands in for an engine that reduces a
+    gradient and frees it).
     """
 
-    def __init__(self):
+    def __init__(self, host_sites: tuple[str, ...] = ()):
         super().__init__()
         self.current = 0
         self.peak = 0
         self.at_peak: Counter[str] = Counter()
+        self.host_current = 0
+        self.host_peak = 0
+        self.host_sites = tuple(host_sites)
         self._live: dict[int, tuple[int, str, weakref.ref]] = {}
         self._phase = ""
 
@@ -219,6 +229,13 @@ class LiveBytes(TorchDispatchMode):
             self._add(t, label)
         self._update_peak()
 
+    def forget(self, *tensors: torch.Tensor) -> None:
+        """Stop counting these tensors' storages (as if they were freed now)."""
+        for t in tensors:
+            entry = self._live.pop(id(t.untyped_storage()), None)
+            if entry is not None:
+                self._uncount(entry)
+
     def live(self) -> Counter[str]:
         """The bytes alive now, per label."""
         out: Counter[str] = Counter()
@@ -232,16 +249,31 @@ class LiveBytes(TorchDispatchMode):
         key = id(st)
         if n == 0 or key in self._live:
             return
+        host = False
         if label is None:
-            label = f"{self._phase}/{_site()}" if self._phase else _site()
+            site = _site()
+            label = f"{self._phase}/{site}" if self._phase else site
+            host = bool(self.host_sites) and site.startswith(self.host_sites)
+            if host:
+                label = "host:" + label
         self._live[key] = (n, label, weakref.ref(st, functools.partial(self._freed, key)))
-        self.current += n
+        if host:
+            self.host_current += n
+            self.host_peak = max(self.host_peak, self.host_current)
+        else:
+            self.current += n
+
+    def _uncount(self, entry) -> None:
+        if entry[1].startswith("host:"):
+            self.host_current -= entry[0]
+        else:
+            self.current -= entry[0]
 
     def _freed(self, key: int, ref) -> None:
         entry = self._live.get(key)
         if entry is not None and entry[2] is ref:
             del self._live[key]
-            self.current -= entry[0]
+            self._uncount(entry)
 
     def _update_peak(self) -> None:
         if self.current > self.peak:

@@ -172,9 +172,10 @@ def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_
     return 1 if n == 1 else len(chunk_plans(layout.plan, n, split_groups=split_groups))
 
 
-def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softmax_scale, check):
+def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softmax_scale, check, docs):
     """``prepare`` inside this rank's Ulysses group, then the whole 2-D group's agreement
-    (``ring.check_ring_inputs``: every rank raises when any rank's inputs are bad)."""
+    (``ring.check_ring_inputs``: every rank raises when any rank's inputs are bad; packed
+    documents are checked there, against the whole group's length)."""
     failed = None
     try:
         lens = None if seq_lens is None else (int(seq_lens[0]),) * sp.ulysses_size  # equal shards: checked below
@@ -182,7 +183,7 @@ def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softm
     except UlyssesInputError as e:
         failed, prepared = e, None
     scale = default_scale(q.shape[3], softmax_scale) if q.dim() == 4 else 0.0
-    check_ring_inputs(sp, q, k, causal=causal, scale_bits=float_bits(scale), seq_lens=seq_lens, failed=failed, check=check)
+    check_ring_inputs(sp, q, k, causal=causal, scale_bits=float_bits(scale), seq_lens=seq_lens, failed=failed, check=check, docs=docs)
     return prepared
 
 
@@ -196,8 +197,8 @@ def setup_attention(
     ``group`` an ``SPGroups`` (2-D): the Ulysses group takes the place of the group (members,
     checks, plan, exchange; ``comm``, if given, is the Ulysses group's) and the rank's backend
     is ``ring.RingBackend`` around the built-in backend, which the chunked pipeline runs per
-    head chunk like any backend. Packed documents (``cu_seqlens``) with a 2-D group are
-    refused (a ``ValueError`` raised alike on every rank: it depends on the arguments only)."""
+    head chunk like any backend; packed documents (``cu_seqlens``) go to it as ``docs=``
+    (their checks against the whole group: ``ring.check_ring_inputs``)."""
     traced = torch.compiler.is_compiling()
     if isinstance(group, SPGroups):
         return _setup_2d(group, q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
@@ -261,18 +262,16 @@ def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_sc
     sp.member_rank()
     group = sp.ulysses_group
     members = members_of(group, comm)
-    if documents(cu_seqlens, max_seqlen) is not None:
-        raise ValueError(
-            "ulysses_attention: packed documents (cu_seqlens) with a 2-D group (SPGroups, ring attention) are not supported "
-            "yet; pass a flat Ulysses group for packed batches, or unpacked batches to the 2-D group"
-        )
-    plan, layout = _prepare_2d(sp, q, k, v, members=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check)
+    docs = documents(cu_seqlens, max_seqlen)
+    plan, layout = _prepare_2d(
+        sp, q, k, v, members=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check, docs=docs,
+    )  # fmt: skip
     comm = _transport(group, comm, members, q.device, False)
     base, split, _ = _backend(attn_fn, q, layout.kv_map, False)
     kern = _kernel_set(kernels, q.device, layout, False)
     n = 1 if type(chunks) is int and chunks == 1 else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     return CallSetup(plan, layout, comm, kern, ring_backend(sp, base), split, bool(causal), default_scale(q.shape[3], softmax_scale),
-                     layout.kv_map, n, False, None, _schedule(False, n))  # fmt: skip
+                     layout.kv_map, n, False, docs, _schedule(False, n))  # fmt: skip
 
 
 def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check) -> CallSetup:

@@ -27,6 +27,12 @@ Methods (``--methods``, default all that can run):
                from 16 tokens up to half the sequence), block-diagonal causal attention
   equal-<k>     the same tokens as the same number of equal-length documents: what a batch
                of equal-length sequences computes (``x_equal`` = packed / equal time)
+  packed-hybrid-UxR[-zigzag]
+               the packed rows' documents on the 2-D group ``make_sp_groups(U, R)``, contiguous
+               or zigzag shards (real ranks, U*R = world): columns ``steps`` (ring steps that
+               compute, of R*R) and ``hops`` (K/V block transfers per forward, of R*(R-1))
+               say what the ring schedule skipped (``ring.schedule``); compare the time with
+               ``hybrid-UxR`` (the same tokens unpacked) and ``packed-<k>`` (the flat group)
   local-packed the compute floor of the packed rows (this rank's heads, all rows, no
                communication)
   layout-<k>   ours, data movement only: the packs/unpacks of one layer without the
@@ -53,6 +59,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -70,6 +78,8 @@ from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.reference import default_scale
+from ulysses_kernels.ring import shard_rows
+from ulysses_kernels.ring.schedule import ring_schedule
 
 warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
 
@@ -165,10 +175,13 @@ class Method:
     for bit with the pure-PyTorch reference (elements that differ, on this rank).
     """
 
-    def __init__(self, name, fn=None, seq_sharded=True, layout_only=False, fwd=None, bwd=None, check=None, docs=None):
+    def __init__(self, name, fn=None, seq_sharded=True, layout_only=False, fwd=None, bwd=None, check=None, docs=None, rows=None,
+                 ring=None):  # fmt: skip
         self.name, self.fn, self.seq_sharded, self.layout_only = name, fn, seq_sharded, layout_only
         self.fwd_only, self.bwd_only, self.check_layout = fwd, bwd, check
         self.docs = docs  # packed rows: the documents (``Documents``) the method attends within
+        self.rows = rows  # the global positions this rank's inputs hold (None: the contiguous shard)
+        self.ring = ring  # 2-D packed rows: the ``RingSchedule`` of the call (what it skips)
 
 
 def local_method(plan, rank, backend, scale, name="local", docs=None):
@@ -378,6 +391,7 @@ def method_names(args, world: int, P: int) -> list[str]:
         names += ["chain"] + [f"ulysses-{k}" for k in kernels] + ["deepspeed", "yunchang"]
         names += [f"hybrid-{u}x{world // u}" for u in range(1, world) if world % u == 0]
         names += [f"{m}-{k}" for k in kernels for m in ("packed", "equal")]
+        names += [f"packed-hybrid-{u}x{world // u}{z}" for u in range(1, world) if world % u == 0 for z in ("", "-zigzag")]
     names += [f"layout-{k}" for k in kernels] + ["chain-layout"]
     if args.methods != "all":
         names = [m.strip() for m in args.methods.split(",")]
@@ -408,6 +422,8 @@ def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
         return local_method(plan, rank, wrapped, scale, name)
     if name == "local-packed":
         return local_method(plan, rank, backend, scale, name, docs=packed_documents(inp.S))
+    if name.startswith("packed-hybrid-"):
+        return packed_hybrid_method(name, args, inp, backend, rank)
     if name.startswith(("packed-", "equal-")):
         return packed_method(name, args, inp, backend)
     if name == "chain":
@@ -457,8 +473,31 @@ def packed_method(name: str, args, inp: Inputs, backend) -> Method:
     return Method(name, fn, docs=docs)
 
 
+def packed_hybrid_method(name: str, args, inp: Inputs, backend, rank: int) -> Method:
+    """``packed-hybrid-UxR[-zigzag]``: the packed rows' documents on a 2-D group."""
+    sp = args.sp_groups.get(name)
+    if sp is None:
+        raise Skip(f"{name} needs U*R = world real ranks")
+    if inp.B != 1:
+        raise Skip(f"packed rows need --batch 1 (documents end to end), got {inp.B}")
+    R = sp.ring_size
+    if sp.seq_layout == "zigzag" and inp.S % math.lcm(2 * R, sp.world_size):
+        raise Skip(f"zigzag needs the sequence ({inp.S}) to be a multiple of lcm(2R, P) = {math.lcm(2 * R, sp.world_size)}")
+    docs = packed_documents(inp.S)
+    sched = ring_schedule(R, sp.seq_layout, inp.S // R, True, docs.cu_seqlens)
+    rows = None if sp.seq_layout == "contiguous" else shard_rows(inp.S, sp.ulysses_size, R, rank, sp.seq_layout)
+
+    def fn(q, k, v):
+        return ulysses_attention(q, k, v, sp, causal=True, attn_fn=backend, chunks=args.chunks, check=False, cu_seqlens=docs.cu_seqlens,
+                                 max_seqlen=docs.max_seqlen)  # fmt: skip
+
+    return Method(name, fn, docs=docs, rows=rows, ring=sched)
+
+
 def make_inputs(m: Method, inp: Inputs, plan: HeadPlan, rank: int):
-    if m.seq_sharded:
+    if m.rows is not None:  # a zigzag shard: rows of every block
+        q, k, v, dout = (inp.full(n, range(inp.Hkv if n in "kv" else inp.H)).index_select(1, m.rows.to(inp.device)) for n in ("q", "k", "v", "dout"))
+    elif m.seq_sharded:
         q, k, v, dout = (inp.block(rank, n) for n in ("q", "k", "v", "dout"))
     else:
         (qa, qb), (ka, kb) = plan.q_ranges[rank], plan.kv_ranges[rank]
@@ -520,7 +559,7 @@ def check_method(m: Method, outs, inp: Inputs, plan: HeadPlan, rank: int, scale:
     out, dq = outs
     if m.seq_sharded:
         local = sample_rows(inp.s, n_rows)
-        rows = [rank * inp.s + t for t in local]
+        rows = [rank * inp.s + t if m.rows is None else int(m.rows[t]) for t in local]
         heads = list(range(inp.H))
     else:
         local = sample_rows(inp.S, n_rows)
@@ -621,6 +660,8 @@ def method_rows(m: Method, res: dict, wrong, args, g: Group, dtype) -> list[dict
             "time_ms": t * 1e3, "tflops": None if m.layout_only else flops_fwd * FLOP_FACTOR[p] / t / 1e12,
             "mem_gib": None if mem is None else mem / 2**30, "wrong": wrong, "dtype": C.dtype_name(dtype),
             "backend": g.backend.name, "docs": 1 if m.docs is None else m.docs.count,
+            "ring_steps": None if m.ring is None else f"{m.ring.computed_steps()}/{m.ring.ring_size ** 2}",
+            "ring_hops": None if m.ring is None else f"{m.ring.hops()}/{m.ring.ring_size * (m.ring.ring_size - 1)}",
         })  # fmt: skip
     return rows
 
@@ -707,18 +748,19 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
 
 
 def hybrid_groups(names, world: int) -> dict:
-    """``{name: SPGroups}`` for the ``hybrid-UxR`` methods that fit ``world`` real ranks,
-    made once per run (collective: every rank makes them in the same order)."""
-    groups = {}
+    """``{name: SPGroups}`` for the ``hybrid-UxR`` and ``packed-hybrid-UxR[-zigzag]`` methods
+    that fit ``world`` real ranks, made once per split per run (collective: every rank makes
+    them in the same order)."""
+    groups, made = {}, {}
     for name in names:
-        if not name.startswith("hybrid-") or world == 1:
-            continue
-        try:
-            u, r = (int(x) for x in name[len("hybrid-") :].split("x"))
-        except ValueError:
+        match = re.fullmatch(r"(?:packed-)?hybrid-(\d+)x(\d+)(-zigzag)?", name)
+        if match is None or world == 1 or (match[3] and not name.startswith("packed-")):
             continue  # build_method says why
+        u, r = int(match[1]), int(match[2])
         if u * r == world:
-            groups[name] = make_sp_groups(u, r)
+            if (u, r) not in made:
+                made[u, r] = make_sp_groups(u, r)
+            groups[name] = made[u, r].with_layout("zigzag" if match[3] else "contiguous")
     return groups
 
 
@@ -767,7 +809,8 @@ COLUMNS = [
     ("model", "model", ""), ("seq", "seq", "d"), ("world", "P", "d"), ("method", "method", ""), ("pass", "pass", ""),
     ("time_ms", "time(ms)", ".3f"), ("tflops", "TFLOP/s", ".1f"), ("x_chain", "x_chain", ".2f"),
     ("x_floor", "x_floor", ".2f"), ("mem_gib", "mem(GiB)", ".2f"), ("extra_gib", "extra(GiB)", ".2f"),
-    ("docs", "docs", "d"), ("x_equal", "x_equal", ".2f"), ("wrong", "#wrong", "d"),
+    ("docs", "docs", "d"), ("x_equal", "x_equal", ".2f"), ("ring_steps", "steps", ""), ("ring_hops", "hops", ""),
+    ("wrong", "#wrong", "d"),
 ]  # fmt: skip
 BREAKDOWN_COLUMNS = [
     ("model", "model", ""), ("seq", "seq", "d"), ("pass", "pass", ""), ("kernels", "kernels", ""),

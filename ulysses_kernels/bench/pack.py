@@ -32,7 +32,7 @@ bytes written) / time; ``% copy`` = this row's GB/s over the copy row's (target:
 pack and unpack >= 90% of the copy bandwidth on an H100 for buffers >= 64 MiB; a bandwidth
 ratio, not a time ratio, because an unpack that sums replicated KV heads writes fewer bytes
 than it receives); ``x_chain`` = chain time / this time (target for
-the fused rows: >= 3x); ``#wrong`` = elements that differ bit for bit from ``layout.py``'s
+the fused rows: >= 3x); ``#wrong`` = elements that differ bit for bit from ``kernels/torch_kernels.py``'s
 reference on the same inputs (the copy rows: from the copy's source), counted on one more
 run after the timing, with the outputs filled with NaN first so that an element a kernel
 leaves unwritten counts. Any ``#wrong`` > 0 makes the script exit non-zero (after writing
@@ -125,7 +125,7 @@ def chain_divides(lay: Layout) -> bool:
 class _Config:
     """The tensors of one configuration that every row reads: rank 0's layout, q/k/v as
     views of one fused projection output, the receive buffer of the q/k/v roles' backward
-    all-to-all, and the reference results of ``layout.py`` on them."""
+    all-to-all, and the reference results of ``kernels/torch_kernels.py`` on them."""
 
     def __init__(self, cfg, device: torch.device, dtype: torch.dtype, seed: int):
         hq, hkv, world, batch, seq, d = cfg

@@ -32,6 +32,22 @@ rank's sequence shard. ``sp_stream`` is accepted and unused: DeepSpeed uses it t
 its separate q, k and v all-to-alls, and ours move the three in one collective.
 
 Shards must be equal (every rank holds ``s/p`` tokens), as in DeepSpeed.
+
+Which query heads a rank holds. Where the heads divide the group and each rank's query heads
+use whole KV groups, both split the heads into equal contiguous ranges, the same on every
+rank. Otherwise the splits differ: DeepSpeed (0.19.8, ``sequence/layer.py`` with
+``num_kv_heads``, ``module_inject/tp_shard.py``) deals out whole KV groups, first ranks one
+more (10 query / 5 KV heads over 4 ranks: query heads ``[4, 2, 2, 2]``); ours balances the
+query heads (``HeadPlan``: ``[3, 3, 2, 2]``, a KV head sent to every rank whose query heads
+use it). A local attention that keeps per-head state (ALiBi slopes, sinks, per-head scales)
+must index it by the rank's global query heads, ``layer.query_heads(q_heads, kv_heads)``,
+never by ``rank * heads_per_rank``, which is wrong under either split when the heads are
+uneven (tests/test_alst.py: ALiBi at 10/5 heads over 4 ranks, exact against one process).
+
+DeepSpeed's ALST entry point for transformers (``UlyssesSPAttentionHF``, what accelerate's
+``ParallelismConfig(sp_backend="deepspeed")`` and the Trainer call) lives in
+``integrations.alst``; ``enable_alst()`` (re-exported here) makes DeepSpeed's entry point run it
+(docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -46,8 +62,17 @@ from ..checks import UlyssesInputError
 from ..comm import get_communicator
 from ..gqa import expand_kv
 from ..plan import HeadPlan
+from .alst import ALSTIntegrationError, UlyssesSPAttentionHF, alst_enabled, disable_alst, enable_alst
 
-__all__ = ["DistributedAttention", "DeepSpeedIntegrationError"]
+__all__ = [
+    "DistributedAttention",
+    "DeepSpeedIntegrationError",
+    "UlyssesSPAttentionHF",
+    "ALSTIntegrationError",
+    "enable_alst",
+    "disable_alst",
+    "alst_enabled",
+]
 
 
 class DeepSpeedIntegrationError(UlyssesInputError):
@@ -154,6 +179,13 @@ class DistributedAttention(nn.Module):
         if plan is None:
             plan = self._plans[heads] = HeadPlan.build(heads[0], heads[1], self._comm.world_size)
         return plan
+
+    def query_heads(self, q_heads: int, kv_heads: int) -> range:
+        """The global indices of the query heads this rank's local attention gets for a call
+        with ``q_heads`` query and ``kv_heads`` KV heads (in order: local head ``i`` is global
+        head ``query_heads(...)[i]``). Index per-head state (ALiBi slopes, sinks) with it."""
+        plan = self._plans.get((q_heads, kv_heads)) or HeadPlan.build(q_heads, kv_heads, self._comm.world_size)
+        return range(*plan.q_ranges[self._comm.rank])
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int | None = None,
                 rotary_pos_emb=None, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip

@@ -123,9 +123,26 @@ class ParallelGroups:
 
 class DeepSpeedMPU:
     """The model-parallel unit DeepSpeed queries (``deepspeed.utils.groups``): sequence,
-    sequence-data and data-parallel groups from a ``ParallelGroups``, and model (tensor)
-    parallelism of size 1. With it DeepSpeed shards ZeRO state and reduces gradients over
-    ``dp x sp`` ranks and counts the batch over ``dp`` replicas.
+    sequence-data and data-parallel groups from a ``ParallelGroups``. With it DeepSpeed shards
+    ZeRO state and reduces gradients over ``dp x sp`` ranks and counts the batch over ``dp``
+    replicas.
+
+    It follows the convention of DeepSpeed's own sequence-parallel mpu (the
+    ``parallel_state_sp`` module that ``UlyssesSPAttentionHF.register_with_transformers``
+    returns, 0.19.8 read): the model-parallel getters are the sequence-parallel ones
+    (``get_model_parallel_rank() == get_sequence_parallel_rank()``), and it has
+    ``initialize_sequence_parallel``, the attribute DeepSpeed looks for
+    (``hasattr(mpu, "initialize_sequence_parallel")`` in ``utils/groups.py``,
+    ``zero/stage_1_and_2.py``, ``zero/stage3.py``) to treat model parallelism as size 1 in
+    ZeRO and in the engine. So the engine's ``mp_world_size`` is 1 and every rank names its
+    checkpoint files ``mp_rank_00_*``: checkpoints move between sequence-parallel sizes and
+    from runs without sequence parallelism (tests/test_alst.py, as DeepSpeed's
+    ``TestUlyssesCheckpointLoad`` asserts it). Tensor parallelism, which DeepSpeed's
+    backward-compatible helpers (``utils/bwc.py``) and activation checkpointing read first,
+    is size 1. NOTE: for such an mpu DeepSpeed 0.19.8 leaves ``engine.dp_world_size`` at
+    ``None`` (``groups._get_data_parallel_world_size``), so ``engine.set_train_batch_size()``
+    raises a TypeError (measured; DeepSpeed's own module takes the same branch); the batch arithmetic of
+    ``deepspeed.initialize`` reads ``get_data_parallel_world_size()`` below and is right.
 
     Do not also set ``sequence_parallel_size``/``data_parallel_size`` in the DeepSpeed
     config or pass ``mesh_param``: they make DeepSpeed build a mesh of its own as well
@@ -135,8 +152,18 @@ class DeepSpeedMPU:
     def __init__(self, groups: ParallelGroups):
         self._groups = groups
         world = dist.get_world_size()
-        # One singleton group per rank (made on every rank, as new_group requires).
-        self._mp_group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])
+        # One singleton group per rank (made on every rank, as new_group requires): the
+        # tensor-parallel group.
+        self._tp_group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        """DeepSpeed's marker of a sequence-parallel mpu (it only checks that the attribute
+        exists). The groups exist already: this checks the size and makes nothing."""
+        if sequence_parallel_size != self._groups.sp_size:
+            raise MeshError(
+                f"DeepSpeedMPU.initialize_sequence_parallel: sequence_parallel_size expected {self._groups.sp_size} "
+                f"(the groups were built with it), got {sequence_parallel_size}"
+            )
 
     # sequence parallelism
     def get_sequence_parallel_group(self):
@@ -178,19 +205,24 @@ class DeepSpeedMPU:
     def get_data_parallel_group_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.get_data_parallel_group())
 
-    # model (tensor) parallelism: none
-    def get_model_parallel_group(self):
-        return self._mp_group
+    # model parallelism: DeepSpeed's sequence-parallel mpu aliases it to sequence parallelism
+    # (parallel_state_sp.py); DeepSpeed sees the marker above and uses size 1 inside ZeRO and
+    # for the checkpoint names. Its ZeRO-0 gradient clipping (runtime/utils.py
+    # clip_grad_norm_) reads these three together: the norm of sequence rank 0, summed over
+    # the sequence group, which is every rank's norm there (the gradients are all-reduced).
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
 
-    def get_model_parallel_world_size(self) -> int:
+    # tensor parallelism: none
+    def get_tensor_model_parallel_group(self):
+        return self._tp_group
+
+    def get_tensor_model_parallel_world_size(self) -> int:
         return 1
 
-    def get_model_parallel_rank(self) -> int:
+    def get_tensor_model_parallel_rank(self) -> int:
         return 0
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
 
     def get_tensor_model_parallel_src_rank(self) -> int:
         return dist.get_rank()

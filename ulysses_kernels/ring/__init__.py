@@ -6,14 +6,20 @@
 * ``merge``: the overflow-safe log-sum-exp merge of partial results;
 * ``attention``: ``RingBackend``, the attention backend a rank of a 2-D group runs between
   the two Ulysses exchanges, and the ring-level checks;
-* ``shard``: ``shard_sequence``/``unshard_sequence``.
+* ``shard``: ``shard_sequence``/``unshard_sequence``;
+* ``schedule``: ``RingSchedule``, what one call computes and sends (what it skips);
+* ``balance``: ``balance_documents``, an order of packed documents that evens the ring
+  ranks' attention work;
+* ``varlen``: one flash-attn varlen call per ring step of a packed sequence (opt-in).
 
 ``ulysses_attention(q, k, v, group=make_sp_groups(U, R))`` runs it (``attention.call.setup_attention``).
 """
 
 from .attention import RingBackend, check_ring_inputs, ring_backend
+from .balance import balance_documents, rank_work
 from .groups import PLACEMENTS, SPGroups, make_sp_groups, sp_rank_lists
 from .merge import PartialAttention, acc_dtype, merge_lse
+from .schedule import RingSchedule, ring_schedule
 from .seq_layout import SEQ_LAYOUTS, block_pieces, shard_rows, tile_rows
 from .shard import shard_sequence, unshard_sequence
 
@@ -22,13 +28,17 @@ __all__ = [
     "SEQ_LAYOUTS",
     "PartialAttention",
     "RingBackend",
+    "RingSchedule",
     "SPGroups",
     "acc_dtype",
+    "balance_documents",
     "block_pieces",
     "check_ring_inputs",
     "make_sp_groups",
     "merge_lse",
+    "rank_work",
     "ring_backend",
+    "ring_schedule",
     "shard_rows",
     "shard_sequence",
     "sp_rank_lists",

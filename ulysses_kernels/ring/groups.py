@@ -116,7 +116,8 @@ class SPGroups:
         ``q_heads``/``kv_heads``: the ``HeadPlan`` of its Ulysses group) and the sequence
         chunks its ring block holds; with ``seq_len`` too, the bytes each rank sends per
         level in one forward (Ulysses: q/k/v to its peers and the output back; ring: its
-        K/V block to the next ring rank, ``ring_size - 1`` times)."""
+        K/V block to the next ring rank, ``ring_size - 1`` times: the full ring; a causal call
+        on contiguous shards, or a packed one, sends fewer, ``ring.schedule``)."""
         plan = HeadPlan.build(q_heads, kv_heads, self.ulysses_size) if q_heads is not None else None
         n_chunks = block_chunks(0, self.ring_size, self.seq_layout)[1]
         lines = [

@@ -20,15 +20,29 @@ Causal attention of a query chunk against a key chunk (chunks are equal and alig
 chunk before the query chunk is attended in full, the same chunk causally (the diagonal), a
 later one not at all. ``block_pieces`` turns that rule into the few rectangles one ring step
 computes.
+
+Packed documents (global ``cu_seqlens``): a block's global positions ascend (both layouts),
+so each document's tokens in a block are one run of block rows (``document_rows``: a
+document that crosses the zigzag fold, from chunk ``j`` into chunk ``2R-1-j``, too).
+``document_pieces`` cuts a step's rectangles by document: the part of a full rectangle
+inside one document is full, the part of the diagonal inside one document is that
+document's own causal square (its rows ascend), and everything across two documents is
+dropped. Of two different (disjoint) chunks, at most one document holds tokens of both,
+so an off-diagonal step keeps at most a rectangle or two however many documents there
+are; only the diagonal step (a block against itself) keeps one square per document.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
 
-__all__ = ["SEQ_LAYOUTS", "check_seq_layout", "block_chunks", "shard_rows", "block_pieces", "tile_rows"]
+__all__ = [
+    "SEQ_LAYOUTS", "check_seq_layout", "block_chunks", "block_runs", "shard_rows", "block_pieces", "document_rows",
+    "document_pieces", "tile_rows",
+]  # fmt: skip
 
 SEQ_LAYOUTS = ("contiguous", "zigzag")
 
@@ -46,6 +60,14 @@ def block_chunks(ring_rank: int, ring_size: int, seq_layout: str) -> tuple[tuple
     if seq_layout == "zigzag":
         return (ring_rank, 2 * ring_size - 1 - ring_rank), 2 * ring_size
     return (ring_rank,), ring_size
+
+
+def block_runs(ring_rank: int, ring_size: int, seq_layout: str, block_len: int) -> tuple[tuple[int, int], ...]:
+    """The global ``[start, end)`` of each chunk of ring rank ``ring_rank``'s block of
+    ``block_len`` rows, in block-row order (ascending: the block's positions ascend)."""
+    chunks, _ = block_chunks(ring_rank, ring_size, seq_layout)
+    c = block_len // len(chunks)
+    return tuple((i * c, (i + 1) * c) for i in chunks)
 
 
 def shard_rows(seq_len: int, ulysses_size: int, ring_size: int, rank: int, seq_layout: str) -> torch.Tensor:
@@ -96,6 +118,41 @@ def block_pieces(q_chunks, kv_chunks, block_len: int, causal: bool) -> list[tupl
         else:
             pieces.append((q_rows, slice(*kv), False))
     return pieces
+
+
+def document_rows(runs, cu_seqlens) -> dict[int, tuple[int, int]]:
+    """``{document: (first row, end row)}``: the block rows of each document with tokens in
+    a block whose chunks are ``runs`` (``block_runs``), for global boundaries ``cu_seqlens``.
+    A block row counts the block's positions below a global position, so a document's rows
+    are one run even when it covers the end of one chunk and the start of the next."""
+
+    def row(x: int) -> int:  # block rows whose global position is below x
+        return sum(min(max(x - a, 0), b - a) for a, b in runs)
+
+    out = {}
+    for a, b in runs:
+        # Documents that overlap [a, b): from the one holding a to the one holding b - 1.
+        for d in range(bisect.bisect_right(cu_seqlens, a) - 1, bisect.bisect_left(cu_seqlens, b)):
+            if d not in out:
+                out[d] = (row(cu_seqlens[d]), row(cu_seqlens[d + 1]))
+    return out
+
+
+def document_pieces(pieces, q_docs: dict, kv_docs: dict) -> list[tuple[slice, slice, bool]]:
+    """``pieces`` (``block_pieces`` of one step) cut by document: per piece and per document
+    with rows in both blocks (``document_rows`` of the query block and of the KV block), the
+    piece's rows and columns inside that document, in document order. A full piece stays
+    full inside a document; the diagonal piece (query block = KV block) becomes each
+    document's causal square (same rows and columns, ascending positions)."""
+    out = []
+    for rows, cols, diag in pieces:
+        for d in sorted(q_docs.keys() & kv_docs.keys()):
+            (qa, qb), (ka, kb) = q_docs[d], kv_docs[d]
+            r = slice(max(rows.start, qa), min(rows.stop, qb))
+            c = slice(max(cols.start, ka), min(cols.stop, kb))
+            if r.start < r.stop and c.start < c.stop:
+                out.append((r, c, diag))
+    return out
 
 
 def tile_rows(pieces, max_rows: int) -> list[tuple[slice, slice, bool]]:

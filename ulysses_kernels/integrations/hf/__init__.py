@@ -51,11 +51,13 @@ overlaid on the global mask they build (the ``eager`` and ``sdpa`` implementatio
 The package, by job (each imports only the ones above it):
 
 * ``batch``: the data side: ``SequenceShard``, ``ShardedBatch``, ``shard_batch`` (sharding,
-  the global label shift, positions, packed documents, the same-batch check) and
-  ``HFIntegrationError``;
+  the global label shift, positions, packed documents, zigzag shards of a 2-D group, the
+  same-batch check) and ``HFIntegrationError``;
 * ``training``: ``reduce_loss``, ``sync_gradients``, ``gather_sequence``;
-* ``adapter``: what transformers calls in every layer: the ``"ulysses"`` attention function
-  and mask function (fused op, or the model's own attention between the exchanges);
+* ``adapter``: what runs in every layer: the ``"ulysses"`` attention function and mask
+  function (fused op, or the model's own attention between the exchanges),
+  ``sequence_parallel_attention`` (the same for callers that intercept a model's own
+  attention) and ``attention_settings``;
 * ``model``: ``register`` and ``apply`` (checking a model and switching it over).
 
 Supported: decoder-only causal LMs whose attention goes through ``AttentionInterface``
@@ -69,7 +71,7 @@ attention with flash or a registered implementation, chunked or bidirectional at
 KV caches (generation).
 """
 
-from .adapter import ATTN_IMPLEMENTATION
+from .adapter import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_attention
 from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
 from .model import apply
 from .model import register as register  # hf.register(): public, outside __all__ as before
@@ -81,6 +83,8 @@ __all__ = [
     "SequenceShard",
     "ShardedBatch",
     "apply",
+    "attention_settings",
+    "sequence_parallel_attention",
     "shard_batch",
     "split_lengths",
     "reduce_loss",

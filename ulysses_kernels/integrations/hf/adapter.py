@@ -11,8 +11,10 @@ One attention call, q/k/v ``[B, H, seq_lens[r], D]``:
     the model's keywords, per-head sinks sliced to the rank's heads, the layer type's
     mask rebuilt over global positions -> head_to_seq
 
-The settings ``apply`` chose live on each attention module (``_Settings``, under
-``_SETTINGS_ATTR``); the step's ``SequenceShard`` arrives as the ``ulysses_shard`` keyword.
+The settings ``apply`` chose live on each attention module (``_Settings``, made by
+``attention_settings``, under ``_SETTINGS_ATTR``); the step's ``SequenceShard`` arrives as the
+``ulysses_shard`` keyword. ``sequence_parallel_attention`` is the same call for a model that
+``apply`` did not switch (``integrations.alst``), its settings and shard given explicitly.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from ...attention import head_to_seq, seq_to_head, ulysses_attention
+from ...comm import get_communicator
 from ...documents import Documents, document_ids
 from ...gqa import expand_kv
 from ...plan import HeadPlan
 from ...ring import SPGroups
 from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
 
-__all__ = ["ATTN_IMPLEMENTATION"]
+__all__ = ["ATTN_IMPLEMENTATION", "attention_settings", "sequence_parallel_attention"]
 
 ATTN_IMPLEMENTATION = "ulysses"
 _SETTINGS_ATTR = "_ulysses_settings"  # set on each attention module by ``apply``
@@ -179,7 +182,44 @@ def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
     """
     settings, shard = _call_context(module, kwargs)
     kwargs.pop(_SHARD_KWARG)
-    mask = _layer_mask(module, attention_mask)
+    return _attend(module, settings, shard, _layer_mask(module, attention_mask), query, key, value, kwargs)
+
+
+def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                                settings: _Settings, shard: SequenceShard, **kwargs):  # fmt: skip
+    """One attention call of a model that ``apply`` did not switch: what the ``"ulysses"``
+    attention function does, with the settings and the step's shard given explicitly.
+
+    For callers that intercept a model's own attention implementation (DeepSpeed ALST's
+    entry point, ``integrations.alst``), so the model's mask function is not ours: the mask
+    of the layer is taken from the model's ``sliding_window`` keyword (``None`` or absent:
+    causal) and rebuilt over the global sequence as ``apply``'s mask function would record it.
+
+    Args:
+        module: the model's attention module (``scaling``, ``is_causal``, ``head_dim``, ...).
+        query, key, value: ``[B, H, seq_lens[rank], D]`` (k/v with the model's KV heads).
+        settings: ``attention_settings(...)``, made once (it may own a communicator).
+        shard: the step's ``SequenceShard`` (the same on every rank; it caches the step's
+            checks and masks, so use one object per step).
+        kwargs: the model's keywords (``scaling``, ``dropout``, ``sliding_window``,
+            ``softcap``, ``s_aux``, ``position_ids`` (dropped), ...).
+
+    Returns ``(out, None)``, ``out`` ``[B, seq_lens[rank], Hq, D]``.
+    """
+    window = kwargs.get("sliding_window")
+    if window is None:
+        mask = _GlobalMask(None, {})
+    else:
+        from transformers.masking_utils import sliding_window_causal_mask_function
+
+        # local_size: sdpa's mask function skips the mask (plain causal) unless it knows the window.
+        mask = _GlobalMask(int(window), {"mask_function": sliding_window_causal_mask_function(int(window)), "local_size": int(window)})
+    return _attend(module, settings, shard, mask, query, key, value, kwargs)
+
+
+def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
+    """The attention call of ``_ulysses_attention_forward`` once its settings, shard and mask
+    are known: the fused op for plain causal attention, else the model's own attention."""
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise HFIntegrationError(
             f"{type(module).__name__}: non-causal attention is not supported (ulysses applies a global causal mask)"
@@ -213,7 +253,9 @@ def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     them: plain causal attention (the fused op). The model's mask function saw only this
     rank's positions; the boundaries come from ``shard_batch``, global."""
     if shard.documents is None:
-        if mask.packed:
+        # A zigzag shard's positions jump at its second chunk (transformers sees a packed
+        # sequence there); shard_batch made them from the global ones, so they are not.
+        if mask.packed and shard.ring_layout is None:
             raise HFIntegrationError(
                 f"{type(module).__name__}: position_ids restart inside the sequence (packed documents) but the batch was "
                 "not sharded as packed; pass the global position_ids (or cu_seqlens) to shard_batch"
@@ -325,6 +367,12 @@ def _check_sharded_input(name: str, shard: SequenceShard, settings: _Settings, q
             f"{name}: the batch was sharded for rank {shard.rank} of {shard.world_size} but apply() was given a group "
             f"in which this process is rank {rank} of {world}; pass the same group to apply and shard_batch"
         )
+    layout = sp.seq_layout if isinstance(sp, SPGroups) else "contiguous"
+    if (shard.ring_layout or (0, 0, "contiguous"))[2] != layout:
+        raise HFIntegrationError(
+            f"{name}: the batch was sharded {(shard.ring_layout or (0, 0, 'contiguous'))[2]} but apply() was given a group with "
+            f"seq_layout {layout!r}; pass the same SPGroups to apply and shard_batch"
+        )
     local = query.shape[2]
     if local != shard.local_len or query.shape[0] != shard.batch_size:
         if local == shard.valid_len and shard.world_size > 1:
@@ -414,3 +462,22 @@ def _closure(fn, like) -> dict:
     if code is None or code is not like.__code__ or not fn.__closure__:
         return {}
     return {n: cell.cell_contents for n, cell in zip(code.co_freevars, fn.__closure__)}
+
+
+
+def attention_settings(group=None, *, impl: str = "", fn: Callable | None = None, attn_fn=None, kernels=None,
+                       chunks: int | str = 1, check: str = "step", comm=None) -> _Settings:  # fmt: skip
+    """The frozen settings of sequence-parallel attention calls (``apply`` makes one per
+    model; ``sequence_parallel_attention`` takes one).
+
+    ``group``, ``attn_fn``, ``kernels``, ``chunks``, ``check``, ``comm``: as for ``apply``.
+    ``impl``/``fn``: the model's configured attention implementation and its function (what
+    runs on each rank's heads when the call is not plain causal). Resolves the communicator
+    once (with ``ULYSSES_KERNELS_NATIVE_NCCL=1`` on an NCCL group making a native one, which
+    is collective): make it once, on every rank.
+    """
+    if check not in ("step", "always", "never"):
+        raise HFIntegrationError(f"attention_settings: check expected 'step', 'always' or 'never', got {check!r}")
+    # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
+    exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
+    return _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check, impl, fn)

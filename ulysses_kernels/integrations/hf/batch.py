@@ -13,6 +13,8 @@ Layout of one step, global sequence of ``S`` tokens over ``P`` ranks::
 Packed batches (batch 1, documents end to end): the documents come from position ids that
 restart at 0 (or ``cu_seqlens``); positions restart per document, the last token of each
 document has no target, and the global boundaries go on the step's ``SequenceShard``.
+A 2-D group with zigzag shards: rank r holds ``ring.shard_rows`` of the sequence (two
+chunks), recorded on the shard as ``ring_layout``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ...checks import UlyssesInputError, by_value
 from ...comm import get_communicator
 from ...documents import Documents, boundaries_digest, document_ids, documents, first_unordered, pad_documents
 from ...layout import split_lengths  # the project's one rule for uneven shards (re-exported by the package)
-from ...ring import SPGroups
+from ...ring import SPGroups, shard_rows
 
 __all__ = ["HFIntegrationError", "SequenceShard", "ShardedBatch", "shard_batch", "split_lengths"]
 
@@ -46,6 +48,9 @@ class SequenceShard:
     ``sum(seq_lens)`` (the padded length), ``valid_len`` the length before padding.
     ``documents``: a packed batch's global document boundaries over ``total`` tokens (the
     padding, if any, is the last document), ``None`` for ordinary batches.
+    ``ring_layout``: ``(ulysses_size, ring_size, "zigzag")`` for a 2-D group whose
+    ``seq_layout`` is zigzag: rank r then holds ``ring.shard_rows`` of the sequence (two
+    chunks), not a contiguous slice; ``None``: contiguous.
     Passed to the model as the ``ulysses_shard`` keyword; the attention function reads it.
     """
 
@@ -55,6 +60,7 @@ class SequenceShard:
     valid_len: int
     batch_size: int
     documents: Documents | None = None
+    ring_layout: tuple[int, int, str] | None = None
     # Input signatures already validated across ranks in this step (one check per step,
     # not per layer); the same on every rank because every rank runs the same layers.
     _checked: set = field(default_factory=set, repr=False)
@@ -84,7 +90,16 @@ class SequenceShard:
             pad_shape = list(x.shape)
             pad_shape[dim] = self.total - x.shape[dim]
             x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
+        if self.ring_layout is not None:
+            return x.index_select(dim, self.rows(self.rank).to(x.device))
         return x.narrow(dim, self.start, self.local_len).contiguous()
+
+    def rows(self, rank: int) -> torch.Tensor:
+        """The global positions rank ``rank`` holds (int64, ascending)."""
+        if self.ring_layout is not None:
+            return shard_rows(self.total, *self.ring_layout[:2], rank, self.ring_layout[2])
+        start = sum(self.seq_lens[:rank])
+        return torch.arange(start, start + self.seq_lens[rank])
 
 
 @dataclass
@@ -204,13 +219,10 @@ def shard_batch(
         position_ids = _global_positions(input_ids, position_ids)
     bsz, seq = input_ids.shape
     total, seq_lens = _shard_lengths(seq, world, pad)
+    ring_layout = None
     if isinstance(group, SPGroups):
-        _check_2d_shards(group, seq, total, seq_lens)
-        if cu is not None:
-            raise HFIntegrationError(
-                "shard_batch: packed documents (cu_seqlens, or position_ids that restart) with a 2-D group (SPGroups) are not "
-                "supported yet; use a flat sequence-parallel group for packed batches"
-            )
+        total, seq_lens = _check_2d_shards(group, seq, total, seq_lens, pad)
+        ring_layout = None if group.seq_layout == "contiguous" else (group.ulysses_size, group.ring_size, group.seq_layout)
     shifted, num_tokens = _shift_labels(labels, ignore_index, cu)
     if check and world > 1:
         _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu),
@@ -224,7 +236,7 @@ def shard_batch(
         # Per document 0, 1, ... (the padding is a document of its own).
         ids = document_ids(docs.cu_seqlens, input_ids.device)
         positions = (torch.arange(total, device=input_ids.device) - ids.new_tensor(docs.cu_seqlens[:-1])[ids]).unsqueeze(0)
-    shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz, docs)
+    shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz, docs, ring_layout)
     return ShardedBatch(
         input_ids=shard.shard(input_ids, pad_value=pad_token_id),
         labels=shard.shard(shifted, pad_value=-100),
@@ -234,18 +246,20 @@ def shard_batch(
     )
 
 
-def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens) -> None:
-    """A 2-D group's ring level needs equal, contiguous shards (``SequenceShard`` slices
-    contiguous columns)."""
-    if sp.seq_layout != "contiguous":
-        raise HFIntegrationError(f"shard_batch: SPGroups.seq_layout {sp.seq_layout!r}: the transformers integration shards contiguously; use 'contiguous'")
-    if len(set(seq_lens)) > 1:
+def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens, pad: bool) -> tuple[int, list[int]]:
+    """``(total, seq_lens)`` for a 2-D group: its ring level needs equal shards, and zigzag
+    cuts the sequence into ``2 x ring_size`` equal chunks whose blocks split over the
+    Ulysses ranks (``pad`` pads to a multiple of ``lcm(2 x ring_size, group size)``)."""
+    multiple = sp.world_size if sp.seq_layout == "contiguous" else math.lcm(2 * sp.ring_size, sp.world_size)
+    if pad and total % multiple:
+        total = math.ceil(seq / multiple) * multiple
+        seq_lens = [total // sp.world_size] * sp.world_size
+    if len(set(seq_lens)) > 1 or total % multiple:
         raise HFIntegrationError(
-            f"shard_batch: the ring level of a 2-D group needs equal shards, and {seq} tokens do not split over {len(seq_lens)} ranks; "
-            "use pad=True (or a sequence length that is a multiple of the group size)"
+            f"shard_batch: the ring level of a 2-D group (seq_layout {sp.seq_layout!r}) needs a sequence length that is a multiple of "
+            f"{multiple}, got {seq} tokens; use pad=True"
         )
-
-
+    return total, seq_lens
 def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tuple[int, ...] | None:
     """A packed batch's document boundaries over the unpadded sequence: ``cu_seqlens`` if
     given, else where ``position_ids`` restart at 0 (``None``: not packed). Packed batches

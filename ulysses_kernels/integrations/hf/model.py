@@ -13,10 +13,9 @@ from dataclasses import replace
 
 import torch
 
-from ...comm import get_communicator
-from ...ring import SPGroups
-from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _Settings, _ulysses_attention_forward, _ulysses_mask
-from .batch import HFIntegrationError
+from ...longctx.install import enable as enable_long_context
+from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, _ulysses_mask, attention_settings
+from .batch import _SHARD_KWARG, HFIntegrationError
 
 __all__ = ["apply", "register"]
 
@@ -95,7 +94,10 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _ulysses_mask)
 
 
-def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None):
+def apply(
+    model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None,
+    tiled_loss: bool | int = False, tiled_mlp: bool | int = False, tiled_norms: bool | int = False, offload_activations=False,
+):  # fmt: skip
     """Make a transformers model sequence-parallel over ``group``.
 
     Each attention call exchanges q/k/v so that every rank holds the whole sequence for
@@ -111,7 +113,7 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
             (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, ... families), causal.
         group: the sequence-parallel process group (default: the world), or an ``SPGroups``
             (``make_sp_groups``: Ulysses x ring; plain causal attention only, equal
-            contiguous shards: ``shard_batch(..., pad=True)``). Pass the same to
+            shards, contiguous or zigzag, packed or not: ``shard_batch(..., pad=True)``). Pass the same to
             ``shard_batch``, ``sync_gradients``, ``reduce_loss`` and ``gather_sequence``.
         attn_fn, kernels, chunks: passed to ``ulysses_attention`` (``kernels`` also to the
             exchanges around the model's own attention; ``attn_fn`` and ``chunks`` apply to
@@ -122,6 +124,11 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
         comm: a communicator (default: torch.distributed's; with
             ``ULYSSES_KERNELS_NATIVE_NCCL=1``, opt-in until native NCCL has run on a GPU, a
             native ``NCCLCommunicator`` on NCCL groups, made here and owned by the model).
+        tiled_loss, tiled_mlp, tiled_norms, offload_activations: the long-context pieces
+            (``ulysses_kernels.longctx``, docs/longctx.md), each off by default: the LM head and
+            loss over sequence tiles (``out.loss`` as before, no logits), the MLP and the norms over
+            sequence tiles recomputed in the backward (``True`` or tokens per tile), the inputs that
+            activation checkpointing keeps in host memory (``True`` or an ``ActivationOffload``).
 
     Returns the model (changed in place: ``model.config`` becomes a copy of the config it was
     built from, with ``_attn_implementation == "ulysses"``; the object the caller passed to
@@ -160,6 +167,9 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     for m in modules:
         impl = _configured_implementation(m)
         inner.append((m, impl, _attention_function(m, impl)))
+    # The long-context pieces (they refuse before changing anything, as the checks above).
+    enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
+                        offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
     register()
     _own_configs(model)  # the caller's config object stays as it was (another model may share it)
     if hasattr(model, "set_attn_implementation"):
@@ -169,9 +179,7 @@ def apply(model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 
     wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
     if wrong:
         raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
-    # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
-    exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
-    shared = _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check)
+    shared = attention_settings(group, attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, comm=comm)
     for m, impl, fn in inner:
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.

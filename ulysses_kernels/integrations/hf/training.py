@@ -68,5 +68,8 @@ def gather_sequence(x: torch.Tensor, shard: SequenceShard, group=None, dim: int 
     parts = [torch.empty_like(padded) for _ in range(shard.world_size)]
     dist.all_gather(parts, padded.contiguous(), group=_process_group(group))
     full = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, shard.seq_lens)], dim=dim)
+    if shard.ring_layout is not None:  # zigzag: rank order is not sequence order
+        rows = torch.cat([shard.rows(r) for r in range(shard.world_size)])
+        full = full.index_select(dim, torch.argsort(rows).to(full.device))
     return full.narrow(dim, 0, shard.valid_len)
 

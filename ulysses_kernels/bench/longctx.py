@@ -1,0 +1,192 @@
+"""Step time and memory of the long-context pieces, each on and off.
+
+    python -m ulysses_kernels.bench.longctx                                   # CPU: 2 gloo ranks, a tiny Llama
+    python -m ulysses_kernels.bench.longctx --spawn 4 --seqs 4K,16K
+    torchrun --nproc-per-node 8 -m ulysses_kernels.bench.longctx --hidden 2048 --layers 16 --heads 32 --kv-heads 8 \\
+        --intermediate 8192 --vocab 128256 --seqs 64K,256K -d bf16                   # GPU
+
+A Llama of the given sizes (random weights, activation checkpointing, SDPA) through
+``hf.apply(model, world, ...)``; for each global sequence length (``--seqs``) one training
+step, ``model(**shard_batch(...).model_inputs())`` and ``out.loss.backward()`` inside one
+``GraphExecGroup``, with no piece, each piece alone (``loss``: tiled_loss, ``mlp``:
+tiled_mlp, ``norms``: tiled_norms, ``offload``: offload_activations) and all four.
+
+Columns: ``step ms`` (median of ``-n`` steps after ``-w``, the slowest rank's), ``x_none``
+(step time over the row without pieces: the cost of the memory), ``peak MB`` measured (CUDA:
+``max_memory_allocated`` above what was allocated before the step; CPU: ``traffic.LiveBytes``
+on one more, untimed step, parameter gradients forgotten once accumulated as an engine
+frees them), ``calc MB`` (the calculator's replay, ``memory_step``, for this rank),
+``B/token`` (peak / global tokens), ``host MB`` (the offload's host bytes at its peak) and
+``#wrong``: elements of the loss and parameter gradients (reduced over the group) that
+differ from the row without pieces by more than ``1e-4`` (float32; ``5e-2`` in half
+precision) times the largest of them. CPU timings are a code-path check, not a claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .. import longctx, memory
+from ..memory_step import step_memory
+from ..traffic import LiveBytes
+from . import common as C
+
+PIECES = {
+    "none": {},
+    "loss": {"tiled_loss": True},
+    "mlp": {"tiled_mlp": True},
+    "norms": {"tiled_norms": True},
+    "offload": {"offload_activations": True},
+    "all": {"tiled_loss": True, "tiled_mlp": True, "tiled_norms": True, "offload_activations": True},
+}
+COLUMNS = [
+    ("seq", "seq", "d"), ("pieces", "pieces", "s"), ("step_ms", "step ms", ".2f"), ("x_none", "x_none", ".2f"),
+    ("peak_mb", "peak MB", ".2f"), ("calc_mb", "calc MB", ".2f"), ("bytes_per_token", "B/token", ".0f"),
+    ("host_mb", "host MB", ".2f"), ("wrong", "#wrong", "d"),
+]  # fmt: skip
+
+
+def build_model(args, device, dtype):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=1 << 24,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(args.seed)
+    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def _kwargs(name: str, tile: int | None) -> dict:
+    kw = {k: (tile or True) if k.startswith("tiled") else longctx.ActivationOffload() for k in PIECES[name]}
+    return {"tiled_loss": False, "tiled_mlp": False, "tiled_norms": False, "offload_activations": False, **kw}
+
+
+def _step(model, batch):
+    out = model(**batch.model_inputs())
+    with torch.utils.checkpoint.GraphExecGroup():
+        out.loss.backward()
+    return out.loss.detach()
+
+
+def _measured_peak(model, batch, device) -> tuple[int, int]:
+    """(peak device bytes of one step, offload host peak) on this rank."""
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _step(model, batch)
+        torch.cuda.synchronize(device)
+        state = longctx.state(model)
+        host = state.offload.stats()["host_peak"] if state is not None and state.offload is not None else 0
+        return torch.cuda.max_memory_allocated(device) - before, host
+    tracker = LiveBytes(host_sites=("offload._host_copy",))
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.forget(p.grad)) for p in model.parameters()]
+    try:
+        with tracker:
+            _step(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return tracker.peak, tracker.host_peak
+
+
+def _grads(model, loss) -> list[torch.Tensor]:
+    flat = [loss.reshape(1).float()] + [p.grad.reshape(-1).float() for p in model.parameters() if p.grad is not None]
+    out = torch.cat(flat)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out)
+    return out
+
+
+def bench(args, rank, world, device, backend):
+    from ..integrations import hf
+
+    dtype = C.parse_dtype(args.dtype)
+    half = dtype in (torch.float16, torch.bfloat16)
+    rows = []
+    for seq in [C.parse_size(s) for s in args.seqs.split(",")]:
+        ids = torch.randint(0, args.vocab, (1, seq), generator=torch.Generator().manual_seed(args.seed + seq)).to(device)
+        reference, base_ms = None, None
+        for name in args.pieces.split(","):
+            if name not in PIECES:
+                raise SystemExit(f"bench.longctx: --pieces expected a comma list of {', '.join(PIECES)}, got {name!r}")
+            model = hf.apply(build_model(args, device, dtype), None, **_kwargs(name, args.tile))
+            batch = hf.shard_batch(ids, group=None)
+            model.zero_grad(set_to_none=True)
+            flat = _grads(model, _step(model, batch))
+            if reference is None:
+                reference = flat
+            bad = (flat - reference).abs() > (5e-2 if half else 1e-4) * reference.abs().max()
+            wrong = int(bad.sum()) if name != "none" else 0
+            times = C.time_iters(lambda m=model, b=batch: (m.zero_grad(set_to_none=True), _step(m, b)), device=device,
+                                 warmup=args.warmup, iters=args.iters)  # fmt: skip
+            ms = C.reduce_max(C.median(times)) * 1e3
+            base_ms = ms if name == "none" else base_ms
+            peak, host = _measured_peak(model, batch, device)
+            peak, host = int(C.reduce_max(peak)), int(C.reduce_max(host))
+            setup = memory.Setup(
+                layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
+                vocab=args.vocab, seq=seq, sp=world, dtype=str(dtype).removeprefix("torch."), checkpointing=True,
+                tiled_loss="tiled_loss" in PIECES[name], tiled_mlp="tiled_mlp" in PIECES[name], tiled_norms="tiled_norms" in PIECES[name],
+                offload_activations="offload_activations" in PIECES[name], loss_tile_rows=args.tile, mlp_tile_rows=args.tile,
+                norm_tile_rows=args.tile, flash_workspace=device.type == "cuda" and half,
+            )  # fmt: skip
+            calc = max(step_memory(setup, r).peak for r in range(world))
+            rows.append({
+                "seq": seq, "pieces": name, "step_ms": ms, "x_none": ms / base_ms if base_ms else None, "peak_mb": peak / 1e6,
+                "calc_mb": calc / 1e6, "bytes_per_token": peak / seq, "host_mb": host / 1e6, "wrong": wrong,
+            })  # fmt: skip
+            if rank == 0 and not args.no_progress:
+                print(f"# seq {seq} {name}: {ms:.2f} ms, peak {peak / 1e6:.2f} MB (calculator {calc / 1e6:.2f})", file=sys.stderr, flush=True)
+            del model, batch
+    if rank == 0:
+        C.print_table(COLUMNS, rows, title=f"# long-context pieces, {world} ranks, {C.dtype_name(dtype)}, {C.kernel_label('sdpa', device)}")
+
+    def env_fn():
+        return C.env_record(device, world, backend, dtype=C.dtype_name(dtype))
+
+    C.finish(args, rank, "bench_longctx", env_fn, rows, vars(args), lambda *a: False, rows)
+
+
+def parse_args(argv=None, default_out_dir=None):
+    cpu = not torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spawn", type=int, default=2 if cpu else 0, help="gloo ranks to spawn on the CPU (default 2 without a GPU; 0: this torchrun)")
+    p.add_argument("--seqs", default="1K,4K" if cpu else "64K,256K", help="global sequence lengths")
+    p.add_argument("--pieces", default=",".join(PIECES), help=f"comma list of {', '.join(PIECES)} (the first row should be none)")
+    p.add_argument("--hidden", type=int, default=64 if cpu else 2048)
+    p.add_argument("--layers", type=int, default=3 if cpu else 16)
+    p.add_argument("--heads", type=int, default=8 if cpu else 32)
+    p.add_argument("--kv-heads", type=int, default=4 if cpu else 8)
+    p.add_argument("--intermediate", type=int, default=160 if cpu else 8192)
+    p.add_argument("--vocab", type=int, default=256 if cpu else 128256)
+    p.add_argument("--tile", type=int, default=None, help="rows per tile for every tiled piece (default: each piece's own)")
+    p.add_argument("--dtype", "-d", default="fp32" if cpu else "bf16")
+    p.add_argument("-w", "--warmup", type=int, default=1 if cpu else 2)
+    p.add_argument("-n", "--iters", type=int, default=3 if cpu else 5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", "--out", dest="out_dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR))
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None, *, default_out_dir=None) -> int:
+    args = parse_args(argv, default_out_dir)
+    with contextlib.suppress(KeyboardInterrupt):
+        return C.launch(bench, args)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

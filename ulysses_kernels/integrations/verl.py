@@ -1,0 +1,549 @@
+"""verl's Ulysses sequence parallelism on ``ulysses_attention``: importing this module is the switch.
+
+Load it in every verl worker through one of verl's own hooks, and verl's setting
+``ulysses_sequence_parallel_size`` then runs our Ulysses instead of verl's::
+
+    actor_rollout_ref.model.external_lib=ulysses_kernels.integrations.verl      # actor, ref (and rollout)
+    VERL_USE_EXTERNAL_MODULES=ulysses_kernels.integrations.verl                 # every process that imports verl
+
+(verl 0.9.1: ``HFModelConfig.__post_init__`` imports ``external_lib`` where the config is
+built, which for the actor and reference models is inside each worker; a critic's
+``TrainingWorker`` receives its config already built, so only the environment variable
+reaches it; see docs/verl.md.) ``apply()`` does the same explicitly and is idempotent;
+``revert()`` gives verl back its own functions. Nothing happens because both packages are
+installed: there is no ``verl.plugins`` entry point.
+
+What the switch changes. verl builds each model in its FSDP engine and calls
+``verl.models.transformers.monkey_patch.apply_monkey_patch(model, ulysses_sp_size, ...)``
+(a name the engine imports into ``verl.workers.engine.fsdp.transformer_impl``: both
+bindings are replaced). With ``ulysses_sp_size > 1`` our version, for a text decoder model:
+
+* checks the head layout with ``HeadPlan`` instead of verl's asserts (``heads % sp == 0``,
+  ``kv % sp == 0 or sp % kv == 0``): any layout with at least one query head per rank runs
+  (Qwen2.5-14B, 40/8 heads, at sp 16), and one that does not raises
+  ``VerlIntegrationError`` on every rank, before any collective;
+* runs verl's own ``apply_monkey_patch`` with ``ulysses_sp_size=1`` for everything that is
+  not sequence parallelism (fused kernels, tiled MLP, the TRL value-head patch, ...);
+* switches the model to the attention implementation ``"ulysses_verl"`` (registered in
+  transformers' ``AttentionInterface``, with no mask function: transformers builds no mask)
+  and puts a forward pre-hook on the decoder stack (``model.base_model``).
+
+Once per forward of the decoder stack (a micro-batch; layers recomputed under activation
+checkpointing do not repeat it) the pre-hook reads verl's current sequence-parallel group
+(``verl.utils.ulysses.get_ulysses_sequence_parallel_group()``, set by the engine's train
+and eval modes), checks the ranks agree (one all-gather of 6 integers) and gathers the
+sharded ``position_ids`` once (one all-gather of ``seq_local`` integers), finds the packed
+documents (a document starts where the position is 0, transformers' rule for flash-attn's
+varlen) and passes them, with the group, down to every attention call as the keyword
+``ulysses_verl_step``. Each attention call is then one ``ulysses_attention``: q, k and v
+in one exchange, KV heads sent only to the ranks that use them (never repeated), the
+rank's heads attended over the whole sequence within each document, the output exchanged
+back. verl's data path (packing, padding to a multiple of sp, slicing, gathering the
+outputs, the sharding manager, the device mesh) is untouched.
+
+Layouts: ``q`` ``[1, total/sp, Hq, D]`` per rank in verl's packed format (batch 1,
+``position_ids`` ``[1, total/sp]`` restarting at 0 per sample; the padding verl appends is a
+document of its own). Attention backend on the rank's heads: the implementation the model
+was built with decides: ``flash_attention_2/3`` -> flash-attn's varlen kernel where it is
+importable on CUDA (else SDPA), ``sdpa`` -> SDPA per document, ``eager`` -> the explicit
+math per document. All are exact for plain causal attention.
+
+Refused with ``VerlIntegrationError`` (never silently wrong): vision-language models (named;
+use verl's own path for them until the model-coverage work lands), linear-attention
+layers, a sliding window shorter than the sequence, logit softcapping, attention sinks,
+attention dropout, non-causal attention, padding masks, KV caches, a group whose size is
+not the configured ``ulysses_sp_size``, ranks that disagree on the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..attention import ulysses_attention
+from ..checks import UlyssesInputError
+from ..comm import LocalCommunicator, get_communicator
+from ..documents import Documents, documents
+from ..plan import HeadPlan, PlanError
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "STEP_KWARG",
+    "VerlIntegrationError",
+    "VerlStep",
+    "apply",
+    "apply_monkey_patch",
+    "is_applied",
+    "revert",
+]
+
+ATTN_IMPLEMENTATION = "ulysses_verl"
+STEP_KWARG = "ulysses_verl_step"  # the per-forward ``VerlStep`` in the decoder's kwargs
+_MODEL_ATTR = "_ulysses_verl"  # the ``_ModelState`` on a prepared model instance
+_ORIGINAL_ATTR = "__ulysses_verl_original__"  # on our apply_monkey_patch: verl's function
+
+# Implementation the model was built with -> our backend on the rank's heads (attn_fn of
+# ulysses_attention). Everything else (flash_attention_2/3, flex, a kernel) gets the default:
+# flash-attn's varlen kernel on CUDA where importable, else SDPA.
+_BACKENDS = {"sdpa": "sdpa", "eager": "math"}
+
+# Layer types whose attention goes through AttentionInterface as plain softmax attention.
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+class VerlIntegrationError(UlyssesInputError):
+    """A model, batch or setting that our Ulysses under verl cannot run (raised on every rank)."""
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What ``apply`` was given (the same for every model the patch prepares)."""
+
+    kernels: object = None
+    chunks: int | str = 1
+    check: str = "step"
+
+
+@dataclass(eq=False)
+class _ModelState:
+    """What our ``apply_monkey_patch`` recorded on one model (instance attribute ``_ulysses_verl``)."""
+
+    sp_size: int
+    q_heads: int
+    kv_heads: int
+    inner_impl: str  # the implementation the model was built with ("flash_attention_2", "sdpa", ...)
+    options: _Options
+    hook: object = None  # the pre-hook's handle on the decoder stack
+    # Head plans per (q_heads, kv_heads, world_size): built once, reused by every layer and step.
+    plans: dict = field(default_factory=dict)
+
+    @property
+    def attn_fn(self):
+        return _BACKENDS.get(self.inner_impl)
+
+    def plan(self, q_heads: int, kv_heads: int, world_size: int) -> HeadPlan:
+        key = (q_heads, kv_heads, world_size)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = HeadPlan.build(q_heads, kv_heads, world_size)
+        return plan
+
+
+@dataclass(eq=False)
+class VerlStep:
+    """One forward of the decoder stack, as every attention call of it sees it.
+
+    ``group``: verl's sequence-parallel group (``None``: no sequence parallelism in this
+    forward, ``comm`` is then a ``LocalCommunicator``). ``seq_lens``: tokens per rank (equal:
+    verl pads the packed sequence to a multiple of sp). ``docs``: the global document
+    boundaries over ``total`` tokens, ``None`` for one document or an unpacked batch.
+    """
+
+    state: _ModelState
+    group: object
+    comm: object
+    seq_lens: tuple[int, ...]
+    docs: Documents | None
+    # Input signatures already validated across ranks in this forward (apply(check="step")).
+    checked: set = field(default_factory=set, repr=False)
+
+    @property
+    def total(self) -> int:
+        return sum(self.seq_lens)
+
+
+# --------------------------------------------------------------------------------------
+# The switch: replacing verl's apply_monkey_patch
+# --------------------------------------------------------------------------------------
+
+
+def _verl_monkey_patch_module():
+    try:
+        import verl.models.transformers.monkey_patch as mp
+    except ImportError as e:
+        raise VerlIntegrationError(f"ulysses_kernels.integrations.verl: verl is not importable ({e}); pip install verl") from e
+    return mp
+
+
+def is_applied() -> bool:
+    """Whether verl's ``apply_monkey_patch`` is ours now (``False`` when verl is not installed)."""
+    mp = sys.modules.get("verl.models.transformers.monkey_patch")
+    return mp is not None and hasattr(mp.apply_monkey_patch, _ORIGINAL_ATTR)
+
+
+def apply(*, kernels=None, chunks: int | str = 1, check: str = "step"):
+    """Make verl's Ulysses run ours in this process (what importing this module does).
+
+    Replaces ``apply_monkey_patch`` in ``verl.models.transformers.monkey_patch`` and in every
+    loaded verl module that imported it by name (``verl.workers.engine.fsdp.transformer_impl``,
+    ``verl.models.transformers``); modules imported later take the replaced name. Models
+    verl builds afterwards with ``ulysses_sequence_parallel_size > 1`` run
+    ``ulysses_attention``. Idempotent: a second call rebinds with the given options (never
+    wraps twice). ``kernels``, ``chunks``: as for ``ulysses_attention``; ``check``:
+    ``"step"`` (validate q/k/v across the ranks at the first attention call of each forward),
+    ``"always"`` (every layer) or ``"never"``.
+
+    Returns our ``apply_monkey_patch``.
+    """
+    if check not in ("step", "always", "never"):
+        raise VerlIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")
+    mp = _verl_monkey_patch_module()
+    current = mp.apply_monkey_patch
+    original = getattr(current, _ORIGINAL_ATTR, current)
+    ours = _make_apply_monkey_patch(original, _Options(kernels, chunks, check))
+    _rebind(original, ours)
+    _register()
+    return ours
+
+
+def revert() -> None:
+    """Give verl back its own ``apply_monkey_patch`` in every loaded module (models already
+    prepared keep running ours)."""
+    mp = sys.modules.get("verl.models.transformers.monkey_patch")
+    if mp is None or not hasattr(mp.apply_monkey_patch, _ORIGINAL_ATTR):
+        return
+    original = getattr(mp.apply_monkey_patch, _ORIGINAL_ATTR)
+    _rebind(original, original)
+
+
+def _rebind(original, new) -> None:
+    """Point every loaded verl module's ``apply_monkey_patch`` that is verl's function (or an
+    earlier one of ours) at ``new``."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "verl" or name.startswith("verl.")):
+            continue
+        bound = getattr(module, "apply_monkey_patch", None)
+        if bound is original or getattr(bound, _ORIGINAL_ATTR, None) is original:
+            module.apply_monkey_patch = new
+
+
+def _make_apply_monkey_patch(original, options: _Options):
+    @functools.wraps(original)
+    def apply_monkey_patch(model, ulysses_sp_size: int = 1, use_remove_padding: bool = True, *args, **kwargs):
+        """verl's ``apply_monkey_patch`` with our Ulysses for ``ulysses_sp_size > 1`` (see
+        ``ulysses_kernels.integrations.verl``); with 1, verl's own, unchanged."""
+        if ulysses_sp_size is None or int(ulysses_sp_size) <= 1:
+            return original(model, ulysses_sp_size, use_remove_padding, *args, **kwargs)
+        # Everything is checked before verl's patches change the model or its classes.
+        state = _checked_state(model, int(ulysses_sp_size), options)
+        # verl's patches that are not sequence parallelism (fused kernels, tiled MLP, the TRL
+        # value head): its Ulysses parts are the head asserts and the flash-attention hook,
+        # which models switched to ours do not call.
+        result = original(model, 1, use_remove_padding, *args, **kwargs)
+        _prepare(model, state)
+        return result
+
+    setattr(apply_monkey_patch, _ORIGINAL_ATTR, original)
+    return apply_monkey_patch
+
+
+def apply_monkey_patch(model, ulysses_sp_size: int = 1, use_remove_padding: bool = True, *args, **kwargs):
+    """verl's ``apply_monkey_patch`` as the switch makes it (``apply()`` first if needed):
+    for callers that import it from here rather than from verl."""
+    mp = _verl_monkey_patch_module()
+    if not hasattr(mp.apply_monkey_patch, _ORIGINAL_ATTR):
+        apply()
+    return mp.apply_monkey_patch(model, ulysses_sp_size, use_remove_padding, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Preparing one model
+# --------------------------------------------------------------------------------------
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
+    """What ``_prepare`` will record, after every check that needs only the model (the same
+    on every rank, so a refusal is raised everywhere before any collective)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as e:  # pragma: no cover - verl requires transformers
+        raise VerlIntegrationError("ulysses_kernels.integrations.verl: transformers is not installed") from e
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise VerlIntegrationError(f"apply_monkey_patch: expected a transformers PreTrainedModel, got {name}")
+    config = model.config
+    model_type = getattr(config, "model_type", "?")
+    if getattr(config, "vision_config", None) is not None:
+        raise VerlIntegrationError(
+            f"apply_monkey_patch: {name} (model_type {model_type!r}) is a vision-language model; ulysses_kernels' "
+            f"Ulysses under verl covers text decoder models for now. For ulysses_sequence_parallel_size={sp_size} with "
+            "this model use verl's own Ulysses (drop external_lib / VERL_USE_EXTERNAL_MODULES="
+            "ulysses_kernels.integrations.verl), which needs num_attention_heads % sp == 0"
+        )
+    text = _text_config(config)
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    other = sorted(layer_types - _ATTENTION_LAYER_TYPES)
+    if other:
+        raise VerlIntegrationError(
+            f"apply_monkey_patch: {name} (model_type {model_type!r}) has layers of type {other}; ulysses_kernels' Ulysses "
+            "under verl runs softmax attention layers only (full or sliding-window)"
+        )
+    if not getattr(text, "is_causal", True) or not getattr(config, "is_causal", True):
+        raise VerlIntegrationError(f"apply_monkey_patch: {name}: is_causal = False; only causal decoder attention is supported")
+    q_heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
+    if not isinstance(q_heads, int) or not isinstance(kv_heads, int):
+        raise VerlIntegrationError(
+            f"apply_monkey_patch: {name} (model_type {model_type!r}): its config has no num_attention_heads / num_key_value_heads to plan the heads with"
+        )
+    try:
+        HeadPlan.build(q_heads, kv_heads, sp_size)
+    except PlanError as e:
+        raise VerlIntegrationError(
+            f"apply_monkey_patch: ulysses_sequence_parallel_size={sp_size} cannot run {name} ({q_heads} query heads, "
+            f"{kv_heads} KV heads): {e}. Every rank needs at least one query head: use "
+            f"ulysses_sequence_parallel_size <= {q_heads}"
+        ) from e
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise VerlIntegrationError(
+            f"apply_monkey_patch: {name} does not dispatch attention through transformers' AttentionInterface, "
+            "so its attention cannot be routed to ulysses_attention"
+        )
+    previous = getattr(model, _MODEL_ATTR, None)
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl == ATTN_IMPLEMENTATION:
+        if previous is None:
+            raise VerlIntegrationError(
+                f"apply_monkey_patch: {name} is set to {ATTN_IMPLEMENTATION!r} without apply_monkey_patch; build it with "
+                "attn_implementation='flash_attention_2', 'sdpa' or 'eager'"
+            )
+        impl = previous.inner_impl
+    if _decoder(model) is None:
+        raise VerlIntegrationError(f"apply_monkey_patch: found no decoder stack (model.base_model) in {name}")
+    return _ModelState(sp_size, q_heads, kv_heads, impl, options)
+
+
+def _decoder(model):
+    """The module every forward of ``model`` calls once with the step's ``position_ids``:
+    the decoder stack (``Qwen2Model`` inside ``Qwen2ForCausalLM``), also when a wrapper (PEFT)
+    calls the outer model's ``forward`` directly, skipping its hooks."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, torch.nn.Module) else None
+
+
+def _prepare(model, state: _ModelState) -> None:
+    _register()
+    previous = getattr(model, _MODEL_ATTR, None)
+    if previous is not None and previous.hook is not None:
+        previous.hook.remove()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    else:  # pragma: no cover - transformers < 4.48
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    decoder = _decoder(model)
+    state.hook = decoder.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
+    # A plain attribute of this model instance (not a parameter or buffer): nothing process-global.
+    object.__setattr__(model, _MODEL_ATTR, state)
+
+
+def _register() -> None:
+    """Register ``"ulysses_verl"`` with transformers (idempotent). No mask function is
+    registered, so transformers builds no mask for it: documents come from the step."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+
+
+# --------------------------------------------------------------------------------------
+# Once per forward: the group and the documents
+# --------------------------------------------------------------------------------------
+
+_HEADER = ("seq_local", "batch", "position_ids", "padding mask", "KV cache", "group size")
+
+
+def _verl_group():
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_group
+
+    return get_ulysses_sequence_parallel_group()
+
+
+@functools.lru_cache(maxsize=32)
+def _signature(forward_type: type) -> inspect.Signature | None:
+    try:
+        return inspect.signature(forward_type.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _call_arguments(module, args, kwargs) -> dict:
+    """The decoder's arguments by name (transformers' models pass them as keywords; a
+    caller may pass ``input_ids`` positionally)."""
+    if not args:
+        return kwargs
+    sig = _signature(type(module))
+    if sig is None:
+        return kwargs
+    bound = sig.bind_partial(module, *args, **kwargs)
+    return {k: v for k, v in bound.arguments.items() if k != "self"}
+
+
+def _pre_forward(state: _ModelState, module, args, kwargs):
+    """Forward pre-hook of the decoder stack: build this forward's ``VerlStep``."""
+    named = _call_arguments(module, args, kwargs)
+    hidden = named.get("input_ids")
+    if hidden is None:
+        hidden = named.get("inputs_embeds")
+    if hidden is None:
+        raise VerlIntegrationError(f"{type(module).__name__}: called with neither input_ids nor inputs_embeds")
+    batch, seq_local = int(hidden.shape[0]), int(hidden.shape[1])
+    positions = named.get("position_ids")
+    mask = named.get("attention_mask")
+    padding = isinstance(mask, torch.Tensor) and not (mask.dim() == 2 and bool(mask.all()))
+    cache = bool(named.get("use_cache")) or named.get("past_key_values") is not None
+    pos_ok = positions is None or (positions.dim() == 2 and positions.shape[-1] == seq_local and positions.shape[0] in (1, batch))
+
+    group = _verl_group()
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        header = [seq_local, batch, int(pos_ok), int(padding), int(cache), world]
+        _check_header(module, state, [header], world)
+        docs = None if positions is None else _documents(positions.expand(batch, seq_local))
+        step = VerlStep(state, None, LocalCommunicator(), (seq_local,), docs)
+    else:
+        comm = get_communicator(group)
+        header = [seq_local, batch, int(pos_ok and positions is not None), int(padding), int(cache), world]
+        _check_header(module, state, comm.all_gather_ints(header, hidden.device), world)
+        # One gather of the position ids per forward (verl shards them with the tokens):
+        # every layer then reads the global document boundaries from the step.
+        local = positions.expand(batch, seq_local).contiguous()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=group)
+        step = VerlStep(state, group, comm, (seq_local,) * world, _documents(torch.cat(parts, dim=1)))
+    return args, {**kwargs, STEP_KWARG: step}
+
+
+def _check_header(module, state: _ModelState, everyone: list[list[int]], world: int) -> None:
+    """The same verdict on every rank from every rank's ``(seq_local, batch, position ids
+    given, padding mask, KV cache, group size)``."""
+    name = type(module).__name__
+    if any(v != everyone[0] for v in everyone):
+        rows = "; ".join(f"rank {r}: " + ", ".join(f"{k}={x}" for k, x in zip(_HEADER, v)) for r, v in enumerate(everyone))
+        raise VerlIntegrationError(
+            f"{name}: the ranks of the sequence-parallel group disagree on this forward's input (each must hold its "
+            f"equal slice of the same packed batch, as verl's ulysses_pad_and_slice_inputs makes it): {rows}"
+        )
+    seq_local, batch, pos_ok, padding, cache, _ = everyone[0]
+    if world > 1 and world != state.sp_size:
+        raise VerlIntegrationError(
+            f"{name}: verl's sequence-parallel group has {world} ranks but the model was prepared for ulysses_sequence_parallel_size={state.sp_size}"
+        )
+    if not pos_ok:
+        raise VerlIntegrationError(
+            f"{name}: sequence-parallel attention needs position_ids [1 or batch, seq_local] sharded like the tokens "
+            f"(verl's packed position ids); got none or a different shape (seq_local {seq_local}, batch {batch})"
+        )
+    if padding:
+        raise VerlIntegrationError(
+            f"{name}: an attention_mask with padding reached sequence-parallel attention; verl's remove-padding path "
+            "(use_remove_padding=True, required with ulysses_sequence_parallel_size > 1) packs the batch instead"
+        )
+    if cache:
+        raise VerlIntegrationError(
+            f"{name}: a KV cache (use_cache=True or past_key_values) under sequence parallelism is not supported; "
+            "call the model with use_cache=False, as verl's engine does"
+        )
+
+
+def _documents(positions: torch.Tensor) -> Documents | None:
+    """The documents of global ``[batch, total]`` position ids: a document starts at token 0
+    and wherever the position is 0 (the rule transformers applies before flash-attn's varlen
+    kernel, so both paths see the same boundaries). ``None`` when there is one document per
+    row; packed documents need batch 1."""
+    total = positions.shape[1]
+    starts = positions == 0
+    starts[:, 0] = True
+    counts = starts.sum(dim=1)
+    if bool((counts == 1).all()):
+        return None
+    if positions.shape[0] != 1:
+        raise VerlIntegrationError(
+            f"packed documents (position_ids restarting at 0) need batch 1, as verl's remove-padding path makes them; "
+            f"got position_ids of shape {list(positions.shape)}"
+        )
+    cu = torch.nonzero(starts[0]).flatten().tolist() + [total]
+    return documents(cu)
+
+
+# --------------------------------------------------------------------------------------
+# Every attention call
+# --------------------------------------------------------------------------------------
+
+
+def _refuse(module, step: VerlStep, attention_mask, kwargs) -> None:
+    """What this attention call needs beyond plain causal attention: refused, the same on
+    every rank (every rank runs the same layer with the same config and sizes)."""
+    name = type(module).__name__
+    if attention_mask is not None:
+        shape = list(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise VerlIntegrationError(
+            f"{name}: a prepared attention mask ({shape}) reached sequence-parallel attention; the documents come "
+            "from the packed position_ids (verl's remove-padding path passes attention_mask=None)"
+        )
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise VerlIntegrationError(f"{name}: non-causal attention is not supported under verl's sequence parallelism")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < step.total:
+        raise VerlIntegrationError(
+            f"{name}: a sliding window of {window} tokens, shorter than the packed sequence ({step.total} tokens), is not "
+            "supported by ulysses_kernels' Ulysses under verl yet"
+        )
+    found = [
+        what
+        for what, present in (
+            ("logit softcapping", kwargs.get("softcap") is not None),
+            ("attention sinks", kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None),
+            (f"attention dropout {kwargs.get('dropout')}", bool(kwargs.get("dropout"))),
+        )
+        if present
+    ]
+    if found:
+        raise VerlIntegrationError(f"{name}: {', '.join(found)} is not supported by ulysses_kernels' Ulysses under verl yet (plain causal attention only)")
+
+
+def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
+    """transformers attention function ``"ulysses_verl"``: ``[B, H, s_local, D]`` q/k/v (RoPE
+    applied with verl's packed positions; k/v un-repeated) -> ``[B, s_local, Hq, D]``."""
+    step = kwargs.get(STEP_KWARG)
+    if not isinstance(step, VerlStep):
+        raise VerlIntegrationError(
+            f"{type(module).__name__}: the model runs {ATTN_IMPLEMENTATION!r} attention but this call carries no "
+            "VerlStep: prepare the model with verl's apply_monkey_patch after importing ulysses_kernels.integrations.verl, "
+            "and call it as a whole (the decoder stack's pre-hook builds the step)"
+        )
+    _refuse(module, step, attention_mask, kwargs)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
+    state, comm = step.state, step.comm
+    plan = state.plan(q.shape[2], k.shape[2], comm.world_size)
+    scaling = kwargs.get("scaling")
+    options = state.options
+    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, scaling)
+    check = options.check == "always" or (options.check == "step" and sig not in step.checked)
+    docs = step.docs
+    out = ulysses_attention(
+        q, k, v, step.group, causal=True, softmax_scale=scaling, seq_lens=step.seq_lens, attn_fn=state.attn_fn,
+        plan=plan, comm=comm, kernels=options.kernels, chunks=options.chunks, check=check,
+        cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
+    )  # fmt: skip
+    if check:
+        step.checked.add(sig)
+    return out, None
+
+
+# --------------------------------------------------------------------------------------
+# Importing this module is the switch (where verl is installed).
+# --------------------------------------------------------------------------------------
+
+if importlib.util.find_spec("verl") is not None:
+    apply()
