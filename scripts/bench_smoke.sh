@@ -21,5 +21,7 @@ ULYSSES_KERNELS_LINK_GBPS=0.1 ULYSSES_KERNELS_ATTN_TFLOPS=0.001 ULYSSES_KERNELS_
   --head-dim 8 -w 1 -n 2 --chunks 1,2,4,auto --out-dir "$OUT"
 say "pack/unpack against a copy of the same bytes and the permute chain"
 "$PY" -m ulysses_kernels.bench.pack --device cpu --iters 3 --out "$OUT"
+say "host time per call at tiny shapes: the op (check off and on), the module and the permute chain"
+"$PY" -m ulysses_kernels.bench.host --spawn 2 -w 2 -r 20 -n 2 --out-dir "$OUT"
 say "the performance model's table (formulas and published constants; no measurement)"
 "$PY" -m ulysses_kernels.bench.perf_model --seqs 32K,1M

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import ulysses_kernels as uk
 from ulysses_kernels.checks import Signature, rank_list, signature, validate
 from ulysses_kernels.comm import LocalCommunicator, NoProcessGroupError
-from ulysses_kernels.reference import attention_reference, shard_sequence
+from ulysses_kernels.reference import attention_reference, contiguous_shard
 from ulysses_kernels.testing import run_ranks
 
 # world -> [(q_heads, kv_heads, batch, seq_lens, causal)]
@@ -40,19 +40,19 @@ def _check_against_reference(rank, hq, hkv, B, seq_lens, causal, attn_fn, equal_
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = attention_reference(*full, causal=causal)
     ref.backward(do)
-    mine = [shard_sequence(x, seq_lens, rank).clone().requires_grad_() for x in (q, k, v)]
+    mine = [contiguous_shard(x, seq_lens, rank).clone().requires_grad_() for x in (q, k, v)]
     lens = None if equal_default else seq_lens
     out = uk.ulysses_attention(*mine, causal=causal, seq_lens=lens, attn_fn=attn_fn)
-    out.backward(shard_sequence(do, seq_lens, rank))
-    torch.testing.assert_close(out, shard_sequence(ref, seq_lens, rank), rtol=1e-10, atol=1e-10)
+    out.backward(contiguous_shard(do, seq_lens, rank))
+    torch.testing.assert_close(out, contiguous_shard(ref, seq_lens, rank), rtol=1e-10, atol=1e-10)
     for name, m, f in zip("qkv", mine, full):
-        torch.testing.assert_close(m.grad, shard_sequence(f.grad, seq_lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s, name=name: f"d{name}: {s}")
+        torch.testing.assert_close(m.grad, contiguous_shard(f.grad, seq_lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s, name=name: f"d{name}: {s}")
 
 
 def _check_round_trip(rank, world, hq, hkv, B, seq_lens):
     D, S = 4, sum(seq_lens)
     q, k, v, _ = _inputs(hq, hkv, B, S, D, seed=7)
-    q, k, v = (shard_sequence(x, seq_lens, rank).float() for x in (q, k, v))
+    q, k, v = (contiguous_shard(x, seq_lens, rank).float() for x in (q, k, v))
     plan = uk.HeadPlan.build(hq, hkv, world)
     ql, kl, vl = uk.seq_to_head(q, k, v, seq_lens=seq_lens)
     # The received heads are the plan's heads of the global tensors.
@@ -99,8 +99,8 @@ def _body(rank, world):
     q, k, v, _ = _inputs(hq, hkv, B, S, D, seed=3)
     ref = attention_reference(q, k, v, causal=causal)
     for _ in range(2):
-        out = layer(*(shard_sequence(x, seq_lens, rank) for x in (q, k, v)), seq_lens=seq_lens)
-        torch.testing.assert_close(out, shard_sequence(ref, seq_lens, rank), rtol=1e-10, atol=1e-10)
+        out = layer(*(contiguous_shard(x, seq_lens, rank) for x in (q, k, v)), seq_lens=seq_lens)
+        torch.testing.assert_close(out, contiguous_shard(ref, seq_lens, rank), rtol=1e-10, atol=1e-10)
     assert len(layer._checked) == 1
     assert layer.comm is None  # the module makes no communicator: each call takes the default
     if world == 2:
@@ -243,11 +243,11 @@ def _readme_lower_level(rank, world):
     code = readme[start : readme.index("\n", end)]
     D, S = 4, 6 * world
     q, k, v, _ = _inputs(40, 8, 1, S, D, seed=11)
-    shards = {n: shard_sequence(x, [S // world] * world, rank) for n, x in zip("qkv", (q, k, v))}
+    shards = {n: contiguous_shard(x, [S // world] * world, rank) for n, x in zip("qkv", (q, k, v))}
     scope = {"uk": uk, "world_size": world, "rank": rank, **shards,
              "my_attention": lambda qq, kk, vv: attention_reference(qq, kk, vv, causal=True)}  # fmt: skip
     exec(code, scope)
-    torch.testing.assert_close(scope["out"], shard_sequence(attention_reference(q, k, v), [S // world] * world, rank), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(scope["out"], contiguous_shard(attention_reference(q, k, v), [S // world] * world, rank), rtol=1e-12, atol=1e-12)
 
 
 def test_readme_lower_level_example_at_3_ranks():

@@ -261,8 +261,8 @@ _AUTO_ENV = {
 
 
 def test_bench_overlap_smoke(tmp_path, capfd, monkeypatch):
+    from ulysses_kernels.attention.chunked import choose_chunks
     from ulysses_kernels.layout import Layout
-    from ulysses_kernels.pipeline import choose_chunks
     from ulysses_kernels.plan import HeadPlan
 
     for k, v in _AUTO_ENV.items():
@@ -313,7 +313,7 @@ def test_bench_overlap_smoke(tmp_path, capfd, monkeypatch):
 def test_bench_overlap_counts_a_wrong_chunked_result(monkeypatch, capsys):
     """A chunked layer that differs from chunks=1 in one element makes #wrong non-zero and
     the script fail (in this process, a world of one on the CPU, where chunks still run)."""
-    import ulysses_kernels.pipeline as pipeline
+    import ulysses_kernels.attention.chunked as pipeline
 
     real = pipeline.chunked_attention
 

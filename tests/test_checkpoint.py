@@ -11,7 +11,7 @@ its state as graph edges it kept each layer's receive buffer and attention outpu
 Layouts: MHA, a rank whose query heads share one KV head (``SharedKV``), a gathered map
 (6 q / 3 kv heads on 2 ranks: local maps (0, 0, 1) and (0, 1, 1)), and ring attention over
 the 2 ranks (``make_sp_groups(1, 2)``: ``RingBackend``, whose state keeps its tensors with
-``backends.save_tensors``); chunks 1 and 2.
+``checkpointing.save_tensors``); chunks 1 and 2.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ LAYOUTS = {"mha": (4, 4, False), "shared-kv": (8, 2, False), "gathered": (6, 3, 
 # autograd saves. "plain" and "save_on_cpu" (a no-op copy on the CPU) keep it, by design.
 FREEING = ("checkpoint", "copy-hooks")
 # Before torch 2.9 (no GraphExecGroup) a call under saved-tensor hooks runs unchunked
-# (backends.chunks_recompute_apart): its gradients are then those of the plain run at 1 chunk.
+# (checkpointing.chunks_recompute_apart): its gradients are then those of the plain run at 1 chunk.
 UNCHUNKED_UNDER_HOOKS = not hasattr(torch.utils.checkpoint, "GraphExecGroup")
 HOOKED = ("checkpoint", "save_on_cpu", "copy-hooks")
 
@@ -146,7 +146,7 @@ def _op_only_body(rank, world):
     # the pipeline's marker (pipeline/function.py) this hung or timed out in about two runs
     # in three of five steps (measured on 2 gloo ranks): repeated for that reason.
     ring = make_sp_groups(1, world)
-    # (3, 3): uneven heads, a chunk with no head on one rank (before backends.one_recompute
+    # (3, 3): uneven heads, a chunk with no head on one rank (before checkpointing.one_recompute
     # its nested backward passes recomputed the region on one rank only: a hang).
     for hq, hkv, group in ((4, 4, None), (8, 2, None), (3, 3, None), (4, 2, ring)):
         for step in range(5):
@@ -193,7 +193,7 @@ def test_before_torch_2_9_checkpointed_calls_run_unchunked(monkeypatch):
     timed out on 2 gloo ranks; with this, 28 of 28 paths pass there)."""
     import warnings
 
-    from ulysses_kernels import backends
+    from ulysses_kernels import backends, checkpointing
 
     if not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
         pytest.skip("this torch has no GraphExecGroup to hide (the real case runs in _checks and _op_only_body)")
@@ -205,9 +205,9 @@ def test_before_torch_2_9_checkpointed_calls_run_unchunked(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         checkpoint(f, q, k, v, use_reentrant=False).sum().backward()  # torch >= 2.9: chunked, no warning
-    assert not backends.chunks_recompute_apart() and calls[:2] == [2, 2], calls
-    monkeypatch.setattr(backends, "graph_exec_group", lambda: None)
-    assert not backends.chunks_recompute_apart()  # no hooks active here
+    assert not checkpointing.chunks_recompute_apart() and calls[:2] == [2, 2], calls
+    monkeypatch.setattr(checkpointing, "graph_exec_group", lambda: None)
+    assert not checkpointing.chunks_recompute_apart()  # no hooks active here
     calls.clear()
     with pytest.warns(UserWarning, match=r"chunks=2 runs as 1 chunk under activation checkpointing"):
         checkpoint(f, q, k, v, use_reentrant=False).sum().backward()  # the forward and each recompute warn

@@ -1,5 +1,5 @@
 """ulysses_attention under torch.compile(fullgraph=True) on the CPU: forward and backward
-trace into one graph each (``ulysses_kernels.traceable``), at world size 1 in process and
+trace into one graph each (``ulysses_kernels.attention.traced``), at world size 1 in process and
 at world size 2 on real gloo ranks, and match the eager op bit for bit, forward and
 backward (``aot_eager``, one intra-op thread per rank), in float64 and bfloat16, including
 ranks whose query heads share one KV head (both paths run ``backends.SharedKV`` there),
@@ -17,7 +17,7 @@ from dynamo_support import traced_error
 import ulysses_kernels as uk
 from ulysses_kernels.backends import AttentionBackend
 from ulysses_kernels.kernels import available_kernels
-from ulysses_kernels.reference import attention_reference, shard_sequence
+from ulysses_kernels.reference import attention_reference, contiguous_shard
 from ulysses_kernels.testing import run_ranks
 
 KERNELS = ["torch", pytest.param("cuda", marks=pytest.mark.skipif("cuda" not in available_kernels(), reason="ulysses_kernels._C is not built"))]
@@ -283,8 +283,8 @@ def _world_2(rank, world, cases):
         full = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
         ref = attention_reference(*full, causal=causal)
         ref.backward(do.double())
-        mine = [shard_sequence(x, seq_lens, rank) for x in (q, k, v)]
-        my_do = shard_sequence(do, seq_lens, rank)
+        mine = [contiguous_shard(x, seq_lens, rank) for x in (q, k, v)]
+        my_do = contiguous_shard(do, seq_lens, rank)
         if mode == "module":
             f = uk.UlyssesAttention(hq, hkv, causal=causal, attn_fn="sdpa", kernels=kernels)
         elif mode == "lower":
@@ -308,8 +308,8 @@ def _world_2(rank, world, cases):
         for name, got, want, x in zip("qkv", grads, want_grads, full):
             _assert_equal(got, want, f"{case} d{name}")
             what = f"{case} d{name} vs reference"
-            torch.testing.assert_close(got.double(), shard_sequence(x.grad, seq_lens, rank), rtol=tol, atol=tol, msg=lambda s, what=what: f"{what}: {s}")
-        torch.testing.assert_close(out.double(), shard_sequence(ref, seq_lens, rank).detach(), rtol=tol, atol=tol)
+            torch.testing.assert_close(got.double(), contiguous_shard(x.grad, seq_lens, rank), rtol=tol, atol=tol, msg=lambda s, what=what: f"{what}: {s}")
+        torch.testing.assert_close(out.double(), contiguous_shard(ref, seq_lens, rank).detach(), rtol=tol, atol=tol)
 
 
 def test_world_size_2_forward_and_backward_trace():

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 import ulysses_kernels as uk
-from ulysses_kernels.backends import KVGradSum, SDPABackend
+from ulysses_kernels.backends import SDPABackend
 from ulysses_kernels.baselines import permute_chain_attention
+from ulysses_kernels.gqa import KVGradSum
 from ulysses_kernels.layout import Layout
 from ulysses_kernels.testing import run_ranks
 from ulysses_kernels.traffic import CopyCounter, ulysses_buffer_bytes, ulysses_payload_bytes

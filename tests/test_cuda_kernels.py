@@ -9,8 +9,8 @@ batch > 1, uneven sequence shards, non-contiguous and fused-QKV inputs.
 import pytest
 import torch
 
-from ulysses_kernels import layout as L
 from ulysses_kernels.kernels import available_kernels, get_kernels
+from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
@@ -99,7 +99,7 @@ def test_pack_s2h_with_recv_wants_the_peers_blocks_only():
     # for it too is the old contract and is refused by size, by name.
     lay = _layout(HeadPlan.build(10, 2, 4), 1, 2, 8)
     q, k, v = _qkv(lay, torch.float32, "cpu", "contiguous")
-    ranges = cuda_kernels.s2h_head_ranges(lay, QKV)
+    ranges = lay.head_ranges(QKV)
     full, peers = sum(lay.s2h_send_splits(QKV)), sum(lay.s2h_send_splits(QKV, own=False))
     recv = torch.empty(sum(lay.s2h_recv_splits(QKV)))
     with pytest.raises(RuntimeError, match=f"pack_s2h: send.numel\\(\\) expected {peers}, got {full}"):
@@ -200,7 +200,7 @@ def test_rank_with_no_heads():
 def _check_chunks(device):
     """Head chunks (the pipelined path's plans): the unpack visits only the heads its sources
     hold, so the others keep their value; every chunk and rank against the reference."""
-    from ulysses_kernels.pipeline import chunk_plans
+    from ulysses_kernels.attention.chunked import chunk_plans
 
     for hq, hkv, world, chunks, dtype in ((40, 8, 3, 3, torch.float16), (12, 2, 4, 4, torch.bfloat16), (8, 1, 3, 2, torch.float32)):
         plans = chunk_plans(HeadPlan.build(hq, hkv, world), chunks)
@@ -327,7 +327,7 @@ def _op_samples():
     plan = HeadPlan.build(10, 2, 4)
     lay = Layout(plan, 1, (3, 2, 4, 1), 2, 8)
     q, k, v = _qkv(lay, torch.float32, "cpu", "fused")
-    ranges = cuda_kernels.s2h_head_ranges(lay, QKV)
+    ranges = lay.head_ranges(QKV)
     send = torch.empty(sum(lay.s2h_send_splits(QKV)))
     send_peers = torch.empty(sum(lay.s2h_send_splits(QKV, own=False)))  # with recv: the peers' blocks only
     recv = torch.empty(sum(lay.s2h_recv_splits(QKV)))

@@ -162,6 +162,27 @@ def test_no_import_cycle_with_imports_inside_functions():
     )
 
 
+# The op package (``ulysses_kernels.attention``: the public face, the resolved call, the
+# exchanges and the three schedules) sits on top of the layers it uses (layout, kernels, comm,
+# gqa, checkpointing, backends, ring, ...): none of them imports it back. Only the package's
+# face and the users of the op above it do.
+ABOVE_THE_OP = ("ulysses_kernels", "ulysses_kernels.integrations.", "ulysses_kernels.bench.", "ulysses_kernels.selftest", "ulysses_kernels.demo")
+
+
+def test_the_op_package_is_imported_only_from_above():
+    module_level, in_functions = _graph(module_level=True), _graph(module_level=False)
+    op = "ulysses_kernels.attention"
+    assert op in module_level and f"{op}.chunked" in module_level, "the op package moved: update this test"
+    below = []
+    for name in sorted(module_level):
+        if name == op or name.startswith(op + "."):
+            continue
+        hits = sorted(t for t in module_level[name] | in_functions[name] if t == op or t.startswith(op + "."))
+        if hits and not (name == ABOVE_THE_OP[0] or name.startswith(ABOVE_THE_OP[1:])):
+            below.append(f"{name} imports {', '.join(hits)}")
+    assert not below, "modules below the op package import it:\n" + "\n".join(below)
+
+
 def test_comm_base_imports_nothing_of_ours():
     assert _graph(module_level=True)["ulysses_kernels.comm.base"] == set()
 

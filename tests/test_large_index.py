@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulysses_kernels import layout as L
+from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 

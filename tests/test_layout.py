@@ -5,7 +5,8 @@ destination is checked bit-exact for many plans without spawning ranks."""
 import pytest
 import torch
 
-from ulysses_kernels.layout import Q_ONLY, QKV, Layout, pack_s2h, unpack_h2s
+from ulysses_kernels.kernels.torch_kernels import pack_s2h, unpack_h2s
+from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
 PLANS = [

@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 import ulysses_kernels as uk
-from ulysses_kernels.backends import SDPABackend, shares_one_kv, uniform_group
+from ulysses_kernels.attention.call import setup_attention
+from ulysses_kernels.attention.chunked.schedule import build_schedule
+from ulysses_kernels.backends import SDPABackend
 from ulysses_kernels.baselines import permute_chain_attention
-from ulysses_kernels.call import setup_attention
+from ulysses_kernels.gqa import shares_one_kv, uniform_group
 from ulysses_kernels.layout import QKV, Layout
-from ulysses_kernels.pipeline.schedule import build_schedule
 from ulysses_kernels.testing import run_ranks
 from ulysses_kernels.traffic import LiveBytes, ulysses_peak_moments
 

@@ -26,7 +26,7 @@ from ulysses_kernels.backends import per_document
 from ulysses_kernels.checks import UlyssesInputError
 from ulysses_kernels.documents import Documents, documents, pad_documents
 from ulysses_kernels.kernels import available_kernels
-from ulysses_kernels.reference import packed_attention_reference, shard_sequence
+from ulysses_kernels.reference import contiguous_shard, packed_attention_reference
 from ulysses_kernels.testing import run_ranks
 
 
@@ -62,13 +62,13 @@ def _check_case(rank, world, hq, hkv, seq_lens, cu, causal, chunks, kernels, att
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = packed_attention_reference(*full, cu, causal=causal)
     ref.backward(do)
-    mine = [shard_sequence(x, lens, rank).clone().requires_grad_() for x in (q, k, v)]
+    mine = [contiguous_shard(x, lens, rank).clone().requires_grad_() for x in (q, k, v)]
     out = uk.ulysses_attention(*mine, causal=causal, seq_lens=seq_lens, attn_fn=attn_fn, kernels=kernels, chunks=chunks, cu_seqlens=cu)
-    out.backward(shard_sequence(do, lens, rank))
+    out.backward(contiguous_shard(do, lens, rank))
     what = f"rank {rank}/{world} {hq}/{hkv} lens={lens} cu={cu} causal={causal} chunks={chunks} {kernels}"
-    torch.testing.assert_close(out, shard_sequence(ref, lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s: f"out {what}: {s}")
+    torch.testing.assert_close(out, contiguous_shard(ref, lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s: f"out {what}: {s}")
     for name, m, f in zip("qkv", mine, full):
-        torch.testing.assert_close(m.grad, shard_sequence(f.grad, lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s, n=name: f"d{n} {what}: {s}")
+        torch.testing.assert_close(m.grad, contiguous_shard(f.grad, lens, rank), rtol=1e-10, atol=1e-10, msg=lambda s, n=name: f"d{n} {what}: {s}")
     if valid is not None:
         start = sum(lens[:rank])
         pad_rows = slice(max(valid - start, 0), lens[rank])
@@ -125,26 +125,26 @@ def _check_own_attention(rank, world):
     cu = random_cu(sum(lens), world, seed=11)
     q, k, v, do = _inputs(hq, hkv, sum(lens), 8, seed=12)
     plan = uk.HeadPlan.build(hq, hkv, world)
-    mine = [shard_sequence(x, lens, rank).clone().requires_grad_() for x in (q, k, v)]
+    mine = [contiguous_shard(x, lens, rank).clone().requires_grad_() for x in (q, k, v)]
     q_l, k_l, v_l = uk.seq_to_head(*mine, plan=plan, seq_lens=lens)
     docs = documents(cu)
     k_l, v_l = (x.expand(-1, -1, q_l.shape[2], -1) for x in (k_l, v_l))  # 5/1: one KV head per rank
     out_l = per_document(lambda *x: uk.reference.attention_reference(*x, True), q_l, k_l, v_l, docs)
     out = uk.head_to_seq(out_l, plan, seq_lens=lens)
-    out.backward(shard_sequence(do, lens, rank))
+    out.backward(contiguous_shard(do, lens, rank))
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = packed_attention_reference(*full, cu)
     ref.backward(do)
-    torch.testing.assert_close(out, shard_sequence(ref, lens, rank), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out, contiguous_shard(ref, lens, rank), rtol=1e-10, atol=1e-10)
     for m, f in zip(mine, full):
-        torch.testing.assert_close(m.grad, shard_sequence(f.grad, lens, rank), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(m.grad, contiguous_shard(f.grad, lens, rank), rtol=1e-10, atol=1e-10)
 
 
 def _check_chunked_bit_identical(rank, world):
     """With documents, as without: chunks=n equals chunks=1 bit for bit (SDPA, one thread),
     also on ranks whose query heads share one KV head (SharedKV split by query heads)."""
     for hq, hkv in ((12, 3), (7, 1)):
-        q, k, v, do = (shard_sequence(x, [4, 4, 4], rank) for x in _inputs(hq, hkv, 12, 8, seed=13))
+        q, k, v, do = (contiguous_shard(x, [4, 4, 4], rank) for x in _inputs(hq, hkv, 12, 8, seed=13))
         cu = random_cu(12, world, seed=14)
         results = []
         for chunks in (1, 2, 3):
@@ -163,7 +163,7 @@ def _raises(pattern, fn):
 
 
 def _check_errors(rank, world):
-    q, k, v, _ = (shard_sequence(x, [4, 4], rank) for x in _inputs(4, 2, 8, 8, seed=1))
+    q, k, v, _ = (contiguous_shard(x, [4, 4], rank) for x in _inputs(4, 2, 8, 8, seed=1))
     call = lambda cu, **kw: uk.ulysses_attention(q, k, v, cu_seqlens=cu, **kw)  # noqa: E731
     # Bad on one rank only: every rank raises, naming that rank.
     _raises(r"rank 1: cu_seqlens\[0\] expected 0, got 2", lambda: call([0, 3, 8] if rank == 0 else [2, 3, 8]))
@@ -245,7 +245,7 @@ def _check_collective_count(rank, world):
 
     layers = [uk.UlyssesAttention(6, 2, attn_fn="sdpa") for _ in range(3)]
     cu, lens = random_cu(12, world, seed=9), [4, 4, 4]
-    x = shard_sequence(_inputs(6, 2, 12, 8, seed=2)[0], lens, rank).requires_grad_()
+    x = contiguous_shard(_inputs(6, 2, 12, 8, seed=2)[0], lens, rank).requires_grad_()
     try:
         for name in _COLLECTIVES:
             setattr(dist, name, counting(name))

@@ -1,4 +1,4 @@
-"""Chunked overlap (ulysses_kernels.pipeline): bit-identical to chunks=1, forward and backward.
+"""Chunked overlap (ulysses_kernels.attention.chunked): bit-identical to chunks=1, forward and backward.
 
 Distributed checks run on gloo ranks with asynchronous collectives; each spawn runs many
 cases (spawning costs ~10-20 s on 2 cores), among them every plan of the core tests
@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_attention_dist import CASES as CORE_CASES  # tests/ is on sys.path (no __init__.py)
 
+from ulysses_kernels.attention.chunked import CostModel, choose_chunks, chunk_plans, splits_shared_kv
 from ulysses_kernels.comm import LocalCommunicator
 from ulysses_kernels.layout import Layout
-from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans, splits_shared_kv
 from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.testing import run_ranks
 
@@ -170,8 +170,8 @@ def test_bad_chunks_value():
 
 # ---- bit-identity on gloo ranks ---------------------------------------------------------------
 def _dist_cases(rank, world, cases):
+    from ulysses_kernels.attention.chunked import chunk_plans as _cp
     from ulysses_kernels.comm import TorchCommunicator
-    from ulysses_kernels.pipeline import chunk_plans as _cp
 
     comm = TorchCommunicator()
     for hq, hkv, lens, batch, causal, dtype, chunks, kernels in cases:
@@ -410,7 +410,7 @@ if __name__ == "__main__":
 def test_gpu_kv_index_stays_on_the_device():
     """A chunk's KV gather index is copied to the GPU once per map and reused (no copy per
     chunk, so a captured graph reads no host memory); on the CPU it is a fresh tensor."""
-    from ulysses_kernels.backends import kv_index
+    from ulysses_kernels.gqa import kv_index
 
     dev = torch.device("cuda", torch.cuda.current_device())
     first = kv_index((0, 0, 1), dev)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from dynamo_support import traced_error
 
 import ulysses_kernels as uk
-from ulysses_kernels.backends import FlashBackend, MathBackend, flash_available, math_attention_lse
-from ulysses_kernels.reference import attention_reference
+from ulysses_kernels.backends import FlashBackend, MathBackend, flash_available
+from ulysses_kernels.reference import attention_reference, math_attention_lse
 from ulysses_kernels.ring import RingBackend, block_pieces, merge_lse, shard_rows, sp_rank_lists, tile_rows
 from ulysses_kernels.ring.groups import SPGroups
 from ulysses_kernels.testing import ThreadGroup, run_ranks

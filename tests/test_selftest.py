@@ -33,7 +33,7 @@ from ulysses_kernels.layout import split_lengths
 from ulysses_kernels.plan import HeadPlan
 
 CK = selftest.CHECKPOINT_CHUNKS  # the chunk count of the checkpoint paths
-# Before torch 2.9 a checkpointed call runs unchunked (backends.chunks_recompute_apart), so the
+# Before torch 2.9 a checkpointed call runs unchunked (checkpointing.chunks_recompute_apart), so the
 # self-test holds it to the bound, not to bit-equality with the chunked plain run.
 BIT_EQUAL_CHECKPOINT = hasattr(torch.utils.checkpoint, "GraphExecGroup")
 
@@ -136,7 +136,7 @@ def test_torchrun_at_three_ranks_quick(tmp_path):
 
 FAULTS = '''
 """Kernel sets that fail on purpose, for the self-test's own test."""
-from ulysses_kernels import layout as L
+from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.kernels import KernelSetSpec, TorchKernels, register_kernel_set
 
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_kernels import ulysses_attention
+from ulysses_kernels.attention.chunked import chunk_plans
 from ulysses_kernels.kernels import available_kernels
-from ulysses_kernels.pipeline import chunk_plans
 from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.reference import attention_reference
 from ulysses_kernels.testing import ThreadGroup

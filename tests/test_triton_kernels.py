@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulysses_kernels import layout as L
+from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
@@ -237,7 +237,7 @@ def test_fp8_replica_sum_raises_like_reference():
 def test_chunk_layout_subset_of_heads():
     """A head chunk (a plan restricted to sub-ranges, as the pipeline builds) packs and
     unpacks only its heads and leaves the others untouched."""
-    from ulysses_kernels.pipeline import chunk_plans
+    from ulysses_kernels.attention.chunked import chunk_plans
 
     plan = HeadPlan.build(40, 8, 3)
     gen = torch.Generator().manual_seed(11)

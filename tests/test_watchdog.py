@@ -179,13 +179,13 @@ def test_a_call_that_raises_is_not_tracked_and_graph_capture_is_not_tracked():
 
 def test_work_wait_raises_once_the_communicator_failed():
     wd, clock, fakes = _watchdog(timeout_s=1)
-    work = Work(check=wd.check)
+    work = Work(on_wait=wd.check)
     work.wait()  # healthy
     _post(wd, "all_to_all", lambda: False)
     clock.now = 5.0
     wd.poll()
     with pytest.raises(RuntimeError, match=r"has not completed"):
-        Work(check=wd.check).wait()
+        Work(on_wait=wd.check).wait()
     with pytest.raises(RuntimeError, match=r"has not completed"):
         work.wait()  # every wait checks
 
@@ -290,6 +290,6 @@ def test_work_with_an_event_checks_before_waiting():
     _post(wd, "all_to_all", lambda: False)
     clock.now = 2.0
     wd.poll()
-    work = Work(event=object(), device=torch.device("cuda", 0), check=wd.check)  # the event is never reached
+    work = Work(event=object(), device=torch.device("cuda", 0), on_wait=wd.check)  # the event is never reached
     with pytest.raises(RuntimeError, match="has not completed"):
         work.wait()

@@ -27,35 +27,24 @@ head order) so that the chunked pipeline can split the query heads and stay bit-
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
+
+from .checkpointing import save_tensors  # for backends with their own backward (docs/extending.md)
+from .gqa import KVGather, shares_one_kv
+from .reference import math_attention, math_attention_lse, math_attention_lse_backward
 
 __all__ = [
     "AttentionBackend",
     "SharedKV",
-    "KVGradSum",
     "for_rank",
     "resolve_backend",
-    "expand_kv",
-    "gather_kv",
-    "kv_index",
-    "scatter_kv_grads",
-    "uniform_group",
-    "shares_one_kv",
+    "named_backend",
     "BACKENDS",
-    "math_attention_lse",
-    "math_attention_lse_backward",
     "save_tensors",
-    "one_recompute",
-    "chunks_recompute_apart",
-    "graph_exec_group",
     "doc_kwargs",
     "per_document",
 ]
@@ -78,63 +67,6 @@ def per_document(fn, q, k, v, docs) -> torch.Tensor:
     return torch.cat([fn(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in docs.spans()], dim=1)
 
 
-def uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
-    """True when query head ``i`` uses KV head ``i // (hq // hkv)`` (plain GQA)."""
-    if hq % hkv:
-        return False
-    g = hq // hkv
-    return all(j == i // g for i, j in enumerate(kv_map))
-
-
-def kv_index(kv_map: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``kv_map`` as an int64 index tensor on ``device``, read-only.
-
-    On a GPU the tensor is kept on the device per ``(kv_map, device)`` (a bounded cache of a
-    few bytes each, keyed by values, not by a group): the first call for a map copies it
-    once, and every later call reuses it with no copy, no host sync and nothing a CUDA graph
-    capture would refuse (a per-call copy from pageable host memory cannot be captured, and
-    a blocking one would make the host wait for the queued GPU work). As with the Triton
-    tables, run a layout once before capturing it. Elsewhere, and inside ``torch.compile``,
-    a fresh tensor."""
-    if device.type != "cuda" or torch.compiler.is_compiling():
-        return torch.tensor(list(kv_map), dtype=torch.int64, device=device)
-    return _device_index(tuple(int(i) for i in kv_map), device)
-
-
-@functools.lru_cache(maxsize=256)
-def _device_index(kv_map: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # A blocking copy, once per (map, device): the tensor is complete before any stream
-    # reads it, whichever stream that is.
-    return torch.tensor(kv_map, dtype=torch.int64, device=device)
-
-
-def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int], *, always: bool = False):
-    """k, v as plain grouped heads for ``kv_map``.
-
-    A rank whose query heads straddle a KV group boundary unevenly (for example 3 query
-    heads, 2 from one group and 1 from the next) cannot use a uniform GQA kernel; its KV
-    heads are gathered to one per query head here, locally, after the wire. ``always``
-    gathers even a uniform map (the chunked pipeline, whose chunk of a non-uniform rank
-    may be uniform, must run the same kernels as the unchunked op).
-    """
-    if not always and uniform_group(len(kv_map), k.shape[2], kv_map):
-        return k, v
-    return gather_kv(k, v, kv_index(kv_map, k.device))
-
-
-def gather_kv(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor):
-    """KV heads ``index`` (one per local query head) of ``k``, ``v`` ``[B, S, hkv, D]``."""
-    return k.index_select(2, index), v.index_select(2, index)
-
-
-def scatter_kv_grads(dk: torch.Tensor, dv: torch.Tensor, kv_map: Sequence[int], hkv: int):
-    """The backward of ``gather_kv`` with ``kv_index(kv_map)``: per-query-head ``dk``, ``dv``
-    ``[B, S, hq, D]`` summed into ``[B, S, hkv, D]``, as autograd's ``index_select``
-    backward does (zeros, then ``index_add_`` in query-head order)."""
-    index = kv_index(kv_map, dk.device)
-    shape = (dk.shape[0], dk.shape[1], hkv, dk.shape[3])
-    return dk.new_zeros(shape).index_add_(2, index, dk), dv.new_zeros(shape).index_add_(2, index, dv)
-
 
 class _AttentionInputs(torch.autograd.Function):
     """Identity on ``q``, ``k``, ``v`` whose only grad-requiring input is a 0-element dummy:
@@ -149,78 +81,6 @@ class _AttentionInputs(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         return None, None, None, None
 
-
-class _SavedTensors(torch.autograd.Function):
-    """Holds tensors in its saved tensors; never differentiated (``save_tensors``)."""
-
-    @staticmethod
-    def forward(ctx, dummy, *tensors):
-        ctx.save_for_backward(*tensors)
-        ctx.count = len(tensors)
-        return dummy.view_as(dummy)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (None,) * (1 + ctx.count)
-
-
-class SavedHandle:
-    """What ``save_tensors`` returns: the node's 0-element output, so the node stays alive.
-    Holding the node alone (``grad_fn``) is not enough on torch 2.11 (it is on 2.14): there,
-    when a custom Function's outputs are all freed, its saved tensors are released, and
-    reading them raises "Trying to backward through the graph a second time" (measured)."""
-
-    __slots__ = ("_marker",)
-
-    def __init__(self, marker: torch.Tensor):
-        self._marker = marker
-
-    @property
-    def saved_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self._marker.grad_fn.saved_tensors
-
-
-def save_tensors(*tensors: torch.Tensor) -> SavedHandle:
-    """``tensors`` kept in autograd's saved tensors, for a backend with its own backward
-    (its state holds the returned handle, not the tensors): saved-tensor hooks (activation
-    checkpointing, ``save_on_cpu``) see them as they see any saved tensor, and the tensors
-    go when the handle does. ``handle.saved_tensors`` gives them back (once, in the backward)."""
-    dummy = torch.empty(0, device=tensors[0].device, requires_grad=True)
-    with torch.enable_grad():
-        return SavedHandle(_SavedTensors.apply(dummy, *tensors))
-
-
-def graph_exec_group():
-    """``torch.utils.checkpoint.GraphExecGroup`` (torch >= 2.9), else None."""
-    return getattr(torch.utils.checkpoint, "GraphExecGroup", None)
-
-
-def one_recompute():
-    """A context for a backward that runs nested backward passes (``torch.autograd.grad`` over
-    attention graphs, as ``AttentionBackend.backward`` does): under non-reentrant activation
-    checkpointing each nested pass is a graph task of its own, and the checkpoint would run
-    its recompute (the region's forward: our collectives again) once per nested pass, at
-    points that differ between ranks whose chunks hold no heads (a hang). Inside one
-    ``torch.utils.checkpoint.GraphExecGroup`` the region is recomputed once, at the first
-    unpack. An enclosing group (the caller's) is used as it is; torch without the class
-    (older than 2.9): a no-op."""
-    group = graph_exec_group()
-    if group is None or torch._C._get_graph_exec_group() is not None:
-        return contextlib.nullcontext()
-    return group()
-
-
-def chunks_recompute_apart() -> bool:
-    """Whether a chunked backward would recompute a checkpointed region once per nested pass:
-    saved-tensor hooks are active (non-reentrant ``torch.utils.checkpoint``, ``save_on_cpu``)
-    and torch has no ``GraphExecGroup`` (before 2.9). A rank whose chunk holds no head runs
-    fewer nested passes, so fewer recomputes (our collectives again) than its peers: a hang,
-    measured on torch 2.8 (the self-test's uneven-heads checkpoint path at chunks=2 timed
-    out). The call then runs unchunked (``call._resolve_chunks``), which the forward and the
-    recompute decide alike: both run under the checkpoint's hooks."""
-    if graph_exec_group() is not None:
-        return False
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 class AttentionBackend:
@@ -254,40 +114,33 @@ class AttentionBackend:
 
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
         kw = doc_kwargs(docs)
+        heads = KVGather.of(kv_map, k.shape[2])  # gathered where the map is not uniform
         if not needs_grad:
+            if not torch.is_grad_enabled():  # as the op calls it (inside its autograd nodes, or with nothing to differentiate)
+                return self.attend(q, *heads.gather(k, v), causal, scale, **kw), None
             with torch.no_grad():
-                k2, v2 = expand_kv(k, v, kv_map)
-                return self.attend(q, k2, v2, causal, scale, **kw), None
-        gathered = None
-        if not uniform_group(len(kv_map), k.shape[2], kv_map):
-            # The kernel saves the gathered k, v, the attention inputs (dk, dv are summed
-            # back to the KV heads in ``backward``, as autograd's index_select backward
-            # would). A q that shares its storage with k, v (the receive buffer) is copied
-            # too, so that the buffer, whose k, v heads nothing reads any more, is not
-            # kept alive for the backward by q alone.
-            gathered = (tuple(kv_map), k.shape[2])  # the index is rebuilt for the backward
-            if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
-                q = q.clone(memory_format=torch.contiguous_format)
-            k, v = gather_kv(k, v, kv_index(kv_map, k.device))
+                return self.attend(q, *heads.gather(k, v), causal, scale, **kw), None
+        # A gathered map: the kernel saves the gathered k, v (dk, dv are summed back to the
+        # KV heads in ``backward``), and q leaves the receive buffer (``KVGather.own_q``).
+        q = heads.own_q(q, k)
+        k, v = heads.gather(k, v)
         dummy = torch.empty(0, dtype=q.dtype, device=q.device, requires_grad=True)
         with torch.enable_grad():
             inputs = _AttentionInputs.apply(dummy, q.detach(), k.detach(), v.detach())
             out = self.attend(*inputs, causal, scale, **kw)
         edges = [torch.autograd.graph.get_gradient_edge(x) for x in (out, *inputs)]
         # The state is a list that ``backward`` empties: the graph (and what it saved) goes with it.
-        return out.detach(), [edges, gathered]
+        return out.detach(), [edges, heads]
 
     def backward(self, state, dout):
         """The gradients for ``q``, ``k``, ``v``. Empties ``state``: the attention inputs
         the graph saved are freed before the gradients are returned, not when the caller
         lets go."""
-        (out, *inputs), gathered = state
+        (out, *inputs), heads = state
         state.clear()
         dq, dk, dv = torch.autograd.grad([out], inputs, [dout])
         del out, inputs
-        if gathered is not None:
-            dk, dv = scatter_kv_grads(dk, dv, *gathered)
-        return dq, dk, dv
+        return (dq, *heads.scatter(dk, dv))
 
 
 class SDPABackend(AttentionBackend):
@@ -306,73 +159,6 @@ class SDPABackend(AttentionBackend):
         )
         return out.transpose(1, 2)
 
-
-def math_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    """Explicit softmax attention over ``[B, S, H, D]``; the accumulation dtype is the
-    input's for float32/float64 and float32 for half types."""
-    acc = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    g = q.shape[2] // k.shape[2]
-    k = k.to(acc).repeat_interleave(g, dim=2)
-    v = v.to(acc).repeat_interleave(g, dim=2)
-    scores = torch.einsum("bshd,bthd->bhst", q.to(acc), k) * scale
-    if causal:
-        s, t = scores.shape[-2:]
-        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhst,bthd->bshd", probs, v).to(q.dtype)
-
-
-def _math_scores(q, k, causal: bool, scale: float, acc: torch.dtype) -> torch.Tensor:
-    """Scaled scores ``[B, H, S, T]`` (``-inf`` where masked) of grouped-head ``q``, ``k``."""
-    k = k.to(acc).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    scores = torch.einsum("bshd,bthd->bhst", q.to(acc), k) * scale
-    if causal:
-        s, t = scores.shape[-2:]
-        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    return scores
-
-
-def _probs(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``exp(scores - lse)``; a row with no key (``lse = -inf``) gets zeros, not NaN."""
-    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - lse.unsqueeze(-1))
-
-
-def math_attention_lse(q, k, v, causal: bool, scale: float):
-    """``math_attention`` that also returns the log-sum-exp of each row's scores.
-
-    Returns ``(out, lse)``: ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` in the
-    accumulation dtype (``merge.acc_dtype``: float64 stays, else float32); a row with no
-    visible key has ``out = 0`` and ``lse = -inf``."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = _math_scores(q, k, causal, scale, acc)
-    lse = torch.logsumexp(scores, dim=-1)
-    v = v.to(acc).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    return torch.einsum("bhst,bthd->bshd", _probs(scores, lse), v), lse
-
-
-def math_attention_lse_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """Gradients of one block of keys recomputed against the *final* ``out`` and ``lse`` of
-    the rows (over all blocks): ``p = exp(scores - lse)``, ``dv = p^T dout``,
-    ``ds = p * (dout v^T - rowsum(dout * out))``, ``dq = ds k * scale``, ``dk = ds^T q * scale``.
-    ``dk``, ``dv`` are summed over each KV head's query heads (``[B, T, hkv, D]``); all three
-    in the accumulation dtype."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    g = q.shape[2] // k.shape[2]
-    probs = _probs(_math_scores(q, k, causal, scale, acc), lse.to(acc))
-    dout, q = dout.to(acc), q.to(acc)
-    ke, ve = (x.to(acc).repeat_interleave(g, dim=2) for x in (k, v))
-    dv = torch.einsum("bhst,bshd->bthd", probs, dout)
-    rows = (dout * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, S]
-    ds = probs * (torch.einsum("bshd,bthd->bhst", dout, ve) - rows.unsqueeze(-1))
-    dq = torch.einsum("bhst,bthd->bshd", ds, ke) * scale
-    dk = torch.einsum("bhst,bshd->bthd", ds, q) * scale
-    if g > 1:
-        b, t, _, d = dk.shape
-        dk, dv = (x.view(b, t, k.shape[2], g, d).sum(3) for x in (dk, dv))
-    return dq, dk, dv
 
 
 class MathBackend(AttentionBackend):
@@ -427,41 +213,6 @@ class CallableBackend(AttentionBackend):
         return self.fn(q, k, v, causal=causal, softmax_scale=scale)
 
 
-class KVGradSum:
-    """Running sum over query heads of per-query-head KV gradients, in head order.
-
-    ``add(dk, dv)`` takes ``[B, S, h, D]`` gradients of ``h`` query heads that all use one
-    KV head and adds them one head at a time into ``[B, S, 1, D]`` accumulators (float32
-    for half types, rounded once in ``result``). Feeding the heads in two calls or in one
-    adds the same numbers in the same order, which is what makes a chunked backward
-    bit-identical to the unchunked one.
-    """
-
-    def __init__(self):
-        self.acc: list[torch.Tensor] | None = None
-        self.dtype: torch.dtype | None = None
-
-    def add(self, *grads: torch.Tensor) -> None:
-        h = grads[0].shape[2]
-        if h == 0:
-            return
-        start = 0
-        if self.acc is None:
-            self.dtype = grads[0].dtype
-            wide = self.dtype if self.dtype in (torch.float32, torch.float64) else torch.float32
-            self.acc = [g[:, :, :1].to(wide, copy=True) for g in grads]
-            start = 1
-        for i in range(start, h):
-            for a, g in zip(self.acc, grads):
-                a.add_(g[:, :, i : i + 1])
-
-    def result(self) -> list[torch.Tensor]:
-        """The sums ``[B, S, 1, D]`` in the gradients' dtype."""
-        if self.acc is None:
-            raise RuntimeError("KVGradSum.result: no gradient was added")
-        return [a.to(self.dtype) for a in self.acc]
-
-
 class SharedKV:
     """A rank whose query heads all use its one KV head: attention runs as plain
     multi-head attention against a stride-0 view of that head (no copy), and the KV
@@ -479,21 +230,14 @@ class SharedKV:
         self.name = inner.name
 
     @staticmethod
-    def expand(k, v, hq: int):
-        """The one KV head ``[B, S, 1, D]`` as stride-0 ``[B, S, hq, D]`` views (no copy)."""
-        shape = (-1, -1, hq, -1)
-        return k.expand(shape), v.expand(shape)
-
-    @staticmethod
-    def sum_grads(dk, dv) -> list[torch.Tensor]:
-        """The per-query-head ``dk``, ``dv`` summed to ``[B, S, 1, D]`` (``KVGradSum``)."""
-        acc = KVGradSum()
-        acc.add(dk, dv)
-        return acc.result()
+    def heads(hq: int) -> KVGather:
+        """The ``"shared"`` ``KVGather`` of ``hq`` query heads over the one KV head: stride-0
+        views forward, ``KVGradSum`` in head order backward."""
+        return KVGather((0,) * hq, 1, "shared")
 
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
         ident = tuple(range(q.shape[2]))
-        k, v = self.expand(k, v, q.shape[2])
+        k, v = self.heads(q.shape[2]).gather(k, v)
         return self.inner.forward(q, k, v, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad, **doc_kwargs(docs))
 
     def backward_per_head(self, state, dout):
@@ -502,12 +246,8 @@ class SharedKV:
 
     def backward(self, state, dout):
         dq, dk, dv = self.backward_per_head(state, dout)
-        return (dq, *self.sum_grads(dk, dv))
+        return (dq, *self.heads(dk.shape[2]).scatter(dk, dv))
 
-
-def shares_one_kv(kv_map: Sequence[int]) -> bool:
-    """True when several local query heads use the rank's only local KV head."""
-    return len(kv_map) > 1 and not any(kv_map)
 
 
 def for_rank(backend, kv_map: Sequence[int]):
@@ -525,23 +265,26 @@ def flash_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def named_backend(attn_fn: str | None, device: torch.device, dtype: torch.dtype):
+    """The built-in backend for ``attn_fn`` ``None`` (flash-attn on CUDA in half precision
+    when importable, else SDPA) or a name of ``BACKENDS``, for tensors on ``device`` of ``dtype``."""
+    if attn_fn is None:
+        use_flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available()
+        return FlashBackend() if use_flash else SDPABackend()
+    if attn_fn not in BACKENDS:
+        raise ValueError(f"ulysses_attention: attn_fn={attn_fn!r}; expected one of {sorted(BACKENDS)}, a callable or a backend")
+    if attn_fn == "flash" and not flash_available():
+        raise ValueError("ulysses_attention: attn_fn='flash' but flash_attn is not importable")
+    return BACKENDS[attn_fn]()
+
+
 def resolve_backend(attn_fn, q: torch.Tensor):
     """The backend object for ``attn_fn`` (None, a name, a callable or a backend)."""
-    if attn_fn is None:
-        use_flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_available()
-        return FlashBackend() if use_flash else SDPABackend()
-    if isinstance(attn_fn, str):
-        if attn_fn not in BACKENDS:
-            raise ValueError(f"ulysses_attention: attn_fn={attn_fn!r}; expected one of {sorted(BACKENDS)}, a callable or a backend")
-        if attn_fn == "flash" and not flash_available():
-            raise ValueError("ulysses_attention: attn_fn='flash' but flash_attn is not importable")
-        return BACKENDS[attn_fn]()
+    if attn_fn is None or isinstance(attn_fn, str):
+        return named_backend(attn_fn, q.device, q.dtype)
     if hasattr(attn_fn, "forward") and hasattr(attn_fn, "backward"):
         return attn_fn
     if callable(attn_fn):
         return CallableBackend(attn_fn)
     raise TypeError(f"ulysses_attention: attn_fn must be None, a name, a callable or a backend, got {type(attn_fn).__name__}")
 
-
-def default_scale(head_dim: int, softmax_scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)

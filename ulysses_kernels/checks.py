@@ -12,11 +12,21 @@ ranks pass the same shapes and options is the caller's.
 
 Inside ``torch.compile`` only the local checks run, once, while tracing (shapes are static
 in a graph, and the all-gather plus host decode would break it); the exchange is skipped
-whatever ``check`` says (``ulysses_kernels.traceable``).
+whatever ``check`` says (``ulysses_kernels.attention.traced``).
+
+Each call checks once per input signature. ``call_key`` turns the inputs into a small key
+of values (shapes, dtypes, devices, options; no tensor), and what follows from the key
+alone is computed once per key and kept in bounded caches keyed by those values (never by a
+group): the encoded signature a rank sends (``_encoded``), the rank-local checks with the
+plan and the ``Layout`` (``_planned``), and the verdict on a gathered set of signatures
+(``_validate_gathered``, keyed by every rank's integers). A key that fails is not kept: it
+raises again, the same error, on its next call. So ``check=True`` costs the one all-gather
+per call and nothing else.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,8 +38,8 @@ from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
 __all__ = [
-    "UlyssesInputError", "Signature", "signature", "validate", "prepare", "check_head_to_seq", "dtype_code", "float_bits",
-    "rank_list", "by_value", "document_summary", "document_problems", "document_text",
+    "UlyssesInputError", "Signature", "signature", "validate", "prepare", "call_key", "check_across_ranks", "planned", "encoded",
+    "check_head_to_seq", "dtype_code", "float_bits", "rank_list", "by_value", "document_summary", "document_problems", "document_text",
 ]  # fmt: skip
 
 _DTYPES = [
@@ -193,30 +203,43 @@ def document_problems(summary: Sequence[int], batch: int, total: int, how: str) 
     return out
 
 
-def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads, docs=None) -> Signature:
+def _tensors_and_lens(q, k, v, seq_lens, world_size: int) -> tuple[int, ...] | None:
+    """The checks that come before any signature: q, k, v are tensors, and ``seq_lens`` (as
+    a tuple of ints) has one entry per rank."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ulysses_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if seq_lens is not None:
-        seq_lens = tuple(int(s) for s in seq_lens)
-        if len(seq_lens) != world_size:
-            # Lengths of other size cannot be encoded; this is the same on every rank
-            # that passes the same list, which is the contract for seq_lens.
-            raise UlyssesInputError(
-                f"ulysses_attention: seq_lens has {len(seq_lens)} entries, expected one per rank ({world_size})"
-            )
+    if seq_lens is None:
+        return None
+    seq_lens = tuple(int(s) for s in seq_lens)
+    if len(seq_lens) != world_size:
+        # Lengths of other size cannot be encoded; this is the same on every rank
+        # that passes the same list, which is the contract for seq_lens.
+        raise UlyssesInputError(f"ulysses_attention: seq_lens has {len(seq_lens)} entries, expected one per rank ({world_size})")
+    return seq_lens
+
+
+def _signature(shapes, dtypes, devices, *, rank, world_size, causal, scale, seq_lens, plan_heads, docs) -> Signature:
     return Signature(
         rank=rank,
         world_size=world_size,
-        shapes=tuple(tuple(x.shape) for x in (q, k, v)),
-        dtypes=tuple(dtype_code(x.dtype) for x in (q, k, v)),
-        devices=tuple((_device_code(x.device), -1 if x.device.index is None else x.device.index) for x in (q, k, v)),
+        shapes=tuple(tuple(x) for x in shapes),
+        dtypes=tuple(dtype_code(x) for x in dtypes),
+        devices=tuple((_device_code(x), -1 if x.index is None else x.index) for x in devices),
         causal=int(bool(causal)),
         scale_bits=float_bits(scale) if scale is not None else 0,
         seq_lens=seq_lens,
         plan_heads=plan_heads,
         docs=document_summary(docs),
     )
+
+
+def signature(q, k, v, *, rank, world_size, causal, scale, seq_lens, plan_heads, docs=None) -> Signature:
+    seq_lens = _tensors_and_lens(q, k, v, seq_lens, world_size)
+    return _signature(
+        (q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), (q.device, k.device, v.device), rank=rank, world_size=world_size,
+        causal=causal, scale=scale, seq_lens=seq_lens, plan_heads=plan_heads, docs=docs,
+    )  # fmt: skip
 
 
 def _local_problems(sig: Signature) -> list[str]:
@@ -343,29 +366,80 @@ def validate(sigs: Sequence[Signature], *, gathered: bool) -> None:
         raise UlyssesInputError("ulysses_attention: " + "; ".join(problems) + hint)
 
 
+def call_key(q, k, v, *, rank: int, world_size: int, causal, softmax_scale, seq_lens, plan: HeadPlan | None, docs=None) -> tuple:
+    """What the checks, the plan and the ``Layout`` of a call depend on, as a tuple of values
+    (no tensor): the key of the caches below, and of ``attention.call``'s. Raises (locally,
+    as before any exchange) for non-tensors and a ``seq_lens`` list of the wrong length."""
+    if seq_lens is not None or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        seq_lens = _tensors_and_lens(q, k, v, seq_lens, world_size)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, rank, world_size, bool(causal), scale,
+            seq_lens, plan, docs)  # fmt: skip
+
+
+def _signature_of(key: tuple) -> Signature:
+    qs, ks, vs, qd, kd, vd, qdev, kdev, vdev, rank, world, causal, scale, seq_lens, plan, docs = key
+    plan_heads = None if plan is None else (plan.q_heads, plan.kv_heads)
+    return _signature((qs, ks, vs), (qd, kd, vd), (qdev, kdev, vdev), rank=rank, world_size=world, causal=causal, scale=scale,
+                      seq_lens=seq_lens, plan_heads=plan_heads, docs=docs)  # fmt: skip
+
+
+def _plan_and_layout(key: tuple) -> tuple[HeadPlan, Layout]:
+    """This rank's checks (``validate`` of its own signature), then the plan and the ``Layout``."""
+    validate([_signature_of(key)], gathered=False)
+    qs, ks, _, _, _, _, _, _, _, rank, world, _, _, seq_lens, plan, _ = key
+    if plan is None:
+        plan = HeadPlan.build(qs[2], ks[2], world)
+    elif plan.world_size != world:
+        raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
+    lens = seq_lens if seq_lens is not None else (qs[1],) * world
+    return plan, Layout(plan, rank, lens, qs[0], qs[3])
+
+
+# Bounded caches keyed by values (the call key, or every rank's integers): a few hundred input
+# signatures, a few KB each. Inside torch.compile the functions run uncached (dynamo traces
+# the plain function; shapes are constants of the graph anyway).
+_planned = functools.lru_cache(maxsize=512)(_plan_and_layout)
+
+
+@functools.lru_cache(maxsize=512)
+def encoded(key: tuple) -> tuple[int, ...]:
+    """The integers this rank sends in the cross-rank check of the call ``key``."""
+    return tuple(_signature_of(key).encode())
+
+
+@functools.lru_cache(maxsize=512)
+def _validate_gathered(rows: tuple[tuple[int, ...], ...]) -> None:
+    validate([Signature.decode(x) for x in rows], gathered=True)
+
+
+def check_across_ranks(key: tuple, comm, device: torch.device) -> None:
+    """The cross-rank check of ``check=True``: one all-gather of this rank's encoded signature
+    over ``comm``, then the same validator over every rank's, so that bad or mismatched inputs
+    raise the same ``UlyssesInputError`` on every rank. Collective."""
+    gathered = comm.all_gather_ints(list(encoded(key)), device)
+    _validate_gathered(tuple(tuple(x) for x in gathered))
+
+
+def planned(key: tuple) -> tuple[HeadPlan, Layout]:
+    """This rank's checks, the plan and the ``Layout`` of the call ``key`` (``call_key``):
+    computed once per key (a key that fails raises every time)."""
+    return _plan_and_layout(key) if torch.compiler.is_compiling() else _planned(key)
+
+
 def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check, docs=None):
     """Validate, then build the plan and the ``Layout`` of this rank's call.
 
-    With ``check`` (and more than one rank) the signatures of all ranks are exchanged, so
-    bad or mismatched inputs raise the same error everywhere; without it, or inside
-    ``torch.compile`` (the decoded exchange is data-dependent, see ``traceable``), only this
-    rank's inputs are checked.
+    With ``check`` (and more than one rank) the signatures of all ranks are exchanged
+    (``check_across_ranks``), so bad or mismatched inputs raise the same error everywhere;
+    without it, or inside ``torch.compile`` (the decoded exchange is data-dependent, see
+    ``attention.traced``), only this rank's inputs are checked.
     """
-    rank, world = comm.rank, comm.world_size
-    sig = signature(
-        q, k, v, rank=rank, world_size=world, causal=causal, scale=softmax_scale, seq_lens=seq_lens,
-        plan_heads=None if plan is None else (plan.q_heads, plan.kv_heads), docs=docs,
-    )  # fmt: skip
-    if check and world > 1 and not torch.compiler.is_compiling():
-        validate([Signature.decode(x) for x in comm.all_gather_ints(sig.encode(), q.device)], gathered=True)
-    else:
-        validate([sig], gathered=False)
-    if plan is None:
-        plan = HeadPlan.build(q.shape[2], k.shape[2], world)
-    elif plan.world_size != world:
-        raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
-    lens = tuple(int(s) for s in seq_lens) if seq_lens is not None else (q.shape[1],) * world
-    return plan, Layout(plan, rank, lens, q.shape[0], q.shape[3])
+    key = call_key(q, k, v, rank=comm.rank, world_size=comm.world_size, causal=causal, softmax_scale=softmax_scale,
+                   seq_lens=seq_lens, plan=plan, docs=docs)  # fmt: skip
+    if check and comm.world_size > 1 and not torch.compiler.is_compiling():
+        check_across_ranks(key, comm, q.device)
+    return planned(key)
 
 
 def check_head_to_seq(x, plan: HeadPlan, *, rank: int, world_size: int, seq_lens) -> Layout:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .attention import ulysses_attention
 from .layout import split_lengths
 from .plan import HeadPlan
-from .reference import attention_reference, shard_sequence
+from .reference import attention_reference, contiguous_shard
 from .testing import run_ranks
 
 
@@ -39,14 +39,14 @@ def _job(rank, world, args):
     ref = attention_reference(*full, causal=not args.no_causal)
     ref.backward(dout.double())
 
-    mine = [shard_sequence(x, seq_lens, rank).to(device, dtype).requires_grad_() for x in (q, k, v)]
+    mine = [contiguous_shard(x, seq_lens, rank).to(device, dtype).requires_grad_() for x in (q, k, v)]
     t0 = time.perf_counter()
     out = ulysses_attention(*mine, causal=not args.no_causal, seq_lens=seq_lens)
-    out.backward(shard_sequence(dout, seq_lens, rank).to(device, dtype))
+    out.backward(contiguous_shard(dout, seq_lens, rank).to(device, dtype))
     elapsed = time.perf_counter() - t0
 
-    errs = [(out.double().cpu() - shard_sequence(ref, seq_lens, rank)).abs().max().item()]
-    errs += [(m.grad.double().cpu() - shard_sequence(f.grad, seq_lens, rank)).abs().max().item() for m, f in zip(mine, full)]
+    errs = [(out.double().cpu() - contiguous_shard(ref, seq_lens, rank)).abs().max().item()]
+    errs += [(m.grad.double().cpu() - contiguous_shard(f.grad, seq_lens, rank)).abs().max().item() for m, f in zip(mine, full)]
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, errs)
     if rank == 0:

@@ -1,6 +1,7 @@
-"""The layout math of the two all-to-alls, in one place, with the pure-PyTorch pack and
-unpack (the ``"torch"`` kernel set) that every other kernel set (Triton, C++/CUDA) must match
-bit for bit.
+"""The layout math of the two all-to-alls, in one place: ``Layout``, the sizes of one call
+as seen from one rank, and from it every split, offset, head range and view the exchanges
+and the kernel sets use. The kernel sets (``ulysses_kernels.kernels``: the pure-PyTorch one,
+the definition, then Triton and C++/CUDA) move the bytes; nothing here copies data.
 
 Notation: ``P`` ranks, rank ``r`` holds ``s_r`` tokens (``seq_lens[r]``), ``S = sum(s_r)``,
 ``B`` batch, ``D`` head_dim. A *role* is one tensor family moved together: ``"q"`` moves
@@ -57,13 +58,27 @@ def split_lengths(total: int, world: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of one all-to-all call as seen from ``rank``."""
+    """Sizes of one all-to-all call as seen from ``rank``.
+
+    A value: the splits, head ranges and KV map below are computed once per layout and kept
+    on it (``_memo``; a resolved call reuses its layout, so its exchanges compute none of
+    them again), as is its hash (layouts key caches). Inside ``torch.compile`` they are
+    computed while tracing (kept nowhere) and become constants of the graph."""
 
     plan: HeadPlan
     rank: int
     seq_lens: tuple[int, ...]
     batch: int
     head_dim: int
+
+    def __hash__(self) -> int:
+        # Layouts key the caches of a call's pieces: hash the fields once per layout.
+        h = self.__dict__.get("_hash_")
+        if h is None:
+            h = hash((self.plan, self.rank, self.seq_lens, self.batch, self.head_dim))
+            if not torch.compiler.is_compiling():
+                self.__dict__["_hash_"] = h
+        return h
 
     @property
     def world_size(self) -> int:
@@ -80,6 +95,18 @@ class Layout:
     def seq_offset(self, rank: int) -> int:
         return sum(self.seq_lens[:rank])
 
+    def _memo(self, key, build):
+        """``build()``, computed once per ``key`` for this layout (its sizes never change)."""
+        if torch.compiler.is_compiling():
+            return build()
+        memo = self.__dict__.get("_memo_")
+        if memo is None:
+            memo = self.__dict__["_memo_"] = {}
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = build()
+        return value
+
     def head_range(self, role: str, rank: int) -> tuple[int, int]:
         return self.plan.q_ranges[rank] if role == "q" else self.plan.kv_ranges[rank]
 
@@ -88,23 +115,55 @@ class Layout:
         return b - a
 
     def heads(self, roles: Sequence[str], rank: int) -> int:
-        return sum(self.head_count(s, rank) for s in roles)
+        return self._roles(roles)[2][rank]
+
+    def peer_ranges(self, roles: Sequence[str]) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per peer, per role: the ``(start, end)`` head range (``head_range``)."""
+        return self._roles(roles)[0]
+
+    def _roles(self, roles: Sequence[str]):
+        """``(ranges, counts, heads)`` of ``roles``: per peer, per role the head range and
+        head count; per peer the heads of all roles together."""
+        roles = tuple(roles)
+
+        def build():
+            ranges = tuple(tuple(self.head_range(s, p) for s in roles) for p in range(self.world_size))
+            counts = tuple(tuple(b - a for a, b in per) for per in ranges)
+            return ranges, counts, tuple(sum(c) for c in counts)
+
+        return self._memo(("roles", roles), build)
 
     def total_heads(self, role: str) -> int:
         return self.plan.q_heads if role == "q" else self.plan.kv_heads
+
+    @property
+    def kv_map(self) -> tuple[int, ...]:
+        """For each of this rank's query heads, its local KV head (``HeadPlan.local_kv_map``)."""
+        return self._memo("kv_map", lambda: self.plan.local_kv_map(self.rank))
+
+    def head_ranges(self, roles: Sequence[str]) -> list[int]:
+        """``[peer][role][start, end]`` flattened: every peer's head range per role, the
+        ``head_ranges`` argument of the C++ pack and unpack ops."""
+        roles = tuple(roles)
+        return list(self._memo(("ranges", roles), lambda: tuple(x for per in self.peer_ranges(roles) for pair in per for x in pair)))
 
     # ---- sequence-sharded -> head-sharded -------------------------------------------
     def s2h_send_splits(self, roles: Sequence[str], own: bool = True) -> list[int]:
         """Elements of each peer's block of the send buffer. ``own=False``: this rank's own
         block is 0, the buffer of ``pack_s2h(recv=...)`` (its own rows go to the receive
         buffer instead)."""
-        per_token = self.batch * self.head_dim
-        return [0 if p == self.rank and not own else self.seq_local * per_token * self.heads(roles, p) for p in range(self.world_size)]
+        roles, per_token = tuple(roles), self.batch * self.head_dim
+
+        def build():
+            return tuple(0 if p == self.rank and not own else self.seq_local * per_token * self.heads(roles, p) for p in range(self.world_size))
+
+        return list(self._memo(("s2h_send", roles, own), build))
 
     def s2h_recv_splits(self, roles: Sequence[str]) -> list[int]:
         """Elements this rank receives from each source."""
+        roles = tuple(roles)
         per_token = self.batch * self.head_dim * self.heads(roles, self.rank)
-        return [s * per_token for s in self.seq_lens]
+        return list(self._memo(("s2h_recv", roles), lambda: tuple(s * per_token for s in self.seq_lens)))
 
     def s2h_send_views(self, send: torch.Tensor, roles: Sequence[str], recv: torch.Tensor | None = None):
         """Per peer, per role: the ``[B, s_r, h, D]`` destination of that peer's heads.
@@ -113,19 +172,21 @@ class Layout:
         rows of the receive buffer instead, and ``send`` holds the peers' blocks only
         (``s2h_send_splits(roles, own=False)`` elements)."""
         views, start = [], 0
+        _, counts, heads = self._roles(roles)
         for p, n in enumerate(self.s2h_send_splits(roles, own=recv is None)):
-            counts = [self.head_count(s, p) for s in roles]
             if p == self.rank and recv is not None:
-                off = self.seq_offset(p)
-                block = self._recv4(recv, roles)[:, off : off + self.seq_local]
+                block = self._recv4(recv, roles)
+                if self.world_size > 1:  # else its rows are all of them
+                    block = block.narrow(1, self.seq_offset(p), self.seq_local)
             else:
-                block = send[start : start + n].view(self.batch, self.seq_local, sum(counts), self.head_dim)
-            views.append(_split_heads(block, counts))
+                block = send.narrow(0, start, n).view(self.batch, self.seq_local, heads[p], self.head_dim)
+            views.append(_split_heads(block, counts[p]))
             start += n
         return views
 
     def _recv4(self, recv: torch.Tensor, roles: Sequence[str]) -> torch.Tensor:
-        return recv.view(self.batch, self.seq_total, self.heads(roles, self.rank), self.head_dim)
+        roles = tuple(roles)
+        return recv.view(self._memo(("recv4", roles), lambda: (self.batch, self.seq_total, self.heads(roles, self.rank), self.head_dim)))
 
     def s2h_send_pieces(self, send: torch.Tensor, roles: Sequence[str], own: bool = True) -> list[list[torch.Tensor]]:
         """Per peer, per batch element: the contiguous piece of the send buffer (``own``:
@@ -146,15 +207,19 @@ class Layout:
 
     def s2h_recv_views(self, recv: torch.Tensor, roles: Sequence[str]) -> list[torch.Tensor]:
         """The received tensors as ``[B, S, h, D]`` views of the flat receive buffer."""
-        return _split_heads(self._recv4(recv, roles), [self.head_count(s, self.rank) for s in roles])
+        return _split_heads(self._recv4(recv, roles), self._roles(roles)[1][self.rank])
 
     # ---- head-sharded -> sequence-sharded -------------------------------------------
     def h2s_splits(self, roles: Sequence[str]) -> tuple[list[int], list[int]]:
         """(send, receive) elements per peer for the head-to-sequence all-to-all."""
-        per = self.batch * self.head_dim
-        send = [self.seq_lens[p] * per * self.heads(roles, self.rank) for p in range(self.world_size)]
-        recv = [self.seq_local * per * self.heads(roles, p) for p in range(self.world_size)]
-        return send, recv
+        roles, per = tuple(roles), self.batch * self.head_dim
+
+        def build():
+            send = tuple(self.seq_lens[p] * per * self.heads(roles, self.rank) for p in range(self.world_size))
+            return send, tuple(self.seq_local * per * self.heads(roles, p) for p in range(self.world_size))
+
+        send, recv = self._memo(("h2s", roles), build)
+        return list(send), list(recv)
 
     def h2s_send_blocks(self, local: torch.Tensor, peer: int) -> torch.Tensor:
         """Rows of a local ``[B, S, h, D]`` tensor bound for ``peer``: ``[B, s_p, h, D]``."""
@@ -182,58 +247,10 @@ class Layout:
         ]
 
 def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
-    out, start = [], 0
-    for c in counts:
-        out.append(x[:, :, start : start + c])
-        start += c
-    return out
+    """``x[:, :, start : start + c]`` for each head count ``c`` in turn: one op for all the views."""
+    return list(x.split_with_sizes(list(counts), dim=2))
 
 
 def rows_contiguous(x: torch.Tensor) -> bool:
     """True when ``x`` (``[B, S, h, D]``) can be sent in wire format without a copy."""
     return x.shape[0] == 0 or x[0].is_contiguous()
-
-
-# ---- the torch kernel set (pure PyTorch), the definition the others match: one copy per byte ----
-def pack_s2h(
-    layout: Layout,
-    tensors: Sequence[torch.Tensor],
-    roles: Sequence[str],
-    send: torch.Tensor,
-    recv: torch.Tensor | None = None,
-) -> None:
-    """Write ``tensors`` (``[B, s_r, H, D]`` each, any strides) into the flat send buffer;
-    with ``recv``, this rank's own heads go straight into its rows of the receive buffer."""
-    for p, views in enumerate(layout.s2h_send_views(send, roles, recv)):
-        for x, s, dst in zip(tensors, roles, views):
-            a, b = layout.head_range(s, p)
-            dst.copy_(x[:, :, a:b])
-
-
-def pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
-    """Write a local ``[B, S, h, D]`` tensor (any strides) into a flat wire-format buffer."""
-    send.view(local.shape).copy_(local)
-
-
-def unpack_h2s(
-    layout: Layout,
-    blocks: Sequence[Sequence[torch.Tensor]],
-    roles: Sequence[str],
-    outs: Sequence[torch.Tensor],
-) -> None:
-    """Write received blocks (per source, per role, ``[B, s_r, h, D]``) into ``outs``
-    (``[B, s_r, H, D]`` each). KV heads held by several sources are summed in rank order:
-    the lowest holder is copied, the others added, so every byte is written once per
-    replica received."""
-    for i, (s, out) in enumerate(zip(roles, outs)):
-        filled = 0  # heads [0, filled) of `out` already hold a value
-        for p in range(layout.world_size):
-            a, b = layout.head_range(s, p)
-            block = blocks[p][i]
-            overlap = max(0, min(b, filled) - a)
-            if overlap:
-                out[:, :, a : a + overlap].add_(block[:, :, :overlap])
-            if a + overlap < b:
-                out[:, :, a + overlap : b].copy_(block[:, :, overlap:])
-            filled = max(filled, b)
-

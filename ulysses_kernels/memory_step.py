@@ -31,7 +31,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .backends import shares_one_kv, uniform_group
+from .gqa import shares_one_kv, uniform_group
 from .layout import Q_ONLY, QKV
 from .longctx.loss import loss_tile_rows
 from .longctx.tiling import default_tile_rows

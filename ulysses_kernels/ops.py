@@ -12,21 +12,24 @@ outputs and returns nothing:
 
 * ``pack_s2h(tensors, head_ranges, send, recv=None, rank=-1, seq_offset=0)``: q, k, v
   (``[B, s_r, H_i, D]`` each, any strides: separate tensors or views of one fused QKV
-  projection output) into the peer-major send buffer of ``layout.pack_s2h`` (with
+  projection output) into the peer-major send buffer of ``kernels.torch_kernels.pack_s2h`` (with
   ``recv``, rank ``rank``'s own block into its rows of the receive buffer
   ``[B, S, h, D]``), in one kernel pass. ``head_ranges`` is ``[peer][role][start, end]``
-  flattened (``s2h_head_ranges``).
+  flattened (``Layout.head_ranges``).
 * ``pack_h2s(local, send)``: ``[B, S, h, D]`` (any strides) -> contiguous wire format.
 * ``unpack_h2s(blocks, head_ranges, outs)``: received ``[B, s_r, h, D]`` blocks
   (source-major, then role) into ``[B, s_r, H, D]`` outputs, replicated KV heads summed in
-  rank order (bit-identical to ``layout.unpack_h2s``).
+  rank order (bit-identical to ``kernels.torch_kernels.unpack_h2s``).
 * ``nccl_all_to_all(comm, output, input, output_splits, input_splits)`` and
   ``nccl_send_recv(comm, sends, send_peers, recvs, recv_peers)`` (CUDA tensors, extension
   built with NCCL): on the current CUDA stream; ``comm`` is a communicator handle of
   ``ulysses_kernels.comm.nccl.NCCLCommunicator``.
 
 CUDA tensors run the CUDA kernels; CPU tensors run their CPU twin (the same index math,
-``csrc/kernels/layout_math.h``).
+``csrc/kernels/layout_math.h``). The pack ops are called by their one caller, the ``"cuda"``
+kernel set (``kernels/cuda_kernels.py``: a ``Layout`` in, the op's arguments out), as
+``torch.ops.ulysses_kernels.pack_s2h(...)``; the NCCL ops through the typed wrappers below,
+which ``comm.nccl`` calls (and its tests replace).
 """
 
 from __future__ import annotations
@@ -49,9 +52,7 @@ __all__ = [
     "rebuild_command",
     "decode_nccl_version",
     "check_nccl_versions",
-    "pack_s2h",
-    "pack_h2s",
-    "unpack_h2s",
+    "lib",
     "nccl_all_to_all",
     "nccl_send_recv",
 ]
@@ -191,95 +192,64 @@ def limits() -> dict:
     return _STATE["limits"]
 
 
-def _lib():
+def lib():
+    """``torch.ops.ulysses_kernels`` once ``_C`` is loaded (ImportError with the reason when it is not usable)."""
     load()
     return torch.ops.ulysses_kernels
 
 
-# ---- typed wrappers ----------------------------------------------------------------------------
-def pack_s2h(
-    tensors: Sequence[torch.Tensor],
-    head_ranges: Sequence[int],
-    send: torch.Tensor,
-    recv: torch.Tensor | None = None,
-    rank: int = -1,
-    seq_offset: int = 0,
-) -> None:
-    """Sequence-sharded ``[B, s_r, H_i, D]`` tensors (1 to ``max_roles``) -> the 1-D send buffer.
-
-    ``head_ranges``: ``[peer][role][start, end]`` flattened. With ``recv`` (``[B, S, h, D]``
-    contiguous, flat), the block of peer ``rank`` goes to its rows at tokens
-    ``[seq_offset, seq_offset + s_r)`` of ``recv`` instead, and ``send`` holds the other
-    peers' blocks only.
-    """
-    _lib().pack_s2h(list(tensors), list(head_ranges), send, recv, rank, seq_offset)
-
-
-def pack_h2s(local: torch.Tensor, send: torch.Tensor) -> None:
-    """``local`` ``[B, S, h, D]`` (any strides) -> ``send`` (1-D, contiguous, ``local.numel()`` elements)."""
-    _lib().pack_h2s(local, send)
-
-
-def unpack_h2s(blocks: Sequence[torch.Tensor], head_ranges: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
-    """Received ``[B, s_r, h, D]`` blocks (source-major, then role) -> ``outs`` ``[B, s_r, H_i, D]``.
-
-    ``head_ranges``: ``[source][role][start, end]`` flattened, one pair per block; heads
-    held by several sources are summed in source order.
-    """
-    _lib().unpack_h2s(list(blocks), list(head_ranges), list(outs))
-
-
+# ---- typed wrappers of the NCCL ops --------------------------------------------------------------
 def nccl_all_to_all(comm: int, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
     """All-to-all of contiguous CUDA buffers with per-rank split sizes (elements), on the current stream."""
-    _lib().nccl_all_to_all(comm, output, input, list(output_splits), list(input_splits))
+    lib().nccl_all_to_all(comm, output, input, list(output_splits), list(input_splits))
 
 
 def nccl_send_recv(comm: int, sends: Sequence[torch.Tensor], send_peers: Sequence[int], recvs: Sequence[torch.Tensor], recv_peers: Sequence[int]) -> None:
     """Every send and receive in one NCCL group, on the current stream (one peer per tensor)."""
-    _lib().nccl_send_recv(comm, list(sends), list(send_peers), list(recvs), list(recv_peers))
+    lib().nccl_send_recv(comm, list(sends), list(send_peers), list(recvs), list(recv_peers))
 
 
 # ---- fake kernels: shape checks only (the ops mutate their outputs and return nothing) --------
-def _check(cond: bool, msg: str) -> None:
+def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise RuntimeError(f"ulysses_kernels.{msg}")
 
 
 def _fake_pack_s2h(tensors, head_ranges, send, recv=None, rank=-1, seq_offset=0):
     n, most = len(tensors), _STATE["limits"]["max_roles"]
-    _check(1 <= n <= most, f"pack_s2h: tensors expected 1 to {most} tensors, got {n}")
-    _check(len(head_ranges) % (2 * n) == 0 and len(head_ranges) > 0, f"pack_s2h: head_ranges expected 2 * {n} * world_size values, got {len(head_ranges)}")
+    _require(1 <= n <= most, f"pack_s2h: tensors expected 1 to {most} tensors, got {n}")
+    _require(len(head_ranges) % (2 * n) == 0 and len(head_ranges) > 0, f"pack_s2h: head_ranges expected 2 * {n} * world_size values, got {len(head_ranges)}")
     B, S, _, D = tensors[0].shape
     heads = sum(b - a for a, b in zip(head_ranges[0::2], head_ranges[1::2]))
     if recv is not None and 0 <= rank < len(head_ranges) // (2 * n):  # its block goes to recv
         mine = head_ranges[rank * 2 * n : (rank + 1) * 2 * n]
         heads -= sum(b - a for a, b in zip(mine[0::2], mine[1::2]))
-    _check(send.dim() == 1 and send.numel() == S * B * D * heads, f"pack_s2h: send.numel() expected {S * B * D * heads}, got {send.numel()}")
+    _require(send.dim() == 1 and send.numel() == S * B * D * heads, f"pack_s2h: send.numel() expected {S * B * D * heads}, got {send.numel()}")
     for i, x in enumerate(tensors):
-        _check(x.dtype == send.dtype, f"pack_s2h: tensors[{i}].dtype expected {send.dtype} (the dtype of send), got {x.dtype}")
+        _require(x.dtype == send.dtype, f"pack_s2h: tensors[{i}].dtype expected {send.dtype} (the dtype of send), got {x.dtype}")
 
 
 def _fake_pack_h2s(local, send):
-    _check(local.dim() == 4, f"pack_h2s: local expected 4 dims [B, S, h, D], got shape {list(local.shape)}")
-    _check(send.dim() == 1 and send.numel() == local.numel(), f"pack_h2s: send.numel() expected {local.numel()}, got {send.numel()}")
+    _require(local.dim() == 4, f"pack_h2s: local expected 4 dims [B, S, h, D], got shape {list(local.shape)}")
+    _require(send.dim() == 1 and send.numel() == local.numel(), f"pack_h2s: send.numel() expected {local.numel()}, got {send.numel()}")
 
 
 def _fake_unpack_h2s(blocks, head_ranges, outs):
     n, most = len(outs), _STATE["limits"]["max_roles"]
-    _check(1 <= n <= most, f"unpack_h2s: outs expected 1 to {most} tensors, got {n}")
-    _check(
+    _require(1 <= n <= most, f"unpack_h2s: outs expected 1 to {most} tensors, got {n}")
+    _require(
         len(head_ranges) == 2 * len(blocks) and len(blocks) % n == 0,
         f"unpack_h2s: blocks expected world_size x {n} tensors and 2 head range values each, got {len(blocks)} blocks, {len(head_ranges)} values",
     )
 
 
 def _fake_nccl_all_to_all(comm, output, input, output_splits, input_splits):
-    _check(sum(output_splits) == output.numel(), f"nccl_all_to_all: sum(output_splits) expected {output.numel()}, got {sum(output_splits)}")
-    _check(sum(input_splits) == input.numel(), f"nccl_all_to_all: sum(input_splits) expected {input.numel()}, got {sum(input_splits)}")
+    _require(sum(output_splits) == output.numel(), f"nccl_all_to_all: sum(output_splits) expected {output.numel()}, got {sum(output_splits)}")
+    _require(sum(input_splits) == input.numel(), f"nccl_all_to_all: sum(input_splits) expected {input.numel()}, got {sum(input_splits)}")
 
 
 def _fake_nccl_send_recv(comm, sends, send_peers, recvs, recv_peers):
-    _check(len(sends) == len(send_peers) and len(recvs) == len(recv_peers), "nccl_send_recv: one peer per tensor expected")
+    _require(len(sends) == len(send_peers) and len(recvs) == len(recv_peers), "nccl_send_recv: one peer per tensor expected")
 
 
 def _register_fakes(module) -> None:

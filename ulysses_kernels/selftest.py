@@ -21,7 +21,7 @@ A *path* is one kernel set x one communicator x one chunk count x one layout:
   heads below P that divide them), ``uneven-heads`` (P+1 query heads, no causal mask), ``uneven-shards`` (a
   sequence that P does not divide, ``seq_lens`` from ``layout.split_lengths``), ``packed``
   (``gqa``'s heads, batch 1, documents of mixed lengths given as ``cu_seqlens``, one shorter
-  than P and one crossing a shard boundary: ``packed_documents``), and the 2-D group
+  than P and one crossing a shard boundary: ``short_and_crossing_documents``), and the 2-D group
   (``make_sp_groups``, Ulysses inside groups of U ranks, ring attention across R = P/U) in
   ``ring`` (contiguous shards) and ``ring-zigzag`` (``seq_layout="zigzag"``, the inputs
   sharded with ``ring.shard_sequence``): one case ``ring-UxR`` per split of ``ring_splits``
@@ -32,13 +32,13 @@ A *path* is one kernel set x one communicator x one chunk count x one layout:
   one crosses the fold in the middle of the last ring rank's block). The 2-D groups are made once per run, in the same order on every rank (and
   again after the group recovery below); their Ulysses level runs on torch.distributed, so
   they are ``torch-dist`` paths only. Their groups get ``--timeout`` too
-  (``make_sp_groups(timeout=)``), and the hang watchdog below backs it;
+  (``make_sp_groups(timeout=)``), and the hang timer below backs it;
 * checkpointing: per layout and kernel set one more path (``.../checkpoint``, chunks
   ``CHECKPOINT_CHUNKS``) runs the op plainly and then under
   ``torch.utils.checkpoint(..., use_reentrant=False)``, as training does: the checkpointed
   run is checked against float64 like any path, and against the plain run (bit-equal on the
   CPU; within the bound on a GPU, whose backward need not be deterministic, and before
-  torch 2.9, where the checkpointed call runs unchunked: ``backends.chunks_recompute_apart``).
+  torch 2.9, where the checkpointed call runs unchunked: ``checkpointing.chunks_recompute_apart``).
 
 Each path runs ``ulysses_attention`` forward and backward once on every rank and compares
 out, dq, dk and dv with single-process float64 attention (``reference.attention_reference``,
@@ -86,13 +86,13 @@ from torch.utils.checkpoint import checkpoint
 
 from . import info
 from .attention import ulysses_attention
-from .backends import graph_exec_group
+from .attention.call import setup_attention
 from .bench.common import CPU_LABEL, Progress, dtype_name, env_record, kernel_label, parse_dtype
-from .call import setup_attention
+from .checkpointing import graph_exec_group
 from .comm import NCCLCommunicator, TorchCommunicator, nccl_available
 from .kernels import KERNEL_SETS, available_kernels, kernel_set_report
 from .layout import split_lengths
-from .reference import attention_reference, shard_sequence
+from .reference import attention_reference, contiguous_shard
 from .ring import SPGroups, make_sp_groups
 from .ring import shard_sequence as shard_2d
 from .testing import RanksFailed, run_ranks
@@ -162,7 +162,7 @@ def _fewer_kv_heads(q_heads: int, ranks: int) -> int:
     return max([d for d in range(1, ranks) if q_heads % d == 0], default=1)
 
 
-def packed_documents(world: int, seq_per_rank: int) -> tuple[int, ...]:
+def short_and_crossing_documents(world: int, seq_per_rank: int) -> tuple[int, ...]:
     """Document lengths of the ``packed`` layout's ``world * seq_per_rank`` tokens: one
     shorter than the world (``world // 2`` tokens, 1 at least), one of a shard's length that
     starts there and so crosses the first shard boundary, and the rest in two of mixed lengths."""
@@ -193,7 +193,7 @@ def make_cases(world: int, seq_per_rank: int, names=LAYOUTS) -> list[Case]:
         "gqa": [Case("gqa", 2 * p, _fewer_kv_heads(2 * p, p), even, 2, True)],
         "uneven-heads": [Case("uneven-heads", p + 1, _smallest_divisor(p + 1), even, 2, False)],
         "uneven-shards": [Case("uneven-shards", 2 * p, 2, tuple(split_lengths(p * s + max(1, p // 2), p)), 2, True)],
-        "packed": [Case("packed", 2 * p, _fewer_kv_heads(2 * p, p), even, 1, True, docs=packed_documents(p, s))],
+        "packed": [Case("packed", 2 * p, _fewer_kv_heads(2 * p, p), even, 1, True, docs=short_and_crossing_documents(p, s))],
     }
     for layout, suffix in (("contiguous", ""), ("zigzag", "-zigzag")):
         # Zigzag cuts each rank's shard in two halves: an even shard for every --seq-per-rank.
@@ -202,7 +202,7 @@ def make_cases(world: int, seq_per_rank: int, names=LAYOUTS) -> list[Case]:
             Case(f"ring-{u}x{r}{suffix}", 2 * u, _fewer_kv_heads(2 * u, u), even2, 2, True, (u, r), layout) for u, r in ring_splits(p)
         ]
         every["ring" + suffix + "-packed"] = [
-            Case(f"ring-{u}x{r}{suffix}-packed", 2 * u, _fewer_kv_heads(2 * u, u), even2, 1, True, (u, r), layout, packed_documents(p, even2[0]))
+            Case(f"ring-{u}x{r}{suffix}-packed", 2 * u, _fewer_kv_heads(2 * u, u), even2, 1, True, (u, r), layout, short_and_crossing_documents(p, even2[0]))
             for u, r in ring_splits(p)
         ]
     return [c for n in names for c in every[n]]
@@ -263,7 +263,7 @@ def _per_document(case: Case, attend, q, k, v) -> torch.Tensor:
     return torch.cat([attend(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in spans], dim=1)
 
 
-class _Watchdog:
+class _HangTimer:
     """Ends this process when a path runs past ``seconds`` (a hang that no timeout caught);
     ``on_fire(seconds)`` writes what there is first."""
 
@@ -349,7 +349,7 @@ class _Rank:
             if not why:
                 made, mine = None, ""
                 # Collective: a rank that fails before ncclCommInitRank leaves the others in it.
-                with _Watchdog(2 * self.timeout + 60, lambda seconds: self._hung(seconds, "comm nccl")):
+                with _HangTimer(2 * self.timeout + 60, lambda seconds: self._hung(seconds, "comm nccl")):
                     try:
                         made = NCCLCommunicator(self.data, timeout_s=self.timeout)
                     except RuntimeError as e:
@@ -488,7 +488,7 @@ class _Rank:
     def _shard(self, x: torch.Tensor, case: Case) -> torch.Tensor:
         """This rank's rows of the global ``x`` (``[B, S, ...]``) in ``case``'s layout."""
         if case.split is None:
-            return shard_sequence(x, case.seq_lens, self.rank)
+            return contiguous_shard(x, case.seq_lens, self.rank)
         return shard_2d(x, self.sp[case.split], layout=case.seq_layout)
 
     def _group(self, path: PathSpec):
@@ -559,7 +559,7 @@ class _Rank:
             result["message"] = "ranks resolved different chunk counts: " + ", ".join(str(s["chunks"]) for s in seen)
             return result
 
-        with _Watchdog(2 * self.timeout + 60, lambda seconds: self._hung(seconds, path.label, result)):
+        with _HangTimer(2 * self.timeout + 60, lambda seconds: self._hung(seconds, path.label, result)):
             # 2. Collective: forward and backward. No host sync after the input checks, so on
             # a GPU a rank whose peer raised still reaches the exchange below.
             ran, mine = None, None
@@ -648,7 +648,7 @@ class _Rank:
         return runs, elapsed
 
     def _hung(self, seconds: float, what: str, result: dict | None = None) -> None:
-        """The watchdog's last words: rank 0 writes what there is (``result``: the path that hung)."""
+        """The hang timer's last words: rank 0 writes what there is (``result``: the path that hung)."""
         print(f"selftest: rank {self.rank}: {what} did not finish in {seconds:.0f} s (a hang); ending this rank", file=sys.stderr, flush=True)
         if self.rank == 0:
             results = list(self.results)
@@ -659,7 +659,7 @@ class _Rank:
                 self.not_tested[what] = f"did not finish in {seconds:.0f} s on rank 0 (a hang); the run was ended here"
             report(results, self.env, self.settings, self.not_tested, self.args, complete=False)
         else:
-            time.sleep(10)  # the ranks' watchdogs fire together: let rank 0 write before a launcher ends it
+            time.sleep(10)  # the ranks' hang timers fire together: let rank 0 write before a launcher ends it
 
     # -- the whole run
     def run(self) -> bool:

@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .backends import shares_one_kv, uniform_group
+from .gqa import shares_one_kv, uniform_group
 from .layout import Q_ONLY, QKV, Layout
 
 __all__ = ["CopyCounter", "LiveBytes", "ulysses_payload_bytes", "ulysses_buffer_bytes", "s2h_send_elems", "h2s_recv_elems", "ulysses_peak_moments"]

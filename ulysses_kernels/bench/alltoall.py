@@ -12,7 +12,7 @@ Every size is run by each selected ``--op`` and checked element by element:
                all_to_all_single, permute+contiguous (KV heads repeated when they do not
                divide over the ranks)
   fused-<k>    ours: one pack (kernel set <k>: torch, triton, cuda) + one all-to-all for
-               q, k and v + zero-copy receive views (``exchange.a2a_seq_to_head``);
+               q, k and v + zero-copy receive views (``attention.exchange.a2a_seq_to_head``);
                on a CPU, ``fused-cuda`` is the C++ extension's CPU twin
   fused-nccl   ours over the native NCCL communicator
 
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.baselines import chain_head_to_seq, chain_seq_to_head
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.comm import NCCLCommunicator, TorchCommunicator, nccl_available
-from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan

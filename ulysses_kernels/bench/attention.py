@@ -68,15 +68,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ulysses_kernels import layout as L
 from ulysses_kernels import make_sp_groups, ulysses_attention
-from ulysses_kernels.backends import default_scale, doc_kwargs, for_rank, resolve_backend
+from ulysses_kernels.backends import doc_kwargs, for_rank, resolve_backend
 from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.documents import Documents, documents
 from ulysses_kernels.kernels import available_kernels, get_kernels
+from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
+from ulysses_kernels.reference import default_scale
 from ulysses_kernels.ring import shard_rows
 from ulysses_kernels.ring.schedule import ring_schedule
 

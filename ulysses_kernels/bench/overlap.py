@@ -10,14 +10,14 @@ For every head layout (``--layouts Hq/Hkv,...``, ``--heads/--kv-heads`` or ``--m
 global sequence length (``--seqs``) and pass (``--passes fwd,fwdbwd``), on this rank's
 share of one attention layer (causal):
 
-  a2a        the all-to-alls of the pass alone (``exchange.a2a_seq_to_head``/``a2a_head_to_seq``
+  a2a        the all-to-alls of the pass alone (``attention.exchange.a2a_seq_to_head``/``a2a_head_to_seq``
              with the layer's layout and kernel set): fwd = q/k/v seq->head + output
              head->seq; fwdbwd adds dout seq->head and dq/dk/dv head->seq
   attention  the local attention of the pass alone on this rank's heads, through the backend
              object the layer runs (``backends.for_rank(resolve_backend(...), kv_map)``):
              ``forward`` (fwd) or ``forward(needs_grad=True)`` + ``backward`` (fwdbwd)
   layer      ``ulysses_attention(..., chunks=n)`` for n = 1, the count ``"auto"`` picks
-             (``pipeline.choose_chunks``; called with ``chunks="auto"``) and every fixed
+             (``attention.chunked.choose_chunks``; called with ``chunks="auto"``) and every fixed
              ``--chunks`` count the plan can split into (``len(chunk_plans(plan, n)) == n``);
              fwd under ``no_grad``, fwdbwd = forward + ``backward(dout)``
 
@@ -62,14 +62,15 @@ import sys
 import torch
 
 from ulysses_kernels import ulysses_attention
-from ulysses_kernels.backends import AttentionBackend, default_scale, for_rank, resolve_backend
+from ulysses_kernels.attention.chunked import CostModel, choose_chunks, chunk_plans
+from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
+from ulysses_kernels.backends import AttentionBackend, for_rank, resolve_backend
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.comm import TorchCommunicator
-from ulysses_kernels.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.kernels import get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
-from ulysses_kernels.pipeline import CostModel, choose_chunks, chunk_plans
 from ulysses_kernels.plan import HeadPlan
+from ulysses_kernels.reference import default_scale
 
 MODELS = C.MODELS
 PASSES = ("fwd", "fwdbwd")

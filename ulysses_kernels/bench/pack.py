@@ -13,7 +13,7 @@ head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)`
                         when built; on a CPU it runs its CPU twin, labelled "cuda: C++ CPU
                         twin"): q, k, v (views of one fused QKV projection output) -> the
                         one send buffer of the q/k/v all-to-all
-  pack    torch         the pure-PyTorch reference, ``layout.pack_s2h`` (one copy per peer and tensor)
+  pack    torch         the pure-PyTorch reference, ``kernels.torch_kernels.pack_s2h`` (one copy per peer and tensor)
   pack    chain         what other Ulysses implementations run per tensor before the all-to-all,
                         ``x.reshape(B, s, P, H/P, D).permute(2, 1, 0, 3, 4).contiguous()``; only the
                         send side: the chain copies once more after the collective, the fused path
@@ -22,7 +22,7 @@ head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)`
   unpack  copy          a copy of the receive buffer's bytes
   unpack  fused (<k>)   ``unpack_h2s``: the received blocks of the q/k/v roles (dq/dk/dv of the
                         backward) -> ``[B, s, H, D]``, KV heads held by several ranks summed
-  unpack  torch         ``layout.unpack_h2s``
+  unpack  torch         ``kernels.torch_kernels.unpack_h2s``
   unpack  chain         the chain's receive side: ``[P, s, B, H/P, D]`` -> permute -> ``[B, s, H, D]``
 
 The chain rows need query and KV heads that divide over the ranks (the plan's head ranges
@@ -32,7 +32,7 @@ bytes written) / time; ``% copy`` = this row's GB/s over the copy row's (target:
 pack and unpack >= 90% of the copy bandwidth on an H100 for buffers >= 64 MiB; a bandwidth
 ratio, not a time ratio, because an unpack that sums replicated KV heads writes fewer bytes
 than it receives); ``x_chain`` = chain time / this time (target for
-the fused rows: >= 3x); ``#wrong`` = elements that differ bit for bit from ``layout.py``'s
+the fused rows: >= 3x); ``#wrong`` = elements that differ bit for bit from ``kernels/torch_kernels.py``'s
 reference on the same inputs (the copy rows: from the copy's source), counted on one more
 run after the timing, with the outputs filled with NaN first so that an element a kernel
 leaves unwritten counts. Any ``#wrong`` > 0 makes the script exit non-zero (after writing
@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ulysses_kernels import layout as L
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels, get_kernels
+from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import QKV, Layout
 from ulysses_kernels.plan import HeadPlan
 
@@ -125,7 +125,7 @@ def chain_divides(lay: Layout) -> bool:
 class _Config:
     """The tensors of one configuration that every row reads: rank 0's layout, q/k/v as
     views of one fused projection output, the receive buffer of the q/k/v roles' backward
-    all-to-all, and the reference results of ``layout.py`` on them."""
+    all-to-all, and the reference results of ``kernels/torch_kernels.py`` on them."""
 
     def __init__(self, cfg, device: torch.device, dtype: torch.dtype, seed: int):
         hq, hkv, world, batch, seq, d = cfg

@@ -5,7 +5,7 @@
     python -m ulysses_kernels.bench.ring_balance --json balance.json
 
 On a 2-D group ``make_sp_groups(U, R)`` every rank of ring rank ``j`` computes its heads'
-attention for the query rows of block ``j`` (``ring.layout``): the attention work of a rank
+attention for the query rows of block ``j`` (``ring.seq_layout``): the attention work of a rank
 is the number of visible (query, key) pairs of its block (``RingSchedule.pairs``, FLOPs =
 ``4 x head_dim x heads`` per pair forward, 2.5x that backward), the same for the ``U``
 ranks of a ring rank. The slowest ring rank sets the pace of the layer, so the table gives

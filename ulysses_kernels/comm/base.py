@@ -42,7 +42,7 @@ class Work:
       sync (``Work.after(stream)`` records one);
     * ``keep``: tensors referenced until ``wait()`` (buffers the exchange still reads or
       writes, so nothing frees them while it may touch them);
-    * ``check``: called first by every ``wait()``; it raises when the communicator's work has
+    * ``on_wait``: called first by every ``wait()``; it raises when the communicator's work has
       failed (``NCCLCommunicator``'s watchdog: a timeout or an NCCL error), so the caller
       learns that the result is invalid instead of using it.
 
@@ -51,7 +51,7 @@ class Work:
     stream orders that stream too.
     """
 
-    __slots__ = ("_works", "_event", "_device", "_keep", "_check")
+    __slots__ = ("_works", "_event", "_device", "_keep", "_on_wait")
 
     def __init__(
         self,
@@ -59,7 +59,7 @@ class Work:
         event: torch.cuda.Event | None = None,
         device: torch.device | None = None,
         keep: Sequence[torch.Tensor] = (),
-        check: Callable[[], None] | None = None,
+        on_wait: Callable[[], None] | None = None,
     ):
         if (event is None) != (device is None):
             raise ValueError(
@@ -72,18 +72,18 @@ class Work:
         self._event = event
         self._device = device
         self._keep = tuple(keep)
-        self._check = check
+        self._on_wait = on_wait
 
     @classmethod
-    def after(cls, stream: torch.cuda.Stream, keep: Sequence[torch.Tensor] = (), check: Callable[[], None] | None = None) -> Work:
+    def after(cls, stream: torch.cuda.Stream, keep: Sequence[torch.Tensor] = (), on_wait: Callable[[], None] | None = None) -> Work:
         """The work queued on ``stream`` so far: an event recorded on it now."""
         event = torch.cuda.Event()
         event.record(stream)
-        return cls(event=event, device=stream.device, keep=keep, check=check)
+        return cls(event=event, device=stream.device, keep=keep, on_wait=on_wait)
 
     def wait(self) -> None:
-        if self._check is not None:
-            self._check()
+        if self._on_wait is not None:
+            self._on_wait()
         if self._event is not None:
             # The stream that consumes the result waits on the GPU; the host does not.
             torch.cuda.current_stream(self._device).wait_event(self._event)

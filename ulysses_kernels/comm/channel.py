@@ -31,14 +31,14 @@ class AsyncChannel:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def start(self, tensors: Sequence[torch.Tensor], call: Callable[[bool], object]) -> Work:
-        """Run ``call(async_op)`` (one collective over ``tensors``) asynchronously."""
+    def start(self, tensors: Sequence[torch.Tensor], collective: Callable[[bool], object]) -> Work:
+        """Run ``collective(async_op)`` (one collective over ``tensors``) asynchronously."""
         if not self.cuda:
-            return Work(works=(call(True),), keep=tensors)
+            return Work(works=(collective(True),), keep=tensors)
         main = torch.cuda.current_stream(tensors[0].device)
         self.stream.wait_stream(main)  # the pack that filled the send buffer ran on `main`
         with torch.cuda.stream(self.stream):
-            call(False)
+            collective(False)
             work = Work.after(self.stream, keep=tensors)
         # Memory allocated on `main` and used on the side stream: the allocator must not
         # hand it out again until the side stream's work queued so far has run.

@@ -245,8 +245,8 @@ class NCCLCommunicator:
 
     def _work(self, event: torch.cuda.Event | None, device: torch.device) -> Work:
         if event is None:
-            return Work.after(torch.cuda.current_stream(device), check=self._watch.check)
-        return Work(event=event, device=device, check=self._watch.check)
+            return Work.after(torch.cuda.current_stream(device), on_wait=self._watch.check)
+        return Work(event=event, device=device, on_wait=self._watch.check)
 
     def all_to_all(self, output, input, output_splits: Sequence[int], input_splits: Sequence[int], async_op: bool = False):
         handle = self._live()

@@ -31,8 +31,14 @@ class TorchCommunicator:
                 "torch.distributed.init_process_group first (or launch with torchrun)"
             )
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        pg = dist.group.WORLD if group is None else group
+        if isinstance(pg, dist.ProcessGroup):
+            # The group's own rank and size: what dist.get_rank/get_world_size(group) return,
+            # without their look-ups (this runs once per call of the functional ops).
+            self.rank, self.world_size = pg.rank(), pg.size()
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer

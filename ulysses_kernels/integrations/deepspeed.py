@@ -58,9 +58,9 @@ import torch
 from torch import nn
 
 from ..attention import head_to_seq, seq_to_head
-from ..backends import expand_kv
 from ..checks import UlyssesInputError
 from ..comm import get_communicator
+from ..gqa import expand_kv
 from ..plan import HeadPlan
 from .alst import ALSTIntegrationError, UlyssesSPAttentionHF, alst_enabled, disable_alst, enable_alst
 

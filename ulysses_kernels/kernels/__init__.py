@@ -1,7 +1,8 @@
 """Data-movement kernels behind one protocol, chosen per call from a registry.
 
 A kernel set (``KernelSet``) is an object with three methods that match the torch kernel
-set in ``ulysses_kernels.layout`` bit for bit (same arguments, same results):
+set (``torch_kernels``, the definition) bit for bit (same arguments, same results), over the
+layout math of ``ulysses_kernels.layout``:
 
 * ``pack_s2h(layout, tensors, roles, send, recv=None)``: sequence-sharded tensors -> flat
   send buffer (with ``recv``, this rank's own rows straight into the receive buffer);
@@ -32,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from .. import layout as _layout
+from .torch_kernels import TorchKernels
 
 __all__ = [
     "KernelSet",
@@ -43,6 +44,7 @@ __all__ = [
     "get_kernels",
     "available_kernels",
     "kernel_set_report",
+    "registry_generation",
 ]
 
 
@@ -54,15 +56,6 @@ class KernelSet(Protocol):
     def pack_h2s(self, layout, local: torch.Tensor, send: torch.Tensor) -> None: ...
 
     def unpack_h2s(self, layout, blocks: Sequence[Sequence[torch.Tensor]], roles: Sequence[str], outs: Sequence[torch.Tensor]) -> None: ...
-
-
-class TorchKernels:
-    """The pure-PyTorch kernel set: the layout's definition (``ulysses_kernels.layout``)."""
-
-    name = "torch"
-    pack_s2h = staticmethod(_layout.pack_s2h)
-    pack_h2s = staticmethod(_layout.pack_h2s)
-    unpack_h2s = staticmethod(_layout.unpack_h2s)
 
 
 @dataclass(frozen=True)
@@ -106,7 +99,28 @@ def _describe_cuda() -> str:
     return "C++ extension: its CPU twin (no GPU visible; the CUDA kernels need one)"
 
 
-KERNEL_SETS: dict[str, KernelSetSpec] = {}
+class _Registry(dict):
+    """The registry's dict, counting its changes (``registry_generation``), so that a call's
+    kernel set, resolved once per input signature, is resolved again after the registry
+    changes (a new set, or a test replacing one)."""
+
+    generation = 0
+
+    def __setitem__(self, name, spec):
+        super().__setitem__(name, spec)
+        _Registry.generation += 1
+
+    def __delitem__(self, name):
+        super().__delitem__(name)
+        _Registry.generation += 1
+
+
+KERNEL_SETS: dict[str, KernelSetSpec] = _Registry()
+
+
+def registry_generation() -> int:
+    """A number that changes whenever ``KERNEL_SETS`` does."""
+    return _Registry.generation
 
 
 def register_kernel_set(spec: KernelSetSpec) -> None:
@@ -133,7 +147,11 @@ def _import_or_why(name: str):
 
 # The built-in sets, in the order they are listed (``available_kernels``, ``info``).
 # torch: views and copies of stock PyTorch ops, whose CUDA kernels are PyTorch's own.
-register_kernel_set(KernelSetSpec("torch", __name__, "TorchKernels", auto_on=None, gpu_validated=True, describe=lambda: "pure PyTorch, any device"))
+register_kernel_set(
+    KernelSetSpec(
+        "torch", "ulysses_kernels.kernels.torch_kernels", "TorchKernels", auto_on=None, gpu_validated=True, describe=lambda: "pure PyTorch, any device"
+    )
+)
 register_kernel_set(
     KernelSetSpec(
         "triton",

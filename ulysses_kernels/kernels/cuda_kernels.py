@@ -1,32 +1,32 @@
 """The ``"cuda"`` kernel set: the fused pack/unpack ops of the C++/CUDA extension.
 
-The ops, their typed wrappers, fake kernels and limits live in ``ulysses_kernels.ops``
-(the one module that loads ``_C``); this module adapts them to the kernel-set interface
-of ``ulysses_kernels.kernels`` (a ``Layout`` in, head ranges and offsets out). CUDA
+Each method is the op's typed face: it takes what every kernel set takes (a ``Layout``,
+the tensors, the roles) and calls the ``torch.ops.ulysses_kernels`` op (schemas in
+``csrc/ops.cpp``) with the layout's head ranges (``Layout.head_ranges``) and offsets: one
+hop from the exchange to the C++ host layer. The loading of ``_C`` (done when the set is
+made), the fake kernels and the limits live in ``ulysses_kernels.ops``. CUDA
 tensors run the CUDA kernels; CPU tensors run their CPU twin (the same index math,
-``csrc/kernels/layout_math.h``). The autograd functions in ``ulysses_kernels.exchange``
+``csrc/kernels/layout_math.h``). The autograd functions of ``ulysses_kernels.attention``
 call these inside their forward/backward, so the ops need no autograd of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import torch
 
 from .. import ops
 from ..layout import Layout
 
-__all__ = ["CudaKernels", "s2h_head_ranges"]
-
-
-def s2h_head_ranges(layout: Layout, roles: Sequence[str]) -> list[int]:
-    """``[peer][role][start, end]`` flattened: the head ranges every pack/unpack op takes."""
-    return [x for p in range(layout.world_size) for s in roles for x in layout.head_range(s, p)]
+__all__ = ["CudaKernels"]
 
 
 class CudaKernels:
     """Kernel set backed by ``torch.ops.ulysses_kernels`` (see ``ulysses_kernels.kernels``)."""
 
     name = "cuda"
+
+    def __init__(self):
+        ops.load()  # the ops below exist once _C is loaded (ImportError saying why otherwise)
 
     @staticmethod
     def available() -> bool:
@@ -49,7 +49,7 @@ class CudaKernels:
 
     @staticmethod
     def pack_s2h(layout: Layout, tensors, roles, send, recv=None) -> None:
-        ops.pack_s2h(tensors, s2h_head_ranges(layout, roles), send, recv, layout.rank, layout.seq_offset(layout.rank))
+        torch.ops.ulysses_kernels.pack_s2h(list(tensors), layout.head_ranges(roles), send, recv, layout.rank, layout.seq_offset(layout.rank))
 
     @staticmethod
     def pack_h2s(layout: Layout, local, send) -> None:
@@ -59,9 +59,9 @@ class CudaKernels:
                 f"CudaKernels.pack_h2s: local.shape expected [{layout.batch}, {layout.seq_total}, h, {layout.head_dim}] "
                 f"and send.numel() {expected}, got {list(local.shape)} and {send.numel()}"
             )
-        ops.pack_h2s(local, send)
+        torch.ops.ulysses_kernels.pack_h2s(local, send)
 
     @staticmethod
     def unpack_h2s(layout: Layout, blocks, roles, outs) -> None:
         flat = [b for per_source in blocks for b in per_source]
-        ops.unpack_h2s(flat, s2h_head_ranges(layout, roles), outs)
+        torch.ops.ulysses_kernels.unpack_h2s(flat, layout.head_ranges(roles), list(outs))

@@ -18,12 +18,12 @@ The forward is one kernel call as before (``aten._scaled_dot_product_flash_atten
 what ``F.scaled_dot_product_attention`` runs on the CPU: bit-identical). Backward per chunk:
 the kernel's own backward (``..._for_cpu_backward``) on head slices, bit-identical per head
 to the unsliced call (measured), and the KV gradient summed per query head in head order as
-``backends.SharedKV`` does: the results equal the default backend's bit for bit on the CPU.
+``backends.SharedKV`` does (``gqa.KVGradSum``): the results equal the default backend's bit for bit on the CPU.
 
 Scope: the CPU kernel (no CUDA path yet: nothing here has run on a GPU), plain causal or full
 attention without packed documents, and ranks whose query heads share one KV head or whose
 heads are MHA; other calls (CUDA tensors, documents, grouped heads) run the default backend.
-The saved tensors live in autograd's saved tensors (``backends.save_tensors``), so activation
+The saved tensors live in autograd's saved tensors (``checkpointing.save_tensors``), so activation
 checkpointing and the offload see them as they see the default backend's.
 """
 
@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import KVGradSum, SDPABackend, for_rank, save_tensors, shares_one_kv
+from ..backends import SDPABackend, for_rank
+from ..checkpointing import save_tensors
+from ..gqa import KVGather, KVGradSum, shares_one_kv
 
 __all__ = ["HeadChunkedAttention"]
 
@@ -69,9 +71,8 @@ class HeadChunkedAttention:
             kw = {} if docs is None else {"docs": docs}
             out, state = inner.forward(q, k, v, causal=causal, scale=scale, kv_map=kv_map, needs_grad=needs_grad, **kw)
             return out, ("default", inner, state)
-        hq = q.shape[2]
-        if kind == "shared":  # the one KV head as stride-0 views of hq heads (no copy), as SharedKV
-            k, v = k.expand(-1, -1, hq, -1), v.expand(-1, -1, hq, -1)
+        if kind == "shared":  # the one KV head as stride-0 views of the query heads (no copy): KVGather's shared mode
+            k, v = KVGather.of(kv_map, k.shape[2], shared=True).gather(k, v)
         with torch.no_grad():
             out, lse = _FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
         state = None

@@ -1,7 +1,7 @@
 """2-D sequence parallelism: Ulysses inside a group of ranks, ring attention across groups.
 
 * ``groups``: ``make_sp_groups`` -> ``SPGroups`` (both levels' groups, printable plan);
-* ``layout``: where the sequence lives (``"contiguous"``/``"zigzag"``) and which rectangles
+* ``seq_layout``: where the sequence lives (``"contiguous"``/``"zigzag"``) and which rectangles
   of each ring step are computed;
 * ``merge``: the overflow-safe log-sum-exp merge of partial results;
 * ``attention``: ``RingBackend``, the attention backend a rank of a 2-D group runs between
@@ -12,15 +12,15 @@
   ranks' attention work;
 * ``varlen``: one flash-attn varlen call per ring step of a packed sequence (opt-in).
 
-``ulysses_attention(q, k, v, group=make_sp_groups(U, R))`` runs it (``call.setup_attention``).
+``ulysses_attention(q, k, v, group=make_sp_groups(U, R))`` runs it (``attention.call.setup_attention``).
 """
 
 from .attention import RingBackend, check_ring_inputs, ring_backend
 from .balance import balance_documents, rank_work
 from .groups import PLACEMENTS, SPGroups, make_sp_groups, sp_rank_lists
-from .layout import SEQ_LAYOUTS, block_pieces, shard_rows, tile_rows
 from .merge import PartialAttention, acc_dtype, merge_lse
 from .schedule import RingSchedule, ring_schedule
+from .seq_layout import SEQ_LAYOUTS, block_pieces, shard_rows, tile_rows
 from .shard import shard_sequence, unshard_sequence
 
 __all__ = [

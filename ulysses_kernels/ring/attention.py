@@ -1,7 +1,7 @@
 """Ring attention over the ring group, as the attention backend of a rank of a 2-D group.
 
 After the Ulysses exchange inside its Ulysses group, a rank holds for its heads the block of
-its ring rank ``j`` (``ring.layout``): ``q`` ``[B, L, hq, D]``, ``k``/``v`` ``[B, L, hkv, D]``.
+its ring rank ``j`` (``ring.seq_layout``): ``q`` ``[B, L, hq, D]``, ``k``/``v`` ``[B, L, hkv, D]``.
 ``RingBackend`` computes full attention of that ``q`` over the whole sequence:
 
 Forward, ring step ``t = 0 .. R-1`` (``R`` ring ranks; ``src = (j - t) % R`` owns the K/V block
@@ -23,7 +23,7 @@ into an accumulator that travels with it on a channel of its own
 (``SPGroups.ring_grad_group``) and, from the last rank of its path, goes home to its owner.
 
 Packed documents (``docs=``, the global ``cu_seqlens``): the same ring, with each step's
-rectangles cut by document (``layout.document_pieces``): per-document math with the
+rectangles cut by document (``seq_layout.document_pieces``): per-document math with the
 log-sum-exp (``attend_lse``; SDPA and math backends, any device), flash-attn's
 ``flash_attn_func`` per rectangle for the flash backend, or, opt-in, one flash-attn varlen
 call per step (``ring.varlen``); the block backward per rectangle as without documents.
@@ -36,23 +36,25 @@ it; the two channels are separate process groups, so their messages never match 
 KV heads: ``kv_map`` as in ``backends``. K/V travel with the rank's ``hkv`` heads (never
 expanded on the wire); a non-uniform map is gathered per block after the wire, and its
 gradients summed back before they travel. A rank whose query heads all share its one KV head
-(``backends.shares_one_kv``) accumulates per-query-head dK/dV and sums them in head order
-at the end (``backward_per_head`` is what the chunked pipeline's ``SharedKV`` path calls).
+(``gqa.shares_one_kv``, ``gqa.KVGather``'s ``"shared"`` mode) accumulates per-query-head
+dK/dV and sums them in head order at the end (``backward_per_head`` is what the chunked pipeline's ``SharedKV`` path calls).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backends import FlashBackend, SharedKV, gather_kv, kv_index, save_tensors, scatter_kv_grads, shares_one_kv, uniform_group
+from ..backends import FlashBackend
+from ..checkpointing import save_tensors
 from ..checks import UlyssesInputError, by_value, document_problems, document_summary, document_text, dtype_code, rank_list
 from ..comm import Communicator, get_communicator
 from ..documents import Documents
+from ..gqa import KVGather
 from ..plan import more_ranks_than_heads
 from .groups import SPGroups
-from .layout import tile_rows
 from .merge import PartialAttention, acc_dtype
 from .schedule import RingSchedule, ring_schedule
+from .seq_layout import tile_rows
 from .varlen import attend_lse_pieces, varlen_enabled
 
 __all__ = ["RingBackend", "ring_backend", "check_ring_inputs"]
@@ -63,14 +65,6 @@ __all__ = ["RingBackend", "ring_backend", "check_ring_inputs"]
 # scores per call keeps a 128K-key block at 64 rows per call for 8 heads in float32 (not
 # measured on a GPU: a bound on memory, not a tuned size).
 TILE_BYTES = 256 << 20
-
-
-def _mode(kv_map, hkv: int) -> str:
-    """How a K/V block meets the queries: ``"shared"`` (one KV head for every query head:
-    per-head gradients), ``"grouped"`` (plain GQA), ``"gathered"`` (gathered per query head)."""
-    if shares_one_kv(kv_map):
-        return "shared"
-    return "grouped" if uniform_group(len(kv_map), hkv, kv_map) else "gathered"
 
 
 class RingBackend:
@@ -119,17 +113,10 @@ class RingBackend:
             work.wait()
             held = nxt
 
-    @staticmethod
-    def _block_kv(k, v, mode: str, kv_map):
-        """A K/V block as the inner backend's grouped heads."""
-        if mode == "shared":
-            return SharedKV.expand(k, v, len(kv_map))
-        if mode == "gathered":
-            return gather_kv(k, v, kv_index(kv_map, k.device))
-        return k, v
-
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
-        mode = _mode(kv_map, k.shape[2])
+        # How a K/V block meets the queries: "shared" (one KV head for every query head: its
+        # gradient kept per query head until the end), "grouped" or "gathered" (per block).
+        heads = KVGather.of(kv_map, k.shape[2], shared=True)
         sched = self.schedule(q.shape[1], causal, docs)
         varlen = self.varlen and docs is not None
         k, v = k.contiguous(), v.contiguous()  # the send buffers of the first step
@@ -140,18 +127,18 @@ class RingBackend:
                 continue  # no document here sees that block (or it did not come here): no compute
             kb, vb = block
             if varlen:
-                for rows, o, lse in attend_lse_pieces(q, *self._block_kv(kb, vb, mode, kv_map), pieces, scale):
+                for rows, o, lse in attend_lse_pieces(q, *heads.gather(kb, vb), pieces, scale):
                     acc.add(rows, o, lse)
                 continue
             for rows, cols, diag in self._tiles(pieces, q, self.inner.lse_scores_in_memory):
-                o, lse = self.inner.attend_lse(q[:, rows], *self._block_kv(kb[:, cols], vb[:, cols], mode, kv_map), diag, scale)
+                o, lse = self.inner.attend_lse(q[:, rows], *heads.gather(kb[:, cols], vb[:, cols]), diag, scale)
                 acc.add(rows, o, lse)
         out = acc.out.to(q.dtype)
         if not needs_grad:
             return out, None
         # A list that ``backward`` empties, as ``AttentionBackend``'s state; its tensors in
         # autograd's saved tensors, where checkpointing and offloading hooks see them.
-        return out, [save_tensors(q, k, v, out, acc.lse), causal, scale, tuple(kv_map), mode, sched]
+        return out, [save_tensors(q, k, v, out, acc.lse), causal, scale, heads, sched]
 
     def backward_per_head(self, state, dout):
         """``dq``, ``dk``, ``dv``; for a shared KV head ``dk``/``dv`` per query head
@@ -162,13 +149,14 @@ class RingBackend:
         way adds its part), and from the last rank goes home to ``src`` in one transfer (on
         the full ring that last rank is ``src - 1``, so it is the ordinary next hop). Every
         transfer is posted at the same step on both sides, at most one per rank and step."""
-        saved, causal, scale, kv_map, mode, sched = state
+        saved, causal, scale, heads, sched = state
         state.clear()
         q, k, v, out, lse = saved.saved_tensors
         del saved
         j, R, dt = self.ring_rank, self.ring_size, acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-        travel = (k.shape[0], k.shape[1], len(kv_map) if mode == "shared" else k.shape[2], k.shape[3])
+        shared = heads.mode == "shared"
+        travel = (k.shape[0], k.shape[1], len(heads.kv_map) if shared else k.shape[2], k.shape[3])
         blank = lambda: tuple(torch.empty(travel, dtype=dt, device=k.device) for _ in range(2))  # noqa: E731
         pending = None  # the grad channel's transfers of the previous step, overlapping this step's compute
         arriving = home = mine = None  # buffers: the accumulator of next step's block; this rank's own, coming home
@@ -176,10 +164,10 @@ class RingBackend:
             grads = []
             pieces = sched.pieces[j][src] if block is not None else ()
             for rows, cols, diag in self._tiles(pieces, q, True):  # the block backward is explicit
-                kx, vx = self._block_kv(block[0][:, cols], block[1][:, cols], mode, kv_map)
+                kx, vx = heads.gather(block[0][:, cols], block[1][:, cols])
                 dq_p, dk_p, dv_p = self.inner.attend_lse_backward(dout[:, rows], q[:, rows], kx, vx, out[:, rows], lse[:, :, rows], diag, scale)
                 dq[:, rows] += dq_p
-                grads.append((cols, *(scatter_kv_grads(dk_p, dv_p, kv_map, k.shape[2]) if mode == "gathered" else (dk_p, dv_p))))
+                grads.append((cols, *((dk_p, dv_p) if shared else heads.scatter(dk_p, dv_p))))
             if pending is not None:
                 pending.wait()  # what arrived (and what was sent) at the previous step
             sends, recvs = [], []
@@ -207,9 +195,9 @@ class RingBackend:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def backward(self, state, dout):
-        shared = state[4] == "shared"
+        heads = state[3]
         dq, dk, dv = self.backward_per_head(state, dout)
-        return (dq, *SharedKV.sum_grads(dk, dv)) if shared else (dq, dk, dv)
+        return (dq, *heads.scatter(dk, dv)) if heads.mode == "shared" else (dq, dk, dv)
 
 
 def ring_backend(sp: SPGroups, base) -> RingBackend:
@@ -229,7 +217,7 @@ def _ring_problems(sp: SPGroups, q, seq_lens) -> list[str]:
     """What the ring level cannot run, visible from this rank's own arguments."""
     out = []
     if seq_lens is not None and len({int(s) for s in seq_lens}) > 1:
-        # The positions of ``ring.layout`` assume equal shards (a packed sequence: pad it,
+        # The positions of ``ring.seq_layout`` assume equal shards (a packed sequence: pad it,
         # the padding a trailing document of its own: ``documents.pad_documents``).
         out.append(
             f"seq_lens {list(seq_lens)}: the ring level of a 2-D group needs equal shards on every rank "

@@ -30,7 +30,7 @@ import random
 
 import torch
 
-from .layout import block_chunks
+from .seq_layout import block_chunks
 
 __all__ = ["rank_work", "balance_documents"]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..comm import TorchCommunicator
 from ..plan import HeadPlan
-from .layout import block_chunks, check_seq_layout
+from .seq_layout import block_chunks, check_seq_layout
 
 __all__ = ["SPGroups", "make_sp_groups", "sp_rank_lists", "PLACEMENTS"]
 
@@ -67,7 +67,7 @@ class SPGroups:
     ``u``; ``ranks``: the global rank of each group rank. ``rank``: this process's rank in
     the whole group (``None`` when it is not a member; the op then raises).
     ``seq_layout``: how the sequence is sharded (``"contiguous"``: rank r holds the r-th
-    contiguous shard; ``"zigzag"``: see ``ring.layout``), the one place the op reads it from.
+    contiguous shard; ``"zigzag"``: see ``ring.seq_layout``), the one place the op reads it from.
     The process-group handles (``ulysses_group``, ``ring_group``, and ``ring_grad_group``, the
     channel of its own on which dK/dV travel back around the ring) are this process's.
     """
@@ -201,7 +201,7 @@ def make_sp_groups(ulysses_size: int, ring_size: int, group=None, placement: str
 
 
 def ring_chunks(sp: SPGroups, ring_rank: int) -> tuple[int, ...]:
-    """The sequence chunks of ring rank ``ring_rank``'s block (``ring.layout.block_chunks``)."""
+    """The sequence chunks of ring rank ``ring_rank``'s block (``ring.seq_layout.block_chunks``)."""
     return block_chunks(ring_rank, sp.ring_size, sp.seq_layout)[0]
 
 

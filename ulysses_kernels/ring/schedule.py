@@ -8,8 +8,8 @@ sequence layout, the block length, ``causal`` and, for a packed sequence, the gl
 another what it will send::
 
     pieces[j][i]  the rectangles (block rows of j, block rows of i, diagonal) that ring rank j
-                  computes against block i (``layout.block_pieces`` cut by
-                  ``layout.document_pieces``); empty: the pair shares no document, or
+                  computes against block i (``seq_layout.block_pieces`` cut by
+                  ``seq_layout.document_pieces``); empty: the pair shares no document, or
                   causality hides all of i from j: that step's compute is skipped
     reach[i]      how many hops block i travels along the ring (j = i+1, i+2, ...): the
                   farthest ring rank that needs it, at least 1 (below); the hops past it are
@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .layout import block_chunks, block_pieces, block_runs, document_pieces, document_rows
+from .seq_layout import block_chunks, block_pieces, block_runs, document_pieces, document_rows
 
 __all__ = ["RingSchedule", "ring_schedule"]
 

@@ -1,6 +1,6 @@
 """One flash-attn varlen call per ring step of a packed sequence (CUDA; opt-in, never run).
 
-Cut by documents (``layout.document_pieces``), one ring step computes several rectangles:
+Cut by documents (``seq_layout.document_pieces``), one ring step computes several rectangles:
 on the diagonal step one causal square per document, elsewhere a rectangle or two. The
 default path computes them one by one with the inner backend's ``attend_lse`` (flash-attn's
 ``flash_attn_func`` per rectangle on CUDA, explicit math elsewhere). This module computes

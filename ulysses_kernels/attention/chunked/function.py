@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import AttentionBackend, KVGradSum, doc_kwargs, gather_kv, kv_index, one_recompute, scatter_kv_grads
-from ..comm import AsyncChannel
+from ...backends import AttentionBackend, doc_kwargs
+from ...checkpointing import one_recompute
+from ...comm import AsyncChannel
+from ...gqa import KVGather, KVGradSum
+from ...layout import Q_ONLY, QKV, Layout
+from ...plan import HeadPlan
 from ..exchange import post_head_to_seq, post_seq_to_head
-from ..layout import Q_ONLY, QKV, Layout
-from ..plan import HeadPlan
 from .schedule import Chunk, Schedule, build_schedule
 
 __all__ = ["ChunkedAttentionFunction", "chunked_attention"]
@@ -34,31 +36,32 @@ def _attend_chunk(backend, chunk: Chunk, q, k, v, causal, scale, needs_grad, doc
     kw = doc_kwargs(docs)
     if chunk.shared:  # backend is SharedKV; its state goes to backward_per_head as is
         return backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad, **kw)
-    # Only backends built on AttentionBackend gather KV heads the known way (gather_kv).
+    # Only backends built on AttentionBackend gather KV heads the known way (KVGather).
     if chunk.expand is None or not isinstance(backend, AttentionBackend):
         out, state = backend.forward(q, k, v, causal=causal, scale=scale, kv_map=chunk.kv_map, needs_grad=needs_grad, **kw)
         return out, (state, None)
+    # The unchunked backend gathers this rank's map; a chunk's own map may be uniform, so the
+    # chunk gathers here (always), and the backend sees plain heads.
+    heads = KVGather.of(chunk.expand, k.shape[2], gather=True)
     if needs_grad:
-        # As AttentionBackend.forward does for a gathered map: q leaves the chunk's receive
-        # buffer, whose k, v heads the gather has copied, so that the buffer can go.
-        q = q.clone(memory_format=torch.contiguous_format)
-    k2, v2 = gather_kv(k, v, kv_index(chunk.expand, k.device))
+        q = heads.own_q(q, k)
+    k2, v2 = heads.gather(k, v)
     ident = tuple(range(q.shape[2]))
     out, state = backend.forward(q, k2, v2, causal=causal, scale=scale, kv_map=ident, needs_grad=needs_grad, **kw)
-    return out, (state, (chunk.expand, k.shape[2]))  # the index is rebuilt for the backward
+    return out, (state, heads)
 
 
 def _attend_chunk_backward(backend, saved, dout):
-    state, expanded = saved
+    state, heads = saved
     dq, dk, dv = backend.backward(state, dout)
-    if expanded is not None:
-        dk, dv = scatter_kv_grads(dk, dv, *expanded)
+    if heads is not None:
+        dk, dv = heads.scatter(dk, dv)
     return dq, dk, dv
 
 
 # ---- the autograd function -----------------------------------------------------------------
 class ChunkedAttentionFunction(torch.autograd.Function):
-    """``exchange.eager_attention`` with the all-to-alls of head chunks overlapping attention."""
+    """``eager.eager_attention`` with the all-to-alls of head chunks overlapping attention."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..backends import uniform_group
-from ..layout import Layout
-from ..plan import HeadPlan
+from ...gqa import uniform_group
+from ...layout import Layout
+from ...plan import HeadPlan
 from .chunking import chunk_plans, splits_shared_kv
 
 __all__ = ["Chunk", "Schedule", "build_schedule"]

@@ -1,6 +1,17 @@
-"""The two all-to-alls and the autograd functions built on them.
+"""The two all-to-alls (the movers) and the differentiable exchanges built on them.
 
-Data movement per call (the budget of one copy per byte on the wire):
+Two pairs of movers with one signature, ``(layout, tensors, roles, comm, kernels)``:
+
+* eager (``a2a_seq_to_head``, ``a2a_head_to_seq``, over ``post_seq_to_head`` and
+  ``post_head_to_seq``, which the chunked schedule starts asynchronously): batch 1 is one
+  ``all_to_all``, a larger batch and the gradients one grouped send/recv, pieces in place;
+* traced (``a2a_seq_to_head_traced``, ``a2a_head_to_seq_traced``): one ``all_to_all`` per
+  exchange, what ``torch.compile`` traces (``attention.traced`` says what differs).
+
+``exchange_functions`` turns a pair into two autograd functions, each the other's backward:
+``SeqToHead``/``HeadToSeq`` (eager) and ``SeqToHeadTraced``/``HeadToSeqTraced``.
+
+Data movement per call of the eager movers (the budget of one copy per byte on the wire):
 
 * ``a2a_seq_to_head``: one pack into one send buffer (all roles together), one collective,
   no receive-side copy (the results are strided views of the receive buffer).
@@ -24,28 +35,39 @@ from collections.abc import Sequence
 
 import torch
 
-from . import layout as L
-from .backends import doc_kwargs, one_recompute
-from .kernels import TorchKernels
-from .layout import Q_ONLY, QKV, Layout
+from .. import layout as L
+from ..kernels import TorchKernels
+from ..layout import Q_ONLY, QKV, Layout
 
-__all__ = ["a2a_seq_to_head", "a2a_head_to_seq", "SeqToHead", "HeadToSeq", "LocalAttention", "eager_attention"]
+__all__ = [
+    "post_seq_to_head",
+    "post_head_to_seq",
+    "a2a_seq_to_head",
+    "a2a_head_to_seq",
+    "a2a_seq_to_head_traced",
+    "a2a_head_to_seq_traced",
+    "exchange_functions",
+    "SeqToHead",
+    "HeadToSeq",
+    "SeqToHeadTraced",
+    "HeadToSeqTraced",
+]
 
 
 def _flat(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(n, dtype=like.dtype, device=like.device)
 
 
-def _run_now(tensors, call):
+def _run_now(tensors, collective):
     """``start`` for a blocking exchange: run the collective, no handle."""
-    call(False)
+    collective(False)
     return None
 
 
 def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels, start=_run_now):
     """Pack ``tensors`` (``[B, s_r, H, D]``) and post the sequence-to-head exchange.
 
-    ``start(buffers, call)`` runs ``call(async_op)`` (blocking by default; the chunked
+    ``start(buffers, collective)`` runs ``collective(async_op)`` (blocking by default; the chunked
     pipeline passes one that overlaps it with compute) and returns a handle.
     Returns ``(handle, recv)``; ``layout.s2h_recv_views(recv, roles)`` are the results
     once the handle is waited.
@@ -57,18 +79,20 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
         send_splits = layout.s2h_send_splits(roles)
         send = _flat(sum(send_splits), like)
         kernels.pack_s2h(layout, tensors, roles, send)
-        call = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
+        collective = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
         # One piece per (peer, batch element); our own rows are packed in place, so the
         # send buffer holds the peers' blocks only.
         send = _flat(sum(layout.s2h_send_splits(roles, own=False)), like)
         kernels.pack_s2h(layout, tensors, roles, send, recv=recv)
-        send_p, recv_p = layout.s2h_send_pieces(send, roles, own=False), layout.s2h_recv_pieces(recv, roles)
-        peers = [p for p in range(layout.world_size) if p != rank]
-        sends = [(p, x) for p in peers for x in send_p[p]]
-        recvs = [(p, x) for p in peers for x in recv_p[p]]
-        call = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
-    return start((recv, send), call), recv
+        sends, recvs = [], []
+        if layout.world_size > 1:
+            send_p, recv_p = layout.s2h_send_pieces(send, roles, own=False), layout.s2h_recv_pieces(recv, roles)
+            peers = [p for p in range(layout.world_size) if p != rank]
+            sends = [(p, x) for p in peers for x in send_p[p]]
+            recvs = [(p, x) for p in peers for x in recv_p[p]]
+        collective = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
+    return start((recv, send), collective), recv
 
 
 def _one_collective(layout: Layout, n_tensors: int) -> bool:
@@ -124,7 +148,7 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
     if one:
         send_splits, recv_splits = layout.h2s_splits(roles)
         flat = wire[0].reshape(-1)
-        call = lambda a: comm.all_to_all(recv, flat, recv_splits, send_splits, async_op=a)  # noqa: E731
+        collective = lambda a: comm.all_to_all(recv, flat, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
         sends, recvs = [], []
         for p in range(layout.world_size):
@@ -134,10 +158,10 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
                 src = layout.h2s_send_blocks(x, p)
                 sends += [(p, src[b].reshape(-1)) for b in range(layout.batch)]
                 recvs += [(p, dst[b].reshape(-1)) for b in range(layout.batch)]
-        call = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
+        collective = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
         # Our own rows never touch the wire: unpack reads them from the local tensors.
         blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
-    return start((recv, *wire), call), blocks
+    return start((recv, *wire), collective), blocks
 
 
 def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
@@ -160,10 +184,57 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
     return outs
 
 
+# ---- the traced movers: one all_to_all per exchange (see attention.traced) ----
+def a2a_seq_to_head_traced(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels) -> list[torch.Tensor]:
+    """``[B, s_r, H, D]`` tensors -> this rank's heads ``[B, S, h, D]`` (views), one all_to_all."""
+    like = tensors[0]
+    send = _flat(sum(layout.s2h_send_splits(roles)), like)
+    kernels.pack_s2h(layout, tensors, roles, send)
+    if layout.world_size == 1:
+        # One peer, S = s_r: the send buffer [B][s_r][h][D] is already the receive layout.
+        return layout.s2h_recv_views(send, roles)
+    recv_splits = layout.s2h_recv_splits(roles)
+    got = _flat(sum(recv_splits), like)
+    comm.all_to_all(got, send, recv_splits, layout.s2h_send_splits(roles))
+    if layout.batch > 1:
+        # Source-major [P][B][s_p][h][D] -> batch-major [B][S][h][D] (eager avoids this copy
+        # with one send/recv per (peer, batch element), which does not trace: attention.traced).
+        h, pieces, start = layout.heads(roles, layout.rank), [], 0
+        for p, n in enumerate(recv_splits):
+            pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], h, layout.head_dim))
+            start += n
+        got = torch.cat(pieces, dim=1).view(-1)
+    return layout.s2h_recv_views(got, roles)
+
+
+def a2a_head_to_seq_traced(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels) -> list[torch.Tensor]:
+    """Local ``[B, S, h, D]`` tensors (one per role) -> ``[B, s_r, H, D]``, one all_to_all;
+    replicated KV heads are summed in rank order by the kernel set's unpack, as in eager."""
+    if layout.world_size == 1:
+        return list(local)
+    like = local[0]
+    if len(local) == 1 and layout.batch == 1:
+        # Peer p's rows are consecutive: the tensor is the send buffer (a view when its
+        # rows are contiguous, as in eager).
+        send = like.reshape(-1)
+    else:
+        # Wire format: per peer p, per role, the rows of p as [B][s_p][h][D].
+        send = torch.cat([layout.h2s_send_blocks(x, p).reshape(-1) for p in range(layout.world_size) for x in local])
+    send_splits, recv_splits = layout.h2s_splits(roles)
+    recv = _flat(sum(recv_splits), like)
+    comm.all_to_all(recv, send, recv_splits, send_splits)
+    outs = [
+        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
+        for s in roles
+    ]
+    kernels.unpack_h2s(layout, layout.h2s_recv_views(recv, roles), roles, outs)
+    return outs
+
+
 def exchange_functions(s2h, h2s, suffix: str = ""):
     """The two differentiable exchanges, over a pair of data movers with the signatures of
     ``a2a_seq_to_head`` and ``a2a_head_to_seq`` (eager: those two; inside torch.compile:
-    ``traceable.seq_to_head``/``head_to_seq``). Each is the other's backward. Both take the
+    ``a2a_seq_to_head_traced``/``a2a_head_to_seq_traced``). Each is the other's backward. Both take the
     call's ``CallSetup`` (layout, communicator, kernel set) first."""
 
     class SeqToHead(torch.autograd.Function):
@@ -205,50 +276,4 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
 
 
 SeqToHead, HeadToSeq = exchange_functions(a2a_seq_to_head, a2a_head_to_seq)
-
-
-class LocalAttention(torch.autograd.Function):
-    """The rank's attention backend (``call.backend``) on its head-sharded ``q``, ``k``,
-    ``v`` (``[B, S, h, D]`` views of the sequence-to-head receive buffer), as an autograd
-    node of its own between the two exchanges. The backend's state (for built-in backends,
-    gradient edges of the attention graph: no tensor, so that checkpointing and saved-tensor
-    hooks see the saved attention inputs and output; docs/design.md) is the only thing kept
-    for the backward. Its backward gives up that state before it returns, and the autograd engine
-    frees ``dout`` (``[B, s_r, Hq, D]``) once the exchange that consumed it has run and the
-    head-sharded ``dout`` once this node has run."""
-
-    @staticmethod
-    def forward(ctx, call, q, k, v):
-        needs_grad = any(ctx.needs_input_grad[1:4])
-        out, state = call.backend.forward(
-            q, k, v, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=needs_grad, **doc_kwargs(call.docs)
-        )  # fmt: skip
-        ctx.call, ctx.state = call, state
-        # Read first in backward: a pending checkpoint recompute runs then, once, for the
-        # nested passes of the backend's backward too (``backends.one_recompute``).
-        ctx.save_for_backward(q.new_empty(0))
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        with one_recompute():
-            (_marker,) = ctx.saved_tensors
-            backend, state = ctx.call.backend, ctx.state
-            ctx.state = None
-            return (None, *backend.backward(state, dout))
-
-
-def eager_attention(q, k, v, call):
-    """Ulysses attention, eager: all-to-all, local attention, all-to-all, as three autograd
-    nodes (``SeqToHead``, ``LocalAttention``, ``HeadToSeq``, the composition the compiled
-    path traces too); the backward runs them in reverse: dout to heads, the attention
-    backward, dq/dk/dv back to the sequence. Three nodes rather than one so that each buffer
-    goes at its last use: ``dout`` after its exchange, the head-sharded ``dout`` and the
-    saved attention state after the attention backward (one node would hold all of them
-    until dq/dk/dv arrive). ``call``: the ``CallSetup`` (its ``backend`` is
-    ``backends.for_rank``'s pick)."""
-    q_l, k_l, v_l = SeqToHead.apply(call, q, k, v)
-    out_l = LocalAttention.apply(call, q_l, k_l, v_l)
-    del q_l, k_l, v_l  # the attention graph's saved tensors hold what its backward needs
-    return HeadToSeq.apply(call, out_l)
+SeqToHeadTraced, HeadToSeqTraced = exchange_functions(a2a_seq_to_head_traced, a2a_head_to_seq_traced, "Traced")

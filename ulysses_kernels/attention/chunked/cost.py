@@ -8,8 +8,8 @@ import functools
 import os
 from dataclasses import dataclass
 
-from ..layout import Q_ONLY, QKV, Layout
-from ..plan import HeadPlan
+from ...layout import Q_ONLY, QKV, Layout
+from ...plan import HeadPlan
 from .chunking import chunk_plans
 
 __all__ = ["MAX_CHUNKS", "CostModel", "estimate_seconds", "choose_chunks"]

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from . import pipeline
-from .call import setup_attention, setup_exchange, setup_head_to_seq
-from .comm import get_communicator
-from .documents import documents
-from .exchange import HeadToSeq, SeqToHead, eager_attention
-from .plan import HeadPlan
-from .ring import SPGroups
-from .traceable import HeadToSeqTraced, SeqToHeadTraced, traced_attention
+from ..checkpointing import chunks_recompute_apart
+from ..comm import get_communicator, native_nccl_enabled
+from ..documents import documents
+from ..plan import HeadPlan
+from ..ring import SPGroups
+from .call import CallSetup, members_of, setup_attention, setup_exchange, setup_head_to_seq
+from .exchange import HeadToSeq, HeadToSeqTraced, SeqToHead, SeqToHeadTraced
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
 
@@ -92,7 +92,7 @@ def ulysses_attention(
         ``[batch, seq_local, q_heads, head_dim]``: full attention over the global sequence,
         this rank's rows. Differentiable in q, k and v.
 
-    Inside ``torch.compile`` the op is built from traceable pieces (``traceable``): forward
+    Inside ``torch.compile`` the op is built from traceable pieces (``attention.traced``): forward
     and backward trace into the graph, the checks are rank-local (no cross-rank exchange),
     and ``chunks`` is ignored.
     """
@@ -100,11 +100,12 @@ def ulysses_attention(
         q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
         attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
     )  # fmt: skip
-    if call.traced:
-        return traced_attention(q, k, v, call)
-    if call.chunks > 1:
-        return pipeline.chunked_attention(q, k, v, call)
-    return eager_attention(q, k, v, call)
+    return call.schedule(q, k, v, call)
+
+
+# The resolved calls a module keeps (one per input signature: a few KB each). Packed batches
+# bring new boundaries every step: the oldest signatures then make room.
+_MODULE_CALLS = 64
 
 
 class UlyssesAttention(nn.Module):
@@ -120,6 +121,12 @@ class UlyssesAttention(nn.Module):
     call; ``"never"`` does not exchange (see ``ulysses_attention(check=False)``). The
     signature includes ``cu_seqlens`` and ``max_seqlen`` of a packed sequence: new boundaries
     are checked once too.
+
+    The module resolves each input signature once (``attention.call``: plan, layout,
+    communicator, kernel set, backend, chunk count) and keeps the ``CallSetup`` (the last
+    64 signatures); later calls with that signature go straight to the schedule. The
+    exception is the native NCCL default (``ULYSSES_KERNELS_NATIVE_NCCL=1``, CUDA tensors, no
+    ``comm``), whose communicator is looked up per call, as the functional op does.
     """
 
     def __init__(
@@ -149,24 +156,66 @@ class UlyssesAttention(nn.Module):
         self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check
         self.kernels, self.chunks = kernels, chunks
         self._checked: set[tuple] = set()
+        self._calls: OrderedDict[tuple, CallSetup] = OrderedDict()
+        self._members = None  # the group's members (rank, world size), looked up at the first call
 
     def forward(self, q, k, v, seq_lens: Sequence[int] | None = None, cu_seqlens=None, max_seqlen: int | None = None) -> torch.Tensor:
         """``ulysses_attention`` with the module's settings; ``seq_lens``, ``cu_seqlens`` and
         ``max_seqlen`` as documented there."""
+        docs, key, check = self._signature(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+        if torch.compiler.is_compiling():  # resolved at trace time; the graph keeps it (no cross-rank check)
+            return self._call(q, k, v, seq_lens, docs, check)
+        call = self._resolved(q, k, v, seq_lens, docs, key, check)
+        out = call.schedule(q, k, v, call)
+        if check:
+            self._checked.add(key)
+        return out
+
+    def _signature(self, q, k, v, seq_lens, cu_seqlens, max_seqlen) -> tuple:
+        """``(docs, key, check)``: the documents, the input signature, and whether this call
+        checks it across ranks (``check``'s policy)."""
         docs = documents(cu_seqlens, max_seqlen)
         key = (
             tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device,
             None if seq_lens is None else tuple(seq_lens), docs,
         )  # fmt: skip
-        check = self.check == "always" or (self.check == "once" and key not in self._checked)
-        out = ulysses_attention(
+        return docs, key, self.check == "always" or (self.check == "once" and key not in self._checked)
+
+    def _resolve(self, q, k, v, seq_lens=None, cu_seqlens=None, max_seqlen=None) -> CallSetup:
+        """The ``CallSetup`` ``forward`` runs for these inputs (the set-up part of a call alone:
+        what ``bench.host`` times)."""
+        docs, key, check = self._signature(q, k, v, seq_lens, cu_seqlens, max_seqlen)
+        return self._resolved(q, k, v, seq_lens, docs, key, check)
+
+    def _resolved(self, q, k, v, seq_lens, docs, key, check: bool) -> CallSetup:
+        # The chunk count depends on saved-tensor hooks being active (checkpointing before
+        # torch 2.9): part of the key when chunks are asked for.
+        stored = (key, k.device, v.device, self.chunks != 1 and chunks_recompute_apart())
+        call = None if check else self._calls.get(stored)
+        if call is None:
+            call = self._setup(q, k, v, seq_lens, docs, check)
+            if self.comm is not None or q.device.type != "cuda" or not native_nccl_enabled():
+                self._calls[stored] = call
+                if len(self._calls) > _MODULE_CALLS:
+                    self._calls.popitem(last=False)
+        return call
+
+    def _setup(self, q, k, v, seq_lens, docs, check: bool) -> CallSetup:
+        if self._members is None and not isinstance(self.group, SPGroups):
+            self._members = members_of(self.group, self.comm)
+        return setup_attention(
+            q, k, v, group=self.group, comm=self.comm, plan=self.plan, seq_lens=seq_lens, causal=self.causal,
+            softmax_scale=self.softmax_scale, attn_fn=self.attn_fn, kernels=self.kernels, chunks=self.chunks, check=check,
+            cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
+            members=self._members,
+        )  # fmt: skip
+
+    def _call(self, q, k, v, seq_lens, docs, check: bool) -> torch.Tensor:
+        return ulysses_attention(
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, seq_lens=seq_lens,
             group=self.group, attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, kernels=self.kernels, chunks=self.chunks,
             check=check, cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
         )  # fmt: skip
-        if check and not torch.compiler.is_compiling():  # compiled graphs skip the cross-rank check
-            self._checked.add(key)
-        return out
 
     def extra_repr(self) -> str:
         p = self.plan

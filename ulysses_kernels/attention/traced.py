@@ -1,6 +1,6 @@
 """The path ``ulysses_attention`` takes inside ``torch.compile``: one graph, forward and backward.
 
-The eager op (``exchange.eager_attention``) runs the attention backend under its own
+The eager op (``attention.eager``) runs the attention backend under its own
 autograd and calls ``torch.autograd.grad`` in its backward, posts grouped send/recv for
 batch > 1 and for dq/dk/dv, and checks inputs with an all-gather whose result the host
 decodes. Dynamo (torch 2.14) traces none of these by default: ``autograd.grad`` needs
@@ -11,7 +11,8 @@ region the op is composed instead of traceable pieces:
     q, k, v  --SeqToHeadTraced-->  q_l, k_l, v_l  --backend.attend (plain autograd)-->  out_l
              --HeadToSeqTraced-->  out
 
-* The two autograd functions (``exchange.exchange_functions`` over the two movers below) move
+* The two autograd functions (``exchange.exchange_functions`` over the traced movers of
+  ``attention.exchange``) move
   data with the same kernel set (``pack_s2h``, ``unpack_h2s``; the C++ ops have fake
   kernels) and one ``comm.all_to_all`` per exchange, forward and backward. ``torch.distributed.all_to_all_single`` (what ``TorchCommunicator``
   calls) is remapped by dynamo to a functional collective
@@ -21,7 +22,7 @@ region the op is composed instead of traceable pieces:
   (SDPA, the math einsum, flash-attn, a callable) runs its ``attend`` under ordinary
   autograd, so AOT autograd derives its backward; backends with their own
   ``forward``/``backward`` run inside an autograd function and must be traceable themselves.
-* On a rank whose query heads all share its one KV head (``backends.shares_one_kv``: MQA,
+* On a rank whose query heads all share its one KV head (``gqa.shares_one_kv``: MQA,
   or for example 40/8 at world size 8) that pick is ``SharedKV``, as in eager: the
   attention is plain multi-head attention against stride-0 views of the KV head
   (``_SharedKVExpand``), whose backward sums the per-query-head KV gradients with
@@ -57,70 +58,18 @@ head-to-sequence of dq/dk/dv, or of the output at batch > 1, first gathers each 
 into one send buffer. Batch 1 forward moves the same bytes as eager.
 """
 
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
 
-from .backends import AttentionBackend, SharedKV, doc_kwargs, expand_kv
-from .exchange import exchange_functions
-from .layout import Layout
+from ..backends import AttentionBackend, SharedKV, doc_kwargs
+from ..gqa import expand_kv
+from .exchange import HeadToSeqTraced, SeqToHeadTraced
 
-__all__ = ["traced_attention", "SeqToHeadTraced", "HeadToSeqTraced"]
-
-
-def _empty(n: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(n, dtype=like.dtype, device=like.device)
-
-
-def seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels) -> list[torch.Tensor]:
-    """``[B, s_r, H, D]`` tensors -> this rank's heads ``[B, S, h, D]`` (views), one all_to_all."""
-    like = tensors[0]
-    send = _empty(sum(layout.s2h_send_splits(roles)), like)
-    kernels.pack_s2h(layout, tensors, roles, send)
-    if layout.world_size == 1:
-        # One peer, S = s_r: the send buffer [B][s_r][h][D] is already the receive layout.
-        return layout.s2h_recv_views(send, roles)
-    recv_splits = layout.s2h_recv_splits(roles)
-    got = _empty(sum(recv_splits), like)
-    comm.all_to_all(got, send, recv_splits, layout.s2h_send_splits(roles))
-    if layout.batch > 1:
-        # Source-major [P][B][s_p][h][D] -> batch-major [B][S][h][D] (eager avoids this copy
-        # with one send/recv per (peer, batch element), which does not trace: see above).
-        h, pieces, start = layout.heads(roles, layout.rank), [], 0
-        for p, n in enumerate(recv_splits):
-            pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], h, layout.head_dim))
-            start += n
-        got = torch.cat(pieces, dim=1).view(-1)
-    return layout.s2h_recv_views(got, roles)
-
-
-def head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels) -> list[torch.Tensor]:
-    """Local ``[B, S, h, D]`` tensors (one per role) -> ``[B, s_r, H, D]``, one all_to_all;
-    replicated KV heads are summed in rank order by the kernel set's unpack, as in eager."""
-    if layout.world_size == 1:
-        return list(local)
-    like = local[0]
-    if len(local) == 1 and layout.batch == 1:
-        # Peer p's rows are consecutive: the tensor is the send buffer (a view when its
-        # rows are contiguous, as in eager).
-        send = like.reshape(-1)
-    else:
-        # Wire format: per peer p, per role, the rows of p as [B][s_p][h][D].
-        send = torch.cat([layout.h2s_send_blocks(x, p).reshape(-1) for p in range(layout.world_size) for x in local])
-    send_splits, recv_splits = layout.h2s_splits(roles)
-    recv = _empty(sum(recv_splits), like)
-    comm.all_to_all(recv, send, recv_splits, send_splits)
-    outs = [
-        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
-        for s in roles
-    ]
-    kernels.unpack_h2s(layout, layout.h2s_recv_views(recv, roles), roles, outs)
-    return outs
-
-
-SeqToHeadTraced, HeadToSeqTraced = exchange_functions(seq_to_head, head_to_seq, "Traced")
+__all__ = ["traced_attention"]
 
 
 class _BackendAttention(torch.autograd.Function):
@@ -143,17 +92,17 @@ class _BackendAttention(torch.autograd.Function):
 class _SharedKVExpand(torch.autograd.Function):
     """``SharedKV`` under autograd: the rank's one KV head ``[B, S, 1, D]`` as stride-0 views
     ``[B, S, hq, D]`` (one per query head, no copy); backward sums the per-query-head
-    gradients with ``KVGradSum`` (in head order, float32 accumulator for half types), the
-    sum eager's ``SharedKV.backward`` does. A bare ``expand`` would differentiate to one
-    ``sum`` over the heads, whose order and accumulator are the kernel's."""
+    gradients with ``KVGradSum`` (in head order, float32 accumulator for half types): the
+    ``"shared"`` ``KVGather`` eager's ``SharedKV`` runs. A bare ``expand`` would
+    differentiate to one ``sum`` over the heads, whose order and accumulator are the kernel's."""
 
     @staticmethod
     def forward(ctx, k, v, hq):
-        return SharedKV.expand(k, v, hq)
+        return SharedKV.heads(hq).gather(k, v)
 
     @staticmethod
     def backward(ctx, dk, dv):
-        return (*SharedKV.sum_grads(dk, dv), None)
+        return (*SharedKV.heads(dk.shape[2]).scatter(dk, dv), None)
 
 
 def _under_autograd(backend) -> bool:

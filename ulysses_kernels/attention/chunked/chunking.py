@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import functools
 
-from ..backends import shares_one_kv
-from ..plan import HeadPlan
+from ...gqa import shares_one_kv
+from ...plan import HeadPlan
 
 __all__ = ["chunk_plans", "splits_shared_kv"]
 
@@ -40,7 +40,7 @@ def _split_groups(groups, k: int) -> list[list]:
 
 
 def splits_shared_kv(plan: HeadPlan, rank: int) -> bool:
-    """True when ``rank``'s query heads all use its one KV head (``backends.shares_one_kv``,
+    """True when ``rank``'s query heads all use its one KV head (``gqa.shares_one_kv``,
     the test ``for_rank`` applies): its chunks split that group's query heads."""
     return shares_one_kv(plan.local_kv_map(rank))
 

@@ -1,0 +1,93 @@
+"""Sequence parallelism for Hugging Face transformers models in one call.
+
+    from ulysses_kernels.integrations import hf
+
+    hf.apply(model, group)                       # once, after building the model
+    for input_ids in loader:                     # the same global batch on every rank
+        batch = hf.shard_batch(input_ids, group=group)
+        out = model(**batch.model_inputs())      # loss = this rank's share of the mean
+        out.loss.backward()
+        hf.sync_gradients(model, group)          # all-reduce SUM over the group
+        opt.step(); opt.zero_grad()
+        print(hf.reduce_loss(out.loss, group))   # the global mean loss
+
+``apply`` registers an attention function in transformers' ``AttentionInterface`` (and a
+mask function in ``AttentionMaskInterface``) under the name ``"ulysses"`` and switches the
+model to it with ``set_attn_implementation``; no model class is patched. The process-group
+settings live on the model's own attention modules; the per-step sequence layout
+(``seq_lens``) travels with the batch as the ``ulysses_shard`` keyword that transformers
+passes down to every attention call. Nothing is stored in module-level state.
+
+Layout of one step, global sequence of ``S`` tokens over ``P`` ranks::
+
+    input_ids  [B, S]           every rank holds the same global batch
+    labels     [B, S]           shifted once, globally: target[t] = labels[t + 1], last = -100
+    positions  [B, S]           0 .. S-1 (global, so RoPE is right on every shard)
+      | shard_batch: rank r keeps columns [start_r, start_r + seq_lens[r])
+    rank r     [B, seq_lens[r]] input_ids, shifted labels, global positions
+
+One attention call (``_ulysses_attention_forward``), q/k/v ``[B, H, seq_lens[r], D]``:
+
+    plain causal (no window shorter than S, no softcap, no sinks, no dropout) and a
+    built-in implementation: the fused ``ulysses_attention`` (SDPA/flash, chunked overlap)
+    otherwise: seq_to_head -> this rank's heads over all S tokens -> the model's own
+    attention implementation (eager, sdpa, flash_attention_2/3, a registered one) with
+    the model's keywords, per-head sinks sliced to the rank's heads, the layer type's
+    mask rebuilt over global positions -> head_to_seq
+
+Under Ulysses a window, a softcap or a sink is local to a head: after the exchange each
+rank holds the whole sequence for its heads, so the model's attention computes exactly
+what one process would (attention dropout draws its own random mask on each rank).
+
+Packed sequences (batch 1, documents end to end, as ``DataCollatorWithFlattening`` makes
+them): ``shard_batch`` finds the documents from position ids that restart at 0 (or takes
+``cu_seqlens``), keeps the per-document positions (RoPE as if each document ran alone),
+drops the target of each document's last token, and puts the global boundaries on the
+step's ``SequenceShard``; every layer passes them to ``ulysses_attention(cu_seqlens=...)``
+(block-diagonal attention; the boundaries are found once per step, never gathered per layer).
+Layers that run the model's own attention (windows, softcapping, sinks) get the documents
+overlaid on the global mask they build (the ``eager`` and ``sdpa`` implementations).
+
+The package, by job (each imports only the ones above it):
+
+* ``batch``: the data side: ``SequenceShard``, ``ShardedBatch``, ``shard_batch`` (sharding,
+  the global label shift, positions, packed documents, zigzag shards of a 2-D group, the
+  same-batch check) and ``HFIntegrationError``;
+* ``training``: ``reduce_loss``, ``sync_gradients``, ``gather_sequence``;
+* ``adapter``: what runs in every layer: the ``"ulysses"`` attention function and mask
+  function (fused op, or the model's own attention between the exchanges),
+  ``sequence_parallel_attention`` (the same for callers that intercept a model's own
+  attention) and ``attention_settings``;
+* ``model``: ``register`` and ``apply`` (checking a model and switching it over).
+
+Supported: decoder-only causal LMs whose attention goes through ``AttentionInterface``
+(Llama, Qwen2/Qwen3, Mistral, Gemma 2/3, GPT-OSS: sliding windows, mixed layer types,
+logit softcapping, attention sinks, attention dropout), any head layout (GQA with fewer KV
+heads than ranks, heads not divisible by the ranks), uneven shards or padding, packed
+documents (plain causal layers on any built-in implementation; windows, softcapping, sinks
+on ``eager``/``sdpa``).
+Not supported (clear errors): padding/custom masks, packed documents on the model's own
+attention with flash or a registered implementation, chunked or bidirectional attention,
+KV caches (generation).
+"""
+
+from .adapter import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_attention
+from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
+from .model import apply
+from .model import register as register  # hf.register(): public, outside __all__ as before
+from .training import gather_sequence, reduce_loss, sync_gradients
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "HFIntegrationError",
+    "SequenceShard",
+    "ShardedBatch",
+    "apply",
+    "attention_settings",
+    "sequence_parallel_attention",
+    "shard_batch",
+    "split_lengths",
+    "reduce_loss",
+    "sync_gradients",
+    "gather_sequence",
+]

@@ -1,0 +1,483 @@
+"""What transformers calls in every layer once ``apply`` has switched a model: the
+``"ulysses"`` attention function (``_ulysses_attention_forward``) and mask function
+(``_ulysses_mask``).
+
+One attention call, q/k/v ``[B, H, seq_lens[r], D]``:
+
+    plain causal (no window shorter than S, no softcap, no sinks, no dropout) and a
+    built-in implementation: the fused ``ulysses_attention`` (SDPA/flash, chunked overlap)
+    otherwise: seq_to_head -> this rank's heads over all S tokens -> the model's own
+    attention implementation (eager, sdpa, flash_attention_2/3, a registered one) with
+    the model's keywords, per-head sinks sliced to the rank's heads, the layer type's
+    mask rebuilt over global positions -> head_to_seq
+
+The settings ``apply`` chose live on each attention module (``_Settings``, made by
+``attention_settings``, under ``_SETTINGS_ATTR``); the step's ``SequenceShard`` arrives as the
+``ulysses_shard`` keyword. ``sequence_parallel_attention`` is the same call for a model that
+``apply`` did not switch (``integrations.alst``), its settings and shard given explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ...attention import head_to_seq, seq_to_head, ulysses_attention
+from ...comm import get_communicator
+from ...documents import Documents, document_ids
+from ...gqa import expand_kv
+from ...plan import HeadPlan
+from ...ring import SPGroups
+from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
+
+__all__ = ["ATTN_IMPLEMENTATION", "attention_settings", "sequence_parallel_attention"]
+
+ATTN_IMPLEMENTATION = "ulysses"
+_SETTINGS_ATTR = "_ulysses_settings"  # set on each attention module by ``apply``
+
+# Implementations whose plain causal attention (softmax(q k^T * scale) v, no window, no
+# softcap, no sinks, no dropout) is exactly what the fused ``ulysses_attention`` computes.
+# A call that needs nothing more runs the fused op (its SDPA/flash backends, chunked
+# overlap); anything else, or a user's own implementation, runs the model's attention.
+_FUSED_IMPLEMENTATIONS = frozenset(
+    {"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention"}
+)
+
+
+# Implementations whose attention takes the mask ``_GlobalMask.build`` makes as it is: packed
+# documents reach them as an overlay of that mask (others, e.g. flash attention, get none).
+_MASKED_IMPLEMENTATIONS = frozenset({"eager", "sdpa"})
+
+
+@dataclass(frozen=True, eq=False)
+class _Settings:
+    """What ``apply`` chose for one attention module (the group settings are shared by the
+    model's modules; ``inner_impl``/``inner_fn`` are the module's own)."""
+
+    group: object
+    comm: object
+    attn_fn: object
+    kernels: object
+    chunks: int | str
+    check: str
+    inner_impl: str = ""  # the implementation the model was configured with ("sdpa", "eager", ...)
+    inner_fn: Callable | None = None  # its attention function (for "eager": the model's own)
+
+
+@dataclass(frozen=True, eq=False)
+class _GlobalMask:
+    """The mask one layer type asked for, as the ``"ulysses"`` mask function records it.
+
+    transformers calls the mask function once per forward per layer type, with the
+    *local* sizes; after the exchange each rank attends over the global sequence, whose
+    length only the attention call knows (from the step's ``SequenceShard``). So the mask
+    function returns this record (no tensor) for a sliding window, ``None`` for plain
+    causal (the attention call then uses ``_GlobalMask(None, {})``), and ``build`` makes
+    the global mask in the attention call, with transformers' mask function for the
+    configured implementation, over global indices ``0 .. total-1``: once per step per
+    layer type (cached on the shard), never gathered.
+
+    ``window``: ``None`` for plain causal, else the sliding window (a token sees itself and
+    the ``window - 1`` before it). ``mask_kwargs``: what the mask function was called with,
+    minus the sizes, the dtype and the device.
+    """
+
+    window: int | None
+    mask_kwargs: dict
+    packed: bool = False  # transformers saw restarting positions on this rank (packed documents)
+
+    def covers(self, total: int) -> bool:
+        """The mask is plain causal over ``total`` tokens (no window, or one that long)."""
+        return self.window is None or self.window >= total
+
+    def build(self, impl: str, shard: SequenceShard, dtype: torch.dtype, device: torch.device):
+        """The mask ``impl``'s attention expects over the global sequence: what one process
+        would build for ``shard.total`` tokens (``None`` where it needs none: sdpa's causal
+        flag, flash attention's window parameter, an implementation without a mask function)."""
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        if impl not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # as transformers does
+            return None
+        key = (impl, self.window, self.mask_kwargs.get("allow_is_causal_skip", True), dtype, device)
+        if key not in shard._masks:
+            # Batch 1: every row of the batch has the same mask (no padding), broadcast by the attention.
+            shard._masks[key] = ALL_MASK_ATTENTION_FUNCTIONS[impl](
+                batch_size=1, q_length=shard.total, kv_length=shard.total, q_offset=0, kv_offset=0,
+                attention_mask=None, dtype=dtype, device=device, **self._with_documents(shard, device),
+            )  # fmt: skip
+        return shard._masks[key]
+
+    def _with_documents(self, shard: SequenceShard, device: torch.device) -> dict:
+        """The mask keywords, for a packed batch with the step's global documents overlaid
+        (transformers' packed-sequence mask over global document ids: a token sees only its
+        own document; the window counts global indices, which within a document are its
+        positions)."""
+        if shard.documents is None:
+            return self.mask_kwargs
+        from transformers import masking_utils as mu
+
+        ids = document_ids(shard.documents.cu_seqlens, device).unsqueeze(0)
+        inner = self.mask_kwargs.get("mask_function", mu.causal_mask_function)
+        overlay = mu.and_masks(mu.packed_sequence_mask_function(ids), inner)
+        return {**self.mask_kwargs, "mask_function": overlay, "allow_is_causal_skip": False}
+
+
+class _ConfigView:
+    """A model config read through, with ``_attn_implementation`` set to the configured one."""
+
+    def __init__(self, config, impl: str):
+        self.__dict__.update(_config=config, _attn_implementation=impl)
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class _LocalHeads:
+    """The model's attention module as its attention function sees it on this rank.
+
+    Every attribute is the module's except ``num_key_value_groups`` (the grouping of this
+    rank's heads, which need not be the model's), ``sinks`` (this rank's query heads'
+    slice, a view: the gradient reaches the parameter) and ``config`` (a ``_ConfigView``:
+    flash attention reads ``config._attn_implementation`` to pick its kernel).
+    """
+
+    def __init__(self, module, impl: str, groups: int, heads: slice, q_heads: int):
+        self.__dict__.update(_module=module, num_key_value_groups=groups, config=_ConfigView(module.config, impl))
+        sinks = getattr(module, "sinks", None)
+        if sinks is not None:
+            self.__dict__["sinks"] = _head_slice(sinks, q_heads, heads, f"{type(module).__name__}.sinks")
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _head_slice(t: torch.Tensor, q_heads: int, heads: slice, what: str) -> torch.Tensor:
+    """Rows ``heads`` of a per-query-head tensor ``[q_heads, ...]`` (sinks): this rank's."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != q_heads:
+        shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise HFIntegrationError(f"{what}: expected one value per query head (shape [{q_heads}, ...]), got {shape}")
+    return t[heads]
+
+
+def _fail_module(module) -> HFIntegrationError:
+    return HFIntegrationError(
+        f"{type(module).__name__}: the model's attention implementation is {ATTN_IMPLEMENTATION!r} but this "
+        "module was not prepared by ulysses_kernels.integrations.hf.apply (call apply(model, group) on the "
+        "model that owns it; a config object switched to it by hand, or shared with a model from before apply "
+        "copied configs, also lands here: build each model from its own config)"
+    )
+
+
+def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
+    """transformers attention function: ``[B, H, s_local, D]`` q/k/v in, ``[B, s_local, Hq, D]`` out.
+
+    k/v arrive un-repeated (GQA). ``attention_mask`` is the ``_GlobalMask`` our mask
+    function returned for this layer's type. The keywords are the model's (``scaling``,
+    ``dropout``, ``sliding_window``, ``softcap``, ``s_aux``, ...). Plain causal calls of a
+    built-in implementation run the fused ``ulysses_attention``; the others run the
+    model's own attention function on this rank's heads over the global sequence
+    (``_model_attention``).
+    """
+    settings, shard = _call_context(module, kwargs)
+    kwargs.pop(_SHARD_KWARG)
+    return _attend(module, settings, shard, _layer_mask(module, attention_mask), query, key, value, kwargs)
+
+
+def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                                settings: _Settings, shard: SequenceShard, **kwargs):  # fmt: skip
+    """One attention call of a model that ``apply`` did not switch: what the ``"ulysses"``
+    attention function does, with the settings and the step's shard given explicitly.
+
+    For callers that intercept a model's own attention implementation (DeepSpeed ALST's
+    entry point, ``integrations.alst``), so the model's mask function is not ours: the mask
+    of the layer is taken from the model's ``sliding_window`` keyword (``None`` or absent:
+    causal) and rebuilt over the global sequence as ``apply``'s mask function would record it.
+
+    Args:
+        module: the model's attention module (``scaling``, ``is_causal``, ``head_dim``, ...).
+        query, key, value: ``[B, H, seq_lens[rank], D]`` (k/v with the model's KV heads).
+        settings: ``attention_settings(...)``, made once (it may own a communicator).
+        shard: the step's ``SequenceShard`` (the same on every rank; it caches the step's
+            checks and masks, so use one object per step).
+        kwargs: the model's keywords (``scaling``, ``dropout``, ``sliding_window``,
+            ``softcap``, ``s_aux``, ``position_ids`` (dropped), ...).
+
+    Returns ``(out, None)``, ``out`` ``[B, seq_lens[rank], Hq, D]``.
+    """
+    window = kwargs.get("sliding_window")
+    if window is None:
+        mask = _GlobalMask(None, {})
+    else:
+        from transformers.masking_utils import sliding_window_causal_mask_function
+
+        # local_size: sdpa's mask function skips the mask (plain causal) unless it knows the window.
+        mask = _GlobalMask(int(window), {"mask_function": sliding_window_causal_mask_function(int(window)), "local_size": int(window)})
+    return _attend(module, settings, shard, mask, query, key, value, kwargs)
+
+
+def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
+    """The attention call of ``_ulysses_attention_forward`` once its settings, shard and mask
+    are known: the fused op for plain causal attention, else the model's own attention."""
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise HFIntegrationError(
+            f"{type(module).__name__}: non-causal attention is not supported (ulysses applies a global causal mask)"
+        )
+    _check_sharded_input(type(module).__name__, shard, settings, query)
+    docs = _packed(module, settings, shard, mask, kwargs)
+    if not _plain_causal(settings, shard, mask, module, kwargs):
+        if isinstance(settings.group, SPGroups):
+            raise HFIntegrationError(
+                f"{type(module).__name__}: with a 2-D group (SPGroups) only plain causal attention runs (the fused op with "
+                "ring attention); a sliding window shorter than the sequence, softcapping, sinks or dropout need a flat group"
+            )
+        return _model_attention(module, settings, shard, mask, query, key, value, kwargs), None
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
+    scaling = kwargs.get("scaling")
+    sig = ("fused", tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling, docs)
+    check = _check_now(settings, shard, sig)
+    out = ulysses_attention(
+        q, k, v, settings.group, causal=True, softmax_scale=scaling, seq_lens=shard.seq_lens,
+        attn_fn=settings.attn_fn, comm=settings.comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
+        cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
+    )  # fmt: skip
+    if check:
+        shard._checked.add(sig)
+    return out, None
+
+
+def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, kwargs) -> Documents | None:
+    """The step's documents (``None``: not packed), after checking that this call can honor
+    them: plain causal attention (the fused op). The model's mask function saw only this
+    rank's positions; the boundaries come from ``shard_batch``, global."""
+    if shard.documents is None:
+        # A zigzag shard's positions jump at its second chunk (transformers sees a packed
+        # sequence there); shard_batch made them from the global ones, so they are not.
+        if mask.packed and shard.ring_layout is None:
+            raise HFIntegrationError(
+                f"{type(module).__name__}: position_ids restart inside the sequence (packed documents) but the batch was "
+                "not sharded as packed; pass the global position_ids (or cu_seqlens) to shard_batch"
+            )
+        return None
+    if not _plain_causal(settings, shard, mask, module, kwargs) and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
+        raise HFIntegrationError(
+            f"{type(module).__name__}: packed documents with a sliding window, logit softcapping, attention sinks, dropout "
+            f"or a registered implementation run on the 'eager' or 'sdpa' implementation (their mask carries the "
+            f"documents); this model runs {settings.inner_impl!r}"
+        )
+    return shard.documents
+
+
+def _plain_causal(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, module, kwargs) -> bool:
+    """The call is plain causal attention over the global sequence of a built-in
+    implementation: no window shorter than the sequence, no softcap, no sinks, no dropout."""
+    window = kwargs.get("sliding_window")
+    return (
+        settings.inner_impl in _FUSED_IMPLEMENTATIONS
+        and mask.covers(shard.total)
+        and (window is None or window >= shard.total)
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and getattr(module, "sinks", None) is None
+        and not kwargs.get("dropout")
+    )
+
+
+def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
+    """The model's own attention on this rank's heads over the global sequence.
+
+    ``[B, H, s_local, D]`` q/k/v -> ``seq_to_head`` -> ``[B, hq, S, D]`` (``plan.q_ranges[rank]``)
+    and the KV heads those use (gathered to one per query head where the rank's heads do
+    not group uniformly) -> the configured implementation with every keyword the model
+    passed (``s_aux`` and ``module.sinks`` sliced to the rank's heads; ``position_ids``,
+    local ones, left out) and the global mask -> ``[B, S, hq, D]`` -> ``head_to_seq`` ->
+    ``[B, s_local, Hq, D]``.
+    """
+    comm, name, q_heads = settings.comm, type(module).__name__, query.shape[1]
+    plan = HeadPlan.build(q_heads, key.shape[1], comm.world_size)
+    sig = ("model", tuple(query.shape), tuple(key.shape), query.dtype, query.device)
+    check = _check_now(settings, shard, sig)
+    q, k, v = seq_to_head(
+        *(t.transpose(1, 2) for t in (query, key, value)), group=settings.group, seq_lens=shard.seq_lens, plan=plan,
+        comm=comm, kernels=settings.kernels, check=check,
+    )  # fmt: skip
+    if check:
+        shard._checked.add(sig)
+    k, v = expand_kv(k, v, plan.local_kv_map(comm.rank))  # [B, S, hkv, D], uniform groups
+    heads = slice(*plan.q_ranges[comm.rank])
+    local = _LocalHeads(module, settings.inner_impl, q.shape[2] // k.shape[2], heads, q_heads)
+    inner = {n: a for n, a in kwargs.items() if n != "position_ids"}
+    if kwargs.get("s_aux") is not None:
+        inner["s_aux"] = _head_slice(kwargs["s_aux"], q_heads, heads, f"{name}: s_aux")
+    global_mask = mask.build(settings.inner_impl, shard, q.dtype, q.device)
+    out = settings.inner_fn(local, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), global_mask, **inner)[0]
+    expected = [q.shape[0], shard.total, q.shape[2], v.shape[3]]
+    if list(out.shape) != expected:
+        raise HFIntegrationError(
+            f"{name}: the {settings.inner_impl!r} attention returned shape {list(out.shape)}, expected {expected} "
+            "([batch, seq, heads, head_dim] over this rank's heads)"
+        )
+    return head_to_seq(out, plan, group=settings.group, seq_lens=shard.seq_lens, comm=comm, kernels=settings.kernels)
+
+
+def _check_now(settings: _Settings, shard: SequenceShard, sig: tuple) -> bool:
+    """Whether this call validates its inputs across ranks (``apply``'s ``check``)."""
+    return settings.check == "always" or (settings.check == "step" and sig not in shard._checked)
+
+
+def _call_context(module, kwargs) -> tuple[_Settings, SequenceShard]:
+    """What ``apply`` set on ``module`` and the step's ``SequenceShard`` from the model's kwargs."""
+    settings = getattr(module, _SETTINGS_ATTR, None)
+    if settings is None:
+        raise _fail_module(module)
+    shard = kwargs.get(_SHARD_KWARG)
+    if not isinstance(shard, SequenceShard):
+        raise HFIntegrationError(
+            f"{type(module).__name__}: the model runs sequence-parallel attention but was called without a sequence shard; "
+            "feed it model(**ulysses_kernels.integrations.hf.shard_batch(input_ids, group=group).model_inputs()) "
+            "(each rank then holds its slice of the sequence and the global positions)"
+        )
+    return settings, shard
+
+
+def _layer_mask(module, attention_mask) -> _GlobalMask:
+    """The layer's ``_GlobalMask`` (plain causal when the mask function returned none); a
+    tensor mask (a prepared 4-D mask given to the model) cannot be honored across shards."""
+    if isinstance(attention_mask, _GlobalMask):
+        return attention_mask
+    if attention_mask is None:
+        return _GlobalMask(None, {})
+    shape = list(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+    raise HFIntegrationError(
+        f"{type(module).__name__}: an explicit attention mask reached sequence-parallel attention ({shape}); "
+        "the mask is rebuilt over the global sequence from the model's causal or sliding-window pattern: "
+        "drop attention_mask (use labels=-100 for padding)"
+    )
+
+
+def _check_sharded_input(name: str, shard: SequenceShard, settings: _Settings, query: torch.Tensor) -> None:
+    """The batch was sharded for this rank of ``apply``'s group (for an ``SPGroups``: the
+    whole 2-D group), and ``query`` (``[B, H, s_local, D]``) is this rank's shard of it."""
+    sp, comm = settings.group, settings.comm
+    rank, world = (sp.rank, sp.world_size) if isinstance(sp, SPGroups) else (comm.rank, comm.world_size)
+    if (shard.rank, shard.world_size) != (rank, world):
+        raise HFIntegrationError(
+            f"{name}: the batch was sharded for rank {shard.rank} of {shard.world_size} but apply() was given a group "
+            f"in which this process is rank {rank} of {world}; pass the same group to apply and shard_batch"
+        )
+    layout = sp.seq_layout if isinstance(sp, SPGroups) else "contiguous"
+    if (shard.ring_layout or (0, 0, "contiguous"))[2] != layout:
+        raise HFIntegrationError(
+            f"{name}: the batch was sharded {(shard.ring_layout or (0, 0, 'contiguous'))[2]} but apply() was given a group with "
+            f"seq_layout {layout!r}; pass the same SPGroups to apply and shard_batch"
+        )
+    local = query.shape[2]
+    if local != shard.local_len or query.shape[0] != shard.batch_size:
+        if local == shard.valid_len and shard.world_size > 1:
+            raise HFIntegrationError(
+                f"{name}: this rank received the full sequence ({local} tokens) but holds {shard.local_len} of them "
+                f"under sequence parallelism (seq_lens {list(shard.seq_lens)}); feed the sharded batch "
+                "(ShardedBatch.model_inputs()), not the global one"
+            )
+        raise HFIntegrationError(
+            f"{name}: hidden states [batch {query.shape[0]}, seq {local}] do not match the sharded batch "
+            f"[batch {shard.batch_size}, seq {shard.local_len}] (rank {shard.rank}, seq_lens {list(shard.seq_lens)}); "
+            "feed exactly the tensors shard_batch returned"
+        )
+
+
+def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+    """Mask function for ``AttentionMaskInterface``: record the layer type's mask, build nothing.
+
+    Called once per forward per layer type (``layer_types``: ``full_attention``,
+    ``sliding_attention``) with the local sizes. Returns ``None`` for plain causal (what
+    the attention call assumes when it gets no mask, and what any model code passes on
+    safely) and a ``_GlobalMask`` for a sliding window; the attention call turns either
+    into the global mask (``_GlobalMask.build``). What cannot be rebuilt over the global
+    sequence raises: a KV cache, a padding mask, and masks other than causal and
+    sliding-window causal (chunked or bidirectional attention, custom overlays).
+    transformers' wrapper for packed sequences (restarting positions on this rank) is taken
+    off (``_unpacked``): the attention call takes the documents from the step's shard.
+    """
+    if int(q_offset) or int(kv_offset) or q_length != kv_length:
+        raise HFIntegrationError(
+            f"sequence-parallel attention got a KV cache (query offset {int(q_offset)}, {kv_length} keys for "
+            f"{q_length} queries): generation with past_key_values / use_cache=True is not supported; "
+            "run the model with use_cache=False (ShardedBatch.model_inputs() does)"
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise HFIntegrationError(
+            "sequence-parallel attention got a padding attention_mask with masked tokens; padding is not "
+            "supported as a mask: drop attention_mask and set the padded labels to -100 (shard_batch does this)"
+        )
+    mask_function, packed = _unpacked(mask_function)
+    window = _window_of(mask_function)
+    if window is None:
+        return _GlobalMask(None, {}, packed=True) if packed else None
+    kept = {n: a for n, a in kwargs.items() if n not in ("dtype", "device")}
+    return _GlobalMask(window, {**kept, "mask_function": mask_function}, packed)
+
+
+def _unpacked(mask_function) -> tuple[Callable, bool]:
+    """``(mask function, packed)``: transformers wraps the layer's mask function for packed
+    sequences when this rank's position ids restart (``packed_sequence_compatibility_function``:
+    a document overlay and positions remapped); the attention call takes the documents from
+    the step's shard instead (global, not this rank's view), so the wrapper is taken off."""
+    from transformers import masking_utils as mu
+
+    parts = _closure(mask_function, mu.and_masks(mu.causal_mask_function)).get("mask_functions")
+    if isinstance(parts, tuple) and len(parts) == 2:
+        overlay = _closure(parts[0], mu.packed_sequence_mask_function(None))
+        remap = _closure(parts[1], mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None))
+        if "packed_sequence_mask" in overlay and "mask_function" in remap:
+            return remap["mask_function"], True
+    return mask_function, False
+
+
+def _window_of(mask_function) -> int | None:
+    """``None`` for transformers' causal mask function, ``w`` for its sliding-window causal
+    mask function of window ``w`` (recognised by their code, not their names); anything
+    else raises, since only these two are known to depend on positions alone."""
+    from transformers import masking_utils as mu
+
+    if mask_function is None or mask_function is mu.causal_mask_function:
+        return None
+    parts = _closure(mask_function, mu.and_masks(mu.causal_mask_function)).get("mask_functions")
+    if isinstance(parts, tuple) and len(parts) == 2 and parts[1] is mu.causal_mask_function:
+        window = _closure(parts[0], mu.sliding_window_overlay(1)).get("sliding_window")
+        if isinstance(window, int) and window > 0:
+            return window
+    raise HFIntegrationError(
+        "sequence-parallel attention rebuilds the causal and the sliding-window causal mask over the global "
+        f"sequence; the model asked for another mask ({getattr(mask_function, '__qualname__', mask_function)!r}: "
+        "chunked or bidirectional attention, or a custom overlay), which it cannot rebuild"
+    )
+
+
+def _closure(fn, like) -> dict:
+    """The closure variables of ``fn`` if it was made by the same code as ``like``, else ``{}``."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code is not like.__code__ or not fn.__closure__:
+        return {}
+    return {n: cell.cell_contents for n, cell in zip(code.co_freevars, fn.__closure__)}
+
+
+
+def attention_settings(group=None, *, impl: str = "", fn: Callable | None = None, attn_fn=None, kernels=None,
+                       chunks: int | str = 1, check: str = "step", comm=None) -> _Settings:  # fmt: skip
+    """The frozen settings of sequence-parallel attention calls (``apply`` makes one per
+    model; ``sequence_parallel_attention`` takes one).
+
+    ``group``, ``attn_fn``, ``kernels``, ``chunks``, ``check``, ``comm``: as for ``apply``.
+    ``impl``/``fn``: the model's configured attention implementation and its function (what
+    runs on each rank's heads when the call is not plain causal). Resolves the communicator
+    once (with ``ULYSSES_KERNELS_NATIVE_NCCL=1`` on an NCCL group making a native one, which
+    is collective): make it once, on every rank.
+    """
+    if check not in ("step", "always", "never"):
+        raise HFIntegrationError(f"attention_settings: check expected 'step', 'always' or 'never', got {check!r}")
+    # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
+    exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
+    return _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check, impl, fn)

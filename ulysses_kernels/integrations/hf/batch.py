@@ -1,0 +1,381 @@
+"""The data side of the transformers integration: one global causal-LM batch sharded along
+the sequence for this rank (``shard_batch``), and the per-step context that travels with it
+to every attention call (``SequenceShard``, as the ``ulysses_shard`` keyword).
+
+Layout of one step, global sequence of ``S`` tokens over ``P`` ranks::
+
+    input_ids  [B, S]           every rank holds the same global batch
+    labels     [B, S]           shifted once, globally: target[t] = labels[t + 1], last = -100
+    positions  [B, S]           0 .. S-1 (global, so RoPE is right on every shard)
+      | shard_batch: rank r keeps columns [start_r, start_r + seq_lens[r])
+    rank r     [B, seq_lens[r]] input_ids, shifted labels, global positions
+
+Packed batches (batch 1, documents end to end): the documents come from position ids that
+restart at 0 (or ``cu_seqlens``); positions restart per document, the last token of each
+document has no target, and the global boundaries go on the step's ``SequenceShard``.
+A 2-D group with zigzag shards: rank r holds ``ring.shard_rows`` of the sequence (two
+chunks), recorded on the shard as ``ring_layout``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ...checks import UlyssesInputError, by_value
+from ...comm import get_communicator
+from ...documents import Documents, boundaries_digest, document_ids, documents, first_unordered, pad_documents
+from ...layout import split_lengths  # the project's one rule for uneven shards (re-exported by the package)
+from ...ring import SPGroups, shard_rows
+
+__all__ = ["HFIntegrationError", "SequenceShard", "ShardedBatch", "shard_batch", "split_lengths"]
+
+_SHARD_KWARG = "ulysses_shard"  # the per-step ``SequenceShard`` in the model's kwargs
+
+
+class HFIntegrationError(UlyssesInputError):
+    """A model, batch or group that the transformers integration cannot run."""
+
+
+@dataclass(eq=False)
+class SequenceShard:
+    """How one step's global sequence is split over the group (the same on every rank).
+
+    ``seq_lens[r]`` tokens live on rank ``r`` (contiguous, in rank order); ``total`` is
+    ``sum(seq_lens)`` (the padded length), ``valid_len`` the length before padding.
+    ``documents``: a packed batch's global document boundaries over ``total`` tokens (the
+    padding, if any, is the last document), ``None`` for ordinary batches.
+    ``ring_layout``: ``(ulysses_size, ring_size, "zigzag")`` for a 2-D group whose
+    ``seq_layout`` is zigzag: rank r then holds ``ring.shard_rows`` of the sequence (two
+    chunks), not a contiguous slice; ``None``: contiguous.
+    Passed to the model as the ``ulysses_shard`` keyword; the attention function reads it.
+    """
+
+    seq_lens: tuple[int, ...]
+    rank: int
+    world_size: int
+    valid_len: int
+    batch_size: int
+    documents: Documents | None = None
+    ring_layout: tuple[int, int, str] | None = None
+    # Input signatures already validated across ranks in this step (one check per step,
+    # not per layer); the same on every rank because every rank runs the same layers.
+    _checked: set = field(default_factory=set, repr=False)
+    # Global attention masks built in this step, one per (implementation, window, dtype,
+    # device): each layer type's mask is built once per step, at its first layer.
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def total(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def start(self) -> int:
+        return sum(self.seq_lens[: self.rank])
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_lens[self.rank]
+
+    def shard(self, x: torch.Tensor, dim: int = 1, pad_value=0) -> torch.Tensor:
+        """This rank's slice of a global per-token tensor (padded with ``pad_value`` first)."""
+        if x.shape[dim] not in (self.valid_len, self.total):
+            raise HFIntegrationError(
+                f"SequenceShard.shard: x.shape[{dim}] expected {self.valid_len} (the global length), got {x.shape[dim]}"
+            )
+        if x.shape[dim] < self.total:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = self.total - x.shape[dim]
+            x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
+        if self.ring_layout is not None:
+            return x.index_select(dim, self.rows(self.rank).to(x.device))
+        return x.narrow(dim, self.start, self.local_len).contiguous()
+
+    def rows(self, rank: int) -> torch.Tensor:
+        """The global positions rank ``rank`` holds (int64, ascending)."""
+        if self.ring_layout is not None:
+            return shard_rows(self.total, *self.ring_layout[:2], rank, self.ring_layout[2])
+        start = sum(self.seq_lens[:rank])
+        return torch.arange(start, start + self.seq_lens[rank])
+
+
+@dataclass
+class ShardedBatch:
+    """One rank's share of a causal-LM batch, made by ``shard_batch``.
+
+    ``input_ids``, ``labels`` (already shifted: the target of each position, ``-100`` where
+    there is none) and ``position_ids`` (global) are ``[batch, seq_lens[rank]]``.
+    ``num_tokens`` counts the targets that are not ``-100`` over the *global* batch (the
+    loss denominator; the same on every rank).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    num_tokens: int
+    shard: SequenceShard
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return self.shard.seq_lens
+
+    def model_inputs(self, loss: bool = True) -> dict:
+        """Keyword arguments for ``model(**...)``.
+
+        With ``loss=True`` the model computes ``sum(token losses on this rank) / num_tokens``
+        through transformers' own causal-LM loss (``shift_labels`` = our globally shifted
+        labels, ``num_items_in_batch`` = the global count), so the losses of the ranks add
+        up to the global mean and their gradients add up to its gradient.
+        """
+        kw = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False, _SHARD_KWARG: self.shard}
+        if loss:
+            kw.update(labels=self.labels, shift_labels=self.labels, num_items_in_batch=max(self.num_tokens, 1))
+        return kw
+
+    def loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the global mean loss from ``[batch, seq_local, vocab]`` logits.
+
+        Computed in the logits' dtype (half precision is upcast to float32), whereas
+        transformers' own loss (``out.loss``) always computes in float32.
+        """
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        ce = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), self.labels.flatten().to(logits.device), ignore_index=-100, reduction="sum"
+        )
+        return ce / max(self.num_tokens, 1)
+
+
+def _process_group(group):
+    """The process group of the whole sequence-parallel group (an ``SPGroups``' ``group``)."""
+    return group.group if isinstance(group, SPGroups) else group
+
+
+def _rank_world(group) -> tuple[int, int]:
+    if isinstance(group, SPGroups):
+        if group.rank is None:
+            raise HFIntegrationError(f"this process (global rank {dist.get_rank()}) is not a member of the given SPGroups")
+        return group.rank, group.world_size
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise HFIntegrationError("a group was given but torch.distributed is not initialized")
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise HFIntegrationError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
+    return rank, dist.get_world_size(group)
+
+
+def shard_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    group=None,
+    position_ids: torch.Tensor | None = None,
+    pad: bool = False,
+    pad_token_id: int = 0,
+    ignore_index: int = -100,
+    check: bool = True,
+    cu_seqlens=None,
+) -> ShardedBatch:
+    """Shard one global causal-LM batch along the sequence for this rank.
+
+    Args:
+        input_ids: ``[batch, seq]`` int64, the *global* batch, the same on every rank of
+            ``group``.
+        labels: ``[batch, seq]`` unshifted targets in transformers' convention (usually
+            ``input_ids`` with ``-100`` on ignored tokens); default ``input_ids``. They are
+            shifted here, once, over the global sequence, so the target of rank r's last
+            token is rank r+1's first token.
+        group: the sequence-parallel group (the one given to ``apply``).
+        position_ids: ``[batch or 1, seq]`` global positions; default ``0 .. seq-1``. They
+            count up by one, or (a packed batch: batch 1, ``DataCollatorWithFlattening``'s
+            format) restart at 0 at the start of each document.
+        pad: ``False`` (default): uneven shards, ``seq_lens = split_lengths(seq, world)``.
+            ``True``: pad the sequence with ``pad_token_id`` up to a multiple of the world
+            size (targets ``-100``, positions continuing); the padding comes last, so
+            causal attention never lets a real token see it. Both are exact.
+        check: exchange ``(batch, seq, target count, a fingerprint of the tokens, targets and
+            document boundaries)`` across the group once (one all-gather of 6 integers), so
+            that ranks fed different batches raise the same error on every rank, including
+            batches of the same shape (a sampler that shards by global rank instead of by
+            data-parallel rank).
+        cu_seqlens: a packed batch's document boundaries ``(0, ..., seq)`` (a list or an
+            integer tensor), instead of restarting ``position_ids``. Packed: attention stays
+            inside each document, positions restart per document, the last token of each
+            document has no target; with ``pad`` the padding is a trailing document.
+
+    Returns:
+        ``ShardedBatch`` with this rank's ``input_ids``, shifted ``labels``, global
+        ``position_ids``, the global ``num_tokens`` and the ``shard`` layout.
+    """
+    rank, world = _rank_world(group)
+    labels = _checked_labels(input_ids, labels)
+    cu = _packed_boundaries(input_ids, position_ids, cu_seqlens)
+    if cu is None:
+        position_ids = _global_positions(input_ids, position_ids)
+    bsz, seq = input_ids.shape
+    total, seq_lens = _shard_lengths(seq, world, pad)
+    ring_layout = None
+    if isinstance(group, SPGroups):
+        total, seq_lens = _check_2d_shards(group, seq, total, seq_lens, pad)
+        ring_layout = None if group.seq_layout == "contiguous" else (group.ulysses_size, group.ring_size, group.seq_layout)
+    shifted, num_tokens = _shift_labels(labels, ignore_index, cu)
+    if check and world > 1:
+        _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu),
+                          _fingerprint(input_ids, shifted, cu))
+
+    docs = None if cu is None else documents(pad_documents(cu, total))
+    if docs is None:
+        # Positions count up by one (checked by _global_positions), so the padded ones simply continue.
+        positions = position_ids[:, :1] + torch.arange(total, device=input_ids.device)
+    else:
+        # Per document 0, 1, ... (the padding is a document of its own).
+        ids = document_ids(docs.cu_seqlens, input_ids.device)
+        positions = (torch.arange(total, device=input_ids.device) - ids.new_tensor(docs.cu_seqlens[:-1])[ids]).unsqueeze(0)
+    shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz, docs, ring_layout)
+    return ShardedBatch(
+        input_ids=shard.shard(input_ids, pad_value=pad_token_id),
+        labels=shard.shard(shifted, pad_value=-100),
+        position_ids=shard.shard(positions),
+        num_tokens=num_tokens,
+        shard=shard,
+    )
+
+
+def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens, pad: bool) -> tuple[int, list[int]]:
+    """``(total, seq_lens)`` for a 2-D group: its ring level needs equal shards, and zigzag
+    cuts the sequence into ``2 x ring_size`` equal chunks whose blocks split over the
+    Ulysses ranks (``pad`` pads to a multiple of ``lcm(2 x ring_size, group size)``)."""
+    multiple = sp.world_size if sp.seq_layout == "contiguous" else math.lcm(2 * sp.ring_size, sp.world_size)
+    if pad and total % multiple:
+        total = math.ceil(seq / multiple) * multiple
+        seq_lens = [total // sp.world_size] * sp.world_size
+    if len(set(seq_lens)) > 1 or total % multiple:
+        raise HFIntegrationError(
+            f"shard_batch: the ring level of a 2-D group (seq_layout {sp.seq_layout!r}) needs a sequence length that is a multiple of "
+            f"{multiple}, got {seq} tokens; use pad=True"
+        )
+    return total, seq_lens
+def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tuple[int, ...] | None:
+    """A packed batch's document boundaries over the unpadded sequence: ``cu_seqlens`` if
+    given, else where ``position_ids`` restart at 0 (``None``: not packed). Packed batches
+    are batch 1 and their positions, when given, are 0, 1, ... within each document."""
+    seq = input_ids.shape[1]
+    restarts = position_ids is not None and position_ids.dim() == 2 and seq > 1 and not bool((position_ids.diff(dim=1) == 1).all())
+    if cu_seqlens is None and not restarts:
+        return None
+    if input_ids.shape[0] != 1:
+        raise HFIntegrationError(
+            f"shard_batch: packed documents (cu_seqlens, or position_ids that restart) need batch 1 (documents end to end), "
+            f"got input_ids of shape {list(input_ids.shape)}"
+        )
+    if cu_seqlens is None:
+        pos = position_ids.reshape(-1)
+        if int(pos[0]) != 0:
+            raise HFIntegrationError(f"shard_batch: packed position_ids must start at 0 (each document counts 0, 1, ...), got {int(pos[0])}")
+        starts = torch.nonzero(pos == 0).flatten().tolist()
+        cu = tuple(starts) + (seq,)
+    else:
+        cu = documents(cu_seqlens).cu_seqlens
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or first_unordered(cu) > 0:
+            raise HFIntegrationError(f"shard_batch: cu_seqlens expected strictly increasing boundaries from 0 to the sequence length {seq}, got {list(cu)}")
+    if position_ids is not None:
+        ids = document_ids(cu, input_ids.device)
+        expected = torch.arange(seq, device=input_ids.device) - ids.new_tensor(cu[:-1])[ids]
+        if position_ids.shape != (1, seq) or not torch.equal(position_ids.reshape(-1).to(expected.dtype), expected):
+            raise HFIntegrationError(
+                "shard_batch: in a packed batch position_ids must be [1, seq] and count 0, 1, ... within each document "
+                f"(documents {list(cu)}), got {position_ids.reshape(-1)[:32].tolist()}{' ...' if seq > 32 else ''}"
+            )
+    return cu
+
+
+def _checked_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """``labels`` (default ``input_ids``) after checking that both are ``[batch, seq]``."""
+    if input_ids.dim() != 2:
+        raise HFIntegrationError(f"shard_batch: input_ids expected [batch, seq], got shape {list(input_ids.shape)}")
+    if labels is None:
+        labels = input_ids
+    if labels.shape != input_ids.shape:
+        raise HFIntegrationError(f"shard_batch: labels.shape expected {list(input_ids.shape)}, got {list(labels.shape)}")
+    return labels
+
+
+def _global_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """``[batch, seq]`` global positions: ``0 .. seq-1`` by default, else ``position_ids``
+    (``[batch or 1, seq]``) expanded, after checking that they count up by one."""
+    bsz, seq = input_ids.shape
+    if position_ids is None:
+        return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, seq)
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, bsz):
+        raise HFIntegrationError(
+            f"shard_batch: position_ids expected [{bsz} or 1, {seq}], got shape {list(position_ids.shape)}"
+        )
+    position_ids = position_ids.expand(bsz, seq)
+    if seq > 1 and not bool((position_ids.diff(dim=1) == 1).all()):
+        raise HFIntegrationError(
+            "shard_batch: position_ids must count up by one along the sequence, or (packed documents, batch 1) "
+            "restart at 0 at each document"
+        )
+    return position_ids
+
+
+def _shard_lengths(seq: int, world: int, pad: bool) -> tuple[int, list[int]]:
+    """``(total, seq_lens)``: with ``pad``, ``seq`` padded up to a multiple of ``world`` and
+    split evenly; without, ``seq`` split by ``split_lengths`` (uneven shards)."""
+    if pad:
+        total = math.ceil(seq / world) * world
+        return total, [total // world] * world
+    if seq < world:
+        raise HFIntegrationError(
+            f"shard_batch: the sequence ({seq} tokens) is shorter than the group ({world} ranks); use pad=True"
+        )
+    return seq, split_lengths(seq, world)
+
+
+def _shift_labels(labels: torch.Tensor, ignore_index: int, cu=None) -> tuple[torch.Tensor, int]:
+    """The global label shift, done once before sharding: ``(shifted, num_tokens)`` where the
+    target of position t is ``labels[t + 1]`` (the last position, and in a packed batch the
+    last position of each document ``cu``, has none), ignored targets are ``-100`` whatever
+    ``ignore_index`` was, and ``num_tokens`` counts the others."""
+    shifted = torch.full_like(labels, ignore_index)
+    shifted[:, :-1] = labels[:, 1:]
+    if cu is not None:
+        shifted[:, [end - 1 for end in cu[1:]]] = ignore_index
+    if ignore_index != -100:
+        shifted = torch.where(shifted == ignore_index, torch.full_like(shifted, -100), shifted)
+    return shifted, int((shifted != -100).sum())
+
+
+def _fingerprint(input_ids: torch.Tensor, shifted: torch.Tensor, cu) -> int:
+    """A 63-bit fingerprint of the batch's tokens, shifted targets and document boundaries:
+    position-weighted sums in wrapping int64 arithmetic (exact, so the same batch gives the
+    same value on any device and in any summation order; one host sync)."""
+    mask = (1 << 63) - 1
+
+    def weighted(t: torch.Tensor) -> torch.Tensor:
+        idx = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+        weights = idx * -7046029254386353131 + 1442695040888963407  # odd multiplier: a bijection of the index
+        return ((t.reshape(-1).to(torch.int64) + 0x9E3779B9) * (weights | 1)).sum()
+
+    fp = int((weighted(input_ids) * 31 + weighted(shifted)).item())
+    return (fp * 1_000_003 + (-1 if cu is None else boundaries_digest(cu))) & mask
+
+
+def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int, bounds: int, fingerprint: int) -> None:
+    """One all-gather of ``(batch, seq, padded length, target count, document boundaries,
+    content fingerprint)``: ranks fed different batches raise the same error on every rank.
+    Collective."""
+    everyone = get_communicator(group).all_gather_ints([bsz, seq, total, num_tokens, bounds, fingerprint], device)
+    if any(v != everyone[0] for v in everyone):
+        shown = lambda v: f"batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]} cu_seqlens entries={v[4]} fingerprint={v[5]:016x}"
+        rows = by_value([tuple(v) for v in everyone], shown)  # one entry per distinct batch, not per rank
+        raise HFIntegrationError(
+            "shard_batch: the ranks of the sequence-parallel group were given different batches "
+            f"(every rank must pass the same global batch): {rows}"
+        )
+

@@ -1,0 +1,187 @@
+"""Switching a transformers model to sequence-parallel attention: ``register`` (the
+``"ulysses"`` functions in transformers' ``AttentionInterface`` and
+``AttentionMaskInterface``) and ``apply`` (check the model, resolve each attention module's
+own implementation, copy its configs, switch it, and put the group settings on each
+attention module)."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from ...longctx.install import enable as enable_long_context
+from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, _ulysses_mask, attention_settings
+from .batch import _SHARD_KWARG, HFIntegrationError
+
+__all__ = ["apply", "register"]
+
+
+def _attention_modules(model) -> list[torch.nn.Module]:
+    # transformers' attention modules (Llama, Qwen2, Mistral, Gemma, GPT-OSS, ...) carry these.
+    return [m for m in model.modules() if all(hasattr(m, a) for a in ("scaling", "is_causal", "config")) and hasattr(m, "head_dim")]
+
+
+def _check_config(config) -> None:
+    if not getattr(config, "is_causal", True):
+        raise HFIntegrationError(f"apply: {type(config).__name__}.is_causal = False: only causal (decoder) attention is supported")
+
+
+def _configured_implementation(module) -> str:
+    """The attention implementation ``module`` runs before ``apply`` switches it (on a
+    second ``apply``: the one the first recorded)."""
+    impl = getattr(module.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        return impl or "eager"  # None: transformers falls back to the model's eager attention
+    previous = getattr(module, _SETTINGS_ATTR, None)
+    if previous is None:
+        raise HFIntegrationError(
+            f"apply: {type(module).__name__} is already set to {ATTN_IMPLEMENTATION!r} without apply, so the "
+            "implementation to run on each rank's heads is unknown; build the model with it "
+            "(attn_implementation='sdpa', 'eager', 'flash_attention_2', ...) and call apply"
+        )
+    return previous.inner_impl
+
+
+def _attention_function(module, impl: str) -> Callable:
+    """The function transformers would call for ``impl`` in ``module``: the registered one,
+    or for ``"eager"`` the model's own ``eager_attention_forward`` (Gemma 2's softcaps,
+    GPT-OSS's adds the sinks), found in the module of ``module``'s class or a base's."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if impl != "eager":
+        if impl not in ALL_ATTENTION_FUNCTIONS:
+            raise HFIntegrationError(f"apply: {type(module).__name__} uses attention implementation {impl!r}, which is not registered")
+        return ALL_ATTENTION_FUNCTIONS[impl]
+    for cls in type(module).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        if callable(fn):
+            return fn
+    raise HFIntegrationError(
+        f"apply: {type(module).__name__} is configured for 'eager' attention but its module has no eager_attention_forward; "
+        "build the model with attn_implementation='sdpa' (or another registered implementation)"
+    )
+
+
+def _own_configs(model) -> None:
+    """Give ``model`` its own copy of its config objects before ``apply`` switches them.
+
+    transformers models keep the config object they were built from (``model.config``, and
+    the same object on each attention module, rotary embedding, ...): another model built
+    from that object would otherwise see ``_attn_implementation == "ulysses"`` too and fail
+    in a module ``apply`` never prepared. One deep copy, and every module attribute that
+    held an old config (or sub-config: ``text_config``, ``vision_config``) takes its copy,
+    so the relations between them stay as they were."""
+    from transformers import PretrainedConfig
+
+    memo: dict = {}
+    copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig) and id(value) in memo:
+                object.__setattr__(module, name, memo[id(value)])
+
+
+def register() -> None:
+    """Register the ``"ulysses"`` attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _ulysses_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _ulysses_mask)
+
+
+def apply(
+    model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None,
+    tiled_loss: bool | int = False, tiled_mlp: bool | int = False, tiled_norms: bool | int = False, offload_activations=False,
+):  # fmt: skip
+    """Make a transformers model sequence-parallel over ``group``.
+
+    Each attention call exchanges q/k/v so that every rank holds the whole sequence for
+    its heads. Plain causal attention then runs the fused ``ulysses_attention``; a
+    sliding window shorter than the sequence, logit softcapping, attention sinks,
+    attention dropout or a user-registered implementation run the model's own attention
+    implementation (the one it was built with: ``eager``, ``sdpa``, ``flash_attention_2/3``
+    or a registered one) on the rank's heads with every keyword the model passes, and the
+    mask of each layer type rebuilt over the global sequence.
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` whose attention uses ``AttentionInterface``
+            (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, ... families), causal.
+        group: the sequence-parallel process group (default: the world), or an ``SPGroups``
+            (``make_sp_groups``: Ulysses x ring; plain causal attention only, equal
+            shards, contiguous or zigzag, packed or not: ``shard_batch(..., pad=True)``). Pass the same to
+            ``shard_batch``, ``sync_gradients``, ``reduce_loss`` and ``gather_sequence``.
+        attn_fn, kernels, chunks: passed to ``ulysses_attention`` (``kernels`` also to the
+            exchanges around the model's own attention; ``attn_fn`` and ``chunks`` apply to
+            the fused path only).
+        check: ``"step"`` (default): validate the inputs across ranks at the first attention
+            call of each step (one tiny all-gather per step and path); ``"always"``: every
+            layer; ``"never"``: no exchange.
+        comm: a communicator (default: torch.distributed's; with
+            ``ULYSSES_KERNELS_NATIVE_NCCL=1``, opt-in until native NCCL has run on a GPU, a
+            native ``NCCLCommunicator`` on NCCL groups, made here and owned by the model).
+        tiled_loss, tiled_mlp, tiled_norms, offload_activations: the long-context pieces
+            (``ulysses_kernels.longctx``, docs/longctx.md), each off by default: the LM head and
+            loss over sequence tiles (``out.loss`` as before, no logits), the MLP and the norms over
+            sequence tiles recomputed in the backward (``True`` or tokens per tile), the inputs that
+            activation checkpointing keeps in host memory (``True`` or an ``ActivationOffload``).
+
+    Returns the model (changed in place: ``model.config`` becomes a copy of the config it was
+    built from, with ``_attn_implementation == "ulysses"``; the object the caller passed to
+    the model stays as it was, so other models built from it are untouched). Its
+    forward then expects ``shard_batch(...).model_inputs()``. The model's GQA layout,
+    ``module.scaling`` and RoPE (from the global ``position_ids``) are kept.
+    """
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as e:  # pragma: no cover - exercised only without transformers
+        raise HFIntegrationError("apply: transformers is not installed (pip install transformers)") from e
+    if not isinstance(model, PreTrainedModel):
+        raise HFIntegrationError(
+            f"apply: expected a transformers PreTrainedModel, got {type(model).__name__}; other modules can call "
+            "ulysses_kernels.ulysses_attention directly"
+        )
+    if check not in ("step", "always", "never"):
+        raise HFIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise HFIntegrationError(
+            f"apply: {type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
+            "so its attention cannot be routed to ulysses_attention"
+        )
+    configs = {id(c): c for c in (model.config, model.config.get_text_config())}
+    for config in configs.values():
+        _check_config(config)
+    modules = _attention_modules(model)
+    if not modules:
+        raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
+    bidirectional = sorted({type(m).__name__ for m in modules if not m.is_causal})
+    if bidirectional:
+        raise HFIntegrationError(f"apply: {', '.join(bidirectional)}.is_causal = False: only causal (decoder) attention is supported")
+    # Resolved before the model is switched, so that a refusal leaves it as it was.
+    inner = []
+    for m in modules:
+        impl = _configured_implementation(m)
+        inner.append((m, impl, _attention_function(m, impl)))
+    # The long-context pieces (they refuse before changing anything, as the checks above).
+    enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
+                        offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
+    register()
+    _own_configs(model)  # the caller's config object stays as it was (another model may share it)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    else:
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
+    if wrong:
+        raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
+    shared = attention_settings(group, attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, comm=comm)
+    for m, impl, fn in inner:
+        # A plain attribute on the module instance (not a parameter or buffer): the group
+        # settings belong to this model, not to the process.
+        object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
+    return model

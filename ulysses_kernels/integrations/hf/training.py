@@ -1,0 +1,75 @@
+"""Training helpers of the transformers integration: the global mean loss for logging
+(``reduce_loss``), the gradient sum over the sequence-parallel group (``sync_gradients``) and
+the global sequence from every rank's shard (``gather_sequence``). Each is collective over
+the group: call it on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .batch import HFIntegrationError, SequenceShard, _process_group
+
+__all__ = ["reduce_loss", "sync_gradients", "gather_sequence"]
+
+
+def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
+    """The global mean loss: the SUM over the group of each rank's ``out.loss`` (detached).
+
+    Each rank's loss is ``sum(its token losses) / num_tokens(global)``, so the sum is the
+    mean over all tokens of the global batch. Collective: call it on every rank.
+    """
+    total = loss.detach().clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=_process_group(group))
+    return total
+
+
+def sync_gradients(model: torch.nn.Module, group=None) -> None:
+    """All-reduce SUM the parameter gradients over the sequence-parallel group.
+
+    After ``out.loss.backward()`` each rank holds the gradient of its share of the loss;
+    the sum is the gradient of the global mean loss (what one process would compute).
+    One collective per (dtype, device). With data parallelism on top, reduce over the
+    data-parallel group separately (as usual, averaging there).
+    """
+    group = _process_group(group)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def gather_sequence(x: torch.Tensor, shard: SequenceShard, group=None, dim: int = 1) -> torch.Tensor:
+    """Every rank's ``x`` (``seq_lens[r]`` long along ``dim``) joined into the global sequence.
+
+    Padding is dropped (the result is ``shard.valid_len`` long). Not differentiable: use it
+    for evaluation and logging (e.g. full logits). Collective: call it on every rank.
+    """
+    if x.shape[dim] != shard.local_len:
+        raise HFIntegrationError(f"gather_sequence: x.shape[{dim}] expected {shard.local_len} (this rank's shard), got {x.shape[dim]}")
+    if shard.world_size == 1:
+        return x.narrow(dim, 0, shard.valid_len)
+    width = max(shard.seq_lens)
+    padded = x.detach()
+    if x.shape[dim] < width:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = width - x.shape[dim]
+        padded = torch.cat([padded, padded.new_zeros(pad_shape)], dim=dim)
+    parts = [torch.empty_like(padded) for _ in range(shard.world_size)]
+    dist.all_gather(parts, padded.contiguous(), group=_process_group(group))
+    full = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, shard.seq_lens)], dim=dim)
+    if shard.ring_layout is not None:  # zigzag: rank order is not sequence order
+        rows = torch.cat([shard.rows(r) for r in range(shard.world_size)])
+        full = full.index_select(dim, torch.argsort(rows).to(full.device))
+    return full.narrow(dim, 0, shard.valid_len)
+
