@@ -26,7 +26,7 @@ def _rows_of(x: torch.Tensor, g: int) -> torch.Tensor | None:
     ``D / g`` heads of ``g`` elements), or None when its heads are not ``D`` elements apart."""
     B, s, H, D = x.shape
     sb, ss, sh, sd = x.stride()
-    if D == g:
+    if g == D:
         return x
     if H > 1 and sh != D * sd:
         return None

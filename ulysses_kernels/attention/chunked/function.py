@@ -93,7 +93,8 @@ class ChunkedAttentionFunction(torch.autograd.Function):
             if q_c.shape[2]:
                 out_c, saved = _attend_chunk(backend, chunk, q_c, k_c, v_c, causal, scale, needs_grad, call.docs)
             else:
-                out_c, saved = q_c, None  # no head of this chunk here: an empty [B, S, 0, D]
+                # No head of this chunk here: an empty [B, S, 0, Dv] (the output's head dim).
+                out_c, saved = q_c.new_empty(*q_c.shape[:3], layout.v_head_dim), None
             del q_c, k_c, v_c
             states.append(saved)
             started = (_start_h2s(chan, chunk.layout, out_c, "o", kernels), chunk)

@@ -21,8 +21,10 @@ __all__ = ["apply", "register"]
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
-    # transformers' attention modules (Llama, Qwen2, Mistral, Gemma, GPT-OSS, ...) carry these.
-    return [m for m in model.modules() if all(hasattr(m, a) for a in ("scaling", "is_causal", "config")) and hasattr(m, "head_dim")]
+    # transformers' attention modules (Llama, Qwen2, Mistral, Gemma, GPT-OSS, ...) carry these;
+    # MLA's (DeepSeek-V2, MiniCPM3) name their head dims qk_head_dim and v_head_dim.
+    head_dim = ("head_dim", "qk_head_dim")
+    return [m for m in model.modules() if all(hasattr(m, a) for a in ("scaling", "is_causal", "config")) and any(hasattr(m, a) for a in head_dim)]
 
 
 def _check_config(config) -> None:
