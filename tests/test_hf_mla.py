@@ -141,3 +141,17 @@ def test_one_process_matches_and_the_dims_differ(family, heads):
     for name, p in applied.named_parameters():
         close(p.grad, ref_grads[name], 1e-12, f"grad of {name}")
     assert torch.isfinite(loss)
+
+
+def test_deepseek_v32_sparse_attention_is_refused():
+    """DeepSeek-V3.2 (MLA + DSA): the indexer's top-k over the keys would see one shard."""
+    import transformers
+
+    config = transformers.DeepseekV32Config(
+        vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        index_topk=4, attn_implementation="sdpa", **{k: v for k, v in MLA_FAMILIES["deepseek_v3"][2].items() if k != "rope_parameters"},
+    )  # fmt: skip
+    model = transformers.DeepseekV32ForCausalLM(config)
+    with pytest.raises(hf.HFIntegrationError, match=r"DeepseekV32Attention runs sparse attention .* DSA.*not supported"):
+        hf.apply(model)
+    assert model.config._attn_implementation == "sdpa"  # refused before anything changed

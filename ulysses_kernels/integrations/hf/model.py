@@ -169,6 +169,7 @@ def apply(
     for m in modules:
         impl = _configured_implementation(m)
         inner.append((m, impl, _attention_function(m, impl)))
+    _check_sparse_attention(modules)
     # The long-context pieces (they refuse before changing anything, as the checks above).
     enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
                         offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
@@ -187,3 +188,16 @@ def apply(
         # settings belong to this model, not to the process.
         object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
     return model
+
+
+def _check_sparse_attention(modules) -> None:
+    """DeepSeek-V3.2's sparse attention (DSA) is refused: its indexer picks each query's top-k
+    keys from scores over the keys the module sees, and reads the layer's mask as a tensor;
+    under sequence sharding it would see this rank's keys only (and gets no mask tensor)."""
+    sparse = sorted({type(m).__name__ for m in modules if getattr(m, "indexer", None) is not None})
+    if sparse:
+        raise HFIntegrationError(
+            f"apply: {', '.join(sparse)} runs sparse attention (an indexer choosing each query's top-k keys, DeepSeek-V3.2's "
+            "DSA): the selection spans the whole sequence, which sequence sharding splits; not supported (DeepSeek-V3's "
+            "dense MLA is)"
+        )
