@@ -21,13 +21,22 @@ __all__ = ["apply", "register"]
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
-    # transformers' attention modules (Llama, Qwen2, Mistral, Gemma, GPT-OSS, ...) carry these.
-    return [m for m in model.modules() if all(hasattr(m, a) for a in ("scaling", "is_causal", "config")) and hasattr(m, "head_dim")]
+    # transformers' attention modules carry a config, is_causal and the head size (``head_dim``;
+    # BERT's ``attention_head_size``); the softmax scale reaches the attention call as ``scaling``.
+    def is_attention(m) -> bool:
+        return hasattr(m, "is_causal") and hasattr(m, "config") and (hasattr(m, "head_dim") or hasattr(m, "attention_head_size"))
+
+    return [m for m in model.modules() if is_attention(m)]
 
 
 def _check_config(config) -> None:
-    if not getattr(config, "is_causal", True):
-        raise HFIntegrationError(f"apply: {type(config).__name__}.is_causal = False: only causal (decoder) attention is supported")
+    """Self-attention only: an encoder-decoder model or a decoder with cross-attention
+    attends from one sequence to another, which sequence sharding does not split."""
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise HFIntegrationError(
+            f"apply: {type(config).__name__} has cross-attention (is_encoder_decoder or add_cross_attention): only "
+            "self-attention models are supported (decoders, and encoders such as BERT, ModernBERT, ViT, SigLIP)"
+        )
 
 
 def _configured_implementation(module) -> str:
@@ -159,9 +168,6 @@ def apply(
     modules = _attention_modules(model)
     if not modules:
         raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
-    bidirectional = sorted({type(m).__name__ for m in modules if not m.is_causal})
-    if bidirectional:
-        raise HFIntegrationError(f"apply: {', '.join(bidirectional)}.is_causal = False: only causal (decoder) attention is supported")
     # Resolved before the model is switched, so that a refusal leaves it as it was.
     inner = []
     for m in modules:
