@@ -311,6 +311,11 @@ def test_siglip_drops_the_shard():
     _raises("drops the keywords", model.encoder, inputs_embeds=hidden, ulysses_shard=shard)
 
 
+def test_apply_refuses_the_router_loss():
+    """MoE's load-balancing loss would be computed per shard: refused at apply."""
+    _raises(r"output_router_logits = True: the MoE load-balancing loss", hf.apply, build_moe(MOE[0], output_router_logits=True))
+
+
 def test_apply_refuses_cross_attention():
     config = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     _raises("has cross-attention", hf.apply, transformers.BertModel(transformers.BertConfig(**config, is_decoder=True, add_cross_attention=True)))

@@ -31,7 +31,17 @@ def _attention_modules(model) -> list[torch.nn.Module]:
 
 def _check_config(config) -> None:
     """Self-attention only: an encoder-decoder model or a decoder with cross-attention
-    attends from one sequence to another, which sequence sharding does not split."""
+    attends from one sequence to another, which sequence sharding does not split; and no
+    MoE auxiliary loss (it is computed over the tokens the model sees)."""
+    if getattr(config, "output_router_logits", False):
+        # transformers adds router_aux_loss_coef * the load-balancing loss to out.loss, computed over the tokens it
+        # sees: under sequence parallelism each rank's shard, so the summed gradient is not one process's (each
+        # rank adds a whole balancing loss: world_size times the coefficient, over other statistics).
+        raise HFIntegrationError(
+            f"apply: {type(config).__name__}.output_router_logits = True: the MoE load-balancing loss would be computed "
+            "over each rank's shard of the sequence, not the whole batch; set output_router_logits=False (the experts "
+            "and the router train as before, without the auxiliary loss)"
+        )
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         raise HFIntegrationError(
             f"apply: {type(config).__name__} has cross-attention (is_encoder_decoder or add_cross_attention): only "
