@@ -112,7 +112,8 @@ class _GlobalMask:
         return shard._masks[key]
 
     def _with_documents(self, shard: SequenceShard, device: torch.device) -> dict:
-        """The mask keywords, for a packed batch with the step's global documents overlaid
+        """The mask keywords (the mask function: the recorded one, else causal or
+        bidirectional by ``causal``), for a packed batch with the step's global documents overlaid
         (transformers' packed-sequence mask over global document ids: a token sees only its
         own document; the window counts global indices, which within a document are its
         positions)."""
