@@ -53,7 +53,8 @@ The package, by job (each imports only the ones above it):
 * ``batch``: the data side: ``SequenceShard``, ``ShardedBatch``, ``shard_batch`` (sharding,
   the global label shift, positions, packed documents, zigzag shards of a 2-D group, the
   same-batch check) and ``HFIntegrationError``;
-* ``training``: ``reduce_loss``, ``sync_gradients``, ``gather_sequence``;
+* ``training``: ``reduce_loss``, ``sync_gradients``, ``gather_sequence``, ``router_loss`` (an
+  MoE load-balancing loss over the global batch);
 * ``adapter``: what runs in every layer: the ``"ulysses"`` attention function and mask
   function (fused op, or the model's own attention between the exchanges),
   ``sequence_parallel_attention`` (the same for callers that intercept a model's own
@@ -79,7 +80,7 @@ from .adapter import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_
 from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
 from .model import apply
 from .model import register as register  # hf.register(): public, outside __all__ as before
-from .training import gather_sequence, reduce_loss, sync_gradients
+from .training import gather_sequence, reduce_loss, router_loss, sync_gradients
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -92,6 +93,7 @@ __all__ = [
     "shard_batch",
     "split_lengths",
     "reduce_loss",
+    "router_loss",
     "sync_gradients",
     "gather_sequence",
 ]

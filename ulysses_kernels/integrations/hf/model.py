@@ -39,8 +39,9 @@ def _check_config(config) -> None:
         # rank adds a whole balancing loss: world_size times the coefficient, over other statistics).
         raise HFIntegrationError(
             f"apply: {type(config).__name__}.output_router_logits = True: the MoE load-balancing loss would be computed "
-            "over each rank's shard of the sequence, not the whole batch; set output_router_logits=False (the experts "
-            "and the router train as before, without the auxiliary loss)"
+            "over each rank's shard of the sequence and added on every rank; set output_router_logits=False and add "
+            "router_aux_loss_coef * hf.router_loss(out.router_logits, batch.shard, group, num_experts=..., top_k=...) "
+            "to the loss of a forward with output_router_logits=True and model_inputs(loss=False) (docs/hf.md, MoE)"
         )
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         raise HFIntegrationError(
