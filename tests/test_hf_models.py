@@ -26,7 +26,9 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import check_step, close, global_batch, reference  # noqa: E402
 
+from ulysses_kernels import make_sp_groups  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
+from ulysses_kernels.integrations.hf.adapter import _GlobalMask, _ulysses_attention_forward, _ulysses_mask  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
 VOCAB = 61
@@ -308,6 +310,11 @@ def check_encoder_errors(group):
             **batch.model_inputs(loss=False), attention_mask=mask)  # fmt: skip
     padded = hf.shard_batch(ids, group=group, pad=True)
     _raises(r"bidirectional attention over a padded batch \(3 pad tokens after 13\)", model, **padded.model_inputs(loss=False))
+    # A 2-D group (Ulysses x ring): causal models only.
+    sp = make_sp_groups(2, 2)
+    on_sp = hf.apply(build_encoder(ENCODERS[0]), sp)
+    _raises("bidirectional attention runs on a flat sequence-parallel group", on_sp,
+            **hf.shard_batch(ids, group=sp, pad=True).model_inputs(loss=False))  # fmt: skip
 
 
 def job(rank, world):
@@ -343,6 +350,36 @@ def test_siglip_drops_the_shard():
     hidden = model.embeddings(torch.randn(2, 3, 12, 12, dtype=torch.float64))
     shard = hf.SequenceShard((36,), 0, 1, 36, 2)
     _raises("drops the keywords", model.encoder, inputs_embeds=hidden, ulysses_shard=shard)
+
+
+def test_bidirectional_masks():
+    """The mask function records bidirectional masks (full, and ModernBERT's sliding window
+    of a distance) and the attention call builds them over the global sequence; a mask
+    whose causality differs from the call's, and cross-attention, raise."""
+    from transformers import masking_utils as mu
+
+    sizes = {"batch_size": 2, "q_length": 4, "kv_length": 4}
+    full = _ulysses_mask(**sizes, mask_function=mu.bidirectional_mask_function, allow_is_bidirectional_skip=True)
+    assert (full.window, full.causal) == (None, False) and full.covers(5)
+    local = _ulysses_mask(**sizes, mask_function=mu.sliding_window_bidirectional_mask_function(2), local_size=2)
+    assert (local.window, local.causal) == (2, False) and local.covers(3) and not local.covers(4)
+    shard = hf.SequenceShard((4, 4), rank=1, world_size=2, valid_len=8, batch_size=2)
+    q, kv = torch.arange(8).view(8, 1), torch.arange(8).view(1, 8)
+    built = local.build("sdpa", shard, torch.float64, torch.device("cpu"))
+    assert torch.equal(built[0, 0], (q - kv).abs() <= 2)  # both ways, over global positions
+    assert full.build("sdpa", shard, torch.float64, torch.device("cpu")) is None  # sdpa's is_causal=False
+    assert full.build("eager", shard, torch.float64, torch.device("cpu")) is None  # eager adds no bias
+    eager = local.build("eager", shard, torch.float64, torch.device("cpu"))
+    assert torch.equal(eager[0, 0] == 0, (q - kv).abs() <= 2)
+
+    model = hf.apply(build_encoder(ENCODERS[0]))
+    attn = model.bert.encoder.layer[0].attention.self
+    ids, _ = mlm_batch()
+    shard = hf.shard_batch(ids).shard
+    x = torch.zeros(2, 4, SEQ, 16, dtype=torch.float64)
+    _raises("the attention call is bidirectional .* but the model built a causal mask", _ulysses_attention_forward,
+            attn, x, x, x, _GlobalMask(5, {}), ulysses_shard=shard)  # fmt: skip
+    _raises("7 keys for 13 queries: cross-attention", _ulysses_attention_forward, attn, x, x[:, :, :7], x[:, :, :7], full, ulysses_shard=shard)
 
 
 def test_apply_refuses_the_router_loss():

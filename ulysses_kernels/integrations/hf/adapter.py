@@ -280,16 +280,16 @@ def _causality(name: str, causal: bool, mask: _GlobalMask) -> _GlobalMask:
 def _check_bidirectional(name: str, settings: _Settings, shard: SequenceShard) -> None:
     """What bidirectional attention cannot honour: padding that every token would attend to
     (causal attention never looks ahead at it), and the ring level (not tested non-causal)."""
+    if isinstance(settings.group, SPGroups):
+        raise HFIntegrationError(
+            f"{name}: bidirectional attention runs on a flat sequence-parallel group; a 2-D group (SPGroups, Ulysses x "
+            "ring) supports causal models only"
+        )
     if shard.total > shard.valid_len and shard.documents is None:
         raise HFIntegrationError(
             f"{name}: bidirectional attention over a padded batch ({shard.total - shard.valid_len} pad tokens after "
             f"{shard.valid_len}) would let every token attend to the padding; use shard_batch(..., pad=False) (uneven "
             "shards), or pack the batch (position_ids/cu_seqlens: the padding is then a document of its own)"
-        )
-    if isinstance(settings.group, SPGroups):
-        raise HFIntegrationError(
-            f"{name}: bidirectional attention runs on a flat sequence-parallel group; a 2-D group (SPGroups, Ulysses x "
-            "ring) supports causal models only"
         )
 
 
