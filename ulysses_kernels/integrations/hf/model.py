@@ -129,8 +129,10 @@ def apply(
     mask of each layer type rebuilt over the global sequence.
 
     Args:
-        model: a ``transformers.PreTrainedModel`` whose attention uses ``AttentionInterface``
-            (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, ... families), causal.
+        model: a ``transformers.PreTrainedModel`` whose self-attention uses ``AttentionInterface``:
+            causal (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, Qwen3-MoE, ... families) or
+            bidirectional (BERT, ModernBERT, ViT: each layer's ``is_causal``); no cross-attention,
+            no ``output_router_logits`` (``router_loss`` is the global load-balancing loss).
         group: the sequence-parallel process group (default: the world), or an ``SPGroups``
             (``make_sp_groups``: Ulysses x ring; plain causal attention only, equal
             shards, contiguous or zigzag, packed or not: ``shard_batch(..., pad=True)``). Pass the same to
