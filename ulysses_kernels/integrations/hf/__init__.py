@@ -58,6 +58,9 @@ The package, by job (each imports only the ones above it):
   function (fused op, or the model's own attention between the exchanges),
   ``sequence_parallel_attention`` (the same for callers that intercept a model's own
   attention) and ``attention_settings``;
+* ``multimodal``: vision-language models: ``multimodal_inputs`` (the model's own code up to
+  its text model on the global batch: the vision tower, replicated, before sharding) and the
+  text model's hooks ``apply`` installs;
 * ``model``: ``register`` and ``apply`` (checking a model and switching it over).
 
 Supported: decoder-only causal LMs whose attention goes through ``AttentionInterface``
@@ -75,6 +78,7 @@ from .adapter import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_
 from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
 from .model import apply
 from .model import register as register  # hf.register(): public, outside __all__ as before
+from .multimodal import multimodal_inputs
 from .training import gather_sequence, reduce_loss, sync_gradients
 
 __all__ = [
@@ -83,6 +87,7 @@ __all__ = [
     "SequenceShard",
     "ShardedBatch",
     "apply",
+    "multimodal_inputs",
     "attention_settings",
     "sequence_parallel_attention",
     "shard_batch",

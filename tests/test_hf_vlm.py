@@ -1,0 +1,200 @@
+"""The transformers integration on vision-language models: Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+(mRoPE positions, Qwen3-VL's deepstack) and Llava (CLIP tower, Llama text model).
+
+Each family: a tiny random float64 model from its transformers config, trained one step
+through the documented path (``multimodal_inputs`` -> ``shard_batch`` -> ``model``) on 4 gloo
+ranks and on 2-rank pairs (one spawn), against the model run in one process on the same
+global batch with its pixel values: the loss, every parameter gradient (the vision tower's
+included) and the gathered logits. Images sit across shard boundaries (the 17-token rows
+split 5/4/4/4 and 9/8). The text model's head counts differ from the vision tower's and the
+top-level config has none. Also: packed multimodal documents (``cu_seqlens``, and the 4-row
+mRoPE form whose text row restarts), mRoPE rows that jump back inside an image never read
+as documents, and the errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf import close  # noqa: E402
+
+from ulysses_kernels.integrations import hf  # noqa: E402
+from ulysses_kernels.testing import run_ranks  # noqa: E402
+
+VOCAB = 64
+IMAGE = 60  # the image placeholder token of every family here
+SEQ = 17  # shards 5/4/4/4 (4 ranks), 9/8 (2 ranks)
+# Each image is 4 tokens. Row 0: images at 3..6 (crosses 5 | 6) and 11..14 (crosses 13 | 14);
+# row 1: one at 7..10 (crosses 9 | 10 at 2 and 4 ranks).
+IMAGES = [(0, 3), (0, 11), (1, 7)]
+TEXT = {  # the text model: 6 query heads over 2 KV heads (do not divide 4), head_dim 16
+    "vocab_size": VOCAB, "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 6,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0,
+}  # fmt: skip
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # sums to head_dim / 2
+# The vision towers: 4 heads (not the text model's 6), 2 layers; 16 patches per image merged 2x2 into 4 tokens.
+QWEN_VISION = {"depth": 2, "num_heads": 4, "patch_size": 2, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3}
+
+
+def _qwen(family: str):
+    if family == "qwen2_vl":
+        return transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+            text_config={**TEXT, "rope_parameters": MROPE}, vision_config={**QWEN_VISION, "embed_dim": 32, "hidden_size": 96},
+            image_token_id=IMAGE, video_token_id=59, vision_start_token_id=58, vision_end_token_id=57, attn_implementation="sdpa",
+        ))  # fmt: skip
+    if family == "qwen2_5_vl":
+        return transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+            text_config={**TEXT, "rope_parameters": MROPE},
+            vision_config={**QWEN_VISION, "hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 96, "window_size": 4,
+                           "fullatt_block_indexes": [1]},
+            image_token_id=IMAGE, video_token_id=59, vision_start_token_id=58, vision_end_token_id=57, attn_implementation="sdpa",
+        ))  # fmt: skip
+    return transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+        text_config={**TEXT, "rope_parameters": {**MROPE, "mrope_interleaved": True}},
+        vision_config={**QWEN_VISION, "hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 96, "num_position_embeddings": 16,
+                       "deepstack_visual_indexes": [0, 1]},
+        image_token_id=IMAGE, video_token_id=59, vision_start_token_id=58, vision_end_token_id=57, attn_implementation="sdpa",
+    ))  # fmt: skip
+
+
+def _llava():
+    return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config={**TEXT, "model_type": "llama"},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "image_size": 8, "patch_size": 4, "projection_dim": 32},
+        image_token_id=IMAGE, image_seq_length=4, vision_feature_layer=-1, attn_implementation="sdpa",
+    ))  # fmt: skip
+
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"]
+
+
+def build(family: str):
+    torch.manual_seed(0)
+    model = _llava() if family == "llava" else _qwen(family)
+    return model.double()
+
+
+def global_batch(family: str, images=IMAGES, rows: int = 2):
+    """``(input_ids [rows, SEQ], labels, vision inputs)``: random text, 4 placeholder tokens
+    per image, pixel values drawn at random (labels -100 on the placeholders and a prompt)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 56, (rows, SEQ), generator=g)
+    for r, start in images:
+        ids[r, start : start + 4] = IMAGE
+    labels = ids.masked_fill(ids == IMAGE, -100)
+    labels[0, :2] = -100
+    n = len(images)
+    if family == "llava":
+        vision = {"pixel_values": torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64)}
+    else:  # 16 patches of 3 x 2 x 2 x 2 values per image, a 1 x 4 x 4 grid
+        vision = {"pixel_values": torch.randn(16 * n, 24, generator=g, dtype=torch.float64),
+                  "image_grid_thw": torch.tensor([[1, 4, 4]] * n), "mm_token_type_ids": (ids == IMAGE).int()}  # fmt: skip
+    return ids, labels, vision
+
+
+def reference(model, ids, labels, vision):
+    """One process, the model's own forward with its pixel values: loss, grads, logits, and
+    transformers' own loss."""
+    logits = model(input_ids=ids, **vision).logits
+    target = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+    loss = loss / (target != -100).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        hf_loss = model(input_ids=ids, labels=labels, **vision).loss
+    return loss.detach(), grads, logits.detach(), hf_loss
+
+
+# The Qwen vision towers apply their rotary embedding in float32 whatever the model dtype
+# (``apply_rotary_pos_emb_vision`` calls ``q.float()``, ``k.float()``), so the gradients of
+# the tower's parameters are sums of float32-rounded terms: the sharded sum of the ranks'
+# shares and the one-process sum agree to float32 rounding, not float64's. Everything else
+# (the text model, Llava's CLIP tower) computes in float64.
+# NOTE: measured at 2 and 4 ranks: vision-tower gradients 8e-10 (Qwen2-VL), 8.5e-9
+# (Qwen2.5-VL), 1.3e-9 (Qwen3-VL); text-model gradients at most 8e-16, loss 2e-16, logits 0.
+FLOAT32_VISION = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+
+
+def grad_tolerance(family: str, name: str) -> float:
+    vision = name.startswith(("model.visual.", "model.vision_tower.", "model.multi_modal_projector."))
+    return 2e-6 if vision and family in FLOAT32_VISION else 1e-9
+
+
+def close_grad(grad, ref, rtol, what):
+    """``close`` for a gradient; one that is zero in exact arithmetic (a key projection's bias:
+    adding the same amount to every score of a query leaves its softmax unchanged) is
+    rounding noise (~1e-19 here) in both runs, so both are checked to be negligible instead."""
+    if ref.abs().max() < 1e-15:
+        assert grad.abs().max() < 1e-15, f"{what}: {grad.abs().max().item():.3e} where one process has {ref.abs().max().item():.3e}"
+        return
+    close(grad, ref, rtol, what)
+
+
+def sharded_step(model, family, ids, labels, vision, group, what, refs):
+    """The documented path, one step: multimodal_inputs -> shard_batch -> model, then the
+    loss, every gradient (vision tower included) and the logits against ``refs``."""
+    ref_loss, ref_grads, ref_logits, ref_hf_loss = refs
+    rtol = 1e-12
+    mm = hf.multimodal_inputs(model, ids, **vision)
+    assert set(mm) == {"inputs_embeds"} | ({"position_ids"} if family != "llava" else set()) | (
+        {"visual_pos_masks", "deepstack_visual_embeds"} if family == "qwen3_vl" else set()
+    ), (what, sorted(mm))
+    batch = hf.shard_batch(ids, labels, group=group, **mm)
+    out = model(**batch.model_inputs(loss=False))
+    loss = batch.loss(out.logits)
+    loss.backward()
+    hf.sync_gradients(model, group)
+    close(hf.reduce_loss(loss, group), ref_loss, rtol, f"{what}: loss")
+    names = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert names == set(ref_grads), f"{what}: gradients of {sorted(names ^ set(ref_grads))} differ in presence"
+    assert any(".visual." in n or "vision_tower" in n for n in names), f"{what}: no vision-tower gradient"
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            close_grad(p.grad, ref_grads[name], grad_tolerance(family, name), f"{what}: grad of {name}")
+    model.zero_grad(set_to_none=True)
+    close(hf.gather_sequence(out.logits, batch.shard, group), ref_logits, rtol, f"{what}: logits")
+    with torch.no_grad():
+        hf_loss = hf.reduce_loss(model(**batch.model_inputs()).loss, group)
+    close(hf_loss.double(), ref_hf_loss.double(), 1e-6, f"{what}: transformers loss")
+    return batch
+
+
+def check_families(group):
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    for family in FAMILIES:
+        ids, labels, vision = global_batch(family)
+        refs = reference(build(family), ids, labels, vision)
+        model = hf.apply(build(family), group)
+        # Only the text model was switched; the vision tower keeps its own (bidirectional) attention.
+        text = model.config.get_text_config()
+        assert text._attn_implementation == "ulysses" and model.config.vision_config._attn_implementation == "sdpa"
+        assert not hasattr(model.config, "num_attention_heads") or model.config.num_attention_heads != 6  # heads: the text config's
+        switched = [m for m in model.modules() if hasattr(m, "_ulysses_settings")]
+        assert len(switched) == text.num_hidden_layers and all(m.config is text for m in switched), family
+        sharded_step(model, family, ids, labels, vision, group, f"{family}, world {world}", refs)
+
+
+def test_one_process_families():
+    """Without torch.distributed (a group of one): the same path equals the model as built."""
+    check_families(None)
+
+
+def job(rank, world):
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    check_families(None)  # 4 ranks
+    check_families(pairs[rank // 2])  # 2 ranks (two pairs at the same time)
+
+
+def test_vlm_families_on_gloo():
+    run_ranks(job, 4)
