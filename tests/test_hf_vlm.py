@@ -79,11 +79,11 @@ def build(family: str):
     return model.double()
 
 
-def global_batch(family: str, images=IMAGES, rows: int = 2):
-    """``(input_ids [rows, SEQ], labels, vision inputs)``: random text, 4 placeholder tokens
+def global_batch(family: str, images=IMAGES, rows: int = 2, seq: int = SEQ):
+    """``(input_ids [rows, seq], labels, vision inputs)``: random text, 4 placeholder tokens
     per image, pixel values drawn at random (labels -100 on the placeholders and a prompt)."""
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 56, (rows, SEQ), generator=g)
+    ids = torch.randint(3, 56, (rows, seq), generator=g)
     for r, start in images:
         ids[r, start : start + 4] = IMAGE
     labels = ids.masked_fill(ids == IMAGE, -100)
@@ -147,6 +147,11 @@ def sharded_step(model, family, ids, labels, vision, group, what, refs):
         {"visual_pos_masks", "deepstack_visual_embeds"} if family == "qwen3_vl" else set()
     ), (what, sorted(mm))
     batch = hf.shard_batch(ids, labels, group=group, **mm)
+    if "position_ids" in mm and mm["position_ids"].shape[0] == 3:
+        # The t/h/w rows jump back inside an image (what verl PR #7137 misread as documents) ...
+        assert bool((mm["position_ids"].diff(dim=-1) < 0).any()), what
+        # ... and stay one sequence per row here.
+        assert batch.shard.documents is None, what
     out = model(**batch.model_inputs(loss=False))
     loss = batch.loss(out.logits)
     loss.backward()
@@ -183,9 +188,182 @@ def check_families(group):
         sharded_step(model, family, ids, labels, vision, group, f"{family}, world {world}", refs)
 
 
+# Packed documents (batch 1): [0, 14) with images at 5..8 and 10..13, [14, 16) text only, [16, 25)
+# with an image at 18..21; shards 7/6/6/6 (4 ranks) and 13/12 (2 ranks), so images cross 7, 13 and 19.
+DOCS = [0, 14, 16, 25]
+PACKED_IMAGES = [(0, 5), (0, 10), (0, 18)]
+
+
+def packed_positions(model, family, ids, vision):
+    """A packed batch's positions, as a collator that packs processed samples makes them:
+    each document's own (Qwen: its mRoPE positions from ``get_rope_index`` over the document
+    alone, after a text row 0, 1, ... : the 4-row form transformers takes for packed inputs;
+    Llava: 0, 1, ... per document)."""
+    rows = []
+    image = 0
+    for a, b in zip(DOCS[:-1], DOCS[1:]):
+        n = int((ids[0, a:b] == IMAGE).sum()) // 4
+        text = torch.arange(b - a).view(1, 1, -1)
+        if family == "llava":
+            rows.append(text[0])
+        elif n == 0:
+            rows.append(text.expand(4, 1, -1))
+        else:
+            grids = vision["image_grid_thw"][image : image + n]
+            mrope, _ = model.model.get_rope_index(ids[:, a:b], vision["mm_token_type_ids"][:, a:b], grids)
+            rows.append(torch.cat([text, mrope]))
+        image += n
+    return torch.cat(rows, dim=-1)
+
+
+def per_document(vision, family, ids):
+    """The vision inputs of each document of the packed batch, in document order."""
+    out, image = [], 0
+    for a, b in zip(DOCS[:-1], DOCS[1:]):
+        n = int((ids[0, a:b] == IMAGE).sum()) // 4
+        if family == "llava":
+            doc = {"pixel_values": vision["pixel_values"][image : image + n]} if n else {}
+        else:
+            doc = {"pixel_values": vision["pixel_values"][16 * image : 16 * (image + n)],
+                   "image_grid_thw": vision["image_grid_thw"][image : image + n],
+                   "mm_token_type_ids": vision["mm_token_type_ids"][:, a:b]} if n else {}  # fmt: skip
+        out.append(doc)
+        image += n
+    return out
+
+
+def packed_reference(model, family, ids, labels, vision):
+    """One process, each document on its own with its images: the mean loss over every
+    document's targets, the gradients and the logits (joined)."""
+    count = sum(int((labels[0, a + 1 : b] != -100).sum()) for a, b in zip(DOCS[:-1], DOCS[1:]))
+    total, logits = 0.0, []
+    for (a, b), doc in zip(zip(DOCS[:-1], DOCS[1:]), per_document(vision, family, ids)):
+        out = model(input_ids=ids[:, a:b], **doc).logits
+        loss = torch.nn.functional.cross_entropy(out[0, :-1], labels[0, a + 1 : b], ignore_index=-100, reduction="sum") / count
+        loss.backward()
+        total += loss.detach()
+        logits.append(out.detach())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return total, grads, torch.cat(logits, dim=1)
+
+
+def check_packed(group):
+    """Packed multimodal documents: documents from the text row of 4-row mRoPE positions (or
+    Llava's restarting positions), and from ``cu_seqlens`` with the 3 mRoPE rows; loss, every
+    gradient and the logits equal each document run on its own."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    for family in FAMILIES:
+        ids, labels, vision = global_batch(family, PACKED_IMAGES, rows=1, seq=DOCS[-1])
+        ref_loss, ref_grads, ref_logits = packed_reference(build(family), family, ids, labels, vision)
+        model = hf.apply(build(family), group)
+        positions = packed_positions(model, family, ids, vision)
+        forms = [("positions", {})] + ([] if family == "llava" else [("cu_seqlens, 3 mRoPE rows", {"cu_seqlens": DOCS})])
+        for by, extra in forms:
+            what = f"packed {family}, world {world}, documents from {by}"
+            mm = hf.multimodal_inputs(model, ids, position_ids=positions, **vision)
+            if extra:
+                mm["position_ids"] = mm["position_ids"][1:]
+            batch = hf.shard_batch(ids, labels, group=group, **mm, **extra)
+            assert list(batch.shard.documents.cu_seqlens) == DOCS, what
+            out = model(**batch.model_inputs(loss=False))
+            loss = batch.loss(out.logits)
+            loss.backward()
+            hf.sync_gradients(model, group)
+            close(hf.reduce_loss(loss, group), ref_loss, 1e-12, f"{what}: loss")
+            close(hf.gather_sequence(out.logits, batch.shard, group), ref_logits, 1e-12, f"{what}: logits")
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    close_grad(p.grad, ref_grads[name], grad_tolerance(family, name), f"{what}: grad of {name}")
+            model.zero_grad(set_to_none=True)
+
+
+def _raises(match, fn, *args, **kwargs):
+    with pytest.raises(hf.HFIntegrationError, match=match):
+        fn(*args, **kwargs)
+
+
+def build_gemma3():
+    """Gemma 3 (SigLIP tower): its image tokens attend to each other both ways (``token_type_ids``)."""
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config={**TEXT, "query_pre_attn_scalar": 16, "sliding_window": 4},
+        vision_config={"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 8,
+                       "patch_size": 4},
+        mm_tokens_per_image=4, image_token_id=IMAGE, boi_token_id=58, eoi_token_id=57, attn_implementation="sdpa",
+    )).double()  # fmt: skip
+
+
+def check_errors(rank, world):
+    """Bad use raises the same clear error on every rank (each before any collective, or
+    after the one batch check)."""
+    ids, labels, vision = global_batch("qwen2_vl")
+    model = hf.apply(build("qwen2_vl"))
+    mm = hf.multimodal_inputs(model, ids, **vision)
+    batch = hf.shard_batch(ids, labels, **mm)
+    # Pixels with a sharded batch: the vision tower must run before sharding.
+    _raises(r"\['image_grid_thw', 'pixel_values'\]|\['pixel_values'\] given with a sharded batch", model, **batch.model_inputs(), **vision)
+    if world > 1:
+        # Sharded embeddings without the global positions: the text model would count from 0 on each rank.
+        _raises("without position_ids", model, inputs_embeds=batch.inputs_embeds, ulysses_shard=batch.shard)
+    # Qwen3-VL's deepstack inputs given to a model that takes none.
+    ds = hf.multimodal_inputs(qwen3 := hf.apply(build("qwen3_vl")), ids, **vision)
+    wrong = hf.shard_batch(ids, labels, **{**mm, "visual_pos_masks": ds["visual_pos_masks"], "deepstack_visual_embeds": ds["deepstack_visual_embeds"]})
+    _raises("takes no 'visual_pos_masks'", model, **wrong.model_inputs())
+    _raises("go together", hf.shard_batch, ids, labels, inputs_embeds=ds["inputs_embeds"], visual_pos_masks=ds["visual_pos_masks"])
+    _raises(r"deepstack_visual_embeds\[0\] expected \[12 ", hf.shard_batch, ids, labels, inputs_embeds=ds["inputs_embeds"],
+            visual_pos_masks=ds["visual_pos_masks"], deepstack_visual_embeds=[e[:-1] for e in ds["deepstack_visual_embeds"]])  # fmt: skip
+    del qwen3
+    # Shapes.
+    pos = mm["position_ids"]
+    _raises(r"mRoPE\) position_ids expected \[3 or 4, 2 or 1, 17\]", hf.shard_batch, ids, labels, position_ids=pos[:2])
+    _raises(r"inputs_embeds expected \[2, 17, hidden\]", hf.shard_batch, ids, labels, inputs_embeds=mm["inputs_embeds"][:, :-1])
+    _raises("may be None only with inputs_embeds and labels", hf.shard_batch, None, inputs_embeds=mm["inputs_embeds"])
+    # 4-row positions: a text row that restarts means packed documents, which are batch 1.
+    restarting = torch.cat([torch.arange(5), torch.arange(SEQ - 5)]).view(1, 1, SEQ).expand(1, 2, SEQ)
+    _raises("need batch 1", hf.shard_batch, ids, labels, position_ids=torch.cat([restarting, pos]))
+    # A text-only model has no vision part to run.
+    _raises("no separate text model", hf.multimodal_inputs, hf.apply(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEXT))), ids)
+    # Gemma 3's image tokens attend both ways inside an image: a mask the sequence-parallel
+    # attention cannot rebuild, refused when the batch is prepared.
+    gemma = hf.apply(build_gemma3())
+    pixels = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    _raises("cannot rebuild", hf.multimodal_inputs, gemma, ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long())
+    if world > 1:
+        # Ranks given other mRoPE positions for the same tokens: caught by the batch check.
+        other = pos.clone()
+        other[1:, :, 4] += rank
+        _raises("different batches", hf.shard_batch, ids, labels, inputs_embeds=mm["inputs_embeds"], position_ids=other)
+
+
+def test_features_change_the_model():
+    """What the path relies on matters far beyond the tolerances: the mRoPE positions (1-D
+    positions instead) and Qwen3-VL's deepstack rows (left out)."""
+    ids, labels, vision = global_batch("qwen3_vl")
+    with torch.no_grad():
+        ref = build("qwen3_vl")(input_ids=ids, **vision).logits
+        model = hf.apply(build("qwen3_vl"))
+        mm = hf.multimodal_inputs(model, ids, **vision)
+        plain = hf.shard_batch(ids, labels, inputs_embeds=mm["inputs_embeds"], visual_pos_masks=mm["visual_pos_masks"],
+                               deepstack_visual_embeds=mm["deepstack_visual_embeds"])  # fmt: skip
+        no_deepstack = hf.shard_batch(ids, labels, inputs_embeds=mm["inputs_embeds"], position_ids=mm["position_ids"])
+        full = hf.shard_batch(ids, labels, **mm)
+        for batch, what in ((plain, "1-D positions"), (no_deepstack, "no deepstack")):
+            err = ((model(**batch.model_inputs(loss=False)).logits - ref).abs().max() / ref.abs().max()).item()
+            assert err > 1e-6, f"{what}: {err:.2e}"
+        close(model(**full.model_inputs(loss=False)).logits, ref, 1e-12, "logits")
+
+
+def test_errors_one_process():
+    check_errors(0, 1)
+
+
 def test_one_process_families():
     """Without torch.distributed (a group of one): the same path equals the model as built."""
     check_families(None)
+    check_packed(None)
 
 
 def job(rank, world):
@@ -194,6 +372,9 @@ def job(rank, world):
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
     check_families(None)  # 4 ranks
     check_families(pairs[rank // 2])  # 2 ranks (two pairs at the same time)
+    check_packed(None)
+    check_packed(pairs[rank // 2])
+    check_errors(rank, world)
 
 
 def test_vlm_families_on_gloo():

@@ -359,7 +359,7 @@ def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tup
     if input_ids.shape[0] != 1:
         raise HFIntegrationError(
             f"shard_batch: packed documents (cu_seqlens, or position_ids that restart) need batch 1 (documents end to end), "
-            f"got input_ids of shape {list(input_ids.shape)}"
+            f"got a batch (input_ids, labels) of shape {list(input_ids.shape)}"
         )
     if cu_seqlens is None:
         pos = position_ids.reshape(-1)

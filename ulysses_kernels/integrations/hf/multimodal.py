@@ -21,9 +21,9 @@ What ``apply`` adds for such a model (``prepare``): only the text model's attent
 switched (the vision tower's bidirectional attention keeps its implementation and runs on
 whole images), a pre-hook on the text model hands it the rank's deepstack rows
 (``SequenceShard.text_inputs``; Qwen3-VL's model passes them itself, so they cannot travel as
-keywords of the top-level forward) and refuses a sharded call without global positions, and
-a pre-hook on the top-level model refuses pixel inputs on a sharded call (the vision tower
-must run before sharding, on the whole images).
+keywords of the top-level forward), and a pre-hook on the top-level model refuses pixel
+inputs on a sharded call (the vision tower must run before sharding, on the whole images)
+and a sharded call without global positions.
 """
 
 from __future__ import annotations
@@ -147,14 +147,7 @@ def prepare(model) -> None:
 
     def hand_over(module, args, kwargs):
         shard = kwargs.get(_SHARD_KWARG)
-        if not isinstance(shard, SequenceShard):
-            return None  # the attention call explains a missing shard
-        if shard.world_size > 1 and kwargs.get("position_ids") is None:
-            raise HFIntegrationError(
-                f"{name}: a sharded call reached the text model without position_ids, so it would number this rank's tokens "
-                "from 0; pass the global positions (shard_batch(...).model_inputs() does)"
-            )
-        if not shard.text_inputs:
+        if not isinstance(shard, SequenceShard) or not shard.text_inputs:
             return None
         for key in shard.text_inputs:
             if key not in params:
@@ -164,8 +157,16 @@ def prepare(model) -> None:
         return args, {**kwargs, **shard.text_inputs}
 
     def refuse_pixels(module, args, kwargs):
-        if not isinstance(kwargs.get(_SHARD_KWARG), SequenceShard):
-            return None
+        shard = kwargs.get(_SHARD_KWARG)
+        if not isinstance(shard, SequenceShard):
+            return None  # the attention call explains a missing shard
+        if shard.world_size > 1 and kwargs.get("position_ids") is None:
+            # Qwen2-VL & co. would number this rank's tokens from 0 (plus the mRoPE offset
+            # kept from the last full batch, model.rope_deltas): wrong positions, silently.
+            raise HFIntegrationError(
+                f"{type(module).__name__}: a sharded call without position_ids, so the model would number this rank's "
+                "tokens from 0; pass the global positions (shard_batch(...).model_inputs() does)"
+            )
         given = sorted(k for k, v in kwargs.items() if v is not None and (k.startswith("pixel_values") or k == "mm_encoder_outputs"))
         if given:
             raise HFIntegrationError(
