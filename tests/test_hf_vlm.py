@@ -1,5 +1,6 @@
 """The transformers integration on vision-language models: Qwen2-VL, Qwen2.5-VL, Qwen3-VL
-(mRoPE positions, Qwen3-VL's deepstack) and Llava (CLIP tower, Llama text model).
+(mRoPE positions, Qwen3-VL's deepstack), Llava (CLIP tower, Llama text model) and Mistral3
+(Pixtral tower, Mistral text model).
 
 Each family: a tiny random float64 model from its transformers config, trained one step
 through the documented path (``multimodal_inputs`` -> ``shard_batch`` -> ``model``) on 4 gloo
@@ -70,12 +71,23 @@ def _llava():
     ))  # fmt: skip
 
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"]
+def _mistral3():
+    # Pixtral tower: 8 x 8 images in 2 x 2 patches (16), merged 2 x 2 into 4 tokens.
+    return transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config={**TEXT, "model_type": "mistral"},
+        vision_config={"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "head_dim": 8, "image_size": 8, "patch_size": 2},
+        image_token_index=IMAGE, spatial_merge_size=2, attn_implementation="sdpa",
+    ))  # fmt: skip
+
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "mistral3"]
+PIXELS_4D = {"llava", "mistral3"}  # pixel_values [images, 3, 8, 8]; the Qwen families take patch rows
 
 
 def build(family: str):
     torch.manual_seed(0)
-    model = _llava() if family == "llava" else _qwen(family)
+    model = {"llava": _llava, "mistral3": _mistral3}.get(family, lambda: _qwen(family))()
     return model.double()
 
 
@@ -89,8 +101,10 @@ def global_batch(family: str, images=IMAGES, rows: int = 2, seq: int = SEQ):
     labels = ids.masked_fill(ids == IMAGE, -100)
     labels[0, :2] = -100
     n = len(images)
-    if family == "llava":
+    if family in PIXELS_4D:
         vision = {"pixel_values": torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64)}
+        if family == "mistral3":
+            vision["image_sizes"] = torch.tensor([[8, 8]] * n)
     else:  # 16 patches of 3 x 2 x 2 x 2 values per image, a 1 x 4 x 4 grid
         vision = {"pixel_values": torch.randn(16 * n, 24, generator=g, dtype=torch.float64),
                   "image_grid_thw": torch.tensor([[1, 4, 4]] * n), "mm_token_type_ids": (ids == IMAGE).int()}  # fmt: skip
@@ -112,14 +126,16 @@ def reference(model, ids, labels, vision):
     return loss.detach(), grads, logits.detach(), hf_loss
 
 
-# The Qwen vision towers apply their rotary embedding in float32 whatever the model dtype
-# (``apply_rotary_pos_emb_vision`` calls ``q.float()``, ``k.float()``), so the gradients of
-# the tower's parameters are sums of float32-rounded terms: the sharded sum of the ranks'
-# shares and the one-process sum agree to float32 rounding, not float64's. Everything else
-# (the text model, Llava's CLIP tower) computes in float64.
-# NOTE: measured at 2 and 4 ranks: vision-tower gradients 8e-10 (Qwen2-VL), 8.5e-9
-# (Qwen2.5-VL), 1.3e-9 (Qwen3-VL); text-model gradients at most 8e-16, loss 2e-16, logits 0.
-FLOAT32_VISION = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+# Vision towers that compute in float32 whatever the model dtype: the Qwen towers apply their
+# rotary embedding in float32 (``apply_rotary_pos_emb_vision`` calls ``q.float()``,
+# ``k.float()``), Pixtral's and Mistral3's projector RMSNorms normalise in float32. The
+# gradients of those towers' parameters are then sums of float32-rounded terms: the sharded
+# sum of the ranks' shares and the one-process sum agree to float32 rounding, not float64's.
+# Everything else (every text model, Llava's CLIP tower) computes in float64.
+# NOTE: measured at 2 and 4 ranks, plain and packed: vision-tower gradients up to 8.9e-10
+# (Qwen2-VL), 9.7e-9 (Qwen2.5-VL), 1.3e-9 (Qwen3-VL), 9.3e-8 (Mistral3), 6.5e-16 (Llava);
+# text-model gradients at most 8e-16, loss 2e-16, logits 0.
+FLOAT32_VISION = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3"}
 
 
 def grad_tolerance(family: str, name: str) -> float:
@@ -143,7 +159,7 @@ def sharded_step(model, family, ids, labels, vision, group, what, refs):
     ref_loss, ref_grads, ref_logits, ref_hf_loss = refs
     rtol = 1e-12
     mm = hf.multimodal_inputs(model, ids, **vision)
-    assert set(mm) == {"inputs_embeds"} | ({"position_ids"} if family != "llava" else set()) | (
+    assert set(mm) == {"inputs_embeds"} | ({"position_ids"} if family not in PIXELS_4D else set()) | (
         {"visual_pos_masks", "deepstack_visual_embeds"} if family == "qwen3_vl" else set()
     ), (what, sorted(mm))
     batch = hf.shard_batch(ids, labels, group=group, **mm)
@@ -204,7 +220,7 @@ def packed_positions(model, family, ids, vision):
     for a, b in zip(DOCS[:-1], DOCS[1:]):
         n = int((ids[0, a:b] == IMAGE).sum()) // 4
         text = torch.arange(b - a).view(1, 1, -1)
-        if family == "llava":
+        if family in PIXELS_4D:
             rows.append(text[0])
         elif n == 0:
             rows.append(text.expand(4, 1, -1))
@@ -221,8 +237,8 @@ def per_document(vision, family, ids):
     out, image = [], 0
     for a, b in zip(DOCS[:-1], DOCS[1:]):
         n = int((ids[0, a:b] == IMAGE).sum()) // 4
-        if family == "llava":
-            doc = {"pixel_values": vision["pixel_values"][image : image + n]} if n else {}
+        if family in PIXELS_4D:
+            doc = {k: v[image : image + n] for k, v in vision.items()} if n else {}
         else:
             doc = {"pixel_values": vision["pixel_values"][16 * image : 16 * (image + n)],
                    "image_grid_thw": vision["image_grid_thw"][image : image + n],
@@ -260,7 +276,7 @@ def check_packed(group):
         ref_loss, ref_grads, ref_logits = packed_reference(build(family), family, ids, labels, vision)
         model = hf.apply(build(family), group)
         positions = packed_positions(model, family, ids, vision)
-        forms = [("positions", {})] + ([] if family == "llava" else [("cu_seqlens, 3 mRoPE rows", {"cu_seqlens": DOCS})])
+        forms = [("positions", {})] + ([] if family in PIXELS_4D else [("cu_seqlens, 3 mRoPE rows", {"cu_seqlens": DOCS})])
         for by, extra in forms:
             what = f"packed {family}, world {world}, documents from {by}"
             mm = hf.multimodal_inputs(model, ids, position_ids=positions, **vision)
