@@ -153,7 +153,7 @@ def close_grad(grad, ref, rtol, what):
     close(grad, ref, rtol, what)
 
 
-def sharded_step(model, family, ids, labels, vision, group, what, refs):
+def sharded_step(model, family, ids, labels, vision, group, what, refs, pad=False):
     """The documented path, one step: multimodal_inputs -> shard_batch -> model, then the
     loss, every gradient (vision tower included) and the logits against ``refs``."""
     ref_loss, ref_grads, ref_logits, ref_hf_loss = refs
@@ -162,7 +162,7 @@ def sharded_step(model, family, ids, labels, vision, group, what, refs):
     assert set(mm) == {"inputs_embeds"} | ({"position_ids"} if family not in PIXELS_4D else set()) | (
         {"visual_pos_masks", "deepstack_visual_embeds"} if family == "qwen3_vl" else set()
     ), (what, sorted(mm))
-    batch = hf.shard_batch(ids, labels, group=group, **mm)
+    batch = hf.shard_batch(ids, labels, group=group, pad=pad, **mm)
     if "position_ids" in mm and mm["position_ids"].shape[0] == 3:
         # The t/h/w rows jump back inside an image (what verl PR #7137 misread as documents) ...
         assert bool((mm["position_ids"].diff(dim=-1) < 0).any()), what
@@ -203,7 +203,8 @@ def check_families(group):
         assert not hasattr(model.config, "num_attention_heads") or model.config.num_attention_heads != 6  # heads: the text config's
         switched = [m for m in model.modules() if hasattr(m, "_ulysses_settings")]
         assert len(switched) == text.num_hidden_layers and all(m.config is text for m in switched), family
-        sharded_step(model, family, ids, labels, vision, group, f"{family}, world {world}", refs)
+        for pad in (False, True):  # uneven shards (5/4/4/4, 9/8), or padded to 5 x 4, 9 x 2 (embeddings 0, positions continuing)
+            sharded_step(model, family, ids, labels, vision, group, f"{family}, world {world}, pad={pad}", refs, pad)
 
 
 # Packed documents (batch 1): [0, 14) with images at 5..8 and 10..13, [14, 16) text only, [16, 25)
