@@ -83,6 +83,7 @@ def _mistral3():
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "mistral3"]
 PIXELS_4D = {"llava", "mistral3"}  # pixel_values [images, 3, 8, 8]; the Qwen families take patch rows
+SPLIT = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}  # multimodal_inputs(vision="split"): towers that take image_grid_thw
 
 
 def build(family: str):
@@ -153,12 +154,12 @@ def close_grad(grad, ref, rtol, what):
     close(grad, ref, rtol, what)
 
 
-def sharded_step(model, family, ids, labels, vision, group, what, refs, pad=False):
+def sharded_step(model, family, ids, labels, vision, group, what, refs, pad=False, split=False):
     """The documented path, one step: multimodal_inputs -> shard_batch -> model, then the
     loss, every gradient (vision tower included) and the logits against ``refs``."""
     ref_loss, ref_grads, ref_logits, ref_hf_loss = refs
     rtol = 1e-12
-    mm = hf.multimodal_inputs(model, ids, **vision)
+    mm = hf.multimodal_inputs(model, ids, vision="split" if split else "replicated", group=group, **vision)
     assert set(mm) == {"inputs_embeds"} | ({"position_ids"} if family not in PIXELS_4D else set()) | (
         {"visual_pos_masks", "deepstack_visual_embeds"} if family == "qwen3_vl" else set()
     ), (what, sorted(mm))
@@ -205,6 +206,8 @@ def check_families(group):
         assert len(switched) == text.num_hidden_layers and all(m.config is text for m in switched), family
         for pad in (False, True):  # uneven shards (5/4/4/4, 9/8), or padded to 5 x 4, 9 x 2 (embeddings 0, positions continuing)
             sharded_step(model, family, ids, labels, vision, group, f"{family}, world {world}, pad={pad}", refs, pad)
+        if family in SPLIT:  # each rank encodes some of the 3 images (4 ranks: one has none)
+            sharded_step(model, family, ids, labels, vision, group, f"{family}, world {world}, vision split", refs, split=True)
 
 
 # Packed documents (batch 1): [0, 14) with images at 5..8 and 10..13, [14, 16) text only, [16, 25)

@@ -31,8 +31,9 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 
-from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
+from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard, _process_group, _rank_world
 
 __all__ = ["multimodal_inputs"]
 
@@ -73,7 +74,7 @@ def text_config_key(model) -> str:
     raise HFIntegrationError(f"{type(model.config).__name__}: its text config is not one of its sub_configs {list(model.config.sub_configs)}")
 
 
-def multimodal_inputs(model, input_ids: torch.Tensor, **inputs) -> dict:
+def multimodal_inputs(model, input_ids: torch.Tensor, *, vision: str = "replicated", group=None, **inputs) -> dict:
     """What a vision-language model's text model receives for one global batch, for ``shard_batch``.
 
     Runs ``model`` (applied or not) on the *global* batch up to its text model, on every
@@ -85,15 +86,23 @@ def multimodal_inputs(model, input_ids: torch.Tensor, **inputs) -> dict:
     (``visual_pos_masks``, ``deepstack_visual_embeds``). The tensors keep their autograd
     graph, so the backward of each rank's loss share reaches the vision tower.
 
-    The vision tower is replicated: every rank of the group encodes every image of the
+    ``vision="replicated"`` (default): every rank of the group encodes every image of the
     batch (its compute and activation memory, and the global ``[batch, seq, hidden]``
     embeddings until the backward, are those of one process, on every rank); each rank then
-    keeps its slice. Images are not split, so the tower's attention over an image is the
-    model's own.
+    keeps its slice. ``vision="split"`` (the Qwen-VL families: a tower that takes
+    ``image_grid_thw``): the images are dealt out over the ranks of ``group`` (whole images,
+    the most patches first to the least loaded rank), each rank encodes its own, and one
+    differentiable all-gather of the features (and Qwen3-VL's deepstack features) gives
+    every rank all of them, which the model then merges as it merges precomputed features
+    (``mm_encoder_outputs``); the backward sums the features' gradients over the group and
+    each rank's tower gets its images' share. Collective: call it on every rank. Either way
+    an image is encoded whole, so the tower's attention over it is the model's own.
 
     Args:
         model: a transformers vision-language model (``...ForConditionalGeneration``).
         input_ids: ``[batch, seq]`` global token ids with the image placeholders.
+        vision: ``"replicated"`` or ``"split"`` (above).
+        group: the sequence-parallel group, for ``vision="split"`` (the one given to ``apply``).
         inputs: what the processor returned for the batch besides ``input_ids`` and
             ``attention_mask`` (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``,
             ``pixel_values_videos``, ``video_grid_thw``, ``image_sizes``, ...).
@@ -108,6 +117,11 @@ def multimodal_inputs(model, input_ids: torch.Tensor, **inputs) -> dict:
         raise HFIntegrationError("multimodal_inputs: takes the global batch, not shard_batch's model inputs")
     if inputs.get("attention_mask") is not None and not bool(inputs["attention_mask"].all()):
         raise HFIntegrationError("multimodal_inputs: a padding attention_mask with masked tokens is not supported; set padded labels to -100")
+    if vision not in ("replicated", "split"):
+        raise HFIntegrationError(f"multimodal_inputs: vision expected 'replicated' or 'split', got {vision!r}")
+    if vision == "split" and inputs.get("pixel_values") is not None:
+        pixels = inputs.pop("pixel_values")
+        inputs["mm_encoder_outputs"] = {"image": _split_images(model, group, pixels, inputs.get("image_grid_thw"))}
     captured: dict = {}
     params = inspect.signature(texts.forward)
 
@@ -177,3 +191,89 @@ def prepare(model) -> None:
 
     handles = (texts.register_forward_pre_hook(hand_over, with_kwargs=True), model.register_forward_pre_hook(refuse_pixels, with_kwargs=True))
     object.__setattr__(texts, _HOOKS_ATTR, handles)
+
+
+class _ImageFeatures:
+    """Precomputed image features as the Qwen-VL models read ``mm_encoder_outputs["image"]``:
+    ``pooler_output`` (one ``[tokens, hidden]`` tensor per image, in image order) and, for
+    Qwen3-VL, ``deepstack_features`` (per deepstack layer, the same per image)."""
+
+    def __init__(self, pooler_output: tuple, deepstack_features: list | None):
+        self.pooler_output = pooler_output
+        self.deepstack_features = deepstack_features
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's ``[rows_r, width]`` joined in rank order (``rows`` the counts of all
+    ranks); backward: the gradient summed over the group, each rank keeping its rows."""
+
+    @staticmethod
+    def forward(ctx, local, rows: list, rank: int, group):
+        ctx.rows, ctx.rank, ctx.group = rows, rank, group
+        padded = local.new_zeros(max(rows), local.shape[1])
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in rows]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, rows)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # each rank's loss share used every image's features
+        start = sum(ctx.rows[: ctx.rank])
+        return grad[start : start + ctx.rows[ctx.rank]], None, None, None
+
+
+def _deal(sizes: list[int], world: int) -> list[int]:
+    """The rank that encodes each image: the largest first, each to the least loaded rank
+    (by patches; ties to the lower rank), the same on every rank."""
+    load, owner = [0] * world, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + sizes[i]
+    return owner
+
+
+def _split_images(model, group, pixel_values: torch.Tensor, grid_thw) -> _ImageFeatures:
+    """``vision="split"``: this rank's images through the tower, every image's features back."""
+    base = getattr(model, "model", model)  # ...ForConditionalGeneration -> its base model
+    encode = getattr(base, "get_image_features", None)
+    merge = getattr(getattr(base, "visual", None), "spatial_merge_size", None)
+    if grid_thw is None or encode is None or merge is None:
+        raise HFIntegrationError(
+            f"multimodal_inputs(vision='split'): {type(model).__name__} is not a Qwen-VL model (a vision tower that takes "
+            "image_grid_thw); use vision='replicated'"
+        )
+    rank, world = _rank_world(group)
+    patches = grid_thw.prod(-1).tolist()
+    tokens = [n // merge**2 for n in patches]
+    owner = _deal(patches, world)
+    starts = [sum(patches[:i]) for i in range(len(patches))]
+    mine = [i for i in range(len(patches)) if owner[i] == rank]
+    width = model.config.get_text_config().hidden_size
+    layers = len(getattr(model.config.vision_config, "deepstack_visual_indexes", ()) or ())
+    if mine:
+        rows = torch.cat([pixel_values[starts[i] : starts[i] + patches[i]] for i in mine])
+        out = encode(rows, grid_thw[mine], return_dict=True)
+        deep = getattr(out, "deepstack_features", None) or []
+        if len(deep) != layers:
+            raise HFIntegrationError(f"multimodal_inputs(vision='split'): {len(deep)} deepstack feature sets, expected {layers}")
+        local = torch.cat([torch.cat([out.pooler_output[j]] + [d[j] for d in deep], dim=-1) for j in range(len(mine))])
+    else:
+        local = next(model.parameters()).new_zeros(0, width * (1 + layers))
+    # The gather's backward is a collective: it must be in every rank's graph or in none.
+    # Decided by what is the same on every rank (grad mode, the tower's trainable parameters),
+    # not by this rank's images (a rank with none holds an empty tensor).
+    trains = torch.is_grad_enabled() and any(p.requires_grad for p in base.visual.parameters())
+    local = local.requires_grad_() if trains and not local.requires_grad else local if trains else local.detach()
+    counts = [sum(tokens[i] for i in range(len(tokens)) if owner[i] == r) for r in range(world)]
+    gathered = _GatherRows.apply(local, counts, rank, _process_group(group)) if world > 1 and dist.is_initialized() else local
+    # Rows in rank order (each rank's images in image order) -> per image, in image order.
+    offsets, at = {}, 0
+    for r in range(world):
+        for i in (i for i in range(len(tokens)) if owner[i] == r):
+            offsets[i], at = at, at + tokens[i]
+    per_image = [gathered[offsets[i] : offsets[i] + tokens[i]] for i in range(len(tokens))]
+    pooler = tuple(x[:, :width] for x in per_image)
+    deepstack = [tuple(x[:, width * (1 + k) : width * (2 + k)] for x in per_image) for k in range(layers)] if layers else None
+    return _ImageFeatures(pooler, deepstack)
