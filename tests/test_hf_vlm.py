@@ -346,6 +346,10 @@ def check_errors(rank, world):
     # 4-row positions: a text row that restarts means packed documents, which are batch 1.
     restarting = torch.cat([torch.arange(5), torch.arange(SEQ - 5)]).view(1, 1, SEQ).expand(1, 2, SEQ)
     _raises("need batch 1", hf.shard_batch, ids, labels, position_ids=torch.cat([restarting, pos]))
+    # vision="split" needs a tower that takes image_grid_thw; an unknown mode is refused.
+    llava_ids, _, llava_vision = global_batch("llava")
+    _raises("is not a Qwen-VL model .* use vision='replicated'", hf.multimodal_inputs, hf.apply(build("llava")), llava_ids, vision="split", **llava_vision)
+    _raises("vision expected 'replicated' or 'split', got 'halved'", hf.multimodal_inputs, model, ids, vision="halved", **vision)
     # A text-only model has no vision part to run.
     _raises("no separate text model", hf.multimodal_inputs, hf.apply(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEXT))), ids)
     # Gemma 3's image tokens attend both ways inside an image: a mask the sequence-parallel

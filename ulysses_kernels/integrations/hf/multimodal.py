@@ -5,8 +5,9 @@ One step, global sequence of ``S`` tokens (image placeholders included) over ``P
 
     multimodal_inputs(model, input_ids, pixel_values=..., image_grid_thw=..., ...)
         the model's own code up to its text model, on the whole global batch, on every
-        rank (replicated): the token embeddings, the vision tower over every image, the
-        image features scattered into the placeholders, the mRoPE positions
+        rank: the token embeddings, the vision tower over every image (replicated; or with
+        vision="split" each rank encodes some images and one all-gather shares the
+        features), the image features scattered into the placeholders, the mRoPE positions
         -> inputs_embeds [B, S, hidden], position_ids [3, B, S] (or [B, S]), Qwen3-VL's
            deepstack inputs (visual_pos_masks [B, S], per layer [visual tokens, hidden])
     shard_batch(input_ids, labels, group=group, **that)
