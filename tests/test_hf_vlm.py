@@ -392,10 +392,27 @@ def test_one_process_families():
     check_packed(None)
 
 
+def check_sync_gradients(rank, world):
+    """A parameter with a gradient on some ranks only (a rank that encoded no image under
+    ``vision="split"``): the others take part with zeros, so the sum is right on every rank;
+    one no rank reached keeps ``grad = None``. (Before, the ranks' flat buffers had other
+    lengths: gloo's size mismatch.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)).double()
+    x = torch.ones(1, 3, dtype=torch.float64) * (rank + 1)
+    (model[0](x).sum() + (model[1](x).sum() if rank != 1 else 0)).backward()
+    hf.sync_gradients(model)
+    total = sum(r + 1 for r in range(world))
+    assert torch.equal(model[0].weight.grad, torch.full((3, 3), float(total), dtype=torch.float64))
+    assert torch.equal(model[1].weight.grad, torch.full((3, 3), float(total - 2), dtype=torch.float64))
+    assert model[2].weight.grad is None and model[2].bias.grad is None
+
+
 def job(rank, world):
     import torch.distributed as dist
 
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    check_sync_gradients(rank, world)
     check_families(None)  # 4 ranks
     check_families(pairs[rank // 2])  # 2 ranks (two pairs at the same time)
     check_packed(None)

@@ -96,7 +96,8 @@ def multimodal_inputs(model, input_ids: torch.Tensor, *, vision: str = "replicat
     differentiable all-gather of the features (and Qwen3-VL's deepstack features) gives
     every rank all of them, which the model then merges as it merges precomputed features
     (``mm_encoder_outputs``); the backward sums the features' gradients over the group and
-    each rank's tower gets its images' share. Collective: call it on every rank. Either way
+    each rank's tower gets its images' share (videos, ``pixel_values_videos``, are still
+    encoded on every rank). Collective: call it on every rank. Either way
     an image is encoded whole, so the tower's attention over it is the model's own.
 
     Args:
