@@ -6,11 +6,14 @@ Each family: a tiny random float64 model from its transformers config, trained o
 through the documented path (``multimodal_inputs`` -> ``shard_batch`` -> ``model``) on 4 gloo
 ranks and on 2-rank pairs (one spawn), against the model run in one process on the same
 global batch with its pixel values: the loss, every parameter gradient (the vision tower's
-included) and the gathered logits. Images sit across shard boundaries (the 17-token rows
-split 5/4/4/4 and 9/8). The text model's head counts differ from the vision tower's and the
-top-level config has none. Also: packed multimodal documents (``cu_seqlens``, and the 4-row
-mRoPE form whose text row restarts), mRoPE rows that jump back inside an image never read
-as documents, and the errors.
+included) and the gathered logits; uneven and padded shards; for the Qwen families also with
+the tower split over the ranks (``vision="split"``). Images sit across shard boundaries (the
+17-token rows split 5/4/4/4 and 9/8). The text model's head counts (6/2) differ from the
+vision tower's (4) and the top-level config has none; every attention call is checked to
+plan 6/2. Also: packed multimodal documents (``cu_seqlens``, and the 4-row mRoPE form whose
+text row restarts) against each document run alone, mRoPE rows that jump back inside an
+image never read as documents, a Qwen2-VL video, ``sync_gradients`` with gradients missing
+on some ranks, and the errors (Gemma 3's two-way image attention refused).
 """
 
 from __future__ import annotations
@@ -364,6 +367,27 @@ def check_errors(rank, world):
         _raises("different batches", hf.shard_batch, ids, labels, inputs_embeds=mm["inputs_embeds"], position_ids=other)
 
 
+def check_video(group):
+    """Qwen2-VL with an image and a video (2 temporal patches: 8 tokens, its t row counting
+    0, 1 over frames) in one row, both across shard boundaries: loss, gradients and logits
+    equal one process, the tower replicated."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 56, (1, 21), generator=g)
+    ids[0, 3:7] = IMAGE
+    ids[0, 9:17] = 59  # the video's 8 tokens
+    labels = ids.masked_fill(ids >= 59, -100)
+    vision = {
+        "pixel_values": torch.randn(16, 24, generator=g, dtype=torch.float64), "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "pixel_values_videos": torch.randn(32, 24, generator=g, dtype=torch.float64), "video_grid_thw": torch.tensor([[2, 4, 4]]),
+        "mm_token_type_ids": (ids == IMAGE).int() + 2 * (ids == 59).int(),
+    }  # fmt: skip
+    refs = reference(build("qwen2_vl"), ids, labels, vision)
+    sharded_step(hf.apply(build("qwen2_vl"), group), "qwen2_vl", ids, labels, vision, group, f"qwen2_vl video, world {world}", refs)
+
+
 def test_features_change_the_model():
     """What the path relies on matters far beyond the tolerances: the mRoPE positions (1-D
     positions instead) and Qwen3-VL's deepstack rows (left out)."""
@@ -389,6 +413,7 @@ def test_errors_one_process():
 def test_one_process_families():
     """Without torch.distributed (a group of one): the same path equals the model as built."""
     check_families(None)
+    check_video(None)
     check_packed(None)
 
 
@@ -417,6 +442,7 @@ def job(rank, world):
     check_families(pairs[rank // 2])  # 2 ranks (two pairs at the same time)
     check_packed(None)
     check_packed(pairs[rank // 2])
+    check_video(None)
     check_errors(rank, world)
 
 
