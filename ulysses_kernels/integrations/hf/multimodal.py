@@ -172,7 +172,7 @@ def prepare(model) -> None:
                 raise HFIntegrationError(f"{name}: {key!r} given both to the model and to shard_batch")
         return args, {**kwargs, **shard.text_inputs}
 
-    def refuse_pixels(module, args, kwargs):
+    def check_sharded_call(module, args, kwargs):
         shard = kwargs.get(_SHARD_KWARG)
         if not isinstance(shard, SequenceShard):
             return None  # the attention call explains a missing shard
@@ -191,7 +191,7 @@ def prepare(model) -> None:
             )
         return None
 
-    handles = (texts.register_forward_pre_hook(hand_over, with_kwargs=True), model.register_forward_pre_hook(refuse_pixels, with_kwargs=True))
+    handles = (texts.register_forward_pre_hook(hand_over, with_kwargs=True), model.register_forward_pre_hook(check_sharded_call, with_kwargs=True))
     object.__setattr__(texts, _HOOKS_ATTR, handles)
 
 
