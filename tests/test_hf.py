@@ -407,7 +407,8 @@ def test_mask_function():
 
 def test_apply_errors():
     _raises("expected a transformers PreTrainedModel", hf.apply, torch.nn.Linear(4, 4))
-    _raises("is_causal = False", hf.apply, build("gemma3", 4, 1, use_bidirectional_attention=True))
+    # Bidirectional models are supported since issue #26 (tests/test_hf_models.py); cross-attention is not.
+    _raises("has cross-attention", hf.apply, build("llama", 4, 2, add_cross_attention=True))
     _raises("check expected", hf.apply, build("llama", 4, 2), check="sometimes")
 
 

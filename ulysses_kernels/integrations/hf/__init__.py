@@ -53,25 +53,32 @@ The package, by job (each imports only the ones above it):
 * ``batch``: the data side: ``SequenceShard``, ``ShardedBatch``, ``shard_batch`` (sharding,
   the global label shift, positions, packed documents, zigzag shards of a 2-D group, the
   same-batch check) and ``HFIntegrationError``;
-* ``training``: ``reduce_loss``, ``sync_gradients``, ``gather_sequence``;
+* ``training``: ``reduce_loss``, ``sync_gradients``, ``gather_sequence``, ``router_loss`` (an
+  MoE load-balancing loss over the global batch);
 * ``adapter``: what runs in every layer: the ``"ulysses"`` attention function and mask
   function (fused op, or the model's own attention between the exchanges),
   ``sequence_parallel_attention`` (the same for callers that intercept a model's own
   attention) and ``attention_settings``;
 * ``multimodal``: vision-language models: ``multimodal_inputs`` (the model's own code up to
-  its text model on the global batch: the vision tower, replicated, before sharding) and the
-  text model's hooks ``apply`` installs;
+  its text model on the global batch: the vision tower before sharding, replicated or split
+  over the ranks) and the hooks ``apply`` installs on a vision-language model;
 * ``model``: ``register`` and ``apply`` (checking a model and switching it over).
 
-Supported: decoder-only causal LMs whose attention goes through ``AttentionInterface``
-(Llama, Qwen2/Qwen3, Mistral, Gemma 2/3, GPT-OSS: sliding windows, mixed layer types,
-logit softcapping, attention sinks, attention dropout), any head layout (GQA with fewer KV
-heads than ranks, heads not divisible by the ranks), uneven shards or padding, packed
-documents (plain causal layers on any built-in implementation; windows, softcapping, sinks
-on ``eager``/``sdpa``).
-Not supported (clear errors): padding/custom masks, packed documents on the model's own
-attention with flash or a registered implementation, chunked or bidirectional attention,
-KV caches (generation).
+Supported: self-attention models whose attention goes through ``AttentionInterface``:
+decoder-only causal LMs (Llama, Qwen2/Qwen3, Mistral, Gemma 2/3, GPT-OSS, Qwen3-MoE: sliding
+windows, mixed layer types, logit softcapping, attention sinks, attention dropout; MoE
+experts run as built on the rank's tokens) and bidirectional encoders (BERT, ModernBERT
+with its local layers, ViT towers: ``ulysses_attention(causal=False)``), any head layout
+(GQA with fewer KV heads than ranks, heads not divisible by the ranks), uneven shards or
+padding (causal models), packed documents (plain layers on any built-in implementation;
+windows, softcapping, sinks on ``eager``/``sdpa``); vision-language models (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, Llava, Mistral3: the text model sequence-parallel, the vision tower
+before sharding, replicated or split: ``multimodal_inputs``). docs/hf.md's "Model coverage"
+lists what is tested.
+Not supported (clear errors): padding/custom masks, padded batches of bidirectional models
+(pack them), cross-attention, the MoE router loss (``output_router_logits``), packed
+documents on the model's own attention with flash or a registered implementation, chunked
+attention, KV caches (generation).
 """
 
 from .adapter import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_attention
@@ -79,7 +86,7 @@ from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch,
 from .model import apply
 from .model import register as register  # hf.register(): public, outside __all__ as before
 from .multimodal import multimodal_inputs
-from .training import gather_sequence, reduce_loss, sync_gradients
+from .training import gather_sequence, reduce_loss, router_loss, sync_gradients
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -93,6 +100,7 @@ __all__ = [
     "shard_batch",
     "split_lengths",
     "reduce_loss",
+    "router_loss",
     "sync_gradients",
     "gather_sequence",
 ]

@@ -20,7 +20,7 @@ The settings ``apply`` chose live on each attention module (``_Settings``, made 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -87,10 +87,12 @@ class _GlobalMask:
     window: int | None
     mask_kwargs: dict
     packed: bool = False  # transformers saw restarting positions on this rank (packed documents)
+    causal: bool = True  # False: bidirectional (an encoder's mask; its window is a distance, both ways)
 
     def covers(self, total: int) -> bool:
-        """The mask is plain causal over ``total`` tokens (no window, or one that long)."""
-        return self.window is None or self.window >= total
+        """The mask hides nothing over ``total`` tokens but the causal order (no window, or
+        one that long: a causal window of ``w`` tokens, a bidirectional one of distance ``w``)."""
+        return self.window is None or self.window >= (total if self.causal else total - 1)
 
     def build(self, impl: str, shard: SequenceShard, dtype: torch.dtype, device: torch.device):
         """The mask ``impl``'s attention expects over the global sequence: what one process
@@ -100,7 +102,7 @@ class _GlobalMask:
 
         if impl not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # as transformers does
             return None
-        key = (impl, self.window, self.mask_kwargs.get("allow_is_causal_skip", True), dtype, device)
+        key = (impl, self.window, self.causal, self.mask_kwargs.get("allow_is_causal_skip", True), dtype, device)
         if key not in shard._masks:
             # Batch 1: every row of the batch has the same mask (no padding), broadcast by the attention.
             shard._masks[key] = ALL_MASK_ATTENTION_FUNCTIONS[impl](
@@ -110,18 +112,22 @@ class _GlobalMask:
         return shard._masks[key]
 
     def _with_documents(self, shard: SequenceShard, device: torch.device) -> dict:
-        """The mask keywords, for a packed batch with the step's global documents overlaid
+        """The mask keywords (the mask function: the recorded one, else causal or
+        bidirectional by ``causal``), for a packed batch with the step's global documents overlaid
         (transformers' packed-sequence mask over global document ids: a token sees only its
         own document; the window counts global indices, which within a document are its
         positions)."""
-        if shard.documents is None:
-            return self.mask_kwargs
         from transformers import masking_utils as mu
 
+        base = mu.causal_mask_function if self.causal else mu.bidirectional_mask_function
+        kwargs = {"mask_function": base, **self.mask_kwargs}
+        if not self.causal:
+            kwargs.setdefault("allow_is_bidirectional_skip", True)  # None when nothing is hidden: sdpa's is_causal=False
+        if shard.documents is None:
+            return kwargs
         ids = document_ids(shard.documents.cu_seqlens, device).unsqueeze(0)
-        inner = self.mask_kwargs.get("mask_function", mu.causal_mask_function)
-        overlay = mu.and_masks(mu.packed_sequence_mask_function(ids), inner)
-        return {**self.mask_kwargs, "mask_function": overlay, "allow_is_causal_skip": False}
+        overlay = mu.and_masks(mu.packed_sequence_mask_function(ids), kwargs["mask_function"])
+        return {**kwargs, "mask_function": overlay, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}
 
 
 class _ConfigView:
@@ -219,33 +225,72 @@ def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, 
 
 def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
     """The attention call of ``_ulysses_attention_forward`` once its settings, shard and mask
-    are known: the fused op for plain causal attention, else the model's own attention."""
-    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+    are known: the fused op for plain causal or plain bidirectional attention, else the
+    model's own attention."""
+    name = type(module).__name__
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    mask = _causality(name, causal, mask)
+    if key.shape[2] != query.shape[2]:
         raise HFIntegrationError(
-            f"{type(module).__name__}: non-causal attention is not supported (ulysses applies a global causal mask)"
+            f"{name}: {key.shape[2]} keys for {query.shape[2]} queries: cross-attention (encoder-decoder models, "
+            "BERT with add_cross_attention) is not supported under sequence parallelism, only self-attention"
         )
-    _check_sharded_input(type(module).__name__, shard, settings, query)
+    _check_sharded_input(name, shard, settings, query)
+    if not causal:
+        _check_bidirectional(name, settings, shard)
     docs = _packed(module, settings, shard, mask, kwargs)
-    if not _plain_causal(settings, shard, mask, module, kwargs):
+    if not _plain(settings, shard, mask, module, kwargs):
         if isinstance(settings.group, SPGroups):
             raise HFIntegrationError(
-                f"{type(module).__name__}: with a 2-D group (SPGroups) only plain causal attention runs (the fused op with "
+                f"{name}: with a 2-D group (SPGroups) only plain causal attention runs (the fused op with "
                 "ring attention); a sliding window shorter than the sequence, softcapping, sinks or dropout need a flat group"
             )
         return _model_attention(module, settings, shard, mask, query, key, value, kwargs), None
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
     scaling = kwargs.get("scaling")
-    sig = ("fused", tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling, docs)
+    sig = ("fused", tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling, causal, docs)
     check = _check_now(settings, shard, sig)
     out = ulysses_attention(
-        q, k, v, settings.group, causal=True, softmax_scale=scaling, seq_lens=shard.seq_lens,
+        q, k, v, settings.group, causal=causal, softmax_scale=scaling, seq_lens=shard.seq_lens,
         attn_fn=settings.attn_fn, comm=settings.comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
         cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
     )  # fmt: skip
     if check:
         shard._checked.add(sig)
     return out, None
+
+
+def _causality(name: str, causal: bool, mask: _GlobalMask) -> _GlobalMask:
+    """The layer's mask, agreeing with the attention call's causality (``is_causal``, or the
+    module's). A bidirectional layer that got no mask (a vision tower builds none) attends
+    over everything; a mask and a call that disagree (a causal mask in a bidirectional
+    layer, or the reverse) would be honoured by neither path, so they raise."""
+    if mask.causal == causal:
+        return mask
+    if not causal and mask.window is None and not mask.mask_kwargs:
+        return replace(mask, causal=False)
+    raise HFIntegrationError(
+        f"{name}: the attention call is {'causal' if causal else 'bidirectional (is_causal=False)'} but the model built "
+        f"a {'causal' if mask.causal else 'bidirectional'} mask for it; sequence-parallel attention needs the two to agree"
+    )
+
+
+def _check_bidirectional(name: str, settings: _Settings, shard: SequenceShard) -> None:
+    """What bidirectional attention cannot honour: padding that every token would attend to
+    (causal attention never looks ahead at it), and the ring level (not tested non-causal)."""
+    if isinstance(settings.group, SPGroups):
+        raise HFIntegrationError(
+            f"{name}: bidirectional attention runs on a flat sequence-parallel group; a 2-D group (SPGroups, Ulysses x "
+            "ring) supports causal models only"
+        )
+    if shard.total > shard.valid_len and shard.documents is None:
+        raise HFIntegrationError(
+            f"{name}: bidirectional attention over a padded batch ({shard.total - shard.valid_len} pad tokens after "
+            f"{shard.valid_len}) would let every token attend to the padding; use shard_batch(..., pad=False) (uneven "
+            "shards), or pack the batch (position_ids/cu_seqlens: the padding is then a document of its own)"
+        )
 
 
 def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, kwargs) -> Documents | None:
@@ -261,7 +306,7 @@ def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
                 "not sharded as packed; pass the global position_ids (or cu_seqlens) to shard_batch"
             )
         return None
-    if not _plain_causal(settings, shard, mask, module, kwargs) and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
+    if not _plain(settings, shard, mask, module, kwargs) and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
         raise HFIntegrationError(
             f"{type(module).__name__}: packed documents with a sliding window, logit softcapping, attention sinks, dropout "
             f"or a registered implementation run on the 'eager' or 'sdpa' implementation (their mask carries the "
@@ -270,9 +315,10 @@ def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     return shard.documents
 
 
-def _plain_causal(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, module, kwargs) -> bool:
-    """The call is plain causal attention over the global sequence of a built-in
-    implementation: no window shorter than the sequence, no softcap, no sinks, no dropout."""
+def _plain(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, module, kwargs) -> bool:
+    """The call is plain causal (or plain bidirectional) attention over the global sequence
+    of a built-in implementation: no window shorter than the sequence, no softcap, no
+    sinks, no dropout."""
     window = kwargs.get("sliding_window")
     return (
         settings.inner_impl in _FUSED_IMPLEMENTATIONS
@@ -337,7 +383,9 @@ def _call_context(module, kwargs) -> tuple[_Settings, SequenceShard]:
         raise HFIntegrationError(
             f"{type(module).__name__}: the model runs sequence-parallel attention but was called without a sequence shard; "
             "feed it model(**ulysses_kernels.integrations.hf.shard_batch(input_ids, group=group).model_inputs()) "
-            "(each rank then holds its slice of the sequence and the global positions)"
+            "(each rank then holds its slice of the sequence and the global positions); if it was, this attention module "
+            "drops the keywords it is given instead of passing them to the attention function (SigLIP's does in "
+            "transformers 5.23), so the shard cannot reach it: such a model cannot run sequence-parallel"
         )
     return settings, shard
 
@@ -410,14 +458,18 @@ def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     if attention_mask is not None and not bool(attention_mask.all()):
         raise HFIntegrationError(
             "sequence-parallel attention got a padding attention_mask with masked tokens; padding is not "
-            "supported as a mask: drop attention_mask and set the padded labels to -100 (shard_batch does this)"
+            "supported as a mask: for a causal model drop attention_mask and set the padded labels to -100 "
+            "(shard_batch does this); for a bidirectional one (an encoder) pack the sequences instead "
+            "(shard_batch(..., cu_seqlens=...): each attends only within itself)"
         )
     mask_function, packed = _unpacked(mask_function)
-    window = _window_of(mask_function)
-    if window is None:
+    window, causal = _window_of(mask_function)
+    if window is None and causal:
         return _GlobalMask(None, {}, packed=True) if packed else None
+    if window is None:
+        return _GlobalMask(None, {}, packed, causal=False)
     kept = {n: a for n, a in kwargs.items() if n not in ("dtype", "device")}
-    return _GlobalMask(window, {**kept, "mask_function": mask_function}, packed)
+    return _GlobalMask(window, {**kept, "mask_function": mask_function}, packed, causal)
 
 
 def _unpacked(mask_function) -> tuple[Callable, bool]:
@@ -436,23 +488,30 @@ def _unpacked(mask_function) -> tuple[Callable, bool]:
     return mask_function, False
 
 
-def _window_of(mask_function) -> int | None:
-    """``None`` for transformers' causal mask function, ``w`` for its sliding-window causal
-    mask function of window ``w`` (recognised by their code, not their names); anything
-    else raises, since only these two are known to depend on positions alone."""
+def _window_of(mask_function) -> tuple[int | None, bool]:
+    """``(window, causal)`` of one of transformers' four position-only mask functions
+    (recognised by their code, not their names): causal ``(None, True)``, sliding-window
+    causal ``(w, True)`` (a token sees itself and the ``w - 1`` before it), bidirectional
+    ``(None, False)`` and sliding-window bidirectional ``(w, False)`` (tokens at distance
+    ``<= w``, ModernBERT's local layers). Anything else raises: only these are known to
+    depend on positions alone."""
     from transformers import masking_utils as mu
 
     if mask_function is None or mask_function is mu.causal_mask_function:
-        return None
+        return None, True
+    if mask_function is mu.bidirectional_mask_function:
+        return None, False
     parts = _closure(mask_function, mu.and_masks(mu.causal_mask_function)).get("mask_functions")
-    if isinstance(parts, tuple) and len(parts) == 2 and parts[1] is mu.causal_mask_function:
-        window = _closure(parts[0], mu.sliding_window_overlay(1)).get("sliding_window")
+    if isinstance(parts, tuple) and len(parts) == 2 and parts[1] in (mu.causal_mask_function, mu.bidirectional_mask_function):
+        causal = parts[1] is mu.causal_mask_function
+        overlay = mu.sliding_window_overlay(1) if causal else mu.sliding_window_bidirectional_overlay(1)
+        window = _closure(parts[0], overlay).get("sliding_window")
         if isinstance(window, int) and window > 0:
-            return window
+            return window, causal
     raise HFIntegrationError(
-        "sequence-parallel attention rebuilds the causal and the sliding-window causal mask over the global "
+        "sequence-parallel attention rebuilds causal, bidirectional and sliding-window masks over the global "
         f"sequence; the model asked for another mask ({getattr(mask_function, '__qualname__', mask_function)!r}: "
-        "chunked or bidirectional attention, or a custom overlay), which it cannot rebuild"
+        "chunked attention, or a custom overlay such as or_mask_function/and_mask_function), which it cannot rebuild"
     )
 
 

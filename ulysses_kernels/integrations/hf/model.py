@@ -23,13 +23,33 @@ __all__ = ["apply", "register"]
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
-    # transformers' attention modules (Llama, Qwen2, Mistral, Gemma, GPT-OSS, ...) carry these.
-    return [m for m in model.modules() if all(hasattr(m, a) for a in ("scaling", "is_causal", "config")) and hasattr(m, "head_dim")]
+    # transformers' attention modules carry a config, is_causal and the head size (``head_dim``;
+    # BERT's ``attention_head_size``); the softmax scale reaches the attention call as ``scaling``.
+    def is_attention(m) -> bool:
+        return hasattr(m, "is_causal") and hasattr(m, "config") and (hasattr(m, "head_dim") or hasattr(m, "attention_head_size"))
+
+    return [m for m in model.modules() if is_attention(m)]
 
 
 def _check_config(config) -> None:
-    if not getattr(config, "is_causal", True):
-        raise HFIntegrationError(f"apply: {type(config).__name__}.is_causal = False: only causal (decoder) attention is supported")
+    """Self-attention only: an encoder-decoder model or a decoder with cross-attention
+    attends from one sequence to another, which sequence sharding does not split; and no
+    MoE auxiliary loss (it is computed over the tokens the model sees)."""
+    if getattr(config, "output_router_logits", False):
+        # transformers adds router_aux_loss_coef * the load-balancing loss to out.loss, computed over the tokens it
+        # sees: under sequence parallelism each rank's shard, so the summed gradient is not one process's (each
+        # rank adds a whole balancing loss: world_size times the coefficient, over other statistics).
+        raise HFIntegrationError(
+            f"apply: {type(config).__name__}.output_router_logits = True: the MoE load-balancing loss would be computed "
+            "over each rank's shard of the sequence and added on every rank; set output_router_logits=False and add "
+            "router_aux_loss_coef * hf.router_loss(out.router_logits, batch.shard, group, num_experts=..., top_k=...) "
+            "to the loss of a forward with output_router_logits=True and model_inputs(loss=False) (docs/hf.md, MoE)"
+        )
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise HFIntegrationError(
+            f"apply: {type(config).__name__} has cross-attention (is_encoder_decoder or add_cross_attention): only "
+            "self-attention models are supported (decoders, and encoders such as BERT, ModernBERT, ViT, SigLIP)"
+        )
 
 
 def _configured_implementation(module) -> str:
@@ -111,8 +131,10 @@ def apply(
     mask of each layer type rebuilt over the global sequence.
 
     Args:
-        model: a ``transformers.PreTrainedModel`` whose attention uses ``AttentionInterface``
-            (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, ... families), causal.
+        model: a ``transformers.PreTrainedModel`` whose self-attention uses ``AttentionInterface``:
+            causal (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, Qwen3-MoE, ... families) or
+            bidirectional (BERT, ModernBERT, ViT: each layer's ``is_causal``); no cross-attention,
+            no ``output_router_logits`` (``router_loss`` is the global load-balancing loss).
         group: the sequence-parallel process group (default: the world), or an ``SPGroups``
             (``make_sp_groups``: Ulysses x ring; plain causal attention only, equal
             shards, contiguous or zigzag, packed or not: ``shard_batch(..., pad=True)``). Pass the same to
@@ -164,9 +186,6 @@ def apply(
     modules = [m for m in _attention_modules(model) if texts is None or m.config is texts.config]
     if not modules:
         raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
-    bidirectional = sorted({type(m).__name__ for m in modules if not m.is_causal})
-    if bidirectional:
-        raise HFIntegrationError(f"apply: {', '.join(bidirectional)}.is_causal = False: only causal (decoder) attention is supported")
     # Resolved before the model is switched, so that a refusal leaves it as it was.
     inner = []
     for m in modules:
