@@ -59,6 +59,9 @@ The package, by job (each imports only the ones above it):
   function (fused op, or the model's own attention between the exchanges),
   ``sequence_parallel_attention`` (the same for callers that intercept a model's own
   attention) and ``attention_settings``;
+* ``multimodal``: vision-language models: ``multimodal_inputs`` (the model's own code up to
+  its text model on the global batch: the vision tower before sharding, replicated or split
+  over the ranks) and the hooks ``apply`` installs on a vision-language model;
 * ``model``: ``register`` and ``apply`` (checking a model and switching it over).
 
 Supported: self-attention models whose attention goes through ``AttentionInterface``:
@@ -68,8 +71,10 @@ experts run as built on the rank's tokens) and bidirectional encoders (BERT, Mod
 with its local layers, ViT towers: ``ulysses_attention(causal=False)``), any head layout
 (GQA with fewer KV heads than ranks, heads not divisible by the ranks), uneven shards or
 padding (causal models), packed documents (plain layers on any built-in implementation;
-windows, softcapping, sinks on ``eager``/``sdpa``). docs/hf.md's "Model coverage" lists
-what is tested.
+windows, softcapping, sinks on ``eager``/``sdpa``); vision-language models (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, Llava, Mistral3: the text model sequence-parallel, the vision tower
+before sharding, replicated or split: ``multimodal_inputs``). docs/hf.md's "Model coverage"
+lists what is tested.
 Not supported (clear errors): padding/custom masks, padded batches of bidirectional models
 (pack them), cross-attention, the MoE router loss (``output_router_logits``), packed
 documents on the model's own attention with flash or a registered implementation, chunked
@@ -80,6 +85,7 @@ from .adapter import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_
 from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
 from .model import apply
 from .model import register as register  # hf.register(): public, outside __all__ as before
+from .multimodal import multimodal_inputs
 from .training import gather_sequence, reduce_loss, router_loss, sync_gradients
 
 __all__ = [
@@ -88,6 +94,7 @@ __all__ = [
     "SequenceShard",
     "ShardedBatch",
     "apply",
+    "multimodal_inputs",
     "attention_settings",
     "sequence_parallel_attention",
     "shard_batch",

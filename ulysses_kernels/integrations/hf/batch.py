@@ -61,6 +61,11 @@ class SequenceShard:
     batch_size: int
     documents: Documents | None = None
     ring_layout: tuple[int, int, str] | None = None
+    # This rank's share of the per-step inputs a vision-language model's text model takes
+    # besides ``inputs_embeds`` and ``position_ids`` (Qwen3-VL's deepstack:
+    # ``visual_pos_masks`` ``[batch, seq_lens[rank]]`` and ``deepstack_visual_embeds``, the
+    # rows of this rank's visual tokens); ``apply`` hands them to the text model. ``None``: none.
+    text_inputs: dict | None = field(default=None, repr=False)
     # Input signatures already validated across ranks in this step (one check per step,
     # not per layer); the same on every rank because every rank runs the same layers.
     _checked: set = field(default_factory=set, repr=False)
@@ -106,17 +111,22 @@ class SequenceShard:
 class ShardedBatch:
     """One rank's share of a causal-LM batch, made by ``shard_batch``.
 
-    ``input_ids``, ``labels`` (already shifted: the target of each position, ``-100`` where
-    there is none) and ``position_ids`` (global) are ``[batch, seq_lens[rank]]``.
+    ``input_ids`` and ``labels`` (already shifted: the target of each position, ``-100``
+    where there is none) are ``[batch, seq_lens[rank]]``; ``position_ids`` too, or
+    ``[3 or 4, batch, seq_lens[rank]]`` for a vision-language model's mRoPE positions
+    (global, as given). ``inputs_embeds`` (``[batch, seq_lens[rank], hidden]``, a slice of
+    the global embeddings that keeps their autograd graph) replaces ``input_ids`` in the
+    model's inputs when it was given; ``input_ids`` is then ``None`` unless given too.
     ``num_tokens`` counts the targets that are not ``-100`` over the *global* batch (the
     loss denominator; the same on every rank).
     """
 
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor | None
     labels: torch.Tensor
     position_ids: torch.Tensor
     num_tokens: int
     shard: SequenceShard
+    inputs_embeds: torch.Tensor | None = None
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -125,12 +135,15 @@ class ShardedBatch:
     def model_inputs(self, loss: bool = True) -> dict:
         """Keyword arguments for ``model(**...)``.
 
-        With ``loss=True`` the model computes ``sum(token losses on this rank) / num_tokens``
-        through transformers' own causal-LM loss (``shift_labels`` = our globally shifted
-        labels, ``num_items_in_batch`` = the global count), so the losses of the ranks add
-        up to the global mean and their gradients add up to its gradient.
+        ``inputs_embeds`` when ``shard_batch`` was given them (a vision-language model, whose
+        image features are already merged in: the model skips its vision tower), else
+        ``input_ids``. With ``loss=True`` the model computes ``sum(token losses on this rank) /
+        num_tokens`` through transformers' own causal-LM loss (``shift_labels`` = our globally
+        shifted labels, ``num_items_in_batch`` = the global count), so the losses of the ranks
+        add up to the global mean and their gradients add up to its gradient.
         """
-        kw = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False, _SHARD_KWARG: self.shard}
+        tokens = {"input_ids": self.input_ids} if self.inputs_embeds is None else {"inputs_embeds": self.inputs_embeds}
+        kw = {**tokens, "position_ids": self.position_ids, "use_cache": False, _SHARD_KWARG: self.shard}
         if loss:
             kw.update(labels=self.labels, shift_labels=self.labels, num_items_in_batch=max(self.num_tokens, 1))
         return kw
@@ -170,7 +183,7 @@ def _rank_world(group) -> tuple[int, int]:
 
 
 def shard_batch(
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | None,
     labels: torch.Tensor | None = None,
     *,
     group=None,
@@ -180,12 +193,15 @@ def shard_batch(
     ignore_index: int = -100,
     check: bool = True,
     cu_seqlens=None,
+    inputs_embeds: torch.Tensor | None = None,
+    visual_pos_masks: torch.Tensor | None = None,
+    deepstack_visual_embeds: list[torch.Tensor] | None = None,
 ) -> ShardedBatch:
     """Shard one global causal-LM batch along the sequence for this rank.
 
     Args:
         input_ids: ``[batch, seq]`` int64, the *global* batch, the same on every rank of
-            ``group``.
+            ``group``. May be ``None`` when ``inputs_embeds`` and ``labels`` are given.
         labels: ``[batch, seq]`` unshifted targets in transformers' convention (usually
             ``input_ids`` with ``-100`` on ignored tokens); default ``input_ids``. They are
             shifted here, once, over the global sequence, so the target of rank r's last
@@ -193,57 +209,127 @@ def shard_batch(
         group: the sequence-parallel group (the one given to ``apply``).
         position_ids: ``[batch or 1, seq]`` global positions; default ``0 .. seq-1``. They
             count up by one, or (a packed batch: batch 1, ``DataCollatorWithFlattening``'s
-            format) restart at 0 at the start of each document.
+            format) restart at 0 at the start of each document. Or a vision-language model's
+            mRoPE positions ``[3, batch or 1, seq]`` (temporal, height, width: Qwen2-VL,
+            Qwen2.5-VL, Qwen3-VL's ``get_rope_index``) or ``[4, batch or 1, seq]`` (row 0 the
+            text positions, as transformers' text models take them for packed inputs): kept as
+            given and sharded along the sequence. Their t/h/w rows jump back inside an image,
+            which is never read as a document restart; documents come from ``cu_seqlens``,
+            or from row 0 of the 4-row form restarting at 0.
         pad: ``False`` (default): uneven shards, ``seq_lens = split_lengths(seq, world)``.
             ``True``: pad the sequence with ``pad_token_id`` up to a multiple of the world
             size (targets ``-100``, positions continuing); the padding comes last, so
             causal attention never lets a real token see it. Both are exact.
-        check: exchange ``(batch, seq, target count, a fingerprint of the tokens, targets and
-            document boundaries)`` across the group once (one all-gather of 6 integers), so
-            that ranks fed different batches raise the same error on every rank, including
-            batches of the same shape (a sampler that shards by global rank instead of by
-            data-parallel rank).
+        check: exchange ``(batch, seq, target count, a fingerprint of the tokens, targets,
+            mRoPE positions and document boundaries)`` across the group once (one all-gather
+            of 6 integers), so that ranks fed different batches raise the same error on every
+            rank, including batches of the same shape (a sampler that shards by global rank
+            instead of by data-parallel rank).
         cu_seqlens: a packed batch's document boundaries ``(0, ..., seq)`` (a list or an
             integer tensor), instead of restarting ``position_ids``. Packed: attention stays
             inside each document, positions restart per document, the last token of each
             document has no target; with ``pad`` the padding is a trailing document.
+        inputs_embeds: ``[batch, seq, hidden]`` global input embeddings (a vision-language
+            model's, with the image features merged in: ``multimodal_inputs``); each rank
+            keeps its slice (autograd flows back through it to whatever made them, e.g. the
+            vision tower) and the model gets ``inputs_embeds`` instead of ``input_ids``.
+        visual_pos_masks, deepstack_visual_embeds: Qwen3-VL's deepstack inputs, as its text
+            model takes them (``[batch, seq]`` bool, and per layer ``[visual tokens, hidden]``
+            rows in the mask's order); each rank keeps its visual tokens' rows, which ``apply``
+            hands to the text model. ``multimodal_inputs`` returns them.
 
     Returns:
-        ``ShardedBatch`` with this rank's ``input_ids``, shifted ``labels``, global
-        ``position_ids``, the global ``num_tokens`` and the ``shard`` layout.
+        ``ShardedBatch`` with this rank's ``input_ids`` (or ``inputs_embeds``), shifted
+        ``labels``, global ``position_ids``, the global ``num_tokens`` and the ``shard`` layout.
     """
     rank, world = _rank_world(group)
-    labels = _checked_labels(input_ids, labels)
-    cu = _packed_boundaries(input_ids, position_ids, cu_seqlens)
-    if cu is None:
-        position_ids = _global_positions(input_ids, position_ids)
-    bsz, seq = input_ids.shape
+    labels = _checked_labels(input_ids, labels, inputs_embeds)
+    mrope = position_ids is not None and position_ids.dim() == 3
+    text_positions = _mrope_text_positions(labels, position_ids) if mrope else position_ids
+    cu = _packed_boundaries(labels, text_positions, cu_seqlens)
+    if cu is None and not mrope:
+        position_ids = _global_positions(labels, position_ids)
+    elif cu is None and text_positions is not None:
+        _global_positions(labels, text_positions)  # the text row of 4-row mRoPE positions counts up by one
+    bsz, seq = labels.shape
     total, seq_lens = _shard_lengths(seq, world, pad)
     ring_layout = None
     if isinstance(group, SPGroups):
         total, seq_lens = _check_2d_shards(group, seq, total, seq_lens, pad)
         ring_layout = None if group.seq_layout == "contiguous" else (group.ulysses_size, group.ring_size, group.seq_layout)
     shifted, num_tokens = _shift_labels(labels, ignore_index, cu)
+    tokens = input_ids if input_ids is not None else labels
     if check and world > 1:
-        _check_same_batch(_process_group(group), input_ids.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu),
-                          _fingerprint(input_ids, shifted, cu))
+        _check_same_batch(_process_group(group), labels.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu),
+                          _fingerprint(tokens, shifted, cu, position_ids if mrope else None))
 
     docs = None if cu is None else documents(pad_documents(cu, total))
-    if docs is None:
+    if mrope:
+        # As given (each row continuing into the padding, so that row 0 never restarts there).
+        positions = _continued(position_ids.expand(-1, bsz, -1), total)
+    elif docs is None:
         # Positions count up by one (checked by _global_positions), so the padded ones simply continue.
-        positions = position_ids[:, :1] + torch.arange(total, device=input_ids.device)
+        positions = position_ids[:, :1] + torch.arange(total, device=labels.device)
     else:
         # Per document 0, 1, ... (the padding is a document of its own).
-        ids = document_ids(docs.cu_seqlens, input_ids.device)
-        positions = (torch.arange(total, device=input_ids.device) - ids.new_tensor(docs.cu_seqlens[:-1])[ids]).unsqueeze(0)
+        ids = document_ids(docs.cu_seqlens, labels.device)
+        positions = (torch.arange(total, device=labels.device) - ids.new_tensor(docs.cu_seqlens[:-1])[ids]).unsqueeze(0)
     shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz, docs, ring_layout)
+    shard.text_inputs = _deepstack_shard(shard, visual_pos_masks, deepstack_visual_embeds, bsz, seq)
     return ShardedBatch(
-        input_ids=shard.shard(input_ids, pad_value=pad_token_id),
+        input_ids=None if input_ids is None else shard.shard(input_ids, pad_value=pad_token_id),
         labels=shard.shard(shifted, pad_value=-100),
-        position_ids=shard.shard(positions),
+        position_ids=shard.shard(positions, dim=positions.dim() - 1),
         num_tokens=num_tokens,
         shard=shard,
+        inputs_embeds=None if inputs_embeds is None else shard.shard(inputs_embeds),
     )
+
+
+def _mrope_text_positions(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Check mRoPE ``position_ids`` (``[3 or 4, batch or 1, seq]``) and return the rows that
+    say where documents restart: row 0 of the 4-row form (the text positions), ``None`` for
+    the 3-row form (temporal/height/width rows jump back inside an image: never restarts)."""
+    bsz, seq = labels.shape
+    if position_ids.shape[0] not in (3, 4) or position_ids.shape[1] not in (1, bsz) or position_ids.shape[2] != seq:
+        raise HFIntegrationError(
+            f"shard_batch: 3-D (mRoPE) position_ids expected [3 or 4, {bsz} or 1, {seq}] (temporal, height, width rows, "
+            f"optionally after a text row), got shape {list(position_ids.shape)}"
+        )
+    return position_ids[0] if position_ids.shape[0] == 4 else None
+
+
+def _continued(positions: torch.Tensor, total: int) -> torch.Tensor:
+    """``positions`` (``[..., seq]``) extended to ``total`` along the last dim by counting on
+    from each row's last value."""
+    extra = total - positions.shape[-1]
+    if extra == 0:
+        return positions
+    step = torch.arange(1, extra + 1, device=positions.device, dtype=positions.dtype)
+    return torch.cat([positions, positions[..., -1:] + step], dim=-1)
+
+
+def _deepstack_shard(shard: SequenceShard, mask, embeds, bsz: int, seq: int) -> dict | None:
+    """This rank's share of Qwen3-VL's deepstack inputs: ``visual_pos_masks`` sliced like the
+    tokens, and per layer the rows of ``deepstack_visual_embeds`` of this rank's visual
+    tokens (the rows follow the mask's row-major order, so a visual token's row is the count
+    of visual tokens before it). ``None`` when neither is given."""
+    if mask is None and embeds is None:
+        return None
+    if mask is None or embeds is None:
+        raise HFIntegrationError("shard_batch: visual_pos_masks and deepstack_visual_embeds go together (Qwen3-VL's deepstack inputs)")
+    if mask.shape != (bsz, seq) or mask.dtype != torch.bool:
+        raise HFIntegrationError(f"shard_batch: visual_pos_masks expected a bool [{bsz}, {seq}] tensor, got {mask.dtype} {list(mask.shape)}")
+    count = int(mask.sum())
+    for i, e in enumerate(embeds):
+        if e.dim() != 2 or e.shape[0] != count:
+            raise HFIntegrationError(
+                f"shard_batch: deepstack_visual_embeds[{i}] expected [{count} (visual tokens in visual_pos_masks), hidden], got {list(e.shape)}"
+            )
+    row = (mask.reshape(-1).long().cumsum(0) - 1).view(bsz, seq)  # row of each visual token
+    local_mask = shard.shard(mask, pad_value=False)
+    rows = shard.shard(row)[local_mask]
+    return {"visual_pos_masks": local_mask, "deepstack_visual_embeds": [e.index_select(0, rows.to(e.device)) for e in embeds]}
 
 
 def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens, pad: bool) -> tuple[int, list[int]]:
@@ -262,8 +348,10 @@ def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens, pad: bool) ->
     return total, seq_lens
 def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tuple[int, ...] | None:
     """A packed batch's document boundaries over the unpadded sequence: ``cu_seqlens`` if
-    given, else where ``position_ids`` restart at 0 (``None``: not packed). Packed batches
-    are batch 1 and their positions, when given, are 0, 1, ... within each document."""
+    given, else where ``position_ids`` (``[batch or 1, seq]`` text positions) restart at 0
+    (``None``: not packed). Packed batches are batch 1 and their positions, when given, are
+    0, 1, ... within each document. ``input_ids``: any ``[batch, seq]`` tensor of the batch
+    (its shape and device are read)."""
     seq = input_ids.shape[1]
     restarts = position_ids is not None and position_ids.dim() == 2 and seq > 1 and not bool((position_ids.diff(dim=1) == 1).all())
     if cu_seqlens is None and not restarts:
@@ -271,7 +359,7 @@ def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tup
     if input_ids.shape[0] != 1:
         raise HFIntegrationError(
             f"shard_batch: packed documents (cu_seqlens, or position_ids that restart) need batch 1 (documents end to end), "
-            f"got input_ids of shape {list(input_ids.shape)}"
+            f"got a batch (input_ids, labels) of shape {list(input_ids.shape)}"
         )
     if cu_seqlens is None:
         pos = position_ids.reshape(-1)
@@ -294,14 +382,24 @@ def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tup
     return cu
 
 
-def _checked_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-    """``labels`` (default ``input_ids``) after checking that both are ``[batch, seq]``."""
-    if input_ids.dim() != 2:
+def _checked_labels(input_ids: torch.Tensor | None, labels: torch.Tensor | None, inputs_embeds=None) -> torch.Tensor:
+    """``labels`` (default ``input_ids``) after checking that both are ``[batch, seq]`` and
+    ``inputs_embeds``, if given, ``[batch, seq, hidden]``."""
+    if input_ids is None:
+        if inputs_embeds is None or labels is None:
+            raise HFIntegrationError("shard_batch: input_ids may be None only with inputs_embeds and labels given")
+    elif input_ids.dim() != 2:
         raise HFIntegrationError(f"shard_batch: input_ids expected [batch, seq], got shape {list(input_ids.shape)}")
     if labels is None:
         labels = input_ids
-    if labels.shape != input_ids.shape:
-        raise HFIntegrationError(f"shard_batch: labels.shape expected {list(input_ids.shape)}, got {list(labels.shape)}")
+    if labels.dim() != 2 or (input_ids is not None and labels.shape != input_ids.shape):
+        expected = list(input_ids.shape) if input_ids is not None else "[batch, seq]"
+        raise HFIntegrationError(f"shard_batch: labels.shape expected {expected}, got {list(labels.shape)}")
+    if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[:2] != labels.shape):
+        raise HFIntegrationError(
+            f"shard_batch: inputs_embeds expected [{labels.shape[0]}, {labels.shape[1]}, hidden] (batch and seq of the labels), "
+            f"got shape {list(inputs_embeds.shape)}"
+        )
     return labels
 
 
@@ -351,8 +449,9 @@ def _shift_labels(labels: torch.Tensor, ignore_index: int, cu=None) -> tuple[tor
     return shifted, int((shifted != -100).sum())
 
 
-def _fingerprint(input_ids: torch.Tensor, shifted: torch.Tensor, cu) -> int:
-    """A 63-bit fingerprint of the batch's tokens, shifted targets and document boundaries:
+def _fingerprint(input_ids: torch.Tensor, shifted: torch.Tensor, cu, positions: torch.Tensor | None = None) -> int:
+    """A 63-bit fingerprint of the batch's tokens, shifted targets, mRoPE ``positions`` (if
+    given) and document boundaries:
     position-weighted sums in wrapping int64 arithmetic (exact, so the same batch gives the
     same value on any device and in any summation order; one host sync)."""
     mask = (1 << 63) - 1
@@ -362,7 +461,10 @@ def _fingerprint(input_ids: torch.Tensor, shifted: torch.Tensor, cu) -> int:
         weights = idx * -7046029254386353131 + 1442695040888963407  # odd multiplier: a bijection of the index
         return ((t.reshape(-1).to(torch.int64) + 0x9E3779B9) * (weights | 1)).sum()
 
-    fp = int((weighted(input_ids) * 31 + weighted(shifted)).item())
+    fp = weighted(input_ids) * 31 + weighted(shifted)
+    if positions is not None:
+        fp = fp * 31 + weighted(positions)
+    fp = int(fp.item())
     return (fp * 1_000_003 + (-1 if cu is None else boundaries_digest(cu))) & mask
 
 

@@ -16,6 +16,8 @@ import torch
 from ...longctx.install import enable as enable_long_context
 from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, _ulysses_mask, attention_settings
 from .batch import _SHARD_KWARG, HFIntegrationError
+from .multimodal import prepare as prepare_multimodal
+from .multimodal import text_config_key, text_model
 
 __all__ = ["apply", "register"]
 
@@ -180,7 +182,10 @@ def apply(
     configs = {id(c): c for c in (model.config, model.config.get_text_config())}
     for config in configs.values():
         _check_config(config)
-    modules = _attention_modules(model)
+    texts = text_model(model)  # a vision-language model's text model (None: a text-only model)
+    # Only the text model runs sequence-parallel; a vision tower's attention (bidirectional,
+    # over whole images before the sequence is sharded) keeps its implementation.
+    modules = [m for m in _attention_modules(model) if texts is None or m.config is texts.config]
     if not modules:
         raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
     # Resolved before the model is switched, so that a refusal leaves it as it was.
@@ -194,7 +199,9 @@ def apply(
                         offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
     register()
     _own_configs(model)  # the caller's config object stays as it was (another model may share it)
-    if hasattr(model, "set_attn_implementation"):
+    if texts is not None:
+        model.set_attn_implementation({text_config_key(model): ATTN_IMPLEMENTATION})
+    elif hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     else:
         model.config._attn_implementation = ATTN_IMPLEMENTATION
@@ -206,6 +213,8 @@ def apply(
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
         object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
+    if texts is not None:
+        prepare_multimodal(model)  # the text model's and the top-level model's pre-hooks
     return model
 
 

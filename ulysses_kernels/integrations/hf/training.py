@@ -31,14 +31,25 @@ def sync_gradients(model: torch.nn.Module, group=None) -> None:
 
     After ``out.loss.backward()`` each rank holds the gradient of its share of the loss;
     the sum is the gradient of the global mean loss (what one process would compute).
-    One collective per (dtype, device). With data parallelism on top, reduce over the
-    data-parallel group separately (as usual, averaging there).
+    One collective per (dtype, device), after one small all-reduce of which parameters have
+    a gradient on any rank: a rank whose shard never reached a parameter (a vision tower
+    with ``multimodal_inputs(vision="split")`` on a rank that encoded no image, an expert no
+    token of the shard was routed to) has none there, and takes part with zeros, so the
+    ranks' buffers line up; a parameter no rank reached keeps ``grad = None``. With data
+    parallelism on top, reduce over the data-parallel group separately (as usual, averaging there).
     """
     group = _process_group(group)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+    dist.all_reduce(have, op=dist.ReduceOp.MAX, group=group)
     buckets: dict[tuple, list[torch.Tensor]] = {}
-    for p in model.parameters():
+    for p, anyone in zip(params, have.tolist()):
+        if anyone and p.grad is None:
+            p.grad = torch.zeros_like(p)
         if p.grad is not None:
             buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
     for grads in buckets.values():
