@@ -29,11 +29,19 @@ class _PausedBackend(SDPABackend):
 
     def forward(self, *args, **kwargs):
         with self.counter.paused():
-            return super().forward(*args, **kwargs)
+            out, state = super().forward(*args, **kwargs)
+            # The backend's output layout is the backend's business too: flash-attn and the CPU's
+            # flash kernel return [B, S, h, D] rows, which the exchange sends in place.
+            # NOTE: with MLA (v's head dim not q's) torch's CPU SDPA takes its math path, whose
+            # output (and dq, dk) are [B, h, S, D] in memory; the exchange then packs them once
+            # more (measured 1.398 copies per byte at 10/2 heads, batch 2, D 8, Dv 6; 1.245 with
+            # the output laid out), so they are laid out here, as flash-attn returns them.
+            return (out if out[0].is_contiguous() else out.contiguous()), state
 
     def backward(self, *args, **kwargs):
         with self.counter.paused():
-            return super().backward(*args, **kwargs)
+            # As in forward: with MLA the math path's dq and dk are [B, h, S, D] in memory.
+            return tuple(g if g[0].is_contiguous() else g.contiguous() for g in super().backward(*args, **kwargs))
 
 
 @contextlib.contextmanager
@@ -58,15 +66,17 @@ def _paused_kv_sums(counter):
         KVGradSum.add, KVGradSum.result = saved
 
 
-def _ours(rank, world, hq, hkv, B, seq_lens, kernels):
+def _ours(rank, world, hq, hkv, B, seq_lens, kernels, Dv=8):
+    """``Dv``: v's head dim (MLA when it is not 8, q's and k's): v, the output and their
+    gradients travel at their own width."""
     D = 8
-    q, k, v = (torch.randn(B, seq_lens[rank], h, D, requires_grad=True) for h in (hq, hkv, hkv))
-    dout = torch.randn(B, seq_lens[rank], hq, D)
+    q, k, v = (torch.randn(B, seq_lens[rank], h, d, requires_grad=True) for h, d in ((hq, D), (hkv, D), (hkv, Dv)))
+    dout = torch.randn(B, seq_lens[rank], hq, Dv)
     counter = CopyCounter()
     with counter, _paused_kv_sums(counter):
         out = uk.ulysses_attention(q, k, v, seq_lens=seq_lens, attn_fn=_PausedBackend(counter), kernels=kernels, check=False)
         out.backward(dout)
-    layout = Layout(uk.HeadPlan.build(hq, hkv, world), rank, tuple(seq_lens), B, D)
+    layout = Layout(uk.HeadPlan.build(hq, hkv, world), rank, tuple(seq_lens), B, D, Dv)
     # Group totals: with uneven shards a rank may unpack more bytes than it sent.
     totals = torch.tensor([counter.bytes, ulysses_payload_bytes(layout, q.element_size())], dtype=torch.float64)
     dist.all_reduce(totals)
@@ -112,6 +122,9 @@ def _body(rank, world):
         for B in (1, 2):
             seq_lens = [3, 5, 4][:world]
             _ours(rank, world, hq, hkv, B, seq_lens, "torch")
+    # MLA: v narrower (DeepSeek's 192/128, in small) and wider than q and k.
+    for hq, hkv, B, Dv in ((10, 2, 2, 6), (6, 6, 1, 12), (10, 2, 1, 5)):
+        _ours(rank, world, hq, hkv, B, [3, 5, 4][:world], "torch", Dv=Dv)
     # NOTE: measured 2.0x at batch 2. At batch 1 one permute of each chain moves a size-1
     # dim, is a view, and the chain copies 1.0x: in the [B, S, H, D] layout the peers'
     # second copy only shows with batch > 1 (DeepSpeed's [S, B, H, D] layout pays it always).

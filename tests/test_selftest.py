@@ -74,7 +74,8 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
     doc = load(tmp_path / "out" / "selftest.json", r)
     kernels = available_kernels()  # conftest sets TRITON_INTERPRET=1 here too
     assert "triton" in kernels and "torch" in kernels
-    layouts = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring-1x2", "ring-1x2-zigzag", "ring-1x2-packed", "ring-1x2-zigzag-packed")
+    layouts = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring-1x2", "ring-1x2-zigzag", "ring-1x2-packed", "ring-1x2-zigzag-packed",
+               "mla", "mla-wide-v", "ring-1x2-mla")  # fmt: skip
     expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k, c, layout in itertools.product(kernels, ("1", "2", "auto"), layouts)}
     expected |= {f"{k}/torch-dist/chunks={CK}/{layout}/checkpoint" for k, layout in itertools.product(kernels, layouts)}
     paths = {p["path"]: p for p in doc["paths"]}
@@ -96,6 +97,8 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
         assert p["seq_layout"] == ("zigzag" if "zigzag" in p["layout"] else "contiguous"), p
         assert p["backend"].startswith("ring(") == two_d, p
         assert (p["cu_seqlens"] == [0, 1, 9, 11, 16]) if p["layout"].endswith("packed") else p["cu_seqlens"] is None, p
+        # MLA: v (and the output) at 3/4 and 3/2 of q's head dim (16 on the CPU).
+        assert p["v_head_dim"] == {"mla": 12, "mla-wide-v": 24, "ring-1x2-mla": 12}.get(p["layout"], p["head_dim"]), p
     # The layouts at 2 ranks: GQA with one KV head, 3 query heads, a 17-token sequence.
     gqa, heads, shards = (paths[f"torch/torch-dist/chunks=1/{name}"] for name in ("gqa", "uneven-heads", "uneven-shards"))
     assert gqa["kv_heads"] < 2 and heads["q_heads"] % 2 and sum(shards["seq_lens"]) % 2 and shards["seq_lens"] == split_lengths(sum(shards["seq_lens"]), 2)
@@ -123,7 +126,7 @@ def test_torchrun_at_three_ranks_quick(tmp_path):
     r = run(argv, tmp_path, env=user_env())
     assert r.returncode == 0, r.stdout + r.stderr
     doc = load(tmp_path / "q.json", r)
-    layouts = ("gqa", "uneven-shards", "packed", "ring-1x3-zigzag")  # QUICK_LAYOUTS at 3 ranks
+    layouts = ("gqa", "uneven-shards", "packed", "ring-1x3-zigzag", "mla")  # QUICK_LAYOUTS at 3 ranks
     expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k in kernels for c in selftest.QUICK_CHUNKS for layout in layouts}
     expected |= {f"{k}/torch-dist/chunks={CK}/{layout}/checkpoint" for k in kernels for layout in layouts}
     assert {p["path"] for p in doc["paths"]} == expected and doc["ok"] and doc["counts"]["PASS"] == len(expected)
@@ -288,10 +291,20 @@ def test_layouts_are_what_their_names_say(world):
     cases = {c.name: c for c in selftest.make_cases(world, 7)}  # 7: zigzag's shards still even
     splits = selftest.ring_splits(world)
     rings = [f"ring-{u}x{r}{s}" for s in ("", "-zigzag", "-packed", "-zigzag-packed") for u, r in splits]
-    assert list(cases) == list(selftest.LAYOUTS[:5]) + rings
+    mla = ["mla", "mla-wide-v"] + [f"ring-{u}x{r}-mla" for u, r in splits]
+    assert list(cases) == list(selftest.LAYOUTS[:5]) + rings + mla
     for c in cases.values():
         HeadPlan.build(c.q_heads, c.kv_heads, c.split[0] if c.split else world)  # every layout can be planned
         assert len(c.seq_lens) == world
+        # v's head dim differs from q's exactly in the MLA layouts: narrower, wider, narrower.
+        assert (c.v_head_dim(16), c.v_head_dim(64)) == {"mla": (12, 48), "mla-wide-v": (24, 96)}.get(
+            c.name, (12, 48) if c.name.endswith("-mla") else (16, 64)
+        ), c
+        if c.name in mla:
+            assert c.causal and (c.q_heads == c.kv_heads) == (c.name != "mla-wide-v"), c
+            if c.name == "mla" and world > 1:
+                assert c.q_heads % world, c  # ranks hold different head counts
+            continue
         if c.split:
             u, r = c.split
             assert u * r == world and r >= 2 and c.kv_heads < max(u, 2) and c.causal, c

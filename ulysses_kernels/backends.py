@@ -1,7 +1,8 @@
 """Local attention backends behind one small interface.
 
 After the sequence-to-head all-to-all each rank holds, for its heads, the whole sequence:
-``q`` ``[B, S, hq, D]``, ``k``/``v`` ``[B, S, hkv, D]`` (strided views, last dim contiguous),
+``q`` ``[B, S, hq, D]``, ``k`` ``[B, S, hkv, D]``, ``v`` ``[B, S, hkv, Dv]`` (strided views,
+last dim contiguous; ``Dv`` may differ from ``D``: MLA; the output is ``[B, S, hq, Dv]``),
 and ``kv_map[i]``, the local KV head of local query head ``i``. A backend computes full
 (optionally causal) softmax attention and, later, its gradients:
 
@@ -178,6 +179,15 @@ class FlashBackend(AttentionBackend):
     name = "flash"
 
     def attend(self, q, k, v, causal, scale, docs=None):
+        if v.shape[3] != q.shape[3]:
+            # flash-attn 2 takes one head dim for q, k and v. MLA's narrower v is padded here,
+            # on this rank's head shard after the exchange (never on the wire), and the
+            # output cut back; autograd slices the padding's gradient off dv. A v wider
+            # than q pads q and k instead (zeros add nothing to the scores).
+            dv, d = v.shape[3], q.shape[3]
+            if dv < d:
+                return self.attend(q, k, F.pad(v, (0, d - dv)), causal, scale, docs)[..., :dv]
+            return self.attend(F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v, causal, scale, docs)
         if docs is not None:
             from flash_attn import flash_attn_varlen_func
 
@@ -196,8 +206,12 @@ class FlashBackend(AttentionBackend):
         one (float32; flash-attn's backward against a given LSE is not wired yet)."""
         from flash_attn import flash_attn_func
 
+        dv, d = v.shape[3], q.shape[3]
+        if dv != d:  # one head dim for flash-attn 2: pad on the head shard (see attend)
+            w = max(d, dv)
+            q, k, v = (F.pad(x, (0, w - x.shape[3])) for x in (q, k, v))
         out, lse, *_ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
-        return out, lse
+        return out[..., :dv], lse
 
 
 class CallableBackend(AttentionBackend):

@@ -252,15 +252,18 @@ def _local_problems(sig: Signature) -> list[str]:
     if out:
         return out
     (b, s, hq, d), kshape, vshape = sig.shapes
-    if kshape != vshape:
-        out.append(f"v.shape expected {list(kshape)} (k.shape), got {list(vshape)}")
     for name, shape in (("k", kshape), ("v", vshape)):
         if shape[0] != b:
             out.append(f"{name}.shape[0] (batch) expected {b} (q.shape[0]), got {shape[0]}")
         if shape[1] != s:
             out.append(f"{name}.shape[1] (seq_local) expected {s} (q.shape[1]), got {shape[1]}")
-        if shape[3] != d:
-            out.append(f"{name}.shape[3] (head_dim) expected {d} (q.shape[3]), got {shape[3]}")
+    if kshape[3] != d:
+        out.append(f"k.shape[3] (head_dim) expected {d} (q.shape[3]), got {kshape[3]}")
+    # v's head dim is its own (MLA: v_head_dim != head_dim); its heads are k's.
+    if vshape[2] != kshape[2]:
+        out.append(f"v.shape[2] (kv_heads) expected {kshape[2]} (k.shape[2]), got {vshape[2]}")
+    if vshape[3] < 1 or d < 1:
+        out.append(f"head dims must be positive, got head_dim={d} (q.shape[3]), v_head_dim={vshape[3]} (v.shape[3])")
     hkv = kshape[2]
     if hkv < 1 or hq < 1:
         out.append(f"head counts must be positive, got q_heads={hq}, kv_heads={hkv}")
@@ -297,6 +300,7 @@ def _global_problems(sigs: Sequence[Signature]) -> list[str]:
         ("q_heads (q.shape[2])", lambda g: g.shapes[0][2]),
         ("kv_heads (k.shape[2])", lambda g: g.shapes[1][2]),
         ("head_dim (q.shape[3])", lambda g: g.shapes[0][3]),
+        ("v_head_dim (v.shape[3])", lambda g: g.shapes[2][3]),
         ("dtype", lambda g: _dtype_name(g.dtypes[0])),
         ("device type", lambda g: _device_name(g.devices[0][0], -1)),
         ("causal", lambda g: bool(g.causal)),
@@ -387,13 +391,13 @@ def _signature_of(key: tuple) -> Signature:
 def _plan_and_layout(key: tuple) -> tuple[HeadPlan, Layout]:
     """This rank's checks (``validate`` of its own signature), then the plan and the ``Layout``."""
     validate([_signature_of(key)], gathered=False)
-    qs, ks, _, _, _, _, _, _, _, rank, world, _, _, seq_lens, plan, _ = key
+    qs, ks, vs, _, _, _, _, _, _, rank, world, _, _, seq_lens, plan, _ = key
     if plan is None:
         plan = HeadPlan.build(qs[2], ks[2], world)
     elif plan.world_size != world:
         raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
     lens = seq_lens if seq_lens is not None else (qs[1],) * world
-    return plan, Layout(plan, rank, lens, qs[0], qs[3])
+    return plan, Layout(plan, rank, lens, qs[0], qs[3], vs[3])
 
 
 # Bounded caches keyed by values (the call key, or every rank's integers): a few hundred input

@@ -160,8 +160,8 @@ class KVGather:
             dk, dv = acc.result()
             return dk, dv
         index = kv_index(self.kv_map, dk.device)
-        shape = (dk.shape[0], dk.shape[1], self.kv_heads, dk.shape[3])
-        return dk.new_zeros(shape).index_add_(2, index, dk), dv.new_zeros(shape).index_add_(2, index, dv)
+        shape = (dk.shape[0], dk.shape[1], self.kv_heads)
+        return dk.new_zeros(*shape, dk.shape[3]).index_add_(2, index, dk), dv.new_zeros(*shape, dv.shape[3]).index_add_(2, index, dv)
 
 
 def expand_kv(k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

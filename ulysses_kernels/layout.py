@@ -4,21 +4,27 @@ and the kernel sets use. The kernel sets (``ulysses_kernels.kernels``: the pure-
 the definition, then Triton and C++/CUDA) move the bytes; nothing here copies data.
 
 Notation: ``P`` ranks, rank ``r`` holds ``s_r`` tokens (``seq_lens[r]``), ``S = sum(s_r)``,
-``B`` batch, ``D`` head_dim. A *role* is one tensor family moved together: ``"q"`` moves
-the query-head ranges of the plan, ``"kv"`` the KV-head ranges. The q/k/v all-to-all moves
-the roles ``("q", "kv", "kv")``; the output and dout move ``("q",)``. Everything is
-batch-major, the layout attention kernels read and write (``[B, S, h, D]``, rows of ``D``
-contiguous), so neither side of an all-to-all needs a second copy.
+``B`` batch, ``D`` head_dim. A *role* is one tensor family moved together, with its head
+ranges and its head dim: ``"q"`` moves the query-head ranges of the plan at ``head_dim``
+(q), ``"kv"`` the KV-head ranges at ``head_dim`` (k), ``"v"`` the KV-head ranges at
+``v_head_dim`` (v), ``"o"`` the query-head ranges at ``v_head_dim`` (the attention output
+and its gradient). The q/k/v all-to-all moves the roles ``("q", "kv", "v")`` (dq/dk/dv the
+same); the output and dout move ``("o",)``. With MLA (DeepSeek-V2/V3, MiniCPM3) ``v_head_dim``
+differs from ``head_dim``; each role travels at its own width (v is never padded on the
+wire), so a token's row of a block is ``h_q * D + h_k * D + h_v * Dv`` elements, not a
+multiple of one head dim. Everything is batch-major, the layout attention kernels read
+and write (``[B, S, h, D]``, rows of ``D`` contiguous), so neither side of an all-to-all
+needs a second copy.
 
 Sequence-sharded to head-sharded (q/k/v forward, dout backward), seen from rank ``r``::
 
     send buffer (1-D)                       block for peer p, batch-major:
-    +---------+---------+-----+              [B][s_r][h_q(p) | h_k(p) | h_v(p)][D]
+    +---------+---------+-----+              [B][s_r][h_q(p)*D | h_k(p)*D | h_v(p)*Dv]
     | peer 0  | peer 1  | ... |              heads of the roles side by side
     +---------+---------+-----+
 
-    receive buffer = [B][S][h_q(r) | h_k(r) | h_v(r)][D]
-    q, k, v are ``[B, S, h, D]`` views of it (no receive-side copy). Source p's rows for
+    receive buffer = [B][S][h_q(r)*D | h_k(r)*D | h_v(r)*Dv]
+    q, k, v are ``[B, S, h, D]`` (v: ``Dv``) views of it (no receive-side copy). Source p's rows for
     batch element b, ``[b, off_p : off_p + s_p]``, are one contiguous piece, as is the
     send block's ``[b]`` slice: with batch 1 one ``all_to_all`` moves everything; with a
     larger batch one grouped send/recv per (peer, batch element) does, and the rank's own
@@ -43,10 +49,13 @@ import torch
 
 from .plan import HeadPlan
 
-__all__ = ["Layout", "QKV", "Q_ONLY", "split_lengths"]
+__all__ = ["Layout", "QKV", "Q_ONLY", "OUT", "split_lengths"]
 
-QKV = ("q", "kv", "kv")
+QKV = ("q", "kv", "v")
 Q_ONLY = ("q",)
+OUT = ("o",)  # the attention output and dout: query heads at v_head_dim
+_Q_RANGES = frozenset(("q", "o"))  # roles that move the plan's query-head ranges
+_V_DIM = frozenset(("v", "o"))  # roles that move v_head_dim elements per head
 
 
 def split_lengths(total: int, world: int) -> list[int]:
@@ -63,19 +72,28 @@ class Layout:
     A value: the splits, head ranges and KV map below are computed once per layout and kept
     on it (``_memo``; a resolved call reuses its layout, so its exchanges compute none of
     them again), as is its hash (layouts key caches). Inside ``torch.compile`` they are
-    computed while tracing (kept nowhere) and become constants of the graph."""
+    computed while tracing (kept nowhere) and become constants of the graph.
+
+    ``head_dim``: q's and k's (roles ``"q"``, ``"kv"``); ``v_head_dim``: v's and the
+    output's (roles ``"v"``, ``"o"``), ``None`` for ``head_dim`` (stored as that value, so
+    two layouts of the same sizes are equal however they were written)."""
 
     plan: HeadPlan
     rank: int
     seq_lens: tuple[int, ...]
     batch: int
     head_dim: int
+    v_head_dim: int | None = None
+
+    def __post_init__(self):
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
 
     def __hash__(self) -> int:
         # Layouts key the caches of a call's pieces: hash the fields once per layout.
         h = self.__dict__.get("_hash_")
         if h is None:
-            h = hash((self.plan, self.rank, self.seq_lens, self.batch, self.head_dim))
+            h = hash((self.plan, self.rank, self.seq_lens, self.batch, self.head_dim, self.v_head_dim))
             if not torch.compiler.is_compiling():
                 self.__dict__["_hash_"] = h
         return h
@@ -107,8 +125,35 @@ class Layout:
             value = memo[key] = build()
         return value
 
+    def with_plan(self, plan: HeadPlan) -> Layout:
+        """This layout with another plan (a chunk's, a replica sum's): same rank, lengths,
+        batch and head dims."""
+        return Layout(plan, self.rank, self.seq_lens, self.batch, self.head_dim, self.v_head_dim)
+
+    @property
+    def uniform(self) -> bool:
+        """Every role has the same head dim (no MLA)."""
+        return self.v_head_dim == self.head_dim
+
+    def dim(self, role: str) -> int:
+        """The head dim ``role`` moves: ``v_head_dim`` for ``"v"`` and ``"o"``, else ``head_dim``."""
+        return self.v_head_dim if role in _V_DIM else self.head_dim
+
+    def row_dim(self, roles: Sequence[str]) -> int:
+        """The largest number of elements that divides every head of ``roles``: the head dim,
+        or with MLA's mixed head dims their greatest common divisor. The Triton and C++
+        kernel sets move rows of one length: each head of ``d`` elements goes as ``d /
+        row_dim`` rows (the same bytes in the same places)."""
+        g = 0
+        for s in roles:
+            a, b = g, self.dim(s)
+            while b:  # Euclid (math.gcd does not trace under torch.compile)
+                a, b = b, a % b
+            g = a
+        return g
+
     def head_range(self, role: str, rank: int) -> tuple[int, int]:
-        return self.plan.q_ranges[rank] if role == "q" else self.plan.kv_ranges[rank]
+        return self.plan.q_ranges[rank] if role in _Q_RANGES else self.plan.kv_ranges[rank]
 
     def head_count(self, role: str, rank: int) -> int:
         a, b = self.head_range(role, rank)
@@ -121,20 +166,27 @@ class Layout:
         """Per peer, per role: the ``(start, end)`` head range (``head_range``)."""
         return self._roles(roles)[0]
 
+    def width(self, roles: Sequence[str], rank: int) -> int:
+        """Elements of one token of ``rank``'s block: ``sum(heads * dim)`` over ``roles``."""
+        return self._roles(roles)[3][rank]
+
     def _roles(self, roles: Sequence[str]):
-        """``(ranges, counts, heads)`` of ``roles``: per peer, per role the head range and
-        head count; per peer the heads of all roles together."""
+        """``(ranges, counts, heads, widths)`` of ``roles``: per peer, per role the head range
+        and head count; per peer the heads of all roles together, and the elements of one
+        token of its block (``sum(count * dim)``: roles may differ in head dim)."""
         roles = tuple(roles)
 
         def build():
             ranges = tuple(tuple(self.head_range(s, p) for s in roles) for p in range(self.world_size))
             counts = tuple(tuple(b - a for a, b in per) for per in ranges)
-            return ranges, counts, tuple(sum(c) for c in counts)
+            dims = tuple(self.dim(s) for s in roles)
+            widths = tuple(sum(c * d for c, d in zip(per, dims)) for per in counts)
+            return ranges, counts, tuple(sum(c) for c in counts), widths
 
         return self._memo(("roles", roles), build)
 
     def total_heads(self, role: str) -> int:
-        return self.plan.q_heads if role == "q" else self.plan.kv_heads
+        return self.plan.q_heads if role in _Q_RANGES else self.plan.kv_heads
 
     @property
     def kv_map(self) -> tuple[int, ...]:
@@ -152,17 +204,17 @@ class Layout:
         """Elements of each peer's block of the send buffer. ``own=False``: this rank's own
         block is 0, the buffer of ``pack_s2h(recv=...)`` (its own rows go to the receive
         buffer instead)."""
-        roles, per_token = tuple(roles), self.batch * self.head_dim
+        roles = tuple(roles)
 
         def build():
-            return tuple(0 if p == self.rank and not own else self.seq_local * per_token * self.heads(roles, p) for p in range(self.world_size))
+            return tuple(0 if p == self.rank and not own else self.seq_local * self.batch * self.width(roles, p) for p in range(self.world_size))
 
         return list(self._memo(("s2h_send", roles, own), build))
 
     def s2h_recv_splits(self, roles: Sequence[str]) -> list[int]:
         """Elements this rank receives from each source."""
         roles = tuple(roles)
-        per_token = self.batch * self.head_dim * self.heads(roles, self.rank)
+        per_token = self.batch * self.width(roles, self.rank)
         return list(self._memo(("s2h_recv", roles), lambda: tuple(s * per_token for s in self.seq_lens)))
 
     def s2h_send_views(self, send: torch.Tensor, roles: Sequence[str], recv: torch.Tensor | None = None):
@@ -172,21 +224,35 @@ class Layout:
         rows of the receive buffer instead, and ``send`` holds the peers' blocks only
         (``s2h_send_splits(roles, own=False)`` elements)."""
         views, start = [], 0
-        _, counts, heads = self._roles(roles)
+        _, counts, heads, widths = self._roles(roles)
         for p, n in enumerate(self.s2h_send_splits(roles, own=recv is None)):
             if p == self.rank and recv is not None:
                 block = self._recv4(recv, roles)
                 if self.world_size > 1:  # else its rows are all of them
                     block = block.narrow(1, self.seq_offset(p), self.seq_local)
-            else:
+            elif self.uniform:
                 block = send.narrow(0, start, n).view(self.batch, self.seq_local, heads[p], self.head_dim)
-            views.append(_split_heads(block, counts[p]))
+            else:
+                block = send.narrow(0, start, n).view(self.batch, self.seq_local, widths[p])
+            views.append(self._split_roles(block, roles, counts[p]))
             start += n
         return views
 
+    def _split_roles(self, x: torch.Tensor, roles: Sequence[str], counts: Sequence[int]) -> list[torch.Tensor]:
+        """One ``[B, s, h, D]`` view per role of a block: ``x`` is ``[B, s, heads, D]`` when
+        the roles share one head dim, else ``[B, s, width]`` (rows of one token)."""
+        if self.uniform:
+            return _split_heads(x, counts)
+        dims = [self.dim(s) for s in roles]
+        parts = x.split_with_sizes([c * d for c, d in zip(counts, dims)], dim=2)
+        return [part.view(x.shape[0], x.shape[1], c, d) for part, c, d in zip(parts, counts, dims)]
+
     def _recv4(self, recv: torch.Tensor, roles: Sequence[str]) -> torch.Tensor:
+        """The receive buffer as ``[B, S, h, D]`` (one head dim) or ``[B, S, width]``."""
         roles = tuple(roles)
-        return recv.view(self._memo(("recv4", roles), lambda: (self.batch, self.seq_total, self.heads(roles, self.rank), self.head_dim)))
+        if self.uniform:
+            return recv.view(self._memo(("recv4", roles), lambda: (self.batch, self.seq_total, self.heads(roles, self.rank), self.head_dim)))
+        return recv.view(self.batch, self.seq_total, self.width(roles, self.rank))
 
     def s2h_send_pieces(self, send: torch.Tensor, roles: Sequence[str], own: bool = True) -> list[list[torch.Tensor]]:
         """Per peer, per batch element: the contiguous piece of the send buffer (``own``:
@@ -207,16 +273,16 @@ class Layout:
 
     def s2h_recv_views(self, recv: torch.Tensor, roles: Sequence[str]) -> list[torch.Tensor]:
         """The received tensors as ``[B, S, h, D]`` views of the flat receive buffer."""
-        return _split_heads(self._recv4(recv, roles), self._roles(roles)[1][self.rank])
+        return self._split_roles(self._recv4(recv, roles), roles, self._roles(roles)[1][self.rank])
 
     # ---- head-sharded -> sequence-sharded -------------------------------------------
     def h2s_splits(self, roles: Sequence[str]) -> tuple[list[int], list[int]]:
         """(send, receive) elements per peer for the head-to-sequence all-to-all."""
-        roles, per = tuple(roles), self.batch * self.head_dim
+        roles, per = tuple(roles), self.batch
 
         def build():
-            send = tuple(self.seq_lens[p] * per * self.heads(roles, self.rank) for p in range(self.world_size))
-            return send, tuple(self.seq_local * per * self.heads(roles, p) for p in range(self.world_size))
+            send = tuple(self.seq_lens[p] * per * self.width(roles, self.rank) for p in range(self.world_size))
+            return send, tuple(self.seq_local * per * self.width(roles, p) for p in range(self.world_size))
 
         send, recv = self._memo(("h2s", roles), build)
         return list(send), list(recv)
@@ -233,7 +299,7 @@ class Layout:
         for p in range(self.world_size):
             per_role = []
             for s in roles:
-                n = self.seq_local * self.batch * self.head_count(s, p) * self.head_dim
+                n = self.seq_local * self.batch * self.head_count(s, p) * self.dim(s)
                 per_role.append(recv[start : start + n])
                 start += n
             slices.append(per_role)
@@ -242,7 +308,7 @@ class Layout:
     def h2s_recv_views(self, recv: torch.Tensor, roles: Sequence[str]) -> list[list[torch.Tensor]]:
         """Per source, per role: the received wire-format block as ``[B, s_r, h, D]``."""
         return [
-            [x.view(self.batch, self.seq_local, self.head_count(s, p), self.head_dim) for x, s in zip(per_role, roles)]
+            [x.view(self.batch, self.seq_local, self.head_count(s, p), self.dim(s)) for x, s in zip(per_role, roles)]
             for p, per_role in enumerate(self.h2s_recv_slices(recv, roles))
         ]
 

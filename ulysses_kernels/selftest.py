@@ -29,7 +29,11 @@ A *path* is one kernel set x one communicator x one chunk count x one layout:
   heads, causal; ``ring-packed`` and ``ring-zigzag-packed`` (cases ``ring-UxR-packed``,
   ``ring-UxR-zigzag-packed``): the same on one packed sequence (batch 1, ``packed``'s
   document mix; at 2 to 8 ranks one document crosses a ring block boundary and, in zigzag,
-  one crosses the fold in the middle of the last ring rank's block). The 2-D groups are made once per run, in the same order on every rank (and
+  one crosses the fold in the middle of the last ring rank's block); MLA, v (and the output) at
+  a head dim of its own: ``mla`` (P+1 query and KV heads, batch 2, v 3/4 of q's and k's head
+  dim: narrower, as DeepSeek's 128 against 192), ``mla-wide-v`` (``gqa``'s heads, uneven
+  shards, batch 1, v 3/2 of it) and ``ring-mla`` (cases ``ring-UxR-mla``: U+1 heads over the
+  2-D group, v narrower). The 2-D groups are made once per run, in the same order on every rank (and
   again after the group recovery below); their Ulysses level runs on torch.distributed, so
   they are ``torch-dist`` paths only. Their groups get ``--timeout`` too
   (``make_sp_groups(timeout=)``), and the hang timer below backs it;
@@ -101,10 +105,11 @@ __all__ = ["LAYOUTS", "COMMS", "Case", "PathSpec", "make_cases", "main"]
 
 TENSORS = ("out", "dq", "dk", "dv")
 FLOAT64_BOUND = 1e-10  # as the tests: float64 all the way, only summation order differs
-LAYOUTS = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring", "ring-zigzag", "ring-packed", "ring-zigzag-packed")
+LAYOUTS = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring", "ring-zigzag", "ring-packed", "ring-zigzag-packed",
+           "mla", "mla-wide-v", "ring-mla")  # fmt: skip
 COMMS = ("torch-dist", "nccl", "nccl-borrowed")
 CHUNKS = ("1", "2", "auto")
-QUICK_LAYOUTS = ("gqa", "uneven-shards", "packed", "ring-zigzag")
+QUICK_LAYOUTS = ("gqa", "uneven-shards", "packed", "ring-zigzag", "mla")
 QUICK_CHUNKS = ("1", "2")
 # The chunked pipeline (its exchanges in flight while attention runs, nested backward
 # passes per chunk) is the path that met the checkpoint's recompute badly: checked here.
@@ -119,7 +124,9 @@ class Case:
 
     ``split``: ``(ulysses_size, ring_size)`` of a 2-D group (``make_sp_groups``), whose shards
     follow ``seq_layout``; ``None``: the flat group. ``docs``: the lengths of the packed
-    documents of the global sequence (``cu_seqlens``); ``None``: one sequence per batch row."""
+    documents of the global sequence (``cu_seqlens``); ``None``: one sequence per batch row.
+    ``v_dim``: v's head dim (and the output's) as a fraction ``(num, den)`` of q's and k's
+    (MLA: ``(3, 4)``, v narrower; ``(3, 2)``, v wider); ``(1, 1)``: the same."""
 
     name: str
     q_heads: int
@@ -130,6 +137,10 @@ class Case:
     split: tuple[int, int] | None = None
     seq_layout: str = "contiguous"
     docs: tuple[int, ...] | None = None
+    v_dim: tuple[int, int] = (1, 1)
+
+    def v_head_dim(self, head_dim: int) -> int:
+        return max(1, head_dim * self.v_dim[0] // self.v_dim[1])
 
     @property
     def cu_seqlens(self) -> tuple[int, ...] | None:
@@ -194,6 +205,11 @@ def make_cases(world: int, seq_per_rank: int, names=LAYOUTS) -> list[Case]:
         "uneven-heads": [Case("uneven-heads", p + 1, _smallest_divisor(p + 1), even, 2, False)],
         "uneven-shards": [Case("uneven-shards", 2 * p, 2, tuple(split_lengths(p * s + max(1, p // 2), p)), 2, True)],
         "packed": [Case("packed", 2 * p, _fewer_kv_heads(2 * p, p), even, 1, True, docs=short_and_crossing_documents(p, s))],
+        # MLA (DeepSeek-V2/V3, MiniCPM3): as many KV heads as query heads, v narrower than
+        # q and k (192/128 there); P + 1 heads, so the ranks hold different head counts.
+        "mla": [Case("mla", p + 1, p + 1, even, 2, True, v_dim=(3, 4))],
+        # Any v head dim: v wider than q and k, with grouped KV heads and uneven shards.
+        "mla-wide-v": [Case("mla-wide-v", 2 * p, _fewer_kv_heads(2 * p, p), tuple(split_lengths(p * s + 1, p)), 1, True, v_dim=(3, 2))],
     }
     for layout, suffix in (("contiguous", ""), ("zigzag", "-zigzag")):
         # Zigzag cuts each rank's shard in two halves: an even shard for every --seq-per-rank.
@@ -205,6 +221,9 @@ def make_cases(world: int, seq_per_rank: int, names=LAYOUTS) -> list[Case]:
             Case(f"ring-{u}x{r}{suffix}-packed", 2 * u, _fewer_kv_heads(2 * u, u), even2, 1, True, (u, r), layout, short_and_crossing_documents(p, even2[0]))
             for u, r in ring_splits(p)
         ]
+    every["ring-mla"] = [
+        Case(f"ring-{u}x{r}-mla", u + 1, u + 1, (s + s % 2,) * p, 2, True, (u, r), "contiguous", v_dim=(3, 4)) for u, r in ring_splits(p)
+    ]
     return [c for n in names for c in every[n]]
 
 
@@ -450,9 +469,11 @@ class _Rank:
         try:
             g = torch.Generator().manual_seed(1234 + index)
             seq = sum(case.seq_lens)
+            dv = case.v_head_dim(self.head_dim)
             shape_q = (case.batch, seq, case.q_heads, self.head_dim)
             shape_kv = (case.batch, seq, case.kv_heads, self.head_dim)
-            inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)]
+            shape_v, shape_out = (*shape_kv[:3], dv), (*shape_q[:3], dv)
+            inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_kv, shape_v, shape_out)]
             full = [x.to(self.device).clone().requires_grad_() for x in inputs[:3]]
             out = _per_document(case, lambda q, k, v: attention_reference(q, k, v, causal=case.causal), *full)
             out.backward(inputs[3].to(self.device))
@@ -509,7 +530,7 @@ class _Rank:
             "seq_layout": case.seq_layout, "checkpoint": path.checkpoint, "checkpoint_diff": None,
             "cu_seqlens": None if case.docs is None else list(case.cu_seqlens),
             "q_heads": case.q_heads, "kv_heads": case.kv_heads, "seq_lens": list(case.seq_lens), "batch": case.batch,
-            "head_dim": self.head_dim, "causal": case.causal, "dtype": dtype_name(self.dtype), "backend": None,
+            "head_dim": self.head_dim, "v_head_dim": case.v_head_dim(self.head_dim), "causal": case.causal, "dtype": dtype_name(self.dtype), "backend": None,
             "status": status, "tensor": None, "max_error": None, "bound": None, "errors": None,
             "bounds": None if bounds is None else dict(zip(TENSORS, bounds)), "time_ms": None, "message": message,
         }  # fmt: skip

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .gqa import shares_one_kv, uniform_group
-from .layout import Q_ONLY, QKV, Layout
+from .layout import OUT, QKV, Layout
 
 __all__ = ["CopyCounter", "LiveBytes", "ulysses_payload_bytes", "ulysses_buffer_bytes", "s2h_send_elems", "h2s_recv_elems", "ulysses_peak_moments"]
 
@@ -98,9 +98,9 @@ class CopyCounter(TorchDispatchMode):
 def ulysses_payload_bytes(layout: Layout, element_size: int, backward: bool = True) -> int:
     """Bytes one rank sends in the all-to-alls of ``ulysses_attention`` (self block included):
     q/k/v and the output forward; dout and dq/dk/dv backward."""
-    elems = sum(layout.s2h_send_splits(QKV)) + sum(layout.h2s_splits(Q_ONLY)[0])
+    elems = sum(layout.s2h_send_splits(QKV)) + sum(layout.h2s_splits(OUT)[0])
     if backward:
-        elems += sum(layout.s2h_send_splits(Q_ONLY)) + sum(layout.h2s_splits(QKV)[0])
+        elems += sum(layout.s2h_send_splits(OUT)) + sum(layout.h2s_splits(QKV)[0])
     return elems * element_size
 
 
@@ -130,11 +130,12 @@ def ulysses_buffer_bytes(layout: Layout, element_size: int) -> int:
     dq/dk/dv (they are sent in place; ``h2s_recv_elems``), and the results ``out``, ``dq``,
     ``dk``, ``dv``."""
     hq, hkv = layout.plan.q_heads, layout.plan.kv_heads
-    rows = layout.batch * layout.seq_local * layout.head_dim
+    rows = layout.batch * layout.seq_local
     elems = s2h_send_elems(layout, QKV) + sum(layout.s2h_recv_splits(QKV))
-    elems += s2h_send_elems(layout, Q_ONLY) + sum(layout.s2h_recv_splits(Q_ONLY))
-    elems += h2s_recv_elems(layout, Q_ONLY) + h2s_recv_elems(layout, QKV)
-    elems += rows * (2 * hq + 2 * hkv)
+    elems += s2h_send_elems(layout, OUT) + sum(layout.s2h_recv_splits(OUT))
+    elems += h2s_recv_elems(layout, OUT) + h2s_recv_elems(layout, QKV)
+    # out and dv at v_head_dim, dq and dk at head_dim
+    elems += rows * (hq + hkv) * (layout.head_dim + layout.v_head_dim)
     return elems * element_size
 
 
@@ -155,21 +156,21 @@ def ulysses_peak_moments(layout: Layout, element_size: int, *, backward: bool) -
     gathered = not shared and not uniform_group(len(kv_map), hkv, kv_map)
     head = B * S * D * e  # one head over the whole sequence, [B, S, 1, D]
     send_qkv, recv_qkv = s2h_send_elems(lay, QKV) * e, sum(lay.s2h_recv_splits(QKV)) * e
-    send_dout, recv_dout = s2h_send_elems(lay, Q_ONLY) * e, sum(lay.s2h_recv_splits(Q_ONLY)) * e
+    send_dout, recv_dout = s2h_send_elems(lay, OUT) * e, sum(lay.s2h_recv_splits(OUT)) * e
     out_l, lse = hq * head, B * hq * S * 4
     kv2 = 2 * hq * head if gathered else 0  # k, v gathered to one KV head per query head
     out = lay.batch * lay.seq_local * lay.plan.q_heads * D * e
     moments = {"q/k/v exchange": send_qkv + recv_qkv}
     if not backward:
         moments["attention"] = recv_qkv + kv2 + out_l + lse
-        moments["output exchange"] = out_l + h2s_recv_elems(lay, Q_ONLY) * e + out
+        moments["output exchange"] = out_l + h2s_recv_elems(lay, OUT) * e + out
         return moments
     # Saved for the backward: the receive buffer (q, k, v are views of it), or with a
     # gathered map a copy of q and the gathered k, v; the output and lse.
     saved = (hq * head + kv2 if gathered else recv_qkv) + out_l + lse
     # With a gathered map the receive buffer, the q copy, k, v and the int64 index meet here.
     moments["attention"] = recv_qkv + (hq * head + kv2 + 8 * hq if gathered else 0) + out_l + lse
-    moments["output exchange"] = saved + h2s_recv_elems(lay, Q_ONLY) * e + out
+    moments["output exchange"] = saved + h2s_recv_elems(lay, OUT) * e + out
     moments["dout exchange"] = saved + out + send_dout + recv_dout
     # The kernel's dk, dv: per query head for SharedKV (summed after) and gathered maps
     # (index_add-ed after), per KV head otherwise.

@@ -183,7 +183,7 @@ def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softm
     except UlyssesInputError as e:
         failed, prepared = e, None
     scale = default_scale(q.shape[3], softmax_scale) if q.dim() == 4 else 0.0
-    check_ring_inputs(sp, q, k, causal=causal, scale_bits=float_bits(scale), seq_lens=seq_lens, failed=failed, check=check, docs=docs)
+    check_ring_inputs(sp, q, k, causal=causal, scale_bits=float_bits(scale), seq_lens=seq_lens, failed=failed, check=check, docs=docs, v=v)
     return prepared
 
 

@@ -7,7 +7,7 @@ import torch
 
 from ..backends import doc_kwargs
 from ..checkpointing import one_recompute
-from ..layout import Q_ONLY, QKV
+from ..layout import OUT, QKV
 from .exchange import HeadToSeq, SeqToHead, a2a_head_to_seq, a2a_seq_to_head
 
 __all__ = ["LocalAttention", "eager_attention"]
@@ -74,4 +74,4 @@ def _forward_only(q, k, v, call):
         q_l, k_l, v_l, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=False, **doc_kwargs(call.docs)
     )  # fmt: skip
     del q_l, k_l, v_l
-    return a2a_head_to_seq(layout, [out_l], Q_ONLY, comm, kernels)[0]
+    return a2a_head_to_seq(layout, [out_l], OUT, comm, kernels)[0]

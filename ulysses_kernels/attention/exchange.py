@@ -37,7 +37,7 @@ import torch
 
 from .. import layout as L
 from ..kernels import TorchKernels
-from ..layout import Q_ONLY, QKV, Layout
+from ..layout import OUT, Q_ONLY, QKV, Layout
 
 __all__ = [
     "post_seq_to_head",
@@ -109,7 +109,7 @@ def _h2s_recv(layout: Layout, roles, like: torch.Tensor, own: bool):
         recv = _flat(sum(layout.h2s_splits(roles)[1]), like)
         return recv, layout.h2s_recv_views(recv, roles)
     shapes = [
-        None if p == layout.rank else [(layout.batch, layout.seq_local, layout.head_count(s, p), layout.head_dim) for s in roles]
+        None if p == layout.rank else [(layout.batch, layout.seq_local, layout.head_count(s, p), layout.dim(s)) for s in roles]
         for p in range(layout.world_size)
     ]
     recv = _flat(sum(math.prod(x) for per in shapes if per for x in per), like)
@@ -177,7 +177,7 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
     like = local[0]
     _, blocks = post_head_to_seq(layout, local, roles, comm, kernels)
     outs = [
-        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
+        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device)
         for s in roles
     ]
     kernels.unpack_h2s(layout, blocks, roles, outs)
@@ -197,11 +197,11 @@ def a2a_seq_to_head_traced(layout: Layout, tensors: Sequence[torch.Tensor], role
     got = _flat(sum(recv_splits), like)
     comm.all_to_all(got, send, recv_splits, layout.s2h_send_splits(roles))
     if layout.batch > 1:
-        # Source-major [P][B][s_p][h][D] -> batch-major [B][S][h][D] (eager avoids this copy
+        # Source-major [P][B][s_p][width] -> batch-major [B][S][width] (eager avoids this copy
         # with one send/recv per (peer, batch element), which does not trace: attention.traced).
-        h, pieces, start = layout.heads(roles, layout.rank), [], 0
+        w, pieces, start = layout.width(roles, layout.rank), [], 0
         for p, n in enumerate(recv_splits):
-            pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], h, layout.head_dim))
+            pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], w))
             start += n
         got = torch.cat(pieces, dim=1).view(-1)
     return layout.s2h_recv_views(got, roles)
@@ -224,7 +224,7 @@ def a2a_head_to_seq_traced(layout: Layout, local: Sequence[torch.Tensor], roles:
     recv = _flat(sum(recv_splits), like)
     comm.all_to_all(recv, send, recv_splits, send_splits)
     outs = [
-        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim, dtype=like.dtype, device=like.device)
+        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device)
         for s in roles
     ]
     kernels.unpack_h2s(layout, layout.h2s_recv_views(recv, roles), roles, outs)
@@ -238,7 +238,8 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
     call's ``CallSetup`` (layout, communicator, kernel set) first."""
 
     class SeqToHead(torch.autograd.Function):
-        """``(q[, k, v])`` sequence-sharded -> head-sharded; backward sums KV replicas."""
+        """``(q[, k, v])`` sequence-sharded -> head-sharded; backward sums KV replicas.
+        A single tensor moves as ``Q_ONLY`` (the public ``seq_to_head(q)``)."""
 
         @staticmethod
         def forward(ctx, call, *tensors):
@@ -252,23 +253,24 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
             lay = call.layout
             like = next(g for g in grads if g is not None)
             grads = [
-                g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.head_dim)
+                g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.dim(r))
                 for g, r in zip(grads, ctx.roles)
             ]
             return (None, *h2s(lay, grads, ctx.roles, call.comm, call.kernels))
 
     class HeadToSeq(torch.autograd.Function):
-        """Head-sharded ``[B, S, hq, D]`` -> sequence-sharded ``[B, s_r, Hq, D]``."""
+        """Head-sharded ``[B, S, hq, Dv]`` -> sequence-sharded ``[B, s_r, Hq, Dv]`` (the
+        attention output, role ``"o"``: query heads at ``layout.v_head_dim``)."""
 
         @staticmethod
         def forward(ctx, call, local):
             ctx.call = call
-            return h2s(call.layout, [local], Q_ONLY, call.comm, call.kernels)[0]
+            return h2s(call.layout, [local], OUT, call.comm, call.kernels)[0]
 
         @staticmethod
         def backward(ctx, grad):
             call = ctx.call
-            return None, s2h(call.layout, [grad], Q_ONLY, call.comm, call.kernels)[0]
+            return None, s2h(call.layout, [grad], OUT, call.comm, call.kernels)[0]
 
     for cls in (SeqToHead, HeadToSeq):
         cls.__name__ = cls.__qualname__ = cls.__name__ + suffix

@@ -42,8 +42,10 @@ def ulysses_attention(
     Args:
         q: ``[batch, seq_local, q_heads, head_dim]``; rank r holds the r-th contiguous slice
             of the global sequence, for all heads.
-        k, v: ``[batch, seq_local, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``.
-            q, k and v share dtype (any float) and device.
+        k: ``[batch, seq_local, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``.
+        v: ``[batch, seq_local, kv_heads, v_head_dim]``: ``v_head_dim`` may differ from
+            ``head_dim`` (MLA: DeepSeek-V2/V3, Kimi-K2, MiniCPM3; v travels at its own width,
+            never padded on the wire). q, k and v share dtype (any float) and device.
         group: the sequence-parallel process group (default: the world; without
             ``torch.distributed`` initialized, a group of one), or an ``SPGroups``
             (``make_sp_groups(ulysses_size, ring_size)``): the Ulysses exchange inside each
@@ -52,7 +54,7 @@ def ulysses_attention(
             ``shard_sequence`` for ``SPGroups.seq_layout="zigzag"`` (the op reads the layout
             from the ``SPGroups``; it never guesses). Not inside ``torch.compile``.
         causal: causal mask over the *global* sequence.
-        softmax_scale: default ``head_dim ** -0.5``.
+        softmax_scale: default ``head_dim ** -0.5`` (q's head dim).
         seq_lens: tokens per rank when the shards are uneven (the same list on every rank).
             Default: every rank holds ``q.shape[1]`` tokens (checked when ``check``).
         attn_fn: ``None`` (flash-attn on CUDA when importable, else SDPA), ``"flash"``,
@@ -89,7 +91,7 @@ def ulysses_attention(
         max_seqlen: the longest document; default derived from ``cu_seqlens`` (no collective).
 
     Returns:
-        ``[batch, seq_local, q_heads, head_dim]``: full attention over the global sequence,
+        ``[batch, seq_local, q_heads, v_head_dim]``: full attention over the global sequence,
         this rank's rows. Differentiable in q, k and v.
 
     Inside ``torch.compile`` the op is built from traceable pieces (``attention.traced``): forward
@@ -225,9 +227,9 @@ class UlyssesAttention(nn.Module):
 def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm=None, kernels=None, check=True):
     """Sequence-sharded -> head-sharded, differentiable (one collective for q, k, v).
 
-    ``q`` ``[B, s_r, Hq, D]`` (and ``k``, ``v`` ``[B, s_r, Hkv, D]``) -> this rank's heads over
-    the whole sequence: ``q`` ``[B, S, hq, D]`` (``k``, ``v`` ``[B, S, hkv, D]``), strided views
-    of one receive buffer; ``plan.q_ranges[rank]``/``kv_ranges[rank]`` say which heads.
+    ``q`` ``[B, s_r, Hq, D]`` (and ``k`` ``[B, s_r, Hkv, D]``, ``v`` ``[B, s_r, Hkv, Dv]``) -> this
+    rank's heads over the whole sequence: ``q`` ``[B, S, hq, D]`` (``k`` ``[B, S, hkv, D]``, ``v``
+    ``[B, S, hkv, Dv]``), strided views of one receive buffer; ``plan.q_ranges[rank]``/``kv_ranges[rank]`` say which heads.
     Gradients of KV heads that several ranks hold are summed once per replica.
     Pass ``k=v=None`` to move q alone; then the heads follow ``plan`` (default: a plan
     with ``kv_heads = q_heads``), so pass the plan of your attention layer.

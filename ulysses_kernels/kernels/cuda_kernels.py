@@ -16,8 +16,21 @@ import torch
 
 from .. import ops
 from ..layout import Layout
+from .torch_kernels import pack_s2h as pack_s2h_torch
 
 __all__ = ["CudaKernels"]
+
+
+def _rows_of(x: torch.Tensor, g: int) -> torch.Tensor | None:
+    """``x`` ``[B, s, H, D]`` as ``[B, s, H * D / g, g]`` (the same storage: each head as
+    ``D / g`` heads of ``g`` elements), or None when its heads are not ``D`` elements apart."""
+    B, s, H, D = x.shape
+    sb, ss, sh, sd = x.stride()
+    if g == D:
+        return x
+    if H > 1 and sh != D * sd:
+        return None
+    return x.view(B, s, H * (D // g), g)  # a view (traceable), never a copy: strides checked above
 
 
 class CudaKernels:
@@ -49,15 +62,32 @@ class CudaKernels:
 
     @staticmethod
     def pack_s2h(layout: Layout, tensors, roles, send, recv=None) -> None:
+        dims = [layout.dim(s) for s in roles]
+        if len(set(dims)) > 1:
+            # MLA: v (Dv) beside q and k (D). The op moves rows of one length, so every head
+            # goes as d / g rows of g = gcd(D, Dv) elements: the same bytes in the same
+            # places (a token's block is h_q * D + h_k * D + h_v * Dv elements either way).
+            g = layout.row_dim(roles)
+            rows = [_rows_of(x, g) for x in tensors]
+            if any(x is None for x in rows):
+                # A tensor whose heads are not D apart (a slice of a wider projection) has no
+                # such view: the torch set packs it, the same bytes (bit for bit).
+                return pack_s2h_torch(layout, tensors, roles, send, recv)
+            ranges = [x * (d // g) for per in layout.peer_ranges(roles) for (a, b), d in zip(per, dims) for x in (a, b)]
+            torch.ops.ulysses_kernels.pack_s2h(rows, ranges, send, recv, layout.rank, layout.seq_offset(layout.rank))
+            return
         torch.ops.ulysses_kernels.pack_s2h(list(tensors), layout.head_ranges(roles), send, recv, layout.rank, layout.seq_offset(layout.rank))
 
     @staticmethod
     def pack_h2s(layout: Layout, local, send) -> None:
-        expected = layout.seq_total * layout.batch * local.shape[2] * layout.head_dim
-        if local.dim() != 4 or tuple(local.shape) != (layout.batch, layout.seq_total, local.shape[2], layout.head_dim) or send.numel() != expected:
+        d = local.shape[3] if local.dim() == 4 else -1
+        dims = {layout.head_dim, layout.v_head_dim}
+        expected = layout.seq_total * layout.batch * local.shape[2] * d if local.dim() == 4 else -1
+        if local.dim() != 4 or tuple(local.shape[:2]) != (layout.batch, layout.seq_total) or d not in dims or send.numel() != expected:
+            want = " or ".join(str(x) for x in sorted(dims))
             raise ValueError(
-                f"CudaKernels.pack_h2s: local.shape expected [{layout.batch}, {layout.seq_total}, h, {layout.head_dim}] "
-                f"and send.numel() {expected}, got {list(local.shape)} and {send.numel()}"
+                f"CudaKernels.pack_h2s: local.shape expected [{layout.batch}, {layout.seq_total}, h, {want}] "
+                f"and send.numel() B * S * h * D, got {list(local.shape)} and {send.numel()}"
             )
         torch.ops.ulysses_kernels.pack_h2s(local, send)
 

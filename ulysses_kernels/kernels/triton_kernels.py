@@ -249,9 +249,10 @@ class TritonKernels:
         with ``recv``, this rank's own heads go straight into its rows of ``recv`` and
         ``send`` holds the peers' blocks only (``layout.s2h_send_splits(roles, own=False)``)."""
         key = ("s2h", layout, tuple(roles), tuple(t.stride() for t in tensors), recv is not None)
-        table = cls._get(key, lambda: _columns_pack_s2h(layout, tensors, roles, recv is not None), layout.head_dim, send.element_size())
+        g = layout.row_dim(roles)  # columns of g elements: one launch for mixed head dims (MLA)
+        table = cls._get(key, lambda: _columns_pack_s2h(layout, tensors, roles, recv is not None, g), g, send.element_size())
         bufs = [send] if recv is None else [send, recv]
-        cls._launch(table, [*tensors, *bufs], layout.seq_local, layout.batch, layout.head_dim, send)
+        cls._launch(table, [*tensors, *bufs], layout.seq_local, layout.batch, g, send)
 
     @classmethod
     def pack_h2s(cls, layout: Layout, local: torch.Tensor, send: torch.Tensor) -> None:
@@ -273,8 +274,9 @@ class TritonKernels:
         (``[B, s_r, H, D]``); replicated KV heads summed in rank order."""
         flat = [blk for per_role in blocks for blk in per_role]
         key = ("unpack", layout, tuple(roles), tuple(t.stride() for t in flat), tuple(o.stride() for o in outs))
-        table = cls._get(key, lambda: _columns_unpack_h2s(layout, blocks, roles, outs), layout.head_dim, outs[0].element_size())
-        cls._launch(table, [*flat, *outs], layout.seq_local, layout.batch, layout.head_dim, outs[0])
+        g = layout.row_dim(roles)  # columns of g elements: one launch for mixed head dims (MLA)
+        table = cls._get(key, lambda: _columns_unpack_h2s(layout, blocks, roles, outs, g), g, outs[0].element_size())
+        cls._launch(table, [*flat, *outs], layout.seq_local, layout.batch, g, outs[0])
 
     # ---- host side ----------------------------------------------------------------------
     @classmethod
@@ -354,7 +356,7 @@ def _view_geometry(view: torch.Tensor, base: torch.Tensor) -> tuple[int, tuple[i
     return view.storage_offset() - base.storage_offset(), view.stride()
 
 
-def _columns_pack_s2h(layout: Layout, tensors, roles, with_recv: bool) -> tuple[list[int], list[int]]:
+def _columns_pack_s2h(layout: Layout, tensors, roles, with_recv: bool, g: int) -> tuple[list[int], list[int]]:
     # The destinations are whatever views the layout defines (layout.s2h_send_views), taken
     # on meta buffers: the kernel follows the layout math instead of restating it.
     meta = {"device": "meta", "dtype": torch.float32}
@@ -370,8 +372,9 @@ def _columns_pack_s2h(layout: Layout, tensors, roles, with_recv: bool) -> tuple[
             base = recv if on_recv else send
             off, (db, ds, dh, dd) = _view_geometry(dst, base)
             for h in range(a, b):
-                cols += [recv_idx if on_recv else send_idx, off + (h - a) * dh, ds, db, dd, 1, len(srcs) // _SRC]
-                srcs += [i, h * sh, ss, sb, sd]
+                for j in range(layout.dim(s) // g):  # one column per g elements of the head
+                    cols += [recv_idx if on_recv else send_idx, off + (h - a) * dh + j * g * dd, ds, db, dd, 1, len(srcs) // _SRC]
+                    srcs += [i, h * sh + j * g * sd, ss, sb, sd]
     return cols, srcs
 
 
@@ -386,7 +389,7 @@ def _columns_pack_h2s(local: torch.Tensor) -> tuple[list[int], list[int]]:
     return cols, srcs
 
 
-def _columns_unpack_h2s(layout: Layout, blocks, roles, outs) -> tuple[list[int], list[int]]:
+def _columns_unpack_h2s(layout: Layout, blocks, roles, outs, g: int) -> tuple[list[int], list[int]]:
     n = len(roles)
     out_base = layout.world_size * n
     cols, srcs = [], []
@@ -406,9 +409,10 @@ def _columns_unpack_h2s(layout: Layout, blocks, roles, outs) -> tuple[list[int],
             filled = max(filled, b)
         ob, os_, oh, od = out.stride()
         for h in sorted(sources):
-            cols += [out_base + i, h * oh, os_, ob, od, len(sources[h]), len(srcs) // _SRC]
-            for t_idx, lh in sources[h]:
-                p = t_idx // n
-                bb, bs, bh, bd = blocks[p][i].stride()
-                srcs += [t_idx, lh * bh, bs, bb, bd]
+            for j in range(layout.dim(s) // g):  # one column per g elements of the head
+                cols += [out_base + i, h * oh + j * g * od, os_, ob, od, len(sources[h]), len(srcs) // _SRC]
+                for t_idx, lh in sources[h]:
+                    p = t_idx // n
+                    bb, bs, bh, bd = blocks[p][i].stride()
+                    srcs += [t_idx, lh * bh + j * g * bd, bs, bb, bd]
     return cols, srcs

@@ -1,7 +1,8 @@
 """Ring attention over the ring group, as the attention backend of a rank of a 2-D group.
 
 After the Ulysses exchange inside its Ulysses group, a rank holds for its heads the block of
-its ring rank ``j`` (``ring.seq_layout``): ``q`` ``[B, L, hq, D]``, ``k``/``v`` ``[B, L, hkv, D]``.
+its ring rank ``j`` (``ring.seq_layout``): ``q`` ``[B, L, hq, D]``, ``k`` ``[B, L, hkv, D]``, ``v``
+``[B, L, hkv, Dv]`` (``Dv`` may differ from ``D``: MLA).
 ``RingBackend`` computes full attention of that ``q`` over the whole sequence:
 
 Forward, ring step ``t = 0 .. R-1`` (``R`` ring ranks; ``src = (j - t) % R`` owns the K/V block
@@ -120,7 +121,7 @@ class RingBackend:
         sched = self.schedule(q.shape[1], causal, docs)
         varlen = self.varlen and docs is not None
         k, v = k.contiguous(), v.contiguous()  # the send buffers of the first step
-        acc = PartialAttention(q)
+        acc = PartialAttention(q, v.shape[3])
         for _, src, block in self._ring(self.kv_comm, (k, v), sched):
             pieces = sched.pieces[self.ring_rank][src] if block is not None else ()
             if not pieces:
@@ -156,8 +157,9 @@ class RingBackend:
         j, R, dt = self.ring_rank, self.ring_size, acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         shared = heads.mode == "shared"
-        travel = (k.shape[0], k.shape[1], len(heads.kv_map) if shared else k.shape[2], k.shape[3])
-        blank = lambda: tuple(torch.empty(travel, dtype=dt, device=k.device) for _ in range(2))  # noqa: E731
+        # dK and dV accumulators: k's head dim and v's (MLA: they differ).
+        travel = [(k.shape[0], k.shape[1], len(heads.kv_map) if shared else k.shape[2], x.shape[3]) for x in (k, v)]
+        blank = lambda: tuple(torch.empty(t, dtype=dt, device=k.device) for t in travel)  # noqa: E731
         pending = None  # the grad channel's transfers of the previous step, overlapping this step's compute
         arriving = home = mine = None  # buffers: the accumulator of next step's block; this rank's own, coming home
         for step, src, block in self._ring(self.kv_comm, (k, v), sched):
@@ -172,7 +174,7 @@ class RingBackend:
                 pending.wait()  # what arrived (and what was sent) at the previous step
             sends, recvs = [], []
             if block is not None:
-                held = tuple(torch.zeros(travel, dtype=dt, device=k.device) for _ in range(2)) if step == 0 else arriving
+                held = tuple(torch.zeros(t, dtype=dt, device=k.device) for t in travel) if step == 0 else arriving
                 for cols, dk_p, dv_p in grads:
                     held[0][:, cols] += dk_p
                     held[1][:, cols] += dv_p
@@ -239,7 +241,7 @@ def _doc_problems(summary, batch: int, total: int) -> list[str]:
 
 
 def check_ring_inputs(sp: SPGroups, q, k, *, causal, scale_bits: int, seq_lens, failed: Exception | None, check: bool,
-                      docs: Documents | None = None) -> None:  # fmt: skip
+                      docs: Documents | None = None, v=None) -> None:  # fmt: skip
     """Agree across the whole 2-D group before any ring transfer: the Ulysses level's checks
     ran inside each Ulysses group (``failed``: this rank's error, or None); here every rank
     learns whether any rank failed and whether the Ulysses groups were given the same shapes,
@@ -265,6 +267,7 @@ def check_ring_inputs(sp: SPGroups, q, k, *, causal, scale_bits: int, seq_lens, 
     shape = [*q.shape, k.shape[2]] if q.dim() == 4 and k.dim() == 4 else [-1] * 5
     mine = [int(failed is not None or bool(problems)), *shape, dtype_code(q.dtype), int(bool(causal)), scale_bits]
     mine += [len(summary), *summary, *[0] * (9 - len(summary))]
+    mine.append(v.shape[3] if v is not None and v.dim() == 4 else -1)  # v_head_dim (MLA), last: row[19]
     everyone = get_communicator(sp.group).all_gather_ints(mine, q.device)
     if problems:
         raise UlyssesInputError("ulysses_attention: " + "; ".join(problems))
@@ -279,6 +282,9 @@ def check_ring_inputs(sp: SPGroups, q, k, *, causal, scale_bits: int, seq_lens, 
         values = [row[i] for row in everyone]
         if any(x != values[0] for x in values):
             raise UlyssesInputError(f"ulysses_attention: ranks of the 2-D group disagree on {name}: {by_value(values)} (codes for dtype/softmax_scale)")
+    values = [row[19] for row in everyone]
+    if any(x != values[0] for x in values):
+        raise UlyssesInputError(f"ulysses_attention: ranks of the 2-D group disagree on v_head_dim (v.shape[3]): {by_value(values)}")
     summaries = [tuple(row[10 : 10 + row[9]]) for row in everyone]
     where: dict[str, list[int]] = {}  # each distinct problem once, with the ranks that have it
     for r, (row, theirs) in enumerate(zip(everyone, summaries)):

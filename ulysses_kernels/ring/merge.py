@@ -51,12 +51,14 @@ class PartialAttention:
     """The running result of one query block over the key blocks seen so far.
 
     ``add(rows, out, lse)`` merges the result of query rows ``rows`` (a slice of the block)
-    over one more disjoint set of keys. ``out``: ``[B, S, H, D]`` in ``acc_dtype``, zeros;
+    over one more disjoint set of keys. ``out``: ``[B, S, H, Dv]`` in ``acc_dtype``, zeros
+    (``Dv``: ``v_head_dim``, default q's head dim; MLA's v is narrower or wider);
     ``lse``: ``[B, H, S]``, ``-inf`` (no key seen yet)."""
 
-    def __init__(self, q: torch.Tensor):
+    def __init__(self, q: torch.Tensor, v_head_dim: int | None = None):
         dt = acc_dtype(q.dtype)
-        self.out = torch.zeros(q.shape, dtype=dt, device=q.device)
+        shape = q.shape if v_head_dim is None else (*q.shape[:3], v_head_dim)
+        self.out = torch.zeros(shape, dtype=dt, device=q.device)
         self.lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=dt, device=q.device)
 
     def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:

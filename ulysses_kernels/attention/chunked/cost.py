@@ -8,7 +8,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from ...layout import Q_ONLY, QKV, Layout
+from ...layout import OUT, QKV, Layout
 from ...plan import HeadPlan
 from .chunking import chunk_plans
 
@@ -65,7 +65,7 @@ def _a2a_seconds(layout: Layout, plan: HeadPlan, roles, itemsize: int, model: Co
     same bytes back): the busiest rank's off-rank bytes over the link bandwidth."""
     worst = 0
     for r in range(plan.world_size):
-        lay = Layout(plan, r, layout.seq_lens, layout.batch, layout.head_dim)
+        lay = Layout(plan, r, layout.seq_lens, layout.batch, layout.head_dim, layout.v_head_dim)
         send = lay.s2h_send_splits(roles)
         recv = lay.s2h_recv_splits(roles)
         off = max(sum(send) - send[r], sum(recv) - recv[r])
@@ -106,10 +106,11 @@ def estimate_seconds(layout: Layout, n: int, itemsize: int, causal: bool, model:
     fwd_plans = chunk_plans(plan, n, split_groups=split_groups)
     bwd_plans = chunk_plans(plan, n, split_groups=split_groups, kv_last=True)
     lat = model.latency_us * 1e-6
-    per_head = 4.0 * layout.batch * S * S * layout.head_dim * (0.5 if causal else 1.0) / (model.attn_tflops * 1e12)
+    # 2 S^2 D flops for the scores, 2 S^2 Dv for the values (4 S^2 D without MLA).
+    per_head = 2.0 * layout.batch * S * S * (layout.head_dim + layout.v_head_dim) * (0.5 if causal else 1.0) / (model.attn_tflops * 1e12)
     compute = [[per_head * cp.q_count(r) for r in range(plan.world_size)] for cp in fwd_plans]
     qkv_in = [lat + _a2a_seconds(layout, cp, QKV, itemsize, model) for cp in fwd_plans]
-    q_only = [lat + _a2a_seconds(layout, cp, Q_ONLY, itemsize, model) for cp in fwd_plans]
+    q_only = [lat + _a2a_seconds(layout, cp, OUT, itemsize, model) for cp in fwd_plans]  # the output, dout
     grads_out = [
         (3 if any(gp.kv_count(r) for r in range(plan.world_size)) else 1) * lat + _a2a_seconds(layout, gp, QKV, itemsize, model)
         for gp in bwd_plans

@@ -9,7 +9,7 @@ from ...backends import AttentionBackend, doc_kwargs
 from ...checkpointing import one_recompute
 from ...comm import AsyncChannel
 from ...gqa import KVGather, KVGradSum
-from ...layout import Q_ONLY, QKV, Layout
+from ...layout import OUT, Q_ONLY, QKV, Layout
 from ...plan import HeadPlan
 from ..exchange import post_head_to_seq, post_seq_to_head
 from .schedule import Chunk, Schedule, build_schedule
@@ -93,10 +93,11 @@ class ChunkedAttentionFunction(torch.autograd.Function):
             if q_c.shape[2]:
                 out_c, saved = _attend_chunk(backend, chunk, q_c, k_c, v_c, causal, scale, needs_grad, call.docs)
             else:
-                out_c, saved = q_c, None  # no head of this chunk here: an empty [B, S, 0, D]
+                # No head of this chunk here: an empty [B, S, 0, Dv] (the output's head dim).
+                out_c, saved = q_c.new_empty(*q_c.shape[:3], layout.v_head_dim), None
             del q_c, k_c, v_c
             states.append(saved)
-            started = (_start_h2s(chan, chunk.layout, out_c, "q", kernels), chunk)
+            started = (_start_h2s(chan, chunk.layout, out_c, "o", kernels), chunk)
             del out_c
             if pending_out is not None:
                 out = _finish_out(pending_out, out, layout, kernels)
@@ -131,27 +132,28 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
         sched = build_schedule(layout, call.chunks, call.split_groups)
         chan = AsyncChannel(comm, dout.device)
-        B, D, rank = layout.batch, layout.head_dim, layout.rank
+        B, D, Dv, rank = layout.batch, layout.head_dim, layout.v_head_dim, layout.rank
         # dq, dk, dv are allocated at the first unpack: by then the first chunk's attention
         # backward has run and freed its state.
         outs = None
         kv_blocks = {}  # (chunk, source) -> (dk block, dv block) for the replica sums
         kv_sum = KVGradSum()  # a shared KV head's gradient, summed over the chunks' query heads
-        pending_in = _start_s2h(chan, sched.chunks[0].layout, (dout,), Q_ONLY, kernels)
+        pending_in = _start_s2h(chan, sched.chunks[0].layout, (dout,), OUT, kernels)
         pending_out = None
         for c, chunk in enumerate(sched.chunks):
             work, recv = pending_in
             work.wait()
             if c + 1 < len(sched.chunks):
-                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (dout,), Q_ONLY, kernels)
-            (dout_c,) = chunk.layout.s2h_recv_views(recv, Q_ONLY)
+                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (dout,), OUT, kernels)
+            (dout_c,) = chunk.layout.s2h_recv_views(recv, OUT)
             del recv
             saved = ctx.states[c]
             ctx.states[c] = None
             hkv = chunk.grad.head_count("kv", rank)
             if saved is None:
-                empty = dout_c.new_empty(B, layout.seq_total, hkv, D)
-                grads = (dout_c, empty, empty)
+                # No query head of this chunk here: dq is empty [B, S, 0, D] (dout_c has Dv).
+                grads = (dout_c.new_empty(B, layout.seq_total, 0, D), dout_c.new_empty(B, layout.seq_total, hkv, D),
+                         dout_c.new_empty(B, layout.seq_total, hkv, Dv))  # fmt: skip
             elif chunk.shared:
                 dq_c, dk_c, dv_c = backend.backward_per_head(saved, dout_c)
                 kv_sum.add(dk_c, dv_c)
@@ -159,8 +161,7 @@ class ChunkedAttentionFunction(torch.autograd.Function):
                 if hkv:  # the rank's last chunk: the sum is complete
                     grads = (dq_c, *kv_sum.result())
                 else:
-                    empty = dq_c.new_empty(B, layout.seq_total, 0, D)
-                    grads = (dq_c, empty, empty)
+                    grads = (dq_c, dq_c.new_empty(B, layout.seq_total, 0, D), dq_c.new_empty(B, layout.seq_total, 0, Dv))
             else:
                 grads = _attend_chunk_backward(backend, saved, dout_c)
             del dout_c, saved
@@ -177,8 +178,8 @@ class ChunkedAttentionFunction(torch.autograd.Function):
 
 
 def _new_results(layout: Layout, roles, like: torch.Tensor) -> list[torch.Tensor]:
-    """The op's sequence-sharded results ``[B, s_r, H, D]``, one per role."""
-    return [like.new_empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.head_dim) for s in roles]
+    """The op's sequence-sharded results ``[B, s_r, H, D]`` (``D``: the role's head dim), one per role."""
+    return [like.new_empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s)) for s in roles]
 
 
 def _finish_out(pending, out, layout: Layout, kernels) -> torch.Tensor:
@@ -187,8 +188,8 @@ def _finish_out(pending, out, layout: Layout, kernels) -> torch.Tensor:
     (work, blocks), chunk = pending
     work.wait()
     if out is None:
-        (out,) = _new_results(layout, Q_ONLY, blocks[0])
-    kernels.unpack_h2s(chunk.layout, [[x] for x in blocks], Q_ONLY, [out])
+        (out,) = _new_results(layout, OUT, blocks[0])
+    kernels.unpack_h2s(chunk.layout, [[x] for x in blocks], OUT, [out])
     return out
 
 
@@ -224,22 +225,22 @@ def _sum_replicas(layout: Layout, sched: Schedule, outs, kv_blocks, kernels) -> 
     plan = layout.plan
     for h, holders in sched.replicas:
         ranges = [(h, h)] * plan.world_size
-        like = kv_blocks[(holders[0][1], holders[0][0])][0]
-        empty = like[:, :, :0]
-        blocks = [[empty, empty] for _ in range(plan.world_size)]
+        dk0, dv0 = kv_blocks[(holders[0][1], holders[0][0])]
+        empty = [dk0[:, :, :0], dv0[:, :, :0]]  # k's head dim and v's (MLA: they differ)
+        blocks = [list(empty) for _ in range(plan.world_size)]
         for p, c, idx in holders:
             ranges[p] = (h, h + 1)
             dk_b, dv_b = kv_blocks[(c, p)]
             blocks[p] = [dk_b[:, :, idx : idx + 1], dv_b[:, :, idx : idx + 1]]
         rep = HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, plan.q_ranges, tuple(ranges))
-        lay = Layout(rep, layout.rank, layout.seq_lens, layout.batch, layout.head_dim)
-        kernels.unpack_h2s(lay, blocks, ("kv", "kv"), list(outs))
+        kernels.unpack_h2s(layout.with_plan(rep), blocks, ("kv", "v"), list(outs))
 
 
 def chunked_attention(q, k, v, call):
     """Ulysses attention with head chunks overlapping the all-to-alls (see module docstring).
 
-    ``q`` ``[B, s_r, Hq, D]``, ``k``/``v`` ``[B, s_r, Hkv, D]`` as for ``ulysses_attention``;
-    ``call``: its ``CallSetup``, with ``call.chunks`` (> 1) resolved. Returns ``[B, s_r, Hq, D]``.
+    ``q`` ``[B, s_r, Hq, D]``, ``k`` ``[B, s_r, Hkv, D]``, ``v`` ``[B, s_r, Hkv, Dv]`` as for
+    ``ulysses_attention``; ``call``: its ``CallSetup``, with ``call.chunks`` (> 1) resolved.
+    Returns ``[B, s_r, Hq, Dv]``.
     """
     return ChunkedAttentionFunction.apply(q, k, v, call)

@@ -44,7 +44,7 @@ def build_schedule(layout: Layout, n: int, split_groups: bool) -> Schedule:
     shared = split_groups and splits_shared_kv(plan, rank)
 
     def lay(p: HeadPlan) -> Layout:
-        return Layout(p, rank, layout.seq_lens, layout.batch, layout.head_dim)
+        return layout.with_plan(p)
 
     chunks, where = [], {}
     for c, (cp, gp) in enumerate(zip(plans, grad_plans)):

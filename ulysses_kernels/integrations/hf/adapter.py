@@ -203,14 +203,15 @@ def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, 
 
     Args:
         module: the model's attention module (``scaling``, ``is_causal``, ``head_dim``, ...).
-        query, key, value: ``[B, H, seq_lens[rank], D]`` (k/v with the model's KV heads).
+        query, key, value: ``[B, H, seq_lens[rank], D]`` (k/v with the model's KV heads; v's
+            head dim may differ from q's and k's: MLA).
         settings: ``attention_settings(...)``, made once (it may own a communicator).
         shard: the step's ``SequenceShard`` (the same on every rank; it caches the step's
             checks and masks, so use one object per step).
         kwargs: the model's keywords (``scaling``, ``dropout``, ``sliding_window``,
             ``softcap``, ``s_aux``, ``position_ids`` (dropped), ...).
 
-    Returns ``(out, None)``, ``out`` ``[B, seq_lens[rank], Hq, D]``.
+    Returns ``(out, None)``, ``out`` ``[B, seq_lens[rank], Hq, Dv]`` (``Dv``: v's head dim).
     """
     window = kwargs.get("sliding_window")
     if window is None:
@@ -250,7 +251,7 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
     scaling = kwargs.get("scaling")
-    sig = ("fused", tuple(q.shape), tuple(k.shape), q.dtype, q.device, scaling, causal, docs)
+    sig = ("fused", tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, scaling, causal, docs)  # v: MLA's own head dim
     check = _check_now(settings, shard, sig)
     out = ulysses_attention(
         q, k, v, settings.group, causal=causal, softmax_scale=scaling, seq_lens=shard.seq_lens,
@@ -343,7 +344,7 @@ def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _G
     """
     comm, name, q_heads = settings.comm, type(module).__name__, query.shape[1]
     plan = HeadPlan.build(q_heads, key.shape[1], comm.world_size)
-    sig = ("model", tuple(query.shape), tuple(key.shape), query.dtype, query.device)
+    sig = ("model", tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, query.device)
     check = _check_now(settings, shard, sig)
     q, k, v = seq_to_head(
         *(t.transpose(1, 2) for t in (query, key, value)), group=settings.group, seq_lens=shard.seq_lens, plan=plan,

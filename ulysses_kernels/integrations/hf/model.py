@@ -24,9 +24,11 @@ __all__ = ["apply", "register"]
 
 def _attention_modules(model) -> list[torch.nn.Module]:
     # transformers' attention modules carry a config, is_causal and the head size (``head_dim``;
-    # BERT's ``attention_head_size``); the softmax scale reaches the attention call as ``scaling``.
+    # BERT's ``attention_head_size``; MLA's ``qk_head_dim``: DeepSeek-V2, MiniCPM3); the softmax
+    # scale reaches the attention call as ``scaling``.
     def is_attention(m) -> bool:
-        return hasattr(m, "is_causal") and hasattr(m, "config") and (hasattr(m, "head_dim") or hasattr(m, "attention_head_size"))
+        sizes = ("head_dim", "attention_head_size", "qk_head_dim")
+        return hasattr(m, "is_causal") and hasattr(m, "config") and any(hasattr(m, a) for a in sizes)
 
     return [m for m in model.modules() if is_attention(m)]
 
@@ -191,6 +193,7 @@ def apply(
     for m in modules:
         impl = _configured_implementation(m)
         inner.append((m, impl, _attention_function(m, impl)))
+    _check_sparse_attention(modules)
     # The long-context pieces (they refuse before changing anything, as the checks above).
     enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
                         offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
@@ -213,3 +216,16 @@ def apply(
     if texts is not None:
         prepare_multimodal(model)  # the text model's and the top-level model's pre-hooks
     return model
+
+
+def _check_sparse_attention(modules) -> None:
+    """DeepSeek-V3.2's sparse attention (DSA) is refused: its indexer picks each query's top-k
+    keys from scores over the keys the module sees, and reads the layer's mask as a tensor;
+    under sequence sharding it would see this rank's keys only (and gets no mask tensor)."""
+    sparse = sorted({type(m).__name__ for m in modules if getattr(m, "indexer", None) is not None})
+    if sparse:
+        raise HFIntegrationError(
+            f"apply: {', '.join(sparse)} runs sparse attention (an indexer choosing each query's top-k keys, DeepSeek-V3.2's "
+            "DSA): the selection spans the whole sequence, which sequence sharding splits; not supported (DeepSeek-V3's "
+            "dense MLA is)"
+        )
