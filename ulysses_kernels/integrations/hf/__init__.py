@@ -18,22 +18,7 @@ settings live on the model's own attention modules; the per-step sequence layout
 (``seq_lens``) travels with the batch as the ``ulysses_shard`` keyword that transformers
 passes down to every attention call. Nothing is stored in module-level state.
 
-Layout of one step, global sequence of ``S`` tokens over ``P`` ranks::
-
-    input_ids  [B, S]           every rank holds the same global batch
-    labels     [B, S]           shifted once, globally: target[t] = labels[t + 1], last = -100
-    positions  [B, S]           0 .. S-1 (global, so RoPE is right on every shard)
-      | shard_batch: rank r keeps columns [start_r, start_r + seq_lens[r])
-    rank r     [B, seq_lens[r]] input_ids, shifted labels, global positions
-
-One attention call (``_ulysses_attention_forward``), q/k/v ``[B, H, seq_lens[r], D]``:
-
-    plain causal (no window shorter than S, no softcap, no sinks, no dropout) and a
-    built-in implementation: the fused ``ulysses_attention`` (SDPA/flash, chunked overlap)
-    otherwise: seq_to_head -> this rank's heads over all S tokens -> the model's own
-    attention implementation (eager, sdpa, flash_attention_2/3, a registered one) with
-    the model's keywords, per-head sinks sliced to the rank's heads, the layer type's
-    mask rebuilt over global positions -> head_to_seq
+The layout of one step is drawn in ``batch``'s docstring, one attention call in ``adapter``'s.
 
 Under Ulysses a window, a softcap or a sink is local to a head: after the exchange each
 rank holds the whole sequence for its heads, so the model's attention computes exactly

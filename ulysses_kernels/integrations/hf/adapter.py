@@ -4,8 +4,9 @@
 
 One attention call, q/k/v ``[B, H, seq_lens[r], D]``:
 
-    plain causal (no window shorter than S, no softcap, no sinks, no dropout) and a
-    built-in implementation: the fused ``ulysses_attention`` (SDPA/flash, chunked overlap)
+    plain causal or plain bidirectional (no window shorter than S, no softcap, no sinks, no
+    dropout) and a built-in implementation: the fused ``ulysses_attention`` (SDPA/flash,
+    chunked overlap; ``causal=False`` for an encoder)
     otherwise: seq_to_head -> this rank's heads over all S tokens -> the model's own
     attention implementation (eager, sdpa, flash_attention_2/3, a registered one) with
     the model's keywords, per-head sinks sliced to the rank's heads, the layer type's
