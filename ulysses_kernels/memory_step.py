@@ -331,13 +331,17 @@ class _Step:
         t = self.t
         w = self.params["mlp"] * self.s.element_size
         dws = []
+
+        def weight_grad_done(name: str) -> None:
+            if params:
+                t.free(name)
+            else:
+                dws.append(name)
+
         t.new(p + "dWd", w, where)
         t.new(p + "dprod", rows.F, where)
         t.free(p + "prod")
-        if params:
-            t.free(p + "dWd")
-        else:
-            dws.append(p + "dWd")
+        weight_grad_done(p + "dWd")
         if grad:
             t.free(grad)
         if self.s.mlp == "plain":  # the activation's backward, then fc_in's
@@ -346,10 +350,7 @@ class _Step:
             t.new(p + "dWg", w, where)
             out = t.new(p + "dxg", rows.X, where)
             t.free(p + "dgate", x)
-            if params:
-                t.free(p + "dWg")
-            else:
-                dws.append(p + "dWg")
+            weight_grad_done(p + "dWg")
             self._tile_dws = dws
             return out
         t.new(p + "dact", rows.F, where)
@@ -358,20 +359,14 @@ class _Step:
         t.new(p + "dWu", w, where)
         t.new(p + "dxu", rows.X, where)
         t.free(p + "dup")
-        if params:
-            t.free(p + "dWu")
-        else:
-            dws.append(p + "dWu")
+        weight_grad_done(p + "dWu")
         t.new(p + "dgate", rows.F, where)
         t.free(p + "dact", p + "gate")
         t.new(p + "dWg", w, where)
         t.new(p + "dxg", rows.X, where)
         t.free(p + "dgate", x)
         out = self._accumulate(p + "dxu", p + "dxg", rows.X, where)
-        if params:
-            t.free(p + "dWg")
-        else:
-            dws.append(p + "dWg")
+        weight_grad_done(p + "dWg")
         self._tile_dws = dws
         return out
 
