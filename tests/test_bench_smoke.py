@@ -484,6 +484,27 @@ def test_perf_model_table_uses_the_measured_rows(tmp_path):
     assert row["compute_ms"] == pytest.approx(5.5)
 
 
+def test_perf_model_refuses_an_attention_json_that_matches_no_row(tmp_path, capsys):
+    """Before, a JSON of other sizes left every row the model's, silently; now no match at all
+    exits naming the JSON, what it has and what the table asks for, and a partial match says
+    how many rows it fed (the ``source`` column says which)."""
+    pm = _load("perf_model")
+    rows = [{"model": "llama3-8b", "seq": 4096, "world": 2, "pass": "fwd", "method": m, "time_ms": t} for m, t in (("local", 1.0), ("layout-torch", 0.5))]
+    path = tmp_path / "attn.json"
+    path.write_text(json.dumps({"rows": rows}))
+    with pytest.raises(SystemExit) as exc:
+        pm.main(["--models", "llama3-8b", "--worlds", "8", "--seqs", "32K", "--passes", "fwd", "--attention-json", str(path)])
+    msg = str(exc.value.code)
+    assert f"--attention-json {path}: none of its rows matches a row of this table" in msg, msg
+    assert "it has llama3-8b seq 4096 P 2 fwd" in msg and "seqs 32K" in msg and "P 8" in msg, msg
+    assert capsys.readouterr().out == ""
+    assert pm.main(["--models", "llama3-8b", "--worlds", "2,8", "--seqs", "4K", "--passes", "fwd", "--attention-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"# --attention-json {path}: measured times in 1 of 2 rows" in out, out
+    sources = [line.split()[-1] for line in out.splitlines() if line.startswith("llama3-8b")]
+    assert sources == ["measured", "model"], out
+
+
 def test_perf_model_main_prints_a_consistent_table(capsys):
     """The script end to end (what scripts/bench_smoke.sh runs): one line per (model, P, seq,
     pass); ours = compute + wire + layout, chain likewise, x_chain = chain / ours, exposed =
@@ -494,7 +515,7 @@ def test_perf_model_main_prints_a_consistent_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("# perf model") and "350.0 / bwd 260.0 TFLOP/s" in out[0]
     header = out[1].split()
-    assert header[:5] == ["model", "P", "seq", "pass", "compute(ms)"] and header[-3:] == ["x_chain", "kv_repl", "compute"]
+    assert header[:5] == ["model", "P", "seq", "pass", "compute(ms)"] and header[-3:] == ["x_chain", "kv_repl", "source"]
     num = lambda x: None if x == "n/a" else float(x.rstrip("%"))  # noqa: E731
     rows = {}
     for line in out[3:]:
