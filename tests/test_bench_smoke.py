@@ -330,7 +330,7 @@ def test_bench_overlap_smoke(tmp_path, capfd, monkeypatch):
         assert [r["chunks"] for r in g if r["auto"]] == [auto]
         assert g[[r["chunks"] for r in g].index(auto)]["chunks_label"] == f"{auto}*"
     assert {r["checked"] for r in rows if r["pass"] == "fwdbwd"} == {"out,dq,dk,dv"}
-    assert "#wrong" in out and "exposed/a2a" in out and C.CPU_LABEL in out
+    assert "#wrong" in out and "exposed/a2a" in out and C.CPU_LABEL in out and "x_chunks1  spread" in out
     assert "skipped 6/3 chunks=4" in out and "wrong elements: 0 OK" in out
     # The targets are judged on the rows but never claimed from a CPU run.
     v = doc["meta"]["verdicts"]

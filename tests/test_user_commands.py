@@ -488,7 +488,7 @@ ENGINE_EXAMPLES = [
 @pytest.mark.parametrize(("path", "cmd", "needs"), ENGINE_EXAMPLES, ids=["fsdp2", "deepspeed_zero3"])
 def test_engine_example_command(path, cmd, needs, tmp_path):
     if needs is not None and importlib.util.find_spec(needs) is None:
-        pytest.skip(f"{needs} is not installed (scripts/setup.sh installs it unless ULYSSES_KERNELS_PEERS=0)")
+        pytest.skip(f"{needs} is not installed (scripts/setup.sh installs it)")
     docs = (ROOT / "docs/scaling.md").read_text() + (ROOT / "README.md").read_text()
     docs += (ROOT / path / "README.md").read_text() if (ROOT / path).is_dir() else (ROOT / path).read_text()
     assert cmd in " ".join(docs.split()), f"{cmd!r} is not documented as written"
