@@ -181,9 +181,10 @@ def test_build_decision():
 
 def _source_copy(dest: Path) -> Path:
     """The files a source distribution holds (no build outputs, no compiled extension)."""
-    for name in ("setup.py", "pyproject.toml", "README.md"):
+    for name in ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in"):
         shutil.copy(ROOT / name, dest / name)
     shutil.copytree(ROOT / "csrc", dest / "csrc")
+    shutil.copytree(ROOT / "build_backend", dest / "build_backend", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "ulysses_kernels", dest / "ulysses_kernels", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     return dest
 
@@ -206,6 +207,26 @@ def test_a_build_that_cannot_see_torch_fails_and_says_how(tmp_path):
         assert "torch is not importable at build time" in r.stderr, r.stderr
         assert "pip install 'setuptools>=77' && pip install --no-build-isolation ." in r.stderr, r.stderr
     assert not list(src.glob("dist/*.whl"))
+
+
+def test_plain_pip_install_says_what_to_run_before_it_fetches_anything(tmp_path):
+    """``pip install .`` in a new venv whose pip can fetch nothing (no index, no links, no
+    config): the in-tree build backend's message, where pip first asks for the build
+    requirements. Before (``requires = ["setuptools>=77", "wheel"]``), pip fetched those
+    first and, with no index, stopped at "Could not find a version that satisfies the
+    requirement setuptools>=77" without the message. NOTE: about 15 s (most of it the venv)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _source_copy(src)
+    run([sys._base_executable, "-m", "venv", tmp_path / "venv"], tmp_path, timeout=300)
+    env = user_env(PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.pop("ULYSSES_KERNELS_SKIP_EXTENSION", None)
+    r = run([tmp_path / "venv" / "bin" / "python", "-m", "pip", "install", "--no-index", src], tmp_path, env=env, timeout=300, expect_rc=1)
+    out = r.stdout + r.stderr
+    assert "[ulysses_kernels build] ERROR: torch is not importable at build time" in out, out
+    assert "pip install 'setuptools>=77' && pip install --no-build-isolation ." in out, out
+    assert "Installing build dependencies" not in out and "Could not find a version" not in out, out
+    assert not list((tmp_path / "venv").glob("lib/python*/site-packages/ulysses_kernels*")), "installed anyway"
 
 
 @pytest.mark.skipif(os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1", reason="an offline machine (system torch): pip cannot reach a package index")
