@@ -79,7 +79,7 @@ install_integration() {  # install_integration "<integrations, e.g. deepspeed ac
   local names=$1
   local log="build/setup_pip_${names// /_}.log"
   shift
-  # Not -q: the log keeps what pip found (the test below reads it); the terminal gets its warnings.
+  # Not -q: the log keeps what pip looked for (the check below reads it); the terminal gets its warnings.
   if "${PIP[@]}" install --no-warn-conflicts "${PINNED[@]}" "$@" >"$log" 2>&1; then
     grep "^WARNING" "$log" | grep -v "^WARNING: Location" || true
     return 0
@@ -102,7 +102,11 @@ if [ "$SYSTEM_TORCH" = "1" ]; then
   has_dists torch pytest || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
 elif ! has_dists "${BASE_PKGS[@]}"; then
   echo "[setup] installing ${BASE_PKGS[*]} into .venv"
-  "${PIP[@]}" install -q "${PINNED[@]}" "${BASE_PKGS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  if ! "${PIP[@]}" install -q "${PINNED[@]}" "${BASE_PKGS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }; then
+    echo "[setup] installing the base packages failed (pip's output above); nothing runs without them. Without network," \
+      "a python that has torch and pytest can lend them: ULYSSES_KERNELS_SYSTEM_TORCH=1 PYTHON=<that python> bash scripts/setup.sh" >&2
+    exit 1
+  fi
 fi
 if [ "$SYSTEM_TORCH" = "1" ] || [ "$PEERS" = "0" ]; then
   why=$([ "$SYSTEM_TORCH" = "1" ] && echo "ULYSSES_KERNELS_SYSTEM_TORCH=1: the set-up downloads nothing" || echo "ULYSSES_KERNELS_PEERS=0: the set-up left the integrations out")
