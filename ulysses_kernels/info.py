@@ -78,7 +78,8 @@ def default_line(info: dict) -> str:
     d = info["default_kernels"]
     validated = d["validated"].get(d["cuda"] or "cuda") or ["never on a GPU"]
     if d["cuda"] is None:
-        archs = info["extension"].get("archs") or "none"
+        ext = info["extension"]
+        archs = ext.get("archs") or ("no CUDA code" if ext.get("built") else "not built")
         return (
             f"{d['cpu']} on CPU tensors; on a GPU: cuda where _C carries code for its arch (_C here: {archs}), "
             f"else triton, else torch. cuda validated on {'; '.join(validated)}"
