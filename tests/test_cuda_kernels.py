@@ -497,7 +497,7 @@ def test_gpu_attention_world_size_1(dtype):
 
     assert KERNEL_SETS["cuda"].gpu_validated
     fits = ops.arch_code_for(torch.cuda.get_device_capability(q.device)) is not None
-    assert get_kernels(None, q.device).name == ("cuda" if fits else "triton")
+    assert get_kernels(None, q.device).name == ("cuda" if fits else "triton" if "triton" in available_kernels() else "torch")
 
 
 # ---- end to end on gloo ranks: the "cuda" kernel set is bit-identical to "torch" -----------
