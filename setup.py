@@ -277,12 +277,51 @@ def extensions():
     return [ext], {"build_ext": _timed(BuildExtension)}, [pin, *OTHER_REQUIREMENTS]
 
 
+def _toolchain():
+    """ulysses_kernels/toolchain.py, loaded by its path (the package imports torch and _C; this module only the stdlib)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_ulysses_kernels_toolchain", os.path.join(ROOT, "ulysses_kernels", "toolchain.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_libstdcxx(path: str) -> None:
+    """Say loudly when the compiler linked a private libstdc++ into the extension at ``path``.
+
+    The first GPU run's g++ did (bench/results/2026-11-27_h200/README.md): error messages
+    formatted through that copy's iostream crashed the process. csrc/message.h builds them
+    without a stream now, but a private C++ runtime beside torch's stays a hazard (two
+    allocators, two sets of exception and locale state), so the build names it and the fix.
+    """
+    toolchain = _toolchain()
+    report = toolchain.libstdcxx_report(path)
+    if report["private"]:
+        bar = "!" * 78
+        for line in (
+            bar,
+            f"WARNING: {os.path.basename(path)} carries {report['detail']}.",
+            f"Your C++ compiler ({os.environ.get('CXX', 'g++')}) links libstdc++ statically into shared libraries.",
+            "Torch's libraries use the shared one; a second copy inside _C has crashed error paths before.",
+            f"Fix: {toolchain.fix_command()}",
+            bar,
+        ):
+            _log(line)
+    else:
+        _log(f"C++ runtime of {os.path.basename(path)}: {report['detail']}")
+
+
 def _timed(base):
     class TimedBuildExt(base):
         def run(self):
             start = time.time()
             super().run()
             _log(f"_C built in {time.time() - start:.1f} s")
+            for ext in self.extensions:
+                path = self.get_ext_fullpath(ext.name)
+                if os.path.isfile(path):
+                    check_libstdcxx(path)
 
     return TimedBuildExt
 
