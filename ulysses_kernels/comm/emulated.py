@@ -99,9 +99,7 @@ class EmulatedPeers:
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"EmulatedPeers: rank expected an int in [0, {world_size}), got {rank!r}")
         if peers is not None and (peers.rank, peers.world_size) != (rank, world_size):
-            raise ValueError(
-                f"EmulatedPeers: the recording is of rank {peers.rank} of {peers.world_size}, expected rank {rank} of {world_size}"
-            )
+            raise ValueError(f"EmulatedPeers: the recording is of rank {peers.rank} of {peers.world_size}, expected rank {rank} of {world_size}")
         self.rank, self.world_size = rank, world_size
         self.peers = peers
         self.calls = 0  # exchanges so far (the replay's position)
@@ -118,9 +116,7 @@ class EmulatedPeers:
 
     def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
         if len(output_splits) != self.world_size or len(input_splits) != self.world_size:
-            raise EmulationError(
-                f"EmulatedPeers: all_to_all split lists expected {self.world_size} entries, got {len(output_splits)} and {len(input_splits)}"
-            )
+            raise EmulationError(f"EmulatedPeers: all_to_all split lists expected {self.world_size} entries, got {len(output_splits)} and {len(input_splits)}")
         r = self.rank
         if output_splits[r] != input_splits[r]:
             raise EmulationError(f"EmulatedPeers: rank {r}'s own block is {input_splits[r]} elements sent, {output_splits[r]} received")
@@ -158,8 +154,7 @@ class EmulatedPeers:
     def _replay(self, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         if src.shape != dst.shape or src.dtype != dst.dtype:
             raise EmulationError(
-                f"EmulatedPeers: exchange {self.calls}, {what}: the buffer is {dst.dtype} {list(dst.shape)}, "
-                f"the recording {src.dtype} {list(src.shape)}"
+                f"EmulatedPeers: exchange {self.calls}, {what}: the buffer is {dst.dtype} {list(dst.shape)}, the recording {src.dtype} {list(src.shape)}"
             )
         dst.copy_(src)
 
