@@ -173,3 +173,40 @@ def test_stand_ins_fill_the_peers_blocks_from_the_own_block():
     out = torch.full((3 + 3 + 2,), -1.0)  # 3 from rank 0, 3 own, 2 from rank 2
     comm.all_to_all(out, inp, [3, 3, 2], [2, 3, 4])
     assert out.tolist() == [2.0, 3.0, 4.0, 2.0, 3.0, 4.0, 2.0, 3.0]
+
+
+def test_bench_emulated_rows_match_the_calculator(tmp_path):
+    """``bench.longctx --emulate-rank0-of 4`` at tiny sizes (the GPU command's code path): every
+    measured row within 2% of the calculator, term by term; the proxy attention's bytes equal the
+    causal kernel's; the longest-sequence probes bracket the calculator's answer; the JSON written."""
+    import json
+
+    from ulysses_kernels.bench.longctx import main
+
+    argv = ["--emulate-rank0-of", "4", "--model", "tiny", "--seqs", "1K,2K", "--layers", "2,3", "--max-seq", "--gpu-gb", "0.02",
+            "--max-probes", "3", "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "bench_longctx_emulated_latest.json").read_text())
+    rows = [r for r in doc["rows"] if r["status"] == "ok"]
+    assert {r["what"] for r in rows} >= {"time", "memory", "max-seq probe"}, [r["status"] for r in doc["rows"]]
+    for r in rows:
+        for term in ("params", "forward_end", "act_peak", "host"):
+            assert r[f"{term}_diff"] is None or abs(r[f"{term}_diff"]) <= TOLERANCE, (term, r)
+        assert abs(r["total_diff"]) <= TOLERANCE, r  # 4 layers: the slope measured between 2 and 3 layers, or the calculator's
+    (check,) = doc["meta"]["proxy_check"]
+    assert check["act_peak_diff"] == 0.0, check
+    (search,) = doc["meta"]["max_seq"]
+    assert search["longest_fit"] is not None and search["longest_fit"] <= search["calc_max_seq"] + 4 * 64, search
+    assert doc["env"]["process"].startswith("rank 0 of an emulated group")
+    assert not (tmp_path / "bench_longctx_emulated_partial.json").exists()
+
+
+def test_bench_emulated_time_budget_skips_rows(tmp_path):
+    import json
+
+    from ulysses_kernels.bench.longctx import main
+
+    argv = ["--emulate-rank0-of", "4", "--model", "tiny", "--seqs", "1K", "--time-budget", "0", "--out-dir", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "bench_longctx_emulated_latest.json").read_text())
+    assert doc["rows"] and all(r["status"].startswith("skipped: estimated") for r in doc["rows"]), doc["rows"]

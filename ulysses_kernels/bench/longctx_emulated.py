@@ -39,7 +39,9 @@ check, not a claim.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -172,16 +174,18 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def measured_step(model, batch, device) -> dict:
+def measured_step(model, batch, device, fresh: bool = True) -> dict:
     """One training step: seconds, bytes before it, forward end and peak above them, reserved
     peak, offload host bytes. Each parameter gradient is dropped once accumulated (CUDA: freed;
-    CPU: ``LiveBytes.forget``)."""
+    CPU: ``LiveBytes.forget``). ``fresh``: the allocator's cache emptied first (the reserved
+    peak is this step's); a timed step keeps it (as a training loop's later steps do)."""
     model.zero_grad(set_to_none=True)
     gc.collect()
     tracker = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        if fresh:
+            torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         reset_host = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
@@ -249,8 +253,19 @@ def setup_of(cfg: Config, layers: int, seq: int, pieces: str, dtype, zero: int =
 def zero3_state_bytes(setup: memory.Setup) -> int:
     """The ZeRO-3 (optimizer offloaded) rows of the calculator on a rank: parameters / N,
     gradients / N, the largest gathered module."""
-    rows = memory.memory_rows(replace(setup, zero=3, offload_optimizer=True))
-    return sum(r.gpu for r in rows if not r.item.startswith(("activations", "step peak")))
+    return memory.state_bytes(replace(setup, zero=3, offload_optimizer=True))
+
+
+@functools.lru_cache(maxsize=256)
+def calc_step(setup: memory.Setup):
+    """The calculator's replay of rank 0 (cached: the 48-layer replay takes a while in Python)."""
+    return step_memory(setup, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def calc_total(setup: memory.Setup) -> int:
+    """The calculator's bytes per GPU under ZeRO-3 with the optimizer offloaded (its worst rank)."""
+    return memory.total_gpu(replace(setup, zero=3, offload_optimizer=True))
 
 
 def model_flops(cfg: Config, seq: int, causal: bool = True) -> float:
@@ -281,7 +296,7 @@ def executed_flops(cfg: Config, layers: int, seq: int, attention: str, block: in
 
 def compare(rec: dict, setup: memory.Setup, params_expected: int) -> dict:
     """The row's terms: measured, the calculator's, and the relative difference (measured / calculator - 1)."""
-    calc = step_memory(setup, 0)
+    calc = calc_step(setup)
     out = {
         "params_gb": rec["before"] / GB, "calc_params_gb": params_expected / GB,
         "forward_end_gb": rec["forward_end"] / GB, "calc_forward_end_gb": calc.forward_end / GB,
@@ -353,15 +368,15 @@ class Runner:
         self.partial = None if args.no_write else Path(args.out_dir) / "bench_longctx_emulated_partial.json"
 
     # ---- the plan -----------------------------------------------------------------------------
-    def _seq_of(self, job: Job) -> int:
-        seq = self.next_probe(job.cfg) if job.probe else job.seq
+    def _seq_of(self, job: Job, wait: bool = False) -> int:
+        seq = self.next_probe(job.cfg, wait) if job.probe else job.seq
         if seq is None:
             return 0
         unit = job.cfg.sp * (self.args.proxy_block if job.attention == "proxy" else 1)
         return max(unit, seq - seq % unit)
 
-    def estimate(self, job: Job) -> float:
-        seq = self._seq_of(job)
+    def estimate(self, job: Job, wait: bool = False) -> float:
+        seq = self._seq_of(job, wait)
         if seq == 0:
             return 0.0
         flops = executed_flops(job.cfg, job.layers, seq, job.attention, self.args.proxy_block)
@@ -370,10 +385,10 @@ class Runner:
 
     def run_jobs(self, jobs: list[Job]) -> None:
         for i, job in enumerate(jobs):
-            seq = self._seq_of(job)
+            seq = self._seq_of(job, wait=True)
             if seq == 0:
                 continue  # a search that is over
-            need = self.estimate(job)
+            need = self.estimate(job, wait=True)
             reserve = sum(self.estimate(j) for j in jobs[i + 1 :] if j.priority < job.priority)
             if need > self.budget.left() - reserve:
                 row = self._row_head(job, seq)
@@ -388,19 +403,30 @@ class Runner:
                 self.probed(job.cfg, row)
 
     # ---- the longest sequence: one probe per job ------------------------------------------------
-    def start_search(self, cfg: Config, layers: int, gpu_bytes: float) -> None:
-        unit = cfg.sp * self.args.proxy_block
-        calc = memory.max_seq(setup_of(cfg, cfg.real_layers, cfg.sp, "all", self.dtype, zero=3), gpu_bytes)
+    def start_search(self, cfg: Config, layers: int, gpu_bytes: float, pool) -> None:
+        """The search's first probe is the calculator's answer, computed on ``pool`` (seconds of
+        Python for a 48-layer model) while the first rows run."""
+        setup = setup_of(cfg, cfg.real_layers, cfg.sp, "all", self.dtype, zero=3)
         self.searches[cfg.key] = {
-            "model": cfg.name, "sp": cfg.sp, "gpu_gb": gpu_bytes / GB, "measured_layers": layers, "calc_max_seq": calc,
-            "next": max(unit, calc - calc % unit), "longest_fit": None, "shortest_oom": None, "probes": [], "stopped": None,
+            "model": cfg.name, "sp": cfg.sp, "gpu_gb": gpu_bytes / GB, "measured_layers": layers, "calc_max_seq": None,
+            "next": None, "longest_fit": None, "shortest_oom": None, "probes": [], "stopped": None,
+            "_calc": pool.submit(memory.max_seq, setup, gpu_bytes),
             "note": f"measured at {layers} layers, proxy attention, every piece on, under each probe's cap (cap_from); the longest "
                     "length that fit and the shortest that did not, as far as the probes and the budget went",
         }  # fmt: skip
 
-    def next_probe(self, cfg: Config) -> int | None:
+    def next_probe(self, cfg: Config, wait: bool) -> int | None:
+        """The next probe's length; ``None``: the search is over. Until the calculator's answer
+        is in (``wait`` False), a guess for the estimates: twice the longest of ``--seqs``."""
         s = self.searches.get(cfg.key)
-        return None if s is None or s["stopped"] else s["next"]
+        if s is None or s["stopped"]:
+            return None
+        if s["next"] is None:
+            if not wait and not s["_calc"].done():
+                return 2 * max(C.parse_size(x) for x in self.args.seqs.split(","))
+            calc, unit = s.pop("_calc").result(), cfg.sp * self.args.proxy_block
+            s["calc_max_seq"], s["next"] = calc, max(unit, calc - calc % unit)
+        return s["next"]
 
     def probed(self, cfg: Config, row: dict) -> None:
         s, unit = self.searches[cfg.key], cfg.sp * self.args.proxy_block
@@ -427,7 +453,7 @@ class Runner:
         s = self.searches[cfg.key]
         full = setup_of(cfg, cfg.real_layers, seq, "all", self.dtype)
         here = setup_of(cfg, layers, seq, "all", self.dtype)
-        beyond = step_memory(full, 0).peak - step_memory(here, 0).peak
+        beyond = calc_step(full).peak - calc_step(here).peak
         state = zero3_state_bytes(full)
         held = memory.parameter_count(here)[0] * _element_size(self.dtype)
         cap = s["gpu_gb"] * GB - state - beyond + held
@@ -484,10 +510,13 @@ class Runner:
             row["status"] = "ok"
             if cap is not None and not cuda:  # the CPU has no allocator cap: the tracked bytes against it
                 row["status"] = "ok" if rec["before"] + rec["peak"] <= cap else "over the cap (CPU: LiveBytes against it)"
-        except torch.cuda.OutOfMemoryError as e:
+        except RuntimeError as e:  # torch.OutOfMemoryError, or a library's failed allocation (cuBLAS, cuDNN)
+            text = str(e)
+            if not isinstance(e, torch.cuda.OutOfMemoryError) and "out of memory" not in text.lower() and "ALLOC_FAILED" not in text:
+                raise
             rec = None
             row["status"] = "oom"
-            row["error"] = str(e).splitlines()[0][:300]
+            row["error"] = text.splitlines()[0][:300]
         finally:
             if cap is not None and cuda:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
@@ -499,7 +528,7 @@ class Runner:
             row.update(compare(rec, here, memory.parameter_count(here)[0] * _element_size(self.dtype)))
             row["step_s"], row["step_kind"] = rec["step_s"], "the measured step (first at this size: allocations included)"
             if job.timed:
-                times = [measured_step(model, batch, self.device)["step_s"] for _ in range(job.timed)]
+                times = [measured_step(model, batch, self.device, fresh=False)["step_s"] for _ in range(job.timed)]
                 row["step_s"], row["step_kind"] = min(times), f"best of {job.timed} after the measured step"
                 self.budget.ran(flops, row["step_s"])
             row["tokens_per_s"] = row["seq_local"] / row["step_s"]
@@ -541,15 +570,15 @@ def layer_models(runner: Runner, cfg: Config, dtype) -> None:
             slope = (o["act_peak_gb"] - r["act_peak_gb"]) / (o["layers"] - r["layers"]) * GB
             source = f"measured between {r['layers']} and {o['layers']} layers"
         else:
-            here = step_memory(setup_of(cfg, r["layers"], r["seq"], r["pieces"], dtype), 0).peak
-            slope = (step_memory(full, 0).peak - here) / (L - r["layers"])
+            here = calc_step(setup_of(cfg, r["layers"], r["seq"], r["pieces"], dtype)).peak
+            slope = (calc_step(full).peak - here) / (L - r["layers"])
             source = "the calculator's"
         state = zero3_state_bytes(full)
         r["model_total_gb"] = (state + r["act_peak_gb"] * GB + (L - r["layers"]) * slope) / GB
         r["model_total_from"] = (f"{L} layers, modeled: measured activation peak at {r['layers']} layers + {L - r['layers']} x per-layer "
                                  f"slope {slope / GB:.4f} GB ({source}) + the calculator's ZeRO-3 state {state / GB:.2f} GB "
                                  "(parameters / N, gradients / N, largest gathered module; optimizer offloaded)")  # fmt: skip
-        r["calc_total_gb"] = sum(x.gpu for x in memory.memory_rows(replace(full, zero=3, offload_optimizer=True))) / GB
+        r["calc_total_gb"] = calc_total(full) / GB
         r["total_diff"] = r["model_total_gb"] / r["calc_total_gb"] - 1
 
 
@@ -604,27 +633,43 @@ def time_model(runner: Runner, cfg: Config, seqs: list[int]) -> dict | None:
 
 # ---- the run ------------------------------------------------------------------------------------
 def plan(args, configs: list[Config], layers: list[int], seqs: list[int], s_t: int) -> list[Job]:
-    """The rows, in order, with priorities (1 first): the first model's rows at every length and
-    its first probe; the other models' rows, their first probe; the second layer count; more
-    probes; the ablation."""
+    """The rows, in order, with priorities (a row starts only if it leaves the estimated time of
+    the later rows of a lower number): 1, the first model at every length and its first probe;
+    2, the other models at their second and last lengths, the first model's causal time row;
+    3, the other models' first probes and causal time rows, the second layer count at S_t;
+    4, the second layer count at the second length, more probes; 5, the rest and the ablation."""
     l0, l1 = layers[0], layers[-1]
     first, others = configs[0], configs[1:]
+    rest = [s for s in seqs if s != s_t]
+    key = rest[:1] + rest[-1:]
     jobs = [Job(1, first, l0, s_t, what="time", timed=1), Job(2, first, l0, s_t, attention="causal", what="time", timed=1)]
-    jobs += [Job(1, first, l0, s) for s in seqs if s != s_t]
+    jobs += [Job(1, first, l0, s) for s in rest]
     for cfg in others:
         jobs += [Job(2, cfg, l0, s_t, what="time", timed=1), Job(3, cfg, l0, s_t, attention="causal", what="time", timed=1)]
-        jobs += [Job(2 if s in (min(seqs[1:], default=s), max(seqs)) else 5, cfg, l0, s) for s in seqs if s != s_t]
-    if l1 != l0:
-        jobs += [Job(3, first, l1, s_t, what="time", timed=1)]
-        jobs += [Job(3, first, l1, s) for s in seqs[1:2] if s != s_t]
+        jobs += [Job(2 if s in key else 5, cfg, l0, s) for s in rest]
     if args.max_seq:
-        for i, cfg in enumerate(configs):
-            jobs.append(Job(1 if i == 0 else 2, cfg, l0, what="max-seq probe", probe=True))
+        jobs += [Job(1 if i == 0 else 3, cfg, l0, what="max-seq probe", probe=True) for i, cfg in enumerate(configs)]
+    if l1 != l0:
+        jobs += [Job(3, first, l1, s_t, what="time", timed=1)] + [Job(4, first, l1, s) for s in rest[:1]]
+    if args.max_seq:
         for _ in range(args.max_probes - 1):
             jobs += [Job(4, cfg, l0, what="max-seq probe", probe=True) for cfg in configs]
     if args.ablation:
         jobs += [Job(5, first, l0, s_t, pieces=p, what="ablation") for p in ("none", "loss", "mlp", "norms", "offload")]
     return jobs
+
+
+def proxy_check(runner: Runner, cfg: Config) -> dict | None:
+    """The proxy attention against the real kernel: the measured activation peak (and forward
+    end) of the causal and the proxy step at the same length and layers."""
+    rows = {r["attention"].split(" ")[0]: r for r in runner.rows if r["config"] == cfg.key and r["what"] == "time" and r.get("status") == "ok"
+            and r["layers"] == min(x["layers"] for x in runner.rows if x["config"] == cfg.key)}  # fmt: skip
+    if "causal" not in rows or "proxy" not in rows:
+        return None
+    c, p = rows["causal"], rows["proxy"]
+    return {"model": cfg.name, "sp": cfg.sp, "seq": c["seq"], "layers": c["layers"], "causal_act_peak_gb": c["act_peak_gb"],
+            "proxy_act_peak_gb": p["act_peak_gb"], "act_peak_diff": c["act_peak_gb"] / p["act_peak_gb"] - 1,
+            "causal_reserved_gb": c["reserved_gb"], "proxy_reserved_gb": p["reserved_gb"]}  # fmt: skip
 
 
 def run(args) -> int:
@@ -640,13 +685,20 @@ def run(args) -> int:
         gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
         alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     )  # fmt: skip
-    if args.max_seq:
-        for cfg in configs:
-            runner.start_search(cfg, layers[0], args.gpu_gb * GB)
-    runner.run_jobs(plan(args, configs, layers, seqs, s_t))
-    times = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        if args.max_seq:
+            for cfg in configs:
+                runner.start_search(cfg, layers[0], args.gpu_gb * GB, pool)
+        runner.run_jobs(plan(args, configs, layers, seqs, s_t))
+        for s in runner.searches.values():  # a search the budget never reached: its calculator answer still
+            if "_calc" in s:
+                s["calc_max_seq"] = s.pop("_calc").result()
+    times, checks = [], []
     for cfg in configs:
         layer_models(runner, cfg, dtype)
+        check = proxy_check(runner, cfg)
+        if check is not None:
+            checks.append(check)
         s = runner.searches.get(cfg.key)
         t = time_model(runner, cfg, seqs + ([s["longest_fit"], s["calc_max_seq"]] if s and s["longest_fit"] else []))
         if t is not None:
@@ -654,6 +706,8 @@ def run(args) -> int:
     unit = "GB" if device.type == "cuda" else "MB"
     scale = 1.0 if device.type == "cuda" else 1e3
     shown = [{k: v * scale if isinstance(v, float) and k.endswith("_gb") else v for k, v in r.items()} for r in runner.rows]
+    for r in shown:
+        r["status"] = r["status"].split(":")[0]  # the JSON has the whole reason
     cols = [(k, h.replace("GB", unit), f) for k, h, f in COLUMNS]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU: a code-path check, not a claim"
     C.print_table(cols, shown, title=f"# bench_longctx: rank 0 of an emulated group in one process, {C.dtype_name(dtype)}, {where}")
@@ -661,11 +715,13 @@ def run(args) -> int:
         print(f"# time, {t['model']} at sp {t['sp']}: measured {json.dumps(t['measured'])}\n#   {t['how']}")
         for x in t["at"]:
             print(f"#   {json.dumps(x)}")
+    for c in checks:
+        print(f"# proxy attention against causal, {c['model']} at sp {c['sp']}, {c['seq']} tokens: {json.dumps(c)}")
     for s in runner.searches.values():
         print(f"# longest sequence, {s['model']} at sp {s['sp']} on {s['gpu_gb']:g} GB: calculator {s['calc_max_seq']:,}; measured: "
               f"fit {s['longest_fit']}, did not fit {s['shortest_oom']} ({s['stopped'] or 'probes used up'}); {s['probes']}")  # fmt: skip
     if not args.no_write:
-        meta = {"args": vars(args), "max_seq": list(runner.searches.values()), "time": times}
+        meta = {"args": vars(args), "max_seq": list(runner.searches.values()), "time": times, "proxy_check": checks}
         paths = C.write_results(args.out_dir, "bench_longctx_emulated", runner.env, runner.rows, meta)
         if runner.partial is not None and runner.partial.exists():
             runner.partial.unlink()
