@@ -183,8 +183,8 @@ def test_bench_emulated_rows_match_the_calculator(tmp_path):
 
     from ulysses_kernels.bench.longctx import main
 
-    argv = ["--emulate-rank0-of", "4", "--model", "tiny", "--seqs", "1K,2K", "--layers", "2,3", "--max-seq", "--gpu-gb", "0.02",
-            "--max-probes", "3", "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    argv = ["--emulate-rank0-of", "4", "--model", "tiny", "--seqs", "512,1K", "--layers", "2,3", "--max-seq", "--gpu-gb", "0.006",
+            "--max-probes", "2", "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads((tmp_path / "bench_longctx_emulated_latest.json").read_text())
     rows = [r for r in doc["rows"] if r["status"] == "ok"]

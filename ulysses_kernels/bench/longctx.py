@@ -189,7 +189,8 @@ def parse_args(argv=None, default_out_dir=None):
     e.add_argument("--max-seq-step", type=float, default=0.1, help="first step of the search, a fraction of the length")
     e.add_argument("--ablation", action="store_true", help="each piece alone at the timed length (first model)")
     e.add_argument("--time-budget", type=float, default=None, help="seconds for all rows: later rows that would not fit are skipped")
-    e.add_argument("--reserve-s", type=float, default=20.0, help="seconds of the budget kept for each later model's rows")
+    e.add_argument("--assume-tflops", type=float, default=None, help="the first guess of the executed TFLOP/s for the estimates (default 250 on CUDA)")
+    e.add_argument("--dry-run", action="store_true", help="print the planned rows and their estimates, run nothing")
     args = p.parse_args(argv)
     if args.emulate_rank0_of is None:
         args.layers = int(args.layers or (3 if cpu else 16))

@@ -320,9 +320,10 @@ class Budget:
     """Seconds left, and the FLOP rate measured so far (each row's estimate: its FLOPs at that
     rate, the pinned host memory its offload allocates, a model build)."""
 
-    def __init__(self, seconds: float | None, device):
+    def __init__(self, seconds: float | None, device, tflops: float | None = None):
         self.deadline = None if seconds is None else time.monotonic() + seconds
-        self.rate = 250e12 if device.type == "cuda" else 2e9  # a first guess, replaced once a row ran
+        # a first guess of the executed FLOP rate, replaced once a row ran
+        self.rate = tflops * 1e12 if tflops else (250e12 if device.type == "cuda" else 2e9)
         self.samples: list[float] = []
 
     def left(self) -> float:
@@ -359,7 +360,7 @@ class Job:
 class Runner:
     def __init__(self, args, device, dtype):
         self.args, self.device, self.dtype = args, device, dtype
-        self.budget = Budget(args.time_budget, device)
+        self.budget = Budget(args.time_budget, device, args.assume_tflops)
         self.rows: list[dict] = []
         self.searches: dict[str, dict] = {}
         self._model = None
@@ -524,7 +525,7 @@ class Runner:
         if rec is not None:
             self.budget.ran(flops, rec["step_s"])
             here = setup_of(cfg, job.layers, seq, job.pieces, self.dtype)
-            row["loss"] = rec["loss"]
+            row["loss"], row["loss_finite"] = rec["loss"], math.isfinite(rec["loss"])
             row.update(compare(rec, here, memory.parameter_count(here)[0] * _element_size(self.dtype)))
             row["step_s"], row["step_kind"] = rec["step_s"], "the measured step (first at this size: allocations included)"
             if job.timed:
@@ -634,23 +635,24 @@ def time_model(runner: Runner, cfg: Config, seqs: list[int]) -> dict | None:
 # ---- the run ------------------------------------------------------------------------------------
 def plan(args, configs: list[Config], layers: list[int], seqs: list[int], s_t: int) -> list[Job]:
     """The rows, in order, with priorities (a row starts only if it leaves the estimated time of
-    the later rows of a lower number): 1, the first model at every length and its first probe;
-    2, the other models at their second and last lengths, the first model's causal time row;
-    3, the other models' first probes and causal time rows, the second layer count at S_t;
-    4, the second layer count at the second length, more probes; 5, the rest and the ablation."""
+    the later rows of a lower number). 1: the first model's time row at S_t (proxy), its second
+    length, its first probe. 2: its longest length and causal time row; the other models' time
+    row and longest length. 3: the first model's other lengths; the other models' second
+    length, first probe and causal time row. 4: the second layer count, more probes. 5: the
+    rest, the ablation."""
     l0, l1 = layers[0], layers[-1]
     first, others = configs[0], configs[1:]
     rest = [s for s in seqs if s != s_t]
-    key = rest[:1] + rest[-1:]
+    second, longest = rest[:1], rest[-1:]
     jobs = [Job(1, first, l0, s_t, what="time", timed=1), Job(2, first, l0, s_t, attention="causal", what="time", timed=1)]
-    jobs += [Job(1, first, l0, s) for s in rest]
+    jobs += [Job(1 if s in second else 2 if s in longest else 3, first, l0, s) for s in rest]
     for cfg in others:
         jobs += [Job(2, cfg, l0, s_t, what="time", timed=1), Job(3, cfg, l0, s_t, attention="causal", what="time", timed=1)]
-        jobs += [Job(2 if s in key else 5, cfg, l0, s) for s in rest]
+        jobs += [Job(2 if s in longest else 3 if s in second else 5, cfg, l0, s) for s in rest]
     if args.max_seq:
         jobs += [Job(1 if i == 0 else 3, cfg, l0, what="max-seq probe", probe=True) for i, cfg in enumerate(configs)]
     if l1 != l0:
-        jobs += [Job(3, first, l1, s_t, what="time", timed=1)] + [Job(4, first, l1, s) for s in rest[:1]]
+        jobs += [Job(4, first, l1, s_t, what="time", timed=1)] + [Job(4, first, l1, s) for s in second]
     if args.max_seq:
         for _ in range(args.max_probes - 1):
             jobs += [Job(4, cfg, l0, what="max-seq probe", probe=True) for cfg in configs]
@@ -685,6 +687,15 @@ def run(args) -> int:
         gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
         alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     )  # fmt: skip
+    if args.dry_run:  # the plan and each row's estimate at --assume-tflops, nothing run
+        total = 0.0
+        for job in plan(args, configs, layers, seqs, s_t):
+            est = 0.0 if job.probe else runner.estimate(job)
+            runner._key = (job.cfg.name, job.cfg.sp, job.layers)  # as if built
+            total += est
+            print(f"# P{job.priority} {job.cfg.key:16s} L{job.layers} {job.what:14s} {job.attention:6s} {job.pieces:7s} "
+                  f"seq {'(probe)' if job.probe else job.seq:>9} ~{est:5.1f} s (sum {total:6.1f} s, probes not counted)")  # fmt: skip
+        return 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         if args.max_seq:
             for cfg in configs:
