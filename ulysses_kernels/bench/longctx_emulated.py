@@ -238,15 +238,19 @@ def measured_step(model, batch, device, fresh: bool = True) -> dict:
 
 
 # ---- the calculator, term by term -----------------------------------------------------------
-def setup_of(cfg: Config, layers: int, seq: int, pieces: str, dtype, zero: int = 0) -> memory.Setup:
+def setup_of(cfg: Config, layers: int, seq: int, pieces: str, dtype, zero: int = 0, flash: bool | None = None) -> memory.Setup:
+    """The calculator's setup of a row. ``flash``: count the flash kernel's float32 backward
+    workspace (default: where this runs, on CUDA in half precision, as SDPA's flash kernel has one)."""
     s = cfg.sizes
     on = PIECES[pieces]
+    if flash is None:
+        flash = torch.cuda.is_available() and dtype in (torch.float16, torch.bfloat16)
     return memory.Setup(
         layers=layers, hidden=s["hidden"], heads=s["heads"], kv_heads=s["kv_heads"], intermediate=s["intermediate"],
         vocab=s["vocab"], seq=seq, sp=cfg.sp, dtype=str(dtype).removeprefix("torch."),
         checkpointing=True, tie_embeddings=False, zero=zero, offload_optimizer=zero >= 1,
         tiled_loss="tiled_loss" in on, tiled_mlp="tiled_mlp" in on, tiled_norms="tiled_norms" in on,
-        offload_activations="offload_activations" in on,
+        offload_activations="offload_activations" in on, flash_workspace=flash,
     )  # fmt: skip
 
 
@@ -411,7 +415,8 @@ class Runner:
         self.searches[cfg.key] = {
             "model": cfg.name, "sp": cfg.sp, "gpu_gb": gpu_bytes / GB, "measured_layers": layers, "calc_max_seq": None,
             "next": None, "longest_fit": None, "shortest_oom": None, "probes": [], "stopped": None,
-            "_calc": pool.submit(memory.max_seq, setup, gpu_bytes),
+            "_calc": pool.submit(memory.max_seq, setup, gpu_bytes), "calc_flash_workspace": setup.flash_workspace,
+            "_calc_no_workspace": pool.submit(memory.max_seq, replace(setup, flash_workspace=False), gpu_bytes) if setup.flash_workspace else None,
             "note": f"measured at {layers} layers, proxy attention, every piece on, under each probe's cap (cap_from); the longest "
                     "length that fit and the shortest that did not, as far as the probes and the budget went",
         }  # fmt: skip
@@ -426,6 +431,8 @@ class Runner:
             if not wait and not s["_calc"].done():
                 return 2 * max(C.parse_size(x) for x in self.args.seqs.split(","))
             calc, unit = s.pop("_calc").result(), cfg.sp * self.args.proxy_block
+            other = s.pop("_calc_no_workspace")
+            s["calc_max_seq_no_workspace"] = other.result() if other is not None else calc
             s["calc_max_seq"], s["next"] = calc, max(unit, calc - calc % unit)
         return s["next"]
 
@@ -511,6 +518,8 @@ class Runner:
             row["status"] = "ok"
             if cap is not None and not cuda:  # the CPU has no allocator cap: the tracked bytes against it
                 row["status"] = "ok" if rec["before"] + rec["peak"] <= cap else "over the cap (CPU: LiveBytes against it)"
+            elif cap is not None and rec["reserved_peak"] > cap:  # the cap was not enforced (an allocator setting): no fit
+                row["status"] = f"over the cap: reserved {rec['reserved_peak'] / GB:.2f} GB, the allocator did not stop it"
         except RuntimeError as e:  # torch.OutOfMemoryError, or a library's failed allocation (cuBLAS, cuDNN)
             text = str(e)
             if not isinstance(e, torch.cuda.OutOfMemoryError) and "out of memory" not in text.lower() and "ALLOC_FAILED" not in text:
@@ -696,7 +705,7 @@ def run(args) -> int:
             print(f"# P{job.priority} {job.cfg.key:16s} L{job.layers} {job.what:14s} {job.attention:6s} {job.pieces:7s} "
                   f"seq {'(probe)' if job.probe else job.seq:>9} ~{est:5.1f} s (sum {total:6.1f} s, probes not counted)")  # fmt: skip
         return 0
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         if args.max_seq:
             for cfg in configs:
                 runner.start_search(cfg, layers[0], args.gpu_gb * GB, pool)
@@ -704,6 +713,8 @@ def run(args) -> int:
         for s in runner.searches.values():  # a search the budget never reached: its calculator answer still
             if "_calc" in s:
                 s["calc_max_seq"] = s.pop("_calc").result()
+                other = s.pop("_calc_no_workspace")
+                s["calc_max_seq_no_workspace"] = other.result() if other is not None else s["calc_max_seq"]
     times, checks = [], []
     for cfg in configs:
         layer_models(runner, cfg, dtype)
