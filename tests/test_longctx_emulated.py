@@ -176,14 +176,15 @@ def test_stand_ins_fill_the_peers_blocks_from_the_own_block():
 
 
 def test_bench_emulated_rows_match_the_calculator(tmp_path):
-    """``bench.longctx --emulate-rank0-of 4`` at tiny sizes (the GPU command's code path): every
+    """``bench.longctx --emulate-rank0-of 4`` at tiny sizes, Llama and Qwen2 (40/8 heads, rank 0 of 16),
+    the GPU command's code path: every
     measured row within 2% of the calculator, term by term; the proxy attention's bytes equal the
     causal kernel's; the longest-sequence probes bracket the calculator's answer; the JSON written."""
     import json
 
     from ulysses_kernels.bench.longctx import main
 
-    argv = ["--emulate-rank0-of", "4", "--model", "tiny", "--seqs", "512,1K", "--layers", "2,3", "--max-seq", "--gpu-gb", "0.006",
+    argv = ["--emulate-rank0-of", "4", "--model", "tiny,tiny-qwen2@16", "--seqs", "512,1K", "--layers", "2,3", "--max-seq", "--gpu-gb", "0.006",
             "--max-probes", "2", "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads((tmp_path / "bench_longctx_emulated_latest.json").read_text())
@@ -193,10 +194,11 @@ def test_bench_emulated_rows_match_the_calculator(tmp_path):
         for term in ("params", "forward_end", "act_peak", "host"):
             assert r[f"{term}_diff"] is None or abs(r[f"{term}_diff"]) <= TOLERANCE, (term, r)
         assert abs(r["total_diff"]) <= TOLERANCE, r  # 4 layers: the slope measured between 2 and 3 layers, or the calculator's
-    (check,) = doc["meta"]["proxy_check"]
-    assert check["act_peak_diff"] == 0.0, check
-    (search,) = doc["meta"]["max_seq"]
-    assert search["longest_fit"] is not None and search["longest_fit"] <= search["calc_max_seq"] + 4 * 64, search
+    assert {(c["model"], c["sp"]) for c in doc["meta"]["proxy_check"]} == {("tiny", 4), ("tiny-qwen2", 16)}
+    assert all(c["act_peak_diff"] == 0.0 for c in doc["meta"]["proxy_check"]), doc["meta"]["proxy_check"]
+    for search in doc["meta"]["max_seq"]:  # a fit at most one probe step (the block unit) past the calculator's answer
+        unit = search["sp"] * 64
+        assert search["longest_fit"] is not None and search["longest_fit"] <= search["calc_max_seq"] + unit, search
     assert doc["env"]["process"].startswith("rank 0 of an emulated group")
     assert not (tmp_path / "bench_longctx_emulated_partial.json").exists()
 

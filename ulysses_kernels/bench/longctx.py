@@ -180,7 +180,9 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--no-progress", action="store_true")
     e = p.add_argument_group("rank 0 of an N-way group in one process (bench/longctx_emulated.py; docs/longctx.md)")
     e.add_argument("--emulate-rank0-of", type=int, default=None, metavar="N", help="run rank 0 of an N-way group here (no spawn, no torchrun)")
-    e.add_argument("--model", default=None, help="comma list of llama3-8b, qwen2.5-14b, tiny, each optionally @sp (default: tiny on the CPU, llama3-8b)")
+    e.add_argument(
+        "--model", default=None, help="comma list of llama3-8b, qwen2.5-14b, tiny, tiny-qwen2, each optionally @sp (default: tiny on the CPU, llama3-8b)"
+    )
     e.add_argument("--time-seq", default=None, help="the length of the timed rows (default: the first of --seqs)")
     e.add_argument("--proxy-block", type=int, default=64 if cpu else 4096, help="tokens per block of the proxy attention")
     e.add_argument("--max-seq", action="store_true", help="probe the longest sequence under --gpu-gb")

@@ -63,11 +63,12 @@ from . import common as C
 
 __all__ = ["MODELS", "ProxyAttention", "run"]
 
-# Real sizes (config.json of each model); ``tiny`` for the CPU.
+# Real sizes (config.json of each model); ``tiny``, ``tiny-qwen2`` (Qwen2.5-14B's 40/8 heads) for the CPU.
 MODELS = {
     "llama3-8b": {"family": "llama", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 128256},
     "qwen2.5-14b": {"family": "qwen2", "layers": 48, "hidden": 5120, "heads": 40, "kv_heads": 8, "intermediate": 13824, "vocab": 152064},
     "tiny": {"family": "llama", "layers": 4, "hidden": 64, "heads": 8, "kv_heads": 4, "intermediate": 160, "vocab": 256},
+    "tiny-qwen2": {"family": "qwen2", "layers": 4, "hidden": 160, "heads": 40, "kv_heads": 8, "intermediate": 96, "vocab": 256},
 }
 PIECES = {
     "none": {},
@@ -377,7 +378,7 @@ class Runner:
         seq = self.next_probe(job.cfg, wait) if job.probe else job.seq
         if seq is None:
             return 0
-        unit = job.cfg.sp * (self.args.proxy_block if job.attention == "proxy" else 1)
+        unit = job.cfg.sp * (self.args.proxy_block if job.probe else 1)  # a probe's lengths: whole proxy blocks
         return max(unit, seq - seq % unit)
 
     def estimate(self, job: Job, wait: bool = False) -> float:
@@ -675,7 +676,7 @@ def proxy_check(runner: Runner, cfg: Config) -> dict | None:
     end) of the causal and the proxy step at the same length and layers."""
     rows = {r["attention"].split(" ")[0]: r for r in runner.rows if r["config"] == cfg.key and r["what"] == "time" and r.get("status") == "ok"
             and r["layers"] == min(x["layers"] for x in runner.rows if x["config"] == cfg.key)}  # fmt: skip
-    if "causal" not in rows or "proxy" not in rows:
+    if "causal" not in rows or "proxy" not in rows or rows["causal"]["seq"] != rows["proxy"]["seq"]:
         return None
     c, p = rows["causal"], rows["proxy"]
     return {"model": cfg.name, "sp": cfg.sp, "seq": c["seq"], "layers": c["layers"], "causal_act_peak_gb": c["act_peak_gb"],
