@@ -576,7 +576,9 @@ def layer_models(runner: Runner, cfg: Config, dtype) -> None:
         full = setup_of(cfg, L, r["seq"], r["pieces"], dtype)
         others = [o for o in ok if o["seq"] == r["seq"] and o["pieces"] == r["pieces"] and o["attention"] == r["attention"]
                   and o["layers"] != r["layers"]]  # fmt: skip
-        if others:
+        if r["layers"] == L:
+            slope, source = 0.0, "none: the real layer count ran"
+        elif others:
             o = others[0]
             slope = (o["act_peak_gb"] - r["act_peak_gb"]) / (o["layers"] - r["layers"]) * GB
             source = f"measured between {r['layers']} and {o['layers']} layers"
@@ -619,14 +621,16 @@ def time_model(runner: Runner, cfg: Config, seqs: list[int]) -> dict | None:
         per_layer = by[(l0, "proxy")]["step_s"] / (l0 + 2)
         source = f"a layer's time besides attention assumed: the {l0}-layer proxy step over {l0 + 2} (one layer count ran)"
     rest = by[(l0, "proxy")]["step_s"] - l0 * per_layer
-    attn = (by[(l0, "causal")]["step_s"] - by[(l0, "proxy")]["step_s"]) / l0
+    # causal less proxy leaves attention's time less the proxy's own (block / S_t of it, at equal FLOP rates)
+    block = min(runner.args.proxy_block, s_t)
+    attn = (by[(l0, "causal")]["step_s"] - by[(l0, "proxy")]["step_s"]) / l0 / max(1 - block / s_t, 1e-9)
     L = cfg.real_layers
     c = by[(l0, "causal")]
     measured_flops = model_flops(replace(cfg, sizes={**cfg.sizes, "layers": l0}), s_t)
     out = {"model": cfg.name, "sp": cfg.sp, "from_seq": s_t, "per_layer_s": per_layer, "attention_per_layer_s": attn, "rest_s": rest,
            "measured": {"layers": l0, "seq": s_t, "attention": "causal", "step_s": c["step_s"],
                         "tokens_per_s_per_gpu": c["seq_local"] / c["step_s"], "mfu": None if peak is None else measured_flops / c["step_s"] / peak},
-           "how": f"modeled: {source}; attention per layer: causal less proxy step at {l0} layers, over {l0}, scaled as (S / {s_t})^2; "
+           "how": f"modeled: {source}; attention per layer: causal less proxy step at {l0} layers, over {l0} and 1 - block / S_t, scaled as (S / {s_t})^2; "
                   "the rest (embedding, head, loss) and a layer's other work scaled as S / S_t; no communication; MFU against "
                   f"{'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'} (dense bf16), model FLOPs (no recompute)",
            "at": []}  # fmt: skip
