@@ -18,7 +18,9 @@ parameter gradient and the gathered logits compared with one process.
   so "each document alone" is the reference.
 * The models' own kernels (``exact=False``): the same step with transformers' float32
   fallbacks, ordinary batches, at float32 rounding (measured below).
-* Head layouts: GDN 6 value heads over 2 key heads, Mamba2 6 heads over 2 groups: at 4
+* Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Kimi-Linear (Kimi Delta
+  Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1 (Mamba2), LFM2 (short conv).
+* Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
   its gradient summed back); LFM2's 48 channels as 48 one-element heads.
 * Without the mixers' exchange (each mixer back on its own forward, attention still
@@ -62,6 +64,10 @@ MODELS = [
     ("qwen3.5-moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeGatedDeltaNet", _ATTN | _GDN | {
         "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "experts_implementation": "eager"}),
+    ("kimi-linear", "KimiLinearConfig", "KimiLinearForCausalLM", "KimiLinearDeltaAttention", _ATTN | {
+        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_layer_types": ["dense", "dense"],
+        "linear_attn_config": {"head_dim": 8, "num_heads": 6, "short_conv_kernel_size": 4}, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     ("bamba", "BambaConfig", "BambaForCausalLM", "BambaMixer", _ATTN | _MAMBA | {"num_hidden_layers": 3, "attn_layer_indices": [1]}),
     ("nemotron-h", "NemotronHConfig", "NemotronHForCausalLM", "NemotronHMamba2Mixer", _ATTN | {
         "layers_block_type": ["mamba", "attention", "mlp", "mamba"], "num_hidden_layers": 4, "mamba_num_heads": 6, "mamba_head_dim": 8,
@@ -114,7 +120,7 @@ def grad_tolerances(model) -> dict[str, float]:
 
 def _gated_delta_rule_float64(query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
     """``torch_recurrent_gated_delta_rule``'s recurrence in the inputs' dtype (no float32 cast):
-    per token, the state decays by ``exp(g)``, takes the delta-rule update ``beta (v - S^T k)``
+    per token, the state decays by ``exp(g)`` (per head, or per key channel: Kimi), takes the delta-rule update ``beta (v - S^T k)``
     along ``k``, and is read by ``q / sqrt(Dk)`` (q, k L2-normalized)."""
     hv, hk = value.shape[2], key.shape[2]
     query, key = query.repeat_interleave(hv // hk, dim=2), key.repeat_interleave(hv // hk, dim=2)
@@ -126,7 +132,8 @@ def _gated_delta_rule_float64(query, key, value, g, beta, initial_state=None, ou
     state = value.new_zeros(value.shape[0], hv, key.shape[-1], value.shape[-1])
     outs = []
     for t in range(value.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
+        # GDN: one decay per head [B, H]; Kimi's KDA: one per key channel [B, H, Dk].
+        state = state * (g[:, t].exp()[..., None, None] if g.dim() == 3 else g[:, t].exp()[..., None])
         delta = (value[:, t] - (state * key[:, t].unsqueeze(-1)).sum(-2)) * beta[:, t].unsqueeze(-1)
         state = state + key[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
         outs.append((state * query[:, t].unsqueeze(-1)).sum(-2))
@@ -158,6 +165,7 @@ def _mamba2_scan_float64(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias
 _FLOAT64_KERNELS = {
     "qwen3_5": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
     "qwen3_next": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
+    "kimi_linear": ("chunk_kimi_delta_attention", _gated_delta_rule_float64),
     "bamba": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "nemotron_h": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "falcon_h1": ("mamba2_chunk_scan", _mamba2_scan_float64),
@@ -328,6 +336,12 @@ def test_float64_kernels_are_the_models_recurrences():
     ours = _gated_delta_rule_float64(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)[0]
     theirs = modeling_qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
     close(ours, theirs.double(), 1e-5, "gated delta rule")
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    q, k, v, decay = r(2, 13, 6, 8), r(2, 13, 6, 8), r(2, 13, 6, 8), -r(2, 13, 6, 8).abs()
+    ours = _gated_delta_rule_float64(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)[0]
+    theirs = modeling_kimi_linear.chunk_kimi_delta_attention(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    close(ours, theirs.double(), 1e-5, "kimi delta rule")
     x, dt, a, bm, cm, d, bias = r(2, 13, 6, 8), r(2, 13, 6), -r(6).abs(), r(2, 13, 2, 8), r(2, 13, 2, 8), r(6), r(6)
     kw = {"D": d, "dt_bias": bias, "dt_softplus": True}
     close(_mamba2_scan_float64(x, dt, a, bm, cm, 8, **kw), modeling_bamba.mamba2_chunk_scan(x, dt, a, bm, cm, 8, **kw).double(), 1e-5, "mamba2 scan")

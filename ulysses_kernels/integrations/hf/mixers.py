@@ -227,6 +227,39 @@ def _gdn_forward(project):
     return forward
 
 
+# ---- Kimi Delta Attention (Kimi-Linear): GDN with a per-channel forget gate --------------------------
+def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """Kimi-Linear's delta attention under Ulysses: per head q | k | v | the forget gate's
+    pre-activation (``f_b_proj(f_a_proj(h))``, ``D`` each) | b, one all-to-all; the conv, the
+    gate's ``dt_bias``/``A_log`` (the rank's slices) and ``chunk_kimi_delta_attention`` per
+    document; back; the output gate and norm locally."""
+    settings, shard = _context(self, kwargs, cache_params, attention_mask)
+    bsz, seq, _ = hidden_states.shape
+    d, fg = self.head_dim, self.forget_gate
+    per_head = [p(hidden_states).reshape(bsz, seq, -1, d) for p in (self.q_proj, self.k_proj, self.v_proj)]
+    per_head.append(fg.f_b_proj(fg.f_a_proj(hidden_states)).reshape(bsz, seq, -1, d))
+    per_head.append(self.b_proj(hidden_states).unsqueeze(-1))
+    (heads,) = _to_heads(settings, shard, torch.cat(per_head, -1))
+    (h0, h1), _, _ = _ranges(settings)
+    q, k, v, f, b = heads.split([d, d, d, d, 1], dim=-1)
+    total, h, dev = q.shape[1], q.shape[2], q.device
+    channels = torch.cat([_arange(h0, h1, d, i * self.qkv_dim, dev) for i in range(3)])
+    mixed = _conv(self, self.conv1d, channels, shard, torch.cat([t.reshape(bsz, total, -1) for t in (q, k, v)], -1), self.activation)
+    q, k, v = (t.reshape(bsz, total, h, d) for t in mixed.split([h * d] * 3, dim=-1))
+    # KimiLinearForgetGate.forward after its projections, on the rank's channels.
+    g = f.float() + fg.dt_bias[h0 * d : h1 * d].float().view(1, 1, h, d)
+    g = -torch.exp(fg.A_log[:, :, h0:h1].float()) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+    beta = b.squeeze(-1).sigmoid()
+    rule = _kernel(self, "chunk_kimi_delta_attention")
+
+    def run(q, k, v, g, beta):
+        return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+
+    out = _to_sequence(settings, shard, _per_document(shard, run, q, k, v, g, beta).contiguous())
+    gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(bsz, seq, -1, d)
+    return self.o_proj(self.o_norm(out, gate).reshape(bsz, seq, -1))
+
+
 # ---- Mamba2: Bamba, Nemotron-H, Falcon-H1 -----------------------------------------------------------
 def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """A Mamba2 mixer under Ulysses (the module docstring); transformers 5.23's chunked torch
@@ -301,11 +334,13 @@ def _register(names, family: str, forward: Callable, sizes: Callable) -> None:
 _gdn_sizes = lambda m: (m.num_v_heads, m.num_k_heads)  # noqa: E731
 _register(("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_5), _gdn_sizes)
 _register(("Qwen3NextGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_next), _gdn_sizes)
+_register(("KimiLinearDeltaAttention",), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
 _register(("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer"), "mamba2", _mamba2_forward, lambda m: (m.num_heads, m.n_groups))
 _register(("Lfm2ShortConv",), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
 
 _DESCRIBE = {
     "gated-deltanet": "Gated DeltaNet: conv1d + delta-rule recurrence per value head (key heads as GQA groups), over the whole sequence after one all-to-all",
+    "kimi-delta": "Kimi Delta Attention: conv1d + delta-rule recurrence with a per-channel forget gate per head, over the whole sequence after one all-to-all",
     "mamba2": "Mamba2: conv1d + SSM chunk scan per head (B/C groups as GQA groups), over the whole sequence after one all-to-all",
     "short-conv": "LFM2 gated short convolution: the depthwise conv over the rank's channels, over the whole sequence after one all-to-all",
 }
