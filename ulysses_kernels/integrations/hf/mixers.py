@@ -1,6 +1,8 @@
 """Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
-(Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Mamba2 (Bamba, Nemotron-H, Falcon-H1) and LFM2's short
-convolution, switched by ``apply`` in the same call as attention.
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
+Nemotron-H, Falcon-H1) and LFM2's short convolution, switched by ``apply`` in the same call as
+attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
+reads); each runs exact against one process in tests/test_hf_hybrid.py.
 
 Per head, each of these layers is a function of the whole sequence (a causal depthwise
 conv1d over the head's channels, then a recurrence or scan over its tokens), so it runs as
@@ -16,14 +18,15 @@ in all; ``H`` heads, ``G`` groups: GDN's value/key heads, Mamba2's heads/groups)
          over ranks sent to each of them, its gradient summed back)
       -> [B, S, h, W], [B, S, g, U]: the rank's heads over the whole sequence
       -> the causal conv1d on the rank's channels (the layer's weight rows), per document
-      -> the per-head gates (GDN g, beta; Mamba2's dt bias, A, D sliced to the rank's heads)
+      -> the per-head gates (GDN g, beta; Kimi's per-channel forget gate; Mamba2's dt bias,
+         A, D), the parameters sliced to the rank's heads
       -> the model's own kernel (transformers' ``torch_chunk_gated_delta_rule`` /
          ``mamba2_chunk_scan`` as its module resolved them: flash-linear-attention or
          mamba_ssm when installed, the torch fallback otherwise), per document
       -> [B, S, h, Dv] -> ONE all-to-all back (``head_to_seq``) -> [B, s_r, H, Dv]
       -> gated norm, out_proj (local)
 
-The layer's forward is replaced on the instance (``_switch``) by one built from its own
+The layer's forward is replaced on the instance (``switch_mixers``) by one built from its own
 submodules and its module's kernel functions: transformers' forwards call module-level
 kernels on whatever sequence they see, so no wrapper around those calls could move data
 between the projections and the conv. Each family's adapter writes out the transformers
@@ -64,14 +67,18 @@ __all__ = ["HANDLED_MIXERS"]
 
 _ROLES = ("q", "v")  # per-head tensors on the plan's query ranges, per-group ones on its KV ranges
 _HEADS_ONLY = ("q",)
-_SETTINGS_ATTR = "_ulysses_mixer"  # set on each switched mixer by ``_switch``
+_SETTINGS_ATTR = "_ulysses_mixer"  # set on each switched mixer by ``switch_mixers``
 
 
 class _ToHeads(torch.autograd.Function):
     """Sequence-sharded ``heads`` ``[B, s_r, H, W]`` (and ``groups`` ``[B, s_r, G, U]``) ->
     this rank's heads over the whole sequence ``[B, S, h, W]`` (``[B, S, g, U]``), one
     all-to-all; the backward is the reverse exchange, summing the gradient of a group that
-    several ranks received (the library's movers, as for q/k/v)."""
+    several ranks received (the library's movers, as for q/k/v).
+
+    The pure-PyTorch kernel set packs and unpacks: the Triton and CUDA sets are tested on
+    attention's roles and widths, not on these; on a GPU this is a strided copy per role and
+    peer (not measured yet)."""
 
     @staticmethod
     def forward(ctx, layout: Layout, comm, heads, groups=None):
