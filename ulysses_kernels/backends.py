@@ -64,7 +64,7 @@ __all__ = [
 PACKED_ENV = "ULYSSES_KERNELS_PACKED"
 
 
-def packed_kernel(device: torch.device, dtype: torch.dtype, mask: DocMask = DocMask(True), *, grad: bool = True,
+def packed_kernel(device: torch.device, dtype: torch.dtype, mask: DocMask | None = None, *, grad: bool = True,
                   candidates: Sequence[str] = ("varlen", "flex", "loop"), prefer: str | None = None):  # fmt: skip
     """The packed-documents kernel (``packed.PackedKernel``) for tensors on ``device`` of
     ``dtype`` under ``mask``: ``prefer`` (else ``ULYSSES_KERNELS_PACKED``) when given, else the
@@ -78,6 +78,7 @@ def packed_kernel(device: torch.device, dtype: torch.dtype, mask: DocMask = DocM
     forced = prefer or os.environ.get(PACKED_ENV, "auto")
     if forced == "auto":
         forced = None
+    mask = DocMask(True) if mask is None else mask
     return _packed_kernel(torch.device(device), dtype, mask, bool(grad), tuple(candidates), forced, torch.compiler.is_compiling())
 
 

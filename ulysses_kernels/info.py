@@ -2,8 +2,9 @@
 
 Reports the C++/CUDA extension (built or not, archs, the NCCL it was built against and
 the NCCL loaded at run time; when it is missing or CPU-only on a CUDA torch, the command
-that builds it), the NCCL torch loaded, Triton, flash-attn, and every kernel set: whether
-it runs in this process, and why not. ``--json`` prints the same as JSON.
+that builds it), the NCCL torch loaded, Triton, flash-attn, every kernel set: whether
+it runs in this process, and why not, and the packed-documents kernel the chooser picks
+here (``backends.packed_kernel``; CUDA bf16 where a GPU is visible, else CPU float32). ``--json`` prints the same as JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import torch
 
 from . import ops
+from .backends import packed_report
 from .kernels import kernel_set_report
 
 
@@ -34,6 +36,8 @@ def collect() -> dict:
         if key in ext:
             ext[key] = ".".join(map(str, ext[key]))
     report = kernel_set_report()
+    cuda = torch.cuda.is_available()
+    packed_on = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -47,6 +51,10 @@ def collect() -> dict:
         "rebuild_command": ops.rebuild_command(),
         "kernel_sets": [r["name"] for r in report if r["runs_here"]],
         "kernel_set_report": report,
+        "packed_documents": {
+            "device": f"{packed_on[0].type} {str(packed_on[1]).removeprefix('torch.')}",
+            "kernels": [{"name": n, "status": why} for n, why in packed_report(*packed_on)],
+        },
     }
 
 
@@ -82,12 +90,18 @@ def format_report(info: dict) -> str:
         ("_C extension", extension_line(info)),
         ("kernel sets", "runs here: " + (", ".join(info["kernel_sets"]) or "none")),
     ]
+    packed = info["packed_documents"]
+    picked = next((k["name"] for k in packed["kernels"] if k["status"] == "picked"), "none")
+    rows.append(("packed docs", f"{picked} picked for {packed['device']} (backends.packed_kernel)"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     name_width = max((len(r["name"]) for r in info["kernel_set_report"]), default=0)
     for r in info["kernel_set_report"]:
         status = "runs here" if r["runs_here"] else "not here "
         lines.append(f"{'':<{width}}    {r['name']:<{name_width}}  {status}  {r['detail']}")
+    lines.append(lines.pop(len(rows) - 1))  # the packed row after the kernel sets' lines
+    for k in packed["kernels"]:
+        lines.append(f"{'':<{width}}    {k['name']:<{name_width}}  {k['status']}")
     return "\n".join(lines)
 
 
