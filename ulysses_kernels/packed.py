@@ -25,7 +25,8 @@ Kernels (``KERNELS``; ``backends.packed_kernel`` chooses one):
             llama3-8b rank 0 of 8 against 550-640 dense, 7 to 295 documents)
 
 ``attend`` returns ``[1, Tq, hq, Dv]`` in q's dtype and, with ``lse=True``, the log-sum-exp
-``[1, hq, Tq]`` float32 (natural log; the ring merges partial results with it).
+``[1, hq, Tq]`` (natural log; the ring merges partial results with it) in the accumulation
+dtype: float64 for float64 inputs, else float32.
 """
 
 from __future__ import annotations
@@ -94,13 +95,18 @@ def _pad_head_dims(q, k, v):
     return tuple(x if x.shape[-1] == w else F.pad(x, (0, w - x.shape[-1])) for x in (q, k, v))
 
 
+def _acc(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The log-sum-exp in the accumulation dtype of inputs of ``dtype`` (``ring.merge.acc_dtype``)."""
+    return lse.to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
 def _lse_rows(lse: torch.Tensor, docs_q: Documents, hq: int) -> torch.Tensor:
-    """A varlen kernel's log-sum-exp as ``[1, hq, Tq]`` float32: ``[hq, Tq]`` (flash-attn >= 2.4,
+    """A varlen kernel's log-sum-exp as ``[1, hq, Tq]``: ``[hq, Tq]`` (flash-attn >= 2.4,
     torch's varlen_attn) or ``[docs, hq, max_q]`` (older flash-attn, one padded row per document)."""
     if lse.dim() == 2:
-        return lse.float().unsqueeze(0)
+        return lse.unsqueeze(0)
     parts = [lse[i, :, : b - a] for i, (a, b) in enumerate(docs_q.spans())]
-    return torch.cat(parts, dim=1).float().unsqueeze(0)
+    return torch.cat(parts, dim=1).unsqueeze(0)
 
 
 class FlashVarlen(PackedKernel):
@@ -129,7 +135,7 @@ class FlashVarlen(PackedKernel):
         if not lse:
             return out[..., :dv].unsqueeze(0)
         out, m, *_ = out
-        return out[..., :dv].unsqueeze(0), _lse_rows(m, docs_q, q.shape[1])
+        return out[..., :dv].unsqueeze(0), _acc(_lse_rows(m, docs_q, q.shape[1]), q.dtype)
 
 
 @functools.lru_cache(maxsize=1)
@@ -193,7 +199,7 @@ class TorchVarlen(PackedKernel):
         if not lse:
             return out[..., :dv].unsqueeze(0)
         out, m = out
-        return out[..., :dv].unsqueeze(0), _lse_rows(m, docs_q, q.shape[1])
+        return out[..., :dv].unsqueeze(0), _acc(_lse_rows(m, docs_q, q.shape[1]), q.dtype)
 
 
 # ---- FlexAttention ---------------------------------------------------------------------------
@@ -341,7 +347,7 @@ class Flex(PackedKernel):
             return out.transpose(1, 2)
         out, aux = out
         m = aux if isinstance(aux, torch.Tensor) else aux.lse
-        return out.transpose(1, 2), m.float()
+        return out.transpose(1, 2), _acc(m, q.dtype)
 
 
 # ---- the per-document loop ----------------------------------------------------------------------
@@ -399,7 +405,7 @@ class Loop(PackedKernel):
             if lse or mask.softcap is not None:
                 o, m = _math_lse(qd, kd, vd, mask, scale)
                 outs.append(o.to(q.dtype))
-                lses.append(m.float())
+                lses.append(_acc(m, q.dtype))
             else:
                 outs.append(_dense(qd, kd, vd, mask.causal, mask.window, scale))
         out = torch.cat(outs, dim=1)
