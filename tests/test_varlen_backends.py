@@ -422,13 +422,19 @@ def test_ring_forward_on_flex_steps(layout, R, fresh_chooser):
 
 
 # ---- GPU: every kernel that runs there, bf16 within 2x PyTorch's own error ----------------------------------
+GPU_CASES = [  # (mask, hq, hkv, dv): few, as each FlexAttention mask/score variant compiles once (tens of seconds)
+    (DocMask(True), 8, 2, 128),
+    (DocMask(False), 8, 2, 128),
+    (DocMask(True, 64), 8, 2, 128),
+    (DocMask(True, None, 20.0), 8, 2, 128),
+    (DocMask(True), 4, 4, 64),  # no grouping; MLA's narrower v
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel", ["flash", "varlen", "flex"])
-@pytest.mark.parametrize(
-    "mask", [DocMask(True), DocMask(False), DocMask(True, 64), DocMask(True, None, 20.0)], ids=["causal", "bidirectional", "window64", "softcap20"]
-)
-@pytest.mark.parametrize("hq,hkv,dv", [(8, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize("mask,hq,hkv,dv", GPU_CASES, ids=["causal", "bidirectional", "window64", "softcap20", "mha-dv64"])
 def test_gpu_kernels_bf16(kernel, mask, hq, hkv, dv):
     """Forward and backward against float64; the bound per tensor is 2x the error of the
     per-document loop in bf16 (PyTorch's own SDPA/math in the same dtype) plus a small floor."""
@@ -452,3 +458,36 @@ def test_gpu_kernels_bf16(kernel, mask, hq, hkv, dv):
     for name, g, lo, t in zip(("out", "dq", "dk", "dv"), got, low, truth):
         err, own = (g.double() - t).abs().max().item(), (lo.double() - t).abs().max().item()
         assert err <= 2 * own + 1e-4, f"{kernel} {name}: {err:.3e} > 2 x {own:.3e}"
+
+
+# ---- transformers: windows and softcap of packed documents on the kernel ------------------------------
+@pytest.mark.parametrize("case", [2, 3], ids=["mistral-window", "gemma2-window-softcap"])
+def test_hf_packed_window_and_softcap_run_on_the_kernel(monkeypatch, case, fresh_chooser):
+    """A packed batch of a model with a sliding window (Mistral, sdpa) or a window and logit
+    softcapping (Gemma 2, eager) runs its windowed layers on the chosen packed kernel with
+    that window and softcap (here the loop: the CPU), and equals each document run on its own."""
+    pytest.importorskip("transformers")
+    import test_hf_packed as T
+
+    from ulysses_kernels.integrations import hf
+
+    seen = []
+    real = packed.Loop.attend
+    monkeypatch.setattr(
+        packed.Loop, "attend", lambda self, q, k, v, dq, dk, mask, scale, lse=False: (seen.append(mask), real(self, q, k, v, dq, dk, mask, scale, lse))[1]
+    )
+    ids, labels, positions, cu = T.packed_batch()
+    ref_loss, ref_grads, ref_logits = T.reference(T.build(*T.CASES[case]), ids, labels, cu)
+    model = hf.apply(T.build(*T.CASES[case]))
+    batch = hf.shard_batch(ids, labels, position_ids=positions)
+    out = model(**batch.model_inputs(loss=False))
+    loss = batch.loss(out.logits)
+    loss.backward()
+    cfg = model.config
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    assert DocMask(True, cfg.sliding_window, softcap) in seen, seen
+    rtol, grad_rtol = T.tolerances(T.CASES[case])
+    T.close(loss.detach(), ref_loss, rtol, "loss")
+    T.close(out.logits.detach(), ref_logits, rtol, "logits")
+    for name, p in model.named_parameters():
+        T.close(p.grad, ref_grads[name], grad_rtol, f"grad of {name}")

@@ -162,10 +162,12 @@ class AttentionBackend:
     packed_candidates: tuple[str, ...] = ("varlen", "flex", "loop")
     packed: str | None = None
 
-    def packed_kernel(self, q: torch.Tensor, causal: bool, grad: bool | None = None):
-        """The packed-documents kernel this backend runs for ``q`` (``packed_kernel``)."""
+    def packed_kernel(self, q: torch.Tensor, mask: DocMask | bool, grad: bool | None = None):
+        """The packed-documents kernel this backend runs for ``q`` under ``mask`` (a
+        ``DocMask``, or ``causal``) (``packed_kernel``)."""
         grad = torch.is_grad_enabled() and q.requires_grad if grad is None else grad
-        return packed_kernel(q.device, q.dtype, DocMask(bool(causal)), grad=grad, candidates=self.packed_candidates, prefer=self.packed)
+        mask = mask if isinstance(mask, DocMask) else DocMask(bool(mask))
+        return packed_kernel(q.device, q.dtype, mask, grad=grad, candidates=self.packed_candidates, prefer=self.packed)
 
     def attend(self, q, k, v, causal: bool, scale: float, docs=None) -> torch.Tensor:
         """``[B, S, hq, D]`` attention with ``hq % hkv == 0`` grouped heads; with ``docs``

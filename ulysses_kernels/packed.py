@@ -303,7 +303,9 @@ def doc_block_mask(docs_q: Documents, docs_k: Documents, device: torch.device, m
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # Default dynamism: a second sequence length recompiles once with dynamic sizes, later
+    # ones reuse it (a training run's fixed length compiles once).
+    return torch.compile(flex_attention)
 
 
 class Flex(PackedKernel):
