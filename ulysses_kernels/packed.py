@@ -286,7 +286,8 @@ def _build_block_mask(docs_q, docs_k, device, mask):
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx >= lo[q_idx]) & (kv_idx <= hi[q_idx])
 
-    return BlockMask.from_kv_blocks(*_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(tq, tk))
+    kw = {"seq_lengths": (tq, tk)} if "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+    return BlockMask.from_kv_blocks(*_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, **kw)
 
 
 def doc_block_mask(docs_q: Documents, docs_k: Documents, device: torch.device, mask: DocMask):
