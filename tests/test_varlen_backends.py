@@ -312,6 +312,40 @@ def test_varlen_calls_per_torch_version(monkeypatch, version, mask):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("mask", [DocMask(True), DocMask(False), DocMask(True, 6, 4.0)], ids=["causal", "bidirectional", "window6-softcap4"])
+def test_flash_varlen_calls(monkeypatch, mask):
+    """flash-attn's ``flash_attn_varlen_func``, faked: int32 boundaries, the longest document,
+    the call's scale and causality, the window as ``(w - 1, 0)``, the softcap, grouped heads
+    passed as they are (flash-attn groups them itself), and its LSE ``[hq, total]`` taken."""
+    import sys
+    import types
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               return_attn_probs=False):  # fmt: skip
+        calls.append({"q": q.shape, "k": k.shape, "cu_q": cu_q, "max_q": max_q, "max_k": max_k, "scale": softmax_scale, "causal": causal,
+                      "window_size": window_size, "softcap": softcap})  # fmt: skip
+        m = DocMask(causal, None if window_size[0] < 0 else window_size[0] + 1, softcap or None)
+        cq = tuple(cu_q.tolist())
+        parts = [packed._math_lse(q[None, a:b], k[None, a:b], v[None, a:b], m, softmax_scale) for a, b in itertools.pairwise(cq)]
+        out, lse = torch.cat([p[0] for p in parts], dim=1)[0], torch.cat([p[1] for p in parts], dim=2)[0]
+        return (out, lse, None) if return_attn_probs else out
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    cu = mixed_cu(300, seed=6)
+    q, k, v = (x.requires_grad_() for x in inputs(cu[-1], 6, 2, seed=3))
+    docs = documents(cu)
+    out, lse = KERNELS["flash"].attend(q, k, v, docs, docs, mask, 0.2, lse=True)
+    (call,) = calls
+    assert call["cu_q"].dtype == torch.int32 and tuple(call["cu_q"].tolist()) == cu and call["max_q"] == call["max_k"] == docs.max_seqlen
+    assert call["q"][1] == 6 and call["k"][1] == 2 and call["scale"] == 0.2 and call["causal"] == mask.causal
+    assert call["window_size"] == ((-1, -1) if mask.window is None else (mask.window - 1, 0)) and call["softcap"] == (mask.softcap or 0.0)
+    want, want_lse = reference(q, k, v, cu, cu, mask, 0.2)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+
+
 def test_varlen_refuses_what_its_torch_cannot(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda, bf16 = torch.device("cuda"), torch.bfloat16

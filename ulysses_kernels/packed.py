@@ -127,10 +127,12 @@ class FlashVarlen(PackedKernel):
 
         dv = v.shape[-1]
         q, k, v = _pad_head_dims(q[0], k[0], v[0])
+        kw = {} if mask.window is None else {"window_size": (mask.window - 1, 0)}
+        if mask.softcap is not None:
+            kw["softcap"] = mask.softcap  # flash-attn >= 2.6; older ones raise a TypeError naming it
         out = flash_attn_varlen_func(
             q, k, v, docs_q.on(q.device), docs_k.on(q.device), docs_q.max_seqlen, docs_k.max_seqlen,
-            softmax_scale=scale, causal=mask.causal, window_size=(-1 if mask.window is None else mask.window - 1, -1 if mask.window is None else 0),
-            softcap=mask.softcap or 0.0, return_attn_probs=lse,
+            softmax_scale=scale, causal=mask.causal, return_attn_probs=lse, **kw,
         )  # fmt: skip
         if not lse:
             return out[..., :dv].unsqueeze(0)
