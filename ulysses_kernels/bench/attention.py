@@ -38,8 +38,9 @@ Methods (``--methods``, default all that can run):
                (``backends.packed_kernel``; column ``backend``: ``<backend>+<kernel>``)
   local-packed-<kernel>
                the same on one packed-documents kernel (``packed.KERNELS``: flash, varlen,
-               flex, loop), by default every one that runs here besides the pick; FlexAttention's
-               first call compiles it (its time, ``first_s``, is printed and kept out of the timing)
+               flex, loop), by default every one that runs here besides the pick and flex
+               (named only: its first call compiles FlexAttention; that time, ``first_s``, is
+               printed and kept out of the timing)
   layout-<k>   ours, data movement only: the packs/unpacks of one layer without the
                collectives (fwd: q/k/v pack + output unpack; bwd: dout pack + dq/dk/dv unpack)
   chain-layout the chain's permute copies without the collectives
@@ -397,11 +398,13 @@ def seq_lengths(args, P: int) -> list[int]:
 
 def packed_variants(backend, device: torch.device, dtype) -> list[str]:
     """``local-packed-<kernel>`` for every packed-documents kernel ``backend`` can be forced to
-    here with a backward, besides the one the chooser picks (that is ``local-packed``)."""
+    here with a backward, besides the one the chooser picks (that is ``local-packed``), and
+    besides FlexAttention, which runs only when named (``--methods``): its compilation takes
+    tens of seconds of a default run."""
     if not hasattr(backend, "packed_kernel"):
         return []
     pick = packed_kernel(device, dtype, candidates=backend.packed_candidates, prefer=backend.packed).name
-    return [f"local-packed-{n}" for n, k in KERNELS.items() if n != pick and k.why_not(device, dtype, DocMask(True), True) is None]
+    return [f"local-packed-{n}" for n, k in KERNELS.items() if n not in (pick, "flex") and k.why_not(device, dtype, DocMask(True), True) is None]
 
 
 def packed_label(backend, device: torch.device, dtype) -> str:
