@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -73,8 +74,6 @@ def packed_kernel(device: torch.device, dtype: torch.dtype, mask: DocMask | None
     FlexAttention is not picked on the CPU unasked (torch runs it there eagerly over the
     dense mask, forward only). A forced kernel that cannot run raises ``ValueError`` naming
     it and why, never falls back silently (nor drops a window or a softcap)."""
-    import os
-
     forced = prefer or os.environ.get(PACKED_ENV, "auto")
     if forced == "auto":
         forced = None
