@@ -377,15 +377,17 @@ def _global(T, hq, hkv):
     return [torch.randn(1, T, h, 8, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
 
 
-def test_op_runs_packed_documents_on_the_chosen_kernel(monkeypatch, fresh_chooser):
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_op_runs_packed_documents_on_the_chosen_kernel(monkeypatch, fresh_chooser, hkv):
     """The op on 2 thread ranks with torch's varlen said to run here (a 2.11 signature: no
-    ``enable_gqa``): each rank's call carries its own heads only (4 of 8 query heads, its 2 KV
-    heads expanded to 4 on the rank), int32 boundaries and the call's scale, and the result is
-    the float64 reference, forward and backward."""
+    ``enable_gqa``): each rank's call carries its own heads only (4 of 8 query heads; its 2 KV
+    heads expanded to 4 on the rank, or its one KV head's ``SharedKV`` view materialized),
+    int32 boundaries and the call's scale, and the result is the float64 reference, forward
+    and backward."""
     calls = []
     monkeypatch.setattr(packed, "_varlen_api", lambda: fake_varlen("2.11", calls))
     monkeypatch.setattr(packed.TorchVarlen, "why_not", lambda *a: None)
-    hq, hkv, L = 8, 4, 23
+    hq, L = 8, 23
     cu = [0, 1, 10, 30, 31, 46]
     results = ThreadGroup(2, timeout=60).run(_op_rank, cu, hq, hkv, L)
     assert len(calls) == 2 and all(c["q"][1] == 4 and c["k"][1] == 4 and c["q"][0] == 2 * L for c in calls), calls

@@ -88,11 +88,17 @@ class PackedKernel:
         raise NotImplementedError
 
 
-def _pad_head_dims(q, k, v):
-    """q, k, v padded to one head dim (flash kernels take one; MLA's v is narrower): zeros
-    add nothing to the scores, and the output is cut back to v's head dim by the caller."""
+def _flash_inputs(q, k, v):
+    """``[T, h, D]`` q, k, v as flash kernels take them: one head dim (MLA's narrower v padded:
+    zeros add nothing to the scores; the caller cuts the output back to v's head dim), and no
+    stride-0 head dim (``backends.SharedKV``'s view of one KV head: materialized on this
+    rank's shard, as flash-attn's own GQA backward allocates per-head dK/dV anyway)."""
     w = max(q.shape[-1], v.shape[-1])
-    return tuple(x if x.shape[-1] == w else F.pad(x, (0, w - x.shape[-1])) for x in (q, k, v))
+    out = []
+    for x in (q, k, v):
+        x = x if x.stride(1) != 0 or x.shape[1] == 1 else x.contiguous()
+        out.append(x if x.shape[-1] == w else F.pad(x, (0, w - x.shape[-1])))
+    return out
 
 
 def _acc(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +132,7 @@ class FlashVarlen(PackedKernel):
         from flash_attn import flash_attn_varlen_func
 
         dv = v.shape[-1]
-        q, k, v = _pad_head_dims(q[0], k[0], v[0])
+        q, k, v = _flash_inputs(q[0], k[0], v[0])
         kw = {} if mask.window is None else {"window_size": (mask.window - 1, 0)}
         if mask.softcap is not None:
             kw["softcap"] = mask.softcap  # flash-attn >= 2.6; older ones raise a TypeError naming it
@@ -177,7 +183,7 @@ class TorchVarlen(PackedKernel):
     def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
         fn, aux, params = _varlen_api()
         dv = v.shape[-1]
-        q, k, v = _pad_head_dims(q[0], k[0], v[0])
+        q, k, v = _flash_inputs(q[0], k[0], v[0])
         kw = {}
         if "scale" in params:
             kw["scale"] = scale
