@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_kernels as uk
-from ulysses_kernels.backends import MathBackend, flash_available
+from ulysses_kernels.backends import MathBackend
 from ulysses_kernels.documents import documents
 from ulysses_kernels.reference import packed_attention_reference
 from ulysses_kernels.ring import RingBackend, shard_rows, tile_rows
@@ -244,18 +244,24 @@ def test_packed_ring_exact_on_gloo_ranks():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not flash_available(), reason="needs a CUDA GPU and flash-attn")
-def test_gpu_flash_varlen_steps(monkeypatch):
-    """``ring.varlen`` (one flash-attn varlen call per ring step) against the per-rectangle
-    math path, on one GPU (ring of one: its diagonal step is the per-document call) in
-    bf16: error at most 2x the math path's own against float64, plus a small floor."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["flash", "varlen", "flex"])
+def test_gpu_varlen_steps(kernel):
+    """``ring.varlen`` (one packed-kernel call per ring step, forward with the log-sum-exp)
+    against the per-rectangle math path, on one GPU (ring of one: its diagonal step is the
+    per-document call) in bf16: error at most 2x the math path's own against float64, plus a
+    small floor; a kernel that cannot run here skips with its reason."""
+    from ulysses_kernels.packed import KERNELS, DocMask
     from ulysses_kernels.ring.varlen import attend_lse_pieces
 
+    why = KERNELS[kernel].why_not(torch.device("cuda"), torch.bfloat16, DocMask(True), False)
+    if why:
+        pytest.skip(f"{kernel}: {why}")
     torch.manual_seed(0)
     L, cu = 512, random_cu(512, 128, 3)
     q, k, v = (torch.randn(1, L, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
     sched = ring_schedule(1, "contiguous", L, True, tuple(cu))
-    got = attend_lse_pieces(q, k, v, sched.pieces[0][0], 0.125)
+    got = attend_lse_pieces(q, k, v, sched.pieces[0][0], 0.125, KERNELS[kernel])
     for (rows, out, lse), (r2, cols, diag) in zip(got, sched.pieces[0][0]):
         assert rows == r2
         want_o, want_l = MathBackend().attend_lse(q[:, rows].double(), k[:, cols].double(), v[:, cols].double(), diag, 0.125)

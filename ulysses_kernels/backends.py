@@ -15,6 +15,10 @@ attention is block-diagonal over the documents, causal inside each when causal. 
 keyword is passed only when there are documents, so backends written before it keep
 working on ordinary batches.
 
+A packed sequence runs on one packed-documents kernel (``packed``: flash-attn's varlen,
+torch's ``varlen_attn``, FlexAttention, or a loop over the documents), picked by
+``packed_kernel``, the one chooser, for the backend, the device, the dtype and the mask.
+
 Backends: ``"flash"`` (flash-attn, CUDA, fp16/bf16), ``"sdpa"`` (torch
 ``scaled_dot_product_attention``, any device), ``"math"`` (explicit softmax, exact in
 float64), any callable ``fn(q, k, v, causal=, softmax_scale=) -> out`` over ``[B, S, H, D]``
@@ -28,7 +32,9 @@ head order) so that the chunked pipeline can split the query heads and stay bit-
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,6 +42,7 @@ import torch.nn.functional as F
 
 from .checkpointing import save_tensors  # for backends with their own backward (docs/extending.md)
 from .gqa import KVGather, shares_one_kv
+from .packed import KERNELS, DocMask
 from .reference import math_attention, math_attention_lse, math_attention_lse_backward
 
 __all__ = [
@@ -48,7 +55,59 @@ __all__ = [
     "save_tensors",
     "doc_kwargs",
     "per_document",
+    "packed_kernel",
+    "packed_report",
+    "PACKED_ENV",
 ]
+
+# Forces one packed-documents kernel (``packed.KERNELS``: flash, varlen, flex, loop) for every
+# backend that uses the chooser; unset or "auto": the chooser's order.
+PACKED_ENV = "ULYSSES_KERNELS_PACKED"
+
+
+def packed_kernel(device: torch.device, dtype: torch.dtype, mask: DocMask | None = None, *, grad: bool = True,
+                  candidates: Sequence[str] = ("varlen", "flex", "loop"), prefer: str | None = None):  # fmt: skip
+    """The packed-documents kernel (``packed.PackedKernel``) for tensors on ``device`` of
+    ``dtype`` under ``mask``: ``prefer`` (else ``ULYSSES_KERNELS_PACKED``) when given, else the
+    first of ``candidates`` that runs here (flash-attn's varlen, torch's ``varlen_attn``,
+    FlexAttention on CUDA, the per-document loop). ``grad``: the backward will run through it.
+    FlexAttention is not picked on the CPU unasked (torch runs it there eagerly over the
+    dense mask, forward only). A forced kernel that cannot run raises ``ValueError`` naming
+    it and why, never falls back silently (nor drops a window or a softcap)."""
+    forced = prefer or os.environ.get(PACKED_ENV, "auto")
+    if forced == "auto":
+        forced = None
+    mask = DocMask(True) if mask is None else mask
+    return _packed_kernel(torch.device(device), dtype, mask, bool(grad), tuple(candidates), forced, torch.compiler.is_compiling())
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_kernel(device, dtype, mask, grad, candidates, forced, compiling):
+    if forced is not None:
+        if forced not in KERNELS:
+            raise ValueError(f"packed documents: kernel {forced!r} ({PACKED_ENV} or packed=); expected one of {sorted(KERNELS)} or 'auto'")
+        why = KERNELS[forced].why_not(device, dtype, mask, grad)
+        if why is not None:
+            raise ValueError(f"packed documents: kernel {forced!r} cannot run {dtype} on {device} ({mask.describe()}): {why}")
+        return KERNELS[forced]
+    for name in candidates:
+        if name == "flex" and device.type != "cuda":
+            continue
+        if KERNELS[name].why_not(device, dtype, mask, grad) is None:
+            return KERNELS[name]
+    return KERNELS["loop"]
+
+
+def packed_report(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str]]:
+    """``[(kernel, "picked" | "runs here" | why not)]`` for causal packed documents with a
+    backward on ``device`` in ``dtype``, in the chooser's order (``info`` prints it)."""
+    pick = packed_kernel(device, dtype, candidates=tuple(KERNELS))
+    rows = []
+    for name, kern in KERNELS.items():
+        why = kern.why_not(torch.device(device), dtype, DocMask(True), True)
+        rows.append((name, "picked" if kern is pick else (why or "runs here")))
+    return rows
+
 
 
 def doc_kwargs(docs) -> dict:
@@ -97,6 +156,17 @@ class AttentionBackend:
     # whether it holds the [B, H, S, T] scores in memory (the ring then tiles the rows).
     supports_lse = True
     lse_scores_in_memory = True
+    # The packed-documents kernels this backend may use, in the chooser's order, and the
+    # one it is forced to (``None``: ``packed_kernel`` picks).
+    packed_candidates: tuple[str, ...] = ("varlen", "flex", "loop")
+    packed: str | None = None
+
+    def packed_kernel(self, q: torch.Tensor, mask: DocMask | bool, grad: bool | None = None):
+        """The packed-documents kernel this backend runs for ``q`` under ``mask`` (a
+        ``DocMask``, or ``causal``) (``packed_kernel``)."""
+        grad = torch.is_grad_enabled() and q.requires_grad if grad is None else grad
+        mask = mask if isinstance(mask, DocMask) else DocMask(bool(mask))
+        return packed_kernel(q.device, q.dtype, mask, grad=grad, candidates=self.packed_candidates, prefer=self.packed)
 
     def attend(self, q, k, v, causal: bool, scale: float, docs=None) -> torch.Tensor:
         """``[B, S, hq, D]`` attention with ``hq % hkv == 0`` grouped heads; with ``docs``
@@ -145,11 +215,17 @@ class AttentionBackend:
 
 
 class SDPABackend(AttentionBackend):
+    """torch's SDPA; packed documents through torch's own packed kernels (``varlen_attn``,
+    FlexAttention) or the per-document loop (``packed_kernel``). ``packed``: force one."""
+
     name = "sdpa"
+
+    def __init__(self, packed: str | None = None):
+        self.packed = packed
 
     def attend(self, q, k, v, causal, scale, docs=None):
         if docs is not None:
-            return per_document(lambda *x: self.attend(*x, causal, scale), q, k, v, docs)
+            return self.packed_kernel(q, causal).attend(q, k, v, docs, docs, DocMask(bool(causal)), scale)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -164,6 +240,7 @@ class SDPABackend(AttentionBackend):
 
 class MathBackend(AttentionBackend):
     name = "math"
+    packed_candidates = ("loop",)  # the exact reference: explicit math per document, everywhere
 
     def attend(self, q, k, v, causal, scale, docs=None):
         if docs is not None:
@@ -173,10 +250,13 @@ class MathBackend(AttentionBackend):
 
 class FlashBackend(AttentionBackend):
     """flash-attn 2/3 ``flash_attn_func`` (CUDA, fp16/bf16, grouped heads natively); packed
-    documents through ``flash_attn_varlen_func`` (``[total, h, D]``, int32 ``cu_seqlens`` on
-    the device, one copy per boundaries and device: ``Documents.on``)."""
+    documents through ``flash_attn_varlen_func`` first (``packed.FlashVarlen``)."""
 
     name = "flash"
+    packed_candidates = ("flash", "varlen", "flex", "loop")
+
+    def __init__(self, packed: str | None = None):
+        self.packed = packed
 
     def attend(self, q, k, v, causal, scale, docs=None):
         if v.shape[3] != q.shape[3]:
@@ -189,11 +269,7 @@ class FlashBackend(AttentionBackend):
                 return self.attend(q, k, F.pad(v, (0, d - dv)), causal, scale, docs)[..., :dv]
             return self.attend(F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v, causal, scale, docs)
         if docs is not None:
-            from flash_attn import flash_attn_varlen_func
-
-            cu, n = docs.on(q.device), docs.max_seqlen
-            out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, n, n, softmax_scale=scale, causal=causal)
-            return out.unsqueeze(0)
+            return self.packed_kernel(q, causal).attend(q, k, v, docs, docs, DocMask(bool(causal)), scale)
         from flash_attn import flash_attn_func
 
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)

@@ -5,9 +5,10 @@ the NCCL loaded at run time; when it is missing or CPU-only on a CUDA torch, the
 that builds it), its C++ runtime (the shared libstdc++, or a private copy linked in) and
 its error path (one bad call in a subprocess: ok, crashed with a signal, or a message that
 lost its numbers: ``toolchain``), the NCCL torch loaded, Triton, flash-attn, every kernel
-set (whether it runs in this process, and why not), and the default kernel set
-(``kernels="auto"``) with the GPU runs it was validated on. ``--json`` prints the same as
-JSON.
+set (whether it runs in this process, and why not), the default kernel set
+(``kernels="auto"``) with the GPU runs it was validated on, and the packed-documents kernel
+the chooser picks here (``backends.packed_kernel``; CUDA bf16 where a GPU is visible, else CPU
+float32). ``--json`` prints the same as JSON.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import torch
 
 from . import ops, toolchain
+from .backends import packed_report
 from .kernels import KERNEL_SETS, auto_choice, kernel_set_report
 
 
@@ -42,6 +44,8 @@ def collect() -> dict:
     if ext.get("built"):
         runtime = toolchain.libstdcxx_report(ops.load().__file__)
         probe = toolchain.probe_error_path()
+    cuda = torch.cuda.is_available()
+    packed_on = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -58,6 +62,10 @@ def collect() -> dict:
         "kernel_sets": [r["name"] for r in report if r["runs_here"]],
         "kernel_set_report": report,
         "default_kernels": default_kernels(),
+        "packed_documents": {
+            "device": f"{packed_on[0].type} {str(packed_on[1]).removeprefix('torch.')}",
+            "kernels": [{"name": n, "status": why} for n, why in packed_report(*packed_on)],
+        },
     }
 
 
@@ -125,13 +133,19 @@ def format_report(info: dict) -> str:
         rows.insert(7, ("_C C++ runtime", info["extension_runtime"]["detail"]))
         rows.insert(8, ("_C error path", toolchain.probe_line(info["extension_error_path"], ops.rebuild_command)))
     last = ("default kernels", default_line(info))
-    width = max(len(k) for k, _ in [*rows, last])
+    packed = info["packed_documents"]
+    picked = next((k["name"] for k in packed["kernels"] if k["status"] == "picked"), "none")
+    packed_row = ("packed docs", f"{picked} picked for {packed['device']} (backends.packed_kernel)")
+    width = max(len(k) for k, _ in [*rows, last, packed_row])
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     name_width = max((len(r["name"]) for r in info["kernel_set_report"]), default=0)
     for r in info["kernel_set_report"]:
         status = "runs here" if r["runs_here"] else "not here "
         lines.append(f"{'':<{width}}    {r['name']:<{name_width}}  {status}  {r['detail']}")
     lines.append(f"{last[0]:<{width}}  {last[1]}")
+    lines.append(f"{packed_row[0]:<{width}}  {packed_row[1]}")  # the packed row after the kernel sets' lines
+    for k in packed["kernels"]:
+        lines.append(f"{'':<{width}}    {k['name']:<{name_width}}  {k['status']}")
     return "\n".join(lines)
 
 

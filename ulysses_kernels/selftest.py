@@ -91,6 +91,7 @@ from torch.utils.checkpoint import checkpoint
 from . import info, toolchain
 from .attention import ulysses_attention
 from .attention.call import setup_attention
+from .backends import resolve_backend
 from .bench.common import CPU_LABEL, Progress, dtype_name, env_record, kernel_label, parse_dtype
 from .checkpointing import graph_exec_group
 from .comm import NCCLCommunicator, TorchCommunicator, nccl_available
@@ -267,6 +268,13 @@ def _kernel_choice(requested: list[str] | None) -> tuple[list[str], dict[str, st
 def _short(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip()
     return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _packed_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
+    """The packed-documents kernel the packed paths run here (``backends.packed_kernel`` for
+    the default backend, with a backward)."""
+    probe = torch.empty(1, 1, 1, 8, device=device, dtype=dtype)
+    return resolve_backend(None, probe).packed_kernel(probe, True, grad=True).name
 
 
 def _max_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -695,7 +703,7 @@ class _Rank:
             "world_size": self.world, "transport": self.transport, "device": self.device.type,
             "dtype": dtype_name(self.dtype), "head_dim": self.head_dim, "seq_per_rank": self.seq_per_rank,
             "kernels": kernels, "comms": None, "chunks": chunks, "layouts": [c.name for c in cases],
-            "timeout_s": self.timeout, "argv": args.argv,
+            "timeout_s": self.timeout, "argv": args.argv, "packed_kernel": _packed_kernel_name(self.device, self.dtype),
             "bound_rule": f"{FLOAT64_BOUND:g} in float64; else 2x PyTorch's own SDPA error in the same dtype on the same device, per tensor",
         }  # fmt: skip
         if self.rank == 0:
@@ -799,7 +807,7 @@ def report(results: list[dict], env: dict, settings: dict, not_tested: dict, arg
     rule = f"{FLOAT64_BOUND:g}" if dtype == "fp64" else f"2x PyTorch's own {dtype} error (SDPA, same device)"
     out = [
         f"ulysses_kernels self-test: {settings.get('world_size')} ranks ({settings.get('transport')}) on {where}, "
-        f"{dtype}, head_dim {settings.get('head_dim')}; bound per tensor (out, dq, dk, dv): {rule}",
+        f"{dtype}, head_dim {settings.get('head_dim')}, packed documents on {settings.get('packed_kernel')}; bound per tensor (out, dq, dk, dv): {rule}",
         *_install_lines(env.get("install")),
         _table(results),
     ]

@@ -34,7 +34,13 @@ Methods (``--methods``, default all that can run):
                say what the ring schedule skipped (``ring.schedule``); compare the time with
                ``hybrid-UxR`` (the same tokens unpacked) and ``packed-<k>`` (the flat group)
   local-packed the compute floor of the packed rows (this rank's heads, all rows, no
-               communication)
+               communication), on the packed-documents kernel the chooser picks
+               (``backends.packed_kernel``; column ``backend``: ``<backend>+<kernel>``)
+  local-packed-<kernel>
+               the same on one packed-documents kernel (``packed.KERNELS``: flash, varlen,
+               flex, loop), by default every one that runs here besides the pick and flex
+               (named only: its first call compiles FlexAttention; that time, ``first_s``, is
+               printed and kept out of the timing)
   layout-<k>   ours, data movement only: the packs/unpacks of one layer without the
                collectives (fwd: q/k/v pack + output unpack; bwd: dout pack + dq/dk/dv unpack)
   chain-layout the chain's permute copies without the collectives
@@ -46,7 +52,9 @@ TFLOP/s: causal attention FLOPs of this rank's heads, 4*B*S^2*h*D/2 forward (pac
 equal rows: 4*h*D*sum(L_i^2)/2 over their documents, column ``docs``), 2.5x that
 backward, 3.5x forward+backward (the FlashAttention convention), over the time of the
 slowest rank. ``x_chain`` = chain time / this time (speed-up over the chain, same run);
-``x_floor`` = this time / local time. #wrong: elements of the output and of dq, on a sample
+``x_floor`` = this time / local time (packed rows: / local-packed's). ``x_dense`` (packed
+rows) = this row's TFLOP/s / local's: the packed kernel's speed against the same tokens
+unpacked (the goal of issue 37: local-packed >= 0.5 at S >= 32K on a GPU). #wrong: elements of the output and of dq, on a sample
 of rows on every rank, outside the dtype's tolerance against a float32 reference computed
 from the same inputs; for the layout rows, elements of every buffer they write that differ
 bit for bit from the pure-PyTorch reference (``ulysses_kernels.layout`` pack/unpack; for
@@ -62,6 +70,7 @@ import inspect
 import math
 import re
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -69,13 +78,14 @@ import torch
 import torch.distributed as dist
 
 from ulysses_kernels import make_sp_groups, ulysses_attention
-from ulysses_kernels.backends import doc_kwargs, for_rank, resolve_backend
+from ulysses_kernels.backends import doc_kwargs, for_rank, packed_kernel, resolve_backend
 from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.documents import Documents, documents
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
+from ulysses_kernels.packed import KERNELS, DocMask
 from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.reference import default_scale
 from ulysses_kernels.ring import shard_rows
@@ -176,12 +186,14 @@ class Method:
     """
 
     def __init__(self, name, fn=None, seq_sharded=True, layout_only=False, fwd=None, bwd=None, check=None, docs=None, rows=None,
-                 ring=None):  # fmt: skip
+                 ring=None, backend=None):  # fmt: skip
         self.name, self.fn, self.seq_sharded, self.layout_only = name, fn, seq_sharded, layout_only
         self.fwd_only, self.bwd_only, self.check_layout = fwd, bwd, check
         self.docs = docs  # packed rows: the documents (``Documents``) the method attends within
         self.rows = rows  # the global positions this rank's inputs hold (None: the contiguous shard)
         self.ring = ring  # 2-D packed rows: the ``RingSchedule`` of the call (what it skips)
+        self.backend = backend  # the backend column when not the group's (packed rows: "<backend>+<kernel>")
+        self.first_s = None  # FlexAttention rows: the first fwd+bwd (its compilation), untimed
 
 
 def local_method(plan, rank, backend, scale, name="local", docs=None):
@@ -384,9 +396,27 @@ def seq_lengths(args, P: int) -> list[int]:
     return [-(-s // P) * P for s in seqs]  # equal shards: round up to a multiple of P
 
 
-def method_names(args, world: int, P: int) -> list[str]:
+def packed_variants(backend, device: torch.device, dtype) -> list[str]:
+    """``local-packed-<kernel>`` for every packed-documents kernel ``backend`` can be forced to
+    here with a backward, besides the one the chooser picks (that is ``local-packed``), and
+    besides FlexAttention, which runs only when named (``--methods``): its compilation takes
+    tens of seconds of a default run."""
+    if not hasattr(backend, "packed_kernel"):
+        return []
+    pick = packed_kernel(device, dtype, candidates=backend.packed_candidates, prefer=backend.packed).name
+    return [f"local-packed-{n}" for n, k in KERNELS.items() if n not in (pick, "flex") and k.why_not(device, dtype, DocMask(True), True) is None]
+
+
+def packed_label(backend, device: torch.device, dtype) -> str:
+    """The backend column of a packed row: ``<backend>+<packed kernel>``."""
+    if not hasattr(backend, "packed_kernel"):
+        return getattr(backend, "name", "?")
+    return f"{backend.name}+{packed_kernel(device, dtype, candidates=backend.packed_candidates, prefer=backend.packed).name}"
+
+
+def method_names(args, world: int, P: int, packed=()) -> list[str]:
     kernels = available_kernels()
-    names = ["local", "local-sharedkv", "local-packed"]
+    names = ["local", "local-sharedkv", "local-packed", *packed]
     if world > 1 or P == 1:
         names += ["chain"] + [f"ulysses-{k}" for k in kernels] + ["deepspeed", "yunchang"]
         names += [f"hybrid-{u}x{world // u}" for u in range(1, world) if world % u == 0]
@@ -421,11 +451,27 @@ def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
             raise Skip("this rank's query heads do not all share one KV head (no SharedKV)")
         return local_method(plan, rank, wrapped, scale, name)
     if name == "local-packed":
-        return local_method(plan, rank, backend, scale, name, docs=packed_documents(inp.S))
+        m = local_method(plan, rank, backend, scale, name, docs=packed_documents(inp.S))
+        m.backend = packed_label(backend, inp.device, inp.dtype)
+        return m
+    if name.startswith("local-packed-"):
+        kernel = name[len("local-packed-"):]
+        if kernel not in KERNELS or not hasattr(backend, "packed_kernel"):
+            raise Skip(f"{name}: no packed kernel {kernel!r} (one of {sorted(KERNELS)}) for backend {backend.name!r}")
+        forced = type(backend)()
+        forced.packed = kernel
+        packed_kernel(inp.device, inp.dtype, prefer=kernel)  # ValueError (a skip) when it cannot run here
+        m = local_method(plan, rank, forced, scale, name, docs=packed_documents(inp.S))
+        m.backend = f"{backend.name}+{kernel}"
+        return m
     if name.startswith("packed-hybrid-"):
-        return packed_hybrid_method(name, args, inp, backend, rank)
+        m = packed_hybrid_method(name, args, inp, backend, rank)
+        m.backend = packed_label(backend, inp.device, inp.dtype)
+        return m
     if name.startswith(("packed-", "equal-")):
-        return packed_method(name, args, inp, backend)
+        m = packed_method(name, args, inp, backend)
+        m.backend = packed_label(backend, inp.device, inp.dtype)
+        return m
     if name == "chain":
         if inp.H % world:
             raise Skip(f"chain needs query heads ({inp.H}) divisible by the world size ({world})")
@@ -540,6 +586,12 @@ def time_method(m: Method, args, inp, plan, rank, device):
         clear()
         return m.fn(q, k, v)
 
+    if m.name.endswith("-flex") and cuda:  # its first call compiles FlexAttention: kept out of the timing
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fwdbwd()
+        torch.cuda.synchronize(device)
+        m.first_s = time.perf_counter() - t0
     # The check needs one fwd+bwd: run that pass (untimed in the table) when not selected.
     extra = ("fwdbwd",) if args.check and "fwdbwd" not in args.passes else ()
     for p in args.passes + extra:
@@ -659,7 +711,7 @@ def method_rows(m: Method, res: dict, wrong, args, g: Group, dtype) -> list[dict
             "model": g.model, "heads": f"{inp.H}/{inp.Hkv}", "seq": inp.S, "world": g.P, "method": m.name, "pass": p,
             "time_ms": t * 1e3, "tflops": None if m.layout_only else flops_fwd * FLOP_FACTOR[p] / t / 1e12,
             "mem_gib": None if mem is None else mem / 2**30, "wrong": wrong, "dtype": C.dtype_name(dtype),
-            "backend": g.backend.name, "docs": 1 if m.docs is None else m.docs.count,
+            "backend": m.backend or g.backend.name, "docs": 1 if m.docs is None else m.docs.count, "first_s": m.first_s,
             "ring_steps": None if m.ring is None else f"{m.ring.computed_steps()}/{m.ring.ring_size ** 2}",
             "ring_hops": None if m.ring is None else f"{m.ring.hops()}/{m.ring.ring_size * (m.ring.ring_size - 1)}",
             **C.spread(res[p][2], 1e3, "ms"),
@@ -688,6 +740,8 @@ def run_group(args, g: Group, names: list[str], device, dtype, notes: dict, dead
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
+        if m.first_s is not None and g.rank == 0:
+            print(f"# {g.key(name)}: first fwd+bwd {m.first_s:.1f} s (compiles FlexAttention), kept out of the timing", flush=True)
         wrong = count_method_wrong(m, outs, args, g)
         del outs
         rows += method_rows(m, res, wrong, args, g, dtype)
@@ -732,7 +786,8 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
     P = world if world > 1 else args.sp  # rank 0 of an emulated group has the most heads
     layouts = C.parse_layouts("bench_attention", args.layouts, args.models)
     seqs = seq_lengths(args, P)
-    names = method_names(args, world, P)
+    probe = torch.empty(1, 1, 1, args.head_dim, dtype=dtype, device=device)
+    names = method_names(args, world, P, packed_variants(resolve_backend(args.attn_fn, probe), device, dtype))
     args.sp_groups = hybrid_groups(names, world)
     if rank == 0:
         print_header(args, world, P, backend_name, device, dtype, names)
@@ -783,8 +838,11 @@ def _ratios(rows):
         is_layout = r["method"].startswith("layout-") or r["method"] == "chain-layout"
         chain = by.get(("chain-layout" if is_layout else "chain", r["pass"]))
         name = r["method"]
-        floor = "local-packed" if name.startswith("packed-") or name == "local-packed" else None if name.startswith("equal-") else "local"
+        floor = "local-packed" if name.startswith(("packed-", "local-packed")) else None if name.startswith("equal-") else "local"
         local = by.get((floor, r["pass"]))
+        dense = by.get(("local", r["pass"]))
+        packed = name.startswith(("packed-", "local-packed"))
+        r["x_dense"] = r["tflops"] / dense["tflops"] if packed and dense and r["tflops"] and dense["tflops"] else None
         r["x_chain"] = chain["time_ms"] / r["time_ms"] if chain else None
         r["x_floor"] = r["time_ms"] / local["time_ms"] if local and not is_layout else None
         has_mem = local and r["mem_gib"] is not None and local["mem_gib"] is not None and not is_layout
@@ -813,9 +871,10 @@ def _breakdown(rows):
 
 COLUMNS = [
     ("model", "model", ""), ("seq", "seq", "d"), ("world", "P", "d"), ("method", "method", ""), ("pass", "pass", ""),
-    ("time_ms", "time(ms)", ".3f"), ("time_q1_ms", "q1", ".3f"), ("time_q3_ms", "q3", ".3f"), ("tflops", "TFLOP/s", ".1f"), ("x_chain", "x_chain", ".2f"),
+    ("backend", "backend", ""), ("time_ms", "time(ms)", ".3f"), ("time_q1_ms", "q1", ".3f"), ("time_q3_ms", "q3", ".3f"),
+    ("tflops", "TFLOP/s", ".1f"), ("x_chain", "x_chain", ".2f"),
     ("x_floor", "x_floor", ".2f"), ("mem_gib", "mem(GiB)", ".2f"), ("extra_gib", "extra(GiB)", ".2f"),
-    ("docs", "docs", "d"), ("x_equal", "x_equal", ".2f"), ("ring_steps", "steps", ""), ("ring_hops", "hops", ""),
+    ("docs", "docs", "d"), ("x_equal", "x_equal", ".2f"), ("x_dense", "x_dense", ".2f"), ("ring_steps", "steps", ""), ("ring_hops", "hops", ""),
     ("wrong", "#wrong", "d"),
 ]  # fmt: skip
 BREAKDOWN_COLUMNS = [

@@ -10,7 +10,7 @@
 * ``schedule``: ``RingSchedule``, what one call computes and sends (what it skips);
 * ``balance``: ``balance_documents``, an order of packed documents that evens the ring
   ranks' attention work;
-* ``varlen``: one flash-attn varlen call per ring step of a packed sequence (opt-in).
+* ``varlen``: one packed-documents kernel call per ring step of a packed sequence (``backends.packed_kernel``).
 
 ``ulysses_attention(q, k, v, group=make_sp_groups(U, R))`` runs it (``attention.call.setup_attention``).
 """

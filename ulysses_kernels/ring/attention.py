@@ -25,9 +25,10 @@ into an accumulator that travels with it on a channel of its own
 
 Packed documents (``docs=``, the global ``cu_seqlens``): the same ring, with each step's
 rectangles cut by document (``seq_layout.document_pieces``): per-document math with the
-log-sum-exp (``attend_lse``; SDPA and math backends, any device), flash-attn's
-``flash_attn_func`` per rectangle for the flash backend, or, opt-in, one flash-attn varlen
-call per step (``ring.varlen``); the block backward per rectangle as without documents.
+log-sum-exp (``attend_lse``; SDPA and math backends, any device; flash-attn's
+``flash_attn_func`` per rectangle for the flash backend), or one packed-documents kernel call
+per step where the chooser picks one (``ring.varlen``: flash-attn's or torch's varlen,
+FlexAttention); the block backward per rectangle as without documents.
 
 Point to point: each step is one ``Communicator.send_recv`` per channel, sends posted
 before receives. On gloo torch posts them one by one (``isend``, then ``irecv``; no
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import FlashBackend
 from ..checkpointing import save_tensors
 from ..checks import UlyssesInputError, by_value, document_problems, document_summary, document_text, dtype_code, rank_list
 from ..comm import Communicator, get_communicator
@@ -56,7 +56,7 @@ from .groups import SPGroups
 from .merge import PartialAttention, acc_dtype
 from .schedule import RingSchedule, ring_schedule
 from .seq_layout import tile_rows
-from .varlen import attend_lse_pieces, varlen_enabled
+from .varlen import attend_lse_pieces, step_kernel
 
 __all__ = ["RingBackend", "ring_backend", "check_ring_inputs"]
 
@@ -73,14 +73,13 @@ class RingBackend:
 
     ``inner``: a built-in backend (``supports_lse``); ``kv_comm``/``grad_comm``: the ring
     group's two channels; ``ring_rank``/``ring_size``/``seq_layout``: which blocks this rank
-    and its peers hold; ``varlen``: one flash-attn varlen call per step of a packed
-    sequence (``ring.varlen``, opt-in)."""
+    and its peers hold. A packed sequence's steps run on the inner backend's packed kernel
+    where the chooser picks one (``ring.varlen``)."""
 
     def __init__(self, inner, kv_comm: Communicator, grad_comm: Communicator, ring_rank: int, ring_size: int, seq_layout: str,
-                 tile_bytes: int = TILE_BYTES, varlen: bool = False):  # fmt: skip
+                 tile_bytes: int = TILE_BYTES):  # fmt: skip
         self.inner, self.kv_comm, self.grad_comm, self.tile_bytes = inner, kv_comm, grad_comm, tile_bytes
         self.ring_rank, self.ring_size, self.seq_layout = ring_rank, ring_size, seq_layout
-        self.varlen = varlen
         self.name = f"ring({inner.name})"
         self.next, self.prev = (ring_rank + 1) % ring_size, (ring_rank - 1) % ring_size
 
@@ -119,7 +118,7 @@ class RingBackend:
         # gradient kept per query head until the end), "grouped" or "gathered" (per block).
         heads = KVGather.of(kv_map, k.shape[2], shared=True)
         sched = self.schedule(q.shape[1], causal, docs)
-        varlen = self.varlen and docs is not None
+        kernel = None if docs is None else step_kernel(self.inner, q)
         k, v = k.contiguous(), v.contiguous()  # the send buffers of the first step
         acc = PartialAttention(q, v.shape[3])
         for _, src, block in self._ring(self.kv_comm, (k, v), sched):
@@ -127,8 +126,8 @@ class RingBackend:
             if not pieces:
                 continue  # no document here sees that block (or it did not come here): no compute
             kb, vb = block
-            if varlen:
-                for rows, o, lse in attend_lse_pieces(q, *heads.gather(kb, vb), pieces, scale):
+            if kernel is not None:
+                for rows, o, lse in attend_lse_pieces(q, *heads.gather(kb, vb), pieces, scale, kernel):
                     acc.add(rows, o, lse)
                 continue
             for rows, cols, diag in self._tiles(pieces, q, self.inner.lse_scores_in_memory):
@@ -211,8 +210,7 @@ def ring_backend(sp: SPGroups, base) -> RingBackend:
             f"log-sum-exp (attn_fn=None, 'sdpa', 'math' or 'flash'), got attn_fn {getattr(base, 'name', base)!r}"
         )
     kv_comm, grad_comm = get_communicator(sp.ring_group), get_communicator(sp.ring_grad_group)
-    varlen = isinstance(base, FlashBackend) and varlen_enabled()
-    return RingBackend(base, kv_comm, grad_comm, sp.ring_rank, sp.ring_size, sp.seq_layout, varlen=varlen)
+    return RingBackend(base, kv_comm, grad_comm, sp.ring_rank, sp.ring_size, sp.seq_layout)
 
 
 def _ring_problems(sp: SPGroups, q, seq_lens) -> list[str]:

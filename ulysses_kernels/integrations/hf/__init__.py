@@ -30,8 +30,10 @@ them): ``shard_batch`` finds the documents from position ids that restart at 0 (
 drops the target of each document's last token, and puts the global boundaries on the
 step's ``SequenceShard``; every layer passes them to ``ulysses_attention(cu_seqlens=...)``
 (block-diagonal attention; the boundaries are found once per step, never gathered per layer).
-Layers that run the model's own attention (windows, softcapping, sinks) get the documents
-overlaid on the global mask they build (the ``eager`` and ``sdpa`` implementations).
+Causal layers with a sliding window and/or softcapping (no sinks, no dropout) run on the
+packed-documents kernel the chooser picks for that mask (``backends.packed_kernel``); layers
+that run the model's own attention (sinks, dropout, a registered implementation) get the
+documents overlaid on the global mask they build (the ``eager`` and ``sdpa`` implementations).
 
 The package, by job (each imports only the ones above it):
 

@@ -7,6 +7,11 @@ One attention call, q/k/v ``[B, H, seq_lens[r], D]``:
     plain causal or plain bidirectional (no window shorter than S, no softcap, no sinks, no
     dropout) and a built-in implementation: the fused ``ulysses_attention`` (SDPA/flash,
     chunked overlap; ``causal=False`` for an encoder)
+    packed documents with a sliding window and/or logit softcapping (causal, a built-in
+    implementation, no sinks, no dropout): seq_to_head -> this rank's heads over all S
+    tokens -> the packed-documents kernel ``backends.packed_kernel`` picks for that mask
+    (FlexAttention or flash-attn's varlen on a GPU, the per-document loop elsewhere) ->
+    head_to_seq
     otherwise: seq_to_head -> this rank's heads over all S tokens -> the model's own
     attention implementation (eager, sdpa, flash_attention_2/3, a registered one) with
     the model's keywords, per-head sinks sliced to the rank's heads, the layer type's
@@ -26,10 +31,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...attention import head_to_seq, seq_to_head, ulysses_attention
+from ...backends import resolve_backend
 from ...comm import get_communicator
 from ...documents import Documents, document_ids
 from ...gqa import expand_kv
+from ...packed import DocMask
 from ...plan import HeadPlan
+from ...reference import default_scale
 from ...ring import SPGroups
 from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
 
@@ -248,7 +256,8 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
                 f"{name}: with a 2-D group (SPGroups) only plain causal attention runs (the fused op with "
                 "ring attention); a sliding window shorter than the sequence, softcapping, sinks or dropout need a flat group"
             )
-        return _model_attention(module, settings, shard, mask, query, key, value, kwargs), None
+        doc_mask = None if docs is None else _doc_mask(settings, shard, mask, module, kwargs)
+        return _model_attention(module, settings, shard, mask, query, key, value, kwargs, docs, doc_mask), None
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
     scaling = kwargs.get("scaling")
@@ -308,7 +317,11 @@ def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
                 "not sharded as packed; pass the global position_ids (or cu_seqlens) to shard_batch"
             )
         return None
-    if not _plain(settings, shard, mask, module, kwargs) and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
+    if (
+        not _plain(settings, shard, mask, module, kwargs)
+        and settings.inner_impl not in _MASKED_IMPLEMENTATIONS
+        and _doc_mask(settings, shard, mask, module, kwargs) is None
+    ):
         raise HFIntegrationError(
             f"{type(module).__name__}: packed documents with a sliding window, logit softcapping, attention sinks, dropout "
             f"or a registered implementation run on the 'eager' or 'sdpa' implementation (their mask carries the "
@@ -333,8 +346,34 @@ def _plain(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, module,
     )
 
 
-def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
-    """The model's own attention on this rank's heads over the global sequence.
+def _doc_mask(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, module, kwargs) -> DocMask | None:
+    """The ``DocMask`` of a packed call that a packed-documents kernel runs exactly: causal, a
+    built-in implementation and backend, a sliding window (the model's keyword or its mask's,
+    the same) and/or a softcap, no sinks, no dropout; ``None`` otherwise (the model's own
+    attention then runs, with the documents overlaid on its mask). The mask's function is one
+    of transformers' position-only ones (``_window_of``), so causality and the window are all
+    of it."""
+    window = kwargs.get("sliding_window")
+    if mask.window is not None and window is not None and int(window) != mask.window:
+        return None
+    window = mask.window if window is None else int(window)
+    if (
+        not mask.causal
+        or settings.inner_impl not in _FUSED_IMPLEMENTATIONS
+        or not (settings.attn_fn is None or isinstance(settings.attn_fn, str))
+        or kwargs.get("s_aux") is not None
+        or getattr(module, "sinks", None) is not None
+        or kwargs.get("dropout")
+    ):
+        return None
+    softcap = kwargs.get("softcap")
+    return DocMask(True, None if window is None or window >= shard.total else window, None if softcap is None else float(softcap))
+
+
+def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs, docs=None,
+                     doc_mask: DocMask | None = None):  # fmt: skip
+    """The model's own attention on this rank's heads over the global sequence (with
+    ``doc_mask``: the packed-documents kernel for that mask, in its place).
 
     ``[B, H, s_local, D]`` q/k/v -> ``seq_to_head`` -> ``[B, hq, S, D]`` (``plan.q_ranges[rank]``)
     and the KV heads those use (gathered to one per query head where the rank's heads do
@@ -354,6 +393,11 @@ def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _G
     if check:
         shard._checked.add(sig)
     k, v = expand_kv(k, v, plan.local_kv_map(comm.rank))  # [B, S, hkv, D], uniform groups
+    if doc_mask is not None:
+        scale = default_scale(q.shape[3], kwargs.get("scaling"))
+        kernel = resolve_backend(settings.attn_fn, q).packed_kernel(q, doc_mask)
+        out = kernel.attend(q, k, v, docs, docs, doc_mask, scale)
+        return head_to_seq(out, plan, group=settings.group, seq_lens=shard.seq_lens, comm=comm, kernels=settings.kernels)
     heads = slice(*plan.q_ranges[comm.rank])
     local = _LocalHeads(module, settings.inner_impl, q.shape[2] // k.shape[2], heads, q_heads)
     inner = {n: a for n, a in kwargs.items() if n != "position_ids"}

@@ -1,0 +1,426 @@
+"""Packed-documents attention kernels: every document of a packed sequence in one call.
+
+After the exchange a rank holds, for its heads, the whole packed sequence: ``q``
+``[1, Tq, hq, D]``, ``k`` ``[1, Tk, hkv, D]``, ``v`` ``[1, Tk, hkv, Dv]`` (uniform grouped heads,
+``hq % hkv == 0``: ``backends`` gathers a non-uniform map first). Query document ``i`` is rows
+``[cu_q[i], cu_q[i+1])``, key document ``i`` rows ``[cu_k[i], cu_k[i+1])`` (``Documents``; equal
+for a packed sequence, different for the rectangles of a ring step). Query row ``r`` of a
+document sees the keys of the same document only; with ``causal`` those at document position
+``<= r + (Lk - Lq)`` (flash-attn's bottom-right alignment; ``Lq == Lk`` on a packed sequence);
+with a sliding ``window`` ``w`` (``DocMask``, causal only) the last ``w`` of those (itself and
+the ``w - 1`` before it, transformers' ``sliding_window``); with ``softcap`` ``c`` the scaled
+scores pass through ``c * tanh(s / c)`` first (Gemma 2).
+
+Kernels (``KERNELS``; ``backends.packed_kernel`` chooses one):
+
+    flash   flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16; windows, softcap, LSE)
+    varlen  torch's ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA sm_80+,
+            fp16/bf16; windows where its signature has ``window_size``; grouped heads natively
+            where it has ``enable_gqa``, else KV expanded on this rank's head shard; LSE)
+    flex    torch's FlexAttention with a block mask built once per (boundaries, device,
+            causal, window) (``doc_block_mask``; compiled on CUDA; on the CPU eager and
+            forward only, so never picked there automatically; windows, softcap, LSE)
+    loop    one dense call per document (SDPA; explicit math for softcap or the LSE): any
+            device and dtype, the last resort (NOTE on the H200, 2026-11-27: 5.6-50 TFLOP/s for
+            llama3-8b rank 0 of 8 against 550-640 dense, 7 to 295 documents)
+
+``attend`` returns ``[1, Tq, hq, Dv]`` in q's dtype and, with ``lse=True``, the log-sum-exp
+``[1, hq, Tq]`` (natural log; the ring merges partial results with it) in the accumulation
+dtype: float64 for float64 inputs, else float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .documents import Documents
+from .reference import math_attention_lse
+
+__all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask"]
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class DocMask:
+    """What attention inside a document hides: ``causal``, a sliding ``window`` (tokens, causal
+    only), a ``softcap`` on the scaled scores. Checked on construction."""
+
+    causal: bool
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self):
+        if self.window is not None and (not self.causal or int(self.window) < 1):
+            raise ValueError(
+                f"packed documents: window={self.window!r} with causal={self.causal}; a sliding window is supported on "
+                "causal attention only, as a positive token count"
+            )
+        if self.softcap is not None and not float(self.softcap) > 0:
+            raise ValueError(f"packed documents: softcap={self.softcap!r}; expected a positive float or None")
+
+    def describe(self) -> str:
+        parts = ["causal" if self.causal else "bidirectional"]
+        if self.window is not None:
+            parts.append(f"window {self.window}")
+        if self.softcap is not None:
+            parts.append(f"softcap {self.softcap:g}")
+        return ", ".join(parts)
+
+
+class PackedKernel:
+    """One way to run packed-document attention. ``why_not`` returns ``None`` where it runs,
+    else why not (a sentence the chooser puts in its errors and ``info`` prints)."""
+
+    name = "base"
+
+    def why_not(self, device: torch.device, dtype: torch.dtype, mask: DocMask, grad: bool) -> str | None:
+        raise NotImplementedError
+
+    def attend(self, q, k, v, docs_q: Documents, docs_k: Documents, mask: DocMask, scale: float, lse: bool = False):
+        raise NotImplementedError
+
+
+def _flash_inputs(q, k, v):
+    """``[T, h, D]`` q, k, v as flash kernels take them: one head dim (MLA's narrower v padded:
+    zeros add nothing to the scores; the caller cuts the output back to v's head dim), and no
+    stride-0 head dim (``backends.SharedKV``'s view of one KV head: materialized on this
+    rank's shard, as flash-attn's own GQA backward allocates per-head dK/dV anyway)."""
+    w = max(q.shape[-1], v.shape[-1])
+    out = []
+    for x in (q, k, v):
+        x = x if x.stride(1) != 0 or x.shape[1] == 1 else x.contiguous()
+        out.append(x if x.shape[-1] == w else F.pad(x, (0, w - x.shape[-1])))
+    return out
+
+
+def _acc(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The log-sum-exp in the accumulation dtype of inputs of ``dtype`` (``ring.merge.acc_dtype``)."""
+    return lse.to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _lse_rows(lse: torch.Tensor, docs_q: Documents, hq: int) -> torch.Tensor:
+    """A varlen kernel's log-sum-exp as ``[1, hq, Tq]``: ``[hq, Tq]`` (flash-attn >= 2.4,
+    torch's varlen_attn) or ``[docs, hq, max_q]`` (older flash-attn, one padded row per document)."""
+    if lse.dim() == 2:
+        return lse.unsqueeze(0)
+    parts = [lse[i, :, : b - a] for i, (a, b) in enumerate(docs_q.spans())]
+    return torch.cat(parts, dim=1).unsqueeze(0)
+
+
+class FlashVarlen(PackedKernel):
+    """flash-attn's ``flash_attn_varlen_func`` (``[total, h, D]``, int32 ``cu_seqlens`` on the
+    device, cached per boundaries and device: ``Documents.on``)."""
+
+    name = "flash"
+
+    def why_not(self, device, dtype, mask, grad):
+        if importlib.util.find_spec("flash_attn") is None:
+            return "flash_attn is not installed"
+        if device.type != "cuda" or dtype not in HALF:
+            return f"needs CUDA fp16/bf16, got {device.type} {dtype}"
+        return None
+
+    def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
+        from flash_attn import flash_attn_varlen_func
+
+        dv = v.shape[-1]
+        q, k, v = _flash_inputs(q[0], k[0], v[0])
+        kw = {} if mask.window is None else {"window_size": (mask.window - 1, 0)}
+        if mask.softcap is not None:
+            kw["softcap"] = mask.softcap  # flash-attn >= 2.6; older ones raise a TypeError naming it
+        out = flash_attn_varlen_func(
+            q, k, v, docs_q.on(q.device), docs_k.on(q.device), docs_q.max_seqlen, docs_k.max_seqlen,
+            softmax_scale=scale, causal=mask.causal, return_attn_probs=lse, **kw,
+        )  # fmt: skip
+        if not lse:
+            return out[..., :dv].unsqueeze(0)
+        out, m, *_ = out
+        return out[..., :dv].unsqueeze(0), _acc(_lse_rows(m, docs_q, q.shape[1]), q.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_api():
+    """``(varlen_attn, AuxRequest, parameter names)`` of this torch, or ``None`` (torch < 2.10).
+    Its signature moved between versions (2.10: ``is_causal``, no ``scale``; 2.11:
+    ``scale``, ``window_size``; 2.12: ``enable_gqa``), so calls are built from its parameters."""
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:
+        return None
+    fn = getattr(varlen, "varlen_attn", None)
+    if fn is None:
+        return None
+    return fn, getattr(varlen, "AuxRequest", None), frozenset(inspect.signature(fn).parameters)
+
+
+class TorchVarlen(PackedKernel):
+    """torch's ``varlen_attn`` (FlashAttention-2 inside PyTorch, forward and backward)."""
+
+    name = "varlen"
+
+    def why_not(self, device, dtype, mask, grad):
+        api = _varlen_api()
+        if api is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)"
+        if device.type != "cuda" or dtype not in HALF:
+            return f"needs CUDA fp16/bf16, got {device.type} {dtype}"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return f"needs sm_80 or newer, got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        if mask.softcap is not None:
+            return "takes no softcap"
+        if mask.window is not None and "window_size" not in api[2]:
+            return f"takes no sliding window in torch {torch.__version__} (no window_size parameter)"
+        return None
+
+    def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
+        fn, aux, params = _varlen_api()
+        dv = v.shape[-1]
+        q, k, v = _flash_inputs(q[0], k[0], v[0])
+        kw = {}
+        if "scale" in params:
+            kw["scale"] = scale
+        else:  # torch 2.10: the default 1/sqrt(D) only; fold the requested scale into q
+            q = q * (scale * math.sqrt(q.shape[-1]))
+        if "window_size" in params:
+            left = -1 if mask.window is None else mask.window - 1
+            kw["window_size"] = (left, 0) if mask.causal else (-1, -1)
+        else:
+            kw["is_causal"] = mask.causal
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in params:
+                kw["enable_gqa"] = True
+            else:  # expand this rank's KV heads (its shard only, never the wire's)
+                g = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        if lse:
+            kw["return_aux"] = aux(lse=True)
+        dev = q.device
+        out = fn(q, k, v, docs_q.on(dev), docs_k.on(dev), docs_q.max_seqlen, docs_k.max_seqlen, **kw)
+        if not lse:
+            return out[..., :dv].unsqueeze(0)
+        out, m = out
+        return out[..., :dv].unsqueeze(0), _acc(_lse_rows(m, docs_q, q.shape[1]), q.dtype)
+
+
+# ---- FlexAttention ---------------------------------------------------------------------------
+FLEX_BLOCK = 128  # FlexAttention's default block size (rows and columns of a mask block)
+
+
+def doc_intervals(docs_q: Documents, docs_k: Documents, mask: DocMask, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)``, int32 ``[Tq]``: the key rows query row ``r`` sees are exactly
+    ``lo[r] <= c <= hi[r]`` (global key rows; ``lo > hi``: none). Contiguous documents make
+    every row's visible keys one interval, so this is the whole mask, and block sparsity
+    follows from it without evaluating the ``Tq x Tk`` mask (``doc_block_mask``)."""
+    cq = torch.tensor(docs_q.cu_seqlens, dtype=torch.int64, device=device)
+    ck = torch.tensor(docs_k.cu_seqlens, dtype=torch.int64, device=device)
+    if cq.numel() != ck.numel():
+        raise ValueError(f"packed documents: {cq.numel() - 1} query documents but {ck.numel() - 1} key documents")
+    lq = cq.diff()
+    doc = torch.repeat_interleave(torch.arange(lq.numel(), device=device), lq)
+    r = torch.arange(int(cq[-1]), device=device)
+    ks, ke = ck[:-1][doc], ck[1:][doc] - 1  # the document's first and last key row
+    if not mask.causal:
+        return ks.int(), ke.int()
+    last = ks + (r - cq[:-1][doc]) + (ck.diff() - lq)[doc]  # bottom-right aligned diagonal
+    hi = torch.minimum(last, ke)
+    lo = ks if mask.window is None else torch.maximum(ks, last - (mask.window - 1))
+    return lo.int(), hi.int()
+
+
+def _block_sparsity(lo: torch.Tensor, hi: torch.Tensor, tk: int, block: int):
+    """``(partial, full)`` bool ``[nq, nk]``: mask blocks where some / every (row, key) pair is
+    visible, from each row's interval (rows past the end of the last block see nothing)."""
+    tq = lo.numel()
+    nq, nk = -(-tq // block), -(-tk // block)
+    lo, hi = lo.long(), hi.long()
+    rows = torch.arange(tq, device=lo.device) // block
+    seen = lo <= hi
+    # Some: a difference array over the key blocks each row's interval touches.
+    diff = torch.zeros(nq, nk + 1, dtype=torch.int64, device=lo.device)
+    ones = seen.long()
+    diff.index_put_((rows, torch.where(seen, lo // block, 0)), ones, accumulate=True)
+    diff.index_put_((rows, torch.where(seen, hi // block + 1, 0)), -ones, accumulate=True)
+    some = diff.cumsum(1)[:, :nk] > 0
+    # Every: the key blocks inside every row's interval of the query block; each row's is a
+    # range of blocks, their intersection one range per query block.
+    first = torch.where(seen, -(-lo // block), nk)  # first key block that starts at or after lo
+    ends = torch.arange(1, nk + 1, device=lo.device) * block  # end (exclusive) of each key block
+    ends[-1] = tk
+    # last key block whose end - 1 <= hi: count of ends <= hi + 1, minus one
+    last = torch.where(seen, torch.searchsorted(ends, hi + 1, right=True) - 1, -1)
+    big = torch.full((nq,), nk, dtype=torch.int64, device=lo.device)
+    lo_b = torch.zeros(nq, dtype=torch.int64, device=lo.device).scatter_reduce(0, rows, first, "amax", include_self=False)
+    hi_b = big.scatter_reduce(0, rows, last, "amin", include_self=False)
+    j = torch.arange(nk, device=lo.device)
+    full = (j >= lo_b[:, None]) & (j <= hi_b[:, None])
+    if tq % block:  # the last query block has padding rows: never full (they see nothing)
+        full[-1] = False
+    return some & ~full, full
+
+
+def _kv_blocks(flags: torch.Tensor):
+    """``(num [1, 1, nq] int32, indices [1, 1, nq, nk] int32)``: each query block's flagged key
+    blocks first, in order (BlockMask's layout)."""
+    num = flags.sum(1, dtype=torch.int32)
+    order = torch.argsort((~flags).to(torch.int8), dim=1, stable=True).to(torch.int32)
+    return num[None, None], order[None, None]
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_block_mask(cu_q, cu_k, device, mask: DocMask):
+    return _build_block_mask(Documents(cu_q, 0), Documents(cu_k, 0), device, mask)
+
+
+def _build_block_mask(docs_q, docs_k, device, mask):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lo, hi = doc_intervals(docs_q, docs_k, mask, device)
+    tq, tk = docs_q.total, docs_k.total
+    partial, full = _block_sparsity(lo, hi, tk, FLEX_BLOCK)
+    # The mask function reads the intervals by query row; padded to whole blocks (rows past the
+    # end see nothing) so that no kernel reads past the tensor.
+    pad = -(-tq // FLEX_BLOCK) * FLEX_BLOCK - tq
+    lo = F.pad(lo, (0, pad), value=1)
+    hi = F.pad(hi, (0, pad), value=0)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= lo[q_idx]) & (kv_idx <= hi[q_idx])
+
+    kw = {"seq_lengths": (tq, tk)} if "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+    return BlockMask.from_kv_blocks(*_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, **kw)
+
+
+def doc_block_mask(docs_q: Documents, docs_k: Documents, device: torch.device, mask: DocMask):
+    """FlexAttention's ``BlockMask`` of the documents: built from the row intervals
+    (``doc_intervals``) in ``O(Tq + blocks^2)`` (never the ``Tq x Tk`` mask), kept per
+    (boundaries, device, causal, window) in a small bounded cache, as ``Documents.on``."""
+    key = DocMask(mask.causal, mask.window)  # the softcap is a score_mod, not part of the mask
+    if torch.compiler.is_compiling():
+        return _build_block_mask(docs_q, docs_k, device, key)
+    return _cached_block_mask(docs_q.cu_seqlens, docs_k.cu_seqlens, device, key)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Default dynamism: a second sequence length recompiles once with dynamic sizes, later
+    # ones reuse it (a training run's fixed length compiles once).
+    return torch.compile(flex_attention)
+
+
+class Flex(PackedKernel):
+    """FlexAttention (``torch.nn.attention.flex_attention``) with the documents' block mask;
+    compiled on CUDA (the first call per shape compiles: tens of seconds), eager on the CPU
+    (where torch computes the forward only, over the dense mask)."""
+
+    name = "flex"
+
+    def why_not(self, device, dtype, mask, grad):
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+            return f"torch {torch.__version__} has no FlexAttention"
+        if torch.compiler.is_compiling():
+            return "not inside torch.compile's trace (its block mask is built and cached eagerly)"
+        if device.type == "cuda":
+            return None if importlib.util.find_spec("triton") is not None else "needs triton on CUDA"
+        if grad:
+            return f"torch runs FlexAttention's backward on CUDA only, not on {device.type}"
+        return None
+
+    def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
+        from torch.nn.attention import flex_attention as fa
+
+        block_mask = doc_block_mask(docs_q, docs_k, q.device, mask)
+        score_mod = None
+        if mask.softcap is not None:
+            cap = float(mask.softcap)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return cap * torch.tanh(score / cap)
+
+        fn = _compiled_flex() if q.device.type == "cuda" else fa.flex_attention
+        kw = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": q.shape[2] != k.shape[2]}
+        if lse:
+            if "return_aux" in inspect.signature(fa.flex_attention).parameters:
+                kw["return_aux"] = fa.AuxRequest(lse=True)
+            else:
+                kw["return_lse"] = True
+        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
+        if not lse:
+            return out.transpose(1, 2)
+        out, aux = out
+        m = aux if isinstance(aux, torch.Tensor) else aux.lse
+        return out.transpose(1, 2), _acc(m, q.dtype)
+
+
+# ---- the per-document loop ----------------------------------------------------------------------
+def _dense(q, k, v, causal: bool, window: int | None, scale: float):
+    """SDPA over one document pair (``[1, L, h, D]``), bottom-right causal, with a window as a
+    boolean mask of that document only."""
+    lq, lk = q.shape[1], k.shape[1]
+    attn_mask, is_causal = None, causal
+    if causal and (window is not None or lq != lk):
+        i = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        j = torch.arange(lk, device=q.device)[None, :]
+        attn_mask = (j <= i) & (j > i - window) if window is not None else j <= i
+        is_causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def _math_lse(q, k, v, mask: DocMask, scale: float):
+    """Explicit attention of one document pair with the log-sum-exp (windows and softcap)."""
+    if mask.window is None and mask.softcap is None:
+        return math_attention_lse(q, k, v, mask.causal, scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    g = q.shape[2] // k.shape[2]
+    kx, vx = (x.to(acc).repeat_interleave(g, dim=2) for x in (k, v))
+    s = torch.einsum("bshd,bthd->bhst", q.to(acc), kx) * scale
+    if mask.softcap is not None:
+        s = mask.softcap * torch.tanh(s / mask.softcap)
+    lq, lk = q.shape[1], k.shape[1]
+    if mask.causal:
+        i = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        j = torch.arange(lk, device=q.device)[None, :]
+        keep = (j <= i) if mask.window is None else (j <= i) & (j > i - mask.window)
+        s = s.masked_fill(~keep, float("-inf"))
+    m = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m).unsqueeze(-1))
+    return torch.einsum("bhst,bthd->bshd", p, vx), m
+
+
+class Loop(PackedKernel):
+    """One dense call per document: SDPA (a window as its mask), explicit math for softcap or
+    the log-sum-exp. Runs everywhere; its Python loop is what the other kernels replace."""
+
+    name = "loop"
+
+    def why_not(self, device, dtype, mask, grad):
+        return None
+
+    def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
+        outs, lses = [], []
+        for (a, b), (c, d) in zip(docs_q.spans(), docs_k.spans()):
+            qd, kd, vd = q[:, a:b], k[:, c:d], v[:, c:d]
+            if lse or mask.softcap is not None:
+                o, m = _math_lse(qd, kd, vd, mask, scale)
+                outs.append(o.to(q.dtype))
+                lses.append(_acc(m, q.dtype))
+            else:
+                outs.append(_dense(qd, kd, vd, mask.causal, mask.window, scale))
+        out = torch.cat(outs, dim=1)
+        return (out, torch.cat(lses, dim=2)) if lse else out
+
+
+KERNELS: dict[str, PackedKernel] = {k.name: k for k in (FlashVarlen(), TorchVarlen(), Flex(), Loop())}
