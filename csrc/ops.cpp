@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -21,6 +22,17 @@
 #endif
 
 namespace ulysses_kernels {
+
+namespace {
+std::atomic<int> g_pack_variant{kVariantNew};
+}  // namespace
+
+int pack_variant() { return g_pack_variant.load(std::memory_order_relaxed); }
+
+void set_pack_variant(int variant) {
+  g_pack_variant.store(variant == kVariantOld ? kVariantOld : kVariantNew, std::memory_order_relaxed);
+}
+
 namespace {
 
 // Byte stride of `dim`; a dimension of size 1 contributes nothing, so its (arbitrary)
@@ -259,6 +271,34 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
   return plan;
 }
 
+// Every role of `plan` as one launch of the new unpack kernel: one unit size (the smallest
+// role's), each role's warp chunks after the previous role's.
+UnpackMulti unpack_multi(const UnpackLaunch& plan) {
+  UnpackMulti m{};
+  m.n_roles = static_cast<int32_t>(plan.params.size());
+  int64_t unit = 16;
+  for (const UnpackParams& p : plan.params) unit = std::min(unit, p.unit);
+  m.chunk0[0] = 0;
+  for (int i = 0; i < m.n_roles; ++i) {
+    UnpackParams p = plan.params[static_cast<size_t>(i)];
+    p.units_per_row = p.units_per_row * p.unit / unit;
+    p.unit = unit;
+    m.role[i] = p;
+    m.span[i] = unpack_head_span(p);
+    m.chunk0[i + 1] = m.chunk0[i] + warp_chunks(p.batch * p.seq * m.span[i].heads);
+  }
+  return m;
+}
+
+// The element type of the sums of one launch over every role: the outputs share one dtype,
+// so every role that sums (KV replicas) sums in that type.
+AddType multi_add(const UnpackLaunch& plan) {
+  for (AddType a : plan.adds) {
+    if (a != AddType::kCopyOnly) return a;
+  }
+  return AddType::kCopyOnly;
+}
+
 void pack_s2h_cpu(at::TensorList tensors, at::IntArrayRef head_ranges, const at::Tensor& send,
                   const std::optional<at::Tensor>& recv, int64_t rank, int64_t seq_offset) {
   pack_cpu(make_pack_s2h(tensors, head_ranges, send, recv, rank, seq_offset));
@@ -280,19 +320,23 @@ void pack_s2h_cuda(at::TensorList tensors, at::IntArrayRef head_ranges, const at
                    const std::optional<at::Tensor>& recv, int64_t rank, int64_t seq_offset) {
   const PackParams p = make_pack_s2h(tensors, head_ranges, send, recv, rank, seq_offset);
   const c10::cuda::CUDAGuard guard(send.device());
-  check_cuda(launch_pack(p, c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_s2h");
+  check_cuda(launch_pack(p, pack_variant(), c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_s2h");
 }
 
 void pack_h2s_cuda(const at::Tensor& local, const at::Tensor& send) {
   const PackParams p = make_pack_h2s(local, send);
   const c10::cuda::CUDAGuard guard(send.device());
-  check_cuda(launch_pack(p, c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_h2s");
+  check_cuda(launch_pack(p, pack_variant(), c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_h2s");
 }
 
 void unpack_h2s_cuda(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
   const UnpackLaunch plan = make_unpack(blocks, head_ranges, outs);
   const c10::cuda::CUDAGuard guard(outs[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(outs[0].device().index()).stream();
+  if (pack_variant() == kVariantNew) {
+    check_cuda(launch_unpack_multi(unpack_multi(plan), multi_add(plan), stream), "unpack_h2s");
+    return;
+  }
   for (size_t i = 0; i < plan.params.size(); ++i) check_cuda(launch_unpack(plan.params[i], plan.adds[i], stream), "unpack_h2s");
 }
 #endif

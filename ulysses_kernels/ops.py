@@ -55,11 +55,51 @@ __all__ = [
     "lib",
     "nccl_all_to_all",
     "nccl_send_recv",
+    "PACK_VARIANTS",
+    "pack_variant",
+    "set_pack_variant",
 ]
 
 # {"module": _C} or {"error": why}, filled by the first load(): whether the extension can
 # be used does not change during a process.
 _STATE: dict = {}
+
+# ---- the kernel variant ----------------------------------------------------------------------
+# The pack/unpack kernels of the "cuda" and "triton" sets come in two variants, both exact:
+# "new" (the default: 16-byte units on both sides, several loads in flight per thread, warp
+# chunks, one unpack launch for q, k and v) and "old" (the kernels before issue #36), kept
+# selectable for one release so that one GPU run measures both in one process
+# (``python -m ulysses_kernels.bench.pack --variants old,new``); docs/performance.md.
+PACK_VARIANTS = ("old", "new")
+DEFAULT_PACK_VARIANT = "new"
+PACK_VARIANT_ENV = "ULYSSES_KERNELS_PACK_VARIANT"
+_VARIANT: dict = {}  # {"name": ...} once read from the environment or set
+
+
+def pack_variant() -> str:
+    """The kernel variant in use (``"old"`` or ``"new"``): ``ULYSSES_KERNELS_PACK_VARIANT``
+    read once, unless ``set_pack_variant`` changed it since. ValueError naming the variable
+    when it holds anything else."""
+    name = _VARIANT.get("name")
+    if name is None:
+        name = os.environ.get(PACK_VARIANT_ENV, "").strip().lower() or DEFAULT_PACK_VARIANT
+        if name not in PACK_VARIANTS:
+            raise ValueError(f"ulysses_kernels: {PACK_VARIANT_ENV}={os.environ[PACK_VARIANT_ENV]!r}; expected one of {list(PACK_VARIANTS)}")
+        _VARIANT["name"] = name
+    return name
+
+
+def set_pack_variant(name: str) -> str:
+    """Use kernel variant ``name`` (``"old"`` or ``"new"``) from now on in this process, for
+    the ``"cuda"`` set (the C++ extension's setting, when it is loaded) and the ``"triton"``
+    set; returns the previous one. For benchmarks and A/B checks."""
+    if name not in PACK_VARIANTS:
+        raise ValueError(f"ulysses_kernels.set_pack_variant: name expected one of {list(PACK_VARIANTS)}, got {name!r}")
+    previous = pack_variant()
+    _VARIANT["name"] = name
+    if "module" in _STATE:
+        _STATE["module"].pack_variant(PACK_VARIANTS.index(name))
+    return previous
 
 
 def decode_nccl_version(code: int) -> tuple[int, int, int]:
@@ -124,7 +164,7 @@ def _import_checked():
     except ImportError as e:  # e.g. an undefined symbol: built against another torch
         raise ImportError(f"ulysses_kernels._C does not load here ({e}); rebuild it against torch {torch.__version__}: {rebuild_command()}") from e
     info = module.build_info()
-    if "max_peers" not in info:
+    if "max_peers" not in info or not hasattr(module, "pack_variant"):
         raise ImportError(f"ulysses_kernels._C was built from older sources than this package (its build_info has no limits); rebuild it: {rebuild_command()}")
     if info.get("nccl"):
         loaded = _torch_nccl_version()
@@ -147,6 +187,7 @@ def load():
         raise ImportError(_STATE["error"]) from e
     _STATE["limits"] = {k: int(module.build_info()[k]) for k in ("max_peers", "max_roles")}
     _register_fakes(module)
+    module.pack_variant(PACK_VARIANTS.index(pack_variant()))
     _STATE["module"] = module
     return module
 
