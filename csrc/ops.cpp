@@ -46,6 +46,14 @@ Strided4 strided4(const at::Tensor& t) {
                   byte_stride(t, 2), t.size(3) == 1 ? t.element_size() : byte_stride(t, 3)};
 }
 
+// A flat contiguous block of B * S * h * D elements as the [B][S][h][D] tensor it holds (byte
+// strides as strided4 gives them: none for a dimension of size 1).
+Strided4 wire_strided4(const at::Tensor& t, int64_t B, int64_t S, int64_t h, int64_t D) {
+  const int64_t e = t.element_size(), row = D * e;
+  return Strided4{static_cast<const char*>(t.const_data_ptr()), B == 1 ? 0 : S * h * row, S == 1 ? 0 : h * row,
+                  h == 1 ? 0 : row, e};
+}
+
 // Largest unit (16, 8, 4, 2 or 1 bytes, at least one element) that divides every value
 // in `bits` (pointers, strides, row length ORed together); one element when a row is not
 // contiguous.
@@ -242,11 +250,14 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
                   " expected within [0, ", H, "], got [", a, ", ", b, ")");
       TORCH_CHECK(b <= kMaxHeads, "ulysses_kernels.unpack_h2s: head range of ", bname, " expected to end at most at ",
                   kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
-      TORCH_CHECK(blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == b - a && blk.size(3) == D,
+      // A flat block (1-D, contiguous, B * S * h * D elements) is the wire format [B][S][h][D]
+      // itself: the exchange passes the pieces of its receive buffer so, with no view per block.
+      const bool flat = blk.dim() == 1 && blk.is_contiguous() && blk.numel() == B * S * (b - a) * D;
+      TORCH_CHECK(flat || (blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == b - a && blk.size(3) == D),
                   "ulysses_kernels.unpack_h2s: ", bname, ".shape expected [", B, ", ", S, ", ", b - a, ", ", D,
                   "], got ", shape_str(blk));
       check_same(blk, out, "unpack_h2s", bname, oname.c_str());
-      p.blk[src] = strided4(blk);
+      p.blk[src] = flat ? wire_strided4(blk, B, S, b - a, D) : strided4(blk);
       p.head0[src] = static_cast<int32_t>(a);
       p.head1[src] = static_cast<int32_t>(b);
       rows_contiguous = rows_contiguous && p.blk[src].sd == elem;

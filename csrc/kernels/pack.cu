@@ -120,7 +120,12 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel_new(const __grid_const
     const I row0 = (c - (I)m.chunk0[i]) * kWarp;
     const I nr = role_rows - row0 < (I)kWarp ? role_rows - row0 : (I)kWarp;
     const I upr = (I)p.units_per_row, drow = (I)kWarp / upr, du = (I)kWarp % upr;
-    if ((I)lane < nr) mine[lane] = unpack_row_copy(p, unpack_out_row<I>(p, span, row0 + (I)lane));
+    bool sums = false;
+    if ((I)lane < nr) {
+      mine[lane] = unpack_row_copy(p, unpack_out_row<I>(p, span, row0 + (I)lane));
+      sums = mine[lane].kind == 2;
+    }
+    sums = __any_sync(0xffffffffu, sums);
     __syncwarp();
     LaneWalk<I> w = lane_walk_start<I>(lane, upr);
     while (w.row < nr) {
@@ -129,20 +134,25 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel_new(const __grid_const
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {
         dst[j] = nullptr;
-        if (w.row < nr) {
+        if (w.row < nr && mine[w.row].kind == 1) {
           const UnpackRowCopy& r = mine[w.row];
-          if (r.kind == 1) {
-            v[j] = *reinterpret_cast<const V*>(r.src + (int64_t)w.u * r.src_unit_stride);
-            dst[j] = reinterpret_cast<V*>(r.dst + (int64_t)w.u * r.dst_unit_stride);
-          } else if (r.kind == 2) {
-            unpack_unit<Op, UNIT>(p, unpack_out_row<I>(p, span, row0 + w.row), (int64_t)w.u);
-          }
+          v[j] = *reinterpret_cast<const V*>(r.src + (int64_t)w.u * r.src_unit_stride);
+          dst[j] = reinterpret_cast<V*>(r.dst + (int64_t)w.u * r.dst_unit_stride);
         }
         lane_walk_step(w, upr, drow, du);
       }
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {
         if (dst[j] != nullptr) *dst[j] = v[j];
+      }
+    }
+    // Rows held by several sources (KV replicas), unit by unit; a second walk so that the
+    // copy loop above keeps its registers (the sums inlined into it spilled on sm_80).
+    if (sums) {
+      w = lane_walk_start<I>(lane, upr);
+#pragma unroll 1
+      for (; w.row < nr; lane_walk_step(w, upr, drow, du)) {
+        if (mine[w.row].kind == 2) unpack_unit<Op, UNIT>(p, unpack_out_row<I>(p, span, row0 + w.row), (int64_t)w.u);
       }
     }
     __syncwarp();
