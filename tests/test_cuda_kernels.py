@@ -676,6 +676,8 @@ def _sass_by_kernel(path: str, tool: str) -> dict[tuple[str, str], str]:
 
 
 def test_sass_moves_16_bytes_per_access_in_both_kernels():
+    import re
+
     # The 16-byte instantiations of the pack and unpack kernels (both variants, every sum
     # type) load and store 128 bits at a time (LDG.E.128 / STG.E.128): docs/performance.md.
     pytest.importorskip("triton")
@@ -696,4 +698,7 @@ def test_sass_moves_16_bytes_per_access_in_both_kernels():
     for what, kernels in picked.items():
         assert len(kernels) >= 4, (what, kernels)  # 2 archs x 2 index widths (x 5 sum types for unpack)
         for key in kernels:
-            assert "LDG.E.128" in sass[key] and "STG.E.128" in sass[key], (what, key)
+            if what.endswith("new"):  # global 128-bit accesses (LDG.E.128.CONSTANT, STG.E.128)
+                assert "LDG.E.128" in sass[key] and "STG.E.128" in sass[key], (what, key)
+            else:  # the old kernels: 128-bit too, generic (LD.E.128) where the pointer came from shared memory
+                assert re.search(r"\bLDG?\.E\.128", sass[key]) and re.search(r"\bSTG?\.E\.128", sass[key]), (what, key)

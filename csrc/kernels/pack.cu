@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ 
 }
 
 // ---- the "new" variant ---------------------------------------------------------------
-// The native vector type of a unit: a 16-byte unit is one uint4, which the compiler turns
-// into one 128-bit load and store (LDG.E.128 / STG.E.128; docs/performance.md shows the SASS).
+// The native vector type of a unit: a 16-byte unit is one uint4, moved by one 128-bit global
+// load and store (LDG.E.128.CONSTANT / STG.E.128; docs/performance.md shows the SASS).
 template <int UNIT> struct VecOf;
 template <> struct VecOf<16> { using T = uint4; };
 template <> struct VecOf<8> { using T = uint2; };
@@ -59,6 +59,39 @@ template <> struct VecOf<2> { using T = unsigned short; };
 template <> struct VecOf<1> { using T = unsigned char; };
 
 constexpr int kWarpsPerBlock = kThreads / kWarp;
+
+// Global loads and stores, said so: the row pointers come from shared memory, where the
+// compiler loses their address space and emits generic 128-bit accesses (LD.E.128 /
+// ST.E.128) with plain dereferences. Sources are read-only for the kernel's lifetime (they
+// never alias the destination), so the loads may take the non-coherent path.
+template <class V>
+__device__ __forceinline__ V load_global(const char* p) {
+  return __ldg(reinterpret_cast<const V*>(p));
+}
+
+// Plain (weak) global stores in PTX: __stwb's st.global.wb came out as STG.E.128.STRONG.SM.
+template <class V>
+__device__ __forceinline__ void store_global(char* p, const V& v);
+template <>
+__device__ __forceinline__ void store_global<uint4>(char* p, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+template <>
+__device__ __forceinline__ void store_global<uint2>(char* p, const uint2& v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y));
+}
+template <>
+__device__ __forceinline__ void store_global<unsigned int>(char* p, const unsigned int& v) {
+  asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(v));
+}
+template <>
+__device__ __forceinline__ void store_global<unsigned short>(char* p, const unsigned short& v) {
+  asm volatile("st.global.u16 [%0], %1;" ::"l"(p), "h"(v));
+}
+template <>
+__device__ __forceinline__ void store_global<unsigned char>(char* p, const unsigned char& v) {
+  asm volatile("st.global.u8 [%0], %1;" ::"l"(p), "r"((unsigned int)v));
+}
 
 // Rows are decoded into the warp's kWarp slots of `rows` (lane l: row row0 + l), then the
 // warp walks the chunk's units (LaneWalk), kInFlight loads before the stores.
@@ -81,20 +114,20 @@ __global__ void __launch_bounds__(kThreads) pack_kernel_new(const __grid_constan
     LaneWalk<I> w = start;
     while (w.row < nr) {
       V v[kInFlight];
-      V* dst[kInFlight];
+      char* dst[kInFlight];
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {
         dst[j] = nullptr;
         if (w.row < nr) {
           const RowCopy& r = mine[w.row];
-          v[j] = *reinterpret_cast<const V*>(r.src + (int64_t)w.u * r.src_unit_stride);
-          dst[j] = reinterpret_cast<V*>(r.dst + (int64_t)w.u * UNIT);
+          v[j] = load_global<V>(r.src + (int64_t)w.u * r.src_unit_stride);
+          dst[j] = r.dst + (int64_t)w.u * UNIT;
         }
         lane_walk_step(w, upr, drow, du);
       }
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {
-        if (dst[j] != nullptr) *dst[j] = v[j];
+        if (dst[j] != nullptr) store_global<V>(dst[j], v[j]);
       }
     }
     __syncwarp();  // mine[] is rewritten for the next chunk
@@ -130,20 +163,20 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel_new(const __grid_const
     LaneWalk<I> w = lane_walk_start<I>(lane, upr);
     while (w.row < nr) {
       V v[kInFlight];
-      V* dst[kInFlight];
+      char* dst[kInFlight];
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {
         dst[j] = nullptr;
         if (w.row < nr && mine[w.row].kind == 1) {
           const UnpackRowCopy& r = mine[w.row];
-          v[j] = *reinterpret_cast<const V*>(r.src + (int64_t)w.u * r.src_unit_stride);
-          dst[j] = reinterpret_cast<V*>(r.dst + (int64_t)w.u * r.dst_unit_stride);
+          v[j] = load_global<V>(r.src + (int64_t)w.u * r.src_unit_stride);
+          dst[j] = r.dst + (int64_t)w.u * r.dst_unit_stride;
         }
         lane_walk_step(w, upr, drow, du);
       }
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {
-        if (dst[j] != nullptr) *dst[j] = v[j];
+        if (dst[j] != nullptr) store_global<V>(dst[j], v[j]);
       }
     }
     // Rows held by several sources (KV replicas), unit by unit; a second walk so that the

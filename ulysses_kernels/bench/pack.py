@@ -370,7 +370,7 @@ def variant_summary(rows: list[dict]) -> dict:
     out: dict = {}
     swept = [r for r in rows if r.get("variant")]
     for r in swept:
-        kern = r["method"][len("fused (") :].split()[0]
+        kern = r["method"][len("fused (") :].split()[0].rstrip(":")
         ent = out.setdefault(kern, {}).setdefault(r["op"], {})
         ent.setdefault(r["variant"], {})[r["config"]] = {"pct_copy": r["pct_copy"], "time_us": r["time_us"]}
     for per_op in out.values():
