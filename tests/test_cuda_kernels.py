@@ -510,6 +510,66 @@ def test_gpu_new_unpack_is_one_launch_for_qkv(variant):
     assert len(launches) == (1 if variant == "new" else 3), launches
 
 
+class _LoopbackComm:
+    """Rank 0 of ``world``, one process: each collective copies what it sends, piece by piece,
+    into what it receives (as far as sizes allow; the rest zeroed). A deterministic stand-in
+    for the transport, so that an eager and a replayed layer can be compared bit for bit."""
+
+    def __init__(self, world):
+        self.rank, self.world_size = 0, world
+
+    @staticmethod
+    def _move(dst, src):
+        dst.zero_()
+        n = min(dst.numel(), src.numel())
+        dst.view(-1)[:n].copy_(src.reshape(-1)[:n])
+
+    def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
+        self._move(output, input)
+
+    def send_recv(self, sends, recvs, async_op=False):
+        for (_, src), (_, dst) in zip(sends, recvs):
+            self._move(dst, src)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_layer_exchanges_capture_in_cuda_graph(batch, variant):
+    # One layer's four exchanges (q/k/v and the output forward, dout and dq/dk/dv backward),
+    # the eager movers with the "cuda" set, captured in one CUDA graph: no host sync, no
+    # host-side value anywhere; a replay on new inputs equals an eager run bit for bit.
+    from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
+    from ulysses_kernels.layout import OUT
+
+    lay = Layout(HeadPlan.build(32, 8, 8), 0, (64,) * 8, batch, 128)
+    comm, dev, dt = _LoopbackComm(8), "cuda", torch.bfloat16
+    q, k, v = (torch.randn(batch, 64, h, 128, device=dev, dtype=dt) for h in (32, 8, 8))
+    local = [torch.randn(batch, 512, lay.head_count(r, 0), 128, device=dev, dtype=dt) for r in ("q", "kv", "kv")]
+
+    def layer():
+        fwd = a2a_seq_to_head(lay, (q, k, v), QKV, comm, CK) + a2a_head_to_seq(lay, [local[0]], OUT, comm, CK)
+        bwd = a2a_seq_to_head(lay, [q], OUT, comm, CK) + a2a_head_to_seq(lay, local, QKV, comm, CK)
+        return fwd + bwd
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer()  # warm-up: every kernel loaded, the grid sizes cached
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer()
+    for x in (q, k, v, *local):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = layer()
+    torch.cuda.synchronize()
+    assert len(captured) == len(want) == 8
+    for a, b in zip(captured, want):
+        assert torch.equal(a, b)
+
+
 @needs_gpu
 @pytest.mark.gpu
 def test_gpu_pack_unpack_capture_in_cuda_graph():
