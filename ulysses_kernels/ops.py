@@ -18,8 +18,9 @@ outputs and returns nothing:
   flattened (``Layout.head_ranges``).
 * ``pack_h2s(local, send)``: ``[B, S, h, D]`` (any strides) -> contiguous wire format.
 * ``unpack_h2s(blocks, head_ranges, outs)``: received ``[B, s_r, h, D]`` blocks
-  (source-major, then role) into ``[B, s_r, H, D]`` outputs, replicated KV heads summed in
-  rank order (bit-identical to ``kernels.torch_kernels.unpack_h2s``).
+  (source-major, then role; a block may also be the flat 1-D contiguous piece of
+  ``B * s_r * h * D`` elements it is in wire format) into ``[B, s_r, H, D]`` outputs,
+  replicated KV heads summed in rank order (bit-identical to ``kernels.torch_kernels.unpack_h2s``).
 * ``nccl_all_to_all(comm, output, input, output_splits, input_splits)`` and
   ``nccl_send_recv(comm, sends, send_peers, recvs, recv_peers)`` (CUDA tensors, extension
   built with NCCL): on the current CUDA stream; ``comm`` is a communicator handle of
