@@ -16,7 +16,7 @@
 #include <exception>
 #include <string>
 
-#include "kernels/layout_math.h"  // kMaxPeers, kMaxRoles (torch-free)
+#include "kernels/pack.h"  // kMaxPeers, kMaxRoles, the kernel variant (torch-free)
 
 #ifdef ULYSSES_KERNELS_WITH_NCCL
 #include <cuda_runtime.h>  // cudaThreadExchangeStreamCaptureMode (the watchdog's thread)
@@ -217,7 +217,18 @@ PyObject* cuda_thread_capture_mode_local(PyObject*, PyObject*) {
 }
 #endif
 
+// pack_variant([variant]) -> int: the variant of the pack/unpack CUDA kernels this process
+// launches (0 old, 1 new; layout_math.h); with an argument, sets it first. Python's face:
+// ulysses_kernels.ops.pack_variant / set_pack_variant.
+PyObject* pack_variant(PyObject*, PyObject* args) {
+  int variant = -1;
+  if (!PyArg_ParseTuple(args, "|i", &variant)) return nullptr;
+  if (variant >= 0) ulysses_kernels::set_pack_variant(variant);
+  return PyLong_FromLong(ulysses_kernels::pack_variant());
+}
+
 PyMethodDef methods[] = {
+    {"pack_variant", pack_variant, METH_VARARGS, "pack_variant([variant]) -> int: the CUDA pack/unpack kernel variant (0 old, 1 new); sets it when given"},
     {"build_info", build_info, METH_NOARGS, "How this extension was built (cuda, archs, nccl, nccl_header_version) and its limits (max_peers, max_roles)"},
 #ifdef ULYSSES_KERNELS_WITH_NCCL
     {"nccl_version", nccl_version, METH_NOARGS, "ncclGetVersion() of the NCCL library loaded in this process"},

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -22,6 +23,17 @@
 #endif
 
 namespace ulysses_kernels {
+
+namespace {
+std::atomic<int> g_pack_variant{kVariantNew};
+}  // namespace
+
+int pack_variant() { return g_pack_variant.load(std::memory_order_relaxed); }
+
+void set_pack_variant(int variant) {
+  g_pack_variant.store(variant == kVariantOld ? kVariantOld : kVariantNew, std::memory_order_relaxed);
+}
+
 namespace {
 
 // Byte stride of `dim`; a dimension of size 1 contributes nothing, so its (arbitrary)
@@ -33,6 +45,14 @@ int64_t byte_stride(const at::Tensor& t, int64_t dim) {
 Strided4 strided4(const at::Tensor& t) {
   return Strided4{static_cast<const char*>(t.const_data_ptr()), byte_stride(t, 0), byte_stride(t, 1),
                   byte_stride(t, 2), t.size(3) == 1 ? t.element_size() : byte_stride(t, 3)};
+}
+
+// A flat contiguous block of B * S * h * D elements as the [B][S][h][D] tensor it holds (byte
+// strides as strided4 gives them: none for a dimension of size 1).
+Strided4 wire_strided4(const at::Tensor& t, int64_t B, int64_t S, int64_t h, int64_t D) {
+  const int64_t e = t.element_size(), row = D * e;
+  return Strided4{static_cast<const char*>(t.const_data_ptr()), B == 1 ? 0 : S * h * row, S == 1 ? 0 : h * row,
+                  h == 1 ? 0 : row, e};
 }
 
 // Largest unit (16, 8, 4, 2 or 1 bytes, at least one element) that divides every value
@@ -227,11 +247,14 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
                " expected within [0, ", H, "], got [", a, ", ", b, ")");
       UK_CHECK(b <= kMaxHeads, "ulysses_kernels.unpack_h2s: head range of ", bname, " expected to end at most at ",
                kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
-      UK_CHECK(blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == b - a && blk.size(3) == D,
+      // A flat block (1-D, contiguous, B * S * h * D elements) is the wire format [B][S][h][D]
+      // itself: the exchange passes the pieces of its receive buffer so, with no view per block.
+      const bool flat = blk.dim() == 1 && blk.is_contiguous() && blk.numel() == B * S * (b - a) * D;
+      UK_CHECK(flat || (blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == b - a && blk.size(3) == D),
                "ulysses_kernels.unpack_h2s: ", bname, ".shape expected [", B, ", ", S, ", ", b - a, ", ", D,
                "], got ", shape_str(blk));
       check_same(blk, out, "unpack_h2s", bname, oname.c_str());
-      p.blk[src] = strided4(blk);
+      p.blk[src] = flat ? wire_strided4(blk, B, S, b - a, D) : strided4(blk);
       p.head0[src] = static_cast<int32_t>(a);
       p.head1[src] = static_cast<int32_t>(b);
       rows_contiguous = rows_contiguous && p.blk[src].sd == elem;
@@ -256,6 +279,34 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
   return plan;
 }
 
+// Every role of `plan` as one launch of the new unpack kernel: one unit size (the smallest
+// role's), each role's warp chunks after the previous role's.
+UnpackMulti unpack_multi(const UnpackLaunch& plan) {
+  UnpackMulti m{};
+  m.n_roles = static_cast<int32_t>(plan.params.size());
+  int64_t unit = 16;
+  for (const UnpackParams& p : plan.params) unit = std::min(unit, p.unit);
+  m.chunk0[0] = 0;
+  for (int i = 0; i < m.n_roles; ++i) {
+    UnpackParams p = plan.params[static_cast<size_t>(i)];
+    p.units_per_row = p.units_per_row * p.unit / unit;
+    p.unit = unit;
+    m.role[i] = p;
+    m.span[i] = unpack_head_span(p);
+    m.chunk0[i + 1] = m.chunk0[i] + warp_chunks(p.batch * p.seq * m.span[i].heads);
+  }
+  return m;
+}
+
+// The element type of the sums of one launch over every role: the outputs share one dtype,
+// so every role that sums (KV replicas) sums in that type.
+AddType multi_add(const UnpackLaunch& plan) {
+  for (AddType a : plan.adds) {
+    if (a != AddType::kCopyOnly) return a;
+  }
+  return AddType::kCopyOnly;
+}
+
 void pack_s2h_cpu(at::TensorList tensors, at::IntArrayRef head_ranges, const at::Tensor& send,
                   const std::optional<at::Tensor>& recv, int64_t rank, int64_t seq_offset) {
   pack_cpu(make_pack_s2h(tensors, head_ranges, send, recv, rank, seq_offset));
@@ -277,19 +328,23 @@ void pack_s2h_cuda(at::TensorList tensors, at::IntArrayRef head_ranges, const at
                    const std::optional<at::Tensor>& recv, int64_t rank, int64_t seq_offset) {
   const PackParams p = make_pack_s2h(tensors, head_ranges, send, recv, rank, seq_offset);
   const c10::cuda::CUDAGuard guard(send.device());
-  check_cuda(launch_pack(p, c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_s2h");
+  check_cuda(launch_pack(p, pack_variant(), c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_s2h");
 }
 
 void pack_h2s_cuda(const at::Tensor& local, const at::Tensor& send) {
   const PackParams p = make_pack_h2s(local, send);
   const c10::cuda::CUDAGuard guard(send.device());
-  check_cuda(launch_pack(p, c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_h2s");
+  check_cuda(launch_pack(p, pack_variant(), c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_h2s");
 }
 
 void unpack_h2s_cuda(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
   const UnpackLaunch plan = make_unpack(blocks, head_ranges, outs);
   const c10::cuda::CUDAGuard guard(outs[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(outs[0].device().index()).stream();
+  if (pack_variant() == kVariantNew) {
+    check_cuda(launch_unpack_multi(unpack_multi(plan), multi_add(plan), stream), "unpack_h2s");
+    return;
+  }
   for (size_t i = 0; i < plan.params.size(); ++i) check_cuda(launch_unpack(plan.params[i], plan.adds[i], stream), "unpack_h2s");
 }
 #endif

@@ -84,3 +84,44 @@ def test_a_call_after_the_first_resolves_nothing(monkeypatch):
     layer(q[:, :4], k[:, :4], v[:, :4])
     layer(q, k, v)
     assert counts["setup"] == 8 and counts["plan"] == 2, counts
+
+
+# ---- what one layer's data movement dispatches: ours against the peers' chain ---------------
+# (q heads, kv heads, ranks, batch): GQA with KV heads over the ranks, MHA, batch 2 (the
+# grouped send/recv path of both directions), and KV heads repeated by the chain (2 < 4).
+LAYER_CASES = [(32, 8, 8, 1), (32, 32, 8, 1), (32, 8, 8, 2), (8, 2, 4, 1)]
+
+
+@pytest.mark.parametrize("hq,hkv,world,batch", LAYER_CASES)
+def test_layer_data_movement_dispatches_no_more_than_the_chain(hq, hkv, world, batch):
+    # One layer fwd+bwd, rank 0, collectives replaced by nothing (bench.host.layer_exchange_counts:
+    # SeqToHead/HeadToSeq's movers with the "cuda" set, its CPU twin here: the same host path).
+    # Kernel launches, allocations, host syncs, collectives and every dispatched op (views
+    # included: host time) of ours are at most the chain's, in each pass.
+    pytest.importorskip("ulysses_kernels.kernels.cuda_kernels")
+    from ulysses_kernels.kernels import available_kernels, get_kernels
+    from ulysses_kernels.layout import Layout
+
+    if "cuda" not in available_kernels():
+        pytest.skip("ulysses_kernels._C is not built")
+    lay = Layout(HeadPlan.build(hq, hkv, world), 0, (4,) * world, batch, 16)
+    ours = host.layer_exchange_counts(lay, get_kernels("cuda", torch.device("cpu")))
+    chain = host.chain_layer_counts(batch, 4, hq, hkv, world, 16)
+    for p in ("fwd", "bwd"):
+        for what in ("launch", "alloc", "sync", "ops"):
+            assert ours[p][what] <= chain[p][what], (p, what, ours[p], chain[p])
+        assert ours[p]["sync"] == 0 and ours[p]["launch"] == 2, ours[p]  # one pack and one unpack per pass
+    assert ours["names"] == {"pack_s2h": 2, "unpack_h2s": 2}
+    assert ours["collectives"] == 4 < chain["collectives"] == 8
+
+
+def test_dispatch_count_sorts_ops_by_cost():
+    x = torch.randn(4, 6)
+    with host.DispatchCount() as c:
+        y = x.view(24)  # a view
+        z = x.t().contiguous()  # a view and a copy (clone: launch + allocation)
+        y.add_(1)  # in place: a launch, no allocation
+        torch.empty(3)  # an allocation, no launch
+        float(z.sum())  # a launch and an allocation, then a copy back to the host (a sync)
+    assert c.counts == {"ops": 7, "launch": 4, "alloc": 3, "view": 2, "sync": 1}, (c.counts, c.names)
+    assert c.names == {"clone": 1, "add_": 1, "sum": 1, "_local_scalar_dense": 1}

@@ -9,6 +9,7 @@ batch > 1, uneven sequence shards, non-contiguous and fused-QKV inputs.
 import pytest
 import torch
 
+from ulysses_kernels import ops
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
@@ -365,6 +366,34 @@ def test_torch_compile_fullgraph_pack():
     assert torch.equal(out, send * 2)
 
 
+# ---- the kernel variant switch ---------------------------------------------------------------
+def test_pack_variant_switch_reaches_the_extension():
+    module = ops.load()
+    previous = ops.set_pack_variant("old")
+    try:
+        assert ops.pack_variant() == "old" and module.pack_variant() == 0
+        assert ops.set_pack_variant("new") == "old"
+        assert ops.pack_variant() == "new" and module.pack_variant() == 1
+    finally:
+        ops.set_pack_variant(previous)
+    with pytest.raises(ValueError, match=r"set_pack_variant: name expected one of \['old', 'new'\], got 'fast'"):
+        ops.set_pack_variant("fast")
+
+
+def test_pack_variant_env_is_read_once_and_checked(monkeypatch):
+    monkeypatch.setattr(ops, "_VARIANT", {})
+    monkeypatch.setenv("ULYSSES_KERNELS_PACK_VARIANT", "bogus")
+    with pytest.raises(ValueError, match="ULYSSES_KERNELS_PACK_VARIANT='bogus'; expected one of"):
+        ops.pack_variant()
+    monkeypatch.setenv("ULYSSES_KERNELS_PACK_VARIANT", "Old")
+    assert ops.pack_variant() == "old"
+    monkeypatch.setenv("ULYSSES_KERNELS_PACK_VARIANT", "new")
+    assert ops.pack_variant() == "old"  # read once
+    monkeypatch.setattr(ops, "_VARIANT", {})
+    monkeypatch.delenv("ULYSSES_KERNELS_PACK_VARIANT")
+    assert ops.pack_variant() == ops.DEFAULT_PACK_VARIANT == "new"
+
+
 # ---- GPU: CUDA kernels against the CPU twin ------------------------------------------------
 @needs_gpu
 @pytest.mark.gpu
@@ -427,10 +456,118 @@ def test_gpu_large_pack_uses_vector_path_and_matches():
         (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv=True)
         torch.cuda.synchronize()
     assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
-    # The 16-byte path was taken: the kernel instantiated with UNIT=16 (pack_kernel<16, I>),
-    # and no narrower one (aligned bf16 rows of 128 elements, 256 bytes each).
+    # The 16-byte path was taken: the kernel instantiated with UNIT=16 (pack_kernel<16, I>,
+    # or pack_kernel_new<16, I> for the new variant), and no narrower one (aligned bf16 rows
+    # of 128 elements, 256 bytes each).
     packs = {e.name for e in prof.events() if "pack_kernel" in e.name and "unpack" not in e.name}
-    assert packs and all("pack_kernel<16" in n for n in packs), packs
+    kernel = "pack_kernel_new<16" if ops.pack_variant() == "new" else "pack_kernel<16"
+    assert packs and all(kernel in n for n in packs), packs
+
+
+@pytest.fixture(params=["old", "new"])
+def variant(request):
+    """Run a test under each kernel variant (``ops.set_pack_variant``)."""
+    previous = ops.set_pack_variant(request.param)
+    yield request.param
+    ops.set_pack_variant(previous)
+
+
+# One rank of each plan (every world size, GQA replicas, odd head dims, fp64), both variants.
+VARIANT_CASES = [c for c in CASES if c.values[1] == c.values[0].world_size - 1]
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan,rank,batch,d,dtype", VARIANT_CASES)
+def test_gpu_both_variants_match_cpu_twin(plan, rank, batch, d, dtype, variant):
+    lay = _layout(plan, rank, batch, d)
+    for kind in ("fused", "strided"):
+        cpu, gpu = _qkv(lay, dtype, "cpu", kind), _qkv(lay, dtype, "cuda", kind)
+        for with_recv in (False, True):
+            (_, want), (_, want_r) = _pack_both(lay, cpu, QKV, CK, with_recv)
+            (_, got), (_, got_r) = _pack_both(lay, gpu, QKV, CK, with_recv)
+            assert torch.equal(got.cpu(), want) and torch.equal(got_r.cpu(), want_r), (kind, with_recv)
+    for roles in (QKV, Q_ONLY):
+        want = _outs(lay, roles, dtype, "cpu")
+        CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cpu", 5), roles, want)
+        got = _outs(lay, roles, dtype, "cuda")
+        CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cuda", 5), roles, got)
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got)), roles
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_new_unpack_is_one_launch_for_qkv(variant):
+    # The new variant unpacks q, k and v in one kernel launch; the old one launches per role.
+    lay = Layout(HeadPlan.build(40, 8, 8), 3, (64,) * 8, 1, 128)
+    blocks, outs = _blocks(lay, QKV, torch.bfloat16, "cuda", 2), _outs(lay, QKV, torch.bfloat16, "cuda")
+    CK.unpack_h2s(lay, blocks, QKV, outs)  # warm-up
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        CK.unpack_h2s(lay, blocks, QKV, outs)
+        torch.cuda.synchronize()
+    launches = [e.name for e in prof.events() if "unpack_kernel" in e.name]
+    assert len(launches) == (1 if variant == "new" else 3), launches
+
+
+class _LoopbackComm:
+    """Rank 0 of ``world``, one process: each collective copies what it sends, piece by piece,
+    into what it receives (as far as sizes allow; the rest zeroed). A deterministic stand-in
+    for the transport, so that an eager and a replayed layer can be compared bit for bit."""
+
+    def __init__(self, world):
+        self.rank, self.world_size = 0, world
+
+    @staticmethod
+    def _move(dst, src):
+        dst.zero_()
+        n = min(dst.numel(), src.numel())
+        dst.view(-1)[:n].copy_(src.reshape(-1)[:n])
+
+    def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
+        self._move(output, input)
+
+    def send_recv(self, sends, recvs, async_op=False):
+        for (_, src), (_, dst) in zip(sends, recvs):
+            self._move(dst, src)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_layer_exchanges_capture_in_cuda_graph(batch, variant):
+    # One layer's four exchanges (q/k/v and the output forward, dout and dq/dk/dv backward),
+    # the eager movers with the "cuda" set, captured in one CUDA graph: no host sync, no
+    # host-side value anywhere; a replay on new inputs equals an eager run bit for bit.
+    from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
+    from ulysses_kernels.layout import OUT
+
+    lay = Layout(HeadPlan.build(32, 8, 8), 0, (64,) * 8, batch, 128)
+    comm, dev, dt = _LoopbackComm(8), "cuda", torch.bfloat16
+    q, k, v = (torch.randn(batch, 64, h, 128, device=dev, dtype=dt) for h in (32, 8, 8))
+    local = [torch.randn(batch, 512, lay.head_count(r, 0), 128, device=dev, dtype=dt) for r in ("q", "kv", "kv")]
+
+    def layer():
+        fwd = a2a_seq_to_head(lay, (q, k, v), QKV, comm, CK) + a2a_head_to_seq(lay, [local[0]], OUT, comm, CK)
+        bwd = a2a_seq_to_head(lay, [q], OUT, comm, CK) + a2a_head_to_seq(lay, local, QKV, comm, CK)
+        return fwd + bwd
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer()  # warm-up: every kernel loaded, the grid sizes cached
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer()
+    for x in (q, k, v, *local):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = layer()
+    torch.cuda.synchronize()
+    assert len(captured) == len(want) == 8
+    for a, b in zip(captured, want):
+        assert torch.equal(a, b)
 
 
 @needs_gpu
@@ -576,3 +713,66 @@ def test_auto_on_cuda_picks_only_sets_that_have_run_on_a_gpu(monkeypatch):
     assert get_kernels("auto", cuda, lay).name == "torch"
     assert get_kernels("cuda", torch.device("cpu")).name == "cuda"  # naming it still works
     assert get_kernels("auto", torch.device("cpu"), lay).name == "torch"
+
+
+# ---- the SASS of the built extension: 128-bit accesses (no GPU needed) ----------------------
+def _cuobjdump():
+    import os
+    import shutil
+
+    import triton
+
+    candidates = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump"), shutil.which("cuobjdump")]
+    candidates.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def _sass_by_kernel(path: str, tool: str) -> dict[tuple[str, str], str]:
+    """``{(arch, demangled-ish kernel name): SASS text}`` of every kernel in ``path``."""
+    import re
+    import subprocess
+
+    res = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        pytest.skip(f"cuobjdump failed: {res.stderr[-300:]}")
+    out, arch, name = {}, "", None
+    for line in res.stdout.splitlines():
+        m = re.search(r"arch = (sm_\d+)", line)
+        if m:
+            arch = m.group(1)
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = (arch, m.group(1))
+            out[name] = ""
+        elif name is not None:
+            out[name] += line + "\n"
+    return out
+
+
+def test_sass_moves_16_bytes_per_access_in_both_kernels():
+    import re
+
+    # The 16-byte instantiations of the pack and unpack kernels (both variants, every sum
+    # type) load and store 128 bits at a time (LDG.E.128 / STG.E.128): docs/performance.md.
+    pytest.importorskip("triton")
+    tool = _cuobjdump()
+    info = ops.build_info()
+    if tool is None or not info.get("cuda"):
+        pytest.skip("no cuobjdump, or the extension was built without CUDA (no SASS to read)")
+    sass = _sass_by_kernel(ops.load().__file__, tool)
+    archs = {a for a, _ in sass}
+    assert {"sm_80", "sm_90"} <= archs, archs
+    # Mangled names: pack_kernel_new<16, I> is ...15pack_kernel_newILi16E..., unpack_kernel_new<Op, 16, I> ...ELi16E...
+    picked = {
+        "pack new": [k for k in sass if "15pack_kernel_newILi16E" in k[1]],
+        "unpack new": [k for k in sass if "17unpack_kernel_newI" in k[1] and "ELi16E" in k[1]],
+        "pack old": [k for k in sass if "11pack_kernelILi16E" in k[1]],
+        "unpack old": [k for k in sass if "13unpack_kernelI" in k[1] and "ELi16E" in k[1]],
+    }
+    for what, kernels in picked.items():
+        assert len(kernels) >= 4, (what, kernels)  # 2 archs x 2 index widths (x 5 sum types for unpack)
+        for key in kernels:
+            if what.endswith("new"):  # global 128-bit accesses (LDG.E.128.CONSTANT, STG.E.128)
+                assert "LDG.E.128" in sass[key] and "STG.E.128" in sass[key], (what, key)
+            else:  # the old kernels: 128-bit too, generic (LD.E.128) where the pointer came from shared memory
+                assert re.search(r"\bLDG?\.E\.128", sass[key]) and re.search(r"\bSTG?\.E\.128", sass[key]), (what, key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ulysses_kernels import ops
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
@@ -274,12 +275,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ulysses_kernels.kernels.triton_kernels import _gather_columns_kernel as fn
 
-def ptx(elem, flt, has_sum, bf16, vec, d=128):
+def ptx(elem, flt, has_sum, bf16, vec, d=128, cols_fastest=True):
     sig = {n: "*i64" for n in ("addr_ptr", "col_ptr", "src_ptr")}
     sig.update(n_rows="i32", batch="i32")
     const = dict(D=d, ELEM=elem, FLOAT=flt, ACC=tl.float32, HAS_SUM=has_sum, IS_BF16=bf16, BF16_NAN=0x7FFF,
                  D_CONTIG=True, VEC=vec, BLOCK_R=32, BLOCK_D=triton.next_power_of_2(d))
     sig.update({n: "constexpr" for n in const})
+    sig["n_cols"] = "i32"
+    const["COLS_FASTEST"] = cols_fastest
+    sig["COLS_FASTEST"] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2)}  # the three table pointers
     k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     return k.asm["ptx"]
@@ -295,6 +299,7 @@ for name, args in {"copy": (tl.int16, tl.bfloat16, False, True), "sum": (tl.int1
 for d in (40, 72, 80, 96, 128):
     for name, args in {"copy": (tl.int16, tl.bfloat16, False, True), "sum": (tl.int16, tl.bfloat16, True, True)}.items():
         print("D", d, name, accesses(ptx(*args, 8, d)))
+print("old", accesses(ptx(tl.int16, tl.bfloat16, False, True, 8, 128, False)))
 """
 
 HEAD_DIMS = (40, 72, 80, 96, 128)
@@ -319,13 +324,43 @@ def test_compiles_for_sm90_with_16_byte_accesses_only_when_aligned():
     lines = res.stdout.split("\n")
     assert lines[:4] == ["copy 8 v4", "copy 1 scalar", "sum 8 v4", "sum 1 scalar"], res.stdout
     assert lines[4:14] == [f"D {d} {op} v4" for d in HEAD_DIMS for op in ("copy", "sum")], res.stdout
+    assert lines[14] == "old v4", res.stdout  # the old variant's 2-D grid (ULYSSES_KERNELS_PACK_VARIANT=old)
 
 
 def test_too_many_head_columns_for_the_grid():
+    # Old variant: head columns on grid axis y (at most 65535).
     table = triton_kernels._ColumnTable([0, 0, 1, 1, 1, 1, 0] * 65536, [0, 0, 1, 1, 1], 8, 4)
     x = torch.zeros(8)
+    previous = ops.set_pack_variant("old")
+    try:
+        with pytest.raises(ValueError, match="grid"):
+            TritonKernels._launch(table, [x], 1, 1, 8, x)
+    finally:
+        ops.set_pack_variant(previous)
+    # New variant: one axis of row blocks x columns, limited to 2^31 - 1 programs.
+    grid, block_r, _ = triton_kernels._launch_geometry(1, 65536, 8, False, new=True)
+    assert grid == (65536,) and block_r == 1
+    grid, block_r, _ = triton_kernels._launch_geometry(1 << 24, 64, 128, False, new=True)
+    assert block_r == 64 and grid == ((1 << 24) // 64 * 64,)
     with pytest.raises(ValueError, match="grid"):
-        TritonKernels._launch(table, [x], 1, 1, 8, x)
+        triton_kernels._launch_geometry(1 << 40, 64, 1, False, new=True)
+
+
+@pytest.fixture(params=["old", "new"])
+def variant(request):
+    """Run a test under each kernel variant (``ops.set_pack_variant``)."""
+    previous = ops.set_pack_variant(request.param)
+    yield request.param
+    ops.set_pack_variant(previous)
+
+
+@pytest.mark.parametrize("hq,hkv,world,ranks", [(10, 2, 4, (1,)), (7, 7, 3, (2,))])
+def test_both_variants_bit_exact(hq, hkv, world, ranks, variant):
+    # KV replica sums (10/2 on 4 ranks) and an uneven MHA plan, under each variant's grid.
+    gen = torch.Generator().manual_seed(11)
+    for lay in _layouts(hq, hkv, world, ranks):
+        _check_pack_s2h(lay, torch.bfloat16, gen, fused=True)
+        _check_h2s(lay, torch.bfloat16, gen)
 
 
 @pytest.mark.gpu

@@ -42,6 +42,7 @@ otherwise it is first made contiguous. The receiver writes each block into
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -256,20 +257,18 @@ class Layout:
 
     def s2h_send_pieces(self, send: torch.Tensor, roles: Sequence[str], own: bool = True) -> list[list[torch.Tensor]]:
         """Per peer, per batch element: the contiguous piece of the send buffer (``own``:
-        as ``s2h_send_splits``; without its own block, this rank's entry is empty)."""
-        pieces, start = [], 0
-        for n in self.s2h_send_splits(roles, own=own):
-            pieces.append(list(send[start : start + n].view(self.batch, -1).unbind(0)))
-            start += n
-        return pieces
+        as ``s2h_send_splits``; without its own block, this rank's pieces are empty). One
+        ``split_with_sizes`` cuts them all (each peer's block is ``[B][s_r][width]``)."""
+        B, splits = self.batch, self.s2h_send_splits(roles, own=own)
+        cut = send.split_with_sizes([n // B for n in splits for _ in range(B)])
+        return [list(cut[p * B : (p + 1) * B]) for p in range(len(splits))]
 
     def s2h_recv_pieces(self, recv: torch.Tensor, roles: Sequence[str]) -> list[list[torch.Tensor]]:
-        """Per source, per batch element: the contiguous piece of the receive buffer."""
-        full = self._recv4(recv, roles)
-        return [
-            [full[b, self.seq_offset(p) : self.seq_offset(p) + self.seq_lens[p]].reshape(-1) for b in range(self.batch)]
-            for p in range(self.world_size)
-        ]
+        """Per source, per batch element: the contiguous piece of the receive buffer
+        ``[B][S][width]`` (source p's rows of batch element b). One ``split_with_sizes``."""
+        w, P = self.width(roles, self.rank), self.world_size
+        cut = recv.split_with_sizes([n * w for _ in range(self.batch) for n in self.seq_lens])
+        return [[cut[b * P + p] for b in range(self.batch)] for p in range(P)]
 
     def s2h_recv_views(self, recv: torch.Tensor, roles: Sequence[str]) -> list[torch.Tensor]:
         """The received tensors as ``[B, S, h, D]`` views of the flat receive buffer."""
@@ -305,12 +304,29 @@ class Layout:
             slices.append(per_role)
         return slices
 
-    def h2s_recv_views(self, recv: torch.Tensor, roles: Sequence[str]) -> list[list[torch.Tensor]]:
-        """Per source, per role: the received wire-format block as ``[B, s_r, h, D]``."""
-        return [
-            [x.view(self.batch, self.seq_local, self.head_count(s, p), self.dim(s)) for x, s in zip(per_role, roles)]
-            for p, per_role in enumerate(self.h2s_recv_slices(recv, roles))
-        ]
+    def h2s_block_shapes(self, roles: Sequence[str]) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
+        """Per source, per role: the shape ``[B, s_r, h, D]`` of its wire-format block."""
+        roles = tuple(roles)
+
+        def build():
+            return tuple(
+                tuple((self.batch, self.seq_local, self.head_count(s, p), self.dim(s)) for s in roles) for p in range(self.world_size)
+            )
+
+        return self._memo(("h2s_shapes", roles), build)
+
+    def h2s_recv_views(self, recv: torch.Tensor, roles: Sequence[str], flat: bool = False) -> list[list[torch.Tensor]]:
+        """Per source, per role: the received wire-format block as ``[B, s_r, h, D]`` (one
+        ``split_with_sizes`` and a view per block); ``flat=True``: the 1-D pieces of ``recv``
+        themselves (no view per block), for a kernel set that takes flat blocks
+        (``flat_blocks``: the ``cuda`` set)."""
+        shapes = self.h2s_block_shapes(roles)
+        sizes = self._memo(("h2s_sizes", tuple(roles)), lambda: [math.prod(x) for per in shapes for x in per])
+        pieces = recv.split_with_sizes(sizes)
+        n = len(roles)
+        if flat:
+            return [list(pieces[p * n : (p + 1) * n]) for p in range(self.world_size)]
+        return [[pieces[p * n + i].view(shapes[p][i]) for i in range(n)] for p in range(self.world_size)]
 
 def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
     """``x[:, :, start : start + c]`` for each head count ``c`` in turn: one op for all the views."""
@@ -318,5 +334,13 @@ def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
 
 
 def rows_contiguous(x: torch.Tensor) -> bool:
-    """True when ``x`` (``[B, S, h, D]``) can be sent in wire format without a copy."""
-    return x.shape[0] == 0 or x[0].is_contiguous()
+    """True when ``x`` (``[B, S, h, D]``) can be sent in wire format without a copy: each
+    ``x[b]`` is contiguous (``x[0].is_contiguous()``, read from the strides: no op dispatched)."""
+    if x.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True

@@ -18,8 +18,9 @@ outputs and returns nothing:
   flattened (``Layout.head_ranges``).
 * ``pack_h2s(local, send)``: ``[B, S, h, D]`` (any strides) -> contiguous wire format.
 * ``unpack_h2s(blocks, head_ranges, outs)``: received ``[B, s_r, h, D]`` blocks
-  (source-major, then role) into ``[B, s_r, H, D]`` outputs, replicated KV heads summed in
-  rank order (bit-identical to ``kernels.torch_kernels.unpack_h2s``).
+  (source-major, then role; a block may also be the flat 1-D contiguous piece of
+  ``B * s_r * h * D`` elements it is in wire format) into ``[B, s_r, H, D]`` outputs,
+  replicated KV heads summed in rank order (bit-identical to ``kernels.torch_kernels.unpack_h2s``).
 * ``nccl_all_to_all(comm, output, input, output_splits, input_splits)`` and
   ``nccl_send_recv(comm, sends, send_peers, recvs, recv_peers)`` (CUDA tensors, extension
   built with NCCL): on the current CUDA stream; ``comm`` is a communicator handle of
@@ -57,11 +58,51 @@ __all__ = [
     "lib",
     "nccl_all_to_all",
     "nccl_send_recv",
+    "PACK_VARIANTS",
+    "pack_variant",
+    "set_pack_variant",
 ]
 
 # {"module": _C} or {"error": why}, filled by the first load(): whether the extension can
 # be used does not change during a process.
 _STATE: dict = {}
+
+# ---- the kernel variant ----------------------------------------------------------------------
+# The pack/unpack kernels of the "cuda" and "triton" sets come in two variants, both exact:
+# "new" (the default: 16-byte units on both sides, several loads in flight per thread, warp
+# chunks, one unpack launch for q, k and v) and "old" (the kernels before issue #36), kept
+# selectable for one release so that one GPU run measures both in one process
+# (``python -m ulysses_kernels.bench.pack --variants old,new``); docs/performance.md.
+PACK_VARIANTS = ("old", "new")
+DEFAULT_PACK_VARIANT = "new"
+PACK_VARIANT_ENV = "ULYSSES_KERNELS_PACK_VARIANT"
+_VARIANT: dict = {}  # {"name": ...} once read from the environment or set
+
+
+def pack_variant() -> str:
+    """The kernel variant in use (``"old"`` or ``"new"``): ``ULYSSES_KERNELS_PACK_VARIANT``
+    read once, unless ``set_pack_variant`` changed it since. ValueError naming the variable
+    when it holds anything else."""
+    name = _VARIANT.get("name")
+    if name is None:
+        name = os.environ.get(PACK_VARIANT_ENV, "").strip().lower() or DEFAULT_PACK_VARIANT
+        if name not in PACK_VARIANTS:
+            raise ValueError(f"ulysses_kernels: {PACK_VARIANT_ENV}={os.environ[PACK_VARIANT_ENV]!r}; expected one of {list(PACK_VARIANTS)}")
+        _VARIANT["name"] = name
+    return name
+
+
+def set_pack_variant(name: str) -> str:
+    """Use kernel variant ``name`` (``"old"`` or ``"new"``) from now on in this process, for
+    the ``"cuda"`` set (the C++ extension's setting, when it is loaded) and the ``"triton"``
+    set; returns the previous one. For benchmarks and A/B checks."""
+    if name not in PACK_VARIANTS:
+        raise ValueError(f"ulysses_kernels.set_pack_variant: name expected one of {list(PACK_VARIANTS)}, got {name!r}")
+    previous = pack_variant()
+    _VARIANT["name"] = name
+    if "module" in _STATE:
+        _STATE["module"].pack_variant(PACK_VARIANTS.index(name))
+    return previous
 
 
 def decode_nccl_version(code: int) -> tuple[int, int, int]:
@@ -126,7 +167,7 @@ def _import_checked():
     except ImportError as e:  # e.g. an undefined symbol: built against another torch
         raise ImportError(f"ulysses_kernels._C does not load here ({e}); rebuild it against torch {torch.__version__}: {rebuild_command()}") from e
     info = module.build_info()
-    if "max_peers" not in info:
+    if "max_peers" not in info or not hasattr(module, "pack_variant"):
         raise ImportError(f"ulysses_kernels._C was built from older sources than this package (its build_info has no limits); rebuild it: {rebuild_command()}")
     if info.get("nccl"):
         loaded = _torch_nccl_version()
@@ -151,6 +192,7 @@ def load():
     _STATE["limits"] = {k: int(built[k]) for k in ("max_peers", "max_roles")}
     _STATE["archs"] = tuple(a for a in built.get("archs", "").split("_") if a) if built.get("cuda") else ()
     _register_fakes(module)
+    module.pack_variant(PACK_VARIANTS.index(pack_variant()))
     _STATE["module"] = module
     return module
 

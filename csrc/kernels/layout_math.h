@@ -188,6 +188,52 @@ UK_HD RowCopy pack_row(const PackParams& p, I row) {
   return r;
 }
 
+// ---- the warp-chunk walk of the "new" kernels (pack.cu; variant kVariantNew) ----------
+// A warp takes kWarp consecutive rows (a "chunk"): lane l decodes row row0 + l once (into
+// the warp's slice of shared memory), then the warp copies the chunk's n_rows * upr units,
+// lane l taking units k = l, l + kWarp, l + 2 kWarp, ... of the chunk (unit k is unit
+// k % upr of row k / upr). Consecutive lanes thus hold consecutive units: consecutive
+// 16-byte chunks of the send buffer (pack) or of an output row run (unpack), so a warp's
+// stores are one contiguous span wherever the destination rows are. Each lane loads
+// kInFlight units before it stores any (64 bytes in flight per lane at 16-byte units).
+// The walk is incremental (no division per unit): from k to k + kWarp the unit advances by
+// kWarp % upr and the row by kWarp / upr, plus one row on wrapping.
+constexpr int kWarp = 32;
+constexpr int kInFlight = 4;
+
+template <class I>
+struct LaneWalk {
+  I row, u;  // row of the chunk, unit of that row
+};
+
+template <class I>
+UK_HD LaneWalk<I> lane_walk_start(int lane, I upr) {
+  return LaneWalk<I>{(I)lane / upr, (I)lane % upr};
+}
+
+template <class I>
+UK_HD void lane_walk_step(LaneWalk<I>& w, I upr, I drow, I du) {
+  w.u += du;
+  w.row += drow;
+  if (w.u >= upr) {
+    w.u -= upr;
+    ++w.row;
+  }
+}
+
+// Chunks of kWarp rows over `rows` rows.
+UK_HD int64_t warp_chunks(int64_t rows) { return (rows + kWarp - 1) / kWarp; }
+
+// The variants of the pack/unpack kernels (selected at run time through the host layer,
+// csrc/ops.cpp set_pack_variant; Python: ulysses_kernels.ops.set_pack_variant):
+//   kVariantOld: the previous kernels (pack: rows decoded per block, one unit per thread
+//                and step between two __syncthreads; unpack: one unit per thread, decoded
+//                per unit, one launch per role);
+//   kVariantNew: the warp-chunk walk above for both, the unpack of all roles in one launch.
+// Kept selectable for one release so that a GPU run measures both in one process.
+constexpr int kVariantOld = 0;
+constexpr int kVariantNew = 1;
+
 // Output row (b, t, head) of an unpack.
 struct OutRow {
   int64_t b, t, head;
@@ -230,6 +276,58 @@ UK_HD OutRow unpack_out_row(const UnpackParams& p, const HeadSpan& span, I row) 
   r.t = (int64_t)(bt % (I)p.seq);
   r.b = (int64_t)(bt / (I)p.seq);
   return r;
+}
+
+// One output row of an unpack, decoded once (the "new" kernel): `kind` 0 = no source holds
+// its head (left as it was), 1 = one source (copied: src, dst and the units' strides), 2 =
+// several (summed unit by unit through unpack_unit). Same addresses as unpack_src/unpack_dst.
+struct UnpackRowCopy {
+  const char* src;
+  char* dst;
+  int64_t src_unit_stride, dst_unit_stride;
+  int32_t kind;
+};
+
+UK_HD UnpackRowCopy unpack_row_copy(const UnpackParams& p, const OutRow& r) {
+  UnpackRowCopy c;
+  c.kind = 0;
+  c.src = nullptr;
+  c.dst = nullptr;
+  c.src_unit_stride = c.dst_unit_stride = 0;
+  int s = 0;
+  while (s < p.n_src && !(r.head >= p.head0[s] && r.head < p.head1[s])) ++s;
+  if (s == p.n_src) return c;
+  c.kind = 1;
+  for (int t = s + 1; t < p.n_src; ++t) {
+    if (r.head >= p.head0[t] && r.head < p.head1[t]) c.kind = 2;
+  }
+  const Strided4& k = p.blk[s];
+  c.src = k.ptr + r.b * k.sb + r.t * k.ss + (r.head - (int64_t)p.head0[s]) * k.sh;
+  c.dst = p.out + r.b * p.ob + r.t * p.os + r.head * p.oh;
+  c.src_unit_stride = k.sd == p.elem ? p.unit : k.sd;
+  c.dst_unit_stride = p.od == p.elem ? p.unit : p.od;
+  return c;
+}
+
+// The unpack of up to kMaxRoles outputs (q, k, v) in one launch of the "new" kernel:
+// role i owns the warp chunks [chunk0[i], chunk0[i + 1]), over the rows [B][s][span[i].heads]
+// of its output (a chunk never holds two roles' rows: roles may differ in row length).
+// Every role moves units of one size (the smallest role's unit: each is a power of two that
+// divides its rows and alignments, so the smallest divides every role's); the host layer
+// sets each role's `unit` and `units_per_row` to it. Kernel parameter of 9.6 KB: CUDA 12.1+
+// takes up to 32 KB on sm_70 and later.
+struct UnpackMulti {
+  UnpackParams role[kMaxRoles];
+  HeadSpan span[kMaxRoles];
+  int64_t chunk0[kMaxRoles + 1];
+  int32_t n_roles;
+};
+
+// The role of warp chunk `c` (chunk0 ascending; empty roles skipped).
+UK_HD int unpack_role_of_chunk(const UnpackMulti& m, int64_t c) {
+  int i = 0;
+  while (i + 1 < m.n_roles && m.chunk0[i + 1] <= c) ++i;
+  return i;
 }
 
 // ---- element types of the unpack sum ---------------------------------------------------

@@ -8,7 +8,11 @@
 
 namespace ulysses_kernels {
 
-cudaError_t launch_pack(const PackParams& p, cudaStream_t stream);
+// variant: kVariantOld or kVariantNew (layout_math.h).
+cudaError_t launch_pack(const PackParams& p, int variant, cudaStream_t stream);
+// The old variant's unpack, one role per launch.
 cudaError_t launch_unpack(const UnpackParams& p, AddType add, cudaStream_t stream);
+// The new variant's unpack: every role of `m` in one launch.
+cudaError_t launch_unpack_multi(const UnpackMulti& m, AddType add, cudaStream_t stream);
 
 }  // namespace ulysses_kernels

@@ -4,8 +4,6 @@
 
 #include <string.h>
 
-#include <type_traits>
-
 namespace ulysses_kernels {
 
 namespace {
@@ -23,28 +21,25 @@ void pack_rows(const PackParams& p) {
   }
 }
 
-// Without sums the unit loop amounts to copying the row of the first source holding the
-// head; when D is contiguous on both sides that is one memcpy (same addresses, from
-// layout_math.h). NOTE: the unpack of 2.2e9 one-byte units in tests/test_large_index.py
-// took 27 s unit by unit, 3.7 s by rows (2-core CPU).
-bool copy_row(const UnpackParams& p, const OutRow& r) {
-  for (int s = 0; s < p.n_src; ++s) {
-    if (r.head < p.head0[s] || r.head >= p.head1[s]) continue;
-    if (p.blk[s].sd != p.elem || p.od != p.elem) return false;
-    memcpy(unpack_dst(p, r, 0, p.unit), unpack_src(p, r, s, 0, p.unit), (size_t)(p.units_per_row * p.unit));
-    return true;
-  }
-  return true;  // no source holds this head: the output row is left as it was
-}
-
+// Each output row decoded once (unpack_row_copy, as the CUDA kernels' new variant does): a
+// row held by one source is copied, one memcpy when D is contiguous on both sides; a row
+// held by several is summed unit by unit in rank order. NOTE: the unpack of 2.2e9 one-byte
+// units in tests/test_large_index.py took 27 s unit by unit, 3.7 s by rows (2-core CPU).
 template <class Op, int UNIT, class I>
 void unpack_rows_t(const UnpackParams& p, const HeadSpan& span) {
   const I rows = (I)(p.batch * p.seq * span.heads);
+  const size_t row_bytes = (size_t)(p.units_per_row * p.unit);
   for (I row = 0; row < rows; ++row) {
     const OutRow r = unpack_out_row<I>(p, span, row);
-    if (std::is_same<Op, CopyOnly>::value && copy_row(p, r)) continue;
-    for (int64_t u = 0; u < p.units_per_row; ++u) {
-      if (!unpack_unit<Op, UNIT>(p, r, u)) break;  // no source holds this head
+    const UnpackRowCopy c = unpack_row_copy(p, r);
+    if (c.kind == 1 && c.src_unit_stride == p.unit && c.dst_unit_stride == p.unit) {
+      memcpy(c.dst, c.src, row_bytes);
+    } else if (c.kind == 1) {
+      for (int64_t u = 0; u < p.units_per_row; ++u) {
+        memcpy(c.dst + u * c.dst_unit_stride, c.src + u * c.src_unit_stride, (size_t)p.unit);
+      }
+    } else if (c.kind == 2) {
+      for (int64_t u = 0; u < p.units_per_row; ++u) unpack_unit<Op, UNIT>(p, r, u);
     }
   }
 }

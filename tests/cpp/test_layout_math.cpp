@@ -231,6 +231,50 @@ static void test_pack_2d_launch(int D, int unit, bool redirect, int64_t max_bloc
   check_pack_case(c);
 }
 
+// The warp-chunk walk of pack.cu's new pack kernel, run lane by lane on the host: warp w of
+// block b takes chunks w + 8 b, w + 8 b + 8 grid, ...; lane l decodes row 32 c + l, then
+// walks units l, l + 32, ... of the chunk (LaneWalk) in batches of kInFlight. Every row
+// must be decoded once, every unit copied once, and the result be the layout.
+static void test_pack_warp_walk(int D, int unit, bool redirect, int64_t grid) {
+  PackCase c;
+  make_pack_case(c, D, unit, redirect);
+  const PackParams& p = c.p;
+  const int64_t rows = p.peer_row0[p.n_peers], upr = p.units_per_row, chunks = warp_chunks(rows);
+  const int warps = kThreads / kWarp;
+  std::vector<int> decoded((size_t)rows, 0), copied((size_t)(rows * upr), 0);
+  RowCopy mine[kWarp];
+  const uint32_t u32 = (uint32_t)upr, drow = kWarp / u32, du = kWarp % u32;
+  for (int64_t b = 0; b < grid; ++b) {
+    for (int w = 0; w < warps; ++w) {
+      for (int64_t ch = b * warps + w; ch < chunks; ch += grid * warps) {
+        const int64_t row0 = ch * kWarp, nr = rows - row0 < kWarp ? rows - row0 : kWarp;
+        for (int lane = 0; lane < nr; ++lane) {
+          mine[lane] = pack_row<uint32_t>(p, (uint32_t)(row0 + lane));
+          ++decoded[(size_t)(row0 + lane)];
+        }
+        for (int lane = 0; lane < kWarp; ++lane) {
+          LaneWalk<uint32_t> wk = lane_walk_start<uint32_t>(lane, u32);
+          while (wk.row < (uint32_t)nr) {
+            for (int j = 0; j < kInFlight; ++j) {
+              if (wk.row < (uint32_t)nr) {
+                const RowCopy& r = mine[wk.row];
+                memcpy(r.dst + (int64_t)wk.u * unit, r.src + (int64_t)wk.u * r.src_unit_stride, (size_t)unit);
+                ++copied[(size_t)((row0 + wk.row) * upr + wk.u)];
+              }
+              lane_walk_step(wk, u32, drow, du);
+            }
+          }
+        }
+      }
+    }
+  }
+  bool once = true;
+  for (int n : decoded) once = once && n == 1;
+  for (int n : copied) once = once && n == 1;
+  EXPECT(once);
+  check_pack_case(c);
+}
+
 static void test_unpack_sums_in_rank_order(bool wide) {
   // Three sources hold heads [0,2) [1,3) [1,2): head 1 is held three times.
   const int B = 1, s = 2, D = 4, H = 4;
@@ -354,6 +398,91 @@ static void test_unpack_head_span(int unit, bool wide) {
   bool untouched = true;
   for (float x : out2) untouched = untouched && x == -7.0f;
   EXPECT(untouched);
+}
+
+// The new unpack kernel's launch over two roles (UnpackMulti), run lane by lane on the
+// host: role 0 has gaps and heads held by up to three sources (sums), role 1 a longer row
+// (D = 8) from two sources. The result must be what the CPU twin writes role by role.
+template <int UNIT>
+static void run_unpack_multi(const UnpackMulti& m, int64_t grid) {
+  const int warps = kThreads / kWarp;
+  const int64_t chunks = m.chunk0[m.n_roles];
+  UnpackRowCopy mine[kWarp];
+  for (int64_t b = 0; b < grid; ++b)
+    for (int w = 0; w < warps; ++w)
+      for (int64_t ch = b * warps + w; ch < chunks; ch += grid * warps) {
+        const int i = unpack_role_of_chunk(m, ch);
+        const UnpackParams& p = m.role[i];
+        const HeadSpan& span = m.span[i];
+        const int64_t role_rows = p.batch * p.seq * span.heads, row0 = (ch - m.chunk0[i]) * kWarp;
+        const int64_t nr = role_rows - row0 < kWarp ? role_rows - row0 : kWarp;
+        EXPECT(row0 < role_rows);
+        const uint32_t upr = (uint32_t)p.units_per_row, drow = kWarp / upr, du = kWarp % upr;
+        for (int lane = 0; lane < nr; ++lane) mine[lane] = unpack_row_copy(p, unpack_out_row<uint32_t>(p, span, (uint32_t)(row0 + lane)));
+        for (int lane = 0; lane < kWarp; ++lane) {
+          LaneWalk<uint32_t> wk = lane_walk_start<uint32_t>(lane, upr);
+          while (wk.row < (uint32_t)nr) {
+            const UnpackRowCopy& r = mine[wk.row];
+            if (r.kind == 1) {
+              memcpy(r.dst + (int64_t)wk.u * r.dst_unit_stride, r.src + (int64_t)wk.u * r.src_unit_stride, UNIT);
+            } else if (r.kind == 2) {
+              unpack_unit<AddF32, UNIT>(p, unpack_out_row<uint32_t>(p, span, (uint32_t)(row0 + wk.row)), wk.u);
+            }
+            lane_walk_step(wk, upr, drow, du);
+          }
+        }
+      }
+}
+
+static void test_unpack_multi_walk(int unit, int64_t grid) {
+  const int B = 2, s = 3, H = 12, D0 = 4, D1 = 8;
+  const int a0[4] = {5, 7, 6, 9}, b0[4] = {7, 7, 9, 9}, a1[4] = {0, 2, 0, 0}, b1[4] = {2, 4, 0, 0};
+  std::vector<std::vector<float>> blk0(4), blk1(4);
+  for (int q = 0; q < 4; ++q) {
+    blk0[q].resize((size_t)B * s * (b0[q] - a0[q]) * D0);
+    for (size_t e = 0; e < blk0[q].size(); ++e) blk0[q][e] = (float)(1000 * (q + 1) + e);
+    blk1[q].resize((size_t)B * s * (b1[q] - a1[q]) * D1);
+    for (size_t e = 0; e < blk1[q].size(); ++e) blk1[q][e] = (float)(-50 * (q + 1) - (float)e);
+  }
+  std::vector<float> out0((size_t)B * s * H * D0, -7.0f), out1((size_t)B * s * 4 * D1, -7.0f);
+  std::vector<float> ref0 = out0, ref1 = out1;
+  const UnpackParams r0 = unpack_case(ref0, blk0, a0, b0, 4, B, s, H, D0, unit);
+  const UnpackParams r1 = unpack_case(ref1, blk1, a1, b1, 4, B, s, 4, D1, unit);
+  unpack_cpu(r0, AddType::kF32);
+  unpack_cpu(r1, AddType::kF32);
+  UnpackMulti m{};
+  m.n_roles = 2;
+  m.role[0] = unpack_case(out0, blk0, a0, b0, 4, B, s, H, D0, unit);
+  m.role[1] = unpack_case(out1, blk1, a1, b1, 4, B, s, 4, D1, unit);
+  m.chunk0[0] = 0;
+  for (int i = 0; i < 2; ++i) {
+    m.span[i] = unpack_head_span(m.role[i]);
+    m.chunk0[i + 1] = m.chunk0[i] + warp_chunks(m.role[i].batch * m.role[i].seq * m.span[i].heads);
+  }
+  EXPECT(m.chunk0[1] == 1 && m.chunk0[2] == 2);  // 24 rows each: one chunk per role
+  EXPECT(unpack_role_of_chunk(m, 0) == 0 && unpack_role_of_chunk(m, 1) == 1);
+  if (unit == 16) {
+    run_unpack_multi<16>(m, grid);
+  } else {
+    run_unpack_multi<4>(m, grid);
+  }
+  EXPECT(out0 == ref0);
+  EXPECT(out1 == ref1);
+}
+
+// The lane walk visits units lane, lane + 32, ... of a chunk of `rows` rows for any row length.
+static void test_lane_walk() {
+  for (uint32_t upr = 1; upr <= 100; ++upr) {
+    const uint32_t drow = kWarp / upr, du = kWarp % upr;
+    for (int lane = 0; lane < kWarp; ++lane) {
+      LaneWalk<uint32_t> w = lane_walk_start<uint32_t>(lane, upr);
+      for (uint32_t k = (uint32_t)lane; k < 40 * upr; k += kWarp) {
+        EXPECT(w.row == k / upr && w.u == k % upr);
+        lane_walk_step(w, upr, drow, du);
+      }
+    }
+  }
+  EXPECT(warp_chunks(0) == 0 && warp_chunks(1) == 1 && warp_chunks(32) == 1 && warp_chunks(33) == 2);
 }
 
 // NaN sums of reduced floats through the CPU twin's unpack, with the host's rule (torch's CPU
@@ -578,6 +707,15 @@ int main() {
   test_unpack_addresses_beyond_4gb(1);  // 1.1e9 units: 32-bit index, 64-bit byte offsets
   test_unpack_addresses_beyond_4gb(2);  // 2.1e9 units: 64-bit index
   test_launch_geometry();
+  // The new kernels' warp-chunk walk (pack.cu kVariantNew).
+  test_lane_walk();
+  for (int64_t grid : {int64_t(1), int64_t(3), int64_t(1) << 20}) {
+    for (int unit : {4, 8}) test_pack_warp_walk(6, unit, grid % 2 == 0, grid);
+    test_pack_warp_walk(1, 4, true, grid);
+    test_pack_warp_walk(300, 4, false, grid);
+    test_pack_warp_walk(300, 16, true, grid);
+    for (int unit : {4, 16}) test_unpack_multi_walk(unit, grid);
+  }
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

@@ -100,40 +100,60 @@ def _one_collective(layout: Layout, n_tensors: int) -> bool:
     return n_tensors == 1 and layout.batch == 1 and layout.world_size > 1
 
 
-def _h2s_recv(layout: Layout, roles, like: torch.Tensor, own: bool):
-    """The receive side of a head-to-sequence exchange: ``(buffer, blocks)``, ``blocks`` per
-    source, per role the ``[B, s_r, h, D]`` wire-format block (``layout.h2s_recv_views``).
-    ``own=False`` (grouped send/recv) leaves this rank's blocks out of the buffer (``None``):
-    its rows never touch the wire, so the buffer holds the peers' blocks only."""
+def _h2s_recv(layout: Layout, roles, like: torch.Tensor, own: bool, flat: bool = False):
+    """The receive side of a head-to-sequence exchange: ``(buffer, blocks, pieces)``.
+    ``blocks``: per source, per role the wire-format block (``layout.h2s_recv_views``:
+    ``[B, s_r, h, D]`` views, or with ``flat`` the 1-D pieces of the buffer, for a kernel set
+    that takes them: ``flat_blocks``). ``own=False`` (grouped send/recv) leaves this rank's
+    blocks out of the buffer (``None``): its rows never touch the wire, so the buffer holds
+    the peers' blocks only; ``pieces`` then lists, per peer other than this rank, per role,
+    per batch element, the 1-D piece it sends (``None`` with ``own``). One
+    ``split_with_sizes`` cuts all of them (two with a batch above 1 and views)."""
     if own:
         recv = _flat(sum(layout.h2s_splits(roles)[1]), like)
-        return recv, layout.h2s_recv_views(recv, roles)
-    shapes = [
-        None if p == layout.rank else [(layout.batch, layout.seq_local, layout.head_count(s, p), layout.dim(s)) for s in roles]
-        for p in range(layout.world_size)
-    ]
-    recv = _flat(sum(math.prod(x) for per in shapes if per for x in per), like)
-    blocks, start = [], 0
-    for per in shapes:
-        if per is None:
-            blocks.append(None)
-            continue
-        views = []
-        for shape in per:
-            n = math.prod(shape)
-            views.append(recv[start : start + n].view(shape))
-            start += n
-        blocks.append(views)
-    return recv, blocks
+        return recv, layout.h2s_recv_views(recv, roles, flat=flat), None
+    shapes = layout.h2s_block_shapes(roles)
+    B, rank, n = layout.batch, layout.rank, len(roles)
+    peers = [p for p in range(layout.world_size) if p != rank]
+    block_sizes = [math.prod(shapes[p][i]) for p in peers for i in range(n)]
+    recv = _flat(sum(block_sizes), like)
+    # Per (peer, role, batch element): the pieces on the wire.
+    pieces = recv.split_with_sizes([x // B for x in block_sizes for _ in range(B)])
+    if B == 1 and flat:
+        whole = pieces
+    else:
+        whole = recv.split_with_sizes(block_sizes)
+        if not flat:
+            whole = [x.view(shapes[p][i]) for (p, i), x in zip(((p, i) for p in peers for i in range(n)), whole)]
+    blocks: list = [None] * layout.world_size
+    for j, p in enumerate(peers):
+        blocks[p] = list(whole[j * n : (j + 1) * n])
+    by_peer = {p: [list(pieces[(j * n + i) * B : (j * n + i + 1) * B]) for i in range(n)] for j, p in enumerate(peers)}
+    return recv, blocks, by_peer
 
 
-def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now):
+def _send_pieces(layout: Layout, x: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per peer, per batch element: the 1-D piece of a local ``[B, S, h, D]`` tensor whose
+    rows are contiguous (``layout.rows_contiguous``) bound for that peer. A contiguous
+    tensor is cut with one ``split_with_sizes``."""
+    B, P = layout.batch, layout.world_size
+    w = x.shape[2] * x.shape[3]
+    if x.is_contiguous():
+        cut = x.view(-1).split_with_sizes([n * w for _ in range(B) for n in layout.seq_lens])
+        return [[cut[b * P + p] for b in range(B)] for p in range(P)]
+    return [[layout.h2s_send_blocks(x, p)[b].reshape(-1) for b in range(B)] for p in range(P)]
+
+
+def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now, flat: bool = False):
     """Post the head-to-sequence exchange of local ``[B, S, h, D]`` tensors (one per role).
 
     Rows that are contiguous per batch element go on the wire in place; others are packed
     first. Returns ``(handle, blocks)``: per source, per role, the ``[B, s_r, h, D]`` block
     to unpack once the handle is waited (this rank's own rows are read from the local
     tensors; the blocks keep the receive buffer and the local tensors alive until then).
+    ``flat=True`` (for a caller that passes the blocks straight to a kernel set that takes
+    flat blocks: ``flat_blocks``, the ``cuda`` set): the blocks of the receive buffer are
+    its 1-D pieces (no view per block), and with batch 1 so are this rank's own.
     """
     wire = []
     for x in local:
@@ -144,23 +164,27 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
             x = packed.view(x.shape)
         wire.append(x)
     one = _one_collective(layout, len(wire))
-    recv, blocks = _h2s_recv(layout, roles, wire[0], own=one)
+    recv, blocks, recv_pieces = _h2s_recv(layout, roles, wire[0], own=one, flat=flat)
     if one:
         send_splits, recv_splits = layout.h2s_splits(roles)
-        flat = wire[0].reshape(-1)
-        collective = lambda a: comm.all_to_all(recv, flat, recv_splits, send_splits, async_op=a)  # noqa: E731
+        flat_send = wire[0].reshape(-1)
+        collective = lambda a: comm.all_to_all(recv, flat_send, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
         sends, recvs = [], []
+        cut = [_send_pieces(layout, x) for x in wire] if layout.world_size > 1 else []
         for p in range(layout.world_size):
             if p == layout.rank:
                 continue
-            for x, dst in zip(wire, blocks[p]):
-                src = layout.h2s_send_blocks(x, p)
-                sends += [(p, src[b].reshape(-1)) for b in range(layout.batch)]
-                recvs += [(p, dst[b].reshape(-1)) for b in range(layout.batch)]
+            for i in range(len(wire)):
+                sends += [(p, t) for t in cut[i][p]]
+                recvs += [(p, t) for t in recv_pieces[p][i]]
         collective = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
-        # Our own rows never touch the wire: unpack reads them from the local tensors.
-        blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
+        # Our own rows never touch the wire: unpack reads them from the local tensors (with
+        # batch 1 and flat blocks, the piece cut for the wire is that block).
+        if flat and layout.batch == 1 and cut:
+            blocks[layout.rank] = [cut[i][layout.rank][0] for i in range(len(wire))]
+        else:
+            blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
     return start((recv, *wire), collective), blocks
 
 
@@ -175,7 +199,7 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
     if layout.world_size == 1:
         return list(local)
     like = local[0]
-    _, blocks = post_head_to_seq(layout, local, roles, comm, kernels)
+    _, blocks = post_head_to_seq(layout, local, roles, comm, kernels, flat=getattr(kernels, "flat_blocks", False))
     outs = [
         torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device)
         for s in roles

@@ -77,7 +77,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ulysses_kernels import make_sp_groups, ulysses_attention
+from ulysses_kernels import make_sp_groups, ops, ulysses_attention
 from ulysses_kernels.backends import doc_kwargs, for_rank, packed_kernel, resolve_backend
 from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import common as C
@@ -236,8 +236,10 @@ def equal_documents(S: int, count: int) -> Documents:
     return documents([i * n for i in range(count)] + [S])
 
 
-def layout_method(name, kern, layout: Layout, like: torch.Tensor):
-    """Our packs and unpacks of one layer, without the collectives (rank ``layout.rank``)."""
+def layout_method(name, kern, layout: Layout, like: torch.Tensor, graph: bool = False):
+    """Our packs and unpacks of one layer, without the collectives (rank ``layout.rank``).
+    ``graph``: the forward's and the backward's launches captured in one CUDA graph each and
+    replayed (``layout-<k>+graph``): the same kernels with no host work per call."""
     B, D, s = layout.batch, layout.head_dim, layout.seq_local
     dev, dt = like.device, like.dtype
     q = torch.randn(B, s, layout.total_heads("q"), D, device=dev).to(dt)
@@ -252,13 +254,18 @@ def layout_method(name, kern, layout: Layout, like: torch.Tensor):
     grads = [torch.empty(B, s, layout.total_heads(x), D, dtype=dt, device=dev) for x in ("q", "kv", "kv")]
     dout_local = torch.randn(B, s, layout.total_heads("q"), D, device=dev).to(dt)
 
+    flat = getattr(kern, "flat_blocks", False)  # as the exchange passes the blocks (attention.exchange)
+
     def fwd():
         kern.pack_s2h(layout, (q, k, v), QKV, send_qkv)
-        kern.unpack_h2s(layout, layout.h2s_recv_views(recv_q, Q_ONLY), Q_ONLY, out)
+        kern.unpack_h2s(layout, layout.h2s_recv_views(recv_q, Q_ONLY, flat=flat), Q_ONLY, out)
 
     def bwd():
         kern.pack_s2h(layout, (dout_local,), Q_ONLY, send_q)
-        kern.unpack_h2s(layout, layout.h2s_recv_views(recv_qkv, QKV), QKV, grads)
+        kern.unpack_h2s(layout, layout.h2s_recv_views(recv_qkv, QKV, flat=flat), QKV, grads)
+
+    if graph:
+        fwd, bwd = _captured(fwd), _captured(bwd)
 
     def check() -> int:
         for buf in [send_qkv, send_q] + out + grads:
@@ -274,6 +281,19 @@ def layout_method(name, kern, layout: Layout, like: torch.Tensor):
         return C.count_unequal_bits([send_qkv, send_q] + out + grads, [ref_qkv, ref_q] + ref_out + ref_grads)
 
     return Method(name, layout_only=True, fwd=fwd, bwd=bwd, check=check)
+
+
+def _captured(fn):
+    """``fn``'s launches captured in a CUDA graph (after a warm-up on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
 
 
 def chain_layout_method(inp: Inputs, P: int):
@@ -423,6 +443,7 @@ def method_names(args, world: int, P: int, packed=()) -> list[str]:
         names += [f"{m}-{k}" for k in kernels for m in ("packed", "equal")]
         names += [f"packed-hybrid-{u}x{world // u}{z}" for u in range(1, world) if world % u == 0 for z in ("", "-zigzag")]
     names += [f"layout-{k}" for k in kernels] + ["chain-layout"]
+    names += [f"layout-{k}+graph" for k in kernels if k == "cuda" and torch.cuda.is_available()]
     if args.methods != "all":
         names = [m.strip() for m in args.methods.split(",")]
     return names
@@ -493,8 +514,11 @@ def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
             raise Skip(f"{name} needs U*R = {world} real ranks")
         return Method(name, lambda q, k, v: ulysses_attention(q, k, v, sp, causal=True, attn_fn=backend, chunks=args.chunks, check=False))
     if name.startswith("layout-"):
-        kern = get_kernels(name[len("layout-"):], inp.device)
-        return layout_method(name, kern, layout, torch.empty(0, dtype=inp.dtype, device=inp.device))
+        graph = name.endswith("+graph")
+        if graph and inp.device.type != "cuda":
+            raise Skip("a CUDA graph needs a GPU")
+        kern = get_kernels(name[len("layout-") : len(name) - len("+graph") * graph], inp.device)
+        return layout_method(name, kern, layout, torch.empty(0, dtype=inp.dtype, device=inp.device), graph=graph)
     if name == "chain-layout":
         return chain_layout_method(inp, P)
     raise Skip(f"unknown method {name!r}")
@@ -758,6 +782,8 @@ def print_header(args, world: int, P: int, backend_name: str, device: torch.devi
     print(f"# bench_attention: {world} ranks{emu}, {backend_name}, {device.type}, {C.dtype_name(dtype)}, "
           f"batch {args.batch}, head_dim {args.head_dim}, causal, warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)  # fmt: skip
     print(f"# methods: {', '.join(names)}", flush=True)
+    default = get_kernels(None, device).name
+    print(f"# default here (kernels='auto'): {default}, kernel variant {ops.pack_variant()} (ULYSSES_KERNELS_PACK_VARIANT)", flush=True)
 
 
 def report(rows, breakdown, notes: dict, device: torch.device) -> None:

@@ -46,6 +46,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulysses_kernels import UlyssesAttention, ulysses_attention
 from ulysses_kernels.attention.call import setup_attention
@@ -85,6 +86,122 @@ def count_collectives():
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
+
+
+# ---- what one layer's data movement dispatches (counted, not timed) -------------------------
+# Ops that read a value back to the host (a device sync on a GPU).
+SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "masked_select", "unique", "_unique", "_unique2", "equal"})
+# Ops that only allocate (no kernel).
+EMPTY_OPS = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"})
+
+
+class DispatchCount(TorchDispatchMode):
+    """Counts the ops dispatched while active, by what they cost on a GPU: ``launch`` (an op
+    that moves or computes data: a kernel launch on a GPU, ours or aten's), ``alloc``
+    (outputs that get fresh storage), ``view`` (a view: host work only), ``sync`` (an op
+    that reads a value back to the host). ``ops``: every dispatched op, ``names``: launches by
+    op name. Works on CPU tensors: the CPU twin of the ``cuda`` kernel set runs the very
+    host path the CUDA kernels do (the same Python, the same op calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"ops": 0, "launch": 0, "alloc": 0, "view": 0, "sync": 0}
+        self.names: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        c = self.counts
+        c["ops"] += 1
+        name = func._schema.name.split("::")[-1]
+        returns = func._schema.returns
+        if name in SYNC_OPS:
+            c["sync"] += 1
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            c["view"] += 1
+        else:
+            c["alloc"] += sum(1 for r in returns if r.alias_info is None and str(r.type).startswith("Tensor"))
+            if name not in EMPTY_OPS:
+                c["launch"] += 1
+                self.names[name] = self.names.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class NullCommunicator:
+    """A communicator whose collectives move nothing (``rank`` of ``world_size``): what the
+    movers do around the collectives, counted without them. ``posts``: collectives posted."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size, self.posts = rank, world_size, 0
+
+    def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
+        self.posts += 1
+
+    def send_recv(self, sends, recvs, async_op=False):
+        self.posts += 1
+
+    def all_gather_ints(self, values, device):
+        return [list(values)] * self.world_size
+
+
+def layer_exchange_counts(layout, kernels, dtype=torch.float32) -> dict:
+    """Dispatch counts (``DispatchCount``) and collectives of one attention layer's data
+    movement, fwd + bwd, as the eager path runs it for rank ``layout.rank`` (collectives
+    replaced by nothing): forward q/k/v to heads and the output back, backward dout to heads
+    and dq/dk/dv back (``SeqToHead``/``HeadToSeq`` forward and backward). CPU tensors."""
+    from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
+    from ulysses_kernels.layout import OUT, QKV
+
+    B, s, S, D = layout.batch, layout.seq_local, layout.seq_total, layout.head_dim
+    q, k, v = (torch.randn(B, s, layout.total_heads(r), D, dtype=dtype) for r in ("q", "kv", "kv"))
+    dout = torch.randn(B, s, layout.total_heads("q"), D, dtype=dtype)
+    local = [torch.randn(B, S, layout.head_count(r, layout.rank), D, dtype=dtype) for r in ("q", "kv", "kv")]
+    comm = NullCommunicator(layout.rank, layout.world_size)
+    with DispatchCount() as fwd:
+        a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels)
+        a2a_head_to_seq(layout, [local[0]], OUT, comm, kernels)
+    with DispatchCount() as bwd:
+        a2a_seq_to_head(layout, [dout], OUT, comm, kernels)
+        a2a_head_to_seq(layout, local, QKV, comm, kernels)
+    return {"fwd": fwd.counts, "bwd": bwd.counts, "collectives": comm.posts, "names": _merge(fwd.names, bwd.names)}
+
+
+def chain_layer_counts(B: int, s: int, heads: int, kv_heads: int, world: int, D: int, dtype=torch.float32) -> dict:
+    """The same counts for the peers' chain (``baselines.chain_seq_to_head``/``chain_head_to_seq``:
+    DeepSpeed's and yunchang's per-tensor permute copies), its ``all_to_all_single`` replaced
+    by nothing; KV heads repeated up to the query heads when they do not divide, as the peers
+    do (the repeat and its backward's sum counted)."""
+    import ulysses_kernels.baselines as B_
+
+    repeat = kv_heads % world != 0
+    kv = heads if repeat else kv_heads
+    q = torch.randn(B, s, heads, D, dtype=dtype)
+    k = torch.randn(B, s, kv_heads, D, dtype=dtype)
+    local = [torch.randn(B, s * world, h // world, D, dtype=dtype) for h in (heads, kv, kv)]
+    posts = [0]
+
+    def null_all_to_all(x, group):
+        posts[0] += 1
+        return torch.empty_like(x)
+
+    real, B_._all_to_all = B_._all_to_all, null_all_to_all
+    try:
+        with DispatchCount() as fwd:
+            kk = k.repeat_interleave(heads // kv_heads, dim=2) if repeat else k
+            for x in (q, kk, kk):
+                B_.chain_seq_to_head(x, world, None)
+            B_.chain_head_to_seq(local[0], world, None)
+        with DispatchCount() as bwd:
+            B_.chain_seq_to_head(q, world, None)  # dout has q's shape
+            grads = [B_.chain_head_to_seq(x, world, None) for x in local]
+            if repeat:  # the backward of repeat_interleave: sum the copies of dk and dv
+                for g in grads[1:]:
+                    g.view(B, s, kv_heads, heads // kv_heads, D).sum(3)
+    finally:
+        B_._all_to_all = real
+    return {"fwd": fwd.counts, "bwd": bwd.counts, "collectives": posts[0], "names": _merge(fwd.names, bwd.names)}
+
+
+def _merge(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
 
 
 def make_inputs(args, rank: int, world: int, device: torch.device, dtype: torch.dtype):

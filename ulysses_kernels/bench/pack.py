@@ -3,6 +3,7 @@
     python -m ulysses_kernels.bench.pack                 # GPU: 96-320 MiB buffers; no GPU: tiny CPU sizes
     python -m ulysses_kernels.bench.pack --device cpu --iters 3 --out /tmp/results
     python -m ulysses_kernels.bench.pack --kernels cuda,triton --configs 32/8/8/1/8192/128
+    python -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new   # A/B of the kernel variants
 
 A configuration ``Hq/Hkv/P/B/s/D`` (query heads, KV heads, ranks, batch, tokens per rank,
 head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)``). Rows:
@@ -38,6 +39,12 @@ run after the timing, with the outputs filled with NaN first so that an element 
 leaves unwritten counts. Any ``#wrong`` > 0 makes the script exit non-zero (after writing
 its files).
 
+Variants (``--variants old,new``): the ``cuda`` and ``triton`` rows are run once per kernel
+variant (``ulysses_kernels.ops.set_pack_variant``, in this one process), labelled
+``fused (<k> <variant>)``; the JSON's ``meta.variants`` holds, per set and op, each
+variant's % of copy per configuration, the worst, and ``x_old_over_new`` (geometric mean of
+old time / new time: > 1 means the new variant is faster), printed as ``# variants`` lines.
+
 Timing: CUDA events around each call after a device sync (``common.time_iters``); on the
 CPU ``perf_counter``, labelled "CPU (not a GPU claim)" in the table, the JSON (``env.timer``)
 and the plot. Output: the table, then ``bench_pack_<UTC time>_<gpu>_w1.{csv,json}`` (rows +
@@ -48,6 +55,7 @@ importable, under ``--out-dir`` (alias ``--out``; default ``./bench_results``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -55,6 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ulysses_kernels import ops
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
@@ -95,13 +104,42 @@ class Case:
     moved: int  # bytes read + bytes written by one call
     poison: Sequence[torch.Tensor] = ()
     view: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] = field(default=lambda outs: outs)
+    variant: str | None = None  # the kernel variant this row runs under (``ops.set_pack_variant``); None: any
+
+
+# Kernel sets whose kernels come in the variants of ``ops.PACK_VARIANTS``.
+VARIANT_SETS = ("cuda", "triton")
+
+
+def fused_label(kern, device: torch.device, variant: str | None) -> str:
+    """``fused (<k>)``, or ``fused (<k> <variant>)`` for a row of a variant sweep."""
+    name = C.kernel_label(kern.name, device)
+    return f"fused ({name} {variant})" if variant else f"fused ({name})"
+
+
+def _variants_of(kern, variants: Sequence[str] | None) -> list[str | None]:
+    return list(variants) if variants and kern.name in VARIANT_SETS else [None]
 
 
 def check(case: Case) -> int:
     """Poison the outputs, run once more, count the elements that differ from the expected."""
     for t in case.poison:
         t.fill_(float("nan"))
-    return C.count_unequal_bits(case.view(case.run()), case.expected)
+    with variant_of(case):
+        return C.count_unequal_bits(case.view(case.run()), case.expected)
+
+
+@contextlib.contextmanager
+def variant_of(case: Case):
+    """Run ``case`` under its kernel variant (the process's setting is restored after)."""
+    if case.variant is None:
+        yield
+        return
+    previous = ops.set_pack_variant(case.variant)
+    try:
+        yield
+    finally:
+        ops.set_pack_variant(previous)
 
 
 # ---- the cases of one configuration ------------------------------------------------------
@@ -171,22 +209,23 @@ def resolve_kernel_sets(kernel_sets: Sequence, device: torch.device, lay: Layout
     return kernels, skipped
 
 
-def pack_cases(c: _Config, kernels) -> list[Case]:
-    """copy, fused per kernel set, torch, and the chain's send side when the heads divide."""
+def pack_cases(c: _Config, kernels, variants: Sequence[str] | None = None) -> list[Case]:
+    """copy, fused per kernel set (and variant, for a variant sweep), torch, and the chain's
+    send side when the heads divide."""
     size = c.n_send * c.elem
     src, dst = c.copy_src, c.empty(c.n_send)
     cases = [Case("pack", "copy", lambda: [dst.copy_(src)], [src], size, 2 * size, poison=[dst])]
 
-    def pack_case(method, fn):
+    def pack_case(method, fn, variant=None):
         send = c.empty(c.n_send)
 
         def run():
             fn(c.lay, c.qkv, QKV, send)
             return [send]
 
-        return Case("pack", method, run, [c.ref_send], size, 2 * size, poison=[send])
+        return Case("pack", method, run, [c.ref_send], size, 2 * size, poison=[send], variant=variant)
 
-    cases += [pack_case(f"fused ({C.kernel_label(k.name, c.device)})", k.pack_s2h) for k in kernels]
+    cases += [pack_case(fused_label(k, c.device, v), k.pack_s2h, v) for k in kernels for v in _variants_of(k, variants)]
     cases.append(pack_case("torch", L.pack_s2h))
     if chain_divides(c.lay):
         ref_views = c.lay.s2h_send_views(c.ref_send, QKV)
@@ -203,23 +242,23 @@ def pack_cases(c: _Config, kernels) -> list[Case]:
     return cases
 
 
-def unpack_cases(c: _Config, kernels) -> list[Case]:
-    """copy, fused per kernel set, torch, and the chain's receive side when the heads divide."""
+def unpack_cases(c: _Config, kernels, variants: Sequence[str] | None = None) -> list[Case]:
+    """copy, fused per kernel set (and variant), torch, and the chain's receive side when the heads divide."""
     rsize = c.n_recv * c.elem
     written = sum(math.prod(sh) for sh in c.out_shapes) * c.elem  # < rsize where KV replicas are summed
     udst = c.empty(c.n_recv)
     cases = [Case("unpack", "copy", lambda: [udst.copy_(c.recv)], [c.recv], rsize, 2 * rsize, poison=[udst])]
 
-    def unpack_case(method, fn):
+    def unpack_case(method, fn, variant=None):
         outs = [c.empty(*sh) for sh in c.out_shapes]
 
         def run():
             fn(c.lay, c.blocks, QKV, outs)
             return outs
 
-        return Case("unpack", method, run, c.ref_outs, rsize, rsize + written, poison=outs)
+        return Case("unpack", method, run, c.ref_outs, rsize, rsize + written, poison=outs, variant=variant)
 
-    cases += [unpack_case(f"fused ({C.kernel_label(k.name, c.device)})", k.unpack_h2s) for k in kernels]
+    cases += [unpack_case(fused_label(k, c.device, v), k.unpack_h2s, v) for k in kernels for v in _variants_of(k, variants)]
     cases.append(unpack_case("torch", L.unpack_h2s))
     if chain_divides(c.lay):
         # The chain's receive buffer per tensor: [P, s, B, H/P, D], peer p's block first.
@@ -232,13 +271,15 @@ def unpack_cases(c: _Config, kernels) -> list[Case]:
     return cases
 
 
-def build_cases(cfg, device: torch.device, dtype: torch.dtype, kernel_sets: Sequence, seed: int = 0):
+def build_cases(cfg, device: torch.device, dtype: torch.dtype, kernel_sets: Sequence, seed: int = 0, variants: Sequence[str] | None = None):
     """The rows of one configuration, and ``{method: why}`` for kernel sets that cannot run.
 
-    ``kernel_sets``: names for ``get_kernels`` (None = auto) or kernel-set objects."""
+    ``kernel_sets``: names for ``get_kernels`` (None = auto) or kernel-set objects.
+    ``variants``: kernel variants (``ops.PACK_VARIANTS``) to run the ``cuda`` and ``triton``
+    sets under, one row each; None: the process's current variant, unlabelled."""
     c = _Config(cfg, device, dtype, seed)
     kernels, skipped = resolve_kernel_sets(kernel_sets, device, c.lay)
-    return pack_cases(c, kernels) + unpack_cases(c, kernels), skipped
+    return pack_cases(c, kernels, variants) + unpack_cases(c, kernels, variants), skipped
 
 
 # ---- the sweep -----------------------------------------------------------------------------
@@ -274,22 +315,26 @@ def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
     if iters < 1 or warmup < 0:
         raise SystemExit("bench_pack: need --iters >= 1 and --warmup >= 0")
     names = kernel_names(args.kernels, device)
+    variants = parse_variants(args.variants)
     cpu = "" if gpu else f"  [{C.CPU_LABEL}]"
-    print(f"# bench_pack: {device.type}, dtype {C.dtype_name(dtype)}, kernels {args.kernels}, "
+    default = default_kernels(device)
+    print(f"# bench_pack: {device.type}, dtype {C.dtype_name(dtype)}, kernels {args.kernels}, variants {args.variants or ops.pack_variant()}, "
           f"warmup {warmup}, iters {iters}, rank 0 of each config's group{cpu}", flush=True)  # fmt: skip
+    print(f"# default here (kernels='auto'): {default}, variant {ops.pack_variant()} (ULYSSES_KERNELS_PACK_VARIANT)", flush=True)
     rows, notes = [], {}
     for cfg in configs:
-        cases, skipped = build_cases(cfg, device, dtype, names, seed=args.seed)
+        cases, skipped = build_cases(cfg, device, dtype, names, seed=args.seed, variants=variants)
         notes.update({f"{config_label(cfg)} {m}": why for m, why in skipped.items()})
         cfg_rows = []
         for case in cases:
-            t = C.median(C.time_iters(case.run, device=device, warmup=warmup, iters=iters, barrier=False))
+            with variant_of(case):
+                t = C.median(C.time_iters(case.run, device=device, warmup=warmup, iters=iters, barrier=False))
             wrong = check(case) if args.check else None
             cfg_rows.append({
                 "config": config_label(cfg), "op": case.op, "method": case.method, "bytes": case.size,
                 "time_us": t * 1e6, "gbps": case.moved / t / 1e9, "bytes_moved": case.moved, "wrong": wrong,
                 "q_heads": cfg[0], "kv_heads": cfg[1], "world": cfg[2], "batch": cfg[3], "seq_per_rank": cfg[4],
-                "head_dim": cfg[5], "dtype": C.dtype_name(dtype),
+                "head_dim": cfg[5], "dtype": C.dtype_name(dtype), "variant": case.variant,
             })  # fmt: skip
         del cases
         for op in ("pack", "unpack"):
@@ -298,10 +343,49 @@ def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
                 r["pct_copy"] = 100.0 * r["gbps"] / by["copy"]["gbps"]
                 r["x_chain"] = by["chain"]["time_us"] / r["time_us"] if "chain" in by else None
         rows += cfg_rows
-    return rows, {"skipped": notes, "warmup": warmup, "iters": iters, "configs": [config_label(c) for c in configs]}
+    meta = {"skipped": notes, "warmup": warmup, "iters": iters, "configs": [config_label(c) for c in configs],
+            "default_kernels": default, "default_variant": ops.pack_variant(), "variants": variant_summary(rows)}  # fmt: skip
+    return rows, meta
 
 
-def report(rows: list[dict], notes: dict, device: torch.device) -> None:
+def parse_variants(text: str | None) -> list[str] | None:
+    """``--variants`` (comma list of ``ops.PACK_VARIANTS``) or None."""
+    if not text:
+        return None
+    out = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in out if v not in ops.PACK_VARIANTS]
+    if bad or not out:
+        raise SystemExit(f"bench_pack: --variants wants a comma list of {list(ops.PACK_VARIANTS)}, got {text!r}")
+    return out
+
+
+def default_kernels(device: torch.device) -> str:
+    """The kernel set ``kernels='auto'`` picks on ``device`` (a GPU: by the registry's ``gpu_validated``)."""
+    return get_kernels(None, device).name
+
+
+def variant_summary(rows: list[dict]) -> dict:
+    """Per kernel set and op, per variant: % of copy of every configuration, the worst, and
+    the geometric mean of time(old) / time(new) (> 1: new faster). Empty without a sweep."""
+    out: dict = {}
+    swept = [r for r in rows if r.get("variant")]
+    for r in swept:
+        kern = r["method"][len("fused (") :].split()[0].rstrip(":")
+        ent = out.setdefault(kern, {}).setdefault(r["op"], {})
+        ent.setdefault(r["variant"], {})[r["config"]] = {"pct_copy": r["pct_copy"], "time_us": r["time_us"]}
+    for per_op in out.values():
+        for ent in per_op.values():
+            for v in list(ent):
+                ent[v] = {"per_config": ent[v], "worst_pct_copy": min(x["pct_copy"] for x in ent[v].values())}
+            if "old" in ent and "new" in ent:
+                both = [c for c in ent["new"]["per_config"] if c in ent["old"]["per_config"]]
+                ratios = [ent["old"]["per_config"][c]["time_us"] / ent["new"]["per_config"][c]["time_us"] for c in both]
+                ent["x_old_over_new"] = math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else None
+                ent["faster"] = None if not ratios else ("new" if ent["x_old_over_new"] > 1 else "old")
+    return out
+
+
+def report(rows: list[dict], notes: dict, device: torch.device, summary: dict | None = None) -> None:
     C.print_table(COLUMNS, rows, title=None if device.type == "cuda" else f"# times: {C.CPU_LABEL}")
     for what, why in notes.items():
         print(f"# skipped {what}: {why}", flush=True)
@@ -315,6 +399,12 @@ def report(rows: list[dict], notes: dict, device: torch.device) -> None:
               f"worst {chain} the chain (target >= {TARGET_X_CHAIN:.0f}x){label}", flush=True)  # fmt: skip
     else:
         print(f"# no fused row >= 64 MiB: the bandwidth targets are not measured by this run{label}", flush=True)
+    for kern, per_op in (summary or {}).items():
+        for op, ent in per_op.items():
+            worst = ", ".join(f"{v} worst {ent[v]['worst_pct_copy']:.1f}%" for v in ops.PACK_VARIANTS if v in ent)
+            ratio = ent.get("x_old_over_new")
+            verdict = f"; time old/new {ratio:.3f} (geomean): {ent['faster']} faster" if ratio else ""
+            print(f"# variants {kern} {op}: {worst} of copy{verdict}{label}", flush=True)
     if rows and rows[0]["wrong"] is not None:
         bad = sum(r["wrong"] for r in rows)
         print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
@@ -351,6 +441,9 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", "-d", default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
     p.add_argument("--kernels", default="auto", help="comma list of kernel sets for the fused rows: auto (default), cuda, triton, torch")
+    p.add_argument("--variants", default=None,
+                   help=f"comma list of kernel variants {'/'.join(ops.PACK_VARIANTS)} for the cuda and triton rows, one row each "
+                        "(default: the current one, ULYSSES_KERNELS_PACK_VARIANT, unlabelled)")  # fmt: skip
     p.add_argument("--configs", default=None, help="comma list of Hq/Hkv/P/B/s/D (default: the GPU set, or tiny sizes on the CPU)")
     p.add_argument("-w", "--warmup", "--warmup-iters", dest="warmup", type=int, default=None, help="default 10 (GPU), 1 (CPU)")
     p.add_argument("-n", "--iters", type=int, default=None, help="timed calls per row, default 100 (GPU), 5 (CPU)")
@@ -368,7 +461,7 @@ def main(argv=None, *, default_out_dir=None) -> int:
     args = parse_args(argv, default_out_dir)
     device = torch.device(args.device)
     rows, meta = run_bench(args, device)
-    report(rows, meta["skipped"], device)
+    report(rows, meta["skipped"], device, meta["variants"])
     meta = dict(vars(args), **meta)
 
     def env_fn():

@@ -10,7 +10,9 @@ layout math of ``ulysses_kernels.layout``:
 * ``unpack_h2s(layout, blocks, roles, outs)``: received blocks -> ``[B, s_r, H, D]``
   outputs, summing replicated KV heads in rank order.
 
-Optionally ``supports(layout) -> bool`` (the C++ kernels take at most ``kMaxPeers`` ranks).
+Optionally ``supports(layout) -> bool`` (the C++ kernels take at most ``kMaxPeers`` ranks),
+and ``flat_blocks = True`` when ``unpack_h2s`` also takes each block as the flat 1-D piece of
+``B * s_r * h * D`` elements it is in wire format (the exchange then makes no view per block).
 
 The registry (``KERNEL_SETS``) holds one ``KernelSetSpec`` per named set, with the
 properties the rest of the package asks about: whether it traces under ``torch.compile``

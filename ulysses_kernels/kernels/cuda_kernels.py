@@ -37,6 +37,10 @@ class CudaKernels:
     """Kernel set backed by ``torch.ops.ulysses_kernels`` (see ``ulysses_kernels.kernels``)."""
 
     name = "cuda"
+    # unpack_h2s takes a block as the 1-D contiguous piece of B * s_r * h * D elements it is in
+    # wire format, as well as a [B, s_r, h, D] view: the exchange then makes no view per block
+    # (one dispatched op each, host time that was most of a layer's fixed cost; issue #36).
+    flat_blocks = True
 
     def __init__(self):
         ops.load()  # the ops below exist once _C is loaded (ImportError saying why otherwise)

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import ops
 from ..layout import Layout
 
 __all__ = ["TritonKernels"]
@@ -120,9 +121,16 @@ def _gather_columns_kernel(
     # every access scalar (checked in the sm_90 PTX: ld.global.b16 before, v4.b32 after).
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    n_cols,  # head columns (the "new" variant's 1-D grid)
+    COLS_FASTEST: tl.constexpr,  # the "new" variant: program p = (row block p // n_cols, column p % n_cols)
 ):
-    pid_r = tl.program_id(0)
-    col = tl.program_id(1).to(tl.int64)
+    if COLS_FASTEST:
+        pid = tl.program_id(0).to(tl.int64)
+        pid_r = pid // n_cols
+        col = pid % n_cols
+    else:
+        pid_r = tl.program_id(0)
+        col = tl.program_id(1).to(tl.int64)
     c = col_ptr + col * 7
     dst_t = tl.load(c)
     dst_off = tl.load(c + 1)
@@ -315,7 +323,8 @@ class TritonKernels:
         addr_t = _int64_table(addrs, device, capturing)  # captured: from the graph's own pool
         if capturing:
             TritonKernels._captured.append((cols, srcs))
-        grid, block_r, block_d = _launch_geometry(n_rows, table.n_cols, head_dim, _interpreting())
+        new = ops.pack_variant() == "new"
+        grid, block_r, block_d = _launch_geometry(n_rows, table.n_cols, head_dim, _interpreting(), new)
         float_ty = _TL_FLOAT.get(dtype, tl.float32)
         acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -324,27 +333,39 @@ class TritonKernels:
                 D=head_dim, ELEM=_TL_INT[itemsize], FLOAT=float_ty, ACC=acc_ty, HAS_SUM=table.has_sum, IS_BF16=dtype == torch.bfloat16,
                 BF16_NAN=0x7FFF if device.type == "cuda" else 0xFFFF,
                 D_CONTIG=table.d_contig, VEC=vec if aligned else 1, BLOCK_R=block_r, BLOCK_D=block_d,
-                num_warps=4,
+                n_cols=table.n_cols, COLS_FASTEST=new, num_warps=8 if new else 4,
             )  # fmt: skip
         # Keep the address table (and through the caller, the tensors) alive for the launch.
         del addr_t
 
 
-def _launch_geometry(n_rows: int, n_cols: int, head_dim: int, interpreting: bool) -> tuple[tuple[int, int], int, int]:
+def _launch_geometry(n_rows: int, n_cols: int, head_dim: int, interpreting: bool, new: bool = True) -> tuple[tuple[int, ...], int, int]:
     """``(grid, BLOCK_R, BLOCK_D)`` of one launch over ``n_rows = n_tok * batch`` rows and
     ``n_cols`` head columns.
 
-    Rows go on grid axis 0 (CUDA's x: up to 2^31 - 1 programs), head columns on axis 1 (y:
-    at most 65535). The row count grows with the sequence (1M tokens x batch 4, D = 128:
-    131072 programs, past the y limit) while the column count is the head count, so the
-    axes must not be swapped. Inside the kernel, row indices and every offset are int64.
+    Old variant: rows on grid axis 0 (CUDA's x: up to 2^31 - 1 programs), head columns on
+    axis 1 (y: at most 65535). The row count grows with the sequence (1M tokens x batch 4,
+    D = 128: 131072 programs, past the y limit) while the column count is the head count,
+    so the axes must not be swapped. ~4K elements per program, 4 warps.
+
+    New variant: one axis of ``row blocks x columns`` programs, the column fastest, so the
+    programs that run side by side (consecutive ids) move the heads of the same tokens:
+    neighbouring rows of the source (a token's heads are contiguous) and of the send buffer,
+    rather than one head of many tokens (rows ``H * D`` elements apart). ~8K elements per
+    program (16 KB of bf16), 8 warps: twice the bytes in flight per program. Inside the
+    kernel, row indices and every offset are int64.
     """
     block_d = triton.next_power_of_2(head_dim)
-    # ~4K elements per program on a GPU; bigger tiles in the interpreter, where each
-    # program instance costs ~4 ms regardless of its size.
-    target = 1 << 14 if interpreting else 4096
+    # Bigger tiles in the interpreter, where each program instance costs ~4 ms regardless of its size.
+    target = 1 << 14 if interpreting else (8192 if new else 4096)
     block_r = max(1, min(triton.next_power_of_2(n_rows), max(1, target // block_d)))
-    grid = (triton.cdiv(n_rows, block_r), n_cols)
+    n_blocks = triton.cdiv(n_rows, block_r)
+    if new:
+        grid = (n_blocks * n_cols,)
+        if grid[0] > 2**31 - 1:
+            raise ValueError(f"TritonKernels: grid {grid} exceeds CUDA's limit (2^31 - 1 programs; {n_cols} head columns)")
+        return grid, block_r, block_d
+    grid = (n_blocks, n_cols)
     if grid[1] > 65535 or grid[0] > 2**31 - 1:  # CUDA's grid limits (y, x)
         raise ValueError(f"TritonKernels: grid {grid} exceeds CUDA's limits ({n_cols} head columns)")
     return grid, block_r, block_d
