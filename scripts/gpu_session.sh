@@ -290,13 +290,20 @@ stage_attn() {  # one process per model, so that a timeout loses one model, not 
 }
 
 # ---- the wave: every GPU-bound check of this round of work, in one call ------------------------
-wave_extra() {  # EDIT HERE after merging: the steps of the merged work, run while the budget lasts.
-  # One `step NAME LIMIT_S CMD... || true` per line; results into "$RESULTS" (this wave's folder);
-  # TINY sizes for the CPU rehearsal go in the `[ "$TINY" = 1 ]` branch. Take the flags from the
-  # merged modules (`python -m ulysses_kernels.bench.longctx --help`), e.g. (NOT real flags yet):
-  #   step bench_longctx 120 "$PY" -m ulysses_kernels.bench.longctx <emulated rank-0 flags> --out-dir "$RESULTS" || true
-  #   step attention_packed 120 "$PY" -m ulysses_kernels.bench.attention --sp 8 <packed-row flags> --out-dir "$RESULTS" || true
-  :
+wave_extra() {  # the steps of this wave's merged work, run while the budget lasts
+  # bench.longctx as rank 0 of an 8-way Llama-3-8B job and a 16-way Qwen2.5-14B one (#39): the
+  # GPU machine's transformers (5.17) lacks activation_checkpointing_enable, so transformers
+  # 5.23.0 travels as a wheel in build/wheels (the device tool's carry) and goes first on the path.
+  local tf=() lc
+  if [ "$DRY" != 1 ] && compgen -G "build/wheels/transformers-*.whl" >/dev/null; then
+    "$BASE_PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/ulysses_tf build/wheels/transformers-*.whl &&
+      tf=(env "PYTHONPATH=/tmp/ulysses_tf${PYTHONPATH:+:$PYTHONPATH}")
+  fi
+  lc=(--emulate-rank0-of 8 --model llama3-8b,qwen2.5-14b@16 --layers 2,4 --seqs 256K,1M,2M,4M --max-seq --gpu-gb 80
+      --max-probes 3 --ablation --time-budget "${GPU_SESSION_LONGCTX_BUDGET:-100}" -d bf16)
+  [ "$TINY" = 1 ] && lc=(--emulate-rank0-of 4 --model tiny --time-budget 60)
+  step bench_longctx 150 "${tf[@]}" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    "$PY" -m ulysses_kernels.bench.longctx "${lc[@]}" --out-dir "$WAVE_DIR" || true
 }
 
 gpu_slug() {  # "h100", "h200", ... from the GPU's name; "cpu" without one
@@ -326,20 +333,23 @@ stage_wave() {
   pytest_args
   # All GPU test files in one pytest under xdist: a crash costs one test. Serially they took
   # 15-39 s each on the H200 (test_large_index's far views ~30 GiB at peak: fine beside 3 others).
-  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_large_index.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py}
+  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_large_index.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_varlen_backends.py tests/test_packed_ring.py}
   compile=tests/test_compile.py
   if [ "$TINY" = 1 ]; then tests="tests/test_kernel_registry.py tests/test_watchdog.py"; compile=tests/test_imports.py; fi
   # shellcheck disable=SC2086  # $tests is a list of paths
   step gpu_tests 240 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true
-  step bench_pack_auto 120 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
-  # test_compile: 15 tests, 53 s serially on the H200; its own step so that it has the time.
-  step compile_tests 150 "$PY" -m pytest -q -ra "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_compile.xml" "$compile" || true
-  step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
+  step bench_pack_auto 120 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
+  # Every set, and the old/new kernel variants of cuda and triton (#36) in the same process:
+  # the "# variants" lines say which is faster (ops.DEFAULT_PACK_VARIANT follows them).
+  step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new --warmup 10 --iters 40 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128 --head-dim 16)
   step bench_attention 180 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$WAVE_DIR" &&
     step perf_model 60 "$PY" -m ulysses_kernels.bench.perf_model --attention-json "$WAVE_DIR/bench_attention_latest.json" || true
   wave_extra
+  # test_compile: 15 tests, 53 s serially on the H200; last, since the benchmarks above are this
+  # wave's new measurements and the compile tests passed on the first run.
+  step compile_tests 150 "$PY" -m pytest -q -ra "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_compile.xml" "$compile" || true
   wave_record
 }
 
