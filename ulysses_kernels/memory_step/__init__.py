@@ -26,7 +26,8 @@ nested backward passes (our attention) is recomputed twice unless the backward r
 one ``GraphExecGroup`` (docs/longctx.md): the replay assumes one recompute.
 
 The pieces, one job each: ``replay.StepReplay`` (the step: layers, recompute, offload; the
-entry point), ``norm``, ``mlp``, ``attention``, ``loss`` (each block's forward and backward),
+entry point), ``norm``, ``mlp``, ``attention`` (projections, RoPE), ``attention_op``
+(``ulysses_attention``: exchanges, kernel), ``loss`` (each block's forward and backward),
 ``tiles`` (``SequenceTiled``: tile counts, the tiled forward), ``sizes`` (the bytes of a
 tensor, of a rank's step, of the op's buffers) and ``ledger`` (the tensors alive, the peak).
 """

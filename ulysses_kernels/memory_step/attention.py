@@ -1,9 +1,10 @@
 """The attention module in the replay: q/k/v projections (and Qwen3's per-head q/k norms), RoPE,
-``ulysses_attention`` (the q/k/v exchange, an SDPA-like kernel that saves its output and float32
-log-sum-exp, the output exchange) and their backward, down to o_proj's input."""
+``ulysses_attention`` (``attention_op.AttentionOpReplay``), o_proj's output, and their backward
+from o_proj's input gradient."""
 
 from __future__ import annotations
 
+from .attention_op import AttentionOpReplay
 from .ledger import Ledger
 from .norm import NormReplay
 from .sizes import ExchangeBytes, Rows, StepSizes
@@ -15,7 +16,8 @@ class AttentionReplay:
     """The attention of one rank's step: ``sizes`` the step's, ``x`` the op's buffers."""
 
     def __init__(self, ledger: Ledger, setup, sizes: StepSizes, x: ExchangeBytes, norms: NormReplay):
-        self.t, self.s, self.sizes, self.x, self.norms = ledger, setup, sizes, x, norms
+        self.t, self.s, self.sizes, self.norms = ledger, setup, sizes, norms
+        self.op = AttentionOpReplay(ledger, setup, sizes, x)
 
     # ---- RoPE ------------------------------------------------------------------------------
     def rope(self, src: str, nbytes: int, out: str) -> None:
@@ -48,7 +50,7 @@ class AttentionReplay:
     def forward(self, p: str, keep: bool) -> str:
         """q/k/v projections, RoPE, ``ulysses_attention``, o_proj; returns o_proj's output.
         The q/k/v inputs of the op stay until the attention module returns."""
-        t, R, x = self.t, self.sizes.rows, self.x
+        t, R = self.t, self.sizes.rows
         if self.s.qk_norm:  # Qwen3: an RMSNorm over head_dim on q and k before RoPE
             pre = []
             for role, size, hr in (("q", R.Q, self.sizes.qrows), ("k", R.K, self.sizes.krows)):
@@ -67,118 +69,19 @@ class AttentionReplay:
             self.rope(p + "q", R.Q, p + "qe")
             self.rope(p + "k", R.K, p + "ke")
             t.free(p + "q", p + "k")
-        if x.send_qkv:
-            t.new(p + "send", x.send_qkv)
-        t.new(p + "recv", x.recv_qkv, "q/k/v exchange")
-        if x.send_qkv:
-            t.free(p + "send")
-        if x.gathered:  # a copy of q and k, v gathered to one KV head per query head (docs/design.md)
-            t.new(p + "qc", x.hq * x.head)
-            t.new(p + "kvg", x.kv2)
-        t.new(p + "outl", x.out_l, "attention")
-        t.new(p + "lse", x.lse, "attention")
-        if x.gathered:
-            t.free(p + "recv")
-            if not keep:
-                t.free(p + "qc", p + "kvg")
-        elif not keep:
-            t.free(p + "recv")
-        if not keep:
-            t.free(p + "lse")
-        if x.world > 1:
-            t.new(p + "orecv", x.out_recv)
-            t.new(p + "out", R.Q, "output exchange")
-            t.free(p + "orecv")
-            if not keep:
-                t.free(p + "outl")
+        out = self.op.forward(p, keep)
         o = t.new(p + "o", R.X)
         t.free(p + "qe", p + "ke", p + "v")
         if not keep:
-            t.free(p + ("out" if x.world > 1 else "outl"))
+            t.free(out)
         return o
 
-    # ---- backward --------------------------------------------------------------------------
-    def backward(self, p: str, grad: str) -> tuple[str, str, str]:
-        """From o_proj's input gradient ``grad`` to the gradients of the rotated q, k and v."""
-        t, R, x, w = self.t, self.sizes.rows, self.x, "attention backward"
-        if x.send_dout:
-            t.new(p + "dsend", x.send_dout, "dout exchange")
-        t.new(p + "drecv", x.recv_dout, "dout exchange")
-        if x.send_dout:
-            t.free(p + "dsend")
-        t.free(grad)
-        if x.head_chunked:
-            self._chunked_kernel_backward(p, w)
-        else:
-            self._kernel_backward(p, w)
-        if x.world == 1:  # the kernel's gradients are the results
-            for a, b in (("dql", "dq"), ("dkl", "dk"), ("dvl", "dv")):
-                t.rename(p + a, p + b)
-            return p + "dq", p + "dk", p + "dv"
-        t.new(p + "dqkvrecv", x.dqkv_recv, "dq/dk/dv exchange")
-        t.new(p + "dq", R.Q, "dq/dk/dv exchange")
-        t.new(p + "dk", R.K, "dq/dk/dv exchange")
-        t.new(p + "dv", R.K, "dq/dk/dv exchange")
-        t.free(p + "dqkvrecv", p + "dkl", p + "dvl", p + "dql")
-        return p + "dq", p + "dk", p + "dv"
-
-    def _kernel_backward(self, p: str, w: str) -> None:
-        t, x, e = self.t, self.x, self.sizes.e
-        t.new(p + "dql", x.hq * x.head, w)
-        t.new(p + "dkl", x.dkv_kernel // 2, w)
-        t.new(p + "dvl", x.dkv_kernel // 2, w)
-        if self.s.flash_workspace:  # flash-attn's mha_bwd: float32 dq_accum [B, S, hq, D], softmax_d [B, hq, S]
-            t.blip(x.hq * x.head // e * 4 + x.lse, w + " (flash-attn workspace)")
-        t.free(p + "outl", p + "lse")
-        t.free(*((p + "qc", p + "kvg") if x.gathered else (p + "recv",)))
-        if x.shared:  # KVGradSum: float32 accumulators of the one KV head, then the casts
-            wide = self.sizes.wide
-            t.new(p + "acck", x.head // e * wide, "KV gradient sum")
-            t.new(p + "accv", x.head // e * wide, "KV gradient sum")
-            if wide != e:
-                t.new(p + "ck", x.head, "KV gradient sum")
-                t.new(p + "cv", x.head, "KV gradient sum")
-                t.free(p + "acck", p + "accv")
-                t.rename(p + "ck", p + "acck")
-                t.rename(p + "cv", p + "accv")
-            t.free(p + "dkl", p + "dvl", p + "drecv")
-            t.rename(p + "acck", p + "dkl")
-            t.rename(p + "accv", p + "dvl")
-        else:
-            t.free(p + "drecv")
-
-    def _chunked_kernel_backward(self, p: str, w: str) -> None:
-        """``longctx.HeadChunkedAttention``'s backward: ``dq`` (and for MHA ``dk``, ``dv``) whole,
-        the kernel per chunk of query heads, a shared KV head's gradient summed as it goes; the
-        saved tensors go when it returns."""
-        t, x, e, wide = self.t, self.x, self.sizes.e, self.sizes.wide
-        head = x.head
-        w += " (head chunks)"
-        t.new(p + "dql", x.hq * head, w)
-        if not x.shared:
-            t.new(p + "dkl", x.hkv * head, w)
-            t.new(p + "dvl", x.hkv * head, w)
-        c0 = min(self.s.attention_head_chunk, x.hq)
-        sizes = [c0] + ([min(c0, x.hq - c0)] if x.hq > c0 else [])
-        for i, c in enumerate(sizes):
-            q = f"{p}hc{i}."
-            for name in ("gq", "gk", "gv"):
-                t.new(q + name, c * head, w)
-            if self.s.flash_workspace:
-                t.blip(c * head // e * 4 + x.lse * c // x.hq, w + ", flash-attn workspace")
-            if x.shared and i == 0:  # KVGradSum: accumulators copied from the first head
-                t.new(p + "acck", head // e * wide, w)
-                t.new(p + "accv", head // e * wide, w)
-            t.free(q + "gq", q + "gk", q + "gv")
-        if x.shared:
-            if wide != e:
-                t.new(p + "dkl", head, w)
-                t.new(p + "dvl", head, w)
-                t.free(p + "acck", p + "accv")
-            else:
-                t.rename(p + "acck", p + "dkl")
-                t.rename(p + "accv", p + "dvl")
-        t.free(p + "outl", p + "lse", p + "recv", p + "drecv")
+    # ---- backward ----------------------------------------------------------------------------
+    def backward(self, p: str, grad: str, x: str) -> str:
+        """From o_proj's input gradient ``grad`` through the op, RoPE and the q/k/v projections
+        to the gradient of their input ``x`` (the norm's output, freed here)."""
+        dq, dk, dv = self.op.backward(p, grad)
+        return self.projections_backward(p, dq, dk, dv, x)
 
     def projections_backward(self, p: str, dq: str, dk: str, dv: str, x: str) -> str:
         """RoPE backward, then v, k, q projections' backward; frees their input ``x`` (the

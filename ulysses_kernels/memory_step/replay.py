@@ -94,8 +94,7 @@ class StepReplay:
         if self.exchange.world > 1:  # o_proj's input (at world 1 it is the attention output, freed below)
             t.free(p + "a.out")
         t.free(p + "dWo")
-        dq, dk, dv = self.attention.backward(p + "a.", dattn)
-        dxn1 = self.attention.projections_backward(p + "a.", dq, dk, dv, p + "n1.out")
+        dxn1 = self.attention.backward(p + "a.", dattn, p + "n1.out")
         return self.norms.backward(p + "n1.", R, dxn1, x, dres1, "norm backward")
 
     # ---- the step ------------------------------------------------------------------------------
