@@ -15,6 +15,7 @@ import torch
 
 from ...longctx.install import enable as enable_long_context
 from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, _ulysses_mask, attention_settings
+from .audit import check_token_mixers
 from .batch import _SHARD_KWARG, HFIntegrationError
 from .multimodal import prepare as prepare_multimodal
 from .multimodal import text_config_key, text_model
@@ -186,6 +187,8 @@ def apply(
     # Only the text model runs sequence-parallel; a vision tower's attention (bidirectional,
     # over whole images before the sequence is sharded) keeps its implementation.
     modules = [m for m in _attention_modules(model) if texts is None or m.config is texts.config]
+    # Every other module that mixes tokens along the sequence must be one apply makes exact.
+    check_token_mixers(model, {}, attention=modules, scope=texts)
     if not modules:
         raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
     # Resolved before the model is switched, so that a refusal leaves it as it was.
