@@ -4,6 +4,7 @@ as docs/hf.md's generated coverage table (between its BEGIN/END markers).
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python scripts/hf_coverage.py            # walk, rewrite the table
     python scripts/hf_coverage.py --json out.json --no-docs                   # walk, keep the outcomes only
     python scripts/hf_coverage.py --types llama qwen3_5_text bamba            # some model types
+    python scripts/hf_coverage.py --from-json out.json                        # the table of an earlier walk
 
 Each model: exact (loss and every gradient within 1e-9 of one process, float64, uneven shards),
 refused (the class hf.apply names), or not buildable (why). CPU only; about 2-3 min on 2 cores.
@@ -50,8 +51,13 @@ def table(results: dict) -> str:
         o = Outcome(**results[model_type])
         counts[o.status] = counts.get(o.status, 0) + 1
         if o.status == "refused":
-            named = o.mixer()
-            note = f"refused: `{named}`" if named else f"refused: {_cell(o.detail.split(': ', 1)[-1][:160])}"
+            named, place = o.mixer(), o.place()
+            if not named:
+                note = f"refused: {_cell(o.detail.split(': ', 1)[-1][:160])}"
+            else:
+                note = f"refused: `{named}`" + (f" at `{place}`" if place else "")
+                if "positions of a sharded sequence" in o.detail:
+                    note += " (positions: " + ("RoBERTa's from padding_idx + 1" if "padding_idx" in o.detail else "its forward takes no position_ids") + ")"
         elif o.status == "exact":
             note = f"exact ({o.detail})"
         else:
@@ -88,9 +94,14 @@ def main() -> None:
     parser.add_argument("--types", nargs="*", help="model types (default: every causal LM)")
     parser.add_argument("--json", help="also write the outcomes here")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/hf.md")
+    parser.add_argument("--from-json", help="render the outcomes of an earlier --json run instead of walking")
     args = parser.parse_args()
     types = args.types or sorted(tiny_causal_lms())
-    results = run(types)
+    if args.from_json:
+        with open(args.from_json) as fh:
+            results = json.load(fh)
+    else:
+        results = run(types)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

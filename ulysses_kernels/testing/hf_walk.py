@@ -47,8 +47,16 @@ class Outcome:
 
     def mixer(self) -> str:
         """The class a refusal names first (``""`` if none)."""
-        m = re.search(r"(?:does not run sequence-parallel|positions of a sharded sequence): (\w+) at ", self.detail)
+        m = _NAMED.search(self.detail)
         return m.group(1) if m else ""
+
+    def place(self) -> str:
+        """Where that module sits in the model (``""``: the model itself, or none named)."""
+        m = _NAMED.search(self.detail)
+        return m.group(2) if m and m.group(2) != "<the" else ""
+
+
+_NAMED = re.compile(r"(?:does not run sequence-parallel|positions of a sharded sequence): (\w+) at (\S+) ")
 
 
 def _batch():

@@ -59,7 +59,6 @@ _FIELDS = {
     "encoder_layers": 2,
     "num_decoder_layers": 2,
     "num_encoder_layers": 2,
-    "shared_expert_intermediate_size": 32,
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,
@@ -116,10 +115,24 @@ _OVERRIDES: dict[str, dict] = {
     "mamba2": {"num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 1, "state_size": 8, "chunk_size": 8},
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_expand": 1},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_dt_rank": 8},
-    "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "attention_hidden_size": 128, "attention_head_dim": 32,
-              "mamba_dt_rank": 8, "n_mamba_heads": 2, "num_key_value_heads": HEADS},
-    "zamba2": {"attention_hidden_size": 128, "attention_head_dim": 32, "mamba_headdim": 16, "n_mamba_heads": 8,
-               "hybrid_layer_ids": [1, 3], "num_key_value_heads": HEADS, "num_query_groups": HEADS},
+    "zamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "attention_hidden_size": 128,
+        "attention_head_dim": 32,
+        "mamba_dt_rank": 8,
+        "n_mamba_heads": 2,
+        "num_key_value_heads": HEADS,
+    },
+    "zamba2": {
+        "attention_hidden_size": 128,
+        "attention_head_dim": 32,
+        "mamba_headdim": 16,
+        "n_mamba_heads": 8,
+        "hybrid_layer_ids": [1, 3],
+        "num_key_value_heads": HEADS,
+        "num_query_groups": HEADS,
+    },
     "mamba": {"time_step_rank": 8},
     "falcon_mamba": {"time_step_rank": 8},
     "rwkv": {"attention_hidden_size": 64, "intermediate_size": 96},
@@ -225,8 +238,7 @@ def build_tiny(model_type: str, overrides: dict | None = None, dtype: torch.dtyp
     if count > MAX_PARAMETERS:
         big = max([*shape.named_parameters(), *shape.named_buffers()], key=lambda kv: kv[1].numel())
         raise NotBuildable(
-            f"{count / 1e6:.1f}M parameters after shrinking (largest: {big[0]} {list(big[1].shape)}): a size field the "
-            "generic shrinking does not know"
+            f"{count / 1e6:.1f}M parameters after shrinking (largest: {big[0]} {list(big[1].shape)}): a size field the generic shrinking does not know"
         )
     del shape
     torch.manual_seed(seed)

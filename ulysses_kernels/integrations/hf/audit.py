@@ -71,6 +71,8 @@ def _position_wise_name(name: str) -> bool:
     """A class whose name ends in a position-wise word (its last two CamelCase words):
     ``MambaRMSNormGated``, ``Qwen3NextSparseMoeBlock``, ``Lfm2MLP``; not ``GraniteMoeHybridMambaLayer``."""
     return any(_POSITION_WISE_WORD.fullmatch(w) for w in _WORDS.findall(name)[-2:])
+
+
 # Parameters a state-space model or a decaying recurrence owns (Mamba/Mamba2/Bamba/Falcon-H1:
 # A_log, dt_bias; RWKV: time_decay, time_first, time_mix_*/time_maa_*; RG-LRU: recurrent_param).
 _RECURRENCE_PARAMS = re.compile(r"^(A_log|A|dt_bias|dt_proj_bias|time_decay|time_first|time_mix\w*|time_maa\w*|recurrent_param|log_decay|decay)$")
@@ -112,8 +114,8 @@ def _structure(module: torch.nn.Module) -> list[str]:
 
 def _name_signal(module: torch.nn.Module) -> str | None:
     name = type(module).__name__
-    if _position_wise_name(name):
-        return None
+    if _position_wise_name(name) or type(module).__module__.startswith("torch."):
+        return None  # torch's own layers (nn.Conv1d of kernel 1, nn.LSTM) are judged by structure
     match = _MIXER_NAME.search(name) or _MIXER_WORD.search(name)
     return f"class name ({match.group(0)!r})" if match else None
 
