@@ -95,11 +95,21 @@ def _conv_kernel(module: torch.nn.Module) -> int:
     return max(kernel) if isinstance(kernel, tuple) else int(kernel)
 
 
+def _mixing_conv(module: torch.nn.Module) -> bool:
+    """A convolution whose output token reads several input tokens: a kernel longer than 1, unless
+    the kernel tiles its input (stride == kernel, no padding: a ViT/SigLIP patch embedding is a
+    linear map of each patch, run on the pixels before sharding)."""
+    if not isinstance(module, torch.nn.modules.conv._ConvNd) or _conv_kernel(module) <= 1:
+        return False
+    unpadded = module.padding == "valid" or (isinstance(module.padding, tuple) and not any(module.padding))
+    return not (unpadded and tuple(module.stride) == tuple(module.kernel_size))
+
+
 def _structure(module: torch.nn.Module) -> list[str]:
     """What ``module`` itself (its own parameters and direct children) has that mixes tokens."""
     found = []
     for child_name, child in module.named_children():
-        if isinstance(child, torch.nn.modules.conv._ConvNd) and _conv_kernel(child) > 1:
+        if _mixing_conv(child):
             found.append(f"a {type(child).__name__} of kernel {_conv_kernel(child)} ({child_name})")
         elif isinstance(child, torch.nn.RNNBase):
             found.append(f"a recurrent {type(child).__name__} ({child_name})")
