@@ -47,6 +47,9 @@ The package, by job (each imports only the ones above it):
 * ``multimodal``: vision-language models: ``multimodal_inputs`` (the model's own code up to
   its text model on the global batch: the vision tower before sharding, replicated or split
   over the ranks) and the hooks ``apply`` installs on a vision-language model;
+* ``audit``: ``check_token_mixers`` (never silently wrong: every module that mixes tokens along
+  the sequence is switched attention or a handled mixer, else ``apply`` refuses the model by
+  the module's class and place; the verl and ALST switches run it too);
 * ``model``: ``register`` and ``apply`` (checking a model and switching it over).
 
 Supported: self-attention models whose attention goes through ``AttentionInterface``:
@@ -60,7 +63,8 @@ windows, softcapping, sinks on ``eager``/``sdpa``); vision-language models (Qwen
 Qwen2.5-VL, Qwen3-VL, Llava, Mistral3: the text model sequence-parallel, the vision tower
 before sharding, replicated or split: ``multimodal_inputs``). docs/hf.md's "Model coverage"
 lists what is tested.
-Not supported (clear errors): padding/custom masks, padded batches of bidirectional models
+Not supported (clear errors): token mixers other than attention that ``apply`` does not run
+exactly (refused before anything changes: docs/hf.md, "Never silently wrong"), padding/custom masks, padded batches of bidirectional models
 (pack them), cross-attention, the MoE router loss (``output_router_logits``), packed
 documents on the model's own attention with flash or a registered implementation, chunked
 attention, KV caches (generation).
