@@ -305,12 +305,12 @@ def check_token_mixers(
     if more:
         shown = "; ".join(f"{m.cls} at {m.name}" for m in more[:4])
         others = f" It has {len(more)} more: {shown}{'; ...' if len(more) > 4 else ''}."
-    known = ", ".join(sorted(handled)) or "none yet"
+    known = f" and the mixers {', '.join(sorted(handled))}" if handled else " (no other mixer yet)"
     raise HFIntegrationError(
         f"{caller}: {type(model).__name__} has a module that mixes tokens along the sequence and that ulysses_kernels "
         f"does not run sequence-parallel: {first.describe()}.{others} Under sequence parallelism each rank would run it on "
         "its own shard as if the sequence started there: wrong outputs and gradients. Sequence-parallel here: attention "
-        f"through transformers' AttentionInterface and the mixers {known}. Train this model without sequence "
+        f"through transformers' AttentionInterface{known}. Train this model without sequence "
         f"parallelism, or, if {first.cls} is position-wise after all or runs its own exchange, set "
         f"{first.cls}.{EXACT_ATTR} = '<why>' (docs/hf.md, 'Never silently wrong')"
     )
