@@ -11,8 +11,9 @@ What is built (``decide()``; a summary is printed):
 * ``ULYSSES_KERNELS_SKIP_EXTENSION=1``: nothing; the package works through its Python paths.
 
 Anything less than that is an error at build time, not a quieter install: torch not
-importable (pip's build isolation: install with ``INSTALL_COMMANDS`` below; refused already
-when pip asks for the wheel's metadata, before it downloads any dependency), setuptools
+importable (pip's build isolation: install with ``INSTALL_COMMANDS``; refused already by the
+in-tree build backend, build_backend/ulysses_kernels_backend.py, when pip asks it for the build
+requirements, before it fetches anything), setuptools
 too old for pyproject.toml, or a CUDA torch with no CUDA toolkit. pip shows a build's output only when it fails, so a
 warning would never reach the user (docs/build.md).
 
@@ -35,6 +36,11 @@ import time
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# The build backend pip calls (pyproject.toml) holds the messages a build that cannot see
+# torch prints, so that it can print them before pip fetches anything.
+sys.path.insert(0, os.path.join(ROOT, "build_backend"))
+from ulysses_kernels_backend import INSTALL_COMMANDS, TORCH_MISSING  # noqa: E402
+
 DEFAULT_ARCHS = "8.0;9.0"
 # The dependency of a build without the extension; one with it pins the torch it was built against.
 TORCH_REQUIREMENT = "torch>=2.8"  # the oldest torch the suite has run on (docs/build.md)
@@ -51,8 +57,6 @@ BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "bdist_egg", "install", "
 # before it resolves the dependencies, so refusing here refuses before torch is downloaded.
 # (egg_info also serves sdists, which need no torch: it never refuses.)
 WHEEL_METADATA_COMMANDS = {"dist_info"}
-# What to run where pip's build isolation hid torch (printed by the refusal, tested as printed).
-INSTALL_COMMANDS = "pip install 'setuptools>=77' && pip install --no-build-isolation ."
 # Where torch's nvidia-nccl wheel puts libnccl.so.2, seen from site-packages/ulysses_kernels/_C*.so
 # (what torch itself does for its nvidia libraries).
 NCCL_WHEEL_RUNPATH = "$ORIGIN/../nvidia/nccl/lib"
@@ -154,14 +158,7 @@ def decide(env, torch_version, torch_cuda, cuda_home) -> str:
     if _truthy("ULYSSES_KERNELS_SKIP_EXTENSION", env):
         return "none"
     if torch_version is None:
-        raise BuildError(
-            "torch is not importable at build time, so ulysses_kernels._C (the C++/CUDA extension) cannot be built. "
-            "pip's build isolation hides the installed torch. Into an environment that has the torch you will run "
-            "with (pip install torch first, if it has none), install with\n"
-            f"    {INSTALL_COMMANDS}\n"
-            "or ask for the pure-Python package with\n"
-            "    ULYSSES_KERNELS_SKIP_EXTENSION=1 pip install ."
-        )
+        raise BuildError(TORCH_MISSING)
     if _truthy("ULYSSES_KERNELS_SKIP_CUDA_BUILD", env) or torch_cuda is None:
         return "cpu"
     if cuda_home is None:
@@ -280,12 +277,51 @@ def extensions():
     return [ext], {"build_ext": _timed(BuildExtension)}, [pin, *OTHER_REQUIREMENTS]
 
 
+def _toolchain():
+    """ulysses_kernels/toolchain.py, loaded by its path (the package imports torch and _C; this module only the stdlib)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_ulysses_kernels_toolchain", os.path.join(ROOT, "ulysses_kernels", "toolchain.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_libstdcxx(path: str) -> None:
+    """Say loudly when the compiler linked a private libstdc++ into the extension at ``path``.
+
+    The first GPU run's g++ did (bench/results/2026-11-27_h200/README.md): error messages
+    formatted through that copy's iostream crashed the process. csrc/message.h builds them
+    without a stream now, but a private C++ runtime beside torch's stays a hazard (two
+    allocators, two sets of exception and locale state), so the build names it and the fix.
+    """
+    toolchain = _toolchain()
+    report = toolchain.libstdcxx_report(path)
+    if report["private"]:
+        bar = "!" * 78
+        for line in (
+            bar,
+            f"WARNING: {os.path.basename(path)} carries {report['detail']}.",
+            f"Your C++ compiler ({os.environ.get('CXX', 'g++')}) links libstdc++ statically into shared libraries.",
+            "Torch's libraries use the shared one; a second copy inside _C has crashed error paths before.",
+            f"Fix: {toolchain.fix_command()}",
+            bar,
+        ):
+            _log(line)
+    else:
+        _log(f"C++ runtime of {os.path.basename(path)}: {report['detail']}")
+
+
 def _timed(base):
     class TimedBuildExt(base):
         def run(self):
             start = time.time()
             super().run()
             _log(f"_C built in {time.time() - start:.1f} s")
+            for ext in self.extensions:
+                path = self.get_ext_fullpath(ext.name)
+                if os.path.isfile(path):
+                    check_libstdcxx(path)
 
     return TimedBuildExt
 

@@ -15,14 +15,16 @@
 #include <string>
 #include <thread>
 
+#include "message.h"
+
 namespace ulysses_kernels {
 
 inline std::string nccl_error_message(const char* call, ncclResult_t result, ncclComm_t comm, const char* file,
                                       int line) {
-  std::string msg = std::string("ulysses_kernels: NCCL error at ") + file + ":" + std::to_string(line) + ": " + call +
-                    " returned " + std::to_string(static_cast<int>(result)) + " (" + ncclGetErrorString(result) + ")";
+  std::string msg = message("ulysses_kernels: NCCL error at ", file, ":", line, ": ", call, " returned ",
+                            static_cast<int>(result), " (", ncclGetErrorString(result), ")");
   const char* last = ncclGetLastError(comm);
-  if (last != nullptr && last[0] != '\0') msg += ": " + std::string(last);
+  if (last != nullptr && last[0] != '\0') msg += message(": ", last);
   return msg;
 }
 

@@ -10,13 +10,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "message.h"
 #include "nccl_check.h"
 
 namespace ulysses_kernels {
 namespace {
 
 ncclComm_t as_comm(int64_t handle) {
-  TORCH_CHECK(handle != 0, "ulysses_kernels: NCCL communicator handle is 0 (destroyed or never created)");
+  UK_CHECK(handle != 0, "ulysses_kernels: NCCL communicator handle is 0 (destroyed or never created)");
   return reinterpret_cast<ncclComm_t>(static_cast<uintptr_t>(handle));
 }
 
@@ -27,21 +28,21 @@ int comm_size(ncclComm_t comm) {
 }
 
 void check_buffer(const at::Tensor& t, const char* name, const char* op) {
-  TORCH_CHECK(t.is_cuda(), "ulysses_kernels.", op, ": ", name, " expected a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "ulysses_kernels.", op, ": ", name, " expected a contiguous tensor, got strides ",
-              t.strides());
+  UK_CHECK(t.is_cuda(), "ulysses_kernels.", op, ": ", name, " expected a CUDA tensor, got device ", t.device().str());
+  UK_CHECK(t.is_contiguous(), "ulysses_kernels.", op, ": ", name, " expected a contiguous tensor, got strides ",
+           list_text(t.strides()));
 }
 
 void check_splits(at::IntArrayRef splits, int64_t numel, int world, const char* name) {
-  TORCH_CHECK(static_cast<int>(splits.size()) == world, "ulysses_kernels.nccl_all_to_all: ", name, " expected ",
-              world, " split sizes (one per rank), got ", splits.size());
+  UK_CHECK(static_cast<int>(splits.size()) == world, "ulysses_kernels.nccl_all_to_all: ", name, " expected ",
+           world, " split sizes (one per rank), got ", splits.size());
   int64_t total = 0;
   for (const int64_t s : splits) {
-    TORCH_CHECK(s >= 0, "ulysses_kernels.nccl_all_to_all: ", name, " expected sizes >= 0, got ", splits);
+    UK_CHECK(s >= 0, "ulysses_kernels.nccl_all_to_all: ", name, " expected sizes >= 0, got ", list_text(splits));
     total += s;
   }
-  TORCH_CHECK(total == numel, "ulysses_kernels.nccl_all_to_all: sum(", name, ") expected ", numel,
-              " (the buffer's numel), got ", total);
+  UK_CHECK(total == numel, "ulysses_kernels.nccl_all_to_all: sum(", name, ") expected ", numel,
+           " (the buffer's numel), got ", total);
 }
 
 // ncclGroupStart ... ncclGroupEnd with the End guaranteed: a send or recv that fails
@@ -70,8 +71,8 @@ class Group {
 void check_comm_device(ncclComm_t comm, const at::Device& device, const char* op) {
   int comm_device = -1;
   UK_NCCL_CHECK(ncclCommCuDevice(comm, &comm_device), comm);
-  TORCH_CHECK(device.index() == comm_device, "ulysses_kernels.", op, ": tensors expected on cuda:", comm_device,
-              " (the communicator's device), got ", device);
+  UK_CHECK(device.index() == comm_device, "ulysses_kernels.", op, ": tensors expected on cuda:", comm_device,
+           " (the communicator's device), got ", device.str());
 }
 
 bool all_equal(at::IntArrayRef a, at::IntArrayRef b) {
@@ -87,10 +88,10 @@ void nccl_all_to_all(int64_t handle, const at::Tensor& output, const at::Tensor&
   const ncclComm_t comm = as_comm(handle);
   check_buffer(output, "output", "nccl_all_to_all");
   check_buffer(input, "input", "nccl_all_to_all");
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "ulysses_kernels.nccl_all_to_all: output.dtype expected ",
-              input.scalar_type(), " (the dtype of input), got ", output.scalar_type());
-  TORCH_CHECK(output.device() == input.device(), "ulysses_kernels.nccl_all_to_all: output.device expected ",
-              input.device(), " (the device of input), got ", output.device());
+  UK_CHECK(output.scalar_type() == input.scalar_type(), "ulysses_kernels.nccl_all_to_all: output.dtype expected ",
+           c10::toString(input.scalar_type()), " (the dtype of input), got ", c10::toString(output.scalar_type()));
+  UK_CHECK(output.device() == input.device(), "ulysses_kernels.nccl_all_to_all: output.device expected ",
+           input.device().str(), " (the device of input), got ", output.device().str());
   const int world = comm_size(comm);
   check_splits(output_splits, output.numel(), world, "output_splits");
   check_splits(input_splits, input.numel(), world, "input_splits");
@@ -131,10 +132,10 @@ void nccl_all_to_all(int64_t handle, const at::Tensor& output, const at::Tensor&
 void nccl_send_recv(int64_t handle, at::TensorList sends, at::IntArrayRef send_peers, at::TensorList recvs,
                     at::IntArrayRef recv_peers) {
   const ncclComm_t comm = as_comm(handle);
-  TORCH_CHECK(sends.size() == send_peers.size(), "ulysses_kernels.nccl_send_recv: send_peers expected ", sends.size(),
-              " ranks (one per send tensor), got ", send_peers.size());
-  TORCH_CHECK(recvs.size() == recv_peers.size(), "ulysses_kernels.nccl_send_recv: recv_peers expected ", recvs.size(),
-              " ranks (one per recv tensor), got ", recv_peers.size());
+  UK_CHECK(sends.size() == send_peers.size(), "ulysses_kernels.nccl_send_recv: send_peers expected ", sends.size(),
+           " ranks (one per send tensor), got ", send_peers.size());
+  UK_CHECK(recvs.size() == recv_peers.size(), "ulysses_kernels.nccl_send_recv: recv_peers expected ", recvs.size(),
+           " ranks (one per recv tensor), got ", recv_peers.size());
   if (sends.empty() && recvs.empty()) return;
   const int world = comm_size(comm);
   const at::Device device = sends.empty() ? recvs[0].device() : sends[0].device();
@@ -143,10 +144,10 @@ void nccl_send_recv(int64_t handle, at::TensorList sends, at::IntArrayRef send_p
     const at::Tensor& t = is_send ? sends[i] : recvs[i - sends.size()];
     const int64_t peer = is_send ? send_peers[i] : recv_peers[i - sends.size()];
     check_buffer(t, is_send ? "sends[i]" : "recvs[i]", "nccl_send_recv");
-    TORCH_CHECK(t.device() == device, "ulysses_kernels.nccl_send_recv: all tensors expected on ", device, ", got ",
-                t.device());
-    TORCH_CHECK(peer >= 0 && peer < world, "ulysses_kernels.nccl_send_recv: peer expected in [0, ", world, "), got ",
-                peer);
+    UK_CHECK(t.device() == device, "ulysses_kernels.nccl_send_recv: all tensors expected on ", device.str(), ", got ",
+             t.device().str());
+    UK_CHECK(peer >= 0 && peer < world, "ulysses_kernels.nccl_send_recv: peer expected in [0, ", world, "), got ",
+             peer);
   }
   check_comm_device(comm, device, "nccl_send_recv");
   const c10::cuda::CUDAGuard guard(device);

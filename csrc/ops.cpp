@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/pack.h"
+#include "message.h"
 
 #ifdef ULYSSES_KERNELS_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -50,38 +51,35 @@ uint64_t strided_bits(const Strided4& s) {
          static_cast<uint64_t>(s.sh);
 }
 
-std::string shape_str(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + "]";
-}
+std::string shape_str(const at::Tensor& t) { return list_text(t.sizes()); }
 
 void check_same(const at::Tensor& t, const at::Tensor& like, const char* op, const std::string& name,
                 const char* like_name) {
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "ulysses_kernels.", op, ": ", name, ".dtype expected ",
-              like.scalar_type(), " (the dtype of ", like_name, "), got ", t.scalar_type());
-  TORCH_CHECK(t.device() == like.device(), "ulysses_kernels.", op, ": ", name, ".device expected ", like.device(),
-              " (the device of ", like_name, "), got ", t.device());
+  UK_CHECK(t.scalar_type() == like.scalar_type(), "ulysses_kernels.", op, ": ", name, ".dtype expected ",
+           c10::toString(like.scalar_type()), " (the dtype of ", like_name, "), got ", c10::toString(t.scalar_type()));
+  UK_CHECK(t.device() == like.device(), "ulysses_kernels.", op, ": ", name, ".device expected ", like.device().str(),
+           " (the device of ", like_name, "), got ", t.device().str());
 }
 
 void check_send(const at::Tensor& send, int64_t expected, const char* op) {
-  TORCH_CHECK(send.dim() == 1 && send.is_contiguous(), "ulysses_kernels.", op,
-              ": send expected a contiguous 1-D tensor, got shape ", shape_str(send), " strides ", send.strides());
-  TORCH_CHECK(send.numel() == expected, "ulysses_kernels.", op, ": send.numel() expected ", expected, ", got ",
-              send.numel());
+  UK_CHECK(send.dim() == 1 && send.is_contiguous(), "ulysses_kernels.", op,
+           ": send expected a contiguous 1-D tensor, got shape ", shape_str(send), " strides ",
+           list_text(send.strides()));
+  UK_CHECK(send.numel() == expected, "ulysses_kernels.", op, ": send.numel() expected ", expected, ", got ",
+           send.numel());
 }
 
 // The world size implied by head_ranges ([peer][role][start, end] for n roles), checked
 // against the limits of the kernels' parameter structs.
 int64_t checked_world_size(const char* op, const char* what, const char* per, int64_t n, at::IntArrayRef head_ranges) {
-  TORCH_CHECK(n >= 1 && n <= kMaxRoles, "ulysses_kernels.", op, ": ", what, " expected 1 to ", kMaxRoles,
-              " tensors, got ", n);
+  UK_CHECK(n >= 1 && n <= kMaxRoles, "ulysses_kernels.", op, ": ", what, " expected 1 to ", kMaxRoles,
+           " tensors, got ", n);
   const int64_t len = static_cast<int64_t>(head_ranges.size());
-  TORCH_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.", op, ": head_ranges expected 2 * ", n,
-              " * world_size values ([", per, "][role][start, end]), got ", len);
+  UK_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.", op, ": head_ranges expected 2 * ", n,
+           " * world_size values ([", per, "][role][start, end]), got ", len);
   const int64_t peers = len / (2 * n);
-  TORCH_CHECK(peers <= kMaxPeers, "ulysses_kernels.", op, ": world_size expected at most ", kMaxPeers, ", got ",
-              peers);
+  UK_CHECK(peers <= kMaxPeers, "ulysses_kernels.", op, ": world_size expected at most ", kMaxPeers, ", got ",
+           peers);
   return peers;
 }
 
@@ -94,8 +92,8 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
   const int64_t n = static_cast<int64_t>(tensors.size());
   const int64_t peers = checked_world_size("pack_s2h", "tensors", "peer", n, head_ranges);
   const at::Tensor& x0 = tensors[0];
-  TORCH_CHECK(x0.dim() == 4, "ulysses_kernels.pack_s2h: tensors[0] expected 4 dims [B, s, H, D], got shape ",
-              shape_str(x0));
+  UK_CHECK(x0.dim() == 4, "ulysses_kernels.pack_s2h: tensors[0] expected 4 dims [B, s, H, D], got shape ",
+           shape_str(x0));
   const int64_t B = x0.size(0), S = x0.size(1), D = x0.size(3), elem = x0.element_size();
   PackParams p{};
   p.n_roles = static_cast<int32_t>(n);
@@ -107,10 +105,10 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
   uint64_t bits = reinterpret_cast<uintptr_t>(send.const_data_ptr()) | static_cast<uint64_t>(p.row_bytes);
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& x = tensors[i];
-    const std::string name = "tensors[" + std::to_string(i) + "]";
-    TORCH_CHECK(x.dim() == 4 && x.size(0) == B && x.size(1) == S && x.size(3) == D, "ulysses_kernels.pack_s2h: ",
-                name, ".shape expected [", B, ", ", S, ", *, ", D, "] (batch, seq_local, head_dim of tensors[0]), got ",
-                shape_str(x));
+    const std::string name = message("tensors[", i, "]");
+    UK_CHECK(x.dim() == 4 && x.size(0) == B && x.size(1) == S && x.size(3) == D, "ulysses_kernels.pack_s2h: ",
+             name, ".shape expected [", B, ", ", S, ", *, ", D, "] (batch, seq_local, head_dim of tensors[0]), got ",
+             shape_str(x));
     check_same(x, send, "pack_s2h", name, "send");
     p.src[i] = strided4(x);
     rows_contiguous = rows_contiguous && p.src[i].sd == elem;
@@ -122,16 +120,16 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
     int64_t h = 0;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t a = head_ranges[(peer * n + i) * 2], b = head_ranges[(peer * n + i) * 2 + 1];
-      TORCH_CHECK(0 <= a && a <= b && b <= tensors[i].size(2), "ulysses_kernels.pack_s2h: head range of peer ", peer,
-                  ", tensors[", i, "] expected within [0, ", tensors[i].size(2), "], got [", a, ", ", b, ")");
-      TORCH_CHECK(b <= kMaxHeads, "ulysses_kernels.pack_s2h: head range of peer ", peer, ", tensors[", i,
-                  "] expected to end at most at ", kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
+      UK_CHECK(0 <= a && a <= b && b <= tensors[i].size(2), "ulysses_kernels.pack_s2h: head range of peer ", peer,
+               ", tensors[", i, "] expected within [0, ", tensors[i].size(2), "], got [", a, ", ", b, ")");
+      UK_CHECK(b <= kMaxHeads, "ulysses_kernels.pack_s2h: head range of peer ", peer, ", tensors[", i,
+               "] expected to end at most at ", kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
       p.head0[peer][i] = static_cast<int32_t>(a);
       p.heads[peer][i] = static_cast<int32_t>(b - a);
       h += b - a;
     }
-    TORCH_CHECK(h <= kMaxHeads, "ulysses_kernels.pack_s2h: heads sent to peer ", peer, " expected at most ", kMaxHeads,
-                " (32-bit head counts), got ", h);
+    UK_CHECK(h <= kMaxHeads, "ulysses_kernels.pack_s2h: heads sent to peer ", peer, " expected at most ", kMaxHeads,
+             " (32-bit head counts), got ", h);
     p.peer_heads[peer] = static_cast<int32_t>(h);
     rows += S * B * h;
   }
@@ -140,17 +138,17 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
   p.redirect_rows = 0;
   if (recv.has_value()) {
     const at::Tensor& r = *recv;
-    TORCH_CHECK(0 <= rank && rank < peers, "ulysses_kernels.pack_s2h: rank expected in [0, ", peers,
-                ") when recv is given, got ", rank);
+    UK_CHECK(0 <= rank && rank < peers, "ulysses_kernels.pack_s2h: rank expected in [0, ", peers,
+             ") when recv is given, got ", rank);
     check_same(r, send, "pack_s2h", "recv", "send");
     const int64_t h = p.peer_heads[rank], per_token = B * h * D;
-    TORCH_CHECK(r.dim() == 1 && r.is_contiguous() && (per_token == 0 ? r.numel() == 0 : r.numel() % per_token == 0),
-                "ulysses_kernels.pack_s2h: recv expected a contiguous 1-D tensor of B * S * h * D = ", B, " * S * ", h,
-                " * ", D, " elements, got shape ", shape_str(r));
+    UK_CHECK(r.dim() == 1 && r.is_contiguous() && (per_token == 0 ? r.numel() == 0 : r.numel() % per_token == 0),
+             "ulysses_kernels.pack_s2h: recv expected a contiguous 1-D tensor of B * S * h * D = ", B, " * S * ", h,
+             " * ", D, " elements, got shape ", shape_str(r));
     // With no heads for this rank (a chunk may give it none) there is nothing to redirect.
     const int64_t total = per_token == 0 ? S + seq_offset : r.numel() / per_token;
-    TORCH_CHECK(0 <= seq_offset && seq_offset + S <= total, "ulysses_kernels.pack_s2h: seq_offset expected in [0, ",
-                total - S, "] (recv holds ", total, " tokens, tensors[0] ", S, "), got ", seq_offset);
+    UK_CHECK(0 <= seq_offset && seq_offset + S <= total, "ulysses_kernels.pack_s2h: seq_offset expected in [0, ",
+             total - S, "] (recv holds ", total, " tokens, tensors[0] ", S, "), got ", seq_offset);
     p.redirect_peer = static_cast<int32_t>(rank);
     p.redirect_rows = p.peer_row0[rank + 1] - p.peer_row0[rank];
     p.redirect_ss = h * p.row_bytes;
@@ -169,8 +167,8 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
 
 // pack_h2s: a local [B, S, h, D] tensor (any strides) -> contiguous send [B][S][h][D]: a pack with one peer.
 PackParams make_pack_h2s(const at::Tensor& local, const at::Tensor& send) {
-  TORCH_CHECK(local.dim() == 4, "ulysses_kernels.pack_h2s: local expected 4 dims [B, S, h, D], got shape ",
-              shape_str(local));
+  UK_CHECK(local.dim() == 4, "ulysses_kernels.pack_h2s: local expected 4 dims [B, S, h, D], got shape ",
+           shape_str(local));
   check_same(send, local, "pack_h2s", "send", "local");
   const int64_t h = local.size(2);
   return make_pack_s2h({local}, {0, h}, send);
@@ -195,14 +193,14 @@ AddType add_type(at::ScalarType t) {
 UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
   const int64_t n = static_cast<int64_t>(outs.size());
   const int64_t peers = checked_world_size("unpack_h2s", "outs", "source", n, head_ranges);
-  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == peers * n, "ulysses_kernels.unpack_h2s: blocks expected ",
-              peers * n, " tensors (world_size ", peers, " x ", n, " roles), got ", blocks.size());
+  UK_CHECK(static_cast<int64_t>(blocks.size()) == peers * n, "ulysses_kernels.unpack_h2s: blocks expected ",
+           peers * n, " tensors (world_size ", peers, " x ", n, " roles), got ", blocks.size());
   UnpackLaunch plan;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& out = outs[i];
-    const std::string oname = "outs[" + std::to_string(i) + "]";
-    TORCH_CHECK(out.dim() == 4, "ulysses_kernels.unpack_h2s: ", oname, " expected 4 dims [B, s, H, D], got shape ",
-                shape_str(out));
+    const std::string oname = message("outs[", i, "]");
+    UK_CHECK(out.dim() == 4, "ulysses_kernels.unpack_h2s: ", oname, " expected 4 dims [B, s, H, D], got shape ",
+             shape_str(out));
     check_same(out, outs[0], "unpack_h2s", oname, "outs[0]");
     const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3), elem = out.element_size();
     UnpackParams p{};
@@ -223,16 +221,15 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
     int64_t filled = 0;
     for (int64_t src = 0; src < peers; ++src) {
       const at::Tensor& blk = blocks[src * n + i];
-      const std::string bname = "blocks[" + std::to_string(src * n + i) + "] (source " + std::to_string(src) +
-                                ", role " + std::to_string(i) + ")";
+      const std::string bname = message("blocks[", src * n + i, "] (source ", src, ", role ", i, ")");
       const int64_t a = head_ranges[(src * n + i) * 2], b = head_ranges[(src * n + i) * 2 + 1];
-      TORCH_CHECK(0 <= a && a <= b && b <= H, "ulysses_kernels.unpack_h2s: head range of ", bname,
-                  " expected within [0, ", H, "], got [", a, ", ", b, ")");
-      TORCH_CHECK(b <= kMaxHeads, "ulysses_kernels.unpack_h2s: head range of ", bname, " expected to end at most at ",
-                  kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
-      TORCH_CHECK(blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == b - a && blk.size(3) == D,
-                  "ulysses_kernels.unpack_h2s: ", bname, ".shape expected [", B, ", ", S, ", ", b - a, ", ", D,
-                  "], got ", shape_str(blk));
+      UK_CHECK(0 <= a && a <= b && b <= H, "ulysses_kernels.unpack_h2s: head range of ", bname,
+               " expected within [0, ", H, "], got [", a, ", ", b, ")");
+      UK_CHECK(b <= kMaxHeads, "ulysses_kernels.unpack_h2s: head range of ", bname, " expected to end at most at ",
+               kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
+      UK_CHECK(blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == b - a && blk.size(3) == D,
+               "ulysses_kernels.unpack_h2s: ", bname, ".shape expected [", B, ", ", S, ", ", b - a, ", ", D,
+               "], got ", shape_str(blk));
       check_same(blk, out, "unpack_h2s", bname, oname.c_str());
       p.blk[src] = strided4(blk);
       p.head0[src] = static_cast<int32_t>(a);
@@ -247,9 +244,9 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
     AddType add = AddType::kCopyOnly;
     if (replicas) {
       add = add_type(out.scalar_type());
-      TORCH_CHECK(add != AddType::kCopyOnly, "ulysses_kernels.unpack_h2s: ", oname,
-                  ".dtype expected float32, float64, float16 or bfloat16 to sum replicated heads, got ",
-                  out.scalar_type());
+      UK_CHECK(add != AddType::kCopyOnly, "ulysses_kernels.unpack_h2s: ", oname,
+               ".dtype expected float32, float64, float16 or bfloat16 to sum replicated heads, got ",
+               c10::toString(out.scalar_type()));
     }
     p.unit = pick_unit(bits, elem, rows_contiguous);
     p.units_per_row = D * elem / p.unit;
@@ -273,7 +270,7 @@ void unpack_h2s_cpu(at::TensorList blocks, at::IntArrayRef head_ranges, at::Tens
 
 #ifdef ULYSSES_KERNELS_WITH_CUDA
 void check_cuda(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "ulysses_kernels.", op, ": CUDA launch failed: ", cudaGetErrorString(err));
+  UK_CHECK(err == cudaSuccess, "ulysses_kernels.", op, ": CUDA launch failed: ", cudaGetErrorString(err));
 }
 
 void pack_s2h_cuda(at::TensorList tensors, at::IntArrayRef head_ranges, const at::Tensor& send,

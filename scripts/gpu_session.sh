@@ -3,18 +3,36 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled; see
 # /work/.library/device/README.md): each `run` call runs one or more stages, in order.
 #
-#   bash scripts/gpu_session.sh build tests nccl2   # call 1, ~8-9 min (estimates: nothing has run
-#   bash scripts/gpu_session.sh bench attn          # call 2, ~7 min    on a GPU yet)
+#   GPU_SESSION_GIT_SHA=<sha of HEAD> bash scripts/gpu_session.sh wave   # ONE call, ~7-9 min
+#
+# `wave` runs every GPU-bound check of the current wave in one call (timeout_s=600 for the
+# device tool; the default budget GPU_SESSION_BUDGET_S=540 s leaves the rest for start and
+# copy-back) and writes its record where it is committed: bench/results/<date>_<gpu>/ (e.g.
+# 2026-11-28_h100/; summary.txt, info, selftest JSON, test logs and junit, bench JSON/CSV and
+# their tables). Its steps, in priority order, each SKIPPED once the budget would not hold it
+# (estimates from the first run, H200, bench/results/2026-11-27_h200/: _C built in 11 s, the
+# self-test's 210 paths in 15 s, the GPU test files 15-53 s each, bench.attention 4K..256K ~75 s):
+#   setup ~1 min | info (+ the _C error-path probe) ~15 s | selftest ~40 s |
+#   gpu_tests: the GPU test files under pytest-xdist (-n 4: a test that crashes its process costs
+#   that test, not the rest of its file) ~1.5-2 min | bench_pack_auto (kernels=auto: the default)
+#   ~40 s | compile_tests (xdist) ~1 min | bench_pack_sets (cuda, triton, torch) ~45 s |
+#   bench_attention llama3-8b 4K..256K ~1.5 min | perf_model ~10 s | wave_extra (EDIT: the steps
+#   of the merged work, e.g. bench.longctx, packed attention rows; see wave_extra below).
+# Then, with 8+ min left in another call: `user`, or GPU_SESSION_ATTN_MODELS=qwen2.5-14b attn.
+# The older split (build tests nccl2 / bench attn) still works:
+#   bash scripts/gpu_session.sh build tests nccl2   # ~8-9 min
+#   bash scripts/gpu_session.sh bench attn          # ~7 min
 #   (each with GPU_SESSION_GIT_SHA=<sha of HEAD> in front: see CARRY below)
-#   then, with 8+ min left: re-run what was SKIPPED/FAILED, `user`, or GPU_SESSION_ATTN_MODELS=qwen2.5-14b attn
 #
 # Stages (each one sets up what it needs first, so any stage runs on a fresh machine):
 #   build  venv seeing the system torch (scripts/setup.sh, ULYSSES_KERNELS_SYSTEM_TORCH=1), _C for
 #          this GPU's arch only; nvidia-smi, nvcc, `python -m ulysses_kernels.info`, torch's NCCL
+#   wave   everything above marked for this wave, into bench/results/<date>_<gpu>/ (see the top)
 #   tests  the self-test (python -m ulysses_kernels.selftest: every path on the one GPU), then
-#          the GPU test files, one pytest each (--maxfail 3, not -x: one failure must not hide the
-#          file's GPU tests behind it; per-test timeout), the two-rank tests excluded
-#   bench  bench_pack, bench_attention (rank 0 of 8, llama3-8b, 4K..256K), perf_model, and as
+#          the GPU test files, one pytest each (with pytest-xdist: -n 4, a crashing test costs one
+#          test; without it --maxfail 3, not -x: one failure must not hide the file's GPU tests
+#          behind it; per-test timeout), the two-rank tests excluded
+#   bench  bench_pack (kernels=auto, then each set), bench_attention (rank 0 of 8, llama3-8b, 4K..256K), perf_model, and as
 #          checks only (not committed) bench_alltoall and bench_overlap on a world of one
 #   nccl2  2 NCCL ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; skipped if NCCL < 2.30):
 #          the self-test at 2 ranks, the two-rank tests and bench_overlap --world 2 (correctness; timings not a claim)
@@ -37,13 +55,13 @@
 # GPU_SESSION_DRY_RUN=1 prints the commands; GPU_SESSION_TINY=1 runs them at tiny sizes without a
 # GPU (CPU check that every command line parses; results stay in build/gpu_session/).
 # Other knobs: GPU_SESSION_TESTS (test files), GPU_SESSION_TEST_TIMEOUT (per test, s),
-# GPU_SESSION_MAXFAIL, GPU_SESSION_ATTN_MODELS, GPU_SESSION_ATTN_MAX_SEQ, GPU_SESSION_ARCH,
-# GPU_SESSION_REBUILD=1. TINY builds _C for one arch: run it in a copy of the tree, not in a
-# checkout whose _C others are using.
+# GPU_SESSION_MAXFAIL, GPU_SESSION_XDIST (workers, default 4; 0: no xdist), GPU_SESSION_ATTN_MODELS,
+# GPU_SESSION_ATTN_MAX_SEQ, GPU_SESSION_ARCH, GPU_SESSION_REBUILD=1. TINY builds _C for one arch:
+# run it in a copy of the tree, not in a checkout whose _C others are using.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { sed -n '3,/^set -euo/p' "$0" | sed '$d'; exit 2; }
-for s in "$@"; do case $s in build|tests|bench|nccl2|attn|user) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
+for s in "$@"; do case $s in wave|build|tests|bench|nccl2|attn|user) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
 
 DRY=${GPU_SESSION_DRY_RUN:-0} TINY=${GPU_SESSION_TINY:-0}
 BASE_PY=${GPU_SESSION_PYTHON:-python3} PY=.venv/bin/python
@@ -64,7 +82,10 @@ say() { echo "[gpu_session] $*" | tee -a "$SUMMARY"; }
 publish() {  # the summary and a tarball of logs + new results into $OUT (again after every step)
   [ -n "${OUT:-}" ] || return 0
   mkdir -p "$OUT"; cp "$SUMMARY" "$OUT/summary_$TAG.txt"
-  LC_ALL=C comm -13 "$LOG/.results_before" <(LC_ALL=C ls bench/results) | sed 's|^|bench/results/|' > "$LOG/.results_new"
+  { LC_ALL=C comm -13 "$LOG/.results_before" <(LC_ALL=C ls bench/results) | sed 's|^|bench/results/|'
+    # the wave's folder even when it existed before (a second wave on the same day)
+    case ${WAVE_DIR:-$LOG} in "$LOG"*) ;; *) [ -d "$WAVE_DIR" ] && echo "$WAVE_DIR" ;; esac
+  } | LC_ALL=C sort -u > "$LOG/.results_new"
   tar czf "$OUT/gpu_session_$TAG.tgz" "$LOG" -T "$LOG/.results_new"
 }
 
@@ -106,6 +127,29 @@ make_venv() {  # scripts/setup.sh makes a venv that sees $BASE_PY's packages (ev
   ULYSSES_KERNELS_SYSTEM_TORCH=1 ULYSSES_KERNELS_SKIP_EXTENSION=1 PYTHON="$BASE_PY" bash scripts/setup.sh >"$LOG/venv.log" 2>&1 ||
     { cat "$LOG/venv.log"; die "could not make the venv (scripts/setup.sh)"; }
   "$PY" -c 'import torch, pytest' || die "the venv does not see torch and pytest of $BASE_PY"
+}
+
+find_plugin() {  # find_plugin MODULE: let $PY import a pytest plugin that only $BASE_PY has
+  # (pytest-xdist, pytest-timeout: on the GPU machine they sit beside its torch, per the first
+  # run's xdist logs). The venv sees $BASE_PY's site-packages already; a plugin installed in a
+  # user or other directory is put on PYTHONPATH (after everything else). 0: importable now.
+  "$PY" -c "import $1" 2>/dev/null && return 0
+  local dir
+  dir=$("$BASE_PY" -c "import os, $1; print(os.path.dirname(os.path.dirname(os.path.abspath($1.__file__))))" 2>/dev/null) || return 1
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$dir"
+  "$PY" -c "import $1" 2>/dev/null
+}
+
+pytest_args() {  # PYTEST_ARGS: crash isolation (xdist) and a per-test timeout, where the plugins exist
+  PYTEST_ARGS=()
+  if [ "$DRY" = 1 ] || find_plugin pytest_timeout; then PYTEST_ARGS+=(--timeout "${GPU_SESSION_TEST_TIMEOUT:-240}")
+  else say "note: pytest-timeout missing: no per-test timeout (each step still has one)"; fi
+  if [ "${GPU_SESSION_XDIST:-4}" != 0 ] && { [ "$DRY" = 1 ] || find_plugin xdist; }; then
+    PYTEST_ARGS+=(-n "${GPU_SESSION_XDIST:-4}")
+  else
+    PYTEST_ARGS+=(--maxfail "${GPU_SESSION_MAXFAIL:-3}")
+    [ "${GPU_SESSION_XDIST:-4}" = 0 ] || say "note: pytest-xdist missing: a test that crashes its process ends its pytest run"
+  fi
 }
 
 stamp() {  # what the build depends on: sources, python, torch, arch
@@ -169,9 +213,8 @@ stage_build() {
 }
 
 stage_tests() {
-  local f targs=()
-  if "$PY" -c 'import pytest_timeout' 2>/dev/null; then targs=(--timeout "${GPU_SESSION_TEST_TIMEOUT:-240}")
-  else say "note: pytest-timeout missing: no per-test timeout (each file still has one)"; fi
+  local f
+  pytest_args
   # The self-test first: every path (kernel sets x communicators x chunks x layouts, ring and
   # packed and checkpointed ones included) forward and backward against float64, one rank
   # per GPU (here 1, NCCL); its JSON is what docs/gpu_validation.md's rows cite.
@@ -181,7 +224,7 @@ stage_tests() {
   # at peak) and >2^31-unit moves run nowhere else on a GPU; ~1 min with its CPU cases.
   for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_compile.py tests/test_large_index.py}; do
     f=$(basename "$f" .py)
-    step "$f" 300 "$PY" -m pytest --maxfail "${GPU_SESSION_MAXFAIL:-3}" -q -ra -k "not two_ranks" "${targs[@]}" --junitxml "$LOG/junit_$f.xml" "tests/$f.py" || true
+    step "$f" 300 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$LOG/junit_$f.xml" "tests/$f.py" || true
   done
 }
 
@@ -198,10 +241,15 @@ for r in json.load(open(path))["rows"]:
 EOF
 }
 
+bench_pack_steps() {  # kernels=auto (what a user gets by default), then every set side by side
+  step bench_pack_auto 120 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 100 --out-dir "$RESULTS" && pack_summary || true
+  step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --warmup 10 --iters 50 --out-dir "$RESULTS" && pack_summary || true
+}
+
 stage_bench() {
   local a=(--models llama3-8b --min-seq 4K --max-seq 256K) o=(--layouts 32/8 --seqs 8K,32K,64K) x=(-b 1M -e 256M -f 4)
   [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128 --head-dim 16) o=(--layouts 8/2 --seqs 64,256 --head-dim 16) x=(-b 1K -e 64K -f 4)
-  step bench_pack 180 "$PY" -m ulysses_kernels.bench.pack --warmup 10 --iters 100 --out "$RESULTS" && pack_summary || true
+  bench_pack_steps
   step bench_attention 300 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$RESULTS" &&
     step perf_model 60 "$PY" -m ulysses_kernels.bench.perf_model --attention-json "$RESULTS/bench_attention_latest.json" || true
   # Checks on a world of one (the collective is a self-copy): correctness of the GPU paths, and
@@ -241,9 +289,72 @@ stage_attn() {  # one process per model, so that a timeout loses one model, not 
   done
 }
 
+# ---- the wave: every GPU-bound check of this round of work, in one call ------------------------
+wave_extra() {  # EDIT HERE after merging: the steps of the merged work, run while the budget lasts.
+  # One `step NAME LIMIT_S CMD... || true` per line; results into "$RESULTS" (this wave's folder);
+  # TINY sizes for the CPU rehearsal go in the `[ "$TINY" = 1 ]` branch. Take the flags from the
+  # merged modules (`python -m ulysses_kernels.bench.longctx --help`), e.g. (NOT real flags yet):
+  #   step bench_longctx 120 "$PY" -m ulysses_kernels.bench.longctx <emulated rank-0 flags> --out-dir "$RESULTS" || true
+  #   step attention_packed 120 "$PY" -m ulysses_kernels.bench.attention --sp 8 <packed-row flags> --out-dir "$RESULTS" || true
+  :
+}
+
+gpu_slug() {  # "h100", "h200", ... from the GPU's name; "cpu" without one
+  "$PY" -c '
+import re, torch
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "tesla")]
+print(words[0] if words else "gpu")' 2>/dev/null || echo gpu
+}
+
+stage_wave() {
+  local slug tests compile a quick=()
+  if [ "$DRY" = 1 ]; then slug=gpu; else slug=$(gpu_slug); fi
+  WAVE_DIR=$RESULTS/$(date -u +%F)_$slug
+  [ "$TINY" = 1 ] || WAVE_DIR=bench/results/$(date -u +%F)_$slug
+  RESULTS=$WAVE_DIR
+  [ "$DRY" = 1 ] || mkdir -p "$WAVE_DIR"
+  say "wave: records into $WAVE_DIR"
+  step info 60 "$PY" -m ulysses_kernels.info || true
+  if [ "$DRY" != 1 ] && ! timeout -k 5 60 "$PY" -m ulysses_kernels.info --json > "$WAVE_DIR/info.json" 2> "$LOG/info_json.err"; then
+    say "FAILED   info --json (see $LOG/info_json.err)"; FAILED=1
+  fi
+  # The self-test: every path on this GPU against float64 (--timeout 45: its hang timer, 2 * 45
+  # + 60 s, ends a stuck run inside the step). 210 paths took 15 s on the H200.
+  [ "$TINY" = 1 ] && quick=(--quick --kernels torch,cuda)
+  step selftest 170 "$PY" -m ulysses_kernels.selftest --timeout 45 "${quick[@]}" --json "$WAVE_DIR/selftest_w1.json" || true
+  pytest_args
+  # All GPU test files in one pytest under xdist: a crash costs one test. Serially they took
+  # 15-39 s each on the H200 (test_large_index's far views ~30 GiB at peak: fine beside 3 others).
+  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_large_index.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py}
+  compile=tests/test_compile.py
+  if [ "$TINY" = 1 ]; then tests="tests/test_kernel_registry.py tests/test_watchdog.py"; compile=tests/test_imports.py; fi
+  # shellcheck disable=SC2086  # $tests is a list of paths
+  step gpu_tests 240 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true
+  step bench_pack_auto 120 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
+  # test_compile: 15 tests, 53 s serially on the H200; its own step so that it has the time.
+  step compile_tests 150 "$PY" -m pytest -q -ra "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_compile.xml" "$compile" || true
+  step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
+  a=(--models llama3-8b --min-seq 4K --max-seq 256K)
+  [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128 --head-dim 16)
+  step bench_attention 180 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$WAVE_DIR" &&
+    step perf_model 60 "$PY" -m ulysses_kernels.bench.perf_model --attention-json "$WAVE_DIR/bench_attention_latest.json" || true
+  wave_extra
+  wave_record
+}
+
+wave_record() {  # the step logs (the tables a person reads) and the summary beside the JSON
+  [ -n "${WAVE_DIR:-}" ] && [ "$DRY" != 1 ] || return 0
+  mkdir -p "$WAVE_DIR/logs"
+  cp "$LOG"/*.log "$WAVE_DIR/logs/" 2>/dev/null || true
+  cp "$SUMMARY" "$WAVE_DIR/summary.txt"
+  # Local copies of the last run (bench/results/*_latest.json) are not records: their dated twins are.
+  rm -f "$WAVE_DIR"/*_latest.json
+}
+
 trap 'echo; echo "======== gpu_session $TAG summary ($(( $(date +%s) - T0 ))s; logs in $LOG${OUT:+, copied to \$OUT})"; cat "$SUMMARY"' EXIT
 setup
 for s in "$@"; do "stage_$s"; done
 publish
-[ "$FAILED" = 0 ] || { say "FAILED: see the lines above"; publish; exit 1; }
-say "all steps OK"; publish
+[ "$FAILED" = 0 ] || { say "FAILED: see the lines above"; wave_record; publish; exit 1; }
+say "all steps OK"; wave_record; publish

@@ -43,17 +43,27 @@ PINNED=(-c scripts/constraints.txt)
 # repository root cannot pass for an installed package.
 VPY=(.venv/bin/python -I)
 # Everything the set-up installs is pinned to the versions the suite passed with (a fresh
-# machine must get what CI got): the base, then the peers (ULYSSES_KERNELS_PEERS=1).
+# machine must get what CI got): the base, then the integrations the suite tests (the peers;
+# ULYSSES_KERNELS_PEERS=0 leaves them out, and their tests skip, saying so).
 # matplotlib: the benchmarks' PNGs (about 20 s here; without it they skip the plot).
 BASE_PKGS=("$TORCH_SPEC" numpy==2.4.6 pytest==9.2.0 ninja==1.13.2 transformers==5.23.0 matplotlib==3.11.2)
-# DeepSpeed: the engine tests, the ALST comparison and bench_attention's deepspeed row (they
-# skip without it). An sdist, not a pure-Python wheel (27 s to build here with DS_BUILD_OPS=0;
-# its first call JIT-compiles a C++ shared-memory op). yunchang is not installed: its
-# UlyssesAttention needs flash-attn. accelerate: the path of transformers' Trainer with
-# ParallelismConfig(sp_backend="deepspeed") into DeepSpeed's ALST entry point
+# DeepSpeed: the engine tests, the ALST comparison, examples/deepspeed_zero3 and
+# bench_attention's deepspeed row. An sdist, not a pure-Python wheel (27 s to build here with
+# DS_BUILD_OPS=0; its first call JIT-compiles a C++ shared-memory op). yunchang is not
+# installed: its UlyssesAttention needs flash-attn. accelerate: the path of transformers'
+# Trainer with ParallelismConfig(sp_backend="deepspeed") into DeepSpeed's ALST entry point
 # (tests/test_trainer.py; pip's resolver puts accelerate 1.15.0 with torch 2.14.1,
 # transformers 5.23.0 and deepspeed 0.19.8).
 PEER_PKGS=(deepspeed==0.19.8 accelerate==1.15.0)
+# verl 0.9.1 (tests/test_verl*.py): --no-deps, it declares transformers<5.11 (it works with
+# 5.23.0: its tests pass); its other requirements as tested, 51 s/0.75 GB uncached.
+VERL_PKGS=(verl==0.9.1 accelerate==1.15.0 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 hydra-core==1.3.8 pandas==3.1.1 peft==0.21.2
+  pyarrow==26.0.1 pybind11==3.1.0 pylatexenc==2.11 "ray[default]==2.60.0" torchdata==0.11.0 tensordict==0.10.0 wandb==0.31.0 tensorboard==2.21.0)
+PEERS=${ULYSSES_KERNELS_PEERS:-1}
+# The integrations the set-up did not install, and why: tests/conftest.py puts them in pytest's summary.
+SKIPPED_NOTE=build/setup_skipped_integrations.txt
+mkdir -p build
+rm -f "$SKIPPED_NOTE"
 has_dists() {  # installed distributions ("name" or "name==version"), by their metadata (importing torch takes seconds)
   "${VPY[@]}" -c 'import importlib.metadata as m, sys
 for spec in sys.argv[1:]:
@@ -62,27 +72,63 @@ for spec in sys.argv[1:]:
     if want and have != want and not have.startswith(want + "+"):
         sys.exit(f"{name} {have} installed, {want} pinned")' "$@" 2>/dev/null
 }
+# An integration's pip install. It fails without a reachable package index (no network, or an
+# index without the pinned version): then the set-up says so, notes it for pytest's summary
+# and goes on without it (its tests skip). Any other failure stops the set-up.
+install_integration() {  # install_integration "<integrations, e.g. deepspeed accelerate>" <pip arguments>...
+  local names=$1
+  local log="build/setup_pip_${names// /_}.log"
+  shift
+  # Not -q: the log keeps what pip looked for (the check below reads it); the terminal gets its warnings.
+  if "${PIP[@]}" install --no-warn-conflicts "${PINNED[@]}" "$@" >"$log" 2>&1; then
+    grep "^WARNING" "$log" | grep -v "^WARNING: Location" || true
+    return 0
+  fi
+  # Unreachable: a connection error, or no candidate at all (without constraints pip says
+  # "from versions: none"; with them, a "conflict" of the request with its own constraint
+  # alone, where a real conflict names a package that "depends on" another).
+  if grep -qE "NewConnectionError|Failed to establish a new connection|Temporary failure in name resolution|Network is unreachable|ProxyError|ConnectTimeout|Read timed out|from versions: none|No matching distribution" "$log" ||
+     { grep -q "The user requested (constraint)" "$log" && ! grep -q " depends on " "$log"; }; then
+    local why="scripts/setup.sh could not download it (no network, or the package index lacks the pinned version; pip's output: $log)"
+    echo "[setup] skipping ${names// /, }: pip could not download the pinned versions (no network?); the set-up goes on without them and their tests skip (pip's output: $log). Run bash scripts/setup.sh again with network to add them."
+    for name in $names; do printf '%s\t%s\n' "$name" "$why" >> "$SKIPPED_NOTE"; done
+    return 1
+  fi
+  tail -20 "$log" >&2
+  echo "[setup] installing ${names// /, } failed (full pip output: $log); ULYSSES_KERNELS_PEERS=0 leaves the integrations out" >&2
+  exit 1
+}
 if [ "$SYSTEM_TORCH" = "1" ]; then
   has_dists torch pytest || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
 elif ! has_dists "${BASE_PKGS[@]}"; then
   echo "[setup] installing ${BASE_PKGS[*]} into .venv"
-  "${PIP[@]}" install -q "${PINNED[@]}" "${BASE_PKGS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  if ! "${PIP[@]}" install -q "${PINNED[@]}" "${BASE_PKGS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }; then
+    echo "[setup] installing the base packages failed (pip's output above); nothing runs without them. Without network," \
+      "a python that has torch and pytest can lend them: ULYSSES_KERNELS_SYSTEM_TORCH=1 PYTHON=<that python> bash scripts/setup.sh" >&2
+    exit 1
+  fi
 fi
-if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists "${PEER_PKGS[@]}"; then
+if [ "$SYSTEM_TORCH" = "1" ] || [ "$PEERS" = "0" ]; then
+  why=$([ "$SYSTEM_TORCH" = "1" ] && echo "ULYSSES_KERNELS_SYSTEM_TORCH=1: the set-up downloads nothing" || echo "ULYSSES_KERNELS_PEERS=0: the set-up left the integrations out")
+  for name in deepspeed accelerate verl; do
+    has_dists "$name" || printf '%s\t%s\n' "$name" "$why" >> "$SKIPPED_NOTE"
+  done
+  [ ! -s "$SKIPPED_NOTE" ] || echo "[setup] not installing $(cut -f1 "$SKIPPED_NOTE" | paste -sd, - | sed 's/,/, /g') ($why); their tests skip"
+else
   torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
-  echo "[setup] installing ${PEER_PKGS[*]} (DS_BUILD_OPS=0, keeping $torch_pin)"
-  DS_BUILD_OPS=0 "${PIP[@]}" install -q "${PINNED[@]}" "${PEER_PKGS[@]}" "$torch_pin" 2>&1 | { grep -v "^WARNING: Location" || true; }
-  has_dists "${PEER_PKGS[@]}" || { echo "[setup] the peers are not at their pinned versions after installing them" >&2; exit 1; }
-fi
-# verl 0.9.1 (tests/test_verl*.py): --no-deps, it asks for transformers<5.11 (works with 5.23.0; pip reports the conflict); its other requirements as tested, 51 s/0.75 GB uncached.
-VERL_PKGS=(verl==0.9.1 accelerate==1.15.0 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 hydra-core==1.3.8 pandas==3.1.1 peft==0.21.2
-  pyarrow==26.0.1 pybind11==3.1.0 pylatexenc==2.11 "ray[default]==2.60.0" torchdata==0.11.0 tensordict==0.10.0 wandb==0.31.0 tensorboard==2.21.0)
-if [ "$SYSTEM_TORCH" != "1" ] && [ "${ULYSSES_KERNELS_PEERS:-0}" = "1" ] && ! has_dists "${VERL_PKGS[@]/\[default\]/}"; then
-  torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
-  echo "[setup] installing verl==0.9.1 (--no-deps) and its requirements (keeping $torch_pin, transformers==5.23.0)"
-  "${PIP[@]}" install -q "${PINNED[@]}" --no-deps "${VERL_PKGS[0]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
-  "${PIP[@]}" install -q "${PINNED[@]}" "${VERL_PKGS[@]:1}" "$torch_pin" transformers==5.23.0 2>&1 | { grep -v "^WARNING: Location" || true; }
-  has_dists "${VERL_PKGS[@]/\[default\]/}" || { echo "[setup] verl or its requirements are not at their pinned versions after installing them" >&2; exit 1; }
+  if ! has_dists "${PEER_PKGS[@]}"; then
+    echo "[setup] installing ${PEER_PKGS[*]} (DS_BUILD_OPS=0, keeping $torch_pin); ULYSSES_KERNELS_PEERS=0 skips the integrations"
+    DS_BUILD_OPS=0 install_integration "deepspeed accelerate" "${PEER_PKGS[@]}" "$torch_pin" &&
+      { has_dists "${PEER_PKGS[@]}" || { echo "[setup] the peers are not at their pinned versions after installing them" >&2; exit 1; }; }
+  fi
+  if ! has_dists "${VERL_PKGS[@]/\[default\]/}"; then
+    echo "[setup] installing verl==0.9.1 and its requirements (keeping $torch_pin, transformers==5.23.0)"
+    # pip would report verl's declared transformers<5.11 as a conflict: it is known and tested.
+    echo "[setup] note: verl 0.9.1 declares transformers<5.11; it runs with transformers 5.23.0 (tests/test_verl*.py pass), so pip's conflict check is off here"
+    install_integration verl --no-deps "${VERL_PKGS[0]}" &&
+      install_integration verl "${VERL_PKGS[@]:1}" "$torch_pin" transformers==5.23.0 &&
+      { has_dists "${VERL_PKGS[@]/\[default\]/}" || { echo "[setup] verl or its requirements are not at their pinned versions after installing them" >&2; exit 1; }; }
+  fi
 fi
 # pyproject.toml's SPDX license string needs setuptools >= 77 (torch >= 2.14 requires it anyway;
 # an older system torch may come with an older one).

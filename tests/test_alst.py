@@ -43,7 +43,7 @@ from ulysses_kernels.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")
+needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (scripts/setup.sh installs it)")
 
 VOCAB = 32000  # hf-internal-testing/tiny-random-LlamaForCausalLM's (the gradients' scale depends on it)
 

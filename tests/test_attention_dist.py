@@ -198,6 +198,10 @@ def _errors_body(rank, world):
     ints = [torch.randint(0, 9, x.shape) for x in (q, k, v)]
     _expect_error(bad(q=ints[0], k=ints[1], v=ints[2]),
                   rf"^ulysses_attention: ranks 0-{world - 1}: q.dtype expected a floating-point dtype \(float32, bfloat16, float16, float64\), got int64$")
+    # softmax_scale that is not a finite number: named (before: "could not convert string to float: 'x'").
+    for scale, shown in (("x", r"'x' \(str\)"), (float("inf"), r"inf \(float\)"), (torch.ones(2), r"tensor\(\[1\., 1\.\]\) \(Tensor\)")):
+        _expect_error(lambda scale=scale: uk.ulysses_attention(q, k, v, softmax_scale=scale),
+                      rf"^ulysses_attention: softmax_scale expected a finite number or None, got {shown}$")
     # The same problem on every rank is said once, with the ranks it applies to.
     _expect_error(bad(q=q[0]), rf"^ulysses_attention: ranks 0-{world - 1}: q must be 4-D \[batch, seq_local, heads, head_dim\], got shape \[3, 8, 8\]$")
     # [B, H, S, D] passed by mistake (16 tokens per rank, 8 query heads): a hint on the layout.

@@ -80,6 +80,35 @@ def test_write_results_and_table(tmp_path, capsys):
     assert "n/a" in text and "1.5" in capsys.readouterr().out
 
 
+def test_alltoall_says_when_it_rounds_a_size():
+    """``-b 1K -e 16K`` with the defaults (Llama-3-8B: 32 + 2x8 heads, head_dim 128, bf16):
+    every size is below or between whole tokens of 12288 B; each line says what is measured
+    and why; sizes measured exactly print nothing."""
+    a2a = _load("bench_alltoall")
+    notes = a2a.rounding_notes(a2a.parse_args(["-b", "1K", "-e", "16K"]), 2, 2)
+    assert notes[0] == "# size 1K (1024 B) measured as 960 B of q+k+v: below one token (12288 B: 48 heads x head_dim 128 x 2 B), head_dim shrinks to 10"
+    assert notes[-1] == "# size 16K (16384 B) measured as 12288 B of q+k+v: whole tokens of 12288 B (48 heads x head_dim 128 x 2 B): 1 per rank"
+    assert len(notes) == 5
+    assert a2a.rounding_notes(a2a.parse_args(["-b", "12K", "-e", "48K"]), 2, 2) == []  # 1, 2 and 4 tokens: exact
+    notes = a2a.rounding_notes(a2a.parse_args(["-b", "12K", "-e", "13K", "-f", "1.05"]), 2, 2)
+    assert notes and all("the same row as 12K" in n for n in notes), notes  # 12.6K, 13K: still one token
+
+
+def test_a_time_below_its_floor_is_flagged_not_a_speedup():
+    rows = [{"op": "a2a", "size": 960, "seq_per_rank": 1, "head_dim": 10, "time_us": 100.0},
+            {"op": "chain", "size": 960, "seq_per_rank": 1, "head_dim": 10, "time_us": 300.0},
+            {"op": "fused-torch", "size": 960, "seq_per_rank": 1, "head_dim": 10, "time_us": 90.0},
+            {"op": "fused-torch", "size": 1920, "seq_per_rank": 2, "head_dim": 10, "time_us": 150.0}]  # fmt: skip
+    notes = _load("bench_alltoall").floor_notes(rows)
+    assert notes == ["# fused-torch at 960 B (90.0 us): FLAGGED: faster than its floor (the bare a2a of the same bytes: 100 us): timing noise, not a win"]
+    base, ours = {"time_ms": 2.0}, {"time_ms": 1.0}
+    assert C.speedup_text(base, ours, "time_ms", "the chain", cpu=False) == "2.0x faster than the chain (quartiles 2.0-2.0x)"
+    assert C.speedup_text(base, ours, "time_ms", "the chain", cpu=True, floor={"time_ms": 1.5}, floor_name="x").startswith("FLAGGED")
+    # The base below the floor: no ratio either (it would measure noise).
+    text = C.speedup_text(base, {"time_ms": 3.0}, "time_ms", "the chain", cpu=False, floor={"time_ms": 2.5}, floor_name="x")
+    assert text.startswith("no ratio: the chain ran faster than the floor"), text
+
+
 def test_attention_check_matches_float64_reference_and_catches_errors():
     att = _load("bench_attention")
     inp = att.Inputs(1, 24, 4, 2, 8, 3, torch.float64, torch.device("cpu"))
@@ -136,7 +165,10 @@ def test_bench_alltoall_smoke(tmp_path, capfd):
     assert len({r["size"] for r in rows if r["op"] == "chain"}) == 2
     for r in rows:
         assert r["time_us"] > 0 and r["busbw"] == pytest.approx(r["algbw"] / 2)
-    assert "#wrong" in out and C.CPU_LABEL in out
+        assert r["time_min_us"] <= r["time_q1_us"] <= r["time_us"] <= r["time_q3_us"] <= r["time_max_us"], r
+    assert "#wrong" in out and C.CPU_LABEL in out and "q1(us)" in out
+    # 1K is 6.4 tokens of 6+2+2 heads x head_dim 8 x 2 B: the row measures 6 and says so.
+    assert "# size 1K (1024 B) measured as 960 B of q+k+v: whole tokens of 160 B (10 heads x head_dim 8 x 2 B): 6 per rank" in out, out
     assert "skipped symm" in out  # no CUDA: the symmetric-memory row says why
     if "cuda" in available_kernels():  # on a CPU the cuda set's row is named for what runs
         assert "fused-cuda on a CPU: the C++ extension's CPU twin" in out
@@ -298,7 +330,7 @@ def test_bench_overlap_smoke(tmp_path, capfd, monkeypatch):
         assert [r["chunks"] for r in g if r["auto"]] == [auto]
         assert g[[r["chunks"] for r in g].index(auto)]["chunks_label"] == f"{auto}*"
     assert {r["checked"] for r in rows if r["pass"] == "fwdbwd"} == {"out,dq,dk,dv"}
-    assert "#wrong" in out and "exposed/a2a" in out and C.CPU_LABEL in out
+    assert "#wrong" in out and "exposed/a2a" in out and C.CPU_LABEL in out and "x_chunks1  spread" in out
     assert "skipped 6/3 chunks=4" in out and "wrong elements: 0 OK" in out
     # The targets are judged on the rows but never claimed from a CPU run.
     v = doc["meta"]["verdicts"]
@@ -484,6 +516,27 @@ def test_perf_model_table_uses_the_measured_rows(tmp_path):
     assert row["compute_ms"] == pytest.approx(5.5)
 
 
+def test_perf_model_refuses_an_attention_json_that_matches_no_row(tmp_path, capsys):
+    """Before, a JSON of other sizes left every row the model's, silently; now no match at all
+    exits naming the JSON, what it has and what the table asks for, and a partial match says
+    how many rows it fed (the ``source`` column says which)."""
+    pm = _load("perf_model")
+    rows = [{"model": "llama3-8b", "seq": 4096, "world": 2, "pass": "fwd", "method": m, "time_ms": t} for m, t in (("local", 1.0), ("layout-torch", 0.5))]
+    path = tmp_path / "attn.json"
+    path.write_text(json.dumps({"rows": rows}))
+    with pytest.raises(SystemExit) as exc:
+        pm.main(["--models", "llama3-8b", "--worlds", "8", "--seqs", "32K", "--passes", "fwd", "--attention-json", str(path)])
+    msg = str(exc.value.code)
+    assert f"--attention-json {path}: none of its rows matches a row of this table" in msg, msg
+    assert "it has llama3-8b seq 4096 P 2 fwd" in msg and "seqs 32K" in msg and "P 8" in msg, msg
+    assert capsys.readouterr().out == ""
+    assert pm.main(["--models", "llama3-8b", "--worlds", "2,8", "--seqs", "4K", "--passes", "fwd", "--attention-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"# --attention-json {path}: measured times in 1 of 2 rows" in out, out
+    sources = [line.split()[-1] for line in out.splitlines() if line.startswith("llama3-8b")]
+    assert sources == ["measured", "model"], out
+
+
 def test_perf_model_main_prints_a_consistent_table(capsys):
     """The script end to end (what scripts/bench_smoke.sh runs): one line per (model, P, seq,
     pass); ours = compute + wire + layout, chain likewise, x_chain = chain / ours, exposed =
@@ -494,7 +547,7 @@ def test_perf_model_main_prints_a_consistent_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("# perf model") and "350.0 / bwd 260.0 TFLOP/s" in out[0]
     header = out[1].split()
-    assert header[:5] == ["model", "P", "seq", "pass", "compute(ms)"] and header[-3:] == ["x_chain", "kv_repl", "compute"]
+    assert header[:5] == ["model", "P", "seq", "pass", "compute(ms)"] and header[-3:] == ["x_chain", "kv_repl", "source"]
     num = lambda x: None if x == "n/a" else float(x.rstrip("%"))  # noqa: E731
     rows = {}
     for line in out[3:]:

@@ -490,10 +490,14 @@ def test_gpu_attention_world_size_1(dtype):
     for a, b in zip(*grads):
         # The attention backward may accumulate dq with atomics: allow its rounding noise.
         torch.testing.assert_close(a, b)
-    # "auto" picks the C++ kernels on CUDA only once their GPU run is recorded (gpu_validated).
+    # "auto" is the C++ kernels on a GPU whose architecture _C carries code for (it was built
+    # here for this GPU's arch), once their GPU run is recorded (gpu_validated).
+    from ulysses_kernels import ops
     from ulysses_kernels.kernels import KERNEL_SETS
 
-    assert get_kernels(None, q.device).name == ("cuda" if KERNEL_SETS["cuda"].gpu_validated else "torch")
+    assert KERNEL_SETS["cuda"].gpu_validated
+    fits = ops.arch_code_for(torch.cuda.get_device_capability(q.device)) is not None
+    assert get_kernels(None, q.device).name == ("cuda" if fits else "triton" if "triton" in available_kernels() else "torch")
 
 
 # ---- end to end on gloo ranks: the "cuda" kernel set is bit-identical to "torch" -----------
@@ -528,15 +532,18 @@ def test_attention_on_gloo_ranks_cuda_kernels_equal_torch():
 
 
 def test_auto_passes_over_the_cuda_kernels_beyond_their_peer_limit(monkeypatch):
-    import dataclasses
     import re
     from pathlib import Path
 
     from ulysses_kernels import ops
     from ulysses_kernels.kernels import KERNEL_SETS
 
-    # As if the C++ kernels had passed on a GPU: "auto" may then pick them on CUDA.
-    monkeypatch.setitem(KERNEL_SETS, "cuda", dataclasses.replace(KERNEL_SETS["cuda"], gpu_validated=True))
+    # A GPU that _C carries code for (no GPU is touched: the capability is faked); the C++
+    # kernels have passed on a GPU (gpu_validated), so "auto" may pick them on CUDA.
+    assert KERNEL_SETS["cuda"].gpu_validated
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ops.load()  # first, so that the arch list faked next is not overwritten by it
+    monkeypatch.setitem(ops._STATE, "archs", ("9.0",))
 
     MAX_WORLD_SIZE = ops.limits()["max_peers"]  # read from the C++ side
     header = (Path(__file__).resolve().parents[1] / "csrc" / "kernels" / "layout_math.h").read_text()
@@ -549,16 +556,23 @@ def test_auto_passes_over_the_cuda_kernels_beyond_their_peer_limit(monkeypatch):
     assert get_kernels("auto", cuda, large).name != "cuda"
 
 
-def test_auto_on_cuda_picks_only_sets_that_have_run_on_a_gpu():
+def test_auto_on_cuda_picks_only_sets_that_have_run_on_a_gpu(monkeypatch):
     """A kernel set that has never run on a GPU is never the default for CUDA tensors; it can
     still be named. The CPU default is unchanged."""
+    import dataclasses
+
+    from ulysses_kernels import ops
     from ulysses_kernels.kernels import KERNEL_SETS
 
     cuda = torch.device("cuda")  # a device object only: no GPU is touched
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ops.load()  # first, so that the arch list faked next is not overwritten by it
+    monkeypatch.setitem(ops._STATE, "archs", ("9.0",))
     lay = Layout(HeadPlan.build(8, 2, 2), 0, (4, 4), 1, 8)
-    unvalidated = [n for n, spec in KERNEL_SETS.items() if not spec.gpu_validated]
-    assert {"cuda", "triton"} <= set(unvalidated)  # until docs/gpu_validation.md records a GPU pass
-    assert get_kernels("auto", cuda, lay).name not in unvalidated
-    assert get_kernels(None, cuda, lay).name == "torch"
+    assert get_kernels(None, cuda, lay).name == "cuda"  # validated, and _C has sm_90 code
+    # As if the C++ and Triton kernels had never run on a GPU: "auto" passes over both.
+    for name in ("cuda", "triton"):
+        monkeypatch.setitem(KERNEL_SETS, name, dataclasses.replace(KERNEL_SETS[name], gpu_validated=()))
+    assert get_kernels("auto", cuda, lay).name == "torch"
     assert get_kernels("cuda", torch.device("cpu")).name == "cuda"  # naming it still works
     assert get_kernels("auto", torch.device("cpu"), lay).name == "torch"

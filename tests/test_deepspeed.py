@@ -159,7 +159,7 @@ def _vs_deepspeed(rank, world):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (scripts/setup.sh installs it)")
 def test_equals_deepspeed_where_it_runs():
     run_ranks(_vs_deepspeed, 4)
 
@@ -305,7 +305,7 @@ def _zero_stages(rank, world):
             mesh.grad_divisor(engine, sp4)
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (scripts/setup.sh installs it)")
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 def test_zero_stages_dp2_sp2_equal_one_process():
     run_ranks(_zero_stages, 4)

@@ -168,6 +168,6 @@ def _zero3(rank, world):
         assert set(got) == names and set(got.values()) == {1}, f"step {step}: {dict(got)}"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (scripts/setup.sh installs it)")
 def test_zero3_pieces_equal_one_process_and_reduce_once():
     run_ranks(_zero3, 2)

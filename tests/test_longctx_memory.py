@@ -226,6 +226,6 @@ def _versus_deepspeed(rank, world):
         restore()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)")
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (scripts/setup.sh installs it)")
 def test_bytes_per_token_at_or_below_deepspeed_alst():
     run_ranks(_versus_deepspeed, 2)

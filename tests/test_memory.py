@@ -268,5 +268,5 @@ def test_peak_at_or_below_the_permute_chain_and_equal_to_the_formula():
 
 def test_peak_at_or_below_deepspeed():
     if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (an optional baseline; CI installs it with ULYSSES_KERNELS_PEERS=1)")
+        pytest.skip("deepspeed is not installed (an optional baseline; scripts/setup.sh installs it)")
     run_ranks(_body, WORLD, ("deepspeed",))

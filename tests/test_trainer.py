@@ -32,8 +32,8 @@ from ulysses_kernels.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)"),
-    pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed (CI installs it: ULYSSES_KERNELS_PEERS=1)"),
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (scripts/setup.sh installs it)"),
+    pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed (scripts/setup.sh installs it)"),
 ]
 
 VOCAB, SEQ, SAMPLES, STEPS = 61, 12, 6, 3

@@ -181,9 +181,10 @@ def test_build_decision():
 
 def _source_copy(dest: Path) -> Path:
     """The files a source distribution holds (no build outputs, no compiled extension)."""
-    for name in ("setup.py", "pyproject.toml", "README.md"):
+    for name in ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in"):
         shutil.copy(ROOT / name, dest / name)
     shutil.copytree(ROOT / "csrc", dest / "csrc")
+    shutil.copytree(ROOT / "build_backend", dest / "build_backend", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "ulysses_kernels", dest / "ulysses_kernels", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     return dest
 
@@ -206,6 +207,26 @@ def test_a_build_that_cannot_see_torch_fails_and_says_how(tmp_path):
         assert "torch is not importable at build time" in r.stderr, r.stderr
         assert "pip install 'setuptools>=77' && pip install --no-build-isolation ." in r.stderr, r.stderr
     assert not list(src.glob("dist/*.whl"))
+
+
+def test_plain_pip_install_says_what_to_run_before_it_fetches_anything(tmp_path):
+    """``pip install .`` in a new venv whose pip can fetch nothing (no index, no links, no
+    config): the in-tree build backend's message, where pip first asks for the build
+    requirements. Before (``requires = ["setuptools>=77", "wheel"]``), pip fetched those
+    first and, with no index, stopped at "Could not find a version that satisfies the
+    requirement setuptools>=77" without the message. NOTE: about 15 s (most of it the venv)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _source_copy(src)
+    run([sys._base_executable, "-m", "venv", tmp_path / "venv"], tmp_path, timeout=300)
+    env = user_env(PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.pop("ULYSSES_KERNELS_SKIP_EXTENSION", None)
+    r = run([tmp_path / "venv" / "bin" / "python", "-m", "pip", "install", "--no-index", src], tmp_path, env=env, timeout=300, expect_rc=1)
+    out = r.stdout + r.stderr
+    assert "[ulysses_kernels build] ERROR: torch is not importable at build time" in out, out
+    assert "pip install 'setuptools>=77' && pip install --no-build-isolation ." in out, out
+    assert "Installing build dependencies" not in out and "Could not find a version" not in out, out
+    assert not list((tmp_path / "venv").glob("lib/python*/site-packages/ulysses_kernels*")), "installed anyway"
 
 
 @pytest.mark.skipif(os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1", reason="an offline machine (system torch): pip cannot reach a package index")
@@ -239,42 +260,155 @@ def test_pip_install_in_a_new_venv_says_what_it_needs_before_downloading(tmp_pat
     assert "torch is not importable at build time" in out and "too old" not in out, out
 
 
-def test_setup_pins_every_package_it_installs():
-    """scripts/setup.sh installs the base and (ULYSSES_KERNELS_PEERS=1) the peers at exact
-    versions, every pip call under scripts/constraints.txt (transitive requirements too), and
-    a venv it made holds those versions: an unpinned peer turned a fresh CI red (DeepSpeed
-    0.19.8's ZeRO-3 refused the float64 model the suite had passed with)."""
-    text = (ROOT / "scripts" / "setup.sh").read_text()
-    constraints = {}
+def _constraints() -> dict[str, str]:
+    """scripts/constraints.txt as ``{normalized name: version}``."""
+    out = {}
     for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines():
         if line and not line.startswith("#"):
             name, want = line.split("==")
-            constraints[name.lower().replace("_", "-")] = want
+            out[_normalized(name)] = want
+    return out
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def installed_versions(site_dir: str | Path) -> dict[str, str]:
+    """``{normalized name: version}`` of the distributions installed in ``site_dir`` (its
+    ``*.dist-info``), and nothing else: not what ``sys.path`` holds at the time. setuptools,
+    once imported anywhere in the process, appends its ``_vendor`` directory to
+    ``sys.path``, whose own importlib-metadata, zipp, platformdirs ... are not what the
+    set-up installed (a fresh ``bash scripts/test.sh`` failed on them, measured 2026-11-27)."""
+    return {_normalized(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=[str(site_dir)])}
+
+
+def pin_drift(constraints: dict[str, str], installed: dict[str, str]) -> list[str]:
+    """The installed distributions whose version is not the pinned one (a local version
+    label, torch's ``+cu130``, is the pinned version); a pin that is not installed is a
+    peer the set-up skipped (``ULYSSES_KERNELS_PEERS=0``, or no network), not drift."""
+    drift = []
+    for name, want in constraints.items():
+        have = installed.get(name)
+        if have is not None and have != want and not have.startswith(want + "+"):
+            drift.append(f"{name} {have} (constraints: {want})")
+    return drift
+
+
+def test_setup_pins_every_package_it_installs():
+    """scripts/setup.sh installs the base and (unless ULYSSES_KERNELS_PEERS=0) the peers at
+    exact versions, every pip call under scripts/constraints.txt (transitive requirements
+    too), and the venv it made holds those versions: an unpinned peer turned a fresh CI red
+    (DeepSpeed 0.19.8's ZeRO-3 refused the float64 model the suite had passed with)."""
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    constraints = _constraints()
     arrays = re.findall(r"^([A-Z]+_PKGS)=\((.*?)\)$", text, re.M | re.S)
-    assert {"BASE_PKGS", "PEER_PKGS"} <= {name for name, _ in arrays}, arrays
+    assert {"BASE_PKGS", "PEER_PKGS", "VERL_PKGS"} <= {name for name, _ in arrays}, arrays
     torch_spec = re.search(r"TORCH_SPEC=\$\{ULYSSES_KERNELS_TORCH:-(.*)\}", text).group(1)
     specs = [torch_spec if s == "$TORCH_SPEC" else s for _, body in arrays for s in shlex.split(body, comments=True)]
     unpinned = [s for s in specs if not re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[a-z,]+\])?==[0-9][A-Za-z0-9.+]*", s)]
     assert not unpinned, f"setup.sh installs {unpinned} without an exact version"
     for spec in specs:
         name, want = re.sub(r"\[.*\]", "", spec).split("==")
-        assert constraints.get(name.lower().replace("_", "-")) == want, f"{spec}: scripts/constraints.txt has {constraints.get(name.lower())}"
+        assert constraints.get(_normalized(name)) == want, f"{spec}: scripts/constraints.txt has {constraints.get(_normalized(name))}"
     installs = [line for line in text.splitlines() if re.search(r'"\$\{PIP\[@\]\}" install', line) and "-e ." not in line]
     assert installs and all('"${PINNED[@]}"' in line for line in installs), installs
     if os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1":
         return  # a venv borrowing the machine's packages holds what that machine has
-    drift = []
-    for name, want in constraints.items():
-        # The first distribution of that name on sys.path, the one imports get (not
-        # distributions(): setuptools, once imported, appends its _vendor directory, whose
-        # own packaging, zipp, ... then show up too, measured in a fresh CI run).
-        try:
-            have = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue  # a peer not installed (set-up without ULYSSES_KERNELS_PEERS=1)
-        if have != want and not have.startswith(want + "+"):
-            drift.append(f"{name} {have} (constraints: {want})")
+    # The venv's own site-packages: what the set-up installed, whatever this process imported.
+    drift = pin_drift(constraints, installed_versions(sysconfig.get_paths()["purelib"]))
     assert not drift, f"installed versions differ from scripts/constraints.txt: {drift}"
+
+
+def test_pin_check_judges_the_venv_not_what_setuptools_put_on_sys_path(tmp_path, monkeypatch):
+    """After ``import setuptools`` (its ``_vendor`` directory on ``sys.path``, with its own
+    zipp, importlib-metadata ...), the pin check still reads only the venv: in the real venv
+    (the suite imports setuptools in this process first), and in a made-up one where a
+    sys.path entry holds other versions of the pinned names."""
+    import setuptools  # noqa: F401 - the import is the point: it extends sys.path
+
+    site = sysconfig.get_paths()["purelib"]
+    assert installed_versions(site).get("torch", "").split("+")[0] == torch.__version__.split("+")[0]
+    if os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") != "1":
+        assert not pin_drift(_constraints(), installed_versions(site))
+    fake_site, vendored = tmp_path / "site", tmp_path / "vendored"
+    for where, version in ((fake_site, "3.23.0"), (vendored, "3.20.0")):
+        info = where / f"zipp-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: zipp\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(vendored))  # what imports see first: not what was installed
+    assert importlib.metadata.version("zipp") == "3.20.0"
+    assert installed_versions(fake_site) == {"zipp": "3.23.0"}
+    assert pin_drift({"zipp": "3.23.0", "deepspeed": "0.19.8"}, installed_versions(fake_site)) == []
+    assert pin_drift({"zipp": "3.20.0"}, installed_versions(fake_site)) == ["zipp 3.23.0 (constraints: 3.20.0)"]
+
+
+INTEGRATION_DISTS = ("deepspeed", "accelerate", "verl")
+
+
+@pytest.mark.skipif(os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1", reason="a venv borrowing the machine's packages: no pip index to take away")
+def test_setup_without_network_goes_on_and_says_what_it_skipped(tmp_path):
+    """scripts/setup.sh on a machine whose pip cannot download anything (no index, no
+    links): the venv has the base packages but not the integrations, and the set-up says
+    which it skipped and why, notes them for pytest's summary, prints no pip ERROR line and
+    exits 0; ULYSSES_KERNELS_PEERS=0 leaves them out without trying. The venv borrows this
+    one's packages (links to its site-packages, the integrations and this package left out),
+    so nothing is downloaded and nothing of this venv is touched (pip installs only this
+    package, editable, into the new venv). NOTE: about 15 s on 2 idle cores."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    _source_copy(repo)
+    for name in ("setup.sh", "constraints.txt"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
+    site = tmp_path / "site"
+    site.mkdir()
+    leave_out = (*INTEGRATION_DISTS, "ulysses_kernels", "__editable__", "distutils-precedence.pth", "__pycache__")
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(leave_out):
+            (site / entry.name).symlink_to(entry)
+    run([sys._base_executable, "-m", "venv", "--without-pip", repo / ".venv"], tmp_path, timeout=120)
+    pth = next((repo / ".venv" / "lib").glob("python*/site-packages"))
+    (pth / "_borrowed.pth").write_text(f"import site; site.addsitedir({str(site)!r})\n")
+    offline = user_env(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_FIND_LINKS="", ULYSSES_KERNELS_SKIP_EXTENSION="1")
+    offline.pop("ULYSSES_KERNELS_PEERS", None)
+    r = run(["bash", "scripts/setup.sh"], repo, env=offline, timeout=600)
+    out = r.stdout + r.stderr
+    assert re.search(r"^\[setup\] skipping deepspeed, accelerate: pip could not download the pinned versions \(no network\?\)", out, re.M), out
+    assert re.search(r"^\[setup\] skipping verl: pip could not download", out, re.M), out
+    assert not re.search(r"^ERROR", out, re.M), out
+    note = (repo / "build" / "setup_skipped_integrations.txt").read_text().splitlines()
+    assert [line.split("\t")[0] for line in note] == list(INTEGRATION_DISTS), note
+    assert all("could not download it (no network" in line for line in note), note
+    assert f"ulysses_kernels at {repo / 'ulysses_kernels'}" in out, out
+    r = run(["bash", "scripts/setup.sh"], repo, env=dict(offline, ULYSSES_KERNELS_PEERS="0"), timeout=600)
+    assert "[setup] not installing deepspeed, accelerate, verl (ULYSSES_KERNELS_PEERS=0" in r.stdout and "skipping" not in r.stdout, r.stdout
+    assert "ULYSSES_KERNELS_PEERS=0" in (repo / "build" / "setup_skipped_integrations.txt").read_text()
+
+
+def test_summary_names_the_integrations_that_did_not_run(tmp_path):
+    """A run whose integration tests skip says so in its last lines: which integrations,
+    how many tests, and why (the set-up's note: no network, ULYSSES_KERNELS_PEERS=0)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "build").mkdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
+    (tmp_path / "tests" / "test_fake.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.parametrize('i', range(2))\n"
+        "def test_ds(i): pytest.skip('deepspeed is not installed (scripts/setup.sh installs it)')\n"
+        "@pytest.mark.skipif(True, reason='verl is not installed (scripts/setup.sh installs it)')\n"
+        "def test_verl(): pass\n"
+        "def test_git(): pytest.skip('git is not installed')\n"
+        "def test_runs(): pass\n"
+    )
+    (tmp_path / "build" / "setup_skipped_integrations.txt").write_text("deepspeed\tscripts/setup.sh could not download it (no network)\n")
+    out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], tmp_path, timeout=120).stdout
+    tail = out[out.index("integrations not tested"):]
+    assert "deepspeed: 2 tests skipped, not installed: scripts/setup.sh could not download it (no network)" in tail, out
+    assert "verl: 1 test skipped, not installed: not in this environment" in tail, out
+    assert "git" not in tail and "1 passed, 4 skipped" in tail, out
+    # Nothing skipped for want of an integration: no such section.
+    (tmp_path / "tests" / "test_fake.py").write_text("def test_runs(): pass\n")
+    assert "integrations not tested" not in run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], tmp_path, timeout=120).stdout
 
 
 # ---- without the extension: said at import and by info, with the command that builds it -------
@@ -375,7 +509,7 @@ ENGINE_EXAMPLES = [
 @pytest.mark.parametrize(("path", "cmd", "needs"), ENGINE_EXAMPLES, ids=["fsdp2", "deepspeed_zero3"])
 def test_engine_example_command(path, cmd, needs, tmp_path):
     if needs is not None and importlib.util.find_spec(needs) is None:
-        pytest.skip(f"{needs} is not installed (CI installs it with ULYSSES_KERNELS_PEERS=1)")
+        pytest.skip(f"{needs} is not installed (scripts/setup.sh installs it)")
     docs = (ROOT / "docs/scaling.md").read_text() + (ROOT / "README.md").read_text()
     docs += (ROOT / path / "README.md").read_text() if (ROOT / path).is_dir() else (ROOT / path).read_text()
     assert cmd in " ".join(docs.split()), f"{cmd!r} is not documented as written"

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from ulysses_kernels.testing import run_ranks
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
-pytestmark = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed (scripts/setup.sh with ULYSSES_KERNELS_PEERS=1 installs it)")
+pytestmark = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed (scripts/setup.sh installs it)")
 
 SWITCH = "ulysses_kernels.integrations.verl"
 SEQLEN = 32  # tokens per rank's sample before padding (verl's test: 128)

@@ -38,7 +38,7 @@ import torch
 from ulysses_kernels.testing import run_ranks
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
-pytestmark = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed (scripts/setup.sh with ULYSSES_KERNELS_PEERS=1 installs it)")
+pytestmark = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed (scripts/setup.sh installs it)")
 
 SWITCH = "ulysses_kernels.integrations.verl"
 BATCH, SEQ, PROMPT = 4, 24, 8

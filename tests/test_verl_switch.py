@@ -31,7 +31,7 @@ import pytest
 import torch
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
-pytestmark = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed (scripts/setup.sh with ULYSSES_KERNELS_PEERS=1 installs it)")
+pytestmark = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed (scripts/setup.sh installs it)")
 
 SWITCH = "ulysses_kernels.integrations.verl"
 

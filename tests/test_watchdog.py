@@ -155,6 +155,30 @@ def test_a_failing_abort_is_reported_and_the_failure_stands():
         wd.check()
 
 
+def test_the_failure_is_published_with_the_abort_it_did():
+    # The first GPU run read `failure` while ncclCommAbort was still running and saw the
+    # reason without the abort (bench/results/2026-11-27_h200/tests/test_nccl_comm.txt). While
+    # the abort runs, `failure` is still None and check() already refuses; once it has
+    # returned, `failure` names what it did.
+    seen = {}
+    clock = _Clock()
+
+    def abort(why):
+        seen["failure"] = wd.failure
+        with pytest.raises(RuntimeError, match=r"^comm: all_to_all, posted 5.0 s ago, has not completed.*The communicator is being aborted$"):
+            wd.check()
+        seen["checked"] = True
+        return "The communicator was aborted (ncclCommAbort); make a new one"
+
+    wd = Watchdog("comm", 1.0, async_error=lambda: None, abort=abort, clock=clock, threaded=False)
+    with wd.posting("all_to_all") as item:
+        item.done = lambda: False
+    clock.now = 5.0
+    failure = wd.poll()
+    assert seen == {"failure": None, "checked": True}
+    assert failure == wd.failure and "has not completed" in failure and failure.endswith("The communicator was aborted (ncclCommAbort); make a new one")
+
+
 def test_posting_after_a_failure_raises_and_tracks_nothing():
     wd, clock, fakes = _watchdog(timeout_s=1)
     _post(wd, "all_to_all", lambda: False)

@@ -27,6 +27,8 @@ per call and nothing else.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
 __all__ = [
-    "UlyssesInputError", "Signature", "signature", "validate", "prepare", "call_key", "check_across_ranks", "planned", "encoded",
+    "UlyssesInputError", "softmax_scale_value", "Signature", "signature", "validate", "prepare", "call_key", "check_across_ranks", "planned", "encoded",
     "check_head_to_seq", "dtype_code", "float_bits", "rank_list", "by_value", "document_summary", "document_problems", "document_text",
 ]  # fmt: skip
 
@@ -370,13 +372,29 @@ def validate(sigs: Sequence[Signature], *, gathered: bool) -> None:
         raise UlyssesInputError("ulysses_attention: " + "; ".join(problems) + hint)
 
 
+def softmax_scale_value(softmax_scale) -> float | None:
+    """``softmax_scale`` as a float (``None`` stays ``None``: the default ``1/sqrt(head_dim)``).
+    Anything but a finite real number, or a one-element tensor holding one, raises
+    ``UlyssesInputError`` naming the parameter, the expected and the actual value (before:
+    float()'s "could not convert string to float: 'x'"). Rank-local, like the other checks of
+    ``call_key``: every rank given the same value raises the same error."""
+    if softmax_scale is None:
+        return None
+    ok = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+    ok = ok or (isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1 and softmax_scale.is_floating_point())
+    value = float(softmax_scale) if ok else math.nan
+    if not math.isfinite(value):
+        raise UlyssesInputError(f"ulysses_attention: softmax_scale expected a finite number or None, got {softmax_scale!r} ({type(softmax_scale).__name__})")
+    return value
+
+
 def call_key(q, k, v, *, rank: int, world_size: int, causal, softmax_scale, seq_lens, plan: HeadPlan | None, docs=None) -> tuple:
     """What the checks, the plan and the ``Layout`` of a call depend on, as a tuple of values
     (no tensor): the key of the caches below, and of ``attention.call``'s. Raises (locally,
     as before any exchange) for non-tensors and a ``seq_lens`` list of the wrong length."""
     if seq_lens is not None or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         seq_lens = _tensors_and_lens(q, k, v, seq_lens, world_size)
-    scale = None if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_value(softmax_scale)
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, rank, world_size, bool(causal), scale,
             seq_lens, plan, docs)  # fmt: skip
 

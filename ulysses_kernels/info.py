@@ -2,8 +2,12 @@
 
 Reports the C++/CUDA extension (built or not, archs, the NCCL it was built against and
 the NCCL loaded at run time; when it is missing or CPU-only on a CUDA torch, the command
-that builds it), the NCCL torch loaded, Triton, flash-attn, and every kernel set: whether
-it runs in this process, and why not. ``--json`` prints the same as JSON.
+that builds it), its C++ runtime (the shared libstdc++, or a private copy linked in) and
+its error path (one bad call in a subprocess: ok, crashed with a signal, or a message that
+lost its numbers: ``toolchain``), the NCCL torch loaded, Triton, flash-attn, every kernel
+set (whether it runs in this process, and why not), and the default kernel set
+(``kernels="auto"``) with the GPU runs it was validated on. ``--json`` prints the same as
+JSON.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import sys
 
 import torch
 
-from . import ops
-from .kernels import kernel_set_report
+from . import ops, toolchain
+from .kernels import KERNEL_SETS, auto_choice, kernel_set_report
 
 
 def collect() -> dict:
@@ -34,6 +38,10 @@ def collect() -> dict:
         if key in ext:
             ext[key] = ".".join(map(str, ext[key]))
     report = kernel_set_report()
+    runtime = probe = None
+    if ext.get("built"):
+        runtime = toolchain.libstdcxx_report(ops.load().__file__)
+        probe = toolchain.probe_error_path()
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -45,9 +53,40 @@ def collect() -> dict:
         "flash_attn": importlib.util.find_spec("flash_attn") is not None,
         "extension": ext,
         "rebuild_command": ops.rebuild_command(),
+        "extension_runtime": runtime,
+        "extension_error_path": probe,
         "kernel_sets": [r["name"] for r in report if r["runs_here"]],
         "kernel_set_report": report,
+        "default_kernels": default_kernels(),
     }
+
+
+def default_kernels() -> dict:
+    """What ``kernels="auto"`` runs on CPU tensors and, with a GPU visible, on this GPU (the
+    sets passed over and why), and the GPU runs each set was validated on."""
+    out = {"cpu": auto_choice(torch.device("cpu"))[0].name, "cuda": None, "cuda_passed_over": {}}
+    if torch.cuda.is_available():
+        kern, passed = auto_choice(torch.device("cuda"))
+        major, minor = torch.cuda.get_device_capability()
+        out.update(cuda=kern.name, cuda_passed_over=passed, capability=f"{major}.{minor}")
+    out["validated"] = {name: [r.line() for r in spec.gpu_validated] for name, spec in KERNEL_SETS.items()}
+    return out
+
+
+def default_line(info: dict) -> str:
+    """The default kernel set: on this GPU (and why), or, without one, the rule and the CPU's choice."""
+    d = info["default_kernels"]
+    validated = d["validated"].get(d["cuda"] or "cuda") or ["never on a GPU"]
+    if d["cuda"] is None:
+        ext = info["extension"]
+        archs = ext.get("archs") or ("no CUDA code" if ext.get("built") else "not built")
+        return (
+            f"{d['cpu']} on CPU tensors; on a GPU: cuda where _C carries code for its arch (_C here: {archs}), "
+            f"else triton, else torch. cuda validated on {'; '.join(validated)}"
+        )
+    over = "; ".join(f"{name} passed over: {why}" for name, why in d["cuda_passed_over"].items())
+    line = f"{d['cuda']} on this GPU (compute capability {d['capability']}){f' ({over})' if over else ''}; validated on {'; '.join(validated)}"
+    return line + f"; {d['cpu']} on CPU tensors"
 
 
 def extension_line(info: dict) -> str:
@@ -82,12 +121,17 @@ def format_report(info: dict) -> str:
         ("_C extension", extension_line(info)),
         ("kernel sets", "runs here: " + (", ".join(info["kernel_sets"]) or "none")),
     ]
-    width = max(len(k) for k, _ in rows)
+    if info["extension_runtime"] is not None:
+        rows.insert(7, ("_C C++ runtime", info["extension_runtime"]["detail"]))
+        rows.insert(8, ("_C error path", toolchain.probe_line(info["extension_error_path"], ops.rebuild_command)))
+    last = ("default kernels", default_line(info))
+    width = max(len(k) for k, _ in [*rows, last])
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     name_width = max((len(r["name"]) for r in info["kernel_set_report"]), default=0)
     for r in info["kernel_set_report"]:
         status = "runs here" if r["runs_here"] else "not here "
         lines.append(f"{'':<{width}}    {r['name']:<{name_width}}  {status}  {r['detail']}")
+    lines.append(f"{last[0]:<{width}}  {last[1]}")
     return "\n".join(lines)
 
 

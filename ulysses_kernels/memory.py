@@ -39,7 +39,7 @@ from .memory_step import StepMemory, rank_key, step_memory
 from .plan import HeadPlan
 
 __all__ = [
-    "MemoryInputError", "Setup", "parameter_count", "activation_bytes", "worst_activations", "worst_step", "memory_rows",
+    "MemoryInputError", "Setup", "parameter_count", "activation_bytes", "state_bytes", "worst_activations", "worst_step", "memory_rows",
     "max_seq", "main",
 ]  # fmt: skip
 
@@ -234,6 +234,12 @@ def _state_rows(setup: Setup) -> list[Row]:
         what, big = ("one layer", layer) if layer >= head else ("the LM head", head)
         rows.append(Row(f"{what} gathered (parameters, its gradients)", f"2 x {e} x {big:.3g}", 2 * e * big))
     return rows
+
+
+def state_bytes(setup: Setup) -> int:
+    """Bytes per GPU of parameters, gradients, optimizer state and (ZeRO-3) the gathered module:
+    the rows of ``memory_rows`` before the activations (they do not depend on the sequence)."""
+    return sum(r.gpu for r in _state_rows(setup))
 
 
 def worst_activations(setup: Setup) -> dict[str, int]:

@@ -49,6 +49,8 @@ __all__ = [
     "available",
     "build_info",
     "limits",
+    "cuda_archs",
+    "arch_code_for",
     "rebuild_command",
     "decode_nccl_version",
     "check_nccl_versions",
@@ -145,7 +147,9 @@ def load():
         _STATE["error"] = str(e)
         _warn_if_a_gpu_misses_it(_STATE["error"])
         raise ImportError(_STATE["error"]) from e
-    _STATE["limits"] = {k: int(module.build_info()[k]) for k in ("max_peers", "max_roles")}
+    built = module.build_info()
+    _STATE["limits"] = {k: int(built[k]) for k in ("max_peers", "max_roles")}
+    _STATE["archs"] = tuple(a for a in built.get("archs", "").split("_") if a) if built.get("cuda") else ()
     _register_fakes(module)
     _STATE["module"] = module
     return module
@@ -190,6 +194,39 @@ def limits() -> dict:
     """
     load()
     return _STATE["limits"]
+
+
+def cuda_archs() -> tuple[str, ...]:
+    """The CUDA archs ``_C`` carries kernels for (``("8.0", "9.0")``; ``+PTX`` kept where given), empty for a
+    CPU-only build; ImportError without ``_C``."""
+    load()
+    return _STATE["archs"]
+
+
+def _arch_tuple(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def arch_code_for(capability: tuple[int, int]) -> str | None:
+    """The arch of ``_C``'s code that runs on a GPU of compute ``capability`` (``(9, 0)``), or None.
+
+    CUDA's rule: a cubin for ``sm_XY`` runs on ``sm_XZ`` with ``Z >= Y`` (same major), and
+    PTX (``"+PTX"``) is compiled by the driver for any later GPU. An ``a``-suffixed arch
+    (``9.0a``) runs on exactly that GPU. ImportError without ``_C``.
+    """
+    for arch in sorted(cuda_archs(), key=_arch_tuple, reverse=True):
+        base = arch.split("+")[0]
+        major, minor = _arch_tuple(base)
+        if base.endswith("a"):
+            fits = (major, minor) == tuple(capability)
+        elif arch.endswith("+PTX"):
+            fits = (major, minor) <= tuple(capability)
+        else:
+            fits = major == capability[0] and minor <= capability[1]
+        if fits:
+            return arch
+    return None
 
 
 def lib():

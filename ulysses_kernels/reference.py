@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from .checks import softmax_scale_value
+
 __all__ = [
     "attention_reference",
     "packed_attention_reference",
@@ -50,7 +52,9 @@ def contiguous_shard(x: torch.Tensor, seq_lens, rank: int) -> torch.Tensor:
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    """``softmax_scale`` as a float (checked: ``checks.softmax_scale_value``), or ``1/sqrt(head_dim)``."""
+    scale = softmax_scale_value(softmax_scale)
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
 def math_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:

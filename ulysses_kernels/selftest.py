@@ -88,7 +88,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import info
+from . import info, toolchain
 from .attention import ulysses_attention
 from .attention.call import setup_attention
 from .bench.common import CPU_LABEL, Progress, dtype_name, env_record, kernel_label, parse_dtype
@@ -778,6 +778,17 @@ def _table(results: list[dict]) -> str:
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _install_lines(install: dict | None) -> list[str]:
+    """What ``info`` found that a user of this run must know: the default kernel set (and
+    where it was validated) and whether ``_C``'s error path survives this toolchain."""
+    if not install:
+        return []
+    lines = [f"default kernels (kernels='auto'): {info.default_line(install)}"]
+    if install.get("extension_error_path") is not None:
+        lines.append(f"_C error path: {toolchain.probe_line(install['extension_error_path'])}")
+    return lines
+
+
 def report(results: list[dict], env: dict, settings: dict, not_tested: dict, args, complete: bool = True) -> None:
     """Rank 0: the table and the failures (stdout), ``--json``, and the verdict file of a
     spawned run. ``complete=False``: the run was ended early (a hang)."""
@@ -789,6 +800,7 @@ def report(results: list[dict], env: dict, settings: dict, not_tested: dict, arg
     out = [
         f"ulysses_kernels self-test: {settings.get('world_size')} ranks ({settings.get('transport')}) on {where}, "
         f"{dtype}, head_dim {settings.get('head_dim')}; bound per tensor (out, dq, dk, dv): {rule}",
+        *_install_lines(env.get("install")),
         _table(results),
     ]
     failed = [r for r in results if r["status"] == "FAIL"]

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     if importlib.util.find_spec("deepspeed") is None:
         sys.exit(
             "this example needs DeepSpeed (tested with deepspeed==0.19.8): DS_BUILD_OPS=0 pip install deepspeed==0.19.8, "
-            "or in a checkout: ULYSSES_KERNELS_PEERS=1 bash scripts/setup.sh"
+            "or in a checkout: bash scripts/setup.sh (it installs DeepSpeed unless ULYSSES_KERNELS_PEERS=0)"
         )
     if args.spawn:
         from ulysses_kernels.testing import run_ranks

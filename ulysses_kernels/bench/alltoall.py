@@ -276,6 +276,8 @@ COLUMNS = [
     ("type", "type", ""),
     ("op", "op", ""),
     ("time_us", "time(us)", ".1f"),
+    ("time_q1_us", "q1(us)", ".1f"),
+    ("time_q3_us", "q3(us)", ".1f"),
     ("algbw", "algbw(GB/s)", ".2f"),
     ("busbw", "busbw(GB/s)", ".2f"),
     ("wrong", "#wrong", "d"),
@@ -317,12 +319,38 @@ def open_native(ops: list[str], device: torch.device):
 
 def unique_shapes(args, elem: int, world: int) -> list[Shape]:
     """The row shapes of the size sweep; sizes that round to the same tensors run once."""
-    sizes = C.size_sweep(C.parse_size(args.minbytes), C.parse_size(args.maxbytes), args.stepfactor)
     shapes = {}
-    for size in sizes:
-        sh = shape_for(size, elem, args, world)
+    for _, sh in sweep_shapes(args, elem, world):
         shapes.setdefault(sh.count, sh)
     return list(shapes.values())
+
+
+def sweep_shapes(args, elem: int, world: int) -> list[tuple[int, Shape]]:
+    """``(requested bytes, shape)`` of every size of ``-b -e -f``."""
+    sizes = C.size_sweep(C.parse_size(args.minbytes), C.parse_size(args.maxbytes), args.stepfactor)
+    return [(size, shape_for(size, elem, args, world)) for size in sizes]
+
+
+def rounding_notes(args, elem: int, world: int) -> list[str]:
+    """One line per requested size that the rows do not measure exactly, saying what they
+    measure and why (before, ``-b 1K -e 16K`` printed 960 to 12288 bytes and said nothing)."""
+    per_token = (args.heads + 2 * args.kv_heads) if args.dir == "s2h" else args.heads
+    token = per_token * args.head_dim * elem
+    what = "q+k+v" if args.dir == "s2h" else "the output"
+    notes, seen = [], {}
+    for size, sh in sweep_shapes(args, elem, world):
+        got = sh.count * elem
+        if got == size and sh.count not in seen:
+            seen[sh.count] = size
+            continue
+        if sh.head_dim != args.head_dim:
+            why = f"below one token ({token} B: {per_token} heads x head_dim {args.head_dim} x {elem} B), head_dim shrinks to {sh.head_dim}"
+        else:
+            why = f"whole tokens of {token} B ({per_token} heads x head_dim {args.head_dim} x {elem} B): {sh.seq} per rank"
+        dup = f"; the same row as {C.format_size(seen[sh.count])}" if sh.count in seen else ""
+        seen.setdefault(sh.count, size)
+        notes.append(f"# size {C.format_size(size)} ({size} B) measured as {got} B of {what}: {why}{dup}")
+    return notes
 
 
 def make_case(op: str, sh: Shape, dtype, device, rank: int, world: int, comms: dict) -> Case:
@@ -353,13 +381,14 @@ def measure_op(op: str, sh: Shape, args, dtype, device, rank: int, world: int, c
 
     times = C.time_iters(timed, device=device, warmup=args.warmup_iters, iters=args.iters)
     t = C.reduce_max(C.median(times))
+    spread = C.spread(times, 1e6, "us")
     wrong = int(C.reduce_sum(case.check(holder["out"]))) if args.check else None
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = case.count * elem
     algbw = nbytes / t / 1e9
     row = {"size": nbytes, "count": case.count, "type": C.dtype_name(dtype), "op": op, "dir": args.dir, "time_us": t * 1e6,
            "algbw": algbw, "busbw": algbw * (world - 1) / world, "wrong": wrong, "seq_per_rank": sh.seq,
-           "head_dim": sh.head_dim, "impl": case.note}  # fmt: skip
+           "head_dim": sh.head_dim, "impl": case.note, **spread}  # fmt: skip
     return row, None
 
 
@@ -379,10 +408,29 @@ def print_header(args, world: int, backend: str, device: torch.device, dtype, op
     print(f"# ops: {', '.join(ops)}", flush=True)
 
 
+def floor_notes(rows: list[dict]) -> list[str]:
+    """A line for each layout row (chain, fused-*) faster than the bare all-to-all of its
+    size: its floor, so the time is noise of the run, not a win (``x_chain`` of such a row
+    means nothing)."""
+    shape = lambda r: (r["seq_per_rank"], r["head_dim"])  # noqa: E731 - one row shape of the sweep
+    floors = {shape(r): r for r in rows if r["op"] == "a2a"}
+    out = []
+    for r in rows:
+        if r["op"] in ("a2a", "nccl", "symm"):
+            continue
+        flag = C.floor_flag(r, floors.get(shape(r)), "time_us", "the bare a2a of the same bytes")
+        if flag:
+            out.append(f"# {r['op']} at {r['size']} B ({r['time_us']:.1f} us): {flag}")
+    return out
+
+
 def report(rows: list[dict], notes: dict, device: torch.device) -> None:
-    """The table, the skipped ops with their reasons and the total of wrong elements."""
-    title = None if device.type == "cuda" else f"# times: {C.CPU_LABEL}"
+    """The table (median and quartiles of the iterations), the rows faster than their floor,
+    the skipped ops with their reasons and the total of wrong elements."""
+    title = "# time: median over the iterations, q1/q3 its quartiles" + ("" if device.type == "cuda" else f"; {C.CPU_LABEL}: a code-path check")
     C.print_table(COLUMNS, rows, title=title)
+    for line in floor_notes(rows):
+        print(line, flush=True)
     if device.type != "cuda" and any(r["op"] == "fused-cuda" for r in rows):
         print("# fused-cuda on a CPU: the C++ extension's CPU twin of the CUDA kernels", flush=True)
     for op, why in notes.items():
@@ -401,6 +449,8 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -
     comms = {"torch": TorchCommunicator(None), "native": native}
     if rank == 0:
         print_header(args, world, backend, device, dtype, ops)
+        for line in rounding_notes(args, elem, world):
+            print(line, flush=True)
     shapes = unique_shapes(args, elem, world)
     progress = C.Progress(len(shapes), rank == 0 and args.progress, "alltoall")
     rows = []

@@ -507,7 +507,7 @@ def make_inputs(m: Method, inp: Inputs, plan: HeadPlan, rank: int):
 
 
 def time_method(m: Method, args, inp, plan, rank, device):
-    """{pass: (seconds, peak bytes or None)} and the (out, dq) of the last fwd+bwd."""
+    """{pass: (seconds, peak bytes or None, each iteration's seconds)} and the (out, dq) of the last fwd+bwd."""
     res, keep = {}, {}
     cuda = device.type == "cuda"
     if m.layout_only:
@@ -516,7 +516,7 @@ def time_method(m: Method, args, inp, plan, rank, device):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             t = C.time_iters(fns[p], device=device, warmup=args.warmup_iters, iters=args.iters)
-            res[p] = (C.median(t), torch.cuda.max_memory_allocated(device) if cuda else None)
+            res[p] = (C.median(t), torch.cuda.max_memory_allocated(device) if cuda else None, t)
         return res, None
     (q, k, v), dout = make_inputs(m, inp, plan, rank)
 
@@ -551,7 +551,7 @@ def time_method(m: Method, args, inp, plan, rank, device):
             t = C.time_iters(bwd, device=device, warmup=args.warmup_iters, iters=args.iters, setup=setup_bwd)
         else:
             t = C.time_iters(fwdbwd, device=device, warmup=args.warmup_iters, iters=args.iters)
-        res[p] = (C.median(t), torch.cuda.max_memory_allocated(device) if cuda else None)
+        res[p] = (C.median(t), torch.cuda.max_memory_allocated(device) if cuda else None, t)
     return {p: res[p] for p in args.passes}, ((keep["out"], keep["dq"]) if keep else None)
 
 
@@ -662,6 +662,7 @@ def method_rows(m: Method, res: dict, wrong, args, g: Group, dtype) -> list[dict
             "backend": g.backend.name, "docs": 1 if m.docs is None else m.docs.count,
             "ring_steps": None if m.ring is None else f"{m.ring.computed_steps()}/{m.ring.ring_size ** 2}",
             "ring_hops": None if m.ring is None else f"{m.ring.hops()}/{m.ring.ring_size * (m.ring.ring_size - 1)}",
+            **C.spread(res[p][2], 1e3, "ms"),
         })  # fmt: skip
     return rows
 
@@ -708,7 +709,12 @@ def print_header(args, world: int, P: int, backend_name: str, device: torch.devi
 def report(rows, breakdown, notes: dict, device: torch.device) -> None:
     """The table, the breakdown, the skipped methods with their reasons, the wrong total."""
     cuda = device.type == "cuda"
-    C.print_table(COLUMNS, rows, title=None if cuda else f"# times: {C.CPU_LABEL}; peak memory n/a on the CPU")
+    spread = "# time: median over the iterations, q1/q3 its quartiles"
+    C.print_table(COLUMNS, rows, title=spread if cuda else f"{spread}; {C.CPU_LABEL}: a code-path check; peak memory n/a on the CPU")
+    for r in rows:  # a layer faster than its attention alone: noise, not a win
+        flag = C.floor_flag(r, {"time_ms": r["time_ms"] / r["x_floor"]}, "time_ms", "attention alone") if r.get("x_floor") else None
+        if flag and not r["method"].startswith("local"):
+            print(f"# {r['model']} seq {r['seq']} {r['method']} {r['pass']}: {flag}", flush=True)
     if breakdown:
         C.print_table(BREAKDOWN_COLUMNS, breakdown, title="# layer time = compute (local) + layout + exposed communication")
     if not cuda and any(r["method"].endswith("-cuda") for r in rows):
@@ -807,7 +813,7 @@ def _breakdown(rows):
 
 COLUMNS = [
     ("model", "model", ""), ("seq", "seq", "d"), ("world", "P", "d"), ("method", "method", ""), ("pass", "pass", ""),
-    ("time_ms", "time(ms)", ".3f"), ("tflops", "TFLOP/s", ".1f"), ("x_chain", "x_chain", ".2f"),
+    ("time_ms", "time(ms)", ".3f"), ("time_q1_ms", "q1", ".3f"), ("time_q3_ms", "q3", ".3f"), ("tflops", "TFLOP/s", ".1f"), ("x_chain", "x_chain", ".2f"),
     ("x_floor", "x_floor", ".2f"), ("mem_gib", "mem(GiB)", ".2f"), ("extra_gib", "extra(GiB)", ".2f"),
     ("docs", "docs", "d"), ("x_equal", "x_equal", ".2f"), ("ring_steps", "steps", ""), ("ring_hops", "hops", ""),
     ("wrong", "#wrong", "d"),

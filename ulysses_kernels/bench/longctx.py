@@ -165,7 +165,7 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--seqs", default="1K,4K" if cpu else "64K,256K", help="global sequence lengths")
     p.add_argument("--pieces", default=",".join(PIECES), help=f"comma list of {', '.join(PIECES)} (the first row should be none)")
     p.add_argument("--hidden", type=int, default=64 if cpu else 2048)
-    p.add_argument("--layers", type=int, default=3 if cpu else 16)
+    p.add_argument("--layers", default=None, help="layers (default 3, GPU 16); with --emulate-rank0-of a comma list (default 2,4, CPU 2,3)")
     p.add_argument("--heads", type=int, default=8 if cpu else 32)
     p.add_argument("--kv-heads", type=int, default=4 if cpu else 8)
     p.add_argument("--intermediate", type=int, default=160 if cpu else 8192)
@@ -178,11 +178,40 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--out-dir", "--out", dest="out_dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR))
     p.add_argument("--no-write", action="store_true", help="print the table only")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    e = p.add_argument_group("rank 0 of an N-way group in one process (bench/longctx_emulated.py; docs/longctx.md)")
+    e.add_argument("--emulate-rank0-of", type=int, default=None, metavar="N", help="run rank 0 of an N-way group here (no spawn, no torchrun)")
+    e.add_argument(
+        "--model", default=None, help="comma list of llama3-8b, qwen2.5-14b, tiny, tiny-qwen2, each optionally @sp (default: tiny on the CPU, llama3-8b)"
+    )
+    e.add_argument("--time-seq", default=None, help="the length of the timed rows (default: the first of --seqs)")
+    e.add_argument("--proxy-block", type=int, default=64 if cpu else 4096, help="tokens per block of the proxy attention")
+    e.add_argument("--max-seq", action="store_true", help="probe the longest sequence under --gpu-gb")
+    e.add_argument("--gpu-gb", type=float, default=80.0, help="memory per GPU for --max-seq (GB, 1e9 bytes)")
+    e.add_argument("--max-probes", type=int, default=4)
+    e.add_argument("--max-seq-step", type=float, default=0.1, help="first step of the search, a fraction of the length")
+    e.add_argument("--ablation", action="store_true", help="each piece alone at the timed length (first model)")
+    e.add_argument("--time-budget", type=float, default=None, help="seconds for all rows: later rows that would not fit are skipped")
+    e.add_argument("--assume-tflops", type=float, default=None, help="the first guess of the executed TFLOP/s for the estimates (default 250 on CUDA)")
+    e.add_argument("--dry-run", action="store_true", help="print the planned rows and their estimates, run nothing")
+    args = p.parse_args(argv)
+    if args.emulate_rank0_of is None:
+        args.layers = int(args.layers or (3 if cpu else 16))
+    else:
+        if args.emulate_rank0_of < 1:
+            p.error(f"--emulate-rank0-of expected a group size >= 1, got {args.emulate_rank0_of}")
+        args.layers = args.layers or ("2,3" if cpu else "2,4")
+        args.model = args.model or ("tiny" if cpu else "llama3-8b")
+        if "--seqs" not in " ".join(argv if argv is not None else sys.argv):
+            args.seqs = "1K,2K" if cpu else "256K,1M,2M,4M"
+    return args
 
 
 def main(argv=None, *, default_out_dir=None) -> int:
     args = parse_args(argv, default_out_dir)
+    if args.emulate_rank0_of is not None:
+        from .longctx_emulated import run
+
+        return run(args)
     with contextlib.suppress(KeyboardInterrupt):
         return C.launch(bench, args)
     return 1

@@ -405,8 +405,8 @@ def run_case(args, case: Case, name: str, S: int, world: int, notes: dict, progr
 
 def report(rows, notes: dict, v: dict, device: torch.device) -> None:
     """The table, the skipped cases with their reasons, the targets' verdicts, the wrong total."""
-    title = "# layer = ulysses_attention(chunks=N); exposed = layer - attention; * = chunks='auto'"
-    title += "" if device.type == "cuda" else f"\n# times: {C.CPU_LABEL}"
+    title = "# layer = ulysses_attention(chunks=N); exposed = layer - attention; * = chunks='auto'; spread = half the range of the layer's iterations / median"
+    title += "" if device.type == "cuda" else f"\n# times: {C.CPU_LABEL}: a code-path check"
     C.print_table(COLUMNS, rows, title=title)
     for k, why in notes.items():
         print(f"# skipped {k}: {why}", flush=True)
@@ -491,7 +491,7 @@ COLUMNS = [
     ("layout", "layout", ""), ("seq", "seq", "d"), ("world", "P", "d"), ("pass", "pass", ""),
     ("chunks_label", "chunks", ""), ("layer_ms", "layer(ms)", ".3f"), ("attn_ms", "attn(ms)", ".3f"),
     ("a2a_ms", "a2a(ms)", ".3f"), ("exposed_ms", "exposed(ms)", ".3f"), ("exposed_frac", "exposed/a2a", ".1%"),
-    ("speedup", "x_chunks1", ".2f"), ("wrong", "#wrong", "d"),
+    ("speedup", "x_chunks1", ".2f"), ("spread", "spread", ".1%"), ("wrong", "#wrong", "d"),
 ]  # fmt: skip
 
 

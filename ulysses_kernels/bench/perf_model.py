@@ -209,6 +209,28 @@ def measured(path: str | None) -> dict:
         ) from None
 
 
+def check_attention_json(args, rows: list[dict]) -> None:
+    """``--attention-json`` that matches no row of the table is refused (before, the table was
+    the model alone and said nothing); one that matches some rows says how many, and the
+    ``source`` column which. A row matches on (model, seq, P, pass)."""
+    if not args.attention_json:
+        return
+    used = sum(r["source"] != "model" for r in rows)
+    if used == len(rows):
+        return
+    have = sorted({k[:4] for k in measured(args.attention_json)})
+    shown = ", ".join(f"{m} seq {s} P {w} {p}" for m, s, w, p in have[:6]) + (f" and {len(have) - 6} more" if len(have) > 6 else "")
+    if not used:
+        raise SystemExit(
+            f"perf_model: --attention-json {args.attention_json}: none of its rows matches a row of this table "
+            f"(model, seq, P, pass must all match; it has {shown or 'no rows'}; the table asks for models {args.models}, "
+            f"P {args.worlds}, seqs {args.seqs}, passes {args.passes}): pass --models/--worlds/--seqs/--passes that it "
+            f"measured, or measure these; {MAKE_ATTENTION_JSON}"
+        )
+    print(f"# --attention-json {args.attention_json}: measured times in {used} of {len(rows)} rows (column source); "
+          f"the other rows are the model alone (the JSON has {shown})", flush=True)
+
+
 def table(args) -> list[dict]:
     meas = measured(args.attention_json)
     rows = []
@@ -224,20 +246,24 @@ def table(args) -> list[dict]:
                     parts = ("fwd", "bwd") if p == "fwdbwd" else (p,)
                     comp = sum(m["compute"][x] for x in parts)
                     lay = sum(m["layout"][x] for x in parts)
-                    src = "model"
+                    measured_parts = []
                     # The attention the layer runs: SharedKV on ranks whose query heads
                     # share one KV head (bench_attention's local-sharedkv row), else local.
                     for name in ("local-sharedkv", "local"):
                         if (model, S, P, p, name) in meas:
-                            comp, src = meas[(model, S, P, p, name)], "measured"
+                            comp = meas[(model, S, P, p, name)]
+                            measured_parts.append("compute")
                             break
                     # The fastest kernel set measured (layout-cuda / -triton / -torch): the one
                     # "auto" runs; the torch reference set is only a fallback.
                     layouts = [meas[k] for k in meas if k[:4] == (model, S, P, p) and k[4].startswith("layout-")]
                     if layouts:
                         lay = min(layouts)
+                        measured_parts.append("layout")
                     wire = sum(m["wire"][x] for x in parts)
                     ours = comp + wire + lay
+                    # "measured": compute and layout from the JSON; "measured-compute"/"-layout": one of them.
+                    src = {0: "model", 2: "measured"}.get(len(measured_parts)) or f"measured-{measured_parts[0]}"
                     row = {"model": model, "P": P, "seq": S, "pass": p, "compute_ms": comp * 1e3, "source": src,
                            "wire_ms": wire * 1e3, "layout_ms": lay * 1e3, "ours_ms": ours * 1e3,
                            "exposed": (wire + lay) / ours, "kv_repl": m["plan"].kv_replication}  # fmt: skip
@@ -259,7 +285,7 @@ COLUMNS = [
     ("compute_ms", "compute(ms)", ".2f"), ("wire_ms", "wire(ms)", ".2f"), ("layout_ms", "layout(ms)", ".3f"),
     ("ours_ms", "ours(ms)", ".2f"), ("exposed", "exposed", ".1%"), ("chain_wire_ms", "chain wire", ".2f"),
     ("chain_layout_ms", "chain layout", ".3f"), ("chain_ms", "chain(ms)", ".2f"), ("speedup", "x_chain", ".3f"),
-    ("kv_repl", "kv_repl", ".2f"), ("source", "compute", ""),
+    ("kv_repl", "kv_repl", ".2f"), ("source", "source", ""),
 ]  # fmt: skip
 
 
@@ -292,6 +318,7 @@ def main(argv=None) -> int:
         print_table(HYBRID_COLUMNS, hybrid_table(args))
         return 0
     rows = table(args)
+    check_attention_json(args, rows)
     print(f"# perf model (formulas, not measurements): NVLink busbw {args.nvlink_busbw} GB/s, IB {args.ib_busbw} GB/s/GPU, "
           f"HBM copy {args.hbm_bw} TB/s, attention fwd {args.fwd_tflops} / bwd {args.bwd_tflops} TFLOP/s, "
           f"{args.gpus_per_node} GPUs per node, batch {args.batch}, head_dim {args.head_dim}, {args.bytes} B/element")

@@ -57,27 +57,29 @@ def run_module(name: str, argv: list[str], out_dir: Path) -> dict:
     return json.loads((out_dir / f"bench_{name}_latest.json").read_text())
 
 
-def compare(chain: float, t: float) -> str:
-    ratio = chain / t
-    return f"{ratio:.1f}x faster than the chain" if ratio >= 1 else f"{1 / ratio:.1f}x slower than the chain"
-
-
 def row_line(label: str, ms: float, note: str = "") -> str:
     return f"    {label:<{WIDTH}} {ms:8.3f} ms  {note}".rstrip()
+
+
+def _in_ms(row: dict) -> dict:
+    """An all-to-all row's times (us) in ms, as the summary prints them."""
+    return {f"time{k}_ms": row[f"time{k}_us"] / 1e3 for k in ("", "_q1", "_q3") if row.get(f"time{k}_us") is not None}
 
 
 def alltoall_lines(doc: dict, sets: list[str]) -> list[str]:
     rows = {r["op"]: r for r in doc["rows"]}
     skipped = doc["meta"].get("skipped", {})
-    chain = rows["chain"]["time_us"] / 1e3
+    chain, floor, floor_name = _in_ms(rows["chain"]), _in_ms(rows["a2a"]), "the bare all-to-all"
     lines = [f"  all-to-all of q, k, v ({HEADS} query / {KV_HEADS} KV heads), {rows['chain']['size'] / 1024:.0f} KiB per rank:",
-             row_line("permute chain (DeepSpeed/yunchang style)", chain)]  # fmt: skip
+             row_line("permute chain (DeepSpeed/yunchang style)", chain["time_ms"], C.floor_flag(chain, floor, "time_ms", floor_name) or "")]  # fmt: skip
     for k in sets:
         r = rows.get(f"fused-{k}")
         if r is None:
             lines.append(f"    {ours_label(k):<{WIDTH}} skipped: {skipped.get(f'fused-{k}', 'no row')}")
         else:
-            lines.append(row_line(ours_label(k), r["time_us"] / 1e3, compare(chain, r["time_us"] / 1e3)))
+            ours = _in_ms(r)
+            note = C.speedup_text(chain, ours, "time_ms", "the chain", cpu=True, floor=floor, floor_name=floor_name)
+            lines.append(row_line(ours_label(k), ours["time_ms"], note))
     lines.append(row_line("bare all_to_all_single (the floor)", rows["a2a"]["time_us"] / 1e3))
     return lines
 
@@ -85,16 +87,17 @@ def alltoall_lines(doc: dict, sets: list[str]) -> list[str]:
 def attention_lines(doc: dict, sets: list[str], seq: int) -> list[str]:
     rows = {r["method"]: r for r in doc["rows"] if r["pass"] == "fwdbwd"}
     skipped = doc["meta"].get("skipped", {})
-    chain = rows["chain"]["time_ms"]
+    chain, floor, floor_name = rows["chain"], rows["local"], "attention alone"
     lines = [f"  attention layer, forward + backward ({HEADS} query / {KV_HEADS} KV heads), {seq} tokens:",
-             row_line("permute chain", chain)]  # fmt: skip
+             row_line("permute chain", chain["time_ms"], C.floor_flag(chain, floor, "time_ms", floor_name) or "")]  # fmt: skip
     for k in sets:
         r = rows.get(f"ulysses-{k}")
         if r is None:
             why = next((v for key, v in skipped.items() if key.endswith(f" ulysses-{k}")), "no row")
             lines.append(f"    {ours_label(k):<{WIDTH}} skipped: {why}")
         else:
-            lines.append(row_line(ours_label(k), r["time_ms"], compare(chain, r["time_ms"])))
+            note = C.speedup_text(chain, r, "time_ms", "the chain", cpu=True, floor=floor, floor_name=floor_name)
+            lines.append(row_line(ours_label(k), r["time_ms"], note))
     lines.append(row_line("attention alone (no communication)", rows["local"]["time_ms"]))
     return lines
 
@@ -112,7 +115,8 @@ def summarize(args, out_dir: Path) -> list[str]:
                                     "--methods", ",".join(methods), "--passes", "fwdbwd"], out_dir)  # fmt: skip
     seq = attn["rows"][0]["seq"] if attn["rows"] else args.seq
     wrong = sum(r["wrong"] or 0 for doc in (a2a, attn) for r in doc["rows"])
-    lines = [f"Benchmarks at one small size, {args.spawn} gloo ranks on this CPU ({LABEL}; median times):"]
+    lines = [f"Benchmarks at one small size, {args.spawn} gloo ranks on this CPU ({LABEL}; median times; a speed-up's quartiles: "
+             "the ratio between the two rows' quartile times over the iterations):"]
     lines += alltoall_lines(a2a, sets) + attention_lines(attn, sets, seq)
     lines.append(f"  every row checked against its reference: {wrong} wrong elements")
     lines.append("  full tables: ULYSSES_KERNELS_DEMO_BENCH=full bash scripts/demo.sh; on GPUs: bench/README.md")

@@ -10,7 +10,9 @@
 * ``channel``: ``AsyncChannel``, collectives started to overlap the caller's compute;
 * ``watchdog``: ``Watchdog``, the timeout of ``NCCLCommunicator``'s work (which torch's
   watchdog does not see): on a timeout or an NCCL error it aborts the communicator, and the
-  next use raises.
+  next use raises;
+* ``emulated``: ``EmulatedPeers``, one rank of an N-way group in one process (the peers'
+  blocks stand-ins, or replayed from a ``RecordingCommunicator`` of a real rank).
 
 ``get_communicator`` picks one for a call.
 """
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from .base import Communicator, Work, transport
 from .channel import AsyncChannel
+from .emulated import EmulatedPeers, EmulationError, PeerRecording, RecordingCommunicator
 from .nccl import (
     NCCLCommunicator,
     borrowed_torch_comm,
@@ -37,9 +40,13 @@ from .torch_dist import LocalCommunicator, TorchCommunicator
 __all__ = [
     "AsyncChannel",
     "Communicator",
+    "EmulatedPeers",
+    "EmulationError",
     "LocalCommunicator",
     "NCCLCommunicator",
     "NoProcessGroupError",
+    "PeerRecording",
+    "RecordingCommunicator",
     "TorchCommunicator",
     "Work",
     "borrowed_torch_comm",

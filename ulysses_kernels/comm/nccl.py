@@ -78,8 +78,9 @@ def _extension():
 def native_nccl_enabled() -> bool:
     """True when ``ULYSSES_KERNELS_NATIVE_NCCL=1``: the defaults (the functional ops' borrowed
     communicator, ``integrations.hf.apply``'s own) use our native NCCL calls. Off by default:
-    the native path has not yet run on a GPU (docs/gpu_validation.md), and a path that has
-    never run on a GPU is never a default on CUDA; torch.distributed's collectives (watched
+    the native path has run on one GPU at world 1 only (docs/gpu_validation.md: no byte
+    crossed a link), and a path that has not run across GPUs is not a default for them;
+    torch.distributed's collectives (watched
     by torch's watchdog and timeout) are. Passing ``comm=NCCLCommunicator(group)`` opts in
     per call. Set it alike on every rank."""
     return os.environ.get("ULYSSES_KERNELS_NATIVE_NCCL", "0") == "1"

@@ -21,9 +21,13 @@ before it was seen done, whichever is later: work queued behind long but moving 
 late). Failing records why and calls ``abort(why)`` once (``ncclCommAbort`` for a
 communicator of our own, which makes NCCL's kernels return so the GPU stream frees; torch's
 abort of the group for a borrowed one); what ``abort`` returns (what it did and what the user
-should do) is part of the message. From then on ``check()`` (called before every use of the
-communicator and by ``Work.wait()``) raises a ``RuntimeError`` naming the communicator, the
-work and the reason, instead of posting more work that could never complete.
+should do) is part of the message: ``failure`` is set once, to the reason and that outcome,
+when the abort has returned (a reader never sees a failure whose abort is still running, as
+the first GPU run's test did: bench/results/2026-11-27_h200/tests/test_nccl_comm.txt). From
+the moment it fails, ``check()`` (called before every use of the communicator and by
+``Work.wait()``) raises a ``RuntimeError`` naming the communicator, the work and the reason
+(while the abort runs: that it is being aborted), instead of posting more work that could
+never complete.
 
 Everything the watchdog touches comes in as callables (the clock, ``done``, ``async_error``,
 ``abort``), so its logic runs on the CPU with fakes (tests/test_watchdog.py); ``poll()`` is
@@ -128,7 +132,8 @@ class Watchdog:
         self._wake = threading.Event()  # close() wakes a sleeping poll loop
         self._thread: threading.Thread | None = None
         self.closed = False
-        self.failure: str | None = None
+        self.failure: str | None = None  # why, and what the abort did; set once the abort has returned
+        self._why: str | None = None  # why, from the moment of failing (check() raises from then on)
 
     # ---- the communicator's side --------------------------------------------------------
     @contextlib.contextmanager
@@ -160,6 +165,8 @@ class Watchdog:
         """RuntimeError if the work on this communicator has failed."""
         if self.failure is not None:
             raise RuntimeError(f"{self.name}: {self.failure}")
+        if self._why is not None:
+            raise RuntimeError(f"{self.name}: {self._why}. The communicator is being aborted")
 
     @property
     def outstanding(self) -> int:
@@ -182,7 +189,7 @@ class Watchdog:
     def poll(self) -> str | None:
         """One step: drop the items that are done, then fail on an async error or on an
         item without progress for ``timeout_s``. Returns the failure, if any."""
-        if self.failure is not None or self.closed:
+        if self._why is not None or self.closed:
             return self.failure
         now = self._clock()
         with self._cond:
@@ -220,14 +227,14 @@ class Watchdog:
     def _fail(self, why: str) -> None:
         got = self._issue.acquire(timeout=self.grace_s)
         try:
-            if self.failure is not None or self.closed:
+            if self._why is not None or self.closed:
                 return
-            self.failure = why  # first, so that a call posted from here on raises
+            self._why = why  # first, so that a call posted from here on raises
             try:
                 outcome = self._abort(why)
             except Exception as e:  # the failure stands; say that the abort failed too
                 outcome = f"the abort failed too ({type(e).__name__}: {e}); restart the job"
-            self.failure = f"{why}. {outcome}"
+            self.failure = f"{why}. {outcome}"  # once, complete: what failed and what the abort did
         finally:
             if got:
                 self._issue.release()

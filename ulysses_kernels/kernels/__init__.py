@@ -18,9 +18,12 @@ properties the rest of the package asks about: whether it traces under ``torch.c
 Names: ``"torch"`` (pure PyTorch, any device), ``"triton"`` (Triton kernels; CUDA, or the
 CPU under ``TRITON_INTERPRET=1``), ``"cuda"`` (the C++/CUDA extension, with its CPU twin on
 CPU tensors). ``None``/``"auto"`` takes, by ``auto_priority``, the first set that ``auto``
-may pick on the tensors' device and that can run: on a GPU ``"cuda"``, then ``"triton"``,
-each only once it is ``gpu_validated`` (neither has run on a GPU yet, so ``"auto"`` is
-``"torch"`` on CUDA today); elsewhere ``"torch"``. docs/extending.md says how to add one.
+may pick on the tensors' device and that can run there (``auto_choice``): on a GPU
+``"cuda"`` where ``_C`` carries code for the GPU's architecture, else ``"triton"``, else
+``"torch"``; each only once it is ``gpu_validated``: all three passed the self-test and
+their GPU tests on an H200 (sm_90, torch 2.11.0+cu130, 2026-11-27:
+``bench/results/2026-11-27_h200/``, ``H200_2026_11_27``); elsewhere ``"torch"``.
+docs/extending.md says how to add one.
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ from .torch_kernels import TorchKernels
 __all__ = [
     "KernelSet",
     "KernelSetSpec",
+    "GpuRecord",
+    "H200_2026_11_27",
     "KERNEL_SETS",
     "register_kernel_set",
     "TorchKernels",
     "get_kernels",
+    "auto_choice",
     "available_kernels",
     "kernel_set_report",
     "registry_generation",
@@ -59,6 +65,47 @@ class KernelSet(Protocol):
 
 
 @dataclass(frozen=True)
+class GpuRecord:
+    """One GPU run in which a kernel set passed its GPU tests and the self-test: where, with what, and the files.
+
+    ``arch``: the GPU's architecture (``"sm_90"``); ``records``: the committed files of the
+    run (paths from the repository root), which docs/gpu_validation.md cites row by row.
+    """
+
+    gpu: str
+    arch: str
+    torch: str
+    cuda: str
+    nccl: str
+    triton: str
+    date: str
+    git_sha: str
+    world_size: int
+    records: tuple[str, ...]
+
+    def line(self) -> str:
+        return f"{self.gpu} ({self.arch}), torch {self.torch}, world {self.world_size}, {self.date}, git {self.git_sha}: {self.records[0]}"
+
+
+# The project's first GPU run (bench/results/2026-11-27_h200/README.md): the self-test's 210
+# paths (every kernel set x communicator x chunks x layout, bf16 against float64) passed,
+# and so did the GPU tests of each set (test_cuda_kernels, test_triton_kernels, ...), apart
+# from three error-path tests that crashed on that toolchain (csrc/message.h, fixed since).
+H200_2026_11_27 = GpuRecord(
+    gpu="NVIDIA H200",
+    arch="sm_90",
+    torch="2.11.0+cu130",
+    cuda="13.0",
+    nccl="2.28.9",
+    triton="3.6.0",
+    date="2026-11-27",
+    git_sha="0b0a5e3",
+    world_size=1,
+    records=("bench/results/2026-11-27_h200/selftest_w1.json", "bench/results/2026-11-27_h200/README.md"),
+)
+
+
+@dataclass(frozen=True)
 class KernelSetSpec:
     """One named kernel set and its properties.
 
@@ -67,10 +114,12 @@ class KernelSetSpec:
     define ``available()`` and ``unavailable_reason()``. ``untraceable``: why the set cannot
     run inside ``torch.compile`` (empty when it can). ``auto_on``: device types on which
     ``kernels="auto"`` may pick it (``None``: every device); ``"auto"`` tries the highest ``auto_priority`` first.
-    ``gpu_validated``: its GPU tests have passed on a real GPU (recorded in
-    docs/gpu_validation.md); until then ``"auto"`` does not pick it for CUDA tensors (a
-    path that has never run on a GPU is never a default there; it can still be named).
-    ``describe``: one line on what runs here, for ``info``.
+    ``gpu_validated``: the GPU runs (``GpuRecord``) in which its GPU tests and the
+    self-test passed (recorded in docs/gpu_validation.md); while empty, ``"auto"`` does not
+    pick it for CUDA tensors (a path that has never run on a GPU is never a default there;
+    it can still be named). ``device_check(device) -> str``: why the set cannot run on that
+    device ("" when it can), asked by ``"auto"`` (the C++ kernels need code for the GPU's
+    architecture in ``_C``). ``describe``: one line on what runs here, for ``info``.
     """
 
     name: str
@@ -79,7 +128,8 @@ class KernelSetSpec:
     untraceable: str = ""
     auto_on: frozenset[str] | None = frozenset()
     auto_priority: int = 0
-    gpu_validated: bool = False
+    gpu_validated: tuple[GpuRecord, ...] = ()
+    device_check: Callable[[torch.device], str] | None = None
     describe: Callable[[], str] = lambda: ""
 
     @property
@@ -97,6 +147,28 @@ def _describe_cuda() -> str:
     if torch.cuda.is_available():
         return "C++/CUDA extension on the GPU (its CPU twin on CPU tensors)"
     return "C++ extension: its CPU twin (no GPU visible; the CUDA kernels need one)"
+
+
+def _cuda_code_check(device: torch.device) -> str:
+    """Why ``_C`` cannot run its CUDA kernels on ``device`` ("" when it carries code for the GPU's arch)."""
+    if device.type != "cuda":
+        return ""
+    from .. import ops
+
+    try:
+        archs = ops.cuda_archs()
+        capability = tuple(torch.cuda.get_device_capability(device))
+    except (ImportError, RuntimeError, AssertionError) as e:
+        return f"{type(e).__name__}: {e}"
+    if not archs:
+        return "_C was built without CUDA (CPU-only extension)"
+    if ops.arch_code_for(capability) is None:
+        arch = f"{capability[0]}.{capability[1]}"
+        return (
+            f"_C carries code for {', '.join(archs)} (ULYSSES_KERNELS_CUDA_ARCHS at build time), not for this GPU's {arch}; "
+            f"rebuild it for this GPU: {ops.rebuild_command(f'ULYSSES_KERNELS_CUDA_ARCHS={arch}')}"
+        )
+    return ""
 
 
 class _Registry(dict):
@@ -149,7 +221,8 @@ def _import_or_why(name: str):
 # torch: views and copies of stock PyTorch ops, whose CUDA kernels are PyTorch's own.
 register_kernel_set(
     KernelSetSpec(
-        "torch", "ulysses_kernels.kernels.torch_kernels", "TorchKernels", auto_on=None, gpu_validated=True, describe=lambda: "pure PyTorch, any device"
+        "torch", "ulysses_kernels.kernels.torch_kernels", "TorchKernels", auto_on=None, gpu_validated=(H200_2026_11_27,),
+        describe=lambda: "pure PyTorch, any device",
     )
 )
 register_kernel_set(
@@ -161,11 +234,21 @@ register_kernel_set(
         "which a traced graph cannot do; use kernels='cuda' or 'torch' under torch.compile",
         auto_on=frozenset({"cuda"}),
         auto_priority=1,
+        gpu_validated=(H200_2026_11_27,),
         describe=_describe_triton,
     )
 )
 register_kernel_set(
-    KernelSetSpec("cuda", "ulysses_kernels.kernels.cuda_kernels", "CudaKernels", auto_on=frozenset({"cuda"}), auto_priority=2, describe=_describe_cuda)
+    KernelSetSpec(
+        "cuda",
+        "ulysses_kernels.kernels.cuda_kernels",
+        "CudaKernels",
+        auto_on=frozenset({"cuda"}),
+        auto_priority=2,
+        gpu_validated=(H200_2026_11_27,),
+        device_check=_cuda_code_check,
+        describe=_describe_cuda,
+    )
 )
 
 
@@ -192,6 +275,52 @@ def kernel_set_report() -> list[dict]:
     return report
 
 
+# A device's architecture and _C's arch list do not change during a process: inside
+# torch.compile the answer is a constant of the trace (dynamo would not trace the query).
+@torch.compiler.assume_constant_result
+def _device_reason(name: str, device: torch.device) -> str:
+    check = KERNEL_SETS[name].device_check
+    return check(device) if check is not None else ""
+
+
+def auto_choice(device: torch.device, layout=None, *, traceable: bool = False) -> tuple[KernelSet, dict[str, str]]:
+    """What ``kernels="auto"`` runs on ``device``: ``(kernel set, {name: why passed over})``.
+
+    Tries the sets by ``auto_priority``, highest first, and takes the first that ``auto``
+    may pick on the device type (``auto_on``), that has passed on a GPU when the device is
+    one (``gpu_validated``), that can run in this process and on this device
+    (``device_check``: ``_C``'s code for the GPU's arch), that traces when ``traceable``,
+    and whose ``supports(layout)`` says yes. The reasons say why each set before it was
+    passed over (``info`` and the self-test print them).
+    """
+    passed = {}
+    for spec in sorted(KERNEL_SETS.values(), key=lambda x: -x.auto_priority):
+        if spec.auto_on is not None and device.type not in spec.auto_on:
+            continue  # not a candidate on this device type at all
+        if traceable and not spec.traceable:
+            passed[spec.name] = "does not trace under torch.compile"
+            continue
+        if device.type == "cuda" and not spec.gpu_validated:
+            passed[spec.name] = "has not passed on a GPU yet (docs/gpu_validation.md)"
+            continue
+        cls = _load(spec.name)
+        if cls is None:
+            # (The reason is looked up outside a trace only: a plain call, a cached import.)
+            passed[spec.name] = "cannot run in this process" + ("" if traceable else f" ({_import_or_why(spec.name)[1]})")
+            continue
+        why = _device_reason(spec.name, device)
+        if why:
+            passed[spec.name] = why
+            continue
+        # Ask the instance, not the class: inside torch.compile the class is a constant
+        # of the trace that dynamo cannot guard attribute look-ups on.
+        kern = cls()
+        if layout is None or getattr(kern, "supports", lambda _: True)(layout):
+            return kern, passed
+        passed[spec.name] = "does not support this layout (supports() is False)"
+    return TorchKernels(), passed
+
+
 def get_kernels(name, device: torch.device, layout=None, *, traceable: bool = False):
     """The kernel set for ``name`` (None, "auto", a registered name, or a kernel-set object).
 
@@ -205,20 +334,7 @@ def get_kernels(name, device: torch.device, layout=None, *, traceable: bool = Fa
             raise ValueError(f"ulysses_kernels: kernel set {name.name!r} does not trace: {spec.untraceable}")
         return name
     if name in (None, "auto"):
-        for spec in sorted(KERNEL_SETS.values(), key=lambda x: -x.auto_priority):
-            if (spec.auto_on is not None and device.type not in spec.auto_on) or (traceable and not spec.traceable):
-                continue
-            if device.type == "cuda" and not spec.gpu_validated:
-                continue
-            cls = _load(spec.name)
-            if cls is None:
-                continue
-            # Ask the instance, not the class: inside torch.compile the class is a constant
-            # of the trace that dynamo cannot guard attribute look-ups on.
-            kern = cls()
-            if layout is None or getattr(kern, "supports", lambda _: True)(layout):
-                return kern
-        return TorchKernels()
+        return auto_choice(device, layout, traceable=traceable)[0]
     if name not in KERNEL_SETS:
         raise ValueError(f"ulysses_kernels: kernels={name!r}; expected 'auto' or one of {list(KERNEL_SETS)}")
     spec = KERNEL_SETS[name]

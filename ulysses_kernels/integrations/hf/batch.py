@@ -196,6 +196,7 @@ def shard_batch(
     inputs_embeds: torch.Tensor | None = None,
     visual_pos_masks: torch.Tensor | None = None,
     deepstack_visual_embeds: list[torch.Tensor] | None = None,
+    comm=None,
 ) -> ShardedBatch:
     """Shard one global causal-LM batch along the sequence for this rank.
 
@@ -237,12 +238,17 @@ def shard_batch(
             model takes them (``[batch, seq]`` bool, and per layer ``[visual tokens, hidden]``
             rows in the mask's order); each rank keeps its visual tokens' rows, which ``apply``
             hands to the text model. ``multimodal_inputs`` returns them.
+        comm: the communicator given to ``apply`` (its ``rank`` and ``world_size`` then say
+            whose share this is, and ``check`` runs over it): e.g. ``comm.EmulatedPeers``, one
+            rank of a group emulated in one process (with ``check=False``: it has no peers).
 
     Returns:
         ``ShardedBatch`` with this rank's ``input_ids`` (or ``inputs_embeds``), shifted
         ``labels``, global ``position_ids``, the global ``num_tokens`` and the ``shard`` layout.
     """
-    rank, world = _rank_world(group)
+    if comm is not None and isinstance(group, SPGroups):
+        raise HFIntegrationError("shard_batch: comm= stands for a flat group; a 2-D group (SPGroups) is given as group= alone")
+    rank, world = _rank_world(group) if comm is None else (comm.rank, comm.world_size)
     labels = _checked_labels(input_ids, labels, inputs_embeds)
     mrope = position_ids is not None and position_ids.dim() == 3
     text_positions = _mrope_text_positions(labels, position_ids) if mrope else position_ids
@@ -260,8 +266,8 @@ def shard_batch(
     shifted, num_tokens = _shift_labels(labels, ignore_index, cu)
     tokens = input_ids if input_ids is not None else labels
     if check and world > 1:
-        _check_same_batch(_process_group(group), labels.device, bsz, seq, total, num_tokens, 0 if cu is None else len(cu),
-                          _fingerprint(tokens, shifted, cu, position_ids if mrope else None))
+        _check_same_batch(get_communicator(_process_group(group), comm), labels.device, bsz, seq, total, num_tokens,
+                          0 if cu is None else len(cu), _fingerprint(tokens, shifted, cu, position_ids if mrope else None))
 
     docs = None if cu is None else documents(pad_documents(cu, total))
     if mrope:
@@ -468,11 +474,11 @@ def _fingerprint(input_ids: torch.Tensor, shifted: torch.Tensor, cu, positions: 
     return (fp * 1_000_003 + (-1 if cu is None else boundaries_digest(cu))) & mask
 
 
-def _check_same_batch(group, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int, bounds: int, fingerprint: int) -> None:
-    """One all-gather of ``(batch, seq, padded length, target count, document boundaries,
-    content fingerprint)``: ranks fed different batches raise the same error on every rank.
-    Collective."""
-    everyone = get_communicator(group).all_gather_ints([bsz, seq, total, num_tokens, bounds, fingerprint], device)
+def _check_same_batch(comm, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int, bounds: int, fingerprint: int) -> None:
+    """One all-gather over ``comm`` of ``(batch, seq, padded length, target count, document
+    boundaries, content fingerprint)``: ranks fed different batches raise the same error on
+    every rank. Collective."""
+    everyone = comm.all_gather_ints([bsz, seq, total, num_tokens, bounds, fingerprint], device)
     if any(v != everyone[0] for v in everyone):
         shown = lambda v: f"batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]} cu_seqlens entries={v[4]} fingerprint={v[5]:016x}"
         rows = by_value([tuple(v) for v in everyone], shown)  # one entry per distinct batch, not per rank

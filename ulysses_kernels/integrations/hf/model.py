@@ -13,10 +13,13 @@ from dataclasses import replace
 
 import torch
 
+from ...comm import get_communicator
 from ...longctx.install import enable as enable_long_context
+from ...ring import SPGroups
 from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, _ulysses_mask, attention_settings
 from .audit import check_token_mixers
 from .batch import _SHARD_KWARG, HFIntegrationError
+from .mixers import HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
 from .multimodal import prepare as prepare_multimodal
 from .multimodal import text_config_key, text_model
 
@@ -188,7 +191,7 @@ def apply(
     # over whole images before the sequence is sharded) keeps its implementation.
     modules = [m for m in _attention_modules(model) if texts is None or m.config is texts.config]
     # Every other module that mixes tokens along the sequence must be one apply makes exact.
-    check_token_mixers(model, {}, attention=modules, scope=texts)
+    check_token_mixers(model, HANDLED_MIXERS, attention=modules, scope=texts)
     if not modules:
         raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
     # Resolved before the model is switched, so that a refusal leaves it as it was.
@@ -197,6 +200,10 @@ def apply(
         impl = _configured_implementation(m)
         inner.append((m, impl, _attention_function(m, impl)))
     _check_sparse_attention(modules)
+    # Hybrid models' token mixers that are not attention (Gated DeltaNet, Mamba2, short convs:
+    # mixers.HANDLED_MIXERS), planned here so that a layer whose heads cannot be split is refused
+    # before anything changes.
+    mixers = _plan_mixers(model if texts is None else texts, group, comm)
     # The long-context pieces (they refuse before changing anything, as the checks above).
     enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
                         offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
@@ -216,9 +223,26 @@ def apply(
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
         object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
+    switch_mixers(mixers, group, shared.comm)
     if texts is not None:
         prepare_multimodal(model)  # the text model's and the top-level model's pre-hooks
     return model
+
+
+def _plan_mixers(model, group, comm) -> list:
+    """The head plans of ``model``'s mixers that are not attention (``mixers.plan_mixers``);
+    on a 2-D group (``SPGroups``) they are refused: the ring level passes attention's K/V blocks
+    only, not a recurrent state."""
+    modules = mixer_modules(model)
+    if not modules:
+        return []
+    names = ", ".join(sorted({type(m).__name__ for m in modules}))
+    if isinstance(group, SPGroups):
+        raise HFIntegrationError(
+            f"apply: {type(model).__name__} has token mixers that are not attention ({names}): they run under Ulysses on a "
+            "flat group only, not on a 2-D SPGroups (its ring level moves attention's K/V blocks, not a recurrent state)"
+        )
+    return plan_mixers(modules, get_communicator(group, comm).world_size)
 
 
 def _check_sparse_attention(modules) -> None:

@@ -1,0 +1,349 @@
+"""hf.apply on hybrid models: token mixers that are not attention (Gated DeltaNet, Mamba2,
+LFM2's short convolution) next to attention, each a tiny random model from its transformers
+config (float64, no flash-linear-attention, causal-conv1d or mamba_ssm here), one training
+step over 2 and 4 gloo ranks (one spawn per world size, every model in it), the loss, every
+parameter gradient and the gathered logits compared with one process.
+
+* Exactness (``exact=True``): transformers' torch fallbacks of the two recurrences compute in
+  float32 inside (``torch_chunk_gated_delta_rule`` casts q/k/v/g/beta to float32,
+  ``mamba2_chunk_scan`` calls ``.float()``), so a float64 rounding difference upstream (a
+  matmul over another number of rows) becomes a float32 rounding step there. For the exact
+  check both runs, the one process and the ranks, use float64 sequential forms of the same
+  recurrences (``float64_kernels``: patched into the models' modules, which both runs call);
+  everything else is the models' own code. Ordinary batches (2 rows of 13 tokens: shards 7/6
+  and 4/3/3/3, labels partly masked), padded shards, and packed documents (batch 1,
+  positions restarting at 0; lengths 5, 1, 2, 9, 3, 7 crossing the shards) against one
+  process running each document alone: transformers' torch paths ignore document boundaries
+  in these layers (the conv and the recurrence run across them, whatever the position ids),
+  so "each document alone" is the reference.
+* The models' own kernels (``exact=False``): the same step with transformers' float32
+  fallbacks, ordinary batches, at float32 rounding (measured below).
+* Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Kimi-Linear (Kimi Delta
+  Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1 (Mamba2), LFM2 (short conv).
+* Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
+  ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
+  its gradient summed back); LFM2's 48 channels as 48 one-element heads.
+* Without the mixers' exchange (each mixer back on its own forward, attention still
+  switched) the same step is far from one process: what issue #38 found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf import close, global_batch  # noqa: E402
+from test_hf import reference as reference_unpacked  # noqa: E402
+from test_hf_packed import packed_batch  # noqa: E402
+from test_hf_packed import reference as reference_packed  # noqa: E402
+
+from ulysses_kernels.integrations import hf  # noqa: E402
+from ulysses_kernels.integrations.hf.mixers import HANDLED_MIXERS  # noqa: E402
+from ulysses_kernels.testing import run_ranks  # noqa: E402
+
+VOCAB = 61
+_ATTN = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 12, "max_position_embeddings": 64, "attn_implementation": "sdpa"}  # fmt: skip
+_GDN = {"linear_num_value_heads": 6, "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
+_MAMBA = {"mamba_n_heads": 6, "mamba_d_head": 8, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_expand": 1}
+
+# (name, config class, model class, the mixer class, config). Mamba2's chunk of 8 tokens: the
+# 13-token sequence is two chunks (the inter-chunk state passing runs). Qwen3-Next with dense
+# MLPs (``mlp_only_layers``): its MoE router's float32 softmax turns the float64 rounding of
+# one document run alone into float32 steps of the routing weights (1.6e-10 on the packed
+# logits, measured), which says nothing about the mixer; MoE under apply is tests/test_hf_models.py.
+MODELS = [
+    ("qwen3.5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5GatedDeltaNet", _ATTN | _GDN | {
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3}),
+    ("qwen3-next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3NextGatedDeltaNet", _ATTN | _GDN | {
+        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_only_layers": [0, 1]}),
+    ("qwen3.5-moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeGatedDeltaNet", _ATTN | _GDN | {
+        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "experts_implementation": "eager"}),
+    ("kimi-linear", "KimiLinearConfig", "KimiLinearForCausalLM", "KimiLinearDeltaAttention", _ATTN | {
+        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_layer_types": ["dense", "dense"],
+        "linear_attn_config": {"head_dim": 8, "num_heads": 6, "short_conv_kernel_size": 4}, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    ("bamba", "BambaConfig", "BambaForCausalLM", "BambaMixer", _ATTN | _MAMBA | {"num_hidden_layers": 3, "attn_layer_indices": [1]}),
+    ("nemotron-h", "NemotronHConfig", "NemotronHForCausalLM", "NemotronHMamba2Mixer", _ATTN | {
+        "layers_block_type": ["mamba", "attention", "mlp", "mamba"], "num_hidden_layers": 4, "mamba_num_heads": 6, "mamba_head_dim": 8,
+        "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4, "chunk_size": 8}),
+    ("falcon-h1", "FalconH1Config", "FalconH1ForCausalLM", "FalconH1Mixer", _ATTN | _MAMBA | {"num_hidden_layers": 2, "mamba_d_ssm": 48}),
+    ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "Lfm2ShortConv", _ATTN | {
+        "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3}),
+]  # fmt: skip
+
+RTOL, GRAD_RTOL = 1e-12, 1e-9
+# Parameters the models cast to float32 before use, so that their gradient is rounded to
+# float32 in both runs, at different points: Qwen3.5's (dense and MoE), Qwen3-Next's and
+# Nemotron-H's RMSNorm weights and Kimi's gated one (``output * (1.0 + self.weight.float())``,
+# ``self.weight.to(torch.float32) * hidden_states``: a float32 sum over the tokens,
+# which one process sums in one pass and the ranks in parts) and every mixer's ``A_log``
+# (``-self.A_log.float().exp()``: the float64 sum over the tokens rounded to float32 once per
+# backward call; the packed reference runs one backward per document), and Kimi's forget-gate
+# ``dt_bias`` (``self.dt_bias.float()``).
+# NOTE: measured at 2 and 4 ranks: <= 3e-7 on those (0 to 4e-16 on the loss and logits and
+# <= 6e-16 on every other parameter, the mixers' projections and convs included).
+FLOAT32_RTOL = 1e-6
+# The models' own float32 kernels (loss, logits and every gradient).
+# NOTE: measured at 2 ranks: <= 2.1e-16 loss, <= 2.8e-7 gradients (Kimi-Linear); at 4 ranks
+# (an earlier revision of this file, without Kimi): <= 1.2e-7 loss, <= 2.4e-7 gradients.
+OWN_KERNEL_RTOL = 2e-6
+FLOAT32_NORMS = {"Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm", "NemotronHRMSNorm", "KimiLinearRMSNormGated"}
+# PACKED: every one of these models' RMSNorms normalizes in float32 (``hidden_states.to(torch.float32)``
+# or ``self._norm(x.float())``): their outputs are rounded to float32, so a float64 rounding
+# difference upstream can move them by a float32 step. One document run alone and the same
+# tokens inside the packed sequence differ at 1e-16 (matmuls and convs over other lengths): the
+# packed checks are at FLOAT32_RTOL. (A conv or recurrence run across a boundary is off by
+# 1e-2 and more.)
+# NOTE: measured: Bamba packed logits 1.8e-8, Qwen3-Next 1.2e-8 (2 ranks, float64 kernels); the
+# one-process Qwen3-Next, a 5-token sequence alone against the same 5 tokens followed by 3 more,
+# differs by 3.5e-9 in its last logits: the model is not exact at 1e-12 against itself here.
+
+
+def loss_rtol(case) -> float:
+    """Loss and logits: ``RTOL``; Nemotron-H's final norm rounds its output to float32 (its
+    RMSNorm multiplies by the weight in float32 and casts the product), so its logits move by a
+    float32 step where a float64 rounding upstream differs.
+    NOTE: measured: Nemotron-H loss 1.1e-7 (one process: apply against the model), 1.2e-7
+    (packed, 2 and 4 ranks), 0 otherwise."""
+    return FLOAT32_RTOL if case[0] == "nemotron-h" else RTOL
+
+
+def grad_tolerances(model) -> dict[str, float]:
+    """Per parameter name: ``FLOAT32_RTOL`` for the float32-cast parameters above, else ``GRAD_RTOL``."""
+    loose = {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ in FLOAT32_NORMS}
+    return {n: FLOAT32_RTOL if n in loose or n.endswith((".A_log", "forget_gate.dt_bias")) else GRAD_RTOL for n, _ in model.named_parameters()}
+
+
+def _gated_delta_rule_float64(query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """``torch_recurrent_gated_delta_rule``'s recurrence in the inputs' dtype (no float32 cast):
+    per token, the state decays by ``exp(g)`` (per head, or per key channel: Kimi), takes the delta-rule update ``beta (v - S^T k)``
+    along ``k``, and is read by ``q / sqrt(Dk)`` (q, k L2-normalized)."""
+    hv, hk = value.shape[2], key.shape[2]
+    query, key = query.repeat_interleave(hv // hk, dim=2), key.repeat_interleave(hv // hk, dim=2)
+    if use_qk_l2norm_in_kernel:
+        query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
+        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+    query = query * query.shape[-1] ** -0.5
+    g, beta = g.to(value.dtype), beta.to(value.dtype)
+    state = value.new_zeros(value.shape[0], hv, key.shape[-1], value.shape[-1])
+    outs = []
+    for t in range(value.shape[1]):
+        # GDN: one decay per head [B, H]; Kimi's KDA: one per key channel [B, H, Dk].
+        state = state * (g[:, t].exp()[..., None, None] if g.dim() == 3 else g[:, t].exp()[..., None])
+        delta = (value[:, t] - (state * key[:, t].unsqueeze(-1)).sum(-2)) * beta[:, t].unsqueeze(-1)
+        state = state + key[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append((state * query[:, t].unsqueeze(-1)).sum(-2))
+    return torch.stack(outs, dim=1), state if output_final_state else None
+
+
+def _mamba2_scan_float64(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+                         dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):  # fmt: skip
+    """``mamba2_chunk_scan``'s SSM as a sequential scan in the inputs' dtype: per token and head,
+    ``state = exp(dt A) state + dt x B^T``, ``y = state C + D x``."""
+    heads, groups = hidden_states.shape[2], B.shape[2]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    B, C = B.repeat_interleave(heads // groups, dim=2), C.repeat_interleave(heads // groups, dim=2)
+    A = A.to(hidden_states.dtype)
+    state = hidden_states.new_zeros(hidden_states.shape[0], heads, hidden_states.shape[3], B.shape[3])
+    outs = []
+    for t in range(hidden_states.shape[1]):
+        x, d = hidden_states[:, t], dt[:, t]
+        state = state * (d * A).exp()[..., None, None] + (d[..., None] * x).unsqueeze(-1) * B[:, t].unsqueeze(-2)
+        outs.append((state * C[:, t].unsqueeze(-2)).sum(-1) + (D[:, None] * x if D is not None else 0))
+    out = torch.stack(outs, dim=1)
+    return (out, state) if return_final_states else out
+
+
+_FLOAT64_KERNELS = {
+    "qwen3_5": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
+    "qwen3_next": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
+    "kimi_linear": ("chunk_kimi_delta_attention", _gated_delta_rule_float64),
+    "bamba": ("mamba2_chunk_scan", _mamba2_scan_float64),
+    "nemotron_h": ("mamba2_chunk_scan", _mamba2_scan_float64),
+    "falcon_h1": ("mamba2_chunk_scan", _mamba2_scan_float64),
+}
+
+
+@contextlib.contextmanager
+def float64_kernels():
+    """The float64 recurrences above in place of the models' float32 fallbacks, in the modeling
+    modules both runs call them from (restored on exit)."""
+    import importlib
+
+    saved = []
+    try:
+        for family, (name, fn) in _FLOAT64_KERNELS.items():
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, fn)
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def build(case):
+    _, config_name, model_name, _, cfg = case
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**cfg)).double()
+    with torch.no_grad():  # Mamba2's D starts at 1 and its dt bias at 1 in some models: random, so that each matters per head
+        for name, p in model.named_parameters():
+            if name.endswith((".D", ".dt_bias", ".A_log")):
+                p.uniform_(0.2, 1.5)
+        for m in model.modules():  # MoE routers start at zero (every expert tied): random, so that routing matters
+            if type(m).__name__.endswith("TopKRouter"):
+                m.weight.normal_(std=0.5)
+    return model.train()
+
+
+def _step(model, batch, group):
+    out = model(**batch.model_inputs(loss=False))
+    loss = batch.loss(out.logits)
+    loss.backward()
+    hf.sync_gradients(model, group)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return hf.reduce_loss(loss, group), grads, hf.gather_sequence(out.logits.detach(), batch.shard, group)
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def check_against(got, ref, tols, rtol, what) -> tuple[float, float, float]:
+    """``got`` (loss, grads, logits) against the one-process ``ref`` (loss and logits at ``rtol``,
+    each gradient at ``tols[name]``); returns the largest relative errors (loss, gradients at
+    ``GRAD_RTOL``, the float32-cast parameters' gradients)."""
+    close(got[0], ref[0], rtol, f"{what}: loss")
+    for n, g in got[1].items():
+        close(g, ref[1][n], tols[n], f"{what}: grad of {n}")
+    close(got[2], ref[2], rtol, f"{what}: logits")
+    strict = [_rel(g, ref[1][n]) for n, g in got[1].items() if tols[n] == GRAD_RTOL]
+    cast = [_rel(g, ref[1][n]) for n, g in got[1].items() if tols[n] != GRAD_RTOL]
+    return _rel(got[0], ref[0]), max(strict, default=0.0), max(cast, default=0.0)
+
+
+def check_models(group, results, exact: bool):
+    """Every model of ``MODELS``: exact (float64 kernels, ordinary, padded and packed batches) or
+    with the models' own float32 kernels (ordinary batches, ``OWN_KERNEL_RTOL``)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    ids, labels = global_batch()
+    pids, plabels, positions, cu = packed_batch()
+    for case in MODELS:
+        name = case[0]
+        ref = reference_unpacked(build(case), ids, labels)
+        model = hf.apply(build(case), group)
+        assert sum(type(m).__name__ == case[3] for m in model.modules()) >= 1, name
+        tols = grad_tolerances(model) if exact else dict.fromkeys(ref[1], OWN_KERNEL_RTOL)
+        rtol = loss_rtol(case) if exact else OWN_KERNEL_RTOL
+        for pad in (False, True)[: 2 if exact and world == 2 else 1]:  # padded shards: at 2 ranks (time)
+            what = f"{name}, world {world}, {'padded' if pad else 'uneven'}, {'float64' if exact else 'own'} kernels"
+            got = _step(model, hf.shard_batch(ids, labels, group=group, pad=pad), group)
+            results[(name, world, "padded" if pad else "uneven", exact)] = check_against(got, ref, tols, rtol, what)
+        if exact:
+            ref_packed = reference_packed(build(case), pids, plabels, cu)
+            what = f"{name}, world {world}, packed"
+            got = _step(model, hf.shard_batch(pids, plabels, group=group, position_ids=positions), group)
+            tols, rtol = dict.fromkeys(tols, FLOAT32_RTOL), FLOAT32_RTOL  # see PACKED below FLOAT32_NORMS
+            results[(name, world, "packed", exact)] = check_against(got, ref_packed, tols, rtol, what)
+
+
+def check_without_mixers(group):
+    """Each mixer back on its own forward (attention still switched): far from one process."""
+    ids, labels = global_batch()
+    for case in MODELS:
+        ref = reference_unpacked(build(case), ids, labels)
+        model = hf.apply(build(case), group)
+        for m in model.modules():
+            if type(m).__name__ == case[3]:
+                del m.forward  # the instance attribute apply set: the class's forward again
+        _, grads, _ = _step(model, hf.shard_batch(ids, labels, group=group), group)
+        worst = max(_rel(g, ref[1][n]) for n, g in grads.items())
+        assert worst > 1e-3, f"{case[0]}: without the mixers' exchange the gradients are within {worst:.1e} of one process"
+
+
+def job(rank, world):
+    results = {}
+    with float64_kernels():
+        check_models(None, results, exact=True)
+        if world == 2:
+            check_without_mixers(None)
+    if world == 2:  # the models' own kernels: at 2 ranks (time; 4 ranks measured the same, see OWN_KERNEL_RTOL)
+        check_models(None, results, exact=False)
+    if rank == 0:
+        for key, (loss, grads, cast) in sorted(results.items()):
+            # Packed and own-kernel rows hold every gradient in the last column (one tolerance).
+            print(f"{key}: loss {loss:.1e} grads {grads:.1e} float32-cast (or all) grads {cast:.1e}", flush=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hybrid_models(world):
+    run_ranks(job, world)
+
+
+def test_handled_mixers_table():
+    """Every mixer class the tests run is in the table the refusal audit reads."""
+    assert {case[3] for case in MODELS} <= set(HANDLED_MIXERS)
+    assert all(isinstance(v, str) and v for v in HANDLED_MIXERS.values())
+
+
+def test_refusals_one_process():
+    """More ranks than a mixer's heads, or a mixer fed without a shard: refused by name."""
+    from ulysses_kernels.integrations.hf.mixers import mixer_modules, plan_mixers
+
+    model = build(MODELS[0])  # Qwen3.5: 6 value heads over 2 key heads
+    with pytest.raises(hf.HFIntegrationError, match=r"Qwen3_5GatedDeltaNet \(6 heads, 2 groups\) cannot be split over 8 ranks"):
+        plan_mixers(mixer_modules(model), 8)
+    model = hf.apply(model)  # a world of one
+    ids, _ = global_batch()
+    with pytest.raises(hf.HFIntegrationError, match="without a sequence shard"):
+        model.model.layers[0].linear_attn(torch.zeros(1, 3, 48, dtype=torch.float64))
+
+
+def test_world_of_one_matches_the_model():
+    """apply in one process (a world of one): the switched mixers run the same step as the model."""
+    ids, labels = global_batch()
+    with float64_kernels():
+        for case in MODELS:
+            ref = reference_unpacked(build(case), ids, labels)
+            model = hf.apply(build(case))
+            assert all(hasattr(m, "_ulysses_mixer") for m in model.modules() if type(m).__name__ == case[3]), case[0]
+            got = _step(model, hf.shard_batch(ids, labels), None)
+            check_against(got, ref, grad_tolerances(model), loss_rtol(case), f"{case[0]}, one process")
+
+
+def test_float64_kernels_are_the_models_recurrences():
+    """The float64 forms the exact check patches in compute what transformers' own kernels do
+    (to the float32 rounding those compute in): GDN with grouped key heads, Mamba2 over two chunks.
+    NOTE: measured 2.0e-7 (gated delta rule) and 9.0e-8 (Mamba2 scan), relative."""
+    from transformers.models.bamba import modeling_bamba
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(2, 13, 2, 8), r(2, 13, 2, 8), r(2, 13, 6, 8)
+    decay, beta = -r(2, 13, 6).abs(), r(2, 13, 6).sigmoid()
+    ours = _gated_delta_rule_float64(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)[0]
+    theirs = modeling_qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    close(ours, theirs.double(), 1e-5, "gated delta rule")
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    q, k, v, decay = r(2, 13, 6, 8), r(2, 13, 6, 8), r(2, 13, 6, 8), -r(2, 13, 6, 8).abs()
+    ours = _gated_delta_rule_float64(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)[0]
+    theirs = modeling_kimi_linear.chunk_kimi_delta_attention(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    close(ours, theirs.double(), 1e-5, "kimi delta rule")
+    x, dt, a, bm, cm, d, bias = r(2, 13, 6, 8), r(2, 13, 6), -r(6).abs(), r(2, 13, 2, 8), r(2, 13, 2, 8), r(6), r(6)
+    kw = {"D": d, "dt_bias": bias, "dt_softplus": True}
+    close(_mamba2_scan_float64(x, dt, a, bm, cm, 8, **kw), modeling_bamba.mamba2_chunk_scan(x, dt, a, bm, cm, 8, **kw).double(), 1e-5, "mamba2 scan")

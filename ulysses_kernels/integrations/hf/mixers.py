@@ -1,0 +1,380 @@
+"""Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
+Nemotron-H, Falcon-H1) and LFM2's short convolution, switched by ``apply`` in the same call as
+attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
+reads); each runs exact against one process in tests/test_hf_hybrid.py.
+
+Per head, each of these layers is a function of the whole sequence (a causal depthwise
+conv1d over the head's channels, then a recurrence or scan over its tokens), so it runs as
+attention does under Ulysses. One layer on rank ``r`` of ``P`` (``s_r`` local tokens, ``S``
+in all; ``H`` heads, ``G`` groups: GDN's value/key heads, Mamba2's heads/groups)::
+
+    hidden [B, s_r, hidden]
+      -> the input projections, all heads (local)
+      -> per head  [B, s_r, H, W]: GDN v | b | a (W = Dv + 2); Mamba2 x | dt (W = P + 1)
+         per group [B, s_r, G, U]: GDN q | k (U = 2 Dk);     Mamba2 B | C (U = 2 N)
+      -> ONE all-to-all (``_ToHeads``: roles ("q", "v") of the library's layout: heads on
+         the plan's query ranges, groups on its KV ranges, a group whose heads are split
+         over ranks sent to each of them, its gradient summed back)
+      -> [B, S, h, W], [B, S, g, U]: the rank's heads over the whole sequence
+      -> the causal conv1d on the rank's channels (the layer's weight rows), per document
+      -> the per-head gates (GDN g, beta; Kimi's per-channel forget gate; Mamba2's dt bias,
+         A, D), the parameters sliced to the rank's heads
+      -> the model's own kernel (transformers' ``torch_chunk_gated_delta_rule`` /
+         ``mamba2_chunk_scan`` as its module resolved them: flash-linear-attention or
+         mamba_ssm when installed, the torch fallback otherwise), per document
+      -> [B, S, h, Dv] -> ONE all-to-all back (``head_to_seq``) -> [B, s_r, H, Dv]
+      -> gated norm, out_proj (local)
+
+The layer's forward is replaced on the instance (``switch_mixers``) by one built from its own
+submodules and its module's kernel functions: transformers' forwards call module-level
+kernels on whatever sequence they see, so no wrapper around those calls could move data
+between the projections and the conv. Each family's adapter writes out the transformers
+5.23 forward's arithmetic step by step (the tests compare it with one process); a layer
+the adapters do not know keeps its forward.
+
+LFM2's short convolution has no heads: its ``hidden`` channels are planned as ``hidden``
+heads of one element (the conv is depthwise), the gate ``B * x`` moves, ``C`` stays.
+
+Packed documents: after the exchange each rank holds the whole sequence of its heads, so
+the conv and the kernel run once per document (the state starts from zero at each
+boundary, what the kernels' varlen forms do). transformers' torch fallbacks themselves
+ignore document boundaries in these layers; the reference is each document run alone.
+
+Not handled (refused by ``apply``): a KV/conv cache (generation), a padding mask, a 2-D
+group (``SPGroups``), more ranks than a layer's heads.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...attention import head_to_seq
+from ...attention.exchange import a2a_head_to_seq, a2a_seq_to_head
+from ...gqa import expand_kv
+from ...kernels import TorchKernels
+from ...layout import Layout
+from ...plan import HeadPlan, PlanError
+from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
+
+__all__ = ["HANDLED_MIXERS"]
+
+_ROLES = ("q", "v")  # per-head tensors on the plan's query ranges, per-group ones on its KV ranges
+_HEADS_ONLY = ("q",)
+_SETTINGS_ATTR = "_ulysses_mixer"  # set on each switched mixer by ``switch_mixers``
+
+
+class _ToHeads(torch.autograd.Function):
+    """Sequence-sharded ``heads`` ``[B, s_r, H, W]`` (and ``groups`` ``[B, s_r, G, U]``) ->
+    this rank's heads over the whole sequence ``[B, S, h, W]`` (``[B, S, g, U]``), one
+    all-to-all; the backward is the reverse exchange, summing the gradient of a group that
+    several ranks received (the library's movers, as for q/k/v).
+
+    The pure-PyTorch kernel set packs and unpacks: the Triton and CUDA sets are tested on
+    attention's roles and widths, not on these; on a GPU this is a strided copy per role and
+    peer (not measured yet)."""
+
+    @staticmethod
+    def forward(ctx, layout: Layout, comm, heads, groups=None):
+        ctx.layout, ctx.comm = layout, comm
+        ctx.roles = _ROLES if groups is not None else _HEADS_ONLY
+        tensors = (heads, groups) if groups is not None else (heads,)
+        return tuple(a2a_seq_to_head(layout, tensors, ctx.roles, comm, TorchKernels))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lay = ctx.layout
+        like = next(g for g in grads if g is not None)
+        grads = [g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.dim(r)) for g, r in zip(grads, ctx.roles)]
+        back = a2a_head_to_seq(lay, grads, ctx.roles, ctx.comm, TorchKernels)
+        return (None, None, *back) if len(back) == 2 else (None, None, back[0], None)
+
+
+@dataclass(frozen=True, eq=False)
+class _MixerSettings:
+    """What ``apply`` set on one mixer: the group, its communicator, the head plan."""
+
+    group: object
+    comm: object
+    plan: HeadPlan
+    family: str
+
+
+def _kernel(module, name: str) -> Callable:
+    """The kernel function ``name`` of ``module``'s transformers module (what its forward calls)."""
+    fn = getattr(sys.modules.get(type(module).__module__), name, None)
+    if not callable(fn):
+        raise HFIntegrationError(f"apply: {type(module).__name__}'s module has no {name} (transformers changed?)")
+    return fn
+
+
+def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, SequenceShard]:
+    settings = getattr(module, _SETTINGS_ATTR)
+    shard = kwargs.get(_SHARD_KWARG)
+    name = type(module).__name__
+    if not isinstance(shard, SequenceShard):
+        raise HFIntegrationError(
+            f"{name}: the model runs sequence-parallel but was called without a sequence shard; feed it "
+            "model(**ulysses_kernels.integrations.hf.shard_batch(input_ids, group=group).model_inputs())"
+        )
+    if cache is not None:
+        raise HFIntegrationError(f"{name}: a cache (past_key_values / use_cache=True) is not supported sequence-parallel; run with use_cache=False")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise HFIntegrationError(f"{name}: a padding attention_mask is not supported; drop it and set padded labels to -100")
+    if (shard.rank, shard.world_size) != (settings.comm.rank, settings.comm.world_size):
+        raise HFIntegrationError(
+            f"{name}: the batch was sharded for rank {shard.rank} of {shard.world_size} but apply() was given a group in which "
+            f"this process is rank {settings.comm.rank} of {settings.comm.world_size}; pass the same group to apply and shard_batch"
+        )
+    return settings, shard
+
+
+def _to_heads(settings: _MixerSettings, shard: SequenceShard, heads, groups=None):
+    """``_ToHeads`` over the layer's plan and the step's shards."""
+    lay = Layout(settings.plan, settings.comm.rank, tuple(shard.seq_lens), heads.shape[0], heads.shape[3],
+                 groups.shape[3] if groups is not None else None)  # fmt: skip
+    return _ToHeads.apply(lay, settings.comm, heads.contiguous(), None if groups is None else groups.contiguous())
+
+
+def _to_sequence(settings: _MixerSettings, shard: SequenceShard, out):
+    """``[B, S, h, D]`` over the rank's heads -> ``[B, s_r, H, D]`` (the library's ``head_to_seq``)."""
+    return head_to_seq(out, settings.plan, group=settings.group, seq_lens=list(shard.seq_lens), comm=settings.comm)
+
+
+def _spans(shard: SequenceShard) -> list[tuple[int, int]]:
+    """The documents ``(start, end)`` of the global sequence (one span when not packed)."""
+    return shard.documents.spans() if shard.documents is not None else [(0, shard.total)]
+
+
+def _per_document(shard: SequenceShard, fn, *tensors, dim: int = 1):
+    """``fn`` on each document's slice of ``tensors`` (along ``dim``), joined back."""
+    spans = _spans(shard)
+    if len(spans) == 1:
+        return fn(*tensors)
+    return torch.cat([fn(*(t.narrow(dim, a, b - a) for t in tensors)) for a, b in spans], dim=dim)
+
+
+def _conv(module, conv: torch.nn.Conv1d, channels: torch.Tensor, shard, x: torch.Tensor, activation) -> torch.Tensor:
+    """The layer's causal depthwise conv1d on the rank's ``channels`` (indices into the conv's
+    channels) of ``x`` ``[B, S, C_r]``, per document, with the module's ``causal_conv1d_fn``."""
+    fn = _kernel(module, "causal_conv1d_fn")
+    weight = conv.weight.squeeze(1).index_select(0, channels)
+    bias = None if conv.bias is None else conv.bias.index_select(0, channels)
+
+    def run(x):
+        return fn(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+
+    return _per_document(shard, run, x)
+
+
+def _ranges(settings: _MixerSettings) -> tuple[tuple[int, int], tuple[int, int], tuple[int, ...]]:
+    rank = settings.comm.rank
+    plan = settings.plan
+    return plan.q_ranges[rank], plan.kv_ranges[rank], plan.local_kv_map(rank)
+
+
+def _arange(a: int, b: int, scale: int, offset: int, device) -> torch.Tensor:
+    return torch.arange(offset + a * scale, offset + b * scale, device=device)
+
+
+# ---- Gated DeltaNet: Qwen3.5 (dense and MoE), Qwen3-Next ------------------------------------------
+def _gdn_project_qwen3_5(m, h):
+    """Qwen3.5's projections: pre-conv q, k ``[B, s, Hk, Dk]``, v, z ``[B, s, Hv, Dv]``, b, a ``[B, s, Hv]``."""
+    bsz, seq, _ = h.shape
+    q, k, v = torch.split(m.in_proj_qkv(h), [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    z = m.in_proj_z(h).reshape(bsz, seq, -1, m.head_v_dim)
+    return (q.reshape(bsz, seq, -1, m.head_k_dim), k.reshape(bsz, seq, -1, m.head_k_dim), v.reshape(bsz, seq, -1, m.head_v_dim),
+            z, m.in_proj_b(h), m.in_proj_a(h))  # fmt: skip
+
+
+def _gdn_project_qwen3_next(m, h):
+    """Qwen3-Next's projections (its grouped qkvz/ba ordering), as ``_gdn_project_qwen3_5``."""
+    q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
+    return q, k, v, z, b, a
+
+
+def _gdn_forward(project):
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        """Gated DeltaNet under Ulysses (the module docstring); transformers 5.23's forward, step by step."""
+        settings, shard = _context(self, kwargs, cache_params, attention_mask)
+        q, k, v, z, b, a = project(self, hidden_states)
+        heads, groups = _to_heads(settings, shard, torch.cat([v, b.unsqueeze(-1), a.unsqueeze(-1)], -1), torch.cat([q, k], -1))
+        (h0, h1), (g0, g1), kv_map = _ranges(settings)
+        dk, dv = self.head_k_dim, self.head_v_dim
+        v, b, a = heads.split([dv, 1, 1], dim=-1)
+        q, k = groups.split([dk, dk], dim=-1)
+        bsz, total, hv, hk = v.shape[0], v.shape[1], v.shape[2], q.shape[2]
+        dev = v.device
+        # The conv's channels: [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]; the rank's rows of each.
+        channels = torch.cat([_arange(g0, g1, dk, 0, dev), _arange(g0, g1, dk, self.key_dim, dev), _arange(h0, h1, dv, 2 * self.key_dim, dev)])
+        mixed = torch.cat([q.reshape(bsz, total, -1), k.reshape(bsz, total, -1), v.reshape(bsz, total, -1)], dim=-1)
+        mixed = _conv(self, self.conv1d, channels, shard, mixed, self.activation)
+        q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(bsz, total, hk, dk), k.reshape(bsz, total, hk, dk), v.reshape(bsz, total, hv, dv)
+        q, k = expand_kv(q, k, kv_map)  # value head i reads key head kv_map[i] (uniform groups stay grouped)
+        beta = b.squeeze(-1).sigmoid()
+        g = -self.A_log[h0:h1].float().exp() * F.softplus(a.squeeze(-1).float() + self.dt_bias[h0:h1])
+        rule = _kernel(self, "torch_chunk_gated_delta_rule")
+
+        def run(q, k, v, g, beta):
+            return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+
+        out = _per_document(shard, run, q, k, v, g, beta)
+        out = _to_sequence(settings, shard, out)  # [B, s, Hv, Dv]
+        z_shape = z.shape
+        out = self.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(z_shape)
+        return self.out_proj(out.reshape(out.shape[0], out.shape[1], -1))
+
+    return forward
+
+
+# ---- Kimi Delta Attention (Kimi-Linear): GDN with a per-channel forget gate --------------------------
+def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """Kimi-Linear's delta attention under Ulysses: per head q | k | v | the forget gate's
+    pre-activation (``f_b_proj(f_a_proj(h))``, ``D`` each) | b, one all-to-all; the conv, the
+    gate's ``dt_bias``/``A_log`` (the rank's slices) and ``chunk_kimi_delta_attention`` per
+    document; back; the output gate and norm locally."""
+    settings, shard = _context(self, kwargs, cache_params, attention_mask)
+    bsz, seq, _ = hidden_states.shape
+    d, fg = self.head_dim, self.forget_gate
+    per_head = [p(hidden_states).reshape(bsz, seq, -1, d) for p in (self.q_proj, self.k_proj, self.v_proj)]
+    per_head.append(fg.f_b_proj(fg.f_a_proj(hidden_states)).reshape(bsz, seq, -1, d))
+    per_head.append(self.b_proj(hidden_states).unsqueeze(-1))
+    (heads,) = _to_heads(settings, shard, torch.cat(per_head, -1))
+    (h0, h1), _, _ = _ranges(settings)
+    q, k, v, f, b = heads.split([d, d, d, d, 1], dim=-1)
+    total, h, dev = q.shape[1], q.shape[2], q.device
+    channels = torch.cat([_arange(h0, h1, d, i * self.qkv_dim, dev) for i in range(3)])
+    mixed = _conv(self, self.conv1d, channels, shard, torch.cat([t.reshape(bsz, total, -1) for t in (q, k, v)], -1), self.activation)
+    q, k, v = (t.reshape(bsz, total, h, d) for t in mixed.split([h * d] * 3, dim=-1))
+    # KimiLinearForgetGate.forward after its projections, on the rank's channels.
+    g = f.float() + fg.dt_bias[h0 * d : h1 * d].float().view(1, 1, h, d)
+    g = -torch.exp(fg.A_log[:, :, h0:h1].float()) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+    beta = b.squeeze(-1).sigmoid()
+    rule = _kernel(self, "chunk_kimi_delta_attention")
+
+    def run(q, k, v, g, beta):
+        return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+
+    out = _to_sequence(settings, shard, _per_document(shard, run, q, k, v, g, beta).contiguous())
+    gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(bsz, seq, -1, d)
+    return self.o_proj(self.o_norm(out, gate).reshape(bsz, seq, -1))
+
+
+# ---- Mamba2: Bamba, Nemotron-H, Falcon-H1 -----------------------------------------------------------
+def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """A Mamba2 mixer under Ulysses (the module docstring); transformers 5.23's chunked torch
+    path step by step (the fused ``mamba2_split_conv1d_scan_combined`` of mamba_ssm is the
+    same computation with the projections inside; its pieces run here instead)."""
+    settings, shard = _context(self, kwargs, cache_params, attention_mask)
+    dtype = hidden_states.dtype
+    falcon = hasattr(self, "mup_vector")
+    if falcon:  # Falcon-H1's muP multipliers
+        hidden_states = hidden_states * self.ssm_in_multiplier
+    projected = self.in_proj(hidden_states)
+    if falcon:
+        projected = projected * self.mup_vector
+    bsz, seq, _ = hidden_states.shape
+    gn = self.n_groups * self.ssm_state_size
+    gate, x, bm, cm, dt = projected.split([self.intermediate_size, self.intermediate_size, gn, gn, self.num_heads], dim=-1)
+    heads = torch.cat([x.reshape(bsz, seq, self.num_heads, self.head_dim), dt.unsqueeze(-1)], -1)
+    groups = torch.cat([bm.reshape(bsz, seq, self.n_groups, -1), cm.reshape(bsz, seq, self.n_groups, -1)], -1)
+    heads, groups = _to_heads(settings, shard, heads, groups)
+    (h0, h1), (g0, g1), kv_map = _ranges(settings)
+    p, n = self.head_dim, self.ssm_state_size
+    x, dt = heads.split([p, 1], dim=-1)
+    bm, cm = groups.split([n, n], dim=-1)
+    total, h, g = x.shape[1], x.shape[2], bm.shape[2]
+    dev = x.device
+    # The conv's channels: [x (H*P) | B (G*N) | C (G*N)]; the rank's rows of each.
+    channels = torch.cat([_arange(h0, h1, p, 0, dev), _arange(g0, g1, n, self.intermediate_size, dev), _arange(g0, g1, n, self.intermediate_size + gn, dev)])
+    mixed = torch.cat([x.reshape(bsz, total, -1), bm.reshape(bsz, total, -1), cm.reshape(bsz, total, -1)], dim=-1)
+    mixed = _conv(self, self.conv1d, channels, shard, mixed, self.activation)
+    x, bm, cm = torch.split(mixed, [h * p, g * n, g * n], dim=-1)
+    x, bm, cm = x.reshape(bsz, total, h, p), bm.reshape(bsz, total, g, n), cm.reshape(bsz, total, g, n)
+    bm, cm = expand_kv(bm, cm, kv_map)  # head i reads group kv_map[i]
+    a_neg = -torch.exp(self.A_log[h0:h1].float())
+    scan = _kernel(self, "mamba2_chunk_scan")
+
+    def run(x, dt, bm, cm):
+        return scan(x, dt, a_neg, bm, cm, chunk_size=self.chunk_size, D=self.D[h0:h1], z=None, dt_bias=self.dt_bias[h0:h1],
+                    dt_softplus=True, initial_states=None, dt_limit=self.time_step_limit)  # fmt: skip
+
+    out = _per_document(shard, run, x, dt.squeeze(-1), bm, cm)
+    out = _to_sequence(settings, shard, out.contiguous()).reshape(bsz, seq, -1)
+    if not falcon or self.mamba_rms_norm:
+        out = self.norm(out, gate)
+    else:
+        out = out * F.silu(gate)
+    return self.out_proj(out.to(dtype))
+
+
+# ---- LFM2's short convolution ---------------------------------------------------------------------
+def _short_conv_forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
+    """LFM2's gated short convolution under Ulysses: ``B * x`` to the rank's channels (one
+    element per head), the conv per document, back, ``C *`` locally."""
+    settings, shard = _context(self, kwargs, past_key_values, attention_mask)
+    bmat, cmat, x = self.in_proj(hidden_states).chunk(3, dim=-1)
+    (h0, h1), _, _ = _ranges(settings)
+    (local,) = _to_heads(settings, shard, (bmat * x).unsqueeze(-1))  # [B, S, c_r, 1]
+    channels = torch.arange(h0, h1, device=local.device)
+    out = _conv(self, self.conv, channels, shard, local.squeeze(-1), None)
+    y = cmat * _to_sequence(settings, shard, out.unsqueeze(-1).contiguous()).squeeze(-1)
+    return self.out_proj(y.contiguous())
+
+
+# class name -> (family, forward, (heads, groups) of a module), for every mixer made exact.
+_ADAPTERS: dict[str, tuple[str, Callable, Callable]] = {}
+
+
+def _register(names, family: str, forward: Callable, sizes: Callable) -> None:
+    for name in names:
+        _ADAPTERS[name] = (family, forward, sizes)
+
+
+_gdn_sizes = lambda m: (m.num_v_heads, m.num_k_heads)  # noqa: E731
+_register(("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_5), _gdn_sizes)
+_register(("Qwen3NextGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_next), _gdn_sizes)
+_register(("KimiLinearDeltaAttention",), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
+_register(("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer"), "mamba2", _mamba2_forward, lambda m: (m.num_heads, m.n_groups))
+_register(("Lfm2ShortConv",), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
+
+_DESCRIBE = {
+    "gated-deltanet": "Gated DeltaNet: conv1d + delta-rule recurrence per value head (key heads as GQA groups), over the whole sequence after one all-to-all",
+    "kimi-delta": "Kimi Delta Attention: conv1d + delta-rule recurrence with a per-channel forget gate per head, over the whole sequence after one all-to-all",
+    "mamba2": "Mamba2: conv1d + SSM chunk scan per head (B/C groups as GQA groups), over the whole sequence after one all-to-all",
+    "short-conv": "LFM2 gated short convolution: the depthwise conv over the rank's channels, over the whole sequence after one all-to-all",
+}
+HANDLED_MIXERS: dict[str, str] = {name: _DESCRIBE[family] for name, (family, _, _) in _ADAPTERS.items()}
+
+
+def mixer_modules(model) -> list[torch.nn.Module]:
+    """The model's modules whose class ``HANDLED_MIXERS`` names."""
+    return [m for m in model.modules() if type(m).__name__ in _ADAPTERS]
+
+
+def plan_mixers(modules, world_size: int) -> list[tuple[torch.nn.Module, HeadPlan]]:
+    """Each mixer's head plan over ``world_size`` ranks; a layer whose heads cannot be split
+    is refused by name (before ``apply`` changes anything)."""
+    plans = []
+    for m in modules:
+        heads, groups = _ADAPTERS[type(m).__name__][2](m)
+        try:
+            plans.append((m, HeadPlan.build(heads, groups, world_size)))
+        except PlanError as e:
+            raise HFIntegrationError(f"apply: {type(m).__name__} ({heads} heads, {groups} groups) cannot be split over {world_size} ranks: {e}") from e
+    return plans
+
+
+def switch_mixers(plans, group, comm) -> None:
+    """Give each planned mixer its settings and its sequence-parallel forward (on the instance)."""
+    for m, plan in plans:
+        family, forward, _ = _ADAPTERS[type(m).__name__]
+        object.__setattr__(m, _SETTINGS_ATTR, _MixerSettings(group, comm, plan, family))
+        object.__setattr__(m, "forward", types.MethodType(forward, m))
