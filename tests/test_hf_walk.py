@@ -142,7 +142,7 @@ class _Block(torch.nn.Module):
 def _llama_with(mixer_for_layer0):
     model = build_tiny("llama")
     layer = model.model.layers[0]
-    layer.mlp = _Block(layer.mlp, mixer_for_layer0)
+    layer.mlp = _Block(layer.mlp, mixer_for_layer0.double())
     return model
 
 
