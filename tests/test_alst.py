@@ -814,3 +814,24 @@ def test_errors(tmp_path):
     """Each refusal names the setting and the expected and actual values, and a bad input on one
     rank raises on every rank (2 gloo ranks; no DeepSpeed needed)."""
     run_ranks(_errors, 2, save_llama(str(tmp_path / "llama")))
+
+
+def test_register_refuses_token_mixers(tmp_path):
+    """hf.apply's audit runs in register_with_transformers before any group is made: a hybrid
+    (Qwen3.5's Gated DeltaNet) is refused by its mixer's class and place, whether the model is
+    given loaded or by path (audited as built on the meta device); nothing is registered."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ulysses_kernels.integrations.alst import ALSTIntegrationError, UlyssesSPAttentionHF
+    from ulysses_kernels.testing.tiny_models import build_tiny
+
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = build_tiny("qwen3_5_text")
+    match = r"register_with_transformers: Qwen3_5ForCausalLM has a module that mixes tokens .* Qwen3_5GatedDeltaNet at model\.layers\.0\.linear_attn"
+    with pytest.raises(ALSTIntegrationError, match=match):
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1)
+    path = str(tmp_path / "qwen3_5")
+    model.config.save_pretrained(path)
+    with pytest.raises(ALSTIntegrationError, match=match):
+        UlyssesSPAttentionHF.register_with_transformers(path, "sdpa", 2, 1)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before  # refused before the interception

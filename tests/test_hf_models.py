@@ -346,6 +346,11 @@ def test_siglip_drops_the_shard():
     attention function, so the step's shard never reaches it: the call raises and says so."""
     vision = transformers.SiglipVisionConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
                                              image_size=12, patch_size=2, attn_implementation="sdpa")  # fmt: skip
+    # With its attention-pooling head (nn.MultiheadAttention over every token, on the shard alone
+    # under sequence parallelism) hf.apply's audit refuses the tower by the head's name.
+    _raises(r"SiglipMultiheadAttentionPoolingHead at head \(attention that apply cannot switch", hf.apply,
+            transformers.SiglipVisionModel(vision))  # fmt: skip
+    vision.vision_use_head = False
     model = hf.apply(transformers.SiglipVisionModel(vision).double())
     hidden = model.embeddings(torch.randn(2, 3, 12, 12, dtype=torch.float64))
     shard = hf.SequenceShard((36,), 0, 1, 36, 2)

@@ -194,8 +194,16 @@ def test_refused_when_preparing(uv):
             shared_expert_intermediate_size=8,
         )  # fmt: skip
     )
-    with pytest.raises(uv.VerlIntegrationError, match=r"layers of type \['linear_attention'\]"):
+    # hf.apply's audit of token mixers runs first and names the Gated DeltaNet and where it sits.
+    with pytest.raises(uv.VerlIntegrationError, match=r"Qwen3NextGatedDeltaNet at model\.layers\.0\.linear_attn .* a Conv1d of kernel 4"):
         _patch(nxt, 2)
+    # A mixer no layer type announces (a depthwise convolution over the sequence in an MLP): the audit finds it.
+    conv = _qwen2()
+    mlp = conv.model.layers[0].mlp
+    conv.model.layers[0].mlp = _ConvBlock(mlp, conv.config.hidden_size)
+    with pytest.raises(uv.VerlIntegrationError, match=r"apply_monkey_patch: Qwen2ForCausalLM has a module that mixes .* _ConvBlock at model\.layers\.0\.mlp"):
+        _patch(conv, 2)
+    assert conv.config._attn_implementation != uv.ATTN_IMPLEMENTATION
     with pytest.raises(uv.VerlIntegrationError, match="expected a transformers PreTrainedModel, got Linear"):
         _patch(torch.nn.Linear(2, 2), 2)
     by_hand = _qwen2()
@@ -205,6 +213,18 @@ def test_refused_when_preparing(uv):
         _patch(by_hand, 2)
     with pytest.raises(uv.VerlIntegrationError, match="carries no VerlStep"):
         by_hand(IDS, position_ids=PACKED, use_cache=False)
+
+
+class _ConvBlock(torch.nn.Module):
+    """An MLP plus a causal depthwise convolution over the sequence (kernel 3)."""
+
+    def __init__(self, mlp, hidden):
+        super().__init__()
+        self.mlp = mlp
+        self.conv = torch.nn.Conv1d(hidden, hidden, 3, groups=hidden, padding=2)
+
+    def forward(self, x):
+        return self.mlp(x) + self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
 
 
 def test_refused_at_call_time(uv):

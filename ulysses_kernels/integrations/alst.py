@@ -54,6 +54,9 @@ from ..checks import UlyssesInputError
 from ..layout import split_lengths
 from ..plan import HeadPlan
 from . import hf, mesh
+from .hf import audit as hf_audit
+from .hf import model as hf_model
+from .hf import multimodal as hf_multimodal
 
 __all__ = ["ALSTIntegrationError", "UlyssesSPAttentionHF", "enable_alst", "disable_alst", "alst_enabled"]
 
@@ -331,6 +334,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if isinstance(core_fn, UlyssesSPAttentionHF):  # registered before: wrap the model's function, not the wrapper
             core_fn = core_fn.attn
 
+        _audit(model_name_or_path if loaded else None, config)
         groups = mesh.parallel_groups(sp_size=sequence_parallel_size)
         text = config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -361,6 +365,33 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             else:
                 registry[key] = previous
         self._restore = None
+
+
+def _audit(model, config) -> None:
+    """``hf.apply``'s audit of token mixers (``hf.audit``), before any group is made: every module
+    that mixes tokens along the sequence must be attention this entry point intercepts. A model
+    given by name or path (or a config holder that is not a module) is audited as built from its
+    config on the meta device (no memory, no weights)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    if not isinstance(model, torch.nn.Module):
+        try:
+            with torch.device("meta"):
+                try:
+                    model = AutoModelForCausalLM.from_config(config)
+                except ValueError:  # not a causal LM: its base model
+                    model = AutoModel.from_config(config)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the model unaudited: refuse
+            raise ALSTIntegrationError(
+                f"register_with_transformers: could not build {type(config).__name__} on the meta device to check its token mixers "
+                f"({type(e).__name__}: {e}); pass the loaded model instead of its name or path"
+            ) from e
+    texts = hf_multimodal.text_model(model) if hasattr(model, "config") and hasattr(model.config, "get_text_config") else None
+    modules = [m for m in hf_model._attention_modules(model) if texts is None or m.config is texts.config]
+    try:
+        hf_audit.check_token_mixers(model, {}, attention=modules, scope=texts, caller="register_with_transformers")
+    except hf.HFIntegrationError as e:
+        raise ALSTIntegrationError(str(e)) from e
 
 
 def _implementation_name(fn) -> str:

@@ -71,6 +71,9 @@ from ..checks import UlyssesInputError
 from ..comm import LocalCommunicator, get_communicator
 from ..documents import Documents, documents
 from ..plan import HeadPlan, PlanError
+from .hf.audit import check_token_mixers
+from .hf.batch import HFIntegrationError
+from .hf.model import _attention_modules
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -281,6 +284,13 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
             "this model use verl's own Ulysses (drop external_lib / VERL_USE_EXTERNAL_MODULES="
             "ulysses_kernels.integrations.verl), which needs num_attention_heads % sp == 0"
         )
+    # Every module that mixes tokens along the sequence must be attention that this switch runs
+    # (hf.apply's audit, with no mixer table: Gated DeltaNet, Mamba2, short convolutions are
+    # refused here by class and place).
+    try:
+        check_token_mixers(model, {}, attention=_attention_modules(model), caller="apply_monkey_patch")
+    except HFIntegrationError as e:
+        raise VerlIntegrationError(str(e)) from e
     text = _text_config(config)
     layer_types = set(getattr(text, "layer_types", None) or ())
     other = sorted(layer_types - _ATTENTION_LAYER_TYPES)

@@ -52,6 +52,9 @@ The package, by job (each imports only the ones above it):
 * ``mixers``: hybrid models' token mixers that are not attention (Gated DeltaNet, Kimi Delta
   Attention, Mamba2, LFM2's short convolution: ``HANDLED_MIXERS``), each run per head over the
   whole sequence between two all-to-alls; ``apply`` switches them with the attention;
+* ``audit``: ``check_token_mixers`` (never silently wrong: every module that mixes tokens along
+  the sequence is switched attention or a handled mixer, else ``apply`` refuses the model by
+  the module's class and place; the verl and ALST switches run it too);
 * ``model``: ``register`` and ``apply`` (checking a model and switching it over).
 
 Supported: self-attention models whose attention goes through ``AttentionInterface``:
@@ -65,7 +68,8 @@ windows, softcapping, sinks on ``eager``/``sdpa``); vision-language models (Qwen
 Qwen2.5-VL, Qwen3-VL, Llava, Mistral3: the text model sequence-parallel, the vision tower
 before sharding, replicated or split: ``multimodal_inputs``). docs/hf.md's "Model coverage"
 lists what is tested.
-Not supported (clear errors): padding/custom masks, padded batches of bidirectional models
+Not supported (clear errors): token mixers other than attention that ``apply`` does not run
+exactly (refused before anything changes: docs/hf.md, "Never silently wrong"), padding/custom masks, padded batches of bidirectional models
 (pack them), cross-attention, the MoE router loss (``output_router_logits``), packed
 documents on the model's own attention with flash or a registered implementation, chunked
 attention, KV caches (generation).

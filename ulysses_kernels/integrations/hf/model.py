@@ -17,8 +17,9 @@ from ...comm import get_communicator
 from ...longctx.install import enable as enable_long_context
 from ...ring import SPGroups
 from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, _ulysses_mask, attention_settings
+from .audit import check_token_mixers
 from .batch import _SHARD_KWARG, HFIntegrationError
-from .mixers import mixer_modules, plan_mixers, switch_mixers
+from .mixers import HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
 from .multimodal import prepare as prepare_multimodal
 from .multimodal import text_config_key, text_model
 
@@ -189,6 +190,8 @@ def apply(
     # Only the text model runs sequence-parallel; a vision tower's attention (bidirectional,
     # over whole images before the sequence is sharded) keeps its implementation.
     modules = [m for m in _attention_modules(model) if texts is None or m.config is texts.config]
+    # Every other module that mixes tokens along the sequence must be one apply makes exact.
+    check_token_mixers(model, HANDLED_MIXERS, attention=modules, scope=texts)
     if not modules:
         raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
     # Resolved before the model is switched, so that a refusal leaves it as it was.
