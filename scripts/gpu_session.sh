@@ -3,7 +3,10 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled; see
 # /work/.library/device/README.md): each `run` call runs one or more stages, in order.
 #
-#   GPU_SESSION_GIT_SHA=<sha of HEAD> bash scripts/gpu_session.sh wave   # ONE call, ~7-9 min
+#   GPU_SESSION_GIT_SHA=<sha of HEAD> GPU_SESSION_XDIST=8 GPU_SESSION_BUDGET_S=565 bash scripts/gpu_session.sh wave
+#   # ONE call (device tool: timeout_s=600, carry=["build/wheels"]), ~9 min. Before it, here:
+#   #   python3 -m pip download --no-deps transformers==5.23.0 -d build/wheels
+#   # (the GPU machine's transformers 5.17 lacks what bench.longctx needs; wave_extra installs the wheel).
 #
 # `wave` runs every GPU-bound check of the current wave in one call (timeout_s=600 for the
 # device tool; the default budget GPU_SESSION_BUDGET_S=540 s leaves the rest for start and
