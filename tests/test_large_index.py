@@ -252,24 +252,35 @@ def test_unpack_h2s_past_2_31_units(device):
 @pytest.mark.parametrize("interpreting", [False, True])
 @pytest.mark.parametrize("tokens,batch,cols,head_dim", [(1 << 20, 1, 80, 128), (1 << 20, 4, 64, 128), (1 << 21, 8, 8, 64), ((1 << 20) + 3, 1, 1, 1)])
 def test_triton_grid_at_1m_tokens(tokens, batch, cols, head_dim, interpreting):
-    """Rows (which grow with the sequence) on axis 0 (x: 2^31 - 1), head columns on axis 1
-    (y: 65535); the tiles cover every row."""
+    """Old variant: rows (which grow with the sequence) on axis 0 (x: 2^31 - 1), head columns
+    on axis 1 (y: 65535). New variant (#36): one axis of row blocks x columns (x: 2^31 - 1).
+    Either way the tiles cover every row."""
     tk = _triton()
     n_rows = tokens * batch
-    (gx, gy), block_r, block_d = tk._launch_geometry(n_rows, cols, head_dim, interpreting)
+    (gx, gy), block_r, block_d = tk._launch_geometry(n_rows, cols, head_dim, interpreting, False)
     assert gy == cols <= 65535
     assert 1 <= gx <= 2**31 - 1 and (gx - 1) * block_r < n_rows <= gx * block_r
     assert block_d >= head_dim and block_r * block_d <= max(1 << 14, block_d)
     if n_rows >= 1 << 24:
         assert gx > 65535  # would not fit on axis 1 or 2
+    (g,), block_r, block_d = tk._launch_geometry(n_rows, cols, head_dim, interpreting, True)
+    assert g % cols == 0 and 1 <= g <= 2**31 - 1
+    n_blocks = g // cols
+    assert (n_blocks - 1) * block_r < n_rows <= n_blocks * block_r
+    assert block_d >= head_dim and block_r * block_d <= max(1 << 14, block_d)
 
 
 def test_triton_grid_limits_raise():
     tk = _triton()
+    # old variant: head columns on axis 1 (at most 65535), row blocks on axis 0
     with pytest.raises(ValueError, match="grid"):
-        tk._launch_geometry(8, 65536, 8, False)
+        tk._launch_geometry(8, 65536, 8, False, False)
     with pytest.raises(ValueError, match="grid"):
-        tk._launch_geometry(2**31 * 4096, 1, 1, False)
+        tk._launch_geometry(2**31 * 4096, 1, 1, False, False)
+    # new variant: 65536 columns fit its one axis; row blocks x columns past 2^31 - 1 do not
+    assert tk._launch_geometry(8, 65536, 8, False, True)[0] == (65536,)
+    with pytest.raises(ValueError, match="grid"):
+        tk._launch_geometry(2**31 * 8192, 1, 1, False, True)
 
 
 # ---- head indices are 32-bit in the kernels' parameter structs --------------------------
