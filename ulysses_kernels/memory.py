@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, replace
 from .checks import UlyssesInputError
 from .layout import QKV, Layout, split_lengths
 from .memory_step import StepMemory, rank_key, step_memory
+from .memory_step.mixer import PRESETS as MIXER_PRESETS
+from .memory_step.mixer import Mixer
 from .plan import HeadPlan
 
 __all__ = [
@@ -88,6 +90,8 @@ class Setup:
     flash_workspace: bool = False
     # longctx.HeadChunkedAttention: the attention backward's kernel per this many query heads
     attention_head_chunk: int | None = None
+    # A hybrid's Gated DeltaNet layers (memory_step.mixer); None: every layer is attention
+    mixer: Mixer | None = None
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "vocab", "seq", "batch", "sp", "dp"):
@@ -116,6 +120,15 @@ class Setup:
             raise MemoryInputError(f"memory: offload_param expected ZeRO stage 3, got stage {self.zero}")
         if self.offload_optimizer and self.zero == 0:
             raise MemoryInputError("memory: offload_optimizer expected ZeRO stage 1, 2 or 3, got stage 0")
+        if isinstance(self.mixer, dict):  # as the JSON writes it
+            lt = self.mixer.get("layer_types")
+            object.__setattr__(self, "mixer", Mixer(**{**self.mixer, "layer_types": None if lt is None else tuple(lt)}))
+        if self.mixer is not None:
+            if not isinstance(self.mixer, Mixer):
+                raise MemoryInputError(f"memory: mixer expected a memory_step.mixer.Mixer or None, got {type(self.mixer).__name__}")
+            self.mixer.check_layers(self.layers)
+            if self.sp > self.mixer.heads:
+                raise MemoryInputError(f"memory: sp ({self.sp}) expected at most the mixer's heads ({self.mixer.heads}): hf.apply splits its heads")
         if self.offload_activations and not self.checkpointing:
             raise MemoryInputError("memory: offload_activations expected checkpointing (it offloads the inputs checkpointing keeps)")
 
@@ -150,6 +163,11 @@ def parameter_count(setup: Setup) -> tuple[int, int]:
     mlp = (3 if setup.mlp == "gated" else 2) * h * setup.ffn
     layer = attention + mlp + 2 * h
     embeddings = setup.vocab * h * (1 if setup.tie_embeddings else 2)
+    if setup.mixer is not None:  # a hybrid: its Gated DeltaNet layers in place of attention
+        mixers = sum(setup.mixer.is_mixer(i) for i in range(setup.layers))
+        mixer_layer = setup.mixer.parameters(h) + mlp + 2 * h
+        total = (setup.layers - mixers) * layer + mixers * mixer_layer + embeddings + h
+        return total, max(layer if mixers < setup.layers else 0, mixer_layer)
     return setup.layers * layer + embeddings + h, layer
 
 
@@ -268,6 +286,8 @@ def memory_rows(setup: Setup) -> list[Row]:
     pieces = [n for n, on in (("tiled loss", setup.tiled_loss), ("tiled MLP", setup.tiled_mlp), ("tiled norms", setup.tiled_norms),
                               ("offloaded inputs", setup.offload_activations)) if on]  # fmt: skip
     kept = "layer inputs" if setup.checkpointing else "saved by every layer"
+    if setup.mixer is not None:
+        kept += f"; {sum(setup.mixer.is_mixer(i) for i in range(setup.layers))} of {setup.layers} layers Gated DeltaNet"
     rows = _state_rows(setup) + [
         Row(f"activations kept for the backward ({kept})", "forward end (memory_step)" + (f"; {', '.join(pieces)}" if pieces else ""),
             step.forward_end, step.host_peak),
@@ -338,6 +358,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", action="store_true", help="find the longest sequence that fits --gpu-gb")
     p.add_argument("--gpu-gb", type=float, default=None, help="memory per GPU in GB (1e9 bytes), for --max-seq")
     p.add_argument("--host-gb", type=float, default=None, help="host memory per rank in GB, a second limit for --max-seq")
+    p.add_argument("--mixer", default=None, choices=sorted(MIXER_PRESETS),
+                   help="a hybrid: Gated DeltaNet layers of this preset's shape (memory_step.mixer), attention every --attention-every")
+    p.add_argument("--mixer-config", default=None,
+                   help="a hybrid from a transformers config.json (Qwen3.5 / Qwen3-Next: linear_* sizes, layer_types)")
+    p.add_argument("--attention-every", type=int, default=None, help="with --mixer: layer i is attention when (i+1) %% N == 0 (default 4)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -347,6 +372,20 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     as_json, find, gpu_gb, host_gb = args.pop("json"), args.pop("max_seq"), args.pop("gpu_gb"), args.pop("host_gb")
     args["tie_embeddings"] = not args.pop("untied_embeddings")
+    preset, config, every = args.pop("mixer"), args.pop("mixer_config"), args.pop("attention_every")
+    if preset and config:
+        parser.error("--mixer and --mixer-config both describe the hybrid: give one of them")
+    if every is not None and not preset:
+        parser.error("--attention-every goes with --mixer (a config's layer_types say which layers are attention)")
+    try:
+        if config:
+            with open(config) as f:
+                cfg = json.load(f)
+            args["mixer"] = Mixer.from_config(cfg.get("text_config", cfg))
+        elif preset:
+            args["mixer"] = replace(MIXER_PRESETS[preset], **({} if every is None else {"attention_every": every}))
+    except (OSError, ValueError, UlyssesInputError) as e:
+        parser.error(f"memory: {e}")
     if find and gpu_gb is None:
         parser.error("--max-seq needs --gpu-gb (the memory per GPU, in GB)")
     if find and args["seq"] is not None:
@@ -372,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     except UlyssesInputError as e:
         parser.error(str(e))
     if as_json:
-        out = {"setup": asdict(setup), "parameters": parameter_count(setup)[0], "activations": worst_activations(setup),
+        described = asdict(setup)
+        if setup.mixer is None:
+            del described["mixer"]  # an attention-only model: the JSON as before hybrids
+        out = {"setup": described, "parameters": parameter_count(setup)[0], "activations": worst_activations(setup),
                "step": asdict(step), "rows": [asdict(r) for r in rows], "total_gpu": sum(r.gpu for r in rows),
                "total_host": sum(r.host for r in rows)}  # fmt: skip
         if find:
