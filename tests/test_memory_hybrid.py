@@ -100,3 +100,26 @@ def test_mixer_description_and_refusals():
         Mixer.from_config(transformers.BambaConfig())
     with pytest.raises(memory.MemoryInputError, match=r"sp \(8\) expected at most the mixer's heads \(4\)"):
         memory.Setup(layers=3, hidden=64, heads=8, vocab=96, seq=64, sp=8, mixer=m)
+
+
+def test_cli_reports_a_hybrid(capsys, tmp_path):
+    import json
+
+    base = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--kv-heads", "2", "--head-dim", "256", "--vocab", "151936",
+            "--intermediate", "5120", "--seq", "65536", "--sp", "8", "--json"]  # fmt: skip
+    assert memory.main(base + ["--mixer", "qwen3.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mixer_layers"] == [0, 1, 2, 4, 5, 6] and "activations" not in out
+    again = memory.Setup(**out["setup"])  # the JSON's setup describes the same hybrid
+    assert again.mixer.heads == 32 and step_memory(again).peak == out["step"]["peak"]
+    assert memory.main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "mixer" not in plain["setup"] and plain["step"]["forward_end"] != out["step"]["forward_end"] and plain["parameters"] != out["parameters"]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"text_config": {**GDN, "layer_types": [L] * 7 + [F]}}))
+    assert memory.main(base + ["--mixer-config", str(cfg)]) == 0
+    assert json.loads(capsys.readouterr().out)["mixer_layers"] == list(range(7))
+    cfg.write_text(json.dumps({"model_type": "bamba"}))
+    with pytest.raises(SystemExit):
+        memory.main(base + ["--mixer-config", str(cfg)])
+    assert "config 'bamba' has no Gated DeltaNet layers" in capsys.readouterr().err

@@ -22,6 +22,10 @@ above it. The host column has the offloaded optimizer (and parameters) and, with
 live-bytes tracker for tiny Llama, Qwen2 and Qwen3 models on 2 and 4 gloo ranks
 (``tests/test_longctx_memory.py``: within 2%, exact in practice).
 
+A hybrid (``--mixer qwen3.5`` or ``--mixer-config config.json``): its Gated DeltaNet layers
+replayed as ``hf.apply`` runs them (``memory_step.mixer``; docs/longctx.md, "Hybrid models in
+the calculator"; measured per layer by tests/test_memory_hybrid.py).
+
 ``activation_bytes`` (the forward alone, as docs/scaling.md's older figures were made) is
 kept: ``saved`` and ``peak_forward`` per layer type, measured by tests/test_memory_calculator.py.
 """
@@ -42,7 +46,7 @@ from .plan import HeadPlan
 
 __all__ = [
     "MemoryInputError", "Setup", "parameter_count", "activation_bytes", "state_bytes", "worst_activations", "worst_step", "memory_rows",
-    "max_seq", "main",
+    "max_seq", "main", "Mixer",
 ]  # fmt: skip
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -385,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         elif preset:
             args["mixer"] = replace(MIXER_PRESETS[preset], **({} if every is None else {"attention_every": every}))
     except (OSError, ValueError, UlyssesInputError) as e:
-        parser.error(f"memory: {e}")
+        parser.error(str(e))
     if find and gpu_gb is None:
         parser.error("--max-seq needs --gpu-gb (the memory per GPU, in GB)")
     if find and args["seq"] is not None:
@@ -417,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         out = {"setup": described, "parameters": parameter_count(setup)[0], "activations": worst_activations(setup),
                "step": asdict(step), "rows": [asdict(r) for r in rows], "total_gpu": sum(r.gpu for r in rows),
                "total_host": sum(r.host for r in rows)}  # fmt: skip
+        if setup.mixer is not None:
+            # activation_bytes is the attention-only formula: a hybrid has the replay's figures only
+            del out["activations"]
+            out["mixer_layers"] = [i for i in range(setup.layers) if setup.mixer.is_mixer(i)]
         if find:
             out.update(max_seq=longest, gpu_gb=gpu_gb, host_gb=host_gb)
         print(json.dumps(out, indent=1))
