@@ -116,10 +116,10 @@ def test_cli_reports_a_hybrid(capsys, tmp_path):
     plain = json.loads(capsys.readouterr().out)
     assert "mixer" not in plain["setup"] and plain["step"]["forward_end"] != out["step"]["forward_end"] and plain["parameters"] != out["parameters"]
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"text_config": {**GDN, "layer_types": [L] * 7 + [F]}}))
-    assert memory.main(base + ["--mixer-config", str(cfg)]) == 0
+    cfg.write_text(json.dumps({"text_config": {**GDN, "linear_num_value_heads": 8, "layer_types": [L] * 7 + [F]}}))
+    assert memory.main(base + ["--mixer", str(cfg)]) == 0
     assert json.loads(capsys.readouterr().out)["mixer_layers"] == list(range(7))
     cfg.write_text(json.dumps({"model_type": "bamba"}))
     with pytest.raises(SystemExit):
-        memory.main(base + ["--mixer-config", str(cfg)])
+        memory.main(base + ["--mixer", str(cfg)])
     assert "config 'bamba' has no Gated DeltaNet layers" in capsys.readouterr().err

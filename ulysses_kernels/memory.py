@@ -22,7 +22,7 @@ above it. The host column has the offloaded optimizer (and parameters) and, with
 live-bytes tracker for tiny Llama, Qwen2 and Qwen3 models on 2 and 4 gloo ranks
 (``tests/test_longctx_memory.py``: within 2%, exact in practice).
 
-A hybrid (``--mixer qwen3.5`` or ``--mixer-config config.json``): its Gated DeltaNet layers
+A hybrid (``--mixer qwen3.5`` or ``--mixer config.json``): its Gated DeltaNet layers
 replayed as ``hf.apply`` runs them (``memory_step.mixer``; docs/longctx.md, "Hybrid models in
 the calculator"; measured per layer by tests/test_memory_hybrid.py).
 
@@ -337,6 +337,18 @@ def render(setup: Setup, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _mixer_arg(value: str) -> Mixer:
+    """``--mixer``: a preset's name, or a transformers config.json (its ``text_config`` if nested)."""
+    if value in MIXER_PRESETS:
+        return MIXER_PRESETS[value]
+    try:
+        with open(value) as f:
+            cfg = json.load(f)
+        return Mixer.from_config(cfg.get("text_config", cfg))
+    except (OSError, ValueError, UlyssesInputError) as e:
+        raise argparse.ArgumentTypeError(f"expected a preset ({', '.join(sorted(MIXER_PRESETS))}) or a readable config.json: {e}") from e
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ulysses_kernels.memory", description=__doc__.split("\n\n")[0])
     for name in ("layers", "hidden", "heads", "vocab"):
@@ -362,11 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", action="store_true", help="find the longest sequence that fits --gpu-gb")
     p.add_argument("--gpu-gb", type=float, default=None, help="memory per GPU in GB (1e9 bytes), for --max-seq")
     p.add_argument("--host-gb", type=float, default=None, help="host memory per rank in GB, a second limit for --max-seq")
-    p.add_argument("--mixer", default=None, choices=sorted(MIXER_PRESETS),
-                   help="a hybrid: Gated DeltaNet layers of this preset's shape (memory_step.mixer), attention every --attention-every")
-    p.add_argument("--mixer-config", default=None,
-                   help="a hybrid from a transformers config.json (Qwen3.5 / Qwen3-Next: linear_* sizes, layer_types)")
-    p.add_argument("--attention-every", type=int, default=None, help="with --mixer: layer i is attention when (i+1) %% N == 0 (default 4)")
+    p.add_argument("--mixer", default=None, type=_mixer_arg, metavar="PRESET|CONFIG.json",
+                   help=f"a hybrid's Gated DeltaNet layers (memory_step.mixer): a preset ({', '.join(sorted(MIXER_PRESETS))}: "
+                        "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next config.json (its linear_* sizes, layer_types)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -376,20 +386,6 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     as_json, find, gpu_gb, host_gb = args.pop("json"), args.pop("max_seq"), args.pop("gpu_gb"), args.pop("host_gb")
     args["tie_embeddings"] = not args.pop("untied_embeddings")
-    preset, config, every = args.pop("mixer"), args.pop("mixer_config"), args.pop("attention_every")
-    if preset and config:
-        parser.error("--mixer and --mixer-config both describe the hybrid: give one of them")
-    if every is not None and not preset:
-        parser.error("--attention-every goes with --mixer (a config's layer_types say which layers are attention)")
-    try:
-        if config:
-            with open(config) as f:
-                cfg = json.load(f)
-            args["mixer"] = Mixer.from_config(cfg.get("text_config", cfg))
-        elif preset:
-            args["mixer"] = replace(MIXER_PRESETS[preset], **({} if every is None else {"attention_every": every}))
-    except (OSError, ValueError, UlyssesInputError) as e:
-        parser.error(str(e))
     if find and gpu_gb is None:
         parser.error("--max-seq needs --gpu-gb (the memory per GPU, in GB)")
     if find and args["seq"] is not None:
