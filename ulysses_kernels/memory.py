@@ -22,6 +22,10 @@ above it. The host column has the offloaded optimizer (and parameters) and, with
 live-bytes tracker for tiny Llama, Qwen2 and Qwen3 models on 2 and 4 gloo ranks
 (``tests/test_longctx_memory.py``: within 2%, exact in practice).
 
+A hybrid (``--mixer qwen3.5`` or ``--mixer config.json``): its Gated DeltaNet layers
+replayed as ``hf.apply`` runs them (``memory_step.mixer``; docs/longctx.md, "Hybrid models in
+the calculator"; measured per layer by tests/test_memory_hybrid.py).
+
 ``activation_bytes`` (the forward alone, as docs/scaling.md's older figures were made) is
 kept: ``saved`` and ``peak_forward`` per layer type, measured by tests/test_memory_calculator.py.
 """
@@ -36,11 +40,13 @@ from dataclasses import asdict, dataclass, replace
 from .checks import UlyssesInputError
 from .layout import QKV, Layout, split_lengths
 from .memory_step import StepMemory, rank_key, step_memory
+from .memory_step.mixer import PRESETS as MIXER_PRESETS
+from .memory_step.mixer import Mixer
 from .plan import HeadPlan
 
 __all__ = [
     "MemoryInputError", "Setup", "parameter_count", "activation_bytes", "state_bytes", "worst_activations", "worst_step", "memory_rows",
-    "max_seq", "main",
+    "max_seq", "main", "Mixer",
 ]  # fmt: skip
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -88,6 +94,8 @@ class Setup:
     flash_workspace: bool = False
     # longctx.HeadChunkedAttention: the attention backward's kernel per this many query heads
     attention_head_chunk: int | None = None
+    # A hybrid's Gated DeltaNet layers (memory_step.mixer); None: every layer is attention
+    mixer: Mixer | None = None
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "vocab", "seq", "batch", "sp", "dp"):
@@ -116,6 +124,15 @@ class Setup:
             raise MemoryInputError(f"memory: offload_param expected ZeRO stage 3, got stage {self.zero}")
         if self.offload_optimizer and self.zero == 0:
             raise MemoryInputError("memory: offload_optimizer expected ZeRO stage 1, 2 or 3, got stage 0")
+        if isinstance(self.mixer, dict):  # as the JSON writes it
+            lt = self.mixer.get("layer_types")
+            object.__setattr__(self, "mixer", Mixer(**{**self.mixer, "layer_types": None if lt is None else tuple(lt)}))
+        if self.mixer is not None:
+            if not isinstance(self.mixer, Mixer):
+                raise MemoryInputError(f"memory: mixer expected a memory_step.mixer.Mixer or None, got {type(self.mixer).__name__}")
+            self.mixer.check_layers(self.layers)
+            if self.sp > self.mixer.heads:
+                raise MemoryInputError(f"memory: sp ({self.sp}) expected at most the mixer's heads ({self.mixer.heads}): hf.apply splits its heads")
         if self.offload_activations and not self.checkpointing:
             raise MemoryInputError("memory: offload_activations expected checkpointing (it offloads the inputs checkpointing keeps)")
 
@@ -150,6 +167,11 @@ def parameter_count(setup: Setup) -> tuple[int, int]:
     mlp = (3 if setup.mlp == "gated" else 2) * h * setup.ffn
     layer = attention + mlp + 2 * h
     embeddings = setup.vocab * h * (1 if setup.tie_embeddings else 2)
+    if setup.mixer is not None:  # a hybrid: its Gated DeltaNet layers in place of attention
+        mixers = sum(setup.mixer.is_mixer(i) for i in range(setup.layers))
+        mixer_layer = setup.mixer.parameters(h) + mlp + 2 * h
+        total = (setup.layers - mixers) * layer + mixers * mixer_layer + embeddings + h
+        return total, max(layer if mixers < setup.layers else 0, mixer_layer)
     return setup.layers * layer + embeddings + h, layer
 
 
@@ -268,6 +290,8 @@ def memory_rows(setup: Setup) -> list[Row]:
     pieces = [n for n, on in (("tiled loss", setup.tiled_loss), ("tiled MLP", setup.tiled_mlp), ("tiled norms", setup.tiled_norms),
                               ("offloaded inputs", setup.offload_activations)) if on]  # fmt: skip
     kept = "layer inputs" if setup.checkpointing else "saved by every layer"
+    if setup.mixer is not None:
+        kept += f"; {sum(setup.mixer.is_mixer(i) for i in range(setup.layers))} of {setup.layers} layers Gated DeltaNet"
     rows = _state_rows(setup) + [
         Row(f"activations kept for the backward ({kept})", "forward end (memory_step)" + (f"; {', '.join(pieces)}" if pieces else ""),
             step.forward_end, step.host_peak),
@@ -313,6 +337,18 @@ def render(setup: Setup, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _mixer_arg(value: str) -> Mixer:
+    """``--mixer``: a preset's name, or a transformers config.json (its ``text_config`` if nested)."""
+    if value in MIXER_PRESETS:
+        return MIXER_PRESETS[value]
+    try:
+        with open(value) as f:
+            cfg = json.load(f)
+        return Mixer.from_config(cfg.get("text_config", cfg))
+    except (OSError, ValueError, UlyssesInputError) as e:
+        raise argparse.ArgumentTypeError(f"expected a preset ({', '.join(sorted(MIXER_PRESETS))}) or a readable config.json: {e}") from e
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ulysses_kernels.memory", description=__doc__.split("\n\n")[0])
     for name in ("layers", "hidden", "heads", "vocab"):
@@ -338,6 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", action="store_true", help="find the longest sequence that fits --gpu-gb")
     p.add_argument("--gpu-gb", type=float, default=None, help="memory per GPU in GB (1e9 bytes), for --max-seq")
     p.add_argument("--host-gb", type=float, default=None, help="host memory per rank in GB, a second limit for --max-seq")
+    p.add_argument("--mixer", default=None, type=_mixer_arg, metavar="PRESET|CONFIG.json",
+                   help=f"a hybrid's Gated DeltaNet layers (memory_step.mixer): a preset ({', '.join(sorted(MIXER_PRESETS))}: "
+                        "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next config.json (its linear_* sizes, layer_types)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -372,9 +411,16 @@ def main(argv: list[str] | None = None) -> int:
     except UlyssesInputError as e:
         parser.error(str(e))
     if as_json:
-        out = {"setup": asdict(setup), "parameters": parameter_count(setup)[0], "activations": worst_activations(setup),
+        described = asdict(setup)
+        if setup.mixer is None:
+            del described["mixer"]  # an attention-only model: the JSON as before hybrids
+        out = {"setup": described, "parameters": parameter_count(setup)[0], "activations": worst_activations(setup),
                "step": asdict(step), "rows": [asdict(r) for r in rows], "total_gpu": sum(r.gpu for r in rows),
                "total_host": sum(r.host for r in rows)}  # fmt: skip
+        if setup.mixer is not None:
+            # activation_bytes is the attention-only formula: a hybrid has the replay's figures only
+            del out["activations"]
+            out["mixer_layers"] = [i for i in range(setup.layers) if setup.mixer.is_mixer(i)]
         if find:
             out.update(max_seq=longest, gpu_gb=gpu_gb, host_gb=host_gb)
         print(json.dumps(out, indent=1))

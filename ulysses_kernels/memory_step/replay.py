@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .attention import AttentionReplay
 from .ledger import Ledger
 from .loss import LossReplay
+from .mixer import MixerReplay
 from .mlp import MlpReplay
 from .norm import NormReplay
 from .sizes import ExchangeBytes, StepSizes
@@ -44,6 +45,11 @@ class StepReplay:
         self.mlp = MlpReplay(self.t, tiles, setup.mlp == "plain", self.sizes.params["mlp"], setup.element_size, setup.tiled_mlp, mlp_rows)
         self.attention = AttentionReplay(self.t, setup, self.sizes, self.exchange, self.norms)
         self.loss = LossReplay(self.t, setup, self.sizes, loss_rows)
+        self.mixer = MixerReplay(self.t, setup, self.sizes, rank) if setup.mixer is not None else None
+
+    def _mixes(self, i: int) -> bool:
+        """Layer ``i`` is a hybrid's Gated DeltaNet layer (else attention)."""
+        return self.mixer is not None and self.s.mixer.is_mixer(i)
 
     # ---- a decoder layer ---------------------------------------------------------------------
     def layer_forward(self, i: int, keep: bool) -> str:
@@ -51,7 +57,7 @@ class StepReplay:
         under checkpointing (nothing kept); ``keep=True`` without checkpointing."""
         t, R, p = self.t, self.sizes.rows, f"L{i}."
         n1 = self.norms.forward(p + "n1.", R, keep)
-        o = self.attention.forward(p + "a.", keep)
+        o = self.mixer.forward(p + "a.", keep) if self._mixes(i) else self.attention.forward(p + "a.", keep)
         if not keep:
             t.free(n1)
         t.new(p + "res1", R.X)
@@ -74,7 +80,7 @@ class StepReplay:
         """The checkpointed layer's forward again, in the backward, up to its last saved tensor."""
         t, R, p = self.t, self.sizes.rows, f"L{i}."
         self.norms.forward(p + "n1.", R, keep=True)
-        o = self.attention.forward(p + "a.", keep=True)
+        o = self.mixer.forward(p + "a.", keep=True) if self._mixes(i) else self.attention.forward(p + "a.", keep=True)
         t.new(p + "res1", R.X)
         t.free(o)
         self.norms.forward(p + "n2.", R, keep=True)
@@ -89,6 +95,9 @@ class StepReplay:
         dx2 = self.mlp.layer_backward(p + "m.", R, p + "n2.out")
         res1 = p + "res1" if self._keeps_res1(True) else None
         dres1 = self.norms.backward(p + "n2.", R, dx2, res1, grad, "norm backward")
+        if self._mixes(i):
+            dxn1 = self.mixer.backward(p + "a.", dres1, p + "n1.out")
+            return self.norms.backward(p + "n1.", R, dxn1, x, dres1, "norm backward")
         t.new(p + "dWo", self.sizes.params["o"] * self.s.element_size, "o_proj backward")
         dattn = t.new(p + "dattn", R.Q, "o_proj backward")
         if self.exchange.world > 1:  # o_proj's input (at world 1 it is the attention output, freed below)
@@ -168,7 +177,8 @@ def rank_key(setup, rank: int) -> tuple:
     """What the replay of ``rank`` depends on: ranks with equal keys have equal steps."""
     x = ExchangeBytes.of(setup, rank)
     n = setup.batch * setup.layout(rank).seq_local
-    return (n, x.hq, x.hkv, x.shared, x.gathered, x.send_qkv, x.recv_qkv, x.send_dout, x.out_recv, x.dqkv_recv)
+    key = (n, x.hq, x.hkv, x.shared, x.gathered, x.send_qkv, x.recv_qkv, x.send_dout, x.out_recv, x.dqkv_recv)
+    return key if setup.mixer is None else (*key, setup.mixer.heads_on(setup, rank))
 
 
 def step_memory(setup, rank: int = 0) -> StepMemory:
