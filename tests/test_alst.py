@@ -828,7 +828,8 @@ def test_register_refuses_token_mixers(tmp_path):
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     model = build_tiny("qwen3_5_text")
     # Given loaded, its mixers run (tests/test_alst_hybrid.py); by path they cannot be switched.
-    match = r"register_with_transformers: Qwen3_5ForCausalLM has a module that mixes tokens .* Qwen3_5GatedDeltaNet at model\.layers\.0\.linear_attn.*given the loaded model"
+    match = r"register_with_transformers: Qwen3_5ForCausalLM has a module that mixes tokens .* Qwen3_5GatedDeltaNet at model\.layers\.0\.linear_attn"
+    match += ".*given the loaded model"
     path = str(tmp_path / "qwen3_5")
     model.config.save_pretrained(path)
     with pytest.raises(ALSTIntegrationError, match=match):
