@@ -194,9 +194,12 @@ def test_refused_when_preparing(uv):
             shared_expert_intermediate_size=8,
         )  # fmt: skip
     )
-    # hf.apply's audit of token mixers runs first and names the Gated DeltaNet and where it sits.
-    with pytest.raises(uv.VerlIntegrationError, match=r"Qwen3NextGatedDeltaNet at model\.layers\.0\.linear_attn .* a Conv1d of kernel 4"):
-        _patch(nxt, 2)
+    # A hybrid's mixers run (tests/test_verl_hybrid.py) where their heads split over the ranks;
+    # 2 Gated DeltaNet heads over 4 ranks are refused by the mixer's class before anything changes.
+    with pytest.raises(uv.VerlIntegrationError, match=r"Qwen3NextGatedDeltaNet \(2 heads, 2 groups\) cannot be split over 4 ranks"):
+        _patch(nxt, 4)
+    assert nxt.config._attn_implementation != uv.ATTN_IMPLEMENTATION
+    assert all("forward" not in vars(m) for m in nxt.modules())
     # A mixer no layer type announces (a depthwise convolution over the sequence in an MLP): the audit finds it.
     conv = _qwen2()
     mlp = conv.model.layers[0].mlp

@@ -51,12 +51,15 @@ import torch
 import torch.distributed as dist
 
 from ..checks import UlyssesInputError
+from ..comm import LocalCommunicator
 from ..layout import split_lengths
 from ..plan import HeadPlan
 from . import hf, mesh
 from .hf import audit as hf_audit
 from .hf import model as hf_model
 from .hf import multimodal as hf_multimodal
+from .hf.batch import _SHARD_KWARG
+from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
 
 __all__ = ["ALSTIntegrationError", "UlyssesSPAttentionHF", "enable_alst", "disable_alst", "alst_enabled"]
 
@@ -141,6 +144,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         # tensor (every layer of one forward, and its recompute, get the same tensor).
         self._step: tuple | None = None
         self._restore: tuple | None = None  # (registry, key, previous local entry or None), set by register_with_transformers
+        self._hook = None  # the decoder pre-hook that feeds a hybrid's mixers (register_with_transformers)
 
     @property
     def core_attn_implementation(self) -> str | None:
@@ -172,6 +176,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                 f"UlyssesSPAttentionHF: got {len(args)} positional argument(s) after the mask; transformers passes the "
                 "attention options by keyword (scaling=, dropout=, ...)"
             )
+        for name in (_SHARD_KWARG, GROUP_KWARG):  # the mixers' (a hybrid's decoder pre-hook): not attention's
+            kwargs.pop(name, None)
         shard = self.step_shard(query, key, kwargs.get("position_ids"))
         return hf.sequence_parallel_attention(module, query, key, value, settings=self._attention_settings(), shard=shard, **kwargs)
 
@@ -197,6 +203,17 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                 f"UlyssesSPAttentionHF: {key.shape[2]} keys for {query.shape[2]} queries (a KV cache): generation is not "
                 "supported under sequence parallelism; generate with the model in eval() and disable_in_eval=True"
             )
+        return self._shard_for(query.shape[0], query.shape[2], position_ids)
+
+    def _shard_for(self, bsz: int, local: int, position_ids) -> hf.SequenceShard:
+        """``step_shard`` for ``bsz`` rows of ``local`` tokens (also called by a hybrid's
+        decoder pre-hook, before its first layer: the same cache, so attention reuses it)."""
+        if position_ids is None:
+            raise ALSTIntegrationError(
+                "UlyssesSPAttentionHF: the model was called without position_ids; sequence parallelism needs the global "
+                "position of every token of this rank's shard (UlyssesSPDataLoaderAdapter puts them in each batch, or "
+                "pass hf.shard_batch(...).position_ids)"
+            )
         try:
             version = position_ids._version
         except RuntimeError:  # inference tensors have no version counter
@@ -204,12 +221,11 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         cached = self._step
         if cached is not None and cached[0]() is position_ids and cached[1] == version:
             return cached[2]
-        shard = self._new_shard(query, position_ids)
+        shard = self._new_shard(bsz, local, position_ids)
         self._step = (weakref.ref(position_ids), version, shard)
         return shard
 
-    def _new_shard(self, query: torch.Tensor, position_ids: torch.Tensor) -> hf.SequenceShard:
-        bsz, local = query.shape[0], query.shape[2]
+    def _new_shard(self, bsz: int, local: int, position_ids: torch.Tensor) -> hf.SequenceShard:
         # Checked after the exchange of the shapes, so that a rank with a bad shape and its
         # peers raise the same error (none waits in a collective the other skipped).
         shape = list(position_ids.shape)
@@ -334,7 +350,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if isinstance(core_fn, UlyssesSPAttentionHF):  # registered before: wrap the model's function, not the wrapper
             core_fn = core_fn.attn
 
-        _audit(model_name_or_path if loaded else None, config)
+        mixers = _audit(model_name_or_path if loaded else None, config, sequence_parallel_size)
         groups = mesh.parallel_groups(sp_size=sequence_parallel_size)
         text = config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -351,13 +367,42 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         local = ALL_ATTENTION_FUNCTIONS._local_mapping
         uattn._restore = (ALL_ATTENTION_FUNCTIONS, core_attn_implementation, local.get(core_attn_implementation))
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = uattn
+        if mixers:
+            uattn._feed_mixers(model_name_or_path, mixers)
         return groups.mpu()
+
+    def _feed_mixers(self, model: torch.nn.Module, mixers: list) -> None:
+        """A hybrid's token mixers that are not attention (``hf.mixers``): switched on their
+        instances, fed by a forward pre-hook on the decoder stack with this step's
+        ``SequenceShard`` (from the call's position ids, the cache attention reads too) and the
+        group. The shard must be known before layer 0, which is a mixer in Qwen3.5, so it cannot
+        wait for the first attention call."""
+        switch_mixers(mixers, None, None)
+        texts = hf_multimodal.text_model(model)
+        decoder = texts if texts is not None else model.base_model
+        self._hook = decoder.register_forward_pre_hook(self._mixer_step, with_kwargs=True)
+
+    def _mixer_step(self, module, args, kwargs):
+        # transformers' models call their decoder with keywords; a caller may pass input_ids first.
+        named = {**({"input_ids": args[0]} if args else {}), **kwargs}
+        tokens = named.get("input_ids")
+        if tokens is None:
+            tokens = named.get("inputs_embeds")
+        if tokens is None:
+            raise ALSTIntegrationError(f"UlyssesSPAttentionHF: {type(module).__name__} called with neither input_ids nor inputs_embeds")
+        if self.disable_in_eval and not module.training:  # the model's own layers on the unsharded input
+            return args, {**kwargs, GROUP_KWARG: (None, LocalCommunicator())}
+        shard = self._shard_for(int(tokens.shape[0]), int(tokens.shape[1]), named.get("position_ids"))
+        return args, {**kwargs, _SHARD_KWARG: shard, GROUP_KWARG: (self.process_group, self._attention_settings().comm)}
 
     def unregister(self) -> None:
         """Give the implementation's registry entry back (what it was before
         ``register_with_transformers``). DeepSpeed's class has no such call."""
         if self._restore is None:
             return
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         registry, key, previous = self._restore
         if registry._local_mapping.get(key) is self:
             if previous is None:
@@ -367,13 +412,16 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self._restore = None
 
 
-def _audit(model, config) -> None:
+def _audit(model, config, sp_size: int) -> list:
     """``hf.apply``'s audit of token mixers (``hf.audit``), before any group is made: every module
-    that mixes tokens along the sequence must be attention this entry point intercepts. A model
-    given by name or path (or a config holder that is not a module) is audited as built from its
-    config on the meta device (no memory, no weights)."""
+    that mixes tokens along the sequence must be attention this entry point intercepts or, in a
+    loaded model, a mixer ``hf.mixers`` runs (returned with its head plan at ``sp_size``). A
+    model given by name or path (or a config holder that is not a module) is audited as built
+    from its config on the meta device (no memory, no weights); its mixers cannot be switched
+    (the model is built later, elsewhere), so they are refused by name."""
     from transformers import AutoModel, AutoModelForCausalLM
 
+    handled = HANDLED_MIXERS if isinstance(model, torch.nn.Module) else {}
     if not isinstance(model, torch.nn.Module):
         try:
             with torch.device("meta"):
@@ -389,9 +437,13 @@ def _audit(model, config) -> None:
     texts = hf_multimodal.text_model(model) if hasattr(model, "config") and hasattr(model.config, "get_text_config") else None
     modules = [m for m in hf_model._attention_modules(model) if texts is None or m.config is texts.config]
     try:
-        hf_audit.check_token_mixers(model, {}, attention=modules, scope=texts, caller="register_with_transformers")
+        hf_audit.check_token_mixers(model, handled, attention=modules, scope=texts, caller="register_with_transformers")
+        return plan_mixers(mixer_modules(model if texts is None else texts), sp_size) if handled else []
     except hf.HFIntegrationError as e:
-        raise ALSTIntegrationError(str(e)) from e
+        hint = ""
+        if not handled and any(type(m).__name__ in HANDLED_MIXERS for m in model.modules()):
+            hint = " (these mixers run sequence-parallel when register_with_transformers is given the loaded model, not its name or path)"
+        raise ALSTIntegrationError(str(e) + hint) from e
 
 
 def _implementation_name(fn) -> str:

@@ -72,7 +72,8 @@ from ..comm import LocalCommunicator, get_communicator
 from ..documents import Documents, documents
 from ..plan import HeadPlan, PlanError
 from .hf.audit import check_token_mixers
-from .hf.batch import HFIntegrationError
+from .hf.batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
+from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
 from .hf.model import _attention_modules
 
 __all__ = [
@@ -125,6 +126,9 @@ class _ModelState:
     hook: object = None  # the pre-hook's handle on the decoder stack
     # Head plans per (q_heads, kv_heads, world_size): built once, reused by every layer and step.
     plans: dict = field(default_factory=dict)
+    # Hybrid models' token mixers that are not attention, with their head plans at sp_size
+    # (``hf.mixers.plan_mixers``); switched by ``_prepare``, fed by the pre-hook.
+    mixers: list = field(default_factory=list)
 
     @property
     def attn_fn(self):
@@ -285,16 +289,17 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
             "ulysses_kernels.integrations.verl), which needs num_attention_heads % sp == 0"
         )
     # Every module that mixes tokens along the sequence must be attention that this switch runs
-    # (hf.apply's audit, with no mixer table: Gated DeltaNet, Mamba2, short convolutions are
-    # refused here by class and place).
+    # or a mixer hf.apply runs (hf.mixers.HANDLED_MIXERS: Gated DeltaNet, Mamba2, short
+    # convolutions, planned here at sp_size); anything else is refused by class and place.
     try:
-        check_token_mixers(model, {}, attention=_attention_modules(model), caller="apply_monkey_patch")
+        check_token_mixers(model, HANDLED_MIXERS, attention=_attention_modules(model), caller="apply_monkey_patch")
+        mixers = plan_mixers(mixer_modules(model), sp_size)
     except HFIntegrationError as e:
         raise VerlIntegrationError(str(e)) from e
     text = _text_config(config)
     layer_types = set(getattr(text, "layer_types", None) or ())
     other = sorted(layer_types - _ATTENTION_LAYER_TYPES)
-    if other:
+    if other and not mixers:  # a hybrid's other layer types are its mixers, audited above
         raise VerlIntegrationError(
             f"apply_monkey_patch: {name} (model_type {model_type!r}) has layers of type {other}; ulysses_kernels' Ulysses "
             "under verl runs softmax attention layers only (full or sliding-window)"
@@ -332,7 +337,7 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
         impl = previous.inner_impl
     if _decoder(model) is None:
         raise VerlIntegrationError(f"apply_monkey_patch: found no decoder stack (model.base_model) in {name}")
-    return _ModelState(sp_size, q_heads, kv_heads, impl, options)
+    return _ModelState(sp_size, q_heads, kv_heads, impl, options, mixers=mixers)
 
 
 def _decoder(model):
@@ -352,6 +357,9 @@ def _prepare(model, state: _ModelState) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     else:  # pragma: no cover - transformers < 4.48
         model.config._attn_implementation = ATTN_IMPLEMENTATION
+    # The mixers take the group and the sequence shard from each forward's kwargs (the
+    # pre-hook below runs before layer 0, which is a mixer in Qwen3.5).
+    switch_mixers(state.mixers, None, None)
     decoder = _decoder(model)
     state.hook = decoder.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
     # A plain attribute of this model instance (not a parameter or buffer): nothing process-global.
@@ -431,7 +439,11 @@ def _pre_forward(state: _ModelState, module, args, kwargs):
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local, group=group)
         step = VerlStep(state, group, comm, (seq_local,) * world, _documents(torch.cat(parts, dim=1)))
-    return args, {**kwargs, STEP_KWARG: step}
+    extra = {STEP_KWARG: step}
+    if state.mixers:  # hf.mixers' forwards read the step as hf.apply's shard and group
+        shard = SequenceShard(step.seq_lens, step.comm.rank, world, step.total, batch, step.docs)
+        extra.update({_SHARD_KWARG: shard, GROUP_KWARG: (step.group, step.comm)})
+    return args, {**kwargs, **extra}
 
 
 def _check_header(module, state: _ModelState, everyone: list[list[int]], world: int) -> None:

@@ -47,6 +47,7 @@ group (``SPGroups``), more ranks than a layer's heads.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from collections.abc import Callable
@@ -68,6 +69,9 @@ __all__ = ["HANDLED_MIXERS"]
 _ROLES = ("q", "v")  # per-head tensors on the plan's query ranges, per-group ones on its KV ranges
 _HEADS_ONLY = ("q",)
 _SETTINGS_ATTR = "_ulysses_mixer"  # set on each switched mixer by ``switch_mixers``
+# ``(group, communicator)`` of this step, in the model's kwargs, for mixers switched without a
+# group (verl's switch: its group is known per forward, not when the model is prepared).
+GROUP_KWARG = "ulysses_mixer_group"
 
 
 class _ToHeads(torch.autograd.Function):
@@ -98,7 +102,8 @@ class _ToHeads(torch.autograd.Function):
 
 @dataclass(frozen=True, eq=False)
 class _MixerSettings:
-    """What ``apply`` set on one mixer: the group, its communicator, the head plan."""
+    """What ``apply`` set on one mixer: the group, its communicator, the head plan
+    (``comm`` ``None``: both come with each step as ``GROUP_KWARG``)."""
 
     group: object
     comm: object
@@ -118,6 +123,9 @@ def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, Seq
     settings = getattr(module, _SETTINGS_ATTR)
     shard = kwargs.get(_SHARD_KWARG)
     name = type(module).__name__
+    if settings.comm is None:
+        group, comm = kwargs[GROUP_KWARG]  # present: ``_per_step`` checked it
+        settings = dataclasses.replace(settings, group=group, comm=comm)
     if not isinstance(shard, SequenceShard):
         raise HFIntegrationError(
             f"{name}: the model runs sequence-parallel but was called without a sequence shard; feed it "
@@ -372,9 +380,30 @@ def plan_mixers(modules, world_size: int) -> list[tuple[torch.nn.Module, HeadPla
     return plans
 
 
+def _per_step(forward: Callable) -> Callable:
+    """``forward`` for a mixer switched without a group: the step's ``GROUP_KWARG`` gives it;
+    a step of one rank (no sequence parallelism in this forward) runs the class's forward."""
+
+    def run(self, *args, **kwargs):
+        pair = kwargs.get(GROUP_KWARG)
+        if pair is None:
+            raise HFIntegrationError(
+                f"{type(self).__name__}: switched for sequence parallelism, but this call carries no {GROUP_KWARG!r} "
+                "(call the model as a whole: the integration's pre-forward hook supplies it)"
+            )
+        if pair[1].world_size == 1:
+            rest = {k: v for k, v in kwargs.items() if k not in (GROUP_KWARG, _SHARD_KWARG)}
+            return type(self).forward(self, *args, **rest)
+        return forward(self, *args, **kwargs)
+
+    return run
+
+
 def switch_mixers(plans, group, comm) -> None:
-    """Give each planned mixer its settings and its sequence-parallel forward (on the instance)."""
+    """Give each planned mixer its settings and its sequence-parallel forward (on the
+    instance). ``comm`` ``None``: the group and communicator come with each step
+    (``GROUP_KWARG``, beside the ``SequenceShard``), as verl's switch passes them."""
     for m, plan in plans:
         family, forward, _ = _ADAPTERS[type(m).__name__]
         object.__setattr__(m, _SETTINGS_ATTR, _MixerSettings(group, comm, plan, family))
-        object.__setattr__(m, "forward", types.MethodType(forward, m))
+        object.__setattr__(m, "forward", types.MethodType(forward if comm is not None else _per_step(forward), m))
