@@ -96,6 +96,7 @@ def test_a_static_libstdcxx_build_keeps_the_numbers_in_its_messages(tmp_path):
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, copy / name)
     shutil.copytree(ROOT / "csrc", copy / "csrc")
+    shutil.copytree(ROOT / "build_backend", copy / "build_backend")  # setup.py reads its messages from there
     shutil.copytree(ROOT / "ulysses_kernels", copy / "ulysses_kernels", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     env = dict(os.environ, LDFLAGS="-static-libstdc++", ULYSSES_KERNELS_SKIP_CUDA_BUILD="1", MAX_JOBS="2")
     build = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=copy, env=env, capture_output=True, text=True, timeout=900)
