@@ -35,15 +35,8 @@ from .. import longctx, memory
 from ..memory_step import step_memory
 from ..traffic import LiveBytes
 from . import common as C
+from .longctx_emulated import PIECES, run
 
-PIECES = {
-    "none": {},
-    "loss": {"tiled_loss": True},
-    "mlp": {"tiled_mlp": True},
-    "norms": {"tiled_norms": True},
-    "offload": {"offload_activations": True},
-    "all": {"tiled_loss": True, "tiled_mlp": True, "tiled_norms": True, "offload_activations": True},
-}
 COLUMNS = [
     ("seq", "seq", "d"), ("pieces", "pieces", "s"), ("step_ms", "step ms", ".2f"), ("x_none", "x_none", ".2f"),
     ("peak_mb", "peak MB", ".2f"), ("calc_mb", "calc MB", ".2f"), ("bytes_per_token", "B/token", ".0f"),
@@ -209,8 +202,6 @@ def parse_args(argv=None, default_out_dir=None):
 def main(argv=None, *, default_out_dir=None) -> int:
     args = parse_args(argv, default_out_dir)
     if args.emulate_rank0_of is not None:
-        from .longctx_emulated import run
-
         return run(args)
     with contextlib.suppress(KeyboardInterrupt):
         return C.launch(bench, args)

@@ -70,6 +70,7 @@ MODELS = {
     "tiny": {"family": "llama", "layers": 4, "hidden": 64, "heads": 8, "kv_heads": 4, "intermediate": 160, "vocab": 256},
     "tiny-qwen2": {"family": "qwen2", "layers": 4, "hidden": 160, "heads": 40, "kv_heads": 8, "intermediate": 96, "vocab": 256},
 }
+# The long-context pieces, each on and off (bench.longctx's rows too).
 PIECES = {
     "none": {},
     "loss": {"tiled_loss": True},
