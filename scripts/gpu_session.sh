@@ -162,7 +162,7 @@ stamp() {  # what the build depends on: sources, python, torch, arch
 
 ext_ok() {  # the _C in the tree loads, has CUDA code for $ARCH, and was built from these sources
   [ "$(cat build/gpu_carry/stamp 2>/dev/null)" = "$(stamp)" ] &&
-    "$PY" -c "from ulysses_kernels import ops as L; i = L.build_info()
+    "$PY" -c "from ulysses_kernels import extension as L; i = L.build_info()
 assert i.get('built') and i.get('cuda') and '$ARCH' in i.get('archs', '').split(';'), i" 2>/dev/null
 }
 

@@ -1,4 +1,4 @@
-"""DeepSpeed ALST's transformers entry point through ours (``integrations.alst``, switched on
+"""DeepSpeed ALST's transformers entry point through ours (``integrations.deepspeed_alst``, switched on
 with ``enable_alst()``), against DeepSpeed's own ALST tests ported to CPU gloo ranks.
 
 Ported from DeepSpeed's ``tests/unit/ulysses_alst/test_ulysses_sp_hf.py`` (and the helpers it
@@ -84,7 +84,7 @@ def alst_classes(impl: str):
         enable_alst()
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
-    expected = "ulysses_kernels.integrations.alst" if impl == "ours" else "deepspeed.runtime.sequence_parallel.ulysses_sp"
+    expected = "ulysses_kernels.integrations.deepspeed_alst" if impl == "ours" else "deepspeed.runtime.sequence_parallel.ulysses_sp"
     assert UlyssesSPAttentionHF.__module__ == expected, UlyssesSPAttentionHF.__module__
     return UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
@@ -632,8 +632,8 @@ def _per_head_state(rank, world):
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from ulysses_kernels.integrations.alst import UlyssesSPAttentionHF
     from ulysses_kernels.integrations.deepspeed import DistributedAttention
+    from ulysses_kernels.integrations.deepspeed_alst import UlyssesSPAttentionHF
 
     hq, hkv, seq = 10, 5, 12
     # Our split of 10 query / 5 KV heads over 4 ranks (DeepSpeed's: 4, 2, 2, 2).
@@ -713,7 +713,7 @@ def test_head_split_vs_deepspeed():
 
 
 def _qwen25_14b_heads(rank, world):
-    from ulysses_kernels.integrations.alst import UlyssesSPAttentionHF
+    from ulysses_kernels.integrations.deepspeed_alst import UlyssesSPAttentionHF
 
     cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=80, intermediate_size=32, num_hidden_layers=2, num_attention_heads=40,
                                    num_key_value_heads=8, head_dim=2, max_position_embeddings=64, attn_implementation="sdpa")  # fmt: skip
@@ -743,7 +743,7 @@ def _errors(rank, world, path):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ulysses_kernels.integrations.alst import ALSTIntegrationError, UlyssesSPAttentionHF
+    from ulysses_kernels.integrations.deepspeed_alst import ALSTIntegrationError, UlyssesSPAttentionHF
 
     reg = UlyssesSPAttentionHF.register_with_transformers
     assert reg(path, "sdpa", 1, 1) is None  # sequence_parallel_size 1: nothing to do, as DeepSpeed
@@ -822,7 +822,7 @@ def test_register_refuses_token_mixers(tmp_path):
     cannot be switched) is refused by its mixer's class and place; nothing is registered."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ulysses_kernels.integrations.alst import ALSTIntegrationError, UlyssesSPAttentionHF
+    from ulysses_kernels.integrations.deepspeed_alst import ALSTIntegrationError, UlyssesSPAttentionHF
     from ulysses_kernels.testing.tiny_models import build_tiny
 
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]

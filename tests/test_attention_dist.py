@@ -11,8 +11,8 @@ import torch.distributed as dist
 import ulysses_kernels as uk
 from ulysses_kernels.checks import Signature, rank_list, signature, validate
 from ulysses_kernels.comm import LocalCommunicator, NoProcessGroupError
-from ulysses_kernels.reference import attention_reference, contiguous_shard
 from ulysses_kernels.testing import run_ranks
+from ulysses_kernels.testing.reference import attention_reference, contiguous_shard
 
 # world -> [(q_heads, kv_heads, batch, seq_lens, causal)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

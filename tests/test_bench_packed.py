@@ -10,7 +10,7 @@ import torch
 
 from ulysses_kernels.bench import attention as att
 from ulysses_kernels.documents import documents
-from ulysses_kernels.reference import attention_reference, packed_attention_reference
+from ulysses_kernels.testing.reference import attention_reference, packed_attention_reference
 
 
 def test_packed_check_sees_the_documents():

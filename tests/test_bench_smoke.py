@@ -21,7 +21,7 @@ import torch
 import ulysses_kernels
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels
-from ulysses_kernels.reference import attention_reference
+from ulysses_kernels.testing.reference import attention_reference
 
 # The result files keep the names bench_<module>_*; the modules are ulysses_kernels.bench.<module>.
 MODULES = {"bench_alltoall": "alltoall", "bench_attention": "attention", "bench_overlap": "overlap", "bench_pack": "pack",

@@ -17,8 +17,8 @@ from dynamo_support import traced_error
 import ulysses_kernels as uk
 from ulysses_kernels.backends import AttentionBackend
 from ulysses_kernels.kernels import available_kernels
-from ulysses_kernels.reference import attention_reference, contiguous_shard
 from ulysses_kernels.testing import run_ranks
+from ulysses_kernels.testing.reference import attention_reference, contiguous_shard
 
 KERNELS = ["torch", pytest.param("cuda", marks=pytest.mark.skipif("cuda" not in available_kernels(), reason="ulysses_kernels._C is not built"))]
 

@@ -9,7 +9,7 @@ batch > 1, uneven sequence shards, non-contiguous and fused-QKV inputs.
 import pytest
 import torch
 
-from ulysses_kernels import ops
+from ulysses_kernels import extension
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
@@ -368,30 +368,30 @@ def test_torch_compile_fullgraph_pack():
 
 # ---- the kernel variant switch ---------------------------------------------------------------
 def test_pack_variant_switch_reaches_the_extension():
-    module = ops.load()
-    previous = ops.set_pack_variant("old")
+    module = extension.load()
+    previous = extension.set_pack_variant("old")
     try:
-        assert ops.pack_variant() == "old" and module.pack_variant() == 0
-        assert ops.set_pack_variant("new") == "old"
-        assert ops.pack_variant() == "new" and module.pack_variant() == 1
+        assert extension.pack_variant() == "old" and module.pack_variant() == 0
+        assert extension.set_pack_variant("new") == "old"
+        assert extension.pack_variant() == "new" and module.pack_variant() == 1
     finally:
-        ops.set_pack_variant(previous)
+        extension.set_pack_variant(previous)
     with pytest.raises(ValueError, match=r"set_pack_variant: name expected one of \['old', 'new'\], got 'fast'"):
-        ops.set_pack_variant("fast")
+        extension.set_pack_variant("fast")
 
 
 def test_pack_variant_env_is_read_once_and_checked(monkeypatch):
-    monkeypatch.setattr(ops, "_VARIANT", {})
+    monkeypatch.setattr(extension, "_VARIANT", {})
     monkeypatch.setenv("ULYSSES_KERNELS_PACK_VARIANT", "bogus")
     with pytest.raises(ValueError, match="ULYSSES_KERNELS_PACK_VARIANT='bogus'; expected one of"):
-        ops.pack_variant()
+        extension.pack_variant()
     monkeypatch.setenv("ULYSSES_KERNELS_PACK_VARIANT", "Old")
-    assert ops.pack_variant() == "old"
+    assert extension.pack_variant() == "old"
     monkeypatch.setenv("ULYSSES_KERNELS_PACK_VARIANT", "new")
-    assert ops.pack_variant() == "old"  # read once
-    monkeypatch.setattr(ops, "_VARIANT", {})
+    assert extension.pack_variant() == "old"  # read once
+    monkeypatch.setattr(extension, "_VARIANT", {})
     monkeypatch.delenv("ULYSSES_KERNELS_PACK_VARIANT")
-    assert ops.pack_variant() == ops.DEFAULT_PACK_VARIANT == "new"
+    assert extension.pack_variant() == extension.DEFAULT_PACK_VARIANT == "new"
 
 
 # ---- GPU: CUDA kernels against the CPU twin ------------------------------------------------
@@ -460,16 +460,16 @@ def test_gpu_large_pack_uses_vector_path_and_matches():
     # or pack_kernel_new<16, I> for the new variant), and no narrower one (aligned bf16 rows
     # of 128 elements, 256 bytes each).
     packs = {e.name for e in prof.events() if "pack_kernel" in e.name and "unpack" not in e.name}
-    kernel = "pack_kernel_new<16" if ops.pack_variant() == "new" else "pack_kernel<16"
+    kernel = "pack_kernel_new<16" if extension.pack_variant() == "new" else "pack_kernel<16"
     assert packs and all(kernel in n for n in packs), packs
 
 
 @pytest.fixture(params=["old", "new"])
 def variant(request):
-    """Run a test under each kernel variant (``ops.set_pack_variant``)."""
-    previous = ops.set_pack_variant(request.param)
+    """Run a test under each kernel variant (``extension.set_pack_variant``)."""
+    previous = extension.set_pack_variant(request.param)
     yield request.param
-    ops.set_pack_variant(previous)
+    extension.set_pack_variant(previous)
 
 
 # One rank of each plan (every world size, GQA replicas, odd head dims, fp64), both variants.
@@ -629,11 +629,11 @@ def test_gpu_attention_world_size_1(dtype):
         torch.testing.assert_close(a, b)
     # "auto" is the C++ kernels on a GPU whose architecture _C carries code for (it was built
     # here for this GPU's arch), once their GPU run is recorded (gpu_validated).
-    from ulysses_kernels import ops
+    from ulysses_kernels import extension
     from ulysses_kernels.kernels import KERNEL_SETS
 
     assert KERNEL_SETS["cuda"].gpu_validated
-    fits = ops.arch_code_for(torch.cuda.get_device_capability(q.device)) is not None
+    fits = extension.arch_code_for(torch.cuda.get_device_capability(q.device)) is not None
     assert get_kernels(None, q.device).name == ("cuda" if fits else "triton" if "triton" in available_kernels() else "torch")
 
 
@@ -672,20 +672,20 @@ def test_auto_passes_over_the_cuda_kernels_beyond_their_peer_limit(monkeypatch):
     import re
     from pathlib import Path
 
-    from ulysses_kernels import ops
+    from ulysses_kernels import extension
     from ulysses_kernels.kernels import KERNEL_SETS
 
     # A GPU that _C carries code for (no GPU is touched: the capability is faked); the C++
     # kernels have passed on a GPU (gpu_validated), so "auto" may pick them on CUDA.
     assert KERNEL_SETS["cuda"].gpu_validated
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    ops.load()  # first, so that the arch list faked next is not overwritten by it
-    monkeypatch.setitem(ops._STATE, "archs", ("9.0",))
+    extension.load()  # first, so that the arch list faked next is not overwritten by it
+    monkeypatch.setitem(extension._STATE, "archs", ("9.0",))
 
-    MAX_WORLD_SIZE = ops.limits()["max_peers"]  # read from the C++ side
+    MAX_WORLD_SIZE = extension.limits()["max_peers"]  # read from the C++ side
     header = (Path(__file__).resolve().parents[1] / "csrc" / "kernels" / "layout_math.h").read_text()
     assert int(re.search(r"constexpr int kMaxPeers = (\d+);", header).group(1)) == MAX_WORLD_SIZE
-    assert int(re.search(r"constexpr int kMaxRoles = (\d+);", header).group(1)) == ops.limits()["max_roles"]
+    assert int(re.search(r"constexpr int kMaxRoles = (\d+);", header).group(1)) == extension.limits()["max_roles"]
     cuda = torch.device("cuda")  # a device object only: no GPU is touched
     small = Layout(HeadPlan.build(128, 8, 8), 0, (1,) * 8, 1, 8)
     large = Layout(HeadPlan.build(128, 8, MAX_WORLD_SIZE + 1), 0, (1,) * (MAX_WORLD_SIZE + 1), 1, 8)
@@ -698,13 +698,13 @@ def test_auto_on_cuda_picks_only_sets_that_have_run_on_a_gpu(monkeypatch):
     still be named. The CPU default is unchanged."""
     import dataclasses
 
-    from ulysses_kernels import ops
+    from ulysses_kernels import extension
     from ulysses_kernels.kernels import KERNEL_SETS
 
     cuda = torch.device("cuda")  # a device object only: no GPU is touched
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    ops.load()  # first, so that the arch list faked next is not overwritten by it
-    monkeypatch.setitem(ops._STATE, "archs", ("9.0",))
+    extension.load()  # first, so that the arch list faked next is not overwritten by it
+    monkeypatch.setitem(extension._STATE, "archs", ("9.0",))
     lay = Layout(HeadPlan.build(8, 2, 2), 0, (4, 4), 1, 8)
     assert get_kernels(None, cuda, lay).name == "cuda"  # validated, and _C has sm_90 code
     # As if the C++ and Triton kernels had never run on a GPU: "auto" passes over both.
@@ -756,10 +756,10 @@ def test_sass_moves_16_bytes_per_access_in_both_kernels():
     # type) load and store 128 bits at a time (LDG.E.128 / STG.E.128): docs/performance.md.
     pytest.importorskip("triton")
     tool = _cuobjdump()
-    info = ops.build_info()
+    info = extension.build_info()
     if tool is None or not info.get("cuda"):
         pytest.skip("no cuobjdump, or the extension was built without CUDA (no SASS to read)")
-    sass = _sass_by_kernel(ops.load().__file__, tool)
+    sass = _sass_by_kernel(extension.load().__file__, tool)
     archs = {a for a, _ in sass}
     assert {"sm_80", "sm_90"} <= archs, archs
     # Mangled names: pack_kernel_new<16, I> is ...15pack_kernel_newILi16E..., unpack_kernel_new<Op, 16, I> ...ELi16E...

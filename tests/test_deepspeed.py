@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from ulysses_kernels.integrations import hf, mesh
 from ulysses_kernels.integrations.deepspeed import DeepSpeedIntegrationError, DistributedAttention
-from ulysses_kernels.reference import attention_reference
 from ulysses_kernels.testing import run_ranks
+from ulysses_kernels.testing.reference import attention_reference
 
 B, S, D = 2, 12, 8  # S divides 2 and 4 ranks (DeepSpeed needs equal shards)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from ulysses_kernels import extension
 from ulysses_kernels import kernels as K
-from ulysses_kernels import ops
 
 
 @pytest.fixture
@@ -15,10 +15,10 @@ def fresh_registry():
 
 
 def test_unusable_extension_names_its_import_error(monkeypatch, fresh_registry):
-    # What ops.load() records when _C was built against another NCCL than torch's
+    # What extension.load() records when _C was built against another NCCL than torch's
     # (or was not built at all): kernels="cuda" must carry that reason.
     why = "ulysses_kernels._C is not usable: built against NCCL 2.28.3 but torch loaded NCCL 2.30.7; rebuild"
-    monkeypatch.setattr(ops, "_STATE", {"error": why})
+    monkeypatch.setattr(extension, "_STATE", {"error": why})
     with pytest.raises(ValueError, match=r"kernels='cuda' is not available here \(.*built against NCCL 2\.28\.3.*rebuild.*\); available: \['torch'"):
         K.get_kernels("cuda", torch.device("cpu"))
     assert "cuda" not in K.available_kernels()
@@ -38,13 +38,13 @@ def test_triton_without_gpu_or_interpreter_says_so(monkeypatch, fresh_registry):
 def fake_gpu(monkeypatch):
     """A GPU of a chosen compute capability and a _C built for chosen archs, faked on the CPU
     (only torch.device("cuda") objects are used: no GPU is touched)."""
-    if not ops.available():
-        pytest.skip(f"needs the C++ extension: {ops.build_info().get('error')}")
-    ops.load()  # first: the arch list faked below must not be overwritten by the first load
+    if not extension.available():
+        pytest.skip(f"needs the C++ extension: {extension.build_info().get('error')}")
+    extension.load()  # first: the arch list faked below must not be overwritten by the first load
 
     def fake(capability, archs):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        monkeypatch.setitem(ops._STATE, "archs", tuple(archs))
+        monkeypatch.setitem(extension._STATE, "archs", tuple(archs))
 
     return fake
 

@@ -26,8 +26,8 @@ from ulysses_kernels.checks import UlyssesInputError
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import OUT, QKV, Layout
-from ulysses_kernels.reference import attention_reference, contiguous_shard, packed_attention_reference
 from ulysses_kernels.testing import run_ranks
+from ulysses_kernels.testing.reference import attention_reference, contiguous_shard, packed_attention_reference
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 # (D, Dv): v narrower (DeepSeek's 192/128 in small), v wider, and a pair whose gcd is 1.

@@ -18,10 +18,10 @@ import pytest
 import torch
 from test_watchdog import _wait_for  # the same bounded poll as the watchdog's own tests
 
-from ulysses_kernels import ops
+from ulysses_kernels import extension
 
 pytestmark = pytest.mark.skipif(
-    not (ops.available() and ops.load().build_info().get("nccl")), reason="ulysses_kernels._C without NCCL"
+    not (extension.available() and extension.load().build_info().get("nccl")), reason="ulysses_kernels._C without NCCL"
 )
 
 
@@ -30,31 +30,31 @@ def _torch_nccl():
 
 
 def test_versions_match_torch():
-    C = ops.load()
-    info = ops.build_info()
+    C = extension.load()
+    info = extension.build_info()
     assert info["nccl_header_version"] == _torch_nccl()
-    assert info["nccl_runtime_version"] == ops.decode_nccl_version(C.nccl_version()) == _torch_nccl()
+    assert info["nccl_runtime_version"] == extension.decode_nccl_version(C.nccl_version()) == _torch_nccl()
 
 
 def test_decode_nccl_version():
-    assert ops.decode_nccl_version(23007) == (2, 30, 7)
-    assert ops.decode_nccl_version(2708) == (2, 7, 8)
+    assert extension.decode_nccl_version(23007) == (2, 30, 7)
+    assert extension.decode_nccl_version(2708) == (2, 7, 8)
 
 
 def test_version_mismatch_is_a_clear_import_error():
-    ops.check_nccl_versions((2, 30, 7), (2, 30, 7, "+cuda13"))
+    extension.check_nccl_versions((2, 30, 7), (2, 30, 7, "+cuda13"))
     with pytest.raises(ImportError, match=r"built against NCCL 2\.28\.3 but torch .* loaded NCCL 2\.30\.7.*rebuild"):
-        ops.check_nccl_versions((2, 28, 3), (2, 30, 7))
+        extension.check_nccl_versions((2, 28, 3), (2, 30, 7))
 
 
 def test_unique_id_is_128_fresh_bytes():
-    C = ops.load()
+    C = extension.load()
     a, b = C.nccl_unique_id(), C.nccl_unique_id()
     assert isinstance(a, bytes) and len(a) == 128 and a != b
 
 
 def test_bad_arguments_raise_value_errors():
-    C = ops.load()
+    C = extension.load()
     with pytest.raises(ValueError, match="unique_id expected 128 bytes, got 3"):
         C.nccl_comm_init_rank(b"abc", 1, 0)
     with pytest.raises(ValueError, match=r"rank expected in \[0, 2\), got 2"):
@@ -67,9 +67,9 @@ _NO_GPU_SCRIPT = textwrap.dedent(
     """
     import os, re, tempfile
     import torch, torch.distributed as dist
-    from ulysses_kernels import ops
+    from ulysses_kernels import extension
     from ulysses_kernels.comm import NCCLCommunicator, default_cuda_comm
-    C = ops.load()
+    C = extension.load()
     try:
         C.nccl_comm_init_rank(C.nccl_unique_id(), 1, 0)
         raise SystemExit("ncclCommInitRank succeeded without a GPU")
@@ -194,14 +194,13 @@ class _FakeStream:
 def fake_cuda_group(monkeypatch):
     """A 'CUDA machine' with an initialized world of 4 where this is rank 2 on cuda:1; returns
     a function ``(ptr, info) -> (group, ext)`` wiring torch's communicator pointer and what
-    NCCL says of it. The collectives (``ops.nccl_*``) are recorded in ``ext.posted``, CUDA
+    NCCL says of it. The collectives (``extension.nccl_*``) are recorded in ``ext.posted``, CUDA
     events are ``_FakeEvent``s, and ``NCCLCommunicator(group)`` runs its real constructor
     on the fake extension (handle 0x5EED)."""
     import contextlib
 
     import torch.distributed as dist
 
-    from ulysses_kernels import ops
     from ulysses_kernels.comm import nccl
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -231,8 +230,8 @@ def fake_cuda_group(monkeypatch):
         ext.posted = []
         monkeypatch.setattr(nccl, "_extension", lambda: ext)
         monkeypatch.setattr(nccl, "nccl_available", lambda: True)
-        monkeypatch.setattr(ops, "nccl_all_to_all", lambda handle, *args: ext.posted.append(("all_to_all", handle)))
-        monkeypatch.setattr(ops, "nccl_send_recv", lambda handle, *args: ext.posted.append(("send_recv", handle)))
+        monkeypatch.setattr(extension, "nccl_all_to_all", lambda handle, *args: ext.posted.append(("all_to_all", handle)))
+        monkeypatch.setattr(extension, "nccl_send_recv", lambda handle, *args: ext.posted.append(("send_recv", handle)))
         return _FakeGroup(backend(ptr)), ext
 
     return make
@@ -575,7 +574,7 @@ def _ranks_body(rank, world):
 
     from ulysses_kernels import ulysses_attention
     from ulysses_kernels.comm import NCCLCommunicator
-    from ulysses_kernels.reference import attention_reference
+    from ulysses_kernels.testing.reference import attention_reference
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -746,12 +745,12 @@ def test_default_borrows_torchs_communicator_two_ranks_on_one_gpu(monkeypatch):
 def _watchdog_body(rank, world):
     import time
 
-    from ulysses_kernels import ops
+    from ulysses_kernels import extension
     from ulysses_kernels.comm import NCCLCommunicator
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
-    C = ops.load()
+    C = extension.load()
     n = 1 << 16
     x = torch.randn(world * n, device=dev)
     y = torch.empty_like(x)

@@ -26,8 +26,8 @@ from ulysses_kernels.backends import per_document
 from ulysses_kernels.checks import UlyssesInputError
 from ulysses_kernels.documents import Documents, documents, pad_documents
 from ulysses_kernels.kernels import available_kernels
-from ulysses_kernels.reference import contiguous_shard, packed_attention_reference
 from ulysses_kernels.testing import run_ranks
+from ulysses_kernels.testing.reference import attention_reference, contiguous_shard, packed_attention_reference
 
 
 def random_cu(total: int, world: int, seed: int) -> list[int]:
@@ -129,7 +129,7 @@ def _check_own_attention(rank, world):
     q_l, k_l, v_l = uk.seq_to_head(*mine, plan=plan, seq_lens=lens)
     docs = documents(cu)
     k_l, v_l = (x.expand(-1, -1, q_l.shape[2], -1) for x in (k_l, v_l))  # 5/1: one KV head per rank
-    out_l = per_document(lambda *x: uk.reference.attention_reference(*x, True), q_l, k_l, v_l, docs)
+    out_l = per_document(lambda *x: attention_reference(*x, True), q_l, k_l, v_l, docs)
     out = uk.head_to_seq(out_l, plan, seq_lens=lens)
     out.backward(contiguous_shard(do, lens, rank))
     full = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -203,7 +203,7 @@ def test_callable_receives_the_global_boundaries():
 
     def my_attention(q, k, v, *, causal, softmax_scale, cu_seqlens, max_seqlen):
         seen.append((q.shape, cu_seqlens, max_seqlen))
-        parts = [uk.reference.attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal, softmax_scale) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        parts = [attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal, softmax_scale) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
         return torch.cat(parts, dim=1)
 
     q, k, v, _ = _inputs(4, 4, 10, 8, seed=3)

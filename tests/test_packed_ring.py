@@ -27,11 +27,11 @@ import torch.distributed as dist
 import ulysses_kernels as uk
 from ulysses_kernels.backends import MathBackend
 from ulysses_kernels.documents import documents
-from ulysses_kernels.reference import packed_attention_reference
 from ulysses_kernels.ring import RingBackend, shard_rows, tile_rows
 from ulysses_kernels.ring.schedule import ring_schedule
 from ulysses_kernels.ring.seq_layout import block_runs
 from ulysses_kernels.testing import ThreadGroup, run_ranks
+from ulysses_kernels.testing.reference import packed_attention_reference
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 D = 8

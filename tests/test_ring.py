@@ -16,10 +16,11 @@ from dynamo_support import traced_error
 
 import ulysses_kernels as uk
 from ulysses_kernels.backends import FlashBackend, MathBackend, flash_available
-from ulysses_kernels.reference import attention_reference, math_attention_lse
+from ulysses_kernels.math_attention import math_attention_lse
 from ulysses_kernels.ring import RingBackend, block_pieces, merge_lse, shard_rows, sp_rank_lists, tile_rows
 from ulysses_kernels.ring.groups import SPGroups
 from ulysses_kernels.testing import ThreadGroup, run_ranks
+from ulysses_kernels.testing.reference import attention_reference
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 SPLITS = [(1, 0), (0, 1), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2)]  # 0: the other factor is P

@@ -27,8 +27,8 @@ from ulysses_kernels import ulysses_attention
 from ulysses_kernels.attention.chunked import chunk_plans
 from ulysses_kernels.kernels import available_kernels
 from ulysses_kernels.plan import HeadPlan
-from ulysses_kernels.reference import attention_reference
 from ulysses_kernels.testing import ThreadGroup
+from ulysses_kernels.testing.reference import attention_reference
 
 
 # ---- CPU: the op through the fake (chunked == unchunked, bit for bit) -------------------------

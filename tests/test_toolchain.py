@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ulysses_kernels import ops, toolchain
+from ulysses_kernels import extension, toolchain
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # checks as test_cuda_kernels.py::test_errors_name_the_tensor, through the static copy).
 _ERRORS = r"""
 import json, torch
-from ulysses_kernels import ops
-ops.load()
+from ulysses_kernels import extension
+extension.load()
 P = torch.ops.ulysses_kernels
 x, y = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 2, 8)
 cases = {
@@ -116,8 +116,8 @@ def test_a_static_libstdcxx_build_keeps_the_numbers_in_its_messages(tmp_path):
 
 
 def test_the_tree_extension_raises_the_same_messages():
-    if not ops.available():
-        pytest.skip(f"needs the C++ extension: {ops.build_info().get('error')}")
+    if not extension.available():
+        pytest.skip(f"needs the C++ extension: {extension.build_info().get('error')}")
     assert _run_in(ROOT, _ERRORS) == EXPECTED
 
 
@@ -134,7 +134,7 @@ def _fake_package(root: Path, ops_body: str) -> Path:
     pkg = root / "ulysses_kernels"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "ops.py").write_text(textwrap.dedent(ops_body))
+    (pkg / "extension.py").write_text(textwrap.dedent(ops_body))
     return root
 
 

@@ -121,7 +121,7 @@ def _train(rank, world, sp, outdir, result_file):
         enable_alst()  # the one added line
     calls = {"forward": 0, "_new_shard": 0}
     if sp > 1:
-        from ulysses_kernels.integrations.alst import UlyssesSPAttentionHF
+        from ulysses_kernels.integrations.deepspeed_alst import UlyssesSPAttentionHF
 
         for name in calls:  # count the attention calls and the per-step gathers of positions
             original = getattr(UlyssesSPAttentionHF, name)

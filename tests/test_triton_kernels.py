@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulysses_kernels import ops
+from ulysses_kernels import extension
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
@@ -331,12 +331,12 @@ def test_too_many_head_columns_for_the_grid():
     # Old variant: head columns on grid axis y (at most 65535).
     table = triton_kernels._ColumnTable([0, 0, 1, 1, 1, 1, 0] * 65536, [0, 0, 1, 1, 1], 8, 4)
     x = torch.zeros(8)
-    previous = ops.set_pack_variant("old")
+    previous = extension.set_pack_variant("old")
     try:
         with pytest.raises(ValueError, match="grid"):
             TritonKernels._launch(table, [x], 1, 1, 8, x)
     finally:
-        ops.set_pack_variant(previous)
+        extension.set_pack_variant(previous)
     # New variant: one axis of row blocks x columns, limited to 2^31 - 1 programs.
     grid, block_r, _ = triton_kernels._launch_geometry(1, 65536, 8, False, new=True)
     assert grid == (65536,) and block_r == 1
@@ -348,10 +348,10 @@ def test_too_many_head_columns_for_the_grid():
 
 @pytest.fixture(params=["old", "new"])
 def variant(request):
-    """Run a test under each kernel variant (``ops.set_pack_variant``)."""
-    previous = ops.set_pack_variant(request.param)
+    """Run a test under each kernel variant (``extension.set_pack_variant``)."""
+    previous = extension.set_pack_variant(request.param)
     yield request.param
-    ops.set_pack_variant(previous)
+    extension.set_pack_variant(previous)
 
 
 @pytest.mark.parametrize("hq,hkv,world,ranks", [(10, 2, 4, (1,)), (7, 7, 3, (2,))])

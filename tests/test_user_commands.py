@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ulysses_kernels import ops
+from ulysses_kernels import extension
 from ulysses_kernels.kernels import kernel_set_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_info_from_outside_the_checkout_lists_every_kernel_set(tmp_path):
         # The user's shell has no TRITON_INTERPRET: Triton is installed but cannot run here, and says why.
         assert re.search(r"^\s+triton\s+not here\s+\S", out, re.M), out
     ext = next(line for line in out.splitlines() if line.startswith("_C extension"))
-    assert ext.split(None, 2)[2].startswith("built" if ops.available() else "NOT BUILT"), ext
+    assert ext.split(None, 2)[2].startswith("built" if extension.available() else "NOT BUILT"), ext
 
 
 def test_torchrun_demo_from_outside_the_checkout(tmp_path):
@@ -427,46 +427,46 @@ def test_info_without_the_extension_says_how_to_build_it(tmp_path):
 
 def test_rebuild_command_fits_the_installation():
     # This checkout (an in-place or editable build) is rebuilt in place.
-    assert ops.rebuild_command("CUDA_HOME=/usr/local/cuda") == f"cd {ROOT} && CUDA_HOME=/usr/local/cuda python setup.py build_ext --inplace"
+    assert extension.rebuild_command("CUDA_HOME=/usr/local/cuda") == f"cd {ROOT} && CUDA_HOME=/usr/local/cuda python setup.py build_ext --inplace"
 
 
 def test_missing_extension_warns_once_a_gpu_would_use_it(monkeypatch):
-    real_import = ops.importlib.import_module
+    real_import = extension.importlib.import_module
 
     def no_extension(name, *args):
         if name == "ulysses_kernels._C":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return real_import(name, *args)
 
-    monkeypatch.setattr(ops.importlib, "import_module", no_extension)
+    monkeypatch.setattr(extension.importlib, "import_module", no_extension)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("ULYSSES_KERNELS_SKIP_EXTENSION", raising=False)
-    monkeypatch.setattr(ops, "_STATE", {})
+    monkeypatch.setattr(extension, "_STATE", {})
     with pytest.warns(RuntimeWarning, match=r"ulysses_kernels._C is not built.*Build it: cd .* && python setup.py build_ext --inplace"):
-        assert not ops.available()
+        assert not extension.available()
     with pytest.raises(ImportError, match="is not built"):
-        ops.load()  # the reason is kept; the warning came once
-    monkeypatch.setattr(ops, "_STATE", {})
+        extension.load()  # the reason is kept; the warning came once
+    monkeypatch.setattr(extension, "_STATE", {})
     monkeypatch.setenv("ULYSSES_KERNELS_SKIP_EXTENSION", "1")  # a pure-Python install on purpose: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not ops.available()
+        assert not extension.available()
 
 
 def test_an_extension_of_another_torch_says_how_to_rebuild(monkeypatch):
-    real_import = ops.importlib.import_module
+    real_import = extension.importlib.import_module
 
     def abi_mismatch(name, *args):
         if name == "ulysses_kernels._C":
             raise ImportError("ulysses_kernels/_C.so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev")
         return real_import(name, *args)
 
-    monkeypatch.setattr(ops.importlib, "import_module", abi_mismatch)
-    monkeypatch.setattr(ops, "_STATE", {})
+    monkeypatch.setattr(extension.importlib, "import_module", abi_mismatch)
+    monkeypatch.setattr(extension, "_STATE", {})
     why = r"_C does not load here \(.*undefined symbol.*\); rebuild it against torch .*: cd .* && python setup.py build_ext --inplace"
     with pytest.raises(ImportError, match=why):
-        ops.load()
-    assert ops.build_info() == {"built": False, "error": ops._STATE["error"]}
+        extension.load()
+    assert extension.build_info() == {"built": False, "error": extension._STATE["error"]}
 
 
 # ---- a wheel, as pip builds it ----------------------------------------------------------------
@@ -497,9 +497,12 @@ def test_wheel_pins_its_torch_and_carries_no_build_path(tmp_path):
     assert str(tmp_path) not in dyn and str(ROOT) not in dyn and sys.prefix not in dyn, dyn
     # The unpacked wheel (not a checkout, not site-packages) loads: NCCL is the one torch loaded.
     target = str(tmp_path / "target")
-    code = f"import sys; sys.path[:0] = {[target, *SITE_DIRS]!r}; from ulysses_kernels import ops; ops.load(); print(ops.__file__, ops.build_info()['nccl'])"
+    code = (
+        f"import sys; sys.path[:0] = {[target, *SITE_DIRS]!r}; "
+        "from ulysses_kernels import extension; extension.load(); print(extension.__file__, extension.build_info()['nccl'])"
+    )
     out = run([sys.executable, "-I", "-S", "-c", code], tmp_path).stdout.split()
-    assert out == [str(tmp_path / "target" / "ulysses_kernels" / "ops.py"), "True"], out
+    assert out == [str(tmp_path / "target" / "ulysses_kernels" / "extension.py"), "True"], out
 
 
 # ---- the engine examples (FSDP2, DeepSpeed ZeRO-3), as their docs write them -------------------

@@ -25,11 +25,11 @@ from ulysses_kernels import backends, packed
 from ulysses_kernels.backends import SDPABackend, packed_kernel
 from ulysses_kernels.documents import Documents, documents
 from ulysses_kernels.packed import KERNELS, DocMask, doc_intervals
-from ulysses_kernels.reference import packed_attention_reference
 from ulysses_kernels.ring import RingBackend, shard_rows
 from ulysses_kernels.ring.schedule import ring_schedule
 from ulysses_kernels.ring.varlen import attend_lse_pieces
 from ulysses_kernels.testing import ThreadGroup
+from ulysses_kernels.testing.reference import packed_attention_reference
 
 MASKS = [DocMask(True), DocMask(False), DocMask(True, 5), DocMask(True, None, 3.0), DocMask(True, 40, 1.5)]
 MASK_IDS = ["causal", "bidirectional", "window5", "softcap3", "window40-softcap1.5"]

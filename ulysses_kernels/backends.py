@@ -42,8 +42,8 @@ import torch.nn.functional as F
 
 from .checkpointing import save_tensors  # for backends with their own backward (docs/extending.md)
 from .gqa import KVGather, shares_one_kv
+from .math_attention import math_attention, math_attention_lse, math_attention_lse_backward
 from .packed import KERNELS, DocMask
-from .reference import math_attention, math_attention_lse, math_attention_lse_backward
 
 __all__ = [
     "AttentionBackend",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .reference import default_scale
+from .math_attention import default_scale
 
 __all__ = ["permute_chain_attention", "chain_seq_to_head", "chain_head_to_seq"]
 

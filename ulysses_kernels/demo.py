@@ -21,8 +21,8 @@ import torch.distributed as dist
 from .attention import ulysses_attention
 from .layout import split_lengths
 from .plan import HeadPlan
-from .reference import attention_reference, contiguous_shard
 from .testing import run_ranks
+from .testing.reference import attention_reference, contiguous_shard
 
 
 def _job(rank, world, args):

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from . import ops, toolchain
+from . import extension, toolchain
 from .backends import packed_report
 from .kernels import KERNEL_SETS, auto_choice, kernel_set_report
 
@@ -35,14 +35,14 @@ def collect() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    ext = ops.build_info()
+    ext = extension.build_info()
     for key in ("nccl_header_version", "nccl_runtime_version"):
         if key in ext:
             ext[key] = ".".join(map(str, ext[key]))
     report = kernel_set_report()
     runtime = probe = None
     if ext.get("built"):
-        runtime = toolchain.libstdcxx_report(ops.load().__file__)
+        runtime = toolchain.libstdcxx_report(extension.load().__file__)
         probe = toolchain.probe_error_path()
     cuda = torch.cuda.is_available()
     packed_on = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
@@ -56,7 +56,7 @@ def collect() -> dict:
         "triton": triton_version,
         "flash_attn": importlib.util.find_spec("flash_attn") is not None,
         "extension": ext,
-        "rebuild_command": ops.rebuild_command(),
+        "rebuild_command": extension.rebuild_command(),
         "extension_runtime": runtime,
         "extension_error_path": probe,
         "kernel_sets": [r["name"] for r in report if r["runs_here"]],
@@ -113,7 +113,7 @@ def extension_line(info: dict) -> str:
     if info["torch_cuda"]:
         line += (
             f". CPU ONLY although torch is a CUDA build (no CUDA toolkit at build time): no CUDA kernels, no native NCCL. "
-            f"Build them with a toolkit: {ops.rebuild_command('CUDA_HOME=/usr/local/cuda')}"
+            f"Build them with a toolkit: {extension.rebuild_command('CUDA_HOME=/usr/local/cuda')}"
         )
     return line
 
@@ -131,7 +131,7 @@ def format_report(info: dict) -> str:
     ]
     if info["extension_runtime"] is not None:
         rows.insert(7, ("_C C++ runtime", info["extension_runtime"]["detail"]))
-        rows.insert(8, ("_C error path", toolchain.probe_line(info["extension_error_path"], ops.rebuild_command)))
+        rows.insert(8, ("_C error path", toolchain.probe_line(info["extension_error_path"], extension.rebuild_command)))
     last = ("default kernels", default_line(info))
     packed = info["packed_documents"]
     picked = next((k["name"] for k in packed["kernels"] if k["status"] == "picked"), "none")

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .documents import Documents
-from .reference import math_attention_lse
+from .math_attention import math_attention_lse
 
 __all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask"]
 

@@ -45,7 +45,7 @@ A *path* is one kernel set x one communicator x one chunk count x one layout:
   torch 2.9, where the checkpointed call runs unchunked: ``checkpointing.chunks_recompute_apart``).
 
 Each path runs ``ulysses_attention`` forward and backward once on every rank and compares
-out, dq, dk and dv with single-process float64 attention (``reference.attention_reference``,
+out, dq, dk and dv with single-process float64 attention (``testing.reference.attention_reference``,
 per document for ``packed``) on the same device. Bound: 1e-10 for float64 inputs (the CPU default); in a lower precision
 (bf16, the GPU default) at most 2x PyTorch's own error in that dtype on the same device
 (SDPA in one process against the same reference), per tensor. The time is that of the
@@ -97,10 +97,10 @@ from .checkpointing import graph_exec_group
 from .comm import NCCLCommunicator, TorchCommunicator, nccl_available
 from .kernels import KERNEL_SETS, available_kernels, kernel_set_report
 from .layout import split_lengths
-from .reference import attention_reference, contiguous_shard
 from .ring import SPGroups, make_sp_groups
 from .ring import shard_sequence as shard_2d
 from .testing import RanksFailed, run_ranks
+from .testing.reference import attention_reference, contiguous_shard
 
 __all__ = ["LAYOUTS", "COMMS", "Case", "PathSpec", "make_cases", "main"]
 

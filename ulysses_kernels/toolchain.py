@@ -37,9 +37,9 @@ PROBE_EXPECTED = "ulysses_kernels.pack_s2h: send.numel() expected 24, got 5"
 _PROBE_CODE = r"""
 import json, sys
 import torch
-from ulysses_kernels import ops
+from ulysses_kernels import extension
 try:
-    ops.load()
+    extension.load()
 except ImportError as e:
     print(json.dumps({"status": "not built", "detail": str(e)}))
     sys.exit(0)
@@ -111,7 +111,7 @@ COMPILER_ENV = "CC=/usr/bin/gcc CXX=/usr/bin/g++"
 def fix_command(rebuild=None) -> str:
     """What to do about a private libstdc++ in ``_C``: rebuild with a g++ that links the shared one.
 
-    ``rebuild(env) -> str``: the build command with ``env`` before it (``ops.rebuild_command``
+    ``rebuild(env) -> str``: the build command with ``env`` before it (``extension.rebuild_command``
     for an installed package); default: the in-place build of a checkout.
     """
     gcc = _torch_gcc()

@@ -49,8 +49,8 @@ from ..comm import Communicator, get_communicator, native_nccl_enabled
 from ..documents import Documents, documents
 from ..kernels import KernelSet, get_kernels, registry_generation
 from ..layout import Layout
+from ..math_attention import default_scale
 from ..plan import HeadPlan
-from ..reference import default_scale
 from ..ring import SPGroups, check_ring_inputs, ring_backend
 from . import chunked
 from .chunked import choose_chunks, chunk_plans

@@ -77,7 +77,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ulysses_kernels import make_sp_groups, ops, ulysses_attention
+from ulysses_kernels import extension, make_sp_groups, ulysses_attention
 from ulysses_kernels.backends import doc_kwargs, for_rank, packed_kernel, resolve_backend
 from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import common as C
@@ -85,9 +85,9 @@ from ulysses_kernels.documents import Documents, documents
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
+from ulysses_kernels.math_attention import default_scale
 from ulysses_kernels.packed import KERNELS, DocMask
 from ulysses_kernels.plan import HeadPlan
-from ulysses_kernels.reference import default_scale
 from ulysses_kernels.ring import shard_rows
 from ulysses_kernels.ring.schedule import ring_schedule
 
@@ -783,7 +783,7 @@ def print_header(args, world: int, P: int, backend_name: str, device: torch.devi
           f"batch {args.batch}, head_dim {args.head_dim}, causal, warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)  # fmt: skip
     print(f"# methods: {', '.join(names)}", flush=True)
     default = get_kernels(None, device).name
-    print(f"# default here (kernels='auto'): {default}, kernel variant {ops.pack_variant()} (ULYSSES_KERNELS_PACK_VARIANT)", flush=True)
+    print(f"# default here (kernels='auto'): {default}, kernel variant {extension.pack_variant()} (ULYSSES_KERNELS_PACK_VARIANT)", flush=True)
 
 
 def report(rows, breakdown, notes: dict, device: torch.device) -> None:

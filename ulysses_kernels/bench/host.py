@@ -54,7 +54,7 @@ from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.checks import call_key, encoded
 from ulysses_kernels.comm import get_communicator
-from ulysses_kernels.reference import attention_reference, contiguous_shard
+from ulysses_kernels.testing.reference import attention_reference, contiguous_shard
 
 warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
 

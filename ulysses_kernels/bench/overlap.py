@@ -69,8 +69,8 @@ from ulysses_kernels.bench import common as C
 from ulysses_kernels.comm import TorchCommunicator
 from ulysses_kernels.kernels import get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
+from ulysses_kernels.math_attention import default_scale
 from ulysses_kernels.plan import HeadPlan
-from ulysses_kernels.reference import default_scale
 
 MODELS = C.MODELS
 PASSES = ("fwd", "fwdbwd")

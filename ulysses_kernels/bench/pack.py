@@ -40,7 +40,7 @@ leaves unwritten counts. Any ``#wrong`` > 0 makes the script exit non-zero (afte
 its files).
 
 Variants (``--variants old,new``): the ``cuda`` and ``triton`` rows are run once per kernel
-variant (``ulysses_kernels.ops.set_pack_variant``, in this one process), labelled
+variant (``ulysses_kernels.extension.set_pack_variant``, in this one process), labelled
 ``fused (<k> <variant>)``; the JSON's ``meta.variants`` holds, per set and op, each
 variant's % of copy per configuration, the worst, and ``x_old_over_new`` (geometric mean of
 old time / new time: > 1 means the new variant is faster), printed as ``# variants`` lines.
@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ulysses_kernels import ops
+from ulysses_kernels import extension
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
@@ -104,10 +104,10 @@ class Case:
     moved: int  # bytes read + bytes written by one call
     poison: Sequence[torch.Tensor] = ()
     view: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] = field(default=lambda outs: outs)
-    variant: str | None = None  # the kernel variant this row runs under (``ops.set_pack_variant``); None: any
+    variant: str | None = None  # the kernel variant this row runs under (``extension.set_pack_variant``); None: any
 
 
-# Kernel sets whose kernels come in the variants of ``ops.PACK_VARIANTS``.
+# Kernel sets whose kernels come in the variants of ``extension.PACK_VARIANTS``.
 VARIANT_SETS = ("cuda", "triton")
 
 
@@ -135,11 +135,11 @@ def variant_of(case: Case):
     if case.variant is None:
         yield
         return
-    previous = ops.set_pack_variant(case.variant)
+    previous = extension.set_pack_variant(case.variant)
     try:
         yield
     finally:
-        ops.set_pack_variant(previous)
+        extension.set_pack_variant(previous)
 
 
 # ---- the cases of one configuration ------------------------------------------------------
@@ -275,7 +275,7 @@ def build_cases(cfg, device: torch.device, dtype: torch.dtype, kernel_sets: Sequ
     """The rows of one configuration, and ``{method: why}`` for kernel sets that cannot run.
 
     ``kernel_sets``: names for ``get_kernels`` (None = auto) or kernel-set objects.
-    ``variants``: kernel variants (``ops.PACK_VARIANTS``) to run the ``cuda`` and ``triton``
+    ``variants``: kernel variants (``extension.PACK_VARIANTS``) to run the ``cuda`` and ``triton``
     sets under, one row each; None: the process's current variant, unlabelled."""
     c = _Config(cfg, device, dtype, seed)
     kernels, skipped = resolve_kernel_sets(kernel_sets, device, c.lay)
@@ -318,9 +318,9 @@ def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
     variants = parse_variants(args.variants)
     cpu = "" if gpu else f"  [{C.CPU_LABEL}]"
     default = default_kernels(device)
-    print(f"# bench_pack: {device.type}, dtype {C.dtype_name(dtype)}, kernels {args.kernels}, variants {args.variants or ops.pack_variant()}, "
+    print(f"# bench_pack: {device.type}, dtype {C.dtype_name(dtype)}, kernels {args.kernels}, variants {args.variants or extension.pack_variant()}, "
           f"warmup {warmup}, iters {iters}, rank 0 of each config's group{cpu}", flush=True)  # fmt: skip
-    print(f"# default here (kernels='auto'): {default}, variant {ops.pack_variant()} (ULYSSES_KERNELS_PACK_VARIANT)", flush=True)
+    print(f"# default here (kernels='auto'): {default}, variant {extension.pack_variant()} (ULYSSES_KERNELS_PACK_VARIANT)", flush=True)
     rows, notes = [], {}
     for cfg in configs:
         cases, skipped = build_cases(cfg, device, dtype, names, seed=args.seed, variants=variants)
@@ -344,18 +344,18 @@ def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
                 r["x_chain"] = by["chain"]["time_us"] / r["time_us"] if "chain" in by else None
         rows += cfg_rows
     meta = {"skipped": notes, "warmup": warmup, "iters": iters, "configs": [config_label(c) for c in configs],
-            "default_kernels": default, "default_variant": ops.pack_variant(), "variants": variant_summary(rows)}  # fmt: skip
+            "default_kernels": default, "default_variant": extension.pack_variant(), "variants": variant_summary(rows)}  # fmt: skip
     return rows, meta
 
 
 def parse_variants(text: str | None) -> list[str] | None:
-    """``--variants`` (comma list of ``ops.PACK_VARIANTS``) or None."""
+    """``--variants`` (comma list of ``extension.PACK_VARIANTS``) or None."""
     if not text:
         return None
     out = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in out if v not in ops.PACK_VARIANTS]
+    bad = [v for v in out if v not in extension.PACK_VARIANTS]
     if bad or not out:
-        raise SystemExit(f"bench_pack: --variants wants a comma list of {list(ops.PACK_VARIANTS)}, got {text!r}")
+        raise SystemExit(f"bench_pack: --variants wants a comma list of {list(extension.PACK_VARIANTS)}, got {text!r}")
     return out
 
 
@@ -401,7 +401,7 @@ def report(rows: list[dict], notes: dict, device: torch.device, summary: dict | 
         print(f"# no fused row >= 64 MiB: the bandwidth targets are not measured by this run{label}", flush=True)
     for kern, per_op in (summary or {}).items():
         for op, ent in per_op.items():
-            worst = ", ".join(f"{v} worst {ent[v]['worst_pct_copy']:.1f}%" for v in ops.PACK_VARIANTS if v in ent)
+            worst = ", ".join(f"{v} worst {ent[v]['worst_pct_copy']:.1f}%" for v in extension.PACK_VARIANTS if v in ent)
             ratio = ent.get("x_old_over_new")
             verdict = f"; time old/new {ratio:.3f} (geomean): {ent['faster']} faster" if ratio else ""
             print(f"# variants {kern} {op}: {worst} of copy{verdict}{label}", flush=True)
@@ -442,7 +442,7 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--dtype", "-d", default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
     p.add_argument("--kernels", default="auto", help="comma list of kernel sets for the fused rows: auto (default), cuda, triton, torch")
     p.add_argument("--variants", default=None,
-                   help=f"comma list of kernel variants {'/'.join(ops.PACK_VARIANTS)} for the cuda and triton rows, one row each "
+                   help=f"comma list of kernel variants {'/'.join(extension.PACK_VARIANTS)} for the cuda and triton rows, one row each "
                         "(default: the current one, ULYSSES_KERNELS_PACK_VARIANT, unlabelled)")  # fmt: skip
     p.add_argument("--configs", default=None, help="comma list of Hq/Hkv/P/B/s/D (default: the GPU set, or tiny sizes on the CPU)")
     p.add_argument("-w", "--warmup", "--warmup-iters", dest="warmup", type=int, default=None, help="default 10 (GPU), 1 (CPU)")

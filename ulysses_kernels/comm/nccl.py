@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import ops
+from .. import extension
 from .base import Work, transport
 from .torch_dist import TorchCommunicator
 from .watchdog import Watchdog, timeout_from_env
@@ -67,7 +67,7 @@ __all__ = [
 def _extension():
     """``_C`` with NCCL, or RuntimeError saying why not."""
     try:
-        module = ops.load()  # also registers the fake kernels of the NCCL ops
+        module = extension.load()  # also registers the fake kernels of the NCCL ops
     except ImportError as e:
         raise RuntimeError(f"NCCLCommunicator: the C++ extension is not available ({e})") from e
     if not module.build_info().get("nccl"):
@@ -256,7 +256,7 @@ class NCCLCommunicator:
             handle,
             f"all_to_all ({input.numel()} x {input.dtype} in, {output.numel()} out)",
             output.device,
-            lambda handle: ops.nccl_all_to_all(handle, output, input, outs, ins),
+            lambda handle: extension.nccl_all_to_all(handle, output, input, outs, ins),
         )
         return self._work(event, output.device) if async_op else None
 
@@ -267,7 +267,7 @@ class NCCLCommunicator:
                 self._live(),
                 f"send_recv ({len(sends)} sends, {len(recvs)} recvs)",
                 self.device,
-                lambda handle: ops.nccl_send_recv(
+                lambda handle: extension.nccl_send_recv(
                     handle, [t for _, t in sends], [int(p) for p, _ in sends], [t for _, t in recvs], [int(p) for p, _ in recvs]
                 ),
             )

@@ -46,7 +46,7 @@ uneven (tests/test_alst.py: ALiBi at 10/5 heads over 4 ranks, exact against one 
 
 DeepSpeed's ALST entry point for transformers (``UlyssesSPAttentionHF``, what accelerate's
 ``ParallelismConfig(sp_backend="deepspeed")`` and the Trainer call) lives in
-``integrations.alst``; ``enable_alst()`` (re-exported here) makes DeepSpeed's entry point run it
+``integrations.deepspeed_alst``; ``enable_alst()`` (re-exported here) makes DeepSpeed's entry point run it
 (docs/trainer.md).
 """
 
@@ -62,7 +62,7 @@ from ..checks import UlyssesInputError
 from ..comm import get_communicator
 from ..gqa import expand_kv
 from ..plan import HeadPlan
-from .alst import ALSTIntegrationError, UlyssesSPAttentionHF, alst_enabled, disable_alst, enable_alst
+from .deepspeed_alst import ALSTIntegrationError, UlyssesSPAttentionHF, alst_enabled, disable_alst, enable_alst
 
 __all__ = [
     "DistributedAttention",

@@ -155,20 +155,20 @@ def _cuda_code_check(device: torch.device) -> str:
     """Why ``_C`` cannot run its CUDA kernels on ``device`` ("" when it carries code for the GPU's arch)."""
     if device.type != "cuda":
         return ""
-    from .. import ops
+    from .. import extension
 
     try:
-        archs = ops.cuda_archs()
+        archs = extension.cuda_archs()
         capability = tuple(torch.cuda.get_device_capability(device))
     except (ImportError, RuntimeError, AssertionError) as e:
         return f"{type(e).__name__}: {e}"
     if not archs:
         return "_C was built without CUDA (CPU-only extension)"
-    if ops.arch_code_for(capability) is None:
+    if extension.arch_code_for(capability) is None:
         arch = f"{capability[0]}.{capability[1]}"
         return (
             f"_C carries code for {', '.join(archs)} (ULYSSES_KERNELS_CUDA_ARCHS at build time), not for this GPU's {arch}; "
-            f"rebuild it for this GPU: {ops.rebuild_command(f'ULYSSES_KERNELS_CUDA_ARCHS={arch}')}"
+            f"rebuild it for this GPU: {extension.rebuild_command(f'ULYSSES_KERNELS_CUDA_ARCHS={arch}')}"
         )
     return ""
 

@@ -2,9 +2,9 @@
 
 Each method is the op's typed face: it takes what every kernel set takes (a ``Layout``,
 the tensors, the roles) and calls the ``torch.ops.ulysses_kernels`` op (schemas in
-``csrc/ops.cpp``) with the layout's head ranges (``Layout.head_ranges``) and offsets: one
+``csrc/extension.cpp``) with the layout's head ranges (``Layout.head_ranges``) and offsets: one
 hop from the exchange to the C++ host layer. The loading of ``_C`` (done when the set is
-made), the fake kernels and the limits live in ``ulysses_kernels.ops``. CUDA
+made), the fake kernels and the limits live in ``ulysses_kernels.extension``. CUDA
 tensors run the CUDA kernels; CPU tensors run their CPU twin (the same index math,
 ``csrc/kernels/layout_math.h``). The autograd functions of ``ulysses_kernels.attention``
 call these inside their forward/backward, so the ops need no autograd of their own.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .. import extension
 from ..layout import Layout
 from .torch_kernels import pack_s2h as pack_s2h_torch
 
@@ -43,26 +43,26 @@ class CudaKernels:
     flat_blocks = True
 
     def __init__(self):
-        ops.load()  # the ops below exist once _C is loaded (ImportError saying why otherwise)
+        extension.load()  # the ops below exist once _C is loaded (ImportError saying why otherwise)
 
     @staticmethod
     def available() -> bool:
-        return ops.available()
+        return extension.available()
 
     @staticmethod
     def unavailable_reason() -> str:
         """Why ``available()`` is False: the extension's import error (not built, or built
         against another NCCL than torch's)."""
         try:
-            ops.load()
+            extension.load()
         except ImportError as e:
             return str(e)
         return ""
 
     @staticmethod
     def supports(layout: Layout) -> bool:
-        """At most ``ops.limits()["max_peers"]`` ranks (the kernels' parameter structs hold every peer)."""
-        return layout.world_size <= ops.limits()["max_peers"]
+        """At most ``extension.limits()["max_peers"]`` ranks (the kernels' parameter structs hold every peer)."""
+        return layout.world_size <= extension.limits()["max_peers"]
 
     @staticmethod
     def pack_s2h(layout: Layout, tensors, roles, send, recv=None) -> None:

@@ -9,7 +9,7 @@
   recompute (``ActivationOffload``).
 * ``attention``: an attention backend whose backward runs the kernel per chunk of query heads
   (``HeadChunkedAttention``, passed as ``attn_fn``): the exchange's largest moment, smaller.
-* ``install``: the pieces on a transformers causal LM, what
+* ``patches``: the pieces on a transformers causal LM, what
   ``integrations.hf.apply(model, group, tiled_loss=, tiled_mlp=, offload_activations=)`` does.
 
 Each piece is usable alone and gives the same loss and gradients as without it (float
@@ -18,9 +18,9 @@ rounding of sums over tiles aside). ``python -m ulysses_kernels.memory --tiled-l
 """
 
 from .attention import HeadChunkedAttention
-from .install import LongContext, LongContextError, enable, state
 from .loss import LOSS_TILE_BYTES, lm_head_loss, loss_tile_rows, tiled_cross_entropy
 from .offload import ActivationOffload
+from .patches import LongContext, LongContextError, enable, state
 from .tiling import MLP_TILE_BYTES, TilingError, default_tile_rows, tile_bounds, tile_count, tiled_apply
 
 __all__ = [

@@ -20,7 +20,7 @@ One attention call, q/k/v ``[B, H, seq_lens[r], D]``:
 The settings ``apply`` chose live on each attention module (``_Settings``, made by
 ``attention_settings``, under ``_SETTINGS_ATTR``); the step's ``SequenceShard`` arrives as the
 ``ulysses_shard`` keyword. ``sequence_parallel_attention`` is the same call for a model that
-``apply`` did not switch (``integrations.alst``), its settings and shard given explicitly.
+``apply`` did not switch (``integrations.deepspeed_alst``), its settings and shard given explicitly.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from ...backends import resolve_backend
 from ...comm import get_communicator
 from ...documents import Documents, document_ids
 from ...gqa import expand_kv
+from ...math_attention import default_scale
 from ...packed import DocMask
 from ...plan import HeadPlan
-from ...reference import default_scale
 from ...ring import SPGroups
 from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
 
@@ -206,7 +206,7 @@ def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, 
     attention function does, with the settings and the step's shard given explicitly.
 
     For callers that intercept a model's own attention implementation (DeepSpeed ALST's
-    entry point, ``integrations.alst``), so the model's mask function is not ours: the mask
+    entry point, ``integrations.deepspeed_alst``), so the model's mask function is not ours: the mask
     of the layer is taken from the model's ``sliding_window`` keyword (``None`` or absent:
     causal) and rebuilt over the global sequence as ``apply``'s mask function would record it.
 

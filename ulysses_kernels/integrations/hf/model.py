@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from ...comm import get_communicator
-from ...longctx.install import enable as enable_long_context
+from ...longctx.patches import enable as enable_long_context
 from ...ring import SPGroups
 from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, _ulysses_mask, attention_settings
 from .audit import check_token_mixers

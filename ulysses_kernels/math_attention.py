@@ -1,15 +1,13 @@
-"""The ground truth that tests, the self-test and the demo compare against.
+"""The explicit softmax attention: the ``"math"`` backend and the ring level's block kernel.
 
-* ``attention_reference``: single-process attention over the whole sequence (float64 by
-  default), what ``ulysses_attention`` must equal.
-* ``packed_attention_reference``: the same for a packed sequence, one document at a time
-  (each document run on its own, as one process would without packing).
-* ``contiguous_shard``: the rows of a global tensor that one rank holds under ``seq_lens``
-  (contiguous shards; ``ulysses_kernels.shard_sequence`` shards for a 2-D group).
-* ``math_attention`` (explicit softmax: the ``"math"`` backend, exact in float64) and
-  ``math_attention_lse``/``math_attention_lse_backward`` (one block of keys with its
-  log-sum-exp, and its gradients against the final output: the ring level's default);
-  ``default_scale``, the softmax scale when none is given.
+* ``math_attention``: explicit softmax over ``[B, S, H, D]`` (exact in float64), the
+  ``"math"`` backend;
+* ``math_attention_lse``/``math_attention_lse_backward``: one block of keys with its
+  log-sum-exp, and its gradients against the final output (the ring level's default);
+* ``default_scale``: the softmax scale when none is given.
+
+The float64 ground truth built from it (what tests, the self-test and the demo compare
+against) is ``ulysses_kernels.testing.reference``.
 """
 
 from __future__ import annotations
@@ -20,35 +18,7 @@ import torch
 
 from .checks import softmax_scale_value
 
-__all__ = [
-    "attention_reference",
-    "packed_attention_reference",
-    "contiguous_shard",
-    "math_attention",
-    "math_attention_lse",
-    "math_attention_lse_backward",
-    "default_scale",
-]
-
-
-def attention_reference(q, k, v, causal=True, softmax_scale=None, dtype=torch.float64):
-    """``[B, S, Hq, D]`` attention over the full sequence, computed in ``dtype``."""
-    scale = default_scale(q.shape[3], softmax_scale)
-    return math_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal, scale)
-
-
-def packed_attention_reference(q, k, v, cu_seqlens, causal=True, softmax_scale=None, dtype=torch.float64):
-    """``[1, S, Hq, D]`` attention of a packed sequence: ``attention_reference`` over each
-    document ``[cu_seqlens[i], cu_seqlens[i + 1])`` on its own, joined along the sequence."""
-    cu = [int(x) for x in cu_seqlens]
-    parts = [attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal, softmax_scale, dtype) for a, b in zip(cu[:-1], cu[1:])]
-    return torch.cat(parts, dim=1)
-
-
-def contiguous_shard(x: torch.Tensor, seq_lens, rank: int) -> torch.Tensor:
-    """Rows of ``x`` (``[B, S, ...]``) that rank ``rank`` holds under ``seq_lens``."""
-    start = sum(seq_lens[:rank])
-    return x[:, start : start + seq_lens[rank]]
+__all__ = ["math_attention", "math_attention_lse", "math_attention_lse_backward", "default_scale"]
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:
@@ -61,15 +31,8 @@ def math_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     """Explicit softmax attention over ``[B, S, H, D]``; the accumulation dtype is the
     input's for float32/float64 and float32 for half types."""
     acc = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    g = q.shape[2] // k.shape[2]
-    k = k.to(acc).repeat_interleave(g, dim=2)
-    v = v.to(acc).repeat_interleave(g, dim=2)
-    scores = torch.einsum("bshd,bthd->bhst", q.to(acc), k) * scale
-    if causal:
-        s, t = scores.shape[-2:]
-        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(_math_scores(q, k, causal, scale, acc), dim=-1)
+    v = v.to(acc).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     return torch.einsum("bhst,bthd->bshd", probs, v).to(q.dtype)
 
 
