@@ -728,7 +728,7 @@ def test_default_borrows_torchs_communicator_one_rank(monkeypatch):
     from ulysses_kernels.testing import run_ranks
 
     monkeypatch.setenv("ULYSSES_KERNELS_NATIVE_NCCL", "1")  # opt-in until this test has passed on a GPU
-    run_ranks(_borrow_body, 1, backend="nccl", timeout_s=_GPU_TIMEOUT_S)
+    run_ranks(_borrow_body, 1, transport="nccl", timeout_s=_GPU_TIMEOUT_S)
 
 
 @pytest.mark.gpu
@@ -738,7 +738,7 @@ def test_default_borrows_torchs_communicator_two_ranks_on_one_gpu(monkeypatch):
 
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     monkeypatch.setenv("ULYSSES_KERNELS_NATIVE_NCCL", "1")  # opt-in until this test has passed on a GPU
-    run_ranks(_borrow_body, 2, backend="nccl", timeout_s=_GPU_TIMEOUT_S)
+    run_ranks(_borrow_body, 2, transport="nccl", timeout_s=_GPU_TIMEOUT_S)
 
 
 # ---- GPU, world 1: the watchdog on real NCCL work, and the borrowed handle's check -------------
@@ -870,4 +870,4 @@ def test_watchdog_on_one_gpu_aborts_late_work():
 def test_borrowed_communicator_of_a_destroyed_group_raises_on_one_gpu():
     from ulysses_kernels.testing import run_ranks
 
-    run_ranks(_borrow_check_body, 1, backend="nccl", timeout_s=_GPU_TIMEOUT_S)
+    run_ranks(_borrow_check_body, 1, transport="nccl", timeout_s=_GPU_TIMEOUT_S)

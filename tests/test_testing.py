@@ -43,3 +43,18 @@ def test_a_rank_that_never_returns_is_killed():
     with pytest.raises(TimeoutError, match="did not finish"):
         run_ranks(_sleeps, 2, timeout_s=1)
     assert time.monotonic() - start < 60
+
+
+def _says_its_transport(rank, world, path):
+    if rank == 0:
+        with open(path, "w") as fh:
+            fh.write(dist.get_backend())
+
+
+def test_the_transport_keyword_and_its_old_spelling(tmp_path):
+    # The group's transport (torch's "backend") is `transport=`; `backend=` still works, with a warning.
+    run_ranks(_says_its_transport, 2, str(tmp_path / "new"), transport="gloo")
+    assert (tmp_path / "new").read_text() == "gloo"
+    with pytest.warns(DeprecationWarning, match=r"run_ranks\(backend=\.\.\.\) is now run_ranks\(transport=\.\.\.\)"):
+        run_ranks(_says_its_transport, 2, str(tmp_path / "old"), backend="gloo")
+    assert (tmp_path / "old").read_text() == "gloo"

@@ -26,7 +26,7 @@ from .testing.reference import attention_reference, contiguous_shard
 
 
 def _job(rank, world, args):
-    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if args.transport == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float64
     seq_lens = split_lengths(args.seq, world)
     g = torch.Generator().manual_seed(1234)
@@ -57,7 +57,7 @@ def _job(rank, world, args):
         print(plan.table())
         what = "" if device.type == "cuda" else " (one call on the CPU: a code-path check, not a GPU claim)"
         print(f"\nsequence {args.seq} tokens over {world} ranks {seq_lens}, batch {args.batch}, "
-              f"head_dim {args.head_dim}, {dtype} on {device.type} ({args.backend}), fwd+bwd {elapsed * 1e3:.1f} ms on rank 0{what}")
+              f"head_dim {args.head_dim}, {dtype} on {device.type} ({args.transport}), fwd+bwd {elapsed * 1e3:.1f} ms on rank 0{what}")
         worst = [max(col) for col in zip(*gathered)]
         for name, e, tol in zip(("out", "dq", "dk", "dv"), worst, budget):
             print(f"  max |{name} - float64 reference| over ranks = {e:.3e}  (allowed {tol:.1e}: {'ok' if e <= tol else 'MISMATCH'})")
@@ -91,18 +91,18 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # Launched by torchrun: this process is one rank (NCCL when every local rank has a GPU).
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        args.backend = "nccl" if gpus >= local else "gloo"
-        if args.backend == "nccl":
+        args.transport = "nccl" if gpus >= local else "gloo"
+        if args.transport == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(args.backend)
+        dist.init_process_group(args.transport)
         try:
             _job(dist.get_rank(), dist.get_world_size(), args)
         finally:
             dist.destroy_process_group()
         return 0
     world = args.world_size or (gpus if gpus >= 2 else 4)
-    args.backend = "nccl" if gpus >= world >= 2 else "gloo"
-    run_ranks(_job, world, args, backend=args.backend)
+    args.transport = "nccl" if gpus >= world >= 2 else "gloo"
+    run_ranks(_job, world, args, transport=args.transport)
     return 0
 
 

@@ -177,13 +177,13 @@ class NCCLCommunicator:
                 f"(the group's size, this rank, the current CUDA device), got {actual}"
             )
         pg = group if group is not None else dist.group.WORLD  # the group object itself: a new world is another group
-        backend, _ = _nccl_backend(pg)
+        torch_group, _ = _torch_nccl_group(pg)
         self.handle, self.owned, self._pg = handle, False, pg
         self._watch = Watchdog(
             self._describe(),
             _timeout(timeout_s),
             async_error=lambda: _borrow_lost(pg, device, handle) or _async_error(ext, handle),
-            abort=lambda why: _abort_through_torch(pg, device, handle, backend),
+            abort=lambda why: _abort_through_torch(pg, device, handle, torch_group),
             thread_init=_watch_thread_init(ext, device),
         )
         self._finalizer = weakref.finalize(self, _release, ext, 0, self._watch)
@@ -332,14 +332,14 @@ def _abort_own(ext, handle: int) -> str:
     )
 
 
-def _abort_through_torch(pg, device: torch.device, handle: int, backend) -> str:
+def _abort_through_torch(pg, device: torch.device, handle: int, torch_group) -> str:
     """Abort torch's communicator the way its owner does: torch's ``abort()`` of the group's
-    NCCL backend (torch then knows, and fails its own work on it, instead of holding a
+    NCCL process group (torch then knows, and fails its own work on it, instead of holding a
     communicator we freed)."""
     lost = _borrow_lost(pg, device, handle)
     if lost is not None:
         return f"Nothing was aborted ({lost})"
-    abort = getattr(backend, "abort", None)
+    abort = getattr(torch_group, "abort", None)
     if abort is None:
         return (
             f"torch {torch.__version__} has no ProcessGroupNCCL.abort(), so nothing was aborted: torch's own "
@@ -397,8 +397,8 @@ def _cuda_device(device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
-def _nccl_backend(pg) -> tuple[object | None, str]:
-    """``(backend, "")``: torch's ``ProcessGroupNCCL`` of the process group ``pg``;
+def _torch_nccl_group(pg) -> tuple[object | None, str]:
+    """``(group, "")``: torch's ``ProcessGroupNCCL`` of the process group ``pg``;
     ``(None, why)`` where it has none."""
     try:
         cuda_pg = pg._get_backend(torch.device("cuda"))  # torch's name for the transport's group
@@ -415,11 +415,11 @@ def _nccl_backend(pg) -> tuple[object | None, str]:
 def _lookup_handle(group, device: torch.device) -> tuple[int, str]:
     """``(handle, "")``: the ``ncclComm_t`` of torch's ``ProcessGroupNCCL`` for ``group`` on
     ``device``; ``(0, why)`` where the group has none to lend."""
-    backend, why = _nccl_backend(group if group is not None else dist.group.WORLD)
-    if backend is None:
+    torch_group, why = _torch_nccl_group(group if group is not None else dist.group.WORLD)
+    if torch_group is None:
         return 0, why
     with torch.cuda.device(device):
-        handle = int(backend._comm_ptr())
+        handle = int(torch_group._comm_ptr())
     if handle == 0:
         return 0, (
             f"torch has not created the group's NCCL communicator on {device} yet "

@@ -15,6 +15,7 @@ import os
 import pickle
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,15 +32,15 @@ class RanksFailed(RuntimeError):
 DEFAULT_TIMEOUT_S = float(os.environ.get("ULYSSES_KERNELS_TEST_TIMEOUT", "600"))
 
 
-def _worker(rank, fn, world_size, init_file, backend, timeout_s, args):
+def _worker(rank, fn, world_size, init_file, transport, timeout_s, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
-        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        transport, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )  # fmt: skip
     try:
-        if backend == "nccl":
+        if transport == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         fn(rank, world_size, *args)
         dist.barrier()
@@ -47,13 +48,18 @@ def _worker(rank, fn, world_size, init_file, backend, timeout_s, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | None = None) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks."""
+def run_ranks(fn, world_size: int, *args, transport: str = "gloo", timeout_s: float | None = None, backend: str | None = None) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks joined by ``transport``
+    (``"gloo"``, ``"nccl"``: what torch calls the group's backend; ``backend=`` is the old
+    spelling of it, still taken, with a ``DeprecationWarning``)."""
+    if backend is not None:
+        warnings.warn("run_ranks(backend=...) is now run_ranks(transport=...)", DeprecationWarning, stacklevel=2)
+        transport = backend
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         context = mp.start_processes(
-            _worker, args=(fn, world_size, init_file, backend, timeout_s, args),
+            _worker, args=(fn, world_size, init_file, transport, timeout_s, args),
             nprocs=world_size, join=False, start_method="spawn",
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s + 30  # the group's own timeout fires first
