@@ -104,8 +104,9 @@ def ring_splits(world: int) -> list[tuple[int, int]]:
 
 
 def make_cases(world: int, seq_per_rank: int, names=CASE_NAMES) -> list[Case]:
-    """The cases ``names`` for a world of ``world`` ranks (see the package docstring); the
-    ring names give one case per ``ring_splits(world)``, none at one rank."""
+    """The cases ``names`` for a world of ``world`` ranks (``cli``'s docstring, which
+    ``--help`` prints, says what each is); the ring names give one case per
+    ``ring_splits(world)``, none at one rank."""
     p, s = world, seq_per_rank
     even = (s,) * p
     every = {

@@ -49,7 +49,7 @@ def run(rank) -> bool:
     rank.settings = {
         "world_size": rank.world, "transport": rank.transport, "device": rank.device.type,
         "dtype": dtype_name(rank.dtype), "head_dim": rank.head_dim, "seq_per_rank": rank.seq_per_rank,
-        "kernels": kernels, "comms": None, "chunks": chunks, "cases": [c.name for c in cases], "layouts": [c.name for c in cases],
+        "kernels": kernels, "comms": None, "chunks": chunks, "cases": [c.name for c in cases], "layouts": [c.name for c in cases],  # layouts: the old key
         "timeout_s": rank.timeout, "argv": args.argv, "packed_kernel": _packed_kernel_name(rank.device, rank.dtype),
         "bound_rule": f"{FLOAT64_BOUND:g} in float64; else 2x PyTorch's own SDPA error in the same dtype on the same device, per tensor",
     }  # fmt: skip
