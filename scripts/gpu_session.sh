@@ -218,7 +218,7 @@ stage_build() {
 stage_tests() {
   local f
   pytest_args
-  # The self-test first: every path (kernel sets x communicators x chunks x layouts, ring and
+  # The self-test first: every path (kernel sets x communicators x chunks x cases, ring and
   # packed and checkpointed ones included) forward and backward against float64, one rank
   # per GPU (here 1, NCCL); its JSON is what docs/gpu_validation.md's rows cite.
   # (--timeout 90: its hang watchdog, 2 * 90 + 60 s, ends a stuck run inside the step limit.)

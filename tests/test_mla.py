@@ -288,7 +288,7 @@ def _body(rank, world):
             _check_op(rank, world, hq, hkv, B, seq_lens, causal, D, Dv, kernels=kernels, chunks=1)
         _check_op(rank, world, hq, hkv, B, seq_lens, causal, D, Dv, kernels="torch", chunks=1, attn_fn="math")
         # Chunks: with P + 1 heads some chunk holds no head of some rank (an empty output of
-        # Dv columns; the C++ unpack checks its shape: found by the self-test's "mla" layout).
+        # Dv columns; the C++ unpack checks its shape: found by the self-test's "mla" case).
         for kernels, chunks in (("torch", 2), (KERNELS[-1], 2), (KERNELS[-1], "auto")):
             _check_op(rank, world, hq, hkv, B, seq_lens, causal, D, Dv, kernels=kernels, chunks=chunks)
         _check_exchanges(rank, world, hq, hkv, B, seq_lens, D, Dv)

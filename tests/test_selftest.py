@@ -9,7 +9,8 @@ outside the checkout, on gloo ranks on the CPU.
   by 1e-13 a call, so a checkpointed run differs from the plain one) and a ring level that
   corrupts its zigzag output on rank 1 are FAILs with the reason, the exit status is
   non-zero, and the ranks stay in step: the paths after them run and pass;
-* the layouts have the properties their names promise at every world size.
+* the cases have the properties their names promise at every world size;
+* ``--layouts``, the old name of ``--cases``, still picks the cases.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
     doc = load(tmp_path / "out" / "selftest.json", r)
     kernels = available_kernels()  # conftest sets TRITON_INTERPRET=1 here too
     assert "triton" in kernels and "torch" in kernels
-    layouts = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring-1x2", "ring-1x2-zigzag", "ring-1x2-packed", "ring-1x2-zigzag-packed",
-               "mla", "mla-wide-v", "ring-1x2-mla")  # fmt: skip
-    expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k, c, layout in itertools.product(kernels, ("1", "2", "auto"), layouts)}
-    expected |= {f"{k}/torch-dist/chunks={CK}/{layout}/checkpoint" for k, layout in itertools.product(kernels, layouts)}
+    names = ("mha", "gqa", "uneven-heads", "uneven-shards", "packed", "ring-1x2", "ring-1x2-zigzag", "ring-1x2-packed", "ring-1x2-zigzag-packed",
+             "mla", "mla-wide-v", "ring-1x2-mla")  # fmt: skip
+    expected = {f"{k}/torch-dist/chunks={c}/{name}" for k, c, name in itertools.product(kernels, ("1", "2", "auto"), names)}
+    expected |= {f"{k}/torch-dist/chunks={CK}/{name}/checkpoint" for k, name in itertools.product(kernels, names)}
     paths = {p["path"]: p for p in doc["paths"]}
     assert len(doc["paths"]) == len(paths) and set(paths) == expected, sorted(set(paths) ^ expected)
     assert doc["ok"] and doc["complete"] and doc["counts"] == {"PASS": len(expected), "FAIL": 0, "SKIP": 0}
@@ -92,20 +93,22 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
         assert p["checkpoint"] == p["path"].endswith("/checkpoint") and (p["checkpoint_diff"] is None) != p["checkpoint"], p
         if p["checkpoint"]:
             assert set(p["checkpoint_diff"].values()) == {0.0} if BIT_EQUAL_CHECKPOINT else max(p["checkpoint_diff"].values()) <= 1e-10, p
-        two_d = p["layout"].startswith("ring-")
+        assert p["case"] == p["layout"], p  # "layout": the key records carried before cases were named cases
+        two_d = p["case"].startswith("ring-")
         assert (p["ulysses_size"], p["ring_size"]) == ((1, 2) if two_d else (2, 1)), p
-        assert p["seq_layout"] == ("zigzag" if "zigzag" in p["layout"] else "contiguous"), p
+        assert p["seq_layout"] == ("zigzag" if "zigzag" in p["case"] else "contiguous"), p
         assert p["backend"].startswith("ring(") == two_d, p
-        assert (p["cu_seqlens"] == [0, 1, 9, 11, 16]) if p["layout"].endswith("packed") else p["cu_seqlens"] is None, p
+        assert (p["cu_seqlens"] == [0, 1, 9, 11, 16]) if p["case"].endswith("packed") else p["cu_seqlens"] is None, p
         # MLA: v (and the output) at 3/4 and 3/2 of q's head dim (16 on the CPU).
-        assert p["v_head_dim"] == {"mla": 12, "mla-wide-v": 24, "ring-1x2-mla": 12}.get(p["layout"], p["head_dim"]), p
-    # The layouts at 2 ranks: GQA with one KV head, 3 query heads, a 17-token sequence.
+        assert p["v_head_dim"] == {"mla": 12, "mla-wide-v": 24, "ring-1x2-mla": 12}.get(p["case"], p["head_dim"]), p
+    # The cases at 2 ranks: GQA with one KV head, 3 query heads, a 17-token sequence.
     gqa, heads, shards = (paths[f"torch/torch-dist/chunks=1/{name}"] for name in ("gqa", "uneven-heads", "uneven-shards"))
     assert gqa["kv_heads"] < 2 and heads["q_heads"] % 2 and sum(shards["seq_lens"]) % 2 and shards["seq_lens"] == split_lengths(sum(shards["seq_lens"]), 2)
     env = doc["environment"]
     for key in ("torch", "cuda", "nccl", "gpu", "git_sha", "ulysses_kernels", "date"):
         assert key in env, key
     assert env["gpu"] == "cpu" and doc["settings"]["world_size"] == 2 and doc["settings"]["transport"] == "gloo"
+    assert doc["settings"]["cases"] == doc["settings"]["layouts"] == list(dict.fromkeys(p["case"] for p in doc["paths"]))
     assert "comm nccl" in doc["not_tested"] and "comm nccl-borrowed" in doc["not_tested"]
     # A progress line per path on stderr, in order; the table and the verdict on stdout.
     lines = progress_lines(r.stderr)
@@ -126,12 +129,12 @@ def test_torchrun_at_three_ranks_quick(tmp_path):
     r = run(argv, tmp_path, env=user_env())
     assert r.returncode == 0, r.stdout + r.stderr
     doc = load(tmp_path / "q.json", r)
-    layouts = ("gqa", "uneven-shards", "packed", "ring-1x3-zigzag", "mla")  # QUICK_LAYOUTS at 3 ranks
-    expected = {f"{k}/torch-dist/chunks={c}/{layout}" for k in kernels for c in selftest.QUICK_CHUNKS for layout in layouts}
-    expected |= {f"{k}/torch-dist/chunks={CK}/{layout}/checkpoint" for k in kernels for layout in layouts}
+    names = ("gqa", "uneven-shards", "packed", "ring-1x3-zigzag", "mla")  # QUICK_CASES at 3 ranks
+    expected = {f"{k}/torch-dist/chunks={c}/{name}" for k in kernels for c in selftest.QUICK_CHUNKS for name in names}
+    expected |= {f"{k}/torch-dist/chunks={CK}/{name}/checkpoint" for k in kernels for name in names}
     assert {p["path"] for p in doc["paths"]} == expected and doc["ok"] and doc["counts"]["PASS"] == len(expected)
     assert doc["settings"]["world_size"] == 3
-    shards = next(p for p in doc["paths"] if p["layout"] == "uneven-shards")
+    shards = next(p for p in doc["paths"] if p["case"] == "uneven-shards")
     assert len(set(shards["seq_lens"])) == 2  # 25 tokens over 3 ranks
     if "cuda" in kernels:
         assert next(p for p in doc["paths"] if p["kernels"] == "cuda")["kernels_label"] == "cuda: C++ CPU twin"
@@ -213,7 +216,7 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
     # kernel set would be (--import); the checkout is still not on the path.
     argv = [
         sys.executable, "-m", "ulysses_kernels.selftest", "--spawn", "2", "--import", "selftest_faults",
-        "--kernels", "raise-on-rank-1,corrupt,drift,torch", "--chunks", "1,2", "--layouts", "gqa,ring", "--timeout", "8",
+        "--kernels", "raise-on-rank-1,corrupt,drift,torch", "--chunks", "1,2", "--layouts", "gqa,ring", "--timeout", "8",  # --layouts: --cases by its old name
         "--json", "faults.json",
     ]  # fmt: skip
     r = run(argv, tmp_path, env=user_env(), timeout=300)
@@ -249,7 +252,7 @@ def test_broken_paths_fail_with_their_reason_and_the_ranks_stay_in_step(tmp_path
     assert [p["path"].split("/")[0] for p in doc["paths"]] == ([k for k in kernel_sets for _ in (1, 2)] + kernel_sets) * 2
     # The 2-D group after the group recovery (made again with the new data group): every
     # path passes (its Ulysses groups have one rank: none of the faults fires there).
-    ring = [p for p in doc["paths"] if p["layout"] == "ring-1x2"]
+    ring = [p for p in doc["paths"] if p["case"] == "ring-1x2"]
     assert len(ring) == 12 and all(p["status"] == "PASS" for p in ring), ring
     assert f"{24 - fails} passed, {fails} failed" in r.stdout and "FAILED" in r.stdout and "deliberate failure on rank 1" in r.stdout
     # Checkpoint paths: raise, corrupt, drift (PASS before torch 2.9: held to the bound), torch.
@@ -261,7 +264,7 @@ def test_a_wrong_ring_level_fails_and_the_next_paths_pass(tmp_path):
     (tmp_path / "selftest_ring_faults.py").write_text(textwrap.dedent(RING_FAULTS))
     argv = [
         sys.executable, "-m", "ulysses_kernels.selftest", "--spawn", "2", "--import", "selftest_ring_faults",
-        "--kernels", "torch", "--chunks", "1", "--layouts", "ring-zigzag,ring", "--json", "ring.json",
+        "--kernels", "torch", "--chunks", "1", "--cases", "ring-zigzag,ring", "--json", "ring.json",
     ]  # fmt: skip
     r = run(argv, tmp_path, env=user_env(), timeout=300)
     assert r.returncode != 0, r.stdout + r.stderr
@@ -286,17 +289,28 @@ def test_bad_arguments_name_what_is_wrong(capsys):
     assert "--chunks: expected a comma list of 1, 2, auto, got '3'" in capsys.readouterr().err
 
 
+def test_layouts_is_an_old_name_of_cases(capsys):
+    # --layouts was the flag's name before the self-test's cases were named cases: command
+    # lines that use it pick the same cases, and a bad name is refused alike.
+    assert selftest.parse_args(["--layouts", "gqa,ring"]).cases == selftest.parse_args(["--cases", "gqa,ring"]).cases == ["gqa", "ring"]
+    assert selftest.parse_args([]).cases is None  # every case
+    for flag in ("--cases", "--layouts"):
+        with pytest.raises(SystemExit):
+            selftest.parse_args([flag, "gqa,32/8"])
+        assert "--cases: expected a comma list of mha, gqa," in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("world", range(1, 10))
-def test_layouts_are_what_their_names_say(world):
+def test_cases_are_what_their_names_say(world):
     cases = {c.name: c for c in selftest.make_cases(world, 7)}  # 7: zigzag's shards still even
     splits = selftest.ring_splits(world)
     rings = [f"ring-{u}x{r}{s}" for s in ("", "-zigzag", "-packed", "-zigzag-packed") for u, r in splits]
     mla = ["mla", "mla-wide-v"] + [f"ring-{u}x{r}-mla" for u, r in splits]
-    assert list(cases) == list(selftest.LAYOUTS[:5]) + rings + mla
+    assert list(cases) == list(selftest.CASE_NAMES[:5]) + rings + mla
     for c in cases.values():
-        HeadPlan.build(c.q_heads, c.kv_heads, c.split[0] if c.split else world)  # every layout can be planned
+        HeadPlan.build(c.q_heads, c.kv_heads, c.split[0] if c.split else world)  # every case can be planned
         assert len(c.seq_lens) == world
-        # v's head dim differs from q's exactly in the MLA layouts: narrower, wider, narrower.
+        # v's head dim differs from q's exactly in the MLA cases: narrower, wider, narrower.
         assert (c.v_head_dim(16), c.v_head_dim(64)) == {"mla": (12, 48), "mla-wide-v": (24, 96)}.get(
             c.name, (12, 48) if c.name.endswith("-mla") else (16, 64)
         ), c
