@@ -12,7 +12,7 @@ say "all-to-all: bare, the permute chain and ours with the torch kernel set (the
 "$PY" -m ulysses_kernels.bench.alltoall --spawn 2 -b 1K -e 64K -f 4 -w 1 -n 3 --op a2a,chain,fused-torch --out-dir "$OUT"
 "$PY" -m ulysses_kernels.bench.alltoall --spawn 2 -b 1K -e 64K -f 4 -w 1 -n 3 --op a2a,chain,fused-torch --dir h2s --out-dir "$OUT"
 say "attention layer: a Llama-3-8B-shaped layout scaled down (8 query / 2 KV heads)"
-"$PY" -m ulysses_kernels.bench.attention --spawn 2 --layouts 8/2 --seqs 64,128 --head-dim 16 -w 1 -n 2 \
+"$PY" -m ulysses_kernels.bench.attention --spawn 2 --heads-sets 8/2 --seqs 64,128 --head-dim 16 -w 1 -n 2 \
   --methods local,chain,ulysses-torch,deepspeed,yunchang,layout-torch,chain-layout --out-dir "$OUT"
 # The cost-model env makes chunks="auto" pick more than one chunk at these sizes.
 say "chunked overlap, a code-path check: the env forces chunks='auto' to chunk at tiny sizes, where chunking is slower on a CPU; every row checked against chunks=1 bit for bit"

@@ -251,7 +251,7 @@ bench_pack_steps() {  # kernels=auto (what a user gets by default), then every s
 
 stage_bench() {
   local a=(--models llama3-8b --min-seq 4K --max-seq 256K) o=(--layouts 32/8 --seqs 8K,32K,64K) x=(-b 1M -e 256M -f 4)
-  [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128 --head-dim 16) o=(--layouts 8/2 --seqs 64,256 --head-dim 16) x=(-b 1K -e 64K -f 4)
+  [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16) o=(--layouts 8/2 --seqs 64,256 --head-dim 16) x=(-b 1K -e 64K -f 4)
   bench_pack_steps
   step bench_attention 300 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$RESULTS" &&
     step perf_model 60 "$PY" -m ulysses_kernels.bench.perf_model --attention-json "$RESULTS/bench_attention_latest.json" || true
@@ -286,7 +286,7 @@ stage_attn() {  # one process per model, so that a timeout loses one model, not 
   local m a
   for m in ${GPU_SESSION_ATTN_MODELS:-llama3-8b}; do
     a=(--models "$m" --min-seq 4K --max-seq "${GPU_SESSION_ATTN_MAX_SEQ:-1M}")
-    [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128,256 --head-dim 16)
+    [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128,256 --head-dim 16)
     step "attention_$m" 420 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 1 -n 3 --out-dir "$RESULTS" &&
       step "perf_model_$m" 60 "$PY" -m ulysses_kernels.bench.perf_model --attention-json "$RESULTS/bench_attention_latest.json" || true
   done
@@ -346,7 +346,7 @@ stage_wave() {
   # the "# variants" lines say which is faster (ops.DEFAULT_PACK_VARIANT follows them).
   step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new --warmup 10 --iters 40 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
-  [ "$TINY" = 1 ] && a=(--layouts 8/2 --seqs 64,128 --head-dim 16)
+  [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
   step bench_attention 180 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$WAVE_DIR" &&
     step perf_model 60 "$PY" -m ulysses_kernels.bench.perf_model --attention-json "$WAVE_DIR/bench_attention_latest.json" || true
   wave_extra

@@ -10,13 +10,15 @@ import torch
 
 from ulysses_kernels.bench import attention as att
 from ulysses_kernels.documents import documents
+from ulysses_kernels.math_attention import default_scale
+from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.testing.reference import attention_reference, packed_attention_reference
 
 
 def test_packed_check_sees_the_documents():
     P, H, Hkv, S, D = 2, 6, 2, 24, 8
     inp = att.Inputs(1, S, H, Hkv, D, P, torch.float32, torch.device("cpu"))
-    plan = att.HeadPlan.build(H, Hkv, P)
+    plan = HeadPlan.build(H, Hkv, P)
     q, k, v, dout = (inp.full(n, range(h)) for n, h in (("q", H), ("k", Hkv), ("v", Hkv), ("dout", H)))
     docs = documents([0, 5, 6, 17, 24])  # documents cross the shard boundary (12)
     results = {}
@@ -25,7 +27,7 @@ def test_packed_check_sees_the_documents():
         out = fn(qq, k, v)
         out.backward(dout)
         results[name] = (out.detach().float(), qq.grad.float())
-    scale = att.default_scale(D, None)
+    scale = default_scale(D, None)
     for rank in range(P):
         rows = slice(rank * inp.s, (rank + 1) * inp.s)
         packed, causal = ((o[:, rows], g[:, rows]) for o, g in (results["packed"], results["causal"]))

@@ -21,6 +21,9 @@ import torch
 import ulysses_kernels
 from ulysses_kernels.bench import common as C
 from ulysses_kernels.kernels import available_kernels
+from ulysses_kernels.layout import Layout
+from ulysses_kernels.math_attention import default_scale
+from ulysses_kernels.plan import HeadPlan
 from ulysses_kernels.testing.reference import attention_reference
 
 # The result files keep the names bench_<module>_*; the modules are ulysses_kernels.bench.<module>.
@@ -180,7 +183,7 @@ def test_bench_attention_smoke(tmp_path, capfd):
     methods = ",".join(["local", "chain", "deepspeed", "yunchang", "chain-layout"] + [f"{m}-{k}" for k in kern for m in ("ulysses", "layout")])
     _main(
         "bench_attention",
-        ["--spawn", "2", "--layouts", "6/2", "--seqs", "32", "--head-dim", "8", "-w", "0", "-n", "1",
+        ["--spawn", "2", "--heads-sets", "6/2", "--seqs", "32", "--head-dim", "8", "-w", "0", "-n", "1",
          "--methods", methods, "--out-dir", str(tmp_path)],
     )  # fmt: skip
     out = capfd.readouterr().out
@@ -197,6 +200,15 @@ def test_bench_attention_smoke(tmp_path, capfd):
     assert "skipped 6/2 S=32 deepspeed" in out or "deepspeed" in methods_seen(rows)
 
 
+def test_bench_attention_heads_sets_flag_and_its_old_name():
+    # --heads-sets names the head counts (Hq/Hkv,...); --layouts, its old name, is an alias of it.
+    att = _load("bench_attention")
+    assert att.parse_args(["--heads-sets", "32/8,40/8"]).heads_sets == "32/8,40/8"
+    old = att.parse_args(["--layouts", "8/2"])
+    assert old.heads_sets == "8/2" and not hasattr(old, "layouts")
+    assert att.parse_args([]).heads_sets is None
+
+
 def methods_seen(rows):
     return {r["method"] for r in rows}
 
@@ -204,7 +216,7 @@ def methods_seen(rows):
 def _attention_case(P=2, H=6, Hkv=2, S=16, D=8):
     att = _load("bench_attention")
     inp = att.Inputs(1, S, H, Hkv, D, P, torch.float32, torch.device("cpu"))
-    plan = att.HeadPlan.build(H, Hkv, P)
+    plan = HeadPlan.build(H, Hkv, P)
     q, k, v, dout = (inp.full(n, range(h)) for n, h in (("q", H), ("k", Hkv), ("v", Hkv), ("dout", H)))
     q.requires_grad_()
     out = attention_reference(q, k, v, causal=True)
@@ -216,7 +228,7 @@ def test_attention_check_method_catches_wrong_rows_heads_and_values():
     """check_method counts 0 on the right rank's rows and heads, and more on a corrupted value,
     on another rank's rows (sequence-sharded methods) or heads (the local floor)."""
     att, inp, plan, out, dq, kv_full = _attention_case()
-    s, scale = inp.s, att.default_scale(inp.D, None)
+    s, scale = inp.s, default_scale(inp.D, None)
     sharded, local = att.Method("x", None), att.Method("local", None, seq_sharded=False)
     for rank in range(2):
         rows = slice(rank * s, (rank + 1) * s)
@@ -244,10 +256,10 @@ def test_layout_rows_are_checked_and_catch_corruption(H, Hkv, monkeypatch):
     att = _load("bench_attention")
     P, dev = 2, torch.device("cpu")
     inp = att.Inputs(2, 8, H, Hkv, 4, P, torch.float32, dev)
-    plan = att.HeadPlan.build(H, Hkv, P)
+    plan = HeadPlan.build(H, Hkv, P)
     like = torch.empty(0)
     for rank in range(P):
-        layout = att.Layout(plan, rank, (inp.s,) * P, inp.B, inp.D)
+        layout = Layout(plan, rank, (inp.s,) * P, inp.B, inp.D)
         for k in [k for k in available_kernels() if k != "triton"]:
             assert att.layout_method(f"layout-{k}", get_kernels(k, dev), layout, like).check_layout() == 0
 
