@@ -92,7 +92,9 @@ from . import info, toolchain
 from .attention import ulysses_attention
 from .attention.call import setup_attention
 from .backends import resolve_backend
-from .bench.common import CPU_LABEL, Progress, dtype_name, env_record, kernel_label, parse_dtype
+from .bench.harness import Progress
+from .bench.record import CPU_LABEL, env_record, kernel_label
+from .bench.sizes import dtype_name, parse_dtype
 from .checkpointing import graph_exec_group
 from .comm import NCCLCommunicator, TorchCommunicator, nccl_available
 from .kernels import KERNEL_SETS, available_kernels, kernel_set_report
