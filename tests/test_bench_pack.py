@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ulysses_kernels.bench import common as C
 from ulysses_kernels.bench import pack as bp
+from ulysses_kernels.bench import patterns, record
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import QKV, Layout
 from ulysses_kernels.plan import HeadPlan
@@ -73,21 +73,21 @@ def _kernel_or_skip(name):
 def test_count_unequal_bits_is_bit_exact():
     g = torch.Generator().manual_seed(1)
     a = [torch.randn(2, 3, 4, 5, generator=g).to(DT), torch.randn(7, generator=g).to(DT)]
-    assert C.count_unequal_bits([x.clone() for x in a], a) == 0
+    assert patterns.count_unequal_bits([x.clone() for x in a], a) == 0
     b = [x.clone() for x in a]
     b[0].view(torch.int16)[1, 2, 3, 4] += 1  # one ulp
     b[1][0] = -b[1][0]
-    assert C.count_unequal_bits(b, a) == 2
+    assert patterns.count_unequal_bits(b, a) == 2
     z = torch.zeros(4)
-    assert C.count_unequal_bits([-z], [z]) == 4  # -0.0 == 0.0 numerically, not bit for bit
+    assert patterns.count_unequal_bits([-z], [z]) == 4  # -0.0 == 0.0 numerically, not bit for bit
     nan = torch.full((3,), float("nan"))
-    assert C.count_unequal_bits([nan.clone()], [nan]) == 0  # the same NaN bits moved intact
-    assert C.count_unequal_bits([nan], [torch.ones(3)]) == 3
-    assert C.count_unequal_bits([a[0][:, :2]], a[:1]) == a[0].numel()  # wrong shape: all of it
-    assert C.count_unequal_bits([a[0].float()], a[:1]) == a[0].numel()  # wrong dtype: all of it
-    assert C.count_unequal_bits(a[:1], a) == a[1].numel()  # a missing output: all of it
+    assert patterns.count_unequal_bits([nan.clone()], [nan]) == 0  # the same NaN bits moved intact
+    assert patterns.count_unequal_bits([nan], [torch.ones(3)]) == 3
+    assert patterns.count_unequal_bits([a[0][:, :2]], a[:1]) == a[0].numel()  # wrong shape: all of it
+    assert patterns.count_unequal_bits([a[0].float()], a[:1]) == a[0].numel()  # wrong dtype: all of it
+    assert patterns.count_unequal_bits(a[:1], a) == a[1].numel()  # a missing output: all of it
     # Strided views compare element by element.
-    assert C.count_unequal_bits([a[0].transpose(1, 2).contiguous().transpose(1, 2)], a[:1]) == 0
+    assert patterns.count_unequal_bits([a[0].transpose(1, 2).contiguous().transpose(1, 2)], a[:1]) == 0
 
 
 @pytest.mark.parametrize("cfg", [CHAIN_CFG, REPLICA_CFG], ids=["chain", "replicas"])
@@ -96,7 +96,7 @@ def test_check_is_zero_on_correct_rows_and_counts_corruption(kernels, cfg):
     cases, skipped = bp.build_cases(cfg, DEVICE, DT, [_kernel_or_skip(kernels)])
     assert skipped == {}
     # On a CPU the cuda set's row says what runs: the C++ extension's CPU twin.
-    want = ["copy", f"fused ({C.kernel_label(kernels, DEVICE)})", "torch"] + (["chain"] if cfg == CHAIN_CFG else [])
+    want = ["copy", f"fused ({record.kernel_label(kernels, DEVICE)})", "torch"] + (["chain"] if cfg == CHAIN_CFG else [])
     assert [c.method for c in cases if c.op == "pack"] == want
     assert [c.method for c in cases if c.op == "unpack"] == want
     for case in cases:
@@ -114,7 +114,7 @@ def test_check_is_zero_on_correct_rows_and_counts_corruption(kernels, cfg):
             # A call that writes nothing, on buffers that still hold the previous (correct)
             # result: the NaN poison makes every element count.
             outs = case.run()
-            assert C.count_unequal_bits(case.view(outs), case.expected) == 0
+            assert patterns.count_unequal_bits(case.view(outs), case.expected) == 0
             stale = dataclasses.replace(case, run=lambda outs=outs: outs)
             assert bp.check(stale) == sum(e.numel() for e in case.expected), (case.op, case.method)
 
@@ -175,11 +175,11 @@ def test_cpu_smoke_prints_checks_and_writes(tmp_path, capsys):
     # The CLI of scripts/bench_smoke.sh (the default CPU configs: the smallest sizes).
     assert bp.main(["--device", "cpu", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for text in ("size(B)", "time(us)", "GB/s", "% copy", "x_chain", "#wrong", C.CPU_LABEL, "wrong elements: 0 OK"):
+    for text in ("size(B)", "time(us)", "GB/s", "% copy", "x_chain", "#wrong", record.CPU_LABEL, "wrong elements: 0 OK"):
         assert text in out, text
     doc = _result(tmp_path)
     env, rows = doc["env"], doc["rows"]
-    assert env["gpu"] == "cpu" and C.CPU_LABEL in env["timer"] and env["world_size"] == 1
+    assert env["gpu"] == "cpu" and record.CPU_LABEL in env["timer"] and env["world_size"] == 1
     assert env["git_sha"] and env["torch"] == torch.__version__ and "git_dirty" in env
     assert doc["meta"]["configs"] == [bp.config_label(c) for c in bp.CPU_CONFIGS]
     assert all(r["wrong"] == 0 for r in rows)

@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The result files keep the names bench_<module>_*; the modules are ulysses_kernels.bench.<module>.
@@ -59,7 +59,7 @@ def test_plot_writes_a_png(script, tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib draws the PNGs (scripts/setup.sh installs it)")
     mod = _load(script)
     rows, extra = CASES[script]()
-    env = dict(C.env_record(torch.device("cpu"), 2, "gloo"), **extra)
+    env = dict(record.env_record(torch.device("cpu"), 2, "gloo"), **extra)
     path = tmp_path / f"{script}.png"
     assert mod.plot(rows, str(path), env) is True
     data = path.read_bytes()
@@ -72,10 +72,10 @@ def test_plot_writes_a_png(script, tmp_path):
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_plot_without_matplotlib_writes_nothing(script, tmp_path, monkeypatch):
     mod = _load(script)
-    monkeypatch.setattr(C, "load_pyplot", lambda: None)
+    monkeypatch.setattr(record, "load_pyplot", lambda: None)
     rows, extra = CASES[script]()
     path = tmp_path / "none.png"
-    assert mod.plot(rows, str(path), dict(C.env_record(torch.device("cpu"), 2, "gloo"), **extra)) is False
+    assert mod.plot(rows, str(path), dict(record.env_record(torch.device("cpu"), 2, "gloo"), **extra)) is False
     assert not path.exists()
 
 
@@ -84,5 +84,5 @@ def test_plot_of_no_rows_writes_nothing(script, tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib draws the PNGs (scripts/setup.sh installs it)")
     mod = _load(script)
     path = tmp_path / "empty.png"
-    assert mod.plot([], str(path), C.env_record(torch.device("cpu"), 2, "gloo")) is False
+    assert mod.plot([], str(path), record.env_record(torch.device("cpu"), 2, "gloo")) is False
     assert not path.exists()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ulysses_kernels
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, patterns, record, sizes, timing
 from ulysses_kernels.kernels import available_kernels
 from ulysses_kernels.layout import Layout
 from ulysses_kernels.math_attention import default_scale
@@ -41,46 +41,78 @@ def _load(name: str):
 
 # ---- helpers ---------------------------------------------------------------------------
 def test_sizes():
-    assert [C.parse_size(x) for x in ("512", "1K", "4M", "1G", "2KB", "1.5K")] == [512, 1024, 4 << 20, 1 << 30, 2048, 1536]
+    assert [sizes.parse_size(x) for x in ("512", "1K", "4M", "1G", "2KB", "1.5K")] == [512, 1024, 4 << 20, 1 << 30, 2048, 1536]
     with pytest.raises(ValueError):
-        C.parse_size("1.3K")
+        sizes.parse_size("1.3K")
     with pytest.raises(ValueError):
-        C.parse_size("lots")
-    assert C.size_sweep(1024, 8192, 2) == [1024, 2048, 4096, 8192]
-    assert C.size_sweep(1000, 5000, 3) == [1000, 3000]
-    assert C.size_sweep(7, 7, 2) == [7]
-    assert [C.format_size(n) for n in (1024, 1536, 3 << 30)] == ["1K", "1536", "3G"]
+        sizes.parse_size("lots")
+    assert sizes.size_sweep(1024, 8192, 2) == [1024, 2048, 4096, 8192]
+    assert sizes.size_sweep(1000, 5000, 3) == [1000, 3000]
+    assert sizes.size_sweep(7, 7, 2) == [7]
+    assert [sizes.format_size(n) for n in (1024, 1536, 3 << 30)] == ["1K", "1536", "3G"]
 
 
 def test_pattern_is_exact_and_finds_a_misplaced_block():
     x = torch.empty(2, 6, 3, 4, dtype=torch.bfloat16)
-    C.fill_pattern_4d(x, salt=1, seq_total=12, heads_total=5, t0=6, heads=[4, 0, 2], chunk_elems=7)
-    assert C.count_wrong_4d(x, 1, 12, 5, 6, [4, 0, 2]) == 0
+    patterns.fill_pattern_4d(x, salt=1, seq_total=12, heads_total=5, t0=6, heads=[4, 0, 2], chunk_elems=7)
+    assert patterns.count_wrong_4d(x, 1, 12, 5, 6, [4, 0, 2]) == 0
     # every value is an integer in [-125, 125], so bf16 holds it exactly
     assert torch.equal(x.float(), x.float().round()) and x.float().abs().max() <= 125
-    wrong_rows = C.count_wrong_4d(x, 1, 12, 5, 0, [4, 0, 2])  # the same data, claimed to be rows 0..5
+    wrong_rows = patterns.count_wrong_4d(x, 1, 12, 5, 0, [4, 0, 2])  # the same data, claimed to be rows 0..5
     swapped = x.clone()
     swapped[:, :, [0, 1]] = x[:, :, [1, 0]]  # two heads swapped
     assert wrong_rows > 0.9 * x.numel()
-    assert C.count_wrong_4d(swapped, 1, 12, 5, 6, [4, 0, 2]) > 0.9 * 2 * 2 * 6 * 4
+    assert patterns.count_wrong_4d(swapped, 1, 12, 5, 6, [4, 0, 2]) > 0.9 * 2 * 2 * 6 * 4
     one = x.clone()
     one[1, 5, 2, 3] += 1
-    assert C.count_wrong_4d(one, 1, 12, 5, 6, [4, 0, 2]) == 1
+    assert patterns.count_wrong_4d(one, 1, 12, 5, 6, [4, 0, 2]) == 1
 
 
 def test_write_results_and_table(tmp_path, capsys):
     rows = [{"size": 1024, "op": "a2a", "time_us": 1.5}, {"size": 2048, "op": "chain", "time_us": float("nan"), "extra": 1}]
-    env = C.env_record(torch.device("cpu"), 2, "gloo")
-    assert env["gpu"] == "cpu" and C.CPU_LABEL in env["timer"] and env["torch"] == torch.__version__
-    paths = C.write_results(tmp_path, "demo", env, rows, {"note": "x"})
+    env = record.env_record(torch.device("cpu"), 2, "gloo")
+    assert env["gpu"] == "cpu" and record.CPU_LABEL in env["timer"] and env["torch"] == torch.__version__
+    paths = record.write_results(tmp_path, "demo", env, rows, {"note": "x"})
     doc = json.loads(Path(paths["json"]).read_text())
     assert doc["env"]["world_size"] == 2 and doc["rows"][1]["extra"] == 1 and doc["meta"]["note"] == "x"
     with open(paths["csv"]) as f:
         got = list(csv.DictReader(f))
     assert [r["op"] for r in got] == ["a2a", "chain"] and got[0]["extra"] == ""
     assert (tmp_path / "demo_latest.json").exists()
-    text = C.print_table([("size", "size", "d"), ("time_us", "time", ".1f")], rows)
+    text = record.print_table([("size", "size", "d"), ("time_us", "time", ".1f")], rows)
     assert "n/a" in text and "1.5" in capsys.readouterr().out
+
+
+def test_env_record_names_the_transport_and_old_records_still_read(tmp_path):
+    """The torch.distributed backend is the record's ``transport`` (#40: "backend" is the
+    attention backend's word); a record written before, with only ``backend``, reads the same."""
+    env = record.env_record(torch.device("cpu"), 2, "gloo")
+    assert env["transport"] == "gloo" and "backend" not in env and record.transport_of(env) == "gloo"
+    assert record.transport_of(record.env_record(torch.device("cpu"), 1, None)) is None  # one process, no collective
+    old = dict(env)
+    del old["transport"]
+    old["backend"] = "nccl"
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"name": "bench_alltoall", "env": old, "meta": {}, "rows": []}))
+    assert record.transport_of(json.loads(path.read_text())["env"]) == "nccl"
+    # The first GPU run's records (checked in) say "backend".
+    h200 = json.loads((ROOT / "bench" / "results" / "2026-11-27_h200" / "bench_alltoall_w1.json").read_text())["env"]
+    assert "transport" not in h200 and record.transport_of(h200) == "nccl"
+
+
+def test_heads_sets_flag_keeps_its_old_name():
+    """``--heads-sets Hq/Hkv,...`` and ``--layouts`` (its name before #40) fill the same
+    ``args.heads_sets``, which ``sizes.parse_heads_sets`` reads."""
+    p = harness.parser("heads")
+    harness.add_heads_sets(p, "head sets")
+    for flag in ("--heads-sets", "--layouts"):
+        args = p.parse_args([flag, "32/8,10/2"])
+        assert sizes.parse_heads_sets("t", args.heads_sets, None) == [("32/8", 32, 8), ("10/2", 10, 2)]
+    assert p.parse_args([]).heads_sets is None
+    assert sizes.parse_heads_sets("t", None, "llama3-8b") == [("llama3-8b", 32, 8)]
+    assert sizes.parse_heads_sets("t", None, None, heads=8) == [("8/8", 8, 8)]
+    with pytest.raises(SystemExit, match="t: unknown --models"):
+        sizes.parse_heads_sets("t", None, "gpt-9")
 
 
 def test_alltoall_says_when_it_rounds_a_size():
@@ -105,10 +137,10 @@ def test_a_time_below_its_floor_is_flagged_not_a_speedup():
     notes = _load("bench_alltoall").floor_notes(rows)
     assert notes == ["# fused-torch at 960 B (90.0 us): FLAGGED: faster than its floor (the bare a2a of the same bytes: 100 us): timing noise, not a win"]
     base, ours = {"time_ms": 2.0}, {"time_ms": 1.0}
-    assert C.speedup_text(base, ours, "time_ms", "the chain", cpu=False) == "2.0x faster than the chain (quartiles 2.0-2.0x)"
-    assert C.speedup_text(base, ours, "time_ms", "the chain", cpu=True, floor={"time_ms": 1.5}, floor_name="x").startswith("FLAGGED")
+    assert timing.speedup_text(base, ours, "time_ms", "the chain", cpu=False) == "2.0x faster than the chain (quartiles 2.0-2.0x)"
+    assert timing.speedup_text(base, ours, "time_ms", "the chain", cpu=True, floor={"time_ms": 1.5}, floor_name="x").startswith("FLAGGED")
     # The base below the floor: no ratio either (it would measure noise).
-    text = C.speedup_text(base, {"time_ms": 3.0}, "time_ms", "the chain", cpu=False, floor={"time_ms": 2.5}, floor_name="x")
+    text = timing.speedup_text(base, {"time_ms": 3.0}, "time_ms", "the chain", cpu=False, floor={"time_ms": 2.5}, floor_name="x")
     assert text.startswith("no ratio: the chain ran faster than the floor"), text
 
 
@@ -169,7 +201,7 @@ def test_bench_alltoall_smoke(tmp_path, capfd):
     for r in rows:
         assert r["time_us"] > 0 and r["busbw"] == pytest.approx(r["algbw"] / 2)
         assert r["time_min_us"] <= r["time_q1_us"] <= r["time_us"] <= r["time_q3_us"] <= r["time_max_us"], r
-    assert "#wrong" in out and C.CPU_LABEL in out and "q1(us)" in out
+    assert "#wrong" in out and record.CPU_LABEL in out and "q1(us)" in out
     # 1K is 6.4 tokens of 6+2+2 heads x head_dim 8 x 2 B: the row measures 6 and says so.
     assert "# size 1K (1024 B) measured as 960 B of q+k+v: whole tokens of 160 B (10 heads x head_dim 8 x 2 B): 6 per rank" in out, out
     assert "skipped symm" in out  # no CUDA: the symmetric-memory row says why
@@ -342,7 +374,7 @@ def test_bench_overlap_smoke(tmp_path, capfd, monkeypatch):
         assert [r["chunks"] for r in g if r["auto"]] == [auto]
         assert g[[r["chunks"] for r in g].index(auto)]["chunks_label"] == f"{auto}*"
     assert {r["checked"] for r in rows if r["pass"] == "fwdbwd"} == {"out,dq,dk,dv"}
-    assert "#wrong" in out and "exposed/a2a" in out and C.CPU_LABEL in out and "x_chunks1  spread" in out
+    assert "#wrong" in out and "exposed/a2a" in out and record.CPU_LABEL in out and "x_chunks1  spread" in out
     assert "skipped 6/3 chunks=4" in out and "wrong elements: 0 OK" in out
     # The targets are judged on the rows but never claimed from a CPU run.
     v = doc["meta"]["verdicts"]
@@ -440,7 +472,7 @@ def test_alltoall_module_runs_from_outside_the_checkout(tmp_path):
     assert _written_in_source_tree() == before
     # Without --out-dir the files go to ./bench_results, relative to the working directory.
     alltoall = _load("bench_alltoall")
-    assert alltoall.parse_args([]).out_dir == "bench_results" and not Path(C.DEFAULT_OUT_DIR).is_absolute()
+    assert alltoall.parse_args([]).out_dir == "bench_results" and not Path(record.DEFAULT_OUT_DIR).is_absolute()
     assert alltoall.parse_args([], default_out_dir=tmp_path).out_dir == str(tmp_path)
 
 
@@ -451,7 +483,7 @@ def test_git_sha_names_a_checkout_only_when_it_tracks_the_package(tmp_path, monk
     repo, pkg = tmp_path / "repo", tmp_path / "repo" / "pkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    assert C.git_sha(pkg) == "unknown"  # not a checkout at all
+    assert record.git_sha(pkg) == "unknown"  # not a checkout at all
 
     def git(*args):
         ident = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
@@ -460,12 +492,12 @@ def test_git_sha_names_a_checkout_only_when_it_tracks_the_package(tmp_path, monk
     git("init", "-q")
     git("commit", "-q", "--allow-empty", "-m", "empty")
     # A checkout, but the package in it is untracked (an install into a venv inside a checkout).
-    assert C.git_sha(pkg) == "unknown"
+    assert record.git_sha(pkg) == "unknown"
     git("add", "pkg/__init__.py")
     git("commit", "-q", "-m", "pkg")
-    assert C.git_sha(pkg) == git("rev-parse", "HEAD")
+    assert record.git_sha(pkg) == git("rev-parse", "HEAD")
     monkeypatch.setenv("ULYSSES_KERNELS_GIT_SHA", "abc123")  # a copy of the tree without .git
-    assert C.git_sha(tmp_path) == "abc123"
+    assert record.git_sha(tmp_path) == "abc123"
 
 
 def test_perf_model_without_its_attention_json_says_what_is_missing(tmp_path, capsys):

@@ -24,7 +24,7 @@ ROOT = pathlib.Path(ulysses_kernels.__file__).resolve().parent
 CHECKOUT = ROOT.parent
 
 # Modules the communicator package replaced; nothing may import them again.
-REMOVED = ("ulysses_kernels.nccl_comm",)
+REMOVED = ("ulysses_kernels.nccl_comm", "ulysses_kernels.bench.common")
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -7,7 +7,7 @@ Every size is run by each selected ``--op`` and checked element by element:
 
   a2a          bare ``torch.distributed.all_to_all_single`` on one flat buffer (the ceiling)
   nccl         bare all-to-all through our native NCCL communicator (when importable, CUDA)
-  symm         torch symmetric-memory all-to-all (when this torch and backend have one)
+  symm         torch symmetric-memory all-to-all (when this torch and transport have one)
   chain        Ulysses as DeepSpeed/yunchang prepare it: per tensor permute+contiguous,
                all_to_all_single, permute+contiguous (KV heads repeated when they do not
                divide over the ranks)
@@ -29,7 +29,6 @@ goes to stdout at the end.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from collections.abc import Callable
@@ -41,7 +40,8 @@ import torch.distributed as dist
 
 from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.baselines import chain_head_to_seq, chain_seq_to_head
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, patterns, record, sizes, timing
+from ulysses_kernels.bench.harness import Skip
 from ulysses_kernels.comm import NCCLCommunicator, TorchCommunicator, nccl_available
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
@@ -52,10 +52,6 @@ warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", 
 
 SALT_Q, SALT_K, SALT_V, SALT_OUT, SALT_FLAT = 1, 2, 3, 4, 5
 ALL_OPS = ("a2a", "nccl", "symm", "chain", "fused-torch", "fused-triton", "fused-cuda", "fused-nccl")
-
-
-class Skip(Exception):
-    """This op cannot run here; the message says why (printed once, recorded in the JSON)."""
 
 
 @dataclass
@@ -158,7 +154,7 @@ def bare_case(op: str, sh: Shape, dtype, device, rank: int, world: int, comm=Non
     count = max(world, sh.count // world * world)
     chunk = count // world
     idx = torch.arange(rank * count, (rank + 1) * count, dtype=torch.int64, device=device)
-    send = C.pattern(idx, SALT_FLAT).to(dtype)
+    send = patterns.pattern(idx, SALT_FLAT).to(dtype)
     del idx
     recv = torch.empty_like(send)
     splits = [chunk] * world
@@ -179,7 +175,7 @@ def bare_case(op: str, sh: Shape, dtype, device, rank: int, world: int, comm=Non
         wrong = 0
         for j in range(world):
             idx = torch.arange(j * count + rank * chunk, j * count + (rank + 1) * chunk, dtype=torch.int64, device=device)
-            wrong += int((out.view(-1)[j * chunk : (j + 1) * chunk] != C.pattern(idx, SALT_FLAT).to(out.dtype)).sum().item())
+            wrong += int((out.view(-1)[j * chunk : (j + 1) * chunk] != patterns.pattern(idx, SALT_FLAT).to(out.dtype)).sum().item())
         return wrong
 
     return Case(op, count, run, check, note)
@@ -191,9 +187,9 @@ def _inputs_s2h(sh: Shape, dtype, device, rank: int):
     q = torch.empty(sh.batch, sh.seq, sh.heads, sh.head_dim, dtype=dtype, device=device)
     k = torch.empty(sh.batch, sh.seq, sh.kv_heads, sh.head_dim, dtype=dtype, device=device)
     v = torch.empty_like(k)
-    C.fill_pattern_4d(q, SALT_Q, S, sh.heads, t0, range(sh.heads))
-    C.fill_pattern_4d(k, SALT_K, S, sh.kv_heads, t0, range(sh.kv_heads))
-    C.fill_pattern_4d(v, SALT_V, S, sh.kv_heads, t0, range(sh.kv_heads))
+    patterns.fill_pattern_4d(q, SALT_Q, S, sh.heads, t0, range(sh.heads))
+    patterns.fill_pattern_4d(k, SALT_K, S, sh.kv_heads, t0, range(sh.kv_heads))
+    patterns.fill_pattern_4d(v, SALT_V, S, sh.kv_heads, t0, range(sh.kv_heads))
     return q, k, v
 
 
@@ -202,7 +198,7 @@ def _input_h2s(sh: Shape, plan: HeadPlan, dtype, device, rank: int):
     S = sh.seq * sh.world
     a, b = plan.q_ranges[rank]
     x = torch.empty(sh.batch, S, b - a, sh.head_dim, dtype=dtype, device=device)
-    return C.fill_pattern_4d(x, SALT_OUT, S, sh.heads, 0, range(a, b))
+    return patterns.fill_pattern_4d(x, SALT_OUT, S, sh.heads, 0, range(a, b))
 
 
 def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernels: str | None = None, comm=None) -> Case:
@@ -227,7 +223,7 @@ def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernel
 
             def check(outs):
                 return sum(
-                    C.count_wrong_4d(o, salt, S, H, 0, heads)
+                    patterns.count_wrong_4d(o, salt, S, H, 0, heads)
                     for o, salt, H, heads in zip(outs, (SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), (q_heads, kv_heads, kv_heads))
                 )  # fmt: skip
         else:
@@ -239,7 +235,7 @@ def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernel
                 return chain_head_to_seq(x, world, None)
 
             def check(out):
-                return C.count_wrong_4d(out, SALT_OUT, S, sh.heads, rank * sh.seq, range(sh.heads))
+                return patterns.count_wrong_4d(out, SALT_OUT, S, sh.heads, rank * sh.seq, range(sh.heads))
 
         return Case(op, sh.count, run, check)
 
@@ -254,7 +250,7 @@ def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernel
 
         def check(outs):
             return sum(
-                C.count_wrong_4d(o, salt, S, H, 0, range(a, b))
+                patterns.count_wrong_4d(o, salt, S, H, 0, range(a, b))
                 for o, salt, H, (a, b) in zip(outs, (SALT_Q, SALT_K, SALT_V), (sh.heads, sh.kv_heads, sh.kv_heads), ((qa, qb), (ka, kb), (ka, kb)))
             )  # fmt: skip
     else:
@@ -264,7 +260,7 @@ def layout_case(op: str, sh: Shape, dtype, device, rank: int, world: int, kernel
             return a2a_head_to_seq(layout, [x], Q_ONLY, comm, kern)[0]
 
         def check(out):
-            return C.count_wrong_4d(out, SALT_OUT, S, sh.heads, rank * sh.seq, range(sh.heads))
+            return patterns.count_wrong_4d(out, SALT_OUT, S, sh.heads, rank * sh.seq, range(sh.heads))
 
     return Case(op, sh.count, run, check)
 
@@ -311,7 +307,7 @@ def open_native(ops: list[str], device: torch.device):
         native, why = native_nccl_comm(device), None
     except Skip as e:
         native, why = None, str(e)
-    if C.all_ok(native is not None):
+    if timing.all_ok(native is not None):
         return native, {}
     why = why or "NCCLCommunicator failed on another rank"
     return None, {"nccl": why, "fused-nccl": why}
@@ -327,8 +323,8 @@ def unique_shapes(args, elem: int, world: int) -> list[Shape]:
 
 def sweep_shapes(args, elem: int, world: int) -> list[tuple[int, Shape]]:
     """``(requested bytes, shape)`` of every size of ``-b -e -f``."""
-    sizes = C.size_sweep(C.parse_size(args.minbytes), C.parse_size(args.maxbytes), args.stepfactor)
-    return [(size, shape_for(size, elem, args, world)) for size in sizes]
+    sweep = sizes.size_sweep(sizes.parse_size(args.minbytes), sizes.parse_size(args.maxbytes), args.stepfactor)
+    return [(size, shape_for(size, elem, args, world)) for size in sweep]
 
 
 def rounding_notes(args, elem: int, world: int) -> list[str]:
@@ -347,9 +343,9 @@ def rounding_notes(args, elem: int, world: int) -> list[str]:
             why = f"below one token ({token} B: {per_token} heads x head_dim {args.head_dim} x {elem} B), head_dim shrinks to {sh.head_dim}"
         else:
             why = f"whole tokens of {token} B ({per_token} heads x head_dim {args.head_dim} x {elem} B): {sh.seq} per rank"
-        dup = f"; the same row as {C.format_size(seen[sh.count])}" if sh.count in seen else ""
+        dup = f"; the same row as {sizes.format_size(seen[sh.count])}" if sh.count in seen else ""
         seen.setdefault(sh.count, size)
-        notes.append(f"# size {C.format_size(size)} ({size} B) measured as {got} B of {what}: {why}{dup}")
+        notes.append(f"# size {sizes.format_size(size)} ({size} B) measured as {got} B of {what}: {why}{dup}")
     return notes
 
 
@@ -372,21 +368,21 @@ def measure_op(op: str, sh: Shape, args, dtype, device, rank: int, world: int, c
         case, err = make_case(op, sh, dtype, device, rank, world, comms), None
     except (Skip, ValueError, RuntimeError, NotImplementedError) as e:
         case, err = None, str(e)
-    if not C.all_ok(case is not None):
+    if not timing.all_ok(case is not None):
         return None, err or "skipped on another rank"
     holder = {}
 
     def timed():
         holder["out"] = case.run()
 
-    times = C.time_iters(timed, device=device, warmup=args.warmup_iters, iters=args.iters)
-    t = C.reduce_max(C.median(times))
-    spread = C.spread(times, 1e6, "us")
-    wrong = int(C.reduce_sum(case.check(holder["out"]))) if args.check else None
+    times = timing.time_iters(timed, device=device, warmup=args.warmup_iters, iters=args.iters)
+    t = timing.reduce_max(timing.median(times))
+    spread = timing.spread(times, 1e6, "us")
+    wrong = int(timing.reduce_sum(case.check(holder["out"]))) if args.check else None
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = case.count * elem
     algbw = nbytes / t / 1e9
-    row = {"size": nbytes, "count": case.count, "type": C.dtype_name(dtype), "op": op, "dir": args.dir, "time_us": t * 1e6,
+    row = {"size": nbytes, "count": case.count, "type": sizes.dtype_name(dtype), "op": op, "dir": args.dir, "time_us": t * 1e6,
            "algbw": algbw, "busbw": algbw * (world - 1) / world, "wrong": wrong, "seq_per_rank": sh.seq,
            "head_dim": sh.head_dim, "impl": case.note, **spread}  # fmt: skip
     return row, None
@@ -400,9 +396,9 @@ def add_ratios(size_rows: list[dict]) -> None:
         r["x_a2a"] = r["time_us"] / by_op["a2a"]["time_us"] if "a2a" in by_op else None
 
 
-def print_header(args, world: int, backend: str, device: torch.device, dtype, ops: list[str]) -> None:
-    cpu = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
-    print(f"# bench_alltoall: {world} ranks, {backend}, {device.type}, dtype {C.dtype_name(dtype)}, "
+def print_header(args, world: int, transport: str, device: torch.device, dtype, ops: list[str]) -> None:
+    cpu = "" if device.type == "cuda" else f"  [{record.CPU_LABEL}]"
+    print(f"# bench_alltoall: {world} ranks, {transport}, {device.type}, dtype {sizes.dtype_name(dtype)}, "
           f"dir {args.dir}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
           f"warmup {args.warmup_iters}, iters {args.iters}{cpu}", flush=True)  # fmt: skip
     print(f"# ops: {', '.join(ops)}", flush=True)
@@ -418,7 +414,7 @@ def floor_notes(rows: list[dict]) -> list[str]:
     for r in rows:
         if r["op"] in ("a2a", "nccl", "symm"):
             continue
-        flag = C.floor_flag(r, floors.get(shape(r)), "time_us", "the bare a2a of the same bytes")
+        flag = timing.floor_flag(r, floors.get(shape(r)), "time_us", "the bare a2a of the same bytes")
         if flag:
             out.append(f"# {r['op']} at {r['size']} B ({r['time_us']:.1f} us): {flag}")
     return out
@@ -427,32 +423,30 @@ def floor_notes(rows: list[dict]) -> list[str]:
 def report(rows: list[dict], notes: dict, device: torch.device) -> None:
     """The table (median and quartiles of the iterations), the rows faster than their floor,
     the skipped ops with their reasons and the total of wrong elements."""
-    title = "# time: median over the iterations, q1/q3 its quartiles" + ("" if device.type == "cuda" else f"; {C.CPU_LABEL}: a code-path check")
-    C.print_table(COLUMNS, rows, title=title)
+    title = "# time: median over the iterations, q1/q3 its quartiles" + ("" if device.type == "cuda" else f"; {record.CPU_LABEL}: a code-path check")
+    record.print_table(COLUMNS, rows, title=title)
     for line in floor_notes(rows):
         print(line, flush=True)
     if device.type != "cuda" and any(r["op"] == "fused-cuda" for r in rows):
         print("# fused-cuda on a CPU: the C++ extension's CPU twin of the CUDA kernels", flush=True)
-    for op, why in notes.items():
-        print(f"# skipped {op}: {why}", flush=True)
-    bad = sum(r["wrong"] or 0 for r in rows)
-    print(f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    harness.print_skipped(notes)
+    harness.print_wrong_total(rows, "Out of bounds values ")  # nccl-tests' words
 
 
-def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -> tuple[list[dict], dict]:
+def run_bench(args, rank: int, world: int, device: torch.device, transport: str) -> tuple[list[dict], dict]:
     """Every op at every size of the sweep, on every rank: the rows and ``{op: why}`` for
     the ops that did not run. Rank 0 prints the table."""
-    dtype = C.parse_dtype(args.datatype)
+    dtype = sizes.parse_dtype(args.datatype)
     elem = torch.empty((), dtype=dtype).element_size()
     ops = select_ops(args.op, device)
     native, notes = open_native(ops, device)
     comms = {"torch": TorchCommunicator(None), "native": native}
     if rank == 0:
-        print_header(args, world, backend, device, dtype, ops)
+        print_header(args, world, transport, device, dtype, ops)
         for line in rounding_notes(args, elem, world):
             print(line, flush=True)
     shapes = unique_shapes(args, elem, world)
-    progress = C.Progress(len(shapes), rank == 0 and args.progress, "alltoall")
+    progress = harness.Progress(len(shapes), rank == 0 and args.progress, "alltoall")
     rows = []
     for sh in shapes:
         size_rows = []
@@ -473,7 +467,7 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -
 
 
 def plot(rows: list[dict], path: str, env: dict) -> bool:
-    plt = C.load_pyplot()
+    plt = record.load_pyplot()
     if plt is None or not rows:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -483,19 +477,19 @@ def plot(rows: list[dict], path: str, env: dict) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes per rank")
     ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"all-to-all, {env['world_size']} ranks, {C.device_label(env)}")
+    ax.set_title(f"all-to-all, {env['world_size']} ranks, {record.device_label(env)}")
     ax.legend()
-    return C.save_figure(plt, fig, path)
+    return record.save_figure(plt, fig, path)
 
 
-def _body(args, rank, world, device, backend):
-    rows, notes = run_bench(args, rank, world, device, backend)
+def _body(args, rank, world, device, transport):
+    rows, notes = run_bench(args, rank, world, device, transport)
     meta = dict(vars(args), skipped=notes)
-    C.finish(args, rank, "bench_alltoall", lambda: C.env_record(device, world, backend), rows, meta, plot, rows)
+    harness.finish(args, rank, "bench_alltoall", lambda: record.env_record(device, world, transport), rows, meta, plot, rows)
 
 
 def parse_args(argv=None, default_out_dir=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("-b", "--minbytes", default="1K", help="smallest size per rank (default 1K)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size per rank (default 64M)")
     p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplier (default 2)")
@@ -508,19 +502,16 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--heads", type=int, default=32, help="query heads (default 32, Llama-3-8B)")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N gloo ranks on the CPU instead of torchrun")
-    p.add_argument("--out-dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR),
-                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})")
-    p.add_argument("--no-write", action="store_true", help="print the table only")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="a progress line per size on stderr, rank 0 (default on; --no-progress: off)")
+    harness.add_spawn(p)
+    harness.add_output(p, default_out_dir)
+    harness.add_progress(p, "a progress line per size on stderr, rank 0")
     return p.parse_args(argv)
 
 
 def main(argv=None, *, default_out_dir=None) -> int:
     """Run the benchmark; ``default_out_dir`` replaces ``--out-dir``'s default (the
     checkout's ``bench/bench_alltoall.py`` passes ``bench/results``)."""
-    return C.launch(_body, parse_args(argv, default_out_dir))
+    return harness.launch(_body, parse_args(argv, default_out_dir))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ to be scheduled). Compare rows of one run, not runs.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import random
@@ -51,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ulysses_kernels import UlyssesAttention, ulysses_attention
 from ulysses_kernels.attention.call import setup_attention
 from ulysses_kernels.baselines import permute_chain_attention
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, record, sizes, timing
 from ulysses_kernels.checks import call_key, encoded
 from ulysses_kernels.comm import get_communicator
 from ulysses_kernels.testing.reference import attention_reference, contiguous_shard
@@ -257,8 +256,8 @@ def interleaved(fns: dict, *, reps: int, calls: int, warmup: int, world: int) ->
     return out
 
 
-def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -> tuple[list[dict], dict]:
-    dtype = C.parse_dtype(args.datatype)
+def run_bench(args, rank: int, world: int, device: torch.device, transport: str) -> tuple[list[dict], dict]:
+    dtype = sizes.parse_dtype(args.datatype)
     full, (q, k, v) = make_inputs(args, rank, world, device, dtype)
     module = UlyssesAttention(args.heads, args.kv_heads)
     # The check's one collective, bare: an all-gather of the integers op+check gathers.
@@ -272,15 +271,15 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend: str) -
         with count_collectives() as counts:
             out = fn()  # a call after the first, as every call the rounds time
         colls[name] = counts
-        wrong[name] = int(C.reduce_sum(float(((out.detach().double().cpu() - ref).abs() > TOL).sum())))
+        wrong[name] = int(timing.reduce_sum(float(((out.detach().double().cpu() - ref).abs() > TOL).sum())))
     grad = contextlib.nullcontext() if args.requires_grad else torch.no_grad()
     load_before = os.getloadavg()
     with grad:
         times = interleaved(fns, reps=args.reps, calls=args.calls, warmup=args.warmup, world=world)
         resolve = interleaved(resolve_fns(q, k, v, module), reps=args.reps, calls=args.calls, warmup=args.warmup, world=world)
     load_after = os.getloadavg()
-    med = {n: C.reduce_max(C.median(ts)) for n, ts in times.items()}
-    res = {n: C.reduce_max(C.median(ts)) for n, ts in resolve.items()}
+    med = {n: timing.reduce_max(timing.median(ts)) for n, ts in times.items()}
+    res = {n: timing.reduce_max(timing.median(ts)) for n, ts in resolve.items()}
     rows = []
     for name in fns:
         t = med[name]
@@ -318,11 +317,11 @@ COLUMNS = [
 
 def report(rows: list[dict], meta: dict, world: int, device: torch.device) -> None:
     load = "/".join(f"{x:.1f}" for x in meta["load_before"]) + " -> " + "/".join(f"{x:.1f}" for x in meta["load_after"])
-    timer = C.CPU_LABEL if device.type != "cuda" else "perf_counter, host time"
+    timer = record.CPU_LABEL if device.type != "cuda" else "perf_counter, host time"
     title = (f"# host time per call, forward{' (inputs require grad)' if meta['requires_grad'] else ''}: world {world}, B={meta['batch']}, "
              f"{meta['seq']} tokens/rank, {meta['heads']}/{meta['kv_heads']} heads, D={meta['head_dim']}, {meta['datatype']}; "
              f"{meta['reps']} rounds x {meta['calls']} calls; {timer}; load average {load} on {os.cpu_count()} CPUs")  # fmt: skip
-    C.print_table(COLUMNS, rows, title=title)
+    record.print_table(COLUMNS, rows, title=title)
     by = {r["row"]: r for r in rows}
     target = "<= 0.5" if world == 1 else "< 1"
     for name in ("op", "module"):
@@ -337,24 +336,24 @@ def report(rows: list[dict], meta: dict, world: int, device: torch.device) -> No
 
 
 def plot(rows: list[dict], path: str, env: dict) -> bool:
-    plt = C.load_pyplot()
+    plt = record.load_pyplot()
     if plt is None or not rows:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.barh([r["row"] for r in rows], [r["us_per_call"] for r in rows])
     ax.set_xlabel("host time per call (us)")
-    ax.set_title(f"host time, world {env['world_size']}, {C.device_label(env)}")
-    return C.save_figure(plt, fig, path)
+    ax.set_title(f"host time, world {env['world_size']}, {record.device_label(env)}")
+    return record.save_figure(plt, fig, path)
 
 
-def _body(args, rank, world, device, backend):
-    rows, meta = run_bench(args, rank, world, device, backend)
-    env = lambda: C.env_record(device, world, backend, load_average=list(os.getloadavg()))  # noqa: E731
-    C.finish(args, rank, "bench_host", env, rows, meta, plot, rows)
+def _body(args, rank, world, device, transport):
+    rows, meta = run_bench(args, rank, world, device, transport)
+    env = lambda: record.env_record(device, world, transport, load_average=list(os.getloadavg()))  # noqa: E731
+    harness.finish(args, rank, "bench_host", env, rows, meta, plot, rows)
 
 
 def parse_args(argv=None, default_out_dir=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=16, help="tokens per rank (default 16)")
     p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
@@ -365,17 +364,15 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("-w", "--warmup", type=int, default=20, help="calls of each row before timing (default 20)")
     p.add_argument("-r", "--reps", type=int, default=200, help="rounds (default 200)")
     p.add_argument("-n", "--calls", type=int, default=10, help="calls per row per round (default 10)")
-    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N gloo ranks on the CPU instead of torchrun")
-    p.add_argument("--out-dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR),
-                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})")  # fmt: skip
-    p.add_argument("--no-write", action="store_true", help="print the table only")
+    harness.add_spawn(p)
+    harness.add_output(p, default_out_dir)
     return p.parse_args(argv)
 
 
 def main(argv=None, *, default_out_dir=None) -> int:
     """Run the benchmark; ``default_out_dir`` replaces ``--out-dir``'s default (the
     checkout's ``bench/bench_host.py`` passes ``bench/results``)."""
-    return C.launch(_body, parse_args(argv, default_out_dir))
+    return harness.launch(_body, parse_args(argv, default_out_dir))
 
 
 if __name__ == "__main__":

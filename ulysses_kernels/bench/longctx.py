@@ -24,7 +24,6 @@ precision) times the largest of them. CPU timings are a code-path check, not a c
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from .. import longctx, memory
 from ..memory_step import step_memory
 from ..traffic import LiveBytes
-from . import common as C
+from . import harness, record, sizes, timing
 from .longctx_emulated import PIECES, run
 
 COLUMNS = [
@@ -101,13 +100,13 @@ def _grads(model, loss) -> list[torch.Tensor]:
     return out
 
 
-def bench(args, rank, world, device, backend):
+def bench(args, rank, world, device, transport):
     from ..integrations import hf
 
-    dtype = C.parse_dtype(args.dtype)
+    dtype = sizes.parse_dtype(args.dtype)
     half = dtype in (torch.float16, torch.bfloat16)
     rows = []
-    for seq in [C.parse_size(s) for s in args.seqs.split(",")]:
+    for seq in [sizes.parse_size(s) for s in args.seqs.split(",")]:
         ids = torch.randint(0, args.vocab, (1, seq), generator=torch.Generator().manual_seed(args.seed + seq)).to(device)
         reference, base_ms = None, None
         for name in args.pieces.split(","):
@@ -121,12 +120,12 @@ def bench(args, rank, world, device, backend):
                 reference = flat
             bad = (flat - reference).abs() > (5e-2 if half else 1e-4) * reference.abs().max()
             wrong = int(bad.sum()) if name != "none" else 0
-            times = C.time_iters(lambda m=model, b=batch: (m.zero_grad(set_to_none=True), _step(m, b)), device=device,
-                                 warmup=args.warmup, iters=args.iters)  # fmt: skip
-            ms = C.reduce_max(C.median(times)) * 1e3
+            times = timing.time_iters(lambda m=model, b=batch: (m.zero_grad(set_to_none=True), _step(m, b)), device=device,
+                                      warmup=args.warmup, iters=args.iters)  # fmt: skip
+            ms = timing.reduce_max(timing.median(times)) * 1e3
             base_ms = ms if name == "none" else base_ms
             peak, host = _measured_peak(model, batch, device)
-            peak, host = int(C.reduce_max(peak)), int(C.reduce_max(host))
+            peak, host = int(timing.reduce_max(peak)), int(timing.reduce_max(host))
             setup = memory.Setup(
                 layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
                 vocab=args.vocab, seq=seq, sp=world, dtype=str(dtype).removeprefix("torch."), checkpointing=True,
@@ -143,18 +142,18 @@ def bench(args, rank, world, device, backend):
                 print(f"# seq {seq} {name}: {ms:.2f} ms, peak {peak / 1e6:.2f} MB (calculator {calc / 1e6:.2f})", file=sys.stderr, flush=True)
             del model, batch
     if rank == 0:
-        C.print_table(COLUMNS, rows, title=f"# long-context pieces, {world} ranks, {C.dtype_name(dtype)}, {C.kernel_label('sdpa', device)}")
+        record.print_table(COLUMNS, rows, title=f"# long-context pieces, {world} ranks, {sizes.dtype_name(dtype)}, {record.kernel_label('sdpa', device)}")
 
     def env_fn():
-        return C.env_record(device, world, backend, dtype=C.dtype_name(dtype))
+        return record.env_record(device, world, transport, dtype=sizes.dtype_name(dtype))
 
-    C.finish(args, rank, "bench_longctx", env_fn, rows, vars(args), lambda *a: False, rows)
+    harness.finish(args, rank, "bench_longctx", env_fn, rows, vars(args), lambda *a: False, rows)
 
 
 def parse_args(argv=None, default_out_dir=None):
     cpu = not torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--spawn", type=int, default=2 if cpu else 0, help="gloo ranks to spawn on the CPU (default 2 without a GPU; 0: this torchrun)")
+    p = harness.parser(__doc__)
+    harness.add_spawn(p, 2 if cpu else 0, "gloo ranks to spawn on the CPU (default 2 without a GPU; 0: this torchrun)")
     p.add_argument("--seqs", default="1K,4K" if cpu else "64K,256K", help="global sequence lengths")
     p.add_argument("--pieces", default=",".join(PIECES), help=f"comma list of {', '.join(PIECES)} (the first row should be none)")
     p.add_argument("--hidden", type=int, default=64 if cpu else 2048)
@@ -168,8 +167,7 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("-w", "--warmup", type=int, default=1 if cpu else 2)
     p.add_argument("-n", "--iters", type=int, default=3 if cpu else 5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", "--out", dest="out_dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR))
-    p.add_argument("--no-write", action="store_true", help="print the table only")
+    harness.add_output(p, default_out_dir)
     p.add_argument("--no-progress", action="store_true")
     e = p.add_argument_group("rank 0 of an N-way group in one process (bench/longctx_emulated.py; docs/longctx.md)")
     e.add_argument("--emulate-rank0-of", type=int, default=None, metavar="N", help="run rank 0 of an N-way group here (no spawn, no torchrun)")
@@ -204,7 +202,7 @@ def main(argv=None, *, default_out_dir=None) -> int:
     if args.emulate_rank0_of is not None:
         return run(args)
     with contextlib.suppress(KeyboardInterrupt):
-        return C.launch(bench, args)
+        return harness.launch(bench, args)
     return 1
 
 

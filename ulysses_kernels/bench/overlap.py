@@ -65,7 +65,7 @@ from ulysses_kernels import ulysses_attention
 from ulysses_kernels.attention.chunked import CostModel, choose_chunks, chunk_plans
 from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.backends import AttentionBackend, for_rank, resolve_backend
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, record, sizes, timing
 from ulysses_kernels.bench.overlap_targets import claim_context, print_verdicts, verdicts
 from ulysses_kernels.comm import TorchCommunicator
 from ulysses_kernels.kernels import get_kernels
@@ -73,7 +73,7 @@ from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.math_attention import default_scale
 from ulysses_kernels.plan import HeadPlan
 
-MODELS = C.MODELS
+MODELS = sizes.MODELS
 PASSES = ("fwd", "fwdbwd")
 # GPU tolerance: ulps(dtype) * max|ref| on top of 8x the chunks=1 run-to-run noise
 # (the rule of tests/test_pipeline.py::_check_gpu).
@@ -238,8 +238,8 @@ class Case:
 
 def print_header(args, world: int, backend_name: str, device: torch.device, dtype) -> None:
     model = CostModel.from_env(device.type)
-    lab = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
-    print(f"# bench_overlap: {world} ranks, {backend_name}, {device.type}, {C.dtype_name(dtype)}, batch {args.batch}, "
+    lab = "" if device.type == "cuda" else f"  [{record.CPU_LABEL}]"
+    print(f"# bench_overlap: {world} ranks, {backend_name}, {device.type}, {sizes.dtype_name(dtype)}, batch {args.batch}, "
           f"head_dim {args.head_dim}, causal, kernels {args.kernels}, attn_fn {args.attn_fn or 'default'}, "
           f"warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)
     print(f"# chunks='auto' cost model (ULYSSES_KERNELS_* env): link {model.link_gbps:g} GB/s, attention "
@@ -282,7 +282,7 @@ def run_case(args, case: Case, name: str, S: int, world: int, notes: dict, progr
             why = None
         except torch.OutOfMemoryError as e:
             why = f"OOM: {str(e).splitlines()[0] if str(e) else ''}"
-        if not C.all_ok(why is None):
+        if not timing.all_ok(why is None):
             notes[f"{name} S={S} {p}"] = why or "failed on another rank"
         if cuda:
             torch.cuda.empty_cache()
@@ -292,8 +292,8 @@ def run_case(args, case: Case, name: str, S: int, world: int, notes: dict, progr
 def report(rows, notes: dict, v: dict, device: torch.device) -> None:
     """The table, the skipped cases with their reasons, the targets' verdicts, the wrong total."""
     title = "# layer = ulysses_attention(chunks=N); exposed = layer - attention; * = chunks='auto'; spread = half the range of the layer's iterations / median"
-    title += "" if device.type == "cuda" else f"\n# times: {C.CPU_LABEL}: a code-path check"
-    C.print_table(COLUMNS, rows, title=title)
+    title += "" if device.type == "cuda" else f"\n# times: {record.CPU_LABEL}: a code-path check"
+    record.print_table(COLUMNS, rows, title=title)
     for k, why in notes.items():
         print(f"# skipped {k}: {why}", flush=True)
     print_verdicts(v)
@@ -304,17 +304,17 @@ def report(rows, notes: dict, v: dict, device: torch.device) -> None:
 def run_bench(args, rank: int, world: int, device: torch.device, backend_name: str):
     """Every (layout, sequence, pass) on every rank: the rows, ``{what: why}`` for what did
     not run, and the targets' verdicts. Rank 0 prints the table and the verdicts."""
-    dtype = C.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
-    layouts = C.parse_layouts("bench_overlap", args.layouts, args.models or "llama3-8b", args.heads, args.kv_heads)
-    seqs = [-(-C.parse_size(x) // world) * world for x in args.seqs.split(",")]  # equal shards
+    dtype = sizes.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
+    layouts = sizes.parse_heads_sets("bench_overlap", args.layouts, args.models or "llama3-8b", args.heads, args.kv_heads)
+    seqs = [-(-sizes.parse_size(x) // world) * world for x in args.seqs.split(",")]  # equal shards
     if rank == 0:
         print_header(args, world, backend_name, device, dtype)
     rows, notes = [], {}
-    progress = C.Progress(len(layouts) * len(seqs) * len(args.passes), rank == 0 and args.progress, "overlap")
+    progress = harness.Progress(len(layouts) * len(seqs) * len(args.passes), rank == 0 and args.progress, "overlap")
     for name, H, Hkv in layouts:
         for S in seqs:
             case, why = make_case(args, H, Hkv, S, rank, world, dtype, device)
-            if not C.all_ok(case is not None):
+            if not timing.all_ok(case is not None):
                 notes[f"{name} S={S}"] = why or "skipped on another rank"
                 for p in args.passes:
                     progress.step(f"{name} S={S} {p} skipped")
@@ -334,9 +334,9 @@ def measure(args, case: Case, pass_: str, counts, auto, exact: bool, name: str, 
     def timed(fn) -> tuple[float, float]:
         """(the slowest rank's median, the largest rank's relative spread: half the range of
         its iteration times over their median; 0 with one iteration)."""
-        times = C.time_iters(fn, device=dev, warmup=w, iters=n_it)
-        med = C.median(times)
-        return C.reduce_max(med), C.reduce_max((max(times) - min(times)) / (2 * med) if med > 0 else 0.0)
+        times = timing.time_iters(fn, device=dev, warmup=w, iters=n_it)
+        med = timing.median(times)
+        return timing.reduce_max(med), timing.reduce_max((max(times) - min(times)) / (2 * med) if med > 0 else 0.0)
 
     t = case.local_tensors(pass_)
     t_a2a, _ = timed(case.a2a_fn(pass_, t))
@@ -358,7 +358,7 @@ def measure(args, case: Case, pass_: str, counts, auto, exact: bool, name: str, 
         t_layer, spread = timed(fn)
         wrong = None
         if args.check:
-            wrong = int(C.reduce_sum(count_wrong(holder.pop("res"), ref, ref2, exact)))
+            wrong = int(timing.reduce_sum(count_wrong(holder.pop("res"), ref, ref2, exact)))
         holder.clear()
         t1 = t_layer if n == 1 else t1
         exposed = max(0.0, t_layer - t_attn)
@@ -367,7 +367,7 @@ def measure(args, case: Case, pass_: str, counts, auto, exact: bool, name: str, 
             "chunks_label": f"{n}{'*' if is_auto else ''}", "layer_ms": t_layer * 1e3, "attn_ms": t_attn * 1e3,
             "a2a_ms": t_a2a * 1e3, "exposed_ms": exposed * 1e3, "exposed_frac": exposed / t_a2a if t_a2a > 0 else None,
             "speedup": t1 / t_layer, "spread": spread, "wrong": wrong, "checked": ",".join(TENSORS[pass_]) if args.check else None,
-            "exact": exact, "batch": args.batch, "head_dim": args.head_dim, "dtype": C.dtype_name(case.dtype),
+            "exact": exact, "batch": args.batch, "head_dim": args.head_dim, "dtype": sizes.dtype_name(case.dtype),
             "backend": case.backend.name, "kernels": case.kern.name,
         })  # fmt: skip
     return rows
@@ -383,7 +383,7 @@ COLUMNS = [
 
 def plot(rows, path, env) -> bool:
     """exposed/a2a against the sequence length, one line per (layout, pass, chunk count)."""
-    plt = C.load_pyplot()
+    plt = record.load_pyplot()
     if plt is None or not rows:
         return False
     passes = list(dict.fromkeys(r["pass"] for r in rows))
@@ -397,19 +397,19 @@ def plot(rows, path, env) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("global sequence length")
         ax.set_ylabel("exposed / all-to-all time (%)")
-        ax.set_title(f"{p}, {env['world_size']} ranks, {C.device_label(env)}", fontsize=9)
+        ax.set_title(f"{p}, {env['world_size']} ranks, {record.device_label(env)}", fontsize=9)
         ax.legend(fontsize=7)
-    return C.save_figure(plt, fig, path)
+    return record.save_figure(plt, fig, path)
 
 
 def _body(args, rank, world, device, backend):
     rows, notes, v = run_bench(args, rank, world, device, backend)
     model = CostModel.from_env(device.type)
     meta = dict(vars(args), skipped=notes, cost_model=dataclasses.asdict(model), verdicts=v)
-    env_fn = lambda: C.env_record(  # noqa: E731
+    env_fn = lambda: record.env_record(  # noqa: E731
         device, world, backend, ulysses_env={k: v for k, v in os.environ.items() if k.startswith("ULYSSES_KERNELS_")}
     )
-    C.finish(args, rank, "bench_overlap", env_fn, rows, meta, plot, rows)
+    harness.finish(args, rank, "bench_overlap", env_fn, rows, meta, plot, rows)
 
 
 def parse_args(argv=None, default_out_dir=None):
@@ -438,8 +438,8 @@ def parse_args(argv=None, default_out_dir=None):
                    help="noise allowance of the auto <= chunks=1 target (0: strict; default: the run's own spread)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="one line per (layout, seq, pass) on stderr, rank 0 (default on; --no-progress: off)")
-    p.add_argument("--out-dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR),
-                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})")
+    p.add_argument("--out-dir", default=str(default_out_dir or record.DEFAULT_OUT_DIR),
+                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or record.DEFAULT_OUT_DIR})")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     args.passes = tuple(x.strip() for x in args.passes.split(",") if x.strip())
@@ -447,7 +447,7 @@ def parse_args(argv=None, default_out_dir=None):
         p.error(f"--passes: choose from {', '.join(PASSES)}")
     try:
         parse_chunks(args.chunks)
-        args.long_from = C.parse_size(args.long_from)
+        args.long_from = sizes.parse_size(args.long_from)
     except ValueError as e:
         p.error(str(e))
     if args.auto_slack is not None and args.auto_slack < 0:
@@ -471,7 +471,7 @@ def parse_args(argv=None, default_out_dir=None):
 def main(argv=None, *, default_out_dir=None) -> int:
     """Run the benchmark; ``default_out_dir`` replaces ``--out-dir``'s default (the
     checkout's ``bench/bench_overlap.py`` passes ``bench/results``)."""
-    return C.launch(_body, parse_args(argv, default_out_dir))
+    return harness.launch(_body, parse_args(argv, default_out_dir))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ variant (``ulysses_kernels.extension.set_pack_variant``, in this one process), l
 variant's % of copy per configuration, the worst, and ``x_old_over_new`` (geometric mean of
 old time / new time: > 1 means the new variant is faster), printed as ``# variants`` lines.
 
-Timing: CUDA events around each call after a device sync (``common.time_iters``); on the
+Timing: CUDA events around each call after a device sync (``timing.time_iters``); on the
 CPU ``perf_counter``, labelled "CPU (not a GPU claim)" in the table, the JSON (``env.timer``)
 and the plot. Output: the table, then ``bench_pack_<UTC time>_<gpu>_w1.{csv,json}`` (rows +
 ``env`` record + ``meta``), ``bench_pack_latest.json`` and a PNG when matplotlib is
@@ -54,7 +54,6 @@ importable, under ``--out-dir`` (alias ``--out``; default ``./bench_results``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import sys
@@ -64,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ulysses_kernels import extension
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, patterns, record, sizes, timing
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import QKV, Layout
@@ -113,7 +112,7 @@ VARIANT_SETS = ("cuda", "triton")
 
 def fused_label(kern, device: torch.device, variant: str | None) -> str:
     """``fused (<k>)``, or ``fused (<k> <variant>)`` for a row of a variant sweep."""
-    name = C.kernel_label(kern.name, device)
+    name = record.kernel_label(kern.name, device)
     return f"fused ({name} {variant})" if variant else f"fused ({name})"
 
 
@@ -126,7 +125,7 @@ def check(case: Case) -> int:
     for t in case.poison:
         t.fill_(float("nan"))
     with variant_of(case):
-        return C.count_unequal_bits(case.view(case.run()), case.expected)
+        return patterns.count_unequal_bits(case.view(case.run()), case.expected)
 
 
 @contextlib.contextmanager
@@ -308,7 +307,7 @@ def kernel_names(spec: str, device: torch.device) -> list:
 
 def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
     gpu = device.type == "cuda"
-    dtype = C.parse_dtype(args.dtype)
+    dtype = sizes.parse_dtype(args.dtype)
     configs = parse_configs(args.configs, gpu)
     warmup = args.warmup if args.warmup is not None else (10 if gpu else 1)
     iters = args.iters if args.iters is not None else (100 if gpu else 5)
@@ -316,9 +315,9 @@ def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
         raise SystemExit("bench_pack: need --iters >= 1 and --warmup >= 0")
     names = kernel_names(args.kernels, device)
     variants = parse_variants(args.variants)
-    cpu = "" if gpu else f"  [{C.CPU_LABEL}]"
+    cpu = "" if gpu else f"  [{record.CPU_LABEL}]"
     default = default_kernels(device)
-    print(f"# bench_pack: {device.type}, dtype {C.dtype_name(dtype)}, kernels {args.kernels}, variants {args.variants or extension.pack_variant()}, "
+    print(f"# bench_pack: {device.type}, dtype {sizes.dtype_name(dtype)}, kernels {args.kernels}, variants {args.variants or extension.pack_variant()}, "
           f"warmup {warmup}, iters {iters}, rank 0 of each config's group{cpu}", flush=True)  # fmt: skip
     print(f"# default here (kernels='auto'): {default}, variant {extension.pack_variant()} (ULYSSES_KERNELS_PACK_VARIANT)", flush=True)
     rows, notes = [], {}
@@ -328,13 +327,13 @@ def run_bench(args, device: torch.device) -> tuple[list[dict], dict]:
         cfg_rows = []
         for case in cases:
             with variant_of(case):
-                t = C.median(C.time_iters(case.run, device=device, warmup=warmup, iters=iters, barrier=False))
+                t = timing.median(timing.time_iters(case.run, device=device, warmup=warmup, iters=iters, barrier=False))
             wrong = check(case) if args.check else None
             cfg_rows.append({
                 "config": config_label(cfg), "op": case.op, "method": case.method, "bytes": case.size,
                 "time_us": t * 1e6, "gbps": case.moved / t / 1e9, "bytes_moved": case.moved, "wrong": wrong,
                 "q_heads": cfg[0], "kv_heads": cfg[1], "world": cfg[2], "batch": cfg[3], "seq_per_rank": cfg[4],
-                "head_dim": cfg[5], "dtype": C.dtype_name(dtype), "variant": case.variant,
+                "head_dim": cfg[5], "dtype": sizes.dtype_name(dtype), "variant": case.variant,
             })  # fmt: skip
         del cases
         for op in ("pack", "unpack"):
@@ -386,11 +385,10 @@ def variant_summary(rows: list[dict]) -> dict:
 
 
 def report(rows: list[dict], notes: dict, device: torch.device, summary: dict | None = None) -> None:
-    C.print_table(COLUMNS, rows, title=None if device.type == "cuda" else f"# times: {C.CPU_LABEL}")
-    for what, why in notes.items():
-        print(f"# skipped {what}: {why}", flush=True)
+    record.print_table(COLUMNS, rows, title=None if device.type == "cuda" else f"# times: {record.CPU_LABEL}")
+    harness.print_skipped(notes)
     big = [r for r in rows if r["method"].startswith("fused") and r["bytes"] >= TARGET_BYTES]
-    label = "" if device.type == "cuda" else f" [{C.CPU_LABEL}]"
+    label = "" if device.type == "cuda" else f" [{record.CPU_LABEL}]"
     if big:
         pct = min(r["pct_copy"] for r in big)
         chains = [r["x_chain"] for r in big if r["x_chain"] is not None]
@@ -406,15 +404,14 @@ def report(rows: list[dict], notes: dict, device: torch.device, summary: dict | 
             verdict = f"; time old/new {ratio:.3f} (geomean): {ent['faster']} faster" if ratio else ""
             print(f"# variants {kern} {op}: {worst} of copy{verdict}{label}", flush=True)
     if rows and rows[0]["wrong"] is not None:
-        bad = sum(r["wrong"] for r in rows)
-        print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+        harness.print_wrong_total(rows)
     else:
         print("# not checked (--check 0)", flush=True)
 
 
 def plot(rows: list[dict], path: str, env: dict) -> bool:
     """% of copy per configuration, pack and unpack side by side, a line at the target."""
-    plt = C.load_pyplot()
+    plt = record.load_pyplot()
     if plt is None or not rows:
         return False
     configs = list(dict.fromkeys(r["config"] for r in rows))
@@ -432,12 +429,12 @@ def plot(rows: list[dict], path: str, env: dict) -> bool:
         ax.set_title(op)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("% of copy bandwidth (row GB/s / copy GB/s)")
-    fig.suptitle(f"pack/unpack vs a copy of the same bytes, {env.get('dtype', '')}, {C.device_label(env)}")
-    return C.save_figure(plt, fig, path)
+    fig.suptitle(f"pack/unpack vs a copy of the same bytes, {env.get('dtype', '')}, {record.device_label(env)}")
+    return record.save_figure(plt, fig, path)
 
 
 def parse_args(argv=None, default_out_dir=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", "-d", default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
     p.add_argument("--kernels", default="auto", help="comma list of kernel sets for the fused rows: auto (default), cuda, triton, torch")
@@ -449,9 +446,7 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("-n", "--iters", type=int, default=None, help="timed calls per row, default 100 (GPU), 5 (CPU)")
     p.add_argument("--check", type=int, default=1, help="check every row bit for bit (1, default) or not (0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", "--out", dest="out_dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR),
-                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})")
-    p.add_argument("--no-write", action="store_true", help="print the table only")
+    harness.add_output(p, default_out_dir)
     return p.parse_args(argv)
 
 
@@ -465,10 +460,12 @@ def main(argv=None, *, default_out_dir=None) -> int:
     meta = dict(vars(args), **meta)
 
     def env_fn():
-        # One process; each row is rank 0 of its config's P-way group (the "world" column).
-        return C.env_record(device, 1, None, dtype=C.dtype_name(C.parse_dtype(args.dtype)), process="rank 0 of each config's group, emulated in one process")
+        # One process, no collective (transport None); each row is rank 0 of its config's
+        # P-way group (the "world" column).
+        dtype = sizes.dtype_name(sizes.parse_dtype(args.dtype))
+        return record.env_record(device, 1, None, dtype=dtype, process="rank 0 of each config's group, emulated in one process")
 
-    C.finish(args, 0, "bench_pack", env_fn, rows, meta, plot, rows)
+    harness.finish(args, 0, "bench_pack", env_fn, rows, meta, plot, rows)
     return 0
 
 

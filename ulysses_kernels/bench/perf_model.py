@@ -43,12 +43,13 @@ model, sequence, pass and group size). Nothing here is a measurement unless it s
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from ulysses_kernels.bench.common import MODELS, parse_size, print_table
+from ulysses_kernels.bench import harness
+from ulysses_kernels.bench.record import print_table
+from ulysses_kernels.bench.sizes import MODELS, parse_size
 from ulysses_kernels.plan import HeadPlan, PlanError
 
 
@@ -290,7 +291,7 @@ COLUMNS = [
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--models", default="all", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--worlds", default="8", help="sequence-parallel group sizes (default 8)")
     p.add_argument("--seqs", default="32K,64K,128K,256K,512K,1M", help="global sequence lengths")

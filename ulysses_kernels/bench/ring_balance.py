@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, record, sizes
 from ulysses_kernels.documents import documents
 from ulysses_kernels.ring.balance import balance_documents, rank_work
 from ulysses_kernels.ring.schedule import ring_schedule
@@ -89,7 +89,7 @@ def balance(S: int, R: int, mix: str, layout: str, batches: int, balanced: bool 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--seqs", default="128K,1M", help="global sequence lengths (default 128K,1M)")
     p.add_argument("--rings", default="2,4,8", help="ring sizes R (default 2,4,8)")
     p.add_argument("--mix", default="none,sft,longtail", help=f"comma list of {', '.join(MIXES)}")
@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--balanced", action="store_true", help="also the imbalance after ring.balance_documents (slower)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
-    args.seqs = [C.parse_size(x) for x in args.seqs.split(",")]
+    args.seqs = [sizes.parse_size(x) for x in args.seqs.split(",")]
     args.rings = [int(x) for x in args.rings.split(",")]
     args.mix = [x.strip() for x in args.mix.split(",")]
     bad = [m for m in args.mix if m not in MIXES]
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                 continue
             for mix in args.mix:
                 rows += [balance(S, R, mix, layout, args.batches, args.balanced) for layout in ("contiguous", "zigzag")]
-    C.print_table(COLUMNS, rows, title=f"# ring load balance, causal, {args.batches} batches per packed row (computed from the schedule, not timed)")
+    record.print_table(COLUMNS, rows, title=f"# ring load balance, causal, {args.batches} batches per packed row (computed from the schedule, not timed)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}, f, indent=1)

@@ -14,7 +14,6 @@ that the code paths run and what they cost here, not what a GPU does. The full t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, record, timing
 from ulysses_kernels.kernels import available_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16  # Llama-3-8B's 4:1 grouping, scaled down
@@ -40,7 +39,7 @@ def our_kernel_sets() -> list[str]:
 
 def ours_label(kernels: str) -> str:
     cpu = torch.device("cpu")
-    what = "torch kernels" if kernels == "torch" else f"{C.kernel_label(kernels, cpu).split(': ')[-1]} kernels"
+    what = "torch kernels" if kernels == "torch" else f"{record.kernel_label(kernels, cpu).split(': ')[-1]} kernels"
     return f"ours ({what})"
 
 
@@ -71,14 +70,14 @@ def alltoall_lines(doc: dict, sets: list[str]) -> list[str]:
     skipped = doc["meta"].get("skipped", {})
     chain, floor, floor_name = _in_ms(rows["chain"]), _in_ms(rows["a2a"]), "the bare all-to-all"
     lines = [f"  all-to-all of q, k, v ({HEADS} query / {KV_HEADS} KV heads), {rows['chain']['size'] / 1024:.0f} KiB per rank:",
-             row_line("permute chain (DeepSpeed/yunchang style)", chain["time_ms"], C.floor_flag(chain, floor, "time_ms", floor_name) or "")]  # fmt: skip
+             row_line("permute chain (DeepSpeed/yunchang style)", chain["time_ms"], timing.floor_flag(chain, floor, "time_ms", floor_name) or "")]  # fmt: skip
     for k in sets:
         r = rows.get(f"fused-{k}")
         if r is None:
             lines.append(f"    {ours_label(k):<{WIDTH}} skipped: {skipped.get(f'fused-{k}', 'no row')}")
         else:
             ours = _in_ms(r)
-            note = C.speedup_text(chain, ours, "time_ms", "the chain", cpu=True, floor=floor, floor_name=floor_name)
+            note = timing.speedup_text(chain, ours, "time_ms", "the chain", cpu=True, floor=floor, floor_name=floor_name)
             lines.append(row_line(ours_label(k), ours["time_ms"], note))
     lines.append(row_line("bare all_to_all_single (the floor)", rows["a2a"]["time_us"] / 1e3))
     return lines
@@ -89,14 +88,14 @@ def attention_lines(doc: dict, sets: list[str], seq: int) -> list[str]:
     skipped = doc["meta"].get("skipped", {})
     chain, floor, floor_name = rows["chain"], rows["local"], "attention alone"
     lines = [f"  attention layer, forward + backward ({HEADS} query / {KV_HEADS} KV heads), {seq} tokens:",
-             row_line("permute chain", chain["time_ms"], C.floor_flag(chain, floor, "time_ms", floor_name) or "")]  # fmt: skip
+             row_line("permute chain", chain["time_ms"], timing.floor_flag(chain, floor, "time_ms", floor_name) or "")]  # fmt: skip
     for k in sets:
         r = rows.get(f"ulysses-{k}")
         if r is None:
             why = next((v for key, v in skipped.items() if key.endswith(f" ulysses-{k}")), "no row")
             lines.append(f"    {ours_label(k):<{WIDTH}} skipped: {why}")
         else:
-            note = C.speedup_text(chain, r, "time_ms", "the chain", cpu=True, floor=floor, floor_name=floor_name)
+            note = timing.speedup_text(chain, r, "time_ms", "the chain", cpu=True, floor=floor, floor_name=floor_name)
             lines.append(row_line(ours_label(k), r["time_ms"], note))
     lines.append(row_line("attention alone (no communication)", rows["local"]["time_ms"]))
     return lines
@@ -124,7 +123,7 @@ def summarize(args, out_dir: Path) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--spawn", type=int, default=2, metavar="N", help="gloo ranks on the CPU (default 2)")
     p.add_argument("--size", default="64K", help="bytes of q, k, v per rank for the all-to-all (default 64K)")
     p.add_argument("--seq", type=int, default=256, help="global tokens for the attention layer (default 256)")

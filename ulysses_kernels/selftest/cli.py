@@ -81,7 +81,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from ..bench.common import parse_dtype
+from ..bench.sizes import parse_dtype
 from ..testing import RanksFailed, run_ranks
 from .cases import CASE_NAMES, CHUNKS, COMMS, QUICK_CASES, QUICK_CHUNKS, kernel_choice
 from .ranks import Rank

@@ -11,7 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention import ulysses_attention
 from ..attention.call import setup_attention
-from ..bench.common import dtype_name, kernel_label
+from ..bench.record import kernel_label
+from ..bench.sizes import dtype_name
 from ..ring import shard_sequence as shard_2d
 from ..testing.reference import contiguous_shard
 from .cases import Case, PathSpec

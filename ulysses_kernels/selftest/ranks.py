@@ -9,7 +9,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ..bench.common import parse_dtype
+from ..bench.sizes import parse_dtype
 from ..comm import NCCLCommunicator, TorchCommunicator, nccl_available
 from ..ring import SPGroups, make_sp_groups
 from .judge import short_error

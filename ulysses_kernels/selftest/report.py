@@ -7,7 +7,7 @@ import json
 import pathlib
 
 from .. import info, toolchain
-from ..bench.common import CPU_LABEL
+from ..bench.record import CPU_LABEL
 from .judge import FLOAT64_BOUND
 
 __all__ = ["progress_line", "report"]

@@ -9,7 +9,9 @@ import torch.distributed as dist
 
 from .. import info
 from ..backends import resolve_backend
-from ..bench.common import Progress, dtype_name, env_record
+from ..bench.harness import Progress
+from ..bench.record import env_record
+from ..bench.sizes import dtype_name
 from .cases import CASE_NAMES, CHUNKS, COMMS, QUICK_CASES, QUICK_CHUNKS, Case, PathSpec, chunk_value, kernel_choice, make_cases, make_paths
 from .judge import FLOAT64_BOUND, truth
 from .paths import blank, run_path

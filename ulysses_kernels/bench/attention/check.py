@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import timing
 from ulysses_kernels.plan import HeadPlan
 
 from .inputs import Inputs
@@ -79,9 +79,9 @@ def count_method_wrong(m, outs, args, g) -> int | None:
     if not args.check:
         return None
     if m.layout_only:
-        return None if m.check_layout is None else int(C.reduce_sum(m.check_layout()))
+        return None if m.check_layout is None else int(timing.reduce_sum(m.check_layout()))
     if outs is None:
         return None
     if g.kv_full is None:
         g.kv_full = (g.inp.full("k", range(g.inp.Hkv)), g.inp.full("v", range(g.inp.Hkv)))
-    return int(C.reduce_sum(check_method(m, outs, g.inp, g.plan, g.rank, g.scale, g.kv_full, args.check_rows)))
+    return int(timing.reduce_sum(check_method(m, outs, g.inp, g.plan, g.rank, g.scale, g.kv_full, args.check_rows)))

@@ -68,20 +68,20 @@ from __future__ import annotations
 
 import argparse
 
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, record, sizes
 
 from .report import plot
 from .run import run_bench
 
-MODELS = C.MODELS
+MODELS = sizes.MODELS
 PASSES = ("fwd", "bwd", "fwdbwd")
 
 
 def _body(args, rank, world, device, backend):
     rows, breakdown, notes = run_bench(args, rank, world, device, backend)
     meta = dict(vars(args), skipped=notes, breakdown=breakdown)
-    env_fn = lambda: C.env_record(device, world, backend, emulated_group=args.sp if world == 1 else None)  # noqa: E731
-    C.finish(args, rank, "bench_attention", env_fn, rows, meta, plot, breakdown)
+    env_fn = lambda: record.env_record(device, world, backend, emulated_group=args.sp if world == 1 else None)  # noqa: E731
+    harness.finish(args, rank, "bench_attention", env_fn, rows, meta, plot, breakdown)
 
 
 def parse_args(argv=None, default_out_dir=None, prog=None):
@@ -108,7 +108,9 @@ def parse_args(argv=None, default_out_dir=None, prog=None):
     p.add_argument("--mem-fraction", type=float, default=0.85, help="skip a size whose estimate exceeds this share of free memory")
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N gloo ranks on the CPU instead of torchrun")
     p.add_argument(
-        "--out-dir", default=str(default_out_dir or C.DEFAULT_OUT_DIR), help=f"where the CSV/JSON/PNG go (default {default_out_dir or C.DEFAULT_OUT_DIR})"
+        "--out-dir",
+        default=str(default_out_dir or record.DEFAULT_OUT_DIR),
+        help=f"where the CSV/JSON/PNG go (default {default_out_dir or record.DEFAULT_OUT_DIR})",
     )
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
@@ -124,4 +126,4 @@ def main(argv=None, *, default_out_dir=None, prog=None) -> int:
     """Run the benchmark; ``default_out_dir`` replaces ``--out-dir``'s default (the
     checkout's ``bench/bench_attention.py`` passes ``bench/results``); ``prog`` names the command
     in the usage line (default: the script's file name)."""
-    return C.launch(_body, parse_args(argv, default_out_dir, prog))
+    return harness.launch(_body, parse_args(argv, default_out_dir, prog))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import sizes
 from ulysses_kernels.documents import Documents, documents
 from ulysses_kernels.plan import HeadPlan
 
@@ -60,9 +60,9 @@ def equal_documents(S: int, count: int) -> Documents:
 
 def seq_lengths(args, P: int) -> list[int]:
     if args.seqs:
-        seqs = [C.parse_size(x) for x in args.seqs.split(",")]
+        seqs = [sizes.parse_size(x) for x in args.seqs.split(",")]
     else:
-        seqs = C.size_sweep(C.parse_size(args.min_seq), C.parse_size(args.max_seq), 2)
+        seqs = sizes.size_sweep(sizes.parse_size(args.min_seq), sizes.parse_size(args.max_seq), 2)
     return [-(-s // P) * P for s in seqs]  # equal shards: round up to a multiple of P
 
 

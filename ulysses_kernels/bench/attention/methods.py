@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ulysses_kernels import ulysses_attention
 from ulysses_kernels.backends import doc_kwargs, for_rank, packed_kernel
 from ulysses_kernels.baselines import permute_chain_attention
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import patterns
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
@@ -288,7 +288,7 @@ def layout_method(name, kern, layout: Layout, like: torch.Tensor, graph: bool = 
         L.unpack_h2s(layout, layout.h2s_recv_views(recv_q, Q_ONLY), Q_ONLY, ref_out)
         L.pack_s2h(layout, (dout_local,), Q_ONLY, ref_q)
         L.unpack_h2s(layout, layout.h2s_recv_views(recv_qkv, QKV), QKV, ref_grads)
-        return C.count_unequal_bits([send_qkv, send_q] + out + grads, [ref_qkv, ref_q] + ref_out + ref_grads)
+        return patterns.count_unequal_bits([send_qkv, send_q] + out + grads, [ref_qkv, ref_q] + ref_out + ref_grads)
 
     return Method(name, layout_only=True, fwd=fwd, bwd=bwd, check=check)
 
@@ -371,7 +371,7 @@ def chain_layout_method(inp: Inputs, P: int):
         # The copies bit for bit; the sums (arithmetic, their order is torch's) within the dtype's tolerance.
         sums = {"dk_sum", "dv_sum"}
         copies = [name for name in want if name in last and name not in sums]
-        wrong = C.count_unequal_bits([last[name] for name in copies], [want[name] for name in copies])
+        wrong = patterns.count_unequal_bits([last[name] for name in copies], [want[name] for name in copies])
         wrong += sum(count_wrong(last[name], want[name].float(), dt) for name in sums if name in want and name in last)
         return wrong + sum(ref.numel() for name, ref in want.items() if name not in last)
 

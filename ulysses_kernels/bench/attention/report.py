@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 from ulysses_kernels import extension
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import record, sizes, timing
 from ulysses_kernels.kernels import get_kernels
 
 
 def print_header(args, world: int, P: int, backend_name: str, device: torch.device, dtype, names) -> None:
-    lab = "" if device.type == "cuda" else f"  [{C.CPU_LABEL}]"
+    lab = "" if device.type == "cuda" else f"  [{record.CPU_LABEL}]"
     emu = f" (one process: rank 0 of an emulated {P}-way group)" if world == 1 and P > 1 else ""
-    print(f"# bench_attention: {world} ranks{emu}, {backend_name}, {device.type}, {C.dtype_name(dtype)}, "
+    print(f"# bench_attention: {world} ranks{emu}, {backend_name}, {device.type}, {sizes.dtype_name(dtype)}, "
           f"batch {args.batch}, head_dim {args.head_dim}, causal, warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)  # fmt: skip
     print(f"# methods: {', '.join(names)}", flush=True)
     default = get_kernels(None, device).name
@@ -25,13 +25,13 @@ def report(rows, breakdown, notes: dict, device: torch.device) -> None:
     """The table, the breakdown, the skipped methods with their reasons, the wrong total."""
     cuda = device.type == "cuda"
     spread = "# time: median over the iterations, q1/q3 its quartiles"
-    C.print_table(COLUMNS, rows, title=spread if cuda else f"{spread}; {C.CPU_LABEL}: a code-path check; peak memory n/a on the CPU")
+    record.print_table(COLUMNS, rows, title=spread if cuda else f"{spread}; {record.CPU_LABEL}: a code-path check; peak memory n/a on the CPU")
     for r in rows:  # a layer faster than its attention alone: noise, not a win
-        flag = C.floor_flag(r, {"time_ms": r["time_ms"] / r["x_floor"]}, "time_ms", "attention alone") if r.get("x_floor") else None
+        flag = timing.floor_flag(r, {"time_ms": r["time_ms"] / r["x_floor"]}, "time_ms", "attention alone") if r.get("x_floor") else None
         if flag and not r["method"].startswith("local"):
             print(f"# {r['model']} seq {r['seq']} {r['method']} {r['pass']}: {flag}", flush=True)
     if breakdown:
-        C.print_table(BREAKDOWN_COLUMNS, breakdown, title="# layer time = compute (local) + layout + exposed communication")
+        record.print_table(BREAKDOWN_COLUMNS, breakdown, title="# layer time = compute (local) + layout + exposed communication")
     if not cuda and any(r["method"].endswith("-cuda") for r in rows):
         print("# ulysses-cuda, layout-cuda on a CPU: the C++ extension's CPU twin of the CUDA kernels", flush=True)
     for k, why in notes.items():
@@ -102,7 +102,7 @@ BREAKDOWN_COLUMNS = [
 
 
 def plot(breakdown, path, env) -> bool:
-    plt = C.load_pyplot()
+    plt = record.load_pyplot()
     if plt is None or not breakdown:
         return False
     sel = [b for b in breakdown if b["pass"] == "fwdbwd"] or breakdown
@@ -118,6 +118,6 @@ def plot(breakdown, path, env) -> bool:
     ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=6)
     ax.set_ylabel("ms per layer (" + sel[0]["pass"] + ")")
-    ax.set_title(f"Ulysses attention, {env['world_size']} ranks, {C.device_label(env)}")
+    ax.set_title(f"Ulysses attention, {env['world_size']} ranks, {record.device_label(env)}")
     ax.legend()
-    return C.save_figure(plt, fig, path)
+    return record.save_figure(plt, fig, path)

@@ -13,7 +13,7 @@ import torch
 
 from ulysses_kernels import make_sp_groups
 from ulysses_kernels.backends import resolve_backend
-from ulysses_kernels.bench import common as C
+from ulysses_kernels.bench import harness, sizes, timing
 from ulysses_kernels.layout import Layout
 from ulysses_kernels.math_attention import default_scale
 from ulysses_kernels.plan import HeadPlan
@@ -63,9 +63,9 @@ def make_group(args, model, H, Hkv, S, plan, rank, world, P, dtype, device) -> G
 def run_bench(args, rank: int, world: int, device: torch.device, backend_name: str):
     """Every method at every (head counts, sequence) on every rank: the rows, the breakdown of
     each ulysses row and ``{what: why}`` for what did not run. Rank 0 prints the tables."""
-    dtype = C.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
+    dtype = sizes.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
     P = world if world > 1 else args.sp  # rank 0 of an emulated group has the most heads
-    heads_sets = C.parse_layouts("bench_attention", args.heads_sets, args.models)
+    heads_sets = sizes.parse_heads_sets("bench_attention", args.heads_sets, args.models)
     seqs = seq_lengths(args, P)
     probe = torch.empty(1, 1, 1, args.head_dim, dtype=dtype, device=device)
     names = method_names(args, world, P, packed_variants(resolve_backend(args.attn_fn, probe), device, dtype))
@@ -73,7 +73,7 @@ def run_bench(args, rank: int, world: int, device: torch.device, backend_name: s
     if rank == 0:
         print_header(args, world, P, backend_name, device, dtype, names)
     rows, notes, dead = [], {}, set()
-    progress = C.Progress(len(heads_sets) * len(seqs) * len(names), rank == 0, "attention")
+    progress = harness.Progress(len(heads_sets) * len(seqs) * len(names), rank == 0, "attention")
     for model, H, Hkv in heads_sets:
         try:
             plan = HeadPlan.build(H, Hkv, P)
@@ -115,13 +115,13 @@ def run_group(args, g: Group, names: list[str], device, dtype, notes: dict, dead
         if (g.model, name) in dead:
             continue
         m, why = prepare_method(name, args, g, device)
-        if not C.all_ok(m is not None):
+        if not timing.all_ok(m is not None):
             notes[g.key(name)] = why or "skipped on another rank"
             if why and "estimated" not in why and "needs real ranks" not in why:
                 dead.add((g.model, name))
             continue
         res, outs, why = run_method(m, args, g, device)
-        if not C.all_ok(res is not None):
+        if not timing.all_ok(res is not None):
             notes[g.key(name)] = why or "failed on another rank"
             dead.add((g.model, name))
             if device.type == "cuda":
@@ -189,8 +189,8 @@ def time_method(m: Method, args, inp, plan, rank, device):
         for p in args.passes:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            t = C.time_iters(fns[p], device=device, warmup=args.warmup_iters, iters=args.iters)
-            res[p] = (C.median(t), torch.cuda.max_memory_allocated(device) if cuda else None, t)
+            t = timing.time_iters(fns[p], device=device, warmup=args.warmup_iters, iters=args.iters)
+            res[p] = (timing.median(t), torch.cuda.max_memory_allocated(device) if cuda else None, t)
         return res, None
     (q, k, v), dout = make_inputs(m, inp, plan, rank)
 
@@ -226,12 +226,12 @@ def time_method(m: Method, args, inp, plan, rank, device):
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         if p == "fwd":
-            t = C.time_iters(fwd, device=device, warmup=args.warmup_iters, iters=args.iters)
+            t = timing.time_iters(fwd, device=device, warmup=args.warmup_iters, iters=args.iters)
         elif p == "bwd":
-            t = C.time_iters(bwd, device=device, warmup=args.warmup_iters, iters=args.iters, setup=setup_bwd)
+            t = timing.time_iters(bwd, device=device, warmup=args.warmup_iters, iters=args.iters, setup=setup_bwd)
         else:
-            t = C.time_iters(fwdbwd, device=device, warmup=args.warmup_iters, iters=args.iters)
-        res[p] = (C.median(t), torch.cuda.max_memory_allocated(device) if cuda else None, t)
+            t = timing.time_iters(fwdbwd, device=device, warmup=args.warmup_iters, iters=args.iters)
+        res[p] = (timing.median(t), torch.cuda.max_memory_allocated(device) if cuda else None, t)
     return {p: res[p] for p in args.passes}, ((keep["out"], keep["dq"]) if keep else None)
 
 
@@ -243,15 +243,15 @@ def method_rows(m: Method, res: dict, wrong, args, g: Group, dtype) -> list[dict
     flops_fwd = 4 * args.batch * pairs * hq_max * args.head_dim / 2
     rows = []
     for p in args.passes:
-        t = C.reduce_max(res[p][0])
-        mem = C.reduce_max(res[p][1]) if res[p][1] is not None else None
+        t = timing.reduce_max(res[p][0])
+        mem = timing.reduce_max(res[p][1]) if res[p][1] is not None else None
         rows.append({
             "model": g.model, "heads": f"{inp.H}/{inp.Hkv}", "seq": inp.S, "world": g.P, "method": m.name, "pass": p,
             "time_ms": t * 1e3, "tflops": None if m.layout_only else flops_fwd * FLOP_FACTOR[p] / t / 1e12,
-            "mem_gib": None if mem is None else mem / 2**30, "wrong": wrong, "dtype": C.dtype_name(dtype),
+            "mem_gib": None if mem is None else mem / 2**30, "wrong": wrong, "dtype": sizes.dtype_name(dtype),
             "backend": m.backend or g.backend.name, "docs": 1 if m.docs is None else m.docs.count, "first_s": m.first_s,
             "ring_steps": None if m.ring is None else f"{m.ring.computed_steps()}/{m.ring.ring_size ** 2}",
             "ring_hops": None if m.ring is None else f"{m.ring.hops()}/{m.ring.ring_size * (m.ring.ring_size - 1)}",
-            **C.spread(res[p][2], 1e3, "ms"),
+            **timing.spread(res[p][2], 1e3, "ms"),
         })  # fmt: skip
     return rows

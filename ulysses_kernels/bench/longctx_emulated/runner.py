@@ -15,7 +15,7 @@ import torch
 
 from ... import memory
 from ...comm import EmulatedPeers
-from .. import common as C
+from .. import sizes
 from .calculator import GB, calc_step, compare, executed_flops, setup_of, zero3_state_bytes
 from .step import Config, _element_size, apply_pieces, build_model, measured_step, shard
 
@@ -129,7 +129,7 @@ class Runner:
             return None
         if s["next"] is None:
             if not wait and not s["_calc"].done():
-                return 2 * max(C.parse_size(x) for x in self.args.seqs.split(","))
+                return 2 * max(sizes.parse_size(x) for x in self.args.seqs.split(","))
             calc, unit = s.pop("_calc").result(), cfg.sp * self.args.proxy_block
             other = s.pop("_calc_no_workspace")
             s["calc_max_seq_no_workspace"] = other.result() if other is not None else calc

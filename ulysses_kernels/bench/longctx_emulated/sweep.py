@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .. import common as C
+from .. import record, sizes
 from .calculator import GB
 from .extrapolate import layer_models, proxy_check, time_model
 from .runner import Runner, plan
@@ -25,14 +25,14 @@ COLUMNS = [
 
 def run(args) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = C.parse_dtype(args.dtype)
+    dtype = sizes.parse_dtype(args.dtype)
     configs = parse_models(args.model, args.emulate_rank0_of)
     layers = [int(x) for x in str(args.layers).split(",")]
-    seqs = [C.parse_size(s) for s in args.seqs.split(",")]
-    s_t = C.parse_size(args.time_seq) if args.time_seq else seqs[0]
+    seqs = [sizes.parse_size(s) for s in args.seqs.split(",")]
+    s_t = sizes.parse_size(args.time_seq) if args.time_seq else seqs[0]
     runner = Runner(args, device, dtype)
-    runner.env = C.env_record(
-        device, 1, None, dtype=C.dtype_name(dtype), process="rank 0 of an emulated group, one process (comm.EmulatedPeers)",
+    runner.env = record.env_record(
+        device, 1, None, dtype=sizes.dtype_name(dtype), process="rank 0 of an emulated group, one process (comm.EmulatedPeers)",
         gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
         alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     )  # fmt: skip
@@ -72,7 +72,7 @@ def run(args) -> int:
         r["status"] = r["status"].split(":")[0]  # the JSON has the whole reason
     cols = [(k, h.replace("GB", unit), f) for k, h, f in COLUMNS]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU: a code-path check, not a claim"
-    C.print_table(cols, shown, title=f"# bench_longctx: rank 0 of an emulated group in one process, {C.dtype_name(dtype)}, {where}")
+    record.print_table(cols, shown, title=f"# bench_longctx: rank 0 of an emulated group in one process, {sizes.dtype_name(dtype)}, {where}")
     for t in times:
         print(f"# time, {t['model']} at sp {t['sp']}: measured {json.dumps(t['measured'])}\n#   {t['how']}")
         for x in t["at"]:
@@ -84,7 +84,7 @@ def run(args) -> int:
               f"fit {s['longest_fit']}, did not fit {s['shortest_oom']} ({s['stopped'] or 'probes used up'}); {s['probes']}")  # fmt: skip
     if not args.no_write:
         meta = {"args": vars(args), "max_seq": list(runner.searches.values()), "time": times, "proxy_check": checks}
-        paths = C.write_results(args.out_dir, "bench_longctx_emulated", runner.env, runner.rows, meta)
+        paths = record.write_results(args.out_dir, "bench_longctx_emulated", runner.env, runner.rows, meta)
         if runner.partial is not None and runner.partial.exists():
             runner.partial.unlink()
         print(f"# wrote {', '.join(paths.values())}", flush=True)
