@@ -169,7 +169,7 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--seed", type=int, default=0)
     harness.add_output(p, default_out_dir)
     p.add_argument("--no-progress", action="store_true")
-    e = p.add_argument_group("rank 0 of an N-way group in one process (bench/longctx_emulated.py; docs/longctx.md)")
+    e = p.add_argument_group("rank 0 of an N-way group in one process (ulysses_kernels/bench/longctx_emulated/; docs/longctx.md)")
     e.add_argument("--emulate-rank0-of", type=int, default=None, metavar="N", help="run rank 0 of an N-way group here (no spawn, no torchrun)")
     e.add_argument(
         "--model", default=None, help="comma list of llama3-8b, qwen2.5-14b, tiny, tiny-qwen2, each optionally @sp (default: tiny on the CPU, llama3-8b)"

@@ -1,12 +1,12 @@
 """How much all-to-all time the chunked pipeline hides (``ulysses_attention(chunks=N)``).
 
-    torchrun --nproc-per-node 8 -m ulysses_kernels.bench.overlap --layouts 32/8,40/8,64/8 --seqs 8K,32K,128K,256K
-    python -m ulysses_kernels.bench.overlap --layouts 32/8,40/8 --seqs 8K,32K      # one GPU: world of one
+    torchrun --nproc-per-node 8 -m ulysses_kernels.bench.overlap --heads-sets 32/8,40/8,64/8 --seqs 8K,32K,128K,256K
+    python -m ulysses_kernels.bench.overlap --heads-sets 32/8,40/8 --seqs 8K,32K      # one GPU: world of one
     NCCL_MULTI_RANK_GPU_ENABLE=1 torchrun --nproc-per-node 2 -m ulysses_kernels.bench.overlap --seqs 8K,32K  # 2 ranks, 1 GPU
     python -m ulysses_kernels.bench.overlap                                         # CPU smoke: 2 gloo ranks, tiny
-    python -m ulysses_kernels.bench.overlap --spawn 4 --layouts 10/2 --seqs 64,256 --head-dim 16   # CPU
+    python -m ulysses_kernels.bench.overlap --spawn 4 --heads-sets 10/2 --seqs 64,256 --head-dim 16   # CPU
 
-For every head layout (``--layouts Hq/Hkv,...``, ``--heads/--kv-heads`` or ``--models``),
+For every head layout (``--heads-sets Hq/Hkv,...``, ``--heads/--kv-heads`` or ``--models``),
 global sequence length (``--seqs``) and pass (``--passes fwd,fwdbwd``), on this rank's
 share of one attention layer (causal):
 
@@ -54,7 +54,6 @@ code path, not the overlap claim: that needs one GPU per rank.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -79,10 +78,6 @@ PASSES = ("fwd", "fwdbwd")
 # (the rule of tests/test_pipeline.py::_check_gpu).
 ULPS = {torch.float64: 1e-12, torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 TENSORS = {"fwd": ("out",), "fwdbwd": ("out", "dq", "dk", "dv")}
-
-
-class Skip(Exception):
-    """This (layout, sequence) cannot run here; the message says why."""
 
 
 # ---- the check ---------------------------------------------------------------------------
@@ -236,10 +231,10 @@ class Case:
         return fwd if pass_ == "fwd" else fwdbwd
 
 
-def print_header(args, world: int, backend_name: str, device: torch.device, dtype) -> None:
+def print_header(args, world: int, transport: str, device: torch.device, dtype) -> None:
     model = CostModel.from_env(device.type)
     lab = "" if device.type == "cuda" else f"  [{record.CPU_LABEL}]"
-    print(f"# bench_overlap: {world} ranks, {backend_name}, {device.type}, {sizes.dtype_name(dtype)}, batch {args.batch}, "
+    print(f"# bench_overlap: {world} ranks, {transport}, {device.type}, {sizes.dtype_name(dtype)}, batch {args.batch}, "
           f"head_dim {args.head_dim}, causal, kernels {args.kernels}, attn_fn {args.attn_fn or 'default'}, "
           f"warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)
     print(f"# chunks='auto' cost model (ULYSSES_KERNELS_* env): link {model.link_gbps:g} GB/s, attention "
@@ -255,8 +250,8 @@ def make_case(args, H, Hkv, S, rank, world, dtype, device):
         if device.type == "cuda":
             need, free = case.estimate_bytes(), torch.cuda.mem_get_info(device)[0]
             if need > args.mem_fraction * free:
-                raise Skip(f"estimated {need / 2**30:.1f} GiB > {args.mem_fraction:.0%} of free {free / 2**30:.1f} GiB")
-    except Skip as e:
+                raise harness.Skip(f"estimated {need / 2**30:.1f} GiB > {args.mem_fraction:.0%} of free {free / 2**30:.1f} GiB")
+    except harness.Skip as e:
         return None, str(e)
     except (ValueError, RuntimeError) as e:
         return None, f"{type(e).__name__}: {e}"
@@ -294,21 +289,19 @@ def report(rows, notes: dict, v: dict, device: torch.device) -> None:
     title = "# layer = ulysses_attention(chunks=N); exposed = layer - attention; * = chunks='auto'; spread = half the range of the layer's iterations / median"
     title += "" if device.type == "cuda" else f"\n# times: {record.CPU_LABEL}: a code-path check"
     record.print_table(COLUMNS, rows, title=title)
-    for k, why in notes.items():
-        print(f"# skipped {k}: {why}", flush=True)
+    harness.print_skipped(notes)
     print_verdicts(v)
-    bad = sum(r["wrong"] or 0 for r in rows)
-    print(f"# wrong elements: {bad} {'OK' if bad == 0 else 'FAILED'}", flush=True)
+    harness.print_wrong_total(rows)
 
 
-def run_bench(args, rank: int, world: int, device: torch.device, backend_name: str):
+def run_bench(args, rank: int, world: int, device: torch.device, transport: str):
     """Every (layout, sequence, pass) on every rank: the rows, ``{what: why}`` for what did
     not run, and the targets' verdicts. Rank 0 prints the table and the verdicts."""
     dtype = sizes.parse_dtype(args.datatype or ("bf16" if device.type == "cuda" else "fp32"))
-    layouts = sizes.parse_heads_sets("bench_overlap", args.layouts, args.models or "llama3-8b", args.heads, args.kv_heads)
+    layouts = sizes.parse_heads_sets("bench_overlap", args.heads_sets, args.models or "llama3-8b", args.heads, args.kv_heads)
     seqs = [-(-sizes.parse_size(x) // world) * world for x in args.seqs.split(",")]  # equal shards
     if rank == 0:
-        print_header(args, world, backend_name, device, dtype)
+        print_header(args, world, transport, device, dtype)
     rows, notes = [], {}
     progress = harness.Progress(len(layouts) * len(seqs) * len(args.passes), rank == 0 and args.progress, "overlap")
     for name, H, Hkv in layouts:
@@ -402,20 +395,20 @@ def plot(rows, path, env) -> bool:
     return record.save_figure(plt, fig, path)
 
 
-def _body(args, rank, world, device, backend):
-    rows, notes, v = run_bench(args, rank, world, device, backend)
+def _body(args, rank, world, device, transport):
+    rows, notes, v = run_bench(args, rank, world, device, transport)
     model = CostModel.from_env(device.type)
     meta = dict(vars(args), skipped=notes, cost_model=dataclasses.asdict(model), verdicts=v)
     env_fn = lambda: record.env_record(  # noqa: E731
-        device, world, backend, ulysses_env={k: v for k, v in os.environ.items() if k.startswith("ULYSSES_KERNELS_")}
+        device, world, transport, ulysses_env={k: v for k, v in os.environ.items() if k.startswith("ULYSSES_KERNELS_")}
     )
     harness.finish(args, rank, "bench_overlap", env_fn, rows, meta, plot, rows)
 
 
 def parse_args(argv=None, default_out_dir=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} or all (GPU default llama3-8b)")
-    p.add_argument("--layouts", default=None, help="head layouts Hq/Hkv,... (overrides --heads and --models; CPU default 8/2)")
+    harness.add_heads_sets(p, "query/KV head counts Hq/Hkv,... (overrides --heads and --models; CPU default 8/2)")
     p.add_argument("--heads", type=int, default=None, help="query heads of one layout (with --kv-heads)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads of that layout (default --heads)")
     p.add_argument("--seqs", default=None, help="global sequence lengths, e.g. 8K,32K (default GPU 8K,32K,64K; CPU 64,128)")
@@ -430,17 +423,13 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("-n", "--iters", type=int, default=None, help="default GPU 5, CPU 3")
     p.add_argument("--check", type=int, default=1, help="compare every row with chunks=1 (1) or not (0)")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="skip a size whose estimate exceeds this share of free memory")
-    p.add_argument("--spawn", type=int, default=None, metavar="N",
-                   help="spawn N gloo ranks on the CPU (default: 2 without torchrun and without a GPU, else 0)")  # fmt: skip
+    harness.add_spawn(p, None, "spawn N gloo ranks on the CPU (default: 2 without torchrun and without a GPU, else 0)")
     p.add_argument("--long-from", default="32K",
                    help="the exposed/a2a <= 10%% target is judged at global sequences >= this (default 32K)")
     p.add_argument("--auto-slack", type=float, default=None, metavar="FRAC",
                    help="noise allowance of the auto <= chunks=1 target (0: strict; default: the run's own spread)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="one line per (layout, seq, pass) on stderr, rank 0 (default on; --no-progress: off)")
-    p.add_argument("--out-dir", default=str(default_out_dir or record.DEFAULT_OUT_DIR),
-                   help=f"where the CSV/JSON/PNG go (default {default_out_dir or record.DEFAULT_OUT_DIR})")
-    p.add_argument("--no-write", action="store_true")
+    harness.add_progress(p, "one line per (heads, seq, pass) on stderr, rank 0")
+    harness.add_output(p, default_out_dir)
     args = p.parse_args(argv)
     args.passes = tuple(x.strip() for x in args.passes.split(",") if x.strip())
     if not args.passes or any(x not in PASSES for x in args.passes):
@@ -456,8 +445,8 @@ def parse_args(argv=None, default_out_dir=None):
     if args.spawn is None:
         args.spawn = 2 if not cuda and "RANK" not in os.environ else 0
     gpu = cuda and not args.spawn  # --spawn runs gloo ranks on the CPU: CPU-sized defaults
-    if args.layouts is None and args.heads is None and args.models is None and not gpu:
-        args.layouts = "8/2"  # Llama-3-8B's 4:1 grouping, scaled down
+    if args.heads_sets is None and args.heads is None and args.models is None and not gpu:
+        args.heads_sets = "8/2"  # Llama-3-8B's 4:1 grouping, scaled down
     gpu_defaults = {"seqs": "8K,32K,64K", "head_dim": 128, "warmup_iters": 2, "iters": 5}
     defaults = gpu_defaults if gpu else {"seqs": "64,128", "head_dim": 16, "warmup_iters": 1, "iters": 3}
     for k, v in defaults.items():

@@ -14,6 +14,7 @@ from ulysses_kernels import ulysses_attention
 from ulysses_kernels.backends import doc_kwargs, for_rank, packed_kernel
 from ulysses_kernels.baselines import permute_chain_attention
 from ulysses_kernels.bench import patterns
+from ulysses_kernels.bench.harness import Skip
 from ulysses_kernels.kernels import available_kernels, get_kernels
 from ulysses_kernels.kernels import torch_kernels as L
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
@@ -25,10 +26,6 @@ from .check import count_wrong
 from .inputs import Inputs, equal_documents, packed_documents
 
 COMM_METHODS = ("chain", "deepspeed", "yunchang")
-
-
-class Skip(Exception):
-    """This method cannot run here (message says why)."""
 
 
 class Method:

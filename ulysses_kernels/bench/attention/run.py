@@ -14,13 +14,14 @@ import torch
 from ulysses_kernels import make_sp_groups
 from ulysses_kernels.backends import resolve_backend
 from ulysses_kernels.bench import harness, sizes, timing
+from ulysses_kernels.bench.harness import Skip
 from ulysses_kernels.layout import Layout
 from ulysses_kernels.math_attention import default_scale
 from ulysses_kernels.plan import HeadPlan
 
 from .check import count_method_wrong
 from .inputs import Inputs, make_inputs, seq_lengths
-from .methods import COMM_METHODS, Method, Skip, build_method, method_names, packed_variants
+from .methods import COMM_METHODS, Method, build_method, method_names, packed_variants
 from .report import _breakdown, _ratios, print_header, report
 
 warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
