@@ -221,3 +221,26 @@ def test_every_module_imports():
         except Exception as e:  # noqa: BLE001 - every failure is reported together below
             failed.append(f"{name}: {type(e).__name__}: {e}")
     assert not failed, "modules that do not import:\n" + "\n".join(failed)
+
+
+# Modules renamed for what they hold (#40); the old paths are gone, with no shim left behind.
+RENAMED = {
+    "ulysses_kernels.ops": "ulysses_kernels.extension",
+    "ulysses_kernels.reference": "ulysses_kernels.math_attention (and ulysses_kernels.testing.reference)",
+    "ulysses_kernels.longctx.install": "ulysses_kernels.longctx.patches",
+    "ulysses_kernels.integrations.alst": "ulysses_kernels.integrations.deepspeed_alst",
+}
+
+
+def test_renamed_modules_are_gone():
+    for old, new in RENAMED.items():
+        assert importlib.util.find_spec(old) is None, f"{old} is importable again (it is {new} now)"
+
+
+# No module of the package over this many lines (#40: the three giant modules were split by job).
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
