@@ -162,6 +162,30 @@ def test_world_one_chunked_equals_unchunked(kernels):
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
+def test_run_schedule_names_the_path_of_each_call(monkeypatch):
+    """``interface.run_schedule`` is the one place that picks a schedule, from the call's
+    ``traced`` and ``chunks``: eager for one chunk, chunked for more (the function found in
+    the chunked package at call time), traced for a call set up inside ``torch.compile``;
+    the module runs the same choice on its kept ``CallSetup``."""
+    from ulysses_kernels import UlyssesAttention, ulysses_attention
+    from ulysses_kernels.attention import chunked, interface
+
+    taken = []
+    for module, name in ((interface, "eager_attention"), (chunked, "chunked_attention"), (interface, "traced_attention")):
+        monkeypatch.setattr(module, name, lambda q, k, v, call, name=name: taken.append((name, call.chunks)) or name)
+    q, kv = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8)
+    comm = LocalCommunicator()
+    assert ulysses_attention(q, kv, kv, comm=comm, chunks=1) == "eager_attention"
+    assert ulysses_attention(q, kv, kv, comm=comm, chunks=2) == "chunked_attention"
+    module = UlyssesAttention(4, 2, comm=comm, chunks=2)
+    assert module(q, kv, kv) == module(q, kv, kv) == "chunked_attention"  # the second call: the kept CallSetup
+    assert UlyssesAttention(4, 2, comm=comm)(q, kv, kv) == "eager_attention"
+    call = module._resolve(q, kv, kv)
+    assert interface.run_schedule(q, kv, kv, call._replace(traced=True)) == "traced_attention"
+    assert taken == [("eager_attention", 1), ("chunked_attention", 2), ("chunked_attention", 2), ("chunked_attention", 2),
+                     ("eager_attention", 1), ("traced_attention", 2)]  # fmt: skip
+
+
 def test_bad_chunks_value():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="chunks"):

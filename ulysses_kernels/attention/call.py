@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -52,10 +51,7 @@ from ..layout import Layout
 from ..math_attention import default_scale
 from ..plan import HeadPlan
 from ..ring import SPGroups, check_ring_inputs, ring_backend
-from . import chunked
 from .chunked import choose_chunks, chunk_plans
-from .eager import eager_attention
-from .traced import traced_attention
 
 __all__ = ["CallSetup", "members_of", "setup_attention", "setup_exchange", "setup_head_to_seq"]
 
@@ -72,10 +68,9 @@ class CallSetup(NamedTuple):
     ``chunks``: the resolved chunk count (1: the unchunked op). ``docs``: the document
     boundaries of a packed sequence (``documents.Documents``: the global ``cu_seqlens``,
     which are also every rank's view after the sequence-to-head exchange), ``None`` for
-    ordinary batches; the backend receives them as ``docs=``. ``schedule``: the function that
-    runs the call, ``schedule(q, k, v, call)``: ``traced.traced_attention`` inside
-    torch.compile, ``chunked.chunked_attention`` for ``chunks > 1``, else
-    ``eager.eager_attention`` (``None`` for the bare exchanges).
+    ordinary batches; the backend receives them as ``docs=``. ``traced`` and ``chunks`` say
+    which schedule runs the call: ``interface.run_schedule`` reads them (the only place that
+    picks one).
     """
 
     plan: HeadPlan
@@ -90,7 +85,6 @@ class CallSetup(NamedTuple):
     chunks: int = 1
     traced: bool = False
     docs: Documents | None = None
-    schedule: Callable | None = None
 
 
 def members_of(group, comm) -> Communicator:
@@ -217,14 +211,7 @@ def setup_attention(
     plan, layout, kv_map, base, split, backend, kern, scale = parts
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     comm = _transport(group, comm, members, q.device, traced)
-    return CallSetup(plan, layout, comm, kern, backend, split, bool(causal), scale, kv_map, n, traced, docs, _schedule(traced, n))
-
-
-def _schedule(traced: bool, chunks: int) -> Callable:
-    """The function that runs the call: traced inside torch.compile, chunked for more than
-    one chunk, else eager (looked up in its module per call, so that a replaced function is
-    the one that runs)."""
-    return traced_attention if traced else chunked.chunked_attention if chunks > 1 else eager_attention
+    return CallSetup(plan, layout, comm, kern, backend, split, bool(causal), scale, kv_map, n, traced, docs)
 
 
 def _resolve_parts(key: tuple, q: torch.Tensor, attn_fn, kernels, traced: bool) -> tuple:
@@ -271,7 +258,7 @@ def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_sc
     kern = _kernel_set(kernels, q.device, layout, False)
     n = 1 if type(chunks) is int and chunks == 1 else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     return CallSetup(plan, layout, comm, kern, ring_backend(sp, base), split, bool(causal), default_scale(q.shape[3], softmax_scale),
-                     layout.kv_map, n, False, docs, _schedule(False, n))  # fmt: skip
+                     layout.kv_map, n, False, docs)  # fmt: skip
 
 
 def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check) -> CallSetup:

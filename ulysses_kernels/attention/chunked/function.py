@@ -61,7 +61,7 @@ def _attend_chunk_backward(backend, saved, dout):
 
 # ---- the autograd function -----------------------------------------------------------------
 class ChunkedAttentionFunction(torch.autograd.Function):
-    """``eager.eager_attention`` with the all-to-alls of head chunks overlapping attention."""
+    """``interface.eager_attention`` with the all-to-alls of head chunks overlapping attention."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):
