@@ -27,15 +27,15 @@ from ulysses_kernels.testing import run_ranks
     [(8, 8, 2), (10, 2, 4), (40, 8, 3), (40, 8, 5), (40, 8, 8), (8, 1, 4), (7, 7, 3), (32, 8, 2), (12, 4, 1), (6, 2, 3), (32, 8, 16)],
 )
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])
-@pytest.mark.parametrize("split_groups", [False, True])
-def test_chunk_plans_partition_heads(hq, hkv, world, chunks, split_groups):
+@pytest.mark.parametrize("split_kv_groups", [False, True])
+def test_chunk_plans_partition_heads(hq, hkv, world, chunks, split_kv_groups):
     plan = HeadPlan.build(hq, hkv, world)
-    fwd = chunk_plans(plan, chunks, split_groups=split_groups)
-    bwd = chunk_plans(plan, chunks, split_groups=split_groups, kv_last=True)
+    fwd = chunk_plans(plan, chunks, split_kv_groups=split_kv_groups)
+    bwd = chunk_plans(plan, chunks, split_kv_groups=split_kv_groups, kv_last=True)
     assert 1 <= len(fwd) == len(bwd) <= chunks
-    g = plan.group_size
+    g = plan.kv_group_size
     for r in range(world):
-        shared = split_groups and splits_shared_kv(plan, r)
+        shared = split_kv_groups and splits_shared_kv(plan, r)
         assert [cp.q_ranges[r] for cp in fwd] == [cp.q_ranges[r] for cp in bwd]
         q_seen, kv_fwd, kv_bwd, used = [], [], [], []
         for c, (cp, gp) in enumerate(zip(fwd, bwd)):
@@ -71,8 +71,8 @@ def test_single_kv_head_ranks_split_query_heads():
     assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4)) == 4
     assert len(chunk_plans(HeadPlan.build(40, 8, 8), 8)) == 5
     # ... unless the backend cannot sum a split KV gradient (not an AttentionBackend).
-    assert len(chunk_plans(HeadPlan.build(8, 1, 4), 4, split_groups=False)) == 1
-    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4, split_groups=False)) == 1
+    assert len(chunk_plans(HeadPlan.build(8, 1, 4), 4, split_kv_groups=False)) == 1
+    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4, split_kv_groups=False)) == 1
     # 40/8 on 5 ranks: 8 query heads over 2-3 groups per rank, split on group boundaries.
     assert len(chunk_plans(HeadPlan.build(40, 8, 5), 4)) == 3
     # One query head per rank: nothing to split.
@@ -100,7 +100,7 @@ def test_auto_short_sequences_and_fast_links_keep_one_chunk(monkeypatch):
     n = choose_chunks(_layout(32, 8, 8, 16384), 2, True, "cuda", slow)
     assert 2 <= n <= 4
     # ... unless the backend cannot sum a split KV gradient.
-    assert choose_chunks(_layout(32, 8, 8, 16384), 2, True, "cuda", slow, split_groups=False) == 1
+    assert choose_chunks(_layout(32, 8, 8, 16384), 2, True, "cuda", slow, split_kv_groups=False) == 1
     # World size 1: nothing to overlap.
     assert choose_chunks(_layout(32, 8, 1, 131072), 2, True, "cuda", slow) == 1
 

@@ -63,7 +63,7 @@ class CallSetup(NamedTuple):
 
     ``backend``: what this rank runs (``backends.for_rank``'s pick: ``SharedKV`` around a
     built-in backend on a rank whose query heads share its one KV head), ``None`` for the
-    bare exchanges. ``split_groups``: the backend is a built-in one, so the chunked
+    bare exchanges. ``split_kv_groups``: the backend is a built-in one, so the chunked
     pipeline may split a shared KV head's query heads (the same answer on every rank).
     ``chunks``: the resolved chunk count (1: the unchunked op). ``docs``: the document
     boundaries of a packed sequence (``documents.Documents``: the global ``cu_seqlens``,
@@ -78,7 +78,7 @@ class CallSetup(NamedTuple):
     comm: Communicator
     kernels: KernelSet
     backend: object | None = None
-    split_groups: bool = False
+    split_kv_groups: bool = False
     causal: bool = False
     scale: float = 1.0
     kv_map: tuple[int, ...] = ()
@@ -129,7 +129,7 @@ def _cached_kernel_set(name, device: torch.device, layout: Layout, generation: i
 
 
 def _backend(attn_fn, q: torch.Tensor, kv_map: tuple[int, ...], traced: bool):
-    """``(base, split_groups, backend)``: ``resolve_backend``'s pick, whether it is a built-in
+    """``(base, split_kv_groups, backend)``: ``resolve_backend``'s pick, whether it is a built-in
     ``AttentionBackend`` (the chunked pipeline may then split a shared KV head), and the
     rank's backend (``for_rank``). Once per value key for a name (or None); a backend or a
     callable given as an object is wrapped per call (nothing to resolve)."""
@@ -146,11 +146,11 @@ def _cached_backend(attn_fn: str | None, device: torch.device, dtype: torch.dtyp
     return base, isinstance(base, AttentionBackend), for_rank(base, kv_map)
 
 
-def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_type: str, split_groups: bool) -> int:
+def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_type: str, split_kv_groups: bool) -> int:
     """The number of head chunks the call runs: ``chunks`` (an int >= 1, or ``"auto"``:
     ``chunked.choose_chunks``'s cost model), capped by what the plan can split."""
     if chunks == "auto":
-        n = choose_chunks(layout, itemsize, causal, device_type, split_groups=split_groups)
+        n = choose_chunks(layout, itemsize, causal, device_type, split_kv_groups=split_kv_groups)
     elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
         n = chunks
     else:
@@ -163,7 +163,7 @@ def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_
             stacklevel=4,
         )
         return 1
-    return 1 if n == 1 else len(chunk_plans(layout.plan, n, split_groups=split_groups))
+    return 1 if n == 1 else len(chunk_plans(layout.plan, n, split_kv_groups=split_kv_groups))
 
 
 def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softmax_scale, check, docs):
@@ -215,7 +215,7 @@ def setup_attention(
 
 
 def _resolve_parts(key: tuple, q: torch.Tensor, attn_fn, kernels, traced: bool) -> tuple:
-    """``(plan, layout, kv_map, base, split_groups, backend, kernel set, scale)`` of the flat
+    """``(plan, layout, kv_map, base, split_kv_groups, backend, kernel set, scale)`` of the flat
     call ``key`` (``checks.call_key``): the checks with the plan and the ``Layout``
     (``checks.planned``), ``resolve_backend``'s pick, whether it is a built-in
     ``AttentionBackend`` (the chunked pipeline may then split a shared KV head), the rank's
