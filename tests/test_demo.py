@@ -11,7 +11,7 @@ from ulysses_kernels.kernels import available_kernels
 def test_demo_runs_and_matches_the_reference(capfd):
     assert demo.main(["--world-size", "3", "--q-heads", "10", "--kv-heads", "2", "--seq", "11", "--batch", "2", "--head-dim", "8"]) == 0
     printed = capfd.readouterr().out
-    assert "HeadPlan: 10 query heads, 2 KV heads (group 5), 3 ranks" in printed
+    assert "HeadPlan: 10 query heads, 2 KV heads (KV group 5), 3 ranks" in printed
     assert "ulysses_attention matches single-process attention" in printed
     assert re.search(r"fwd\+bwd \d+\.\d ms on rank 0 \(one call on the CPU: a code-path check, not a GPU claim\)$", printed, re.M), printed
     assert "MISMATCH" not in printed

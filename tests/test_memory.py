@@ -30,7 +30,7 @@ from ulysses_kernels.attention.call import setup_attention
 from ulysses_kernels.attention.chunked.schedule import build_schedule
 from ulysses_kernels.backends import SDPABackend
 from ulysses_kernels.baselines import permute_chain_attention
-from ulysses_kernels.gqa import shares_one_kv, uniform_group
+from ulysses_kernels.gqa import shares_one_kv, uniform_kv_groups
 from ulysses_kernels.layout import QKV, Layout
 from ulysses_kernels.testing import run_ranks
 from ulysses_kernels.traffic import LiveBytes, ulysses_peak_moments
@@ -185,7 +185,7 @@ def _chunk_bytes(B, hq, hkv, chunks) -> tuple[int, int]:
     )  # fmt: skip
     if call.chunks == 1:
         return 1, 0
-    sched = build_schedule(call.layout, call.chunks, call.split_groups)
+    sched = build_schedule(call.layout, call.chunks, call.split_kv_groups)
     return call.chunks, max(sum(c.layout.s2h_send_splits(QKV)) + sum(c.layout.s2h_recv_splits(QKV)) for c in sched.chunks) * 4
 
 
@@ -213,7 +213,7 @@ def _chain_copies(B, hq, hkv, backward: bool, rank: int) -> bool:
         return B > 1 or repeated
     plan = uk.HeadPlan.build(hq, hkv, WORLD)
     kv_map = plan.local_kv_map(rank)
-    gathered = not shares_one_kv(kv_map) and not uniform_group(len(kv_map), plan.kv_count(rank), kv_map)
+    gathered = not shares_one_kv(kv_map) and not uniform_kv_groups(len(kv_map), plan.kv_count(rank), kv_map)
     return repeated and not gathered
 
 

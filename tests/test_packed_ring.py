@@ -308,7 +308,7 @@ def test_balance_documents():
     # contiguous, R = 4: this batch (8 documents) goes from 2.05 to 1.25 (measured).
     order = balance_documents(lengths, 4, "contiguous")
     assert imbalance(rank_work(lengths, 4, "contiguous")) > 1.9 > 1.5 > imbalance(rank_work([lengths[i] for i in order], 4, "contiguous"))
-    with pytest.raises(ValueError, match=r"must split into 8 equal chunks for seq_layout='zigzag'"):
+    with pytest.raises(ValueError, match=r"must split into 8 equal segments for seq_layout='zigzag'"):
         balance_documents([3, 4], 4, "zigzag")
     # Padded as shard_batch(pad=True) pads: the padding stays the last document.
     docs = [5, 1, 2, 9, 3, 7]  # 27 tokens -> 28 on 2x2 zigzag

@@ -27,15 +27,15 @@ from ulysses_kernels.testing import run_ranks
     [(8, 8, 2), (10, 2, 4), (40, 8, 3), (40, 8, 5), (40, 8, 8), (8, 1, 4), (7, 7, 3), (32, 8, 2), (12, 4, 1), (6, 2, 3), (32, 8, 16)],
 )
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])
-@pytest.mark.parametrize("split_groups", [False, True])
-def test_chunk_plans_partition_heads(hq, hkv, world, chunks, split_groups):
+@pytest.mark.parametrize("split_kv_groups", [False, True])
+def test_chunk_plans_partition_heads(hq, hkv, world, chunks, split_kv_groups):
     plan = HeadPlan.build(hq, hkv, world)
-    fwd = chunk_plans(plan, chunks, split_groups=split_groups)
-    bwd = chunk_plans(plan, chunks, split_groups=split_groups, kv_last=True)
+    fwd = chunk_plans(plan, chunks, split_kv_groups=split_kv_groups)
+    bwd = chunk_plans(plan, chunks, split_kv_groups=split_kv_groups, kv_last=True)
     assert 1 <= len(fwd) == len(bwd) <= chunks
-    g = plan.group_size
+    g = plan.kv_group_size
     for r in range(world):
-        shared = split_groups and splits_shared_kv(plan, r)
+        shared = split_kv_groups and splits_shared_kv(plan, r)
         assert [cp.q_ranges[r] for cp in fwd] == [cp.q_ranges[r] for cp in bwd]
         q_seen, kv_fwd, kv_bwd, used = [], [], [], []
         for c, (cp, gp) in enumerate(zip(fwd, bwd)):
@@ -71,8 +71,8 @@ def test_single_kv_head_ranks_split_query_heads():
     assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4)) == 4
     assert len(chunk_plans(HeadPlan.build(40, 8, 8), 8)) == 5
     # ... unless the backend cannot sum a split KV gradient (not an AttentionBackend).
-    assert len(chunk_plans(HeadPlan.build(8, 1, 4), 4, split_groups=False)) == 1
-    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4, split_groups=False)) == 1
+    assert len(chunk_plans(HeadPlan.build(8, 1, 4), 4, split_kv_groups=False)) == 1
+    assert len(chunk_plans(HeadPlan.build(40, 8, 8), 4, split_kv_groups=False)) == 1
     # 40/8 on 5 ranks: 8 query heads over 2-3 groups per rank, split on group boundaries.
     assert len(chunk_plans(HeadPlan.build(40, 8, 5), 4)) == 3
     # One query head per rank: nothing to split.
@@ -100,7 +100,7 @@ def test_auto_short_sequences_and_fast_links_keep_one_chunk(monkeypatch):
     n = choose_chunks(_layout(32, 8, 8, 16384), 2, True, "cuda", slow)
     assert 2 <= n <= 4
     # ... unless the backend cannot sum a split KV gradient.
-    assert choose_chunks(_layout(32, 8, 8, 16384), 2, True, "cuda", slow, split_groups=False) == 1
+    assert choose_chunks(_layout(32, 8, 8, 16384), 2, True, "cuda", slow, split_kv_groups=False) == 1
     # World size 1: nothing to overlap.
     assert choose_chunks(_layout(32, 8, 1, 131072), 2, True, "cuda", slow) == 1
 
@@ -160,6 +160,30 @@ def test_world_one_chunked_equals_unchunked(kernels):
     ref = _run(q, k, v, dout, 1, kernels, LocalCommunicator())
     got = _run(q, k, v, dout, 3, kernels, LocalCommunicator())
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_run_schedule_names_the_path_of_each_call(monkeypatch):
+    """``interface.run_schedule`` is the one place that picks a schedule, from the call's
+    ``traced`` and ``chunks``: eager for one chunk, chunked for more (the function found in
+    the chunked package at call time), traced for a call set up inside ``torch.compile``;
+    the module runs the same choice on its kept ``CallSetup``."""
+    from ulysses_kernels import UlyssesAttention, ulysses_attention
+    from ulysses_kernels.attention import chunked, interface
+
+    taken = []
+    for module, name in ((interface, "eager_attention"), (chunked, "chunked_attention"), (interface, "traced_attention")):
+        monkeypatch.setattr(module, name, lambda q, k, v, call, name=name: taken.append((name, call.chunks)) or name)
+    q, kv = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8)
+    comm = LocalCommunicator()
+    assert ulysses_attention(q, kv, kv, comm=comm, chunks=1) == "eager_attention"
+    assert ulysses_attention(q, kv, kv, comm=comm, chunks=2) == "chunked_attention"
+    module = UlyssesAttention(4, 2, comm=comm, chunks=2)
+    assert module(q, kv, kv) == module(q, kv, kv) == "chunked_attention"  # the second call: the kept CallSetup
+    assert UlyssesAttention(4, 2, comm=comm)(q, kv, kv) == "eager_attention"
+    call = module._resolve(q, kv, kv)
+    assert interface.run_schedule(q, kv, kv, call._replace(traced=True)) == "traced_attention"
+    assert taken == [("eager_attention", 1), ("chunked_attention", 2), ("chunked_attention", 2), ("chunked_attention", 2),
+                     ("eager_attention", 1), ("traced_attention", 2)]  # fmt: skip
 
 
 def test_bad_chunks_value():

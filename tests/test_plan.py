@@ -109,3 +109,13 @@ def test_impossible_layouts_raise(args, match):
 def test_plans_are_values_not_global_state():
     assert HeadPlan.build(40, 8, 5) == HeadPlan.build(40, 8, 5)
     assert hash(HeadPlan.build(40, 8, 5)) == hash(HeadPlan.build(40, 8, 5))
+
+
+def test_kv_group_size_and_its_deprecated_old_name():
+    """A GQA group is a *KV group* (a "group" is a process group): ``kv_group_size``; the old
+    ``group_size`` still answers, with a ``DeprecationWarning``."""
+    plan = HeadPlan.build(40, 8, 16)
+    assert plan.kv_group_size == 5 and HeadPlan.build(8, 1, 4).kv_group_size == 8 and HeadPlan.build(6, 6, 3).kv_group_size == 1
+    with pytest.warns(DeprecationWarning, match="kv_group_size"):
+        assert plan.group_size == 5
+    assert "(KV group 5)" in plan.table().splitlines()[0]

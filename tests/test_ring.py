@@ -110,15 +110,15 @@ def test_block_pieces_are_the_global_causal_mask(layout, u, r):
     for j, i in itertools.product(range(r), repeat=2):
         want = blocks[i][None, :] <= blocks[j][:, None]  # key position <= query position
         got = torch.zeros(L, L, dtype=torch.bool)
-        chunks = lambda n: [int(c) for c in blocks[n].view(-1, L // (2 if layout == "zigzag" else 1))[:, 0] // (L // (2 if layout == "zigzag" else 1))]  # noqa: E731
+        segments = lambda n: [int(c) for c in blocks[n].view(-1, L // (2 if layout == "zigzag" else 1))[:, 0] // (L // (2 if layout == "zigzag" else 1))]  # noqa: E731
         for tile in (L, 5):  # whole pieces, and row tiles of 5 (tile_rows)
             got.zero_()
-            for rows, cols, diag in tile_rows(block_pieces(chunks(j), chunks(i), L, True), tile):
+            for rows, cols, diag in tile_rows(block_pieces(segments(j), segments(i), L, True), tile):
                 assert not got[rows, cols].any(), "pieces overlap"
                 piece = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
                 got[rows, cols] = piece.tril(cols.stop - cols.start - piece.shape[0]) if diag else piece  # bottom-right aligned
             assert torch.equal(got, want), (j, i, tile)
-        assert len(block_pieces(chunks(j), chunks(i), L, True)) <= 1  # one call per ring step
+        assert len(block_pieces(segments(j), segments(i), L, True)) <= 1  # one call per ring step
     assert block_pieces([0], [1], 4, False) == [(slice(0, 4), slice(0, 4), False)]
 
 
@@ -149,7 +149,7 @@ def test_describe_prints_both_levels():
     assert "4 ranks = 2 (Ulysses, contiguous ranks) x 2 (ring, strided)" in text
     assert "Ulysses groups [[0, 1], [2, 3]]; ring groups [[0, 2], [1, 3]]" in text
     rows = text.splitlines()[-4:]
-    # rank 3: Ulysses rank 1 of ring rank 1, chunks [1, 2] of 4, heads [2, 3), KV head [0, 1).
+    # rank 3: Ulysses rank 1 of ring rank 1, segments [1, 2] of 4, heads [2, 3), KV head [0, 1).
     assert rows[3].split()[:5] == ["3", "1", "1", "[1,", "2]"] and "[  2,  3)" in rows[3]
     # bytes: 4 tokens/rank, 16 bytes a head-row; Ulysses rank 1 sends q/k/v for rank 0's
     # 2 q + 1 kv heads (4 heads) and its 1 output head: 4*4*16 + 4*1*16 = 320; the ring: one

@@ -76,7 +76,7 @@ def _packed(sp):
     from test_hf import check_step
     from test_hf_packed import CASES, build, packed_batch, reference, tolerances
 
-    ids, labels, positions, cu = packed_batch()  # 27 tokens: padded to 28, blocks of 14, chunks of 7
+    ids, labels, positions, cu = packed_batch()  # 27 tokens: padded to 28, blocks of 14, segments of 7
     for case in CASES[:2]:  # Qwen2 6/2 (3 query heads per Ulysses rank), Llama 4/1
         ref_loss, ref_grads, ref_logits = reference(build(*case), ids, labels, cu)
         rtol, grad_rtol = tolerances(case)

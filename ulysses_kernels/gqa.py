@@ -6,7 +6,7 @@ After the sequence-to-head exchange a rank holds ``q`` ``[B, S, hq, D]`` and ``k
 (``HeadPlan.local_kv_map``). Three cases, the ``KVGather`` modes:
 
 * ``"grouped"``: the map is uniform (query head ``i`` uses KV head ``i // (hq // hkv)``:
-  plain GQA): a grouped-query kernel takes ``k``, ``v`` as they are (``uniform_group``);
+  plain GQA): a grouped-query kernel takes ``k``, ``v`` as they are (``uniform_kv_groups``);
 * ``"gathered"``: the rank's query heads straddle a KV group boundary unevenly (3 query
   heads, 2 from one group and 1 from the next): the KV heads are gathered to one per query
   head, locally, after the wire, and their gradients summed back (``index_add`` in
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVGather", "KVGradSum", "expand_kv", "kv_index", "shares_one_kv", "uniform_group"]
+__all__ = ["KVGather", "KVGradSum", "expand_kv", "kv_index", "shares_one_kv", "uniform_kv_groups"]
 
 
-def uniform_group(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
+def uniform_kv_groups(hq: int, hkv: int, kv_map: Sequence[int]) -> bool:
     """True when query head ``i`` uses KV head ``i // (hq // hkv)`` (plain GQA)."""
     if hq % hkv:
         return False
@@ -175,6 +175,6 @@ def _kv_gather(kv_map: tuple[int, ...], kv_heads: int, gather: bool, shared: boo
     # A value per (map, heads, flags): every call of a layout gets the same one.
     if shared and shares_one_kv(kv_map):
         return KVGather(kv_map, kv_heads, "shared")
-    if gather or not uniform_group(len(kv_map), kv_heads, kv_map):
+    if gather or not uniform_kv_groups(len(kv_map), kv_heads, kv_map):
         return KVGather(kv_map, kv_heads, "gathered")
     return KVGather(kv_map, kv_heads, "grouped")

@@ -22,6 +22,7 @@ Rules (all ranks compute the same plan from the same three integers):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 __all__ = ["HeadPlan", "PlanError", "more_ranks_than_heads"]
@@ -112,9 +113,15 @@ class HeadPlan:
 
     # ---- per-rank sizes -------------------------------------------------------------
     @property
-    def group_size(self) -> int:
-        """Query heads per KV head (``1`` for MHA, ``q_heads`` for MQA)."""
+    def kv_group_size(self) -> int:
+        """Query heads per KV head, the size of a KV group (``1`` for MHA, ``q_heads`` for MQA)."""
         return self.q_heads // self.kv_heads
+
+    @property
+    def group_size(self) -> int:
+        """Deprecated: ``kv_group_size`` (a "group" is a process group)."""
+        warnings.warn("HeadPlan.group_size is deprecated: use HeadPlan.kv_group_size", DeprecationWarning, stacklevel=2)
+        return self.kv_group_size
 
     def q_count(self, rank: int) -> int:
         start, end = self.q_ranges[rank]
@@ -132,7 +139,7 @@ class HeadPlan:
         """For each local query head of ``rank``, the index of its local KV head."""
         q0, q1 = self.q_ranges[rank]
         kv0 = self.kv_ranges[rank][0]
-        return tuple(h // self.group_size - kv0 for h in range(q0, q1))
+        return tuple(h // self.kv_group_size - kv0 for h in range(q0, q1))
 
     def kv_holders(self, kv_head: int) -> tuple[int, ...]:
         """Ranks that receive global KV head ``kv_head`` (more than one: replicated)."""
@@ -164,7 +171,7 @@ class HeadPlan:
         ideal = (self.q_heads + 2 * self.kv_heads) / self.world_size
         lines = [
             f"HeadPlan: {self.q_heads} query heads, {self.kv_heads} KV heads "
-            f"(group {self.group_size}), {self.world_size} ranks",
+            f"(KV group {self.kv_group_size}), {self.world_size} ranks",
             f"  KV replication {self.kv_replication:.3f}x ({self.kv_sent} KV heads sent for "
             f"{self.kv_heads}), load imbalance {self.imbalance:.3f}x, "
             f"q/k/v bytes sent {self.traffic_ratio:.3f}x the even ideal",

@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .gqa import shares_one_kv, uniform_group
+from .gqa import shares_one_kv, uniform_kv_groups
 from .layout import OUT, QKV, Layout
 
 __all__ = ["CopyCounter", "LiveBytes", "ulysses_payload_bytes", "ulysses_buffer_bytes", "s2h_send_elems", "h2s_recv_elems", "ulysses_peak_moments"]
@@ -153,7 +153,7 @@ def ulysses_peak_moments(layout: Layout, element_size: int, *, backward: bool) -
     hq, hkv = lay.head_count("q", r), lay.head_count("kv", r)
     kv_map = lay.plan.local_kv_map(r)
     shared = shares_one_kv(kv_map)
-    gathered = not shared and not uniform_group(len(kv_map), hkv, kv_map)
+    gathered = not shared and not uniform_kv_groups(len(kv_map), hkv, kv_map)
     head = B * S * D * e  # one head over the whole sequence, [B, S, 1, D]
     send_qkv, recv_qkv = s2h_send_elems(lay, QKV) * e, sum(lay.s2h_recv_splits(QKV)) * e
     send_dout, recv_dout = s2h_send_elems(lay, OUT) * e, sum(lay.s2h_recv_splits(OUT)) * e

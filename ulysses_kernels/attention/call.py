@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -52,10 +51,7 @@ from ..layout import Layout
 from ..math_attention import default_scale
 from ..plan import HeadPlan
 from ..ring import SPGroups, check_ring_inputs, ring_backend
-from . import chunked
 from .chunked import choose_chunks, chunk_plans
-from .eager import eager_attention
-from .traced import traced_attention
 
 __all__ = ["CallSetup", "members_of", "setup_attention", "setup_exchange", "setup_head_to_seq"]
 
@@ -67,15 +63,14 @@ class CallSetup(NamedTuple):
 
     ``backend``: what this rank runs (``backends.for_rank``'s pick: ``SharedKV`` around a
     built-in backend on a rank whose query heads share its one KV head), ``None`` for the
-    bare exchanges. ``split_groups``: the backend is a built-in one, so the chunked
+    bare exchanges. ``split_kv_groups``: the backend is a built-in one, so the chunked
     pipeline may split a shared KV head's query heads (the same answer on every rank).
     ``chunks``: the resolved chunk count (1: the unchunked op). ``docs``: the document
     boundaries of a packed sequence (``documents.Documents``: the global ``cu_seqlens``,
     which are also every rank's view after the sequence-to-head exchange), ``None`` for
-    ordinary batches; the backend receives them as ``docs=``. ``schedule``: the function that
-    runs the call, ``schedule(q, k, v, call)``: ``traced.traced_attention`` inside
-    torch.compile, ``chunked.chunked_attention`` for ``chunks > 1``, else
-    ``eager.eager_attention`` (``None`` for the bare exchanges).
+    ordinary batches; the backend receives them as ``docs=``. ``traced`` and ``chunks`` say
+    which schedule runs the call: ``interface.run_schedule`` reads them (the only place that
+    picks one).
     """
 
     plan: HeadPlan
@@ -83,14 +78,13 @@ class CallSetup(NamedTuple):
     comm: Communicator
     kernels: KernelSet
     backend: object | None = None
-    split_groups: bool = False
+    split_kv_groups: bool = False
     causal: bool = False
     scale: float = 1.0
     kv_map: tuple[int, ...] = ()
     chunks: int = 1
     traced: bool = False
     docs: Documents | None = None
-    schedule: Callable | None = None
 
 
 def members_of(group, comm) -> Communicator:
@@ -135,7 +129,7 @@ def _cached_kernel_set(name, device: torch.device, layout: Layout, generation: i
 
 
 def _backend(attn_fn, q: torch.Tensor, kv_map: tuple[int, ...], traced: bool):
-    """``(base, split_groups, backend)``: ``resolve_backend``'s pick, whether it is a built-in
+    """``(base, split_kv_groups, backend)``: ``resolve_backend``'s pick, whether it is a built-in
     ``AttentionBackend`` (the chunked pipeline may then split a shared KV head), and the
     rank's backend (``for_rank``). Once per value key for a name (or None); a backend or a
     callable given as an object is wrapped per call (nothing to resolve)."""
@@ -152,11 +146,11 @@ def _cached_backend(attn_fn: str | None, device: torch.device, dtype: torch.dtyp
     return base, isinstance(base, AttentionBackend), for_rank(base, kv_map)
 
 
-def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_type: str, split_groups: bool) -> int:
+def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_type: str, split_kv_groups: bool) -> int:
     """The number of head chunks the call runs: ``chunks`` (an int >= 1, or ``"auto"``:
     ``chunked.choose_chunks``'s cost model), capped by what the plan can split."""
     if chunks == "auto":
-        n = choose_chunks(layout, itemsize, causal, device_type, split_groups=split_groups)
+        n = choose_chunks(layout, itemsize, causal, device_type, split_kv_groups=split_kv_groups)
     elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
         n = chunks
     else:
@@ -169,7 +163,7 @@ def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_
             stacklevel=4,
         )
         return 1
-    return 1 if n == 1 else len(chunk_plans(layout.plan, n, split_groups=split_groups))
+    return 1 if n == 1 else len(chunk_plans(layout.plan, n, split_kv_groups=split_kv_groups))
 
 
 def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softmax_scale, check, docs):
@@ -217,18 +211,11 @@ def setup_attention(
     plan, layout, kv_map, base, split, backend, kern, scale = parts
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     comm = _transport(group, comm, members, q.device, traced)
-    return CallSetup(plan, layout, comm, kern, backend, split, bool(causal), scale, kv_map, n, traced, docs, _schedule(traced, n))
-
-
-def _schedule(traced: bool, chunks: int) -> Callable:
-    """The function that runs the call: traced inside torch.compile, chunked for more than
-    one chunk, else eager (looked up in its module per call, so that a replaced function is
-    the one that runs)."""
-    return traced_attention if traced else chunked.chunked_attention if chunks > 1 else eager_attention
+    return CallSetup(plan, layout, comm, kern, backend, split, bool(causal), scale, kv_map, n, traced, docs)
 
 
 def _resolve_parts(key: tuple, q: torch.Tensor, attn_fn, kernels, traced: bool) -> tuple:
-    """``(plan, layout, kv_map, base, split_groups, backend, kernel set, scale)`` of the flat
+    """``(plan, layout, kv_map, base, split_kv_groups, backend, kernel set, scale)`` of the flat
     call ``key`` (``checks.call_key``): the checks with the plan and the ``Layout``
     (``checks.planned``), ``resolve_backend``'s pick, whether it is a built-in
     ``AttentionBackend`` (the chunked pipeline may then split a shared KV head), the rank's
@@ -271,7 +258,7 @@ def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_sc
     kern = _kernel_set(kernels, q.device, layout, False)
     n = 1 if type(chunks) is int and chunks == 1 else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     return CallSetup(plan, layout, comm, kern, ring_backend(sp, base), split, bool(causal), default_scale(q.shape[3], softmax_scale),
-                     layout.kv_map, n, False, docs, _schedule(False, n))  # fmt: skip
+                     layout.kv_map, n, False, docs)  # fmt: skip
 
 
 def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check) -> CallSetup:

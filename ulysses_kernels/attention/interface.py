@@ -1,4 +1,13 @@
-"""The public Ulysses attention op, its module, and the lower-level all-to-all ops."""
+"""The public Ulysses attention op, the schedule each call takes, the eager schedule, the
+module, and the lower-level all-to-all ops.
+
+The path of one call reads top-down here: ``ulysses_attention`` resolves the call
+(``attention.call``) and hands it to ``run_schedule``, the one place that picks the schedule
+(``traced`` inside ``torch.compile``, ``chunked`` for ``call.chunks > 1``, else the eager
+schedule, the default, right below it). A 2-D group (``SPGroups``) is no schedule of its
+own: its ring level is the call's attention backend (``ring.RingBackend``), which the eager
+and the chunked schedule run like any backend.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +17,17 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..checkpointing import chunks_recompute_apart
+from ..backends import doc_kwargs
+from ..checkpointing import chunks_recompute_apart, one_recompute
 from ..comm import get_communicator, native_nccl_enabled
 from ..documents import documents
+from ..layout import OUT, QKV
 from ..plan import HeadPlan
 from ..ring import SPGroups
+from . import chunked
 from .call import CallSetup, members_of, setup_attention, setup_exchange, setup_head_to_seq
-from .exchange import HeadToSeq, HeadToSeqTraced, SeqToHead, SeqToHeadTraced
+from .exchange import HeadToSeq, HeadToSeqTraced, SeqToHead, SeqToHeadTraced, a2a_head_to_seq, a2a_seq_to_head
+from .traced import traced_attention
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
 
@@ -102,7 +115,90 @@ def ulysses_attention(
         q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
         attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
     )  # fmt: skip
-    return call.schedule(q, k, v, call)
+    return run_schedule(q, k, v, call)
+
+
+def run_schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallSetup) -> torch.Tensor:
+    """Run ``call`` on ``q``, ``k``, ``v`` (shapes as for ``ulysses_attention``) with the
+    schedule it takes, chosen here and nowhere else:
+
+    * ``call.traced`` (set up inside ``torch.compile``): ``traced.traced_attention``, traceable
+      pieces (``chunks`` is ignored there);
+    * ``call.chunks > 1``: ``chunked.chunked_attention``, head chunks whose exchanges overlap
+      attention (looked up in its package per call: a replaced function is the one that runs);
+    * else ``eager_attention`` (below): three autograd nodes.
+
+    A 2-D group takes the same three: its ring level is ``call.backend``."""
+    if call.traced:
+        return traced_attention(q, k, v, call)
+    if call.chunks > 1:
+        return chunked.chunked_attention(q, k, v, call)
+    return eager_attention(q, k, v, call)
+
+
+# ---- the eager schedule (the default) ---------------------------------------------------------
+def eager_attention(q, k, v, call):
+    """Ulysses attention, eager: all-to-all, local attention, all-to-all, as three autograd
+    nodes (``SeqToHead``, ``LocalAttention``, ``HeadToSeq``, the composition the compiled
+    path traces too); the backward runs them in reverse: dout to heads, the attention
+    backward, dq/dk/dv back to the sequence. Three nodes rather than one so that each buffer
+    goes at its last use: ``dout`` after its exchange, the head-sharded ``dout`` and the
+    saved attention state after the attention backward (one node would hold all of them
+    until dq/dk/dv arrive). ``call``: the ``CallSetup`` (its ``backend`` is
+    ``backends.for_rank``'s pick).
+
+    When nothing needs a gradient (inference, evaluation: grad mode off, or no input that
+    requires grad) the forwards of the three nodes run without the nodes: the same movers
+    and the same backend call, with no autograd context to build."""
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _forward_only(q, k, v, call)
+    q_l, k_l, v_l = SeqToHead.apply(call, q, k, v)
+    out_l = LocalAttention.apply(call, q_l, k_l, v_l)
+    del q_l, k_l, v_l  # the attention graph's saved tensors hold what its backward needs
+    return HeadToSeq.apply(call, out_l)
+
+
+class LocalAttention(torch.autograd.Function):
+    """The rank's attention backend (``call.backend``) on its head-sharded ``q``, ``k``,
+    ``v`` (``[B, S, h, D]`` views of the sequence-to-head receive buffer), as an autograd
+    node of its own between the two exchanges. The backend's state (for built-in backends,
+    gradient edges of the attention graph: no tensor, so that checkpointing and saved-tensor
+    hooks see the saved attention inputs and output; docs/design.md) is the only thing kept
+    for the backward. Its backward gives up that state before it returns, and the autograd engine
+    frees ``dout`` (``[B, s_r, Hq, D]``) once the exchange that consumed it has run and the
+    head-sharded ``dout`` once this node has run."""
+
+    @staticmethod
+    def forward(ctx, call, q, k, v):
+        needs_grad = any(ctx.needs_input_grad[1:4])
+        out, state = call.backend.forward(
+            q, k, v, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=needs_grad, **doc_kwargs(call.docs)
+        )  # fmt: skip
+        ctx.call, ctx.state = call, state
+        # Read first in backward: a pending checkpoint recompute runs then, once, for the
+        # nested passes of the backend's backward too (``checkpointing.one_recompute``).
+        ctx.save_for_backward(q.new_empty(0))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        with one_recompute():
+            (_marker,) = ctx.saved_tensors
+            backend, state = ctx.call.backend, ctx.state
+            ctx.state = None
+            return (None, *backend.backward(state, dout))
+
+
+def _forward_only(q, k, v, call):
+    """``SeqToHead``, ``LocalAttention`` and ``HeadToSeq``'s forwards, as plain calls."""
+    layout, comm, kernels = call.layout, call.comm, call.kernels
+    q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels)
+    out_l, _ = call.backend.forward(
+        q_l, k_l, v_l, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=False, **doc_kwargs(call.docs)
+    )  # fmt: skip
+    del q_l, k_l, v_l
+    return a2a_head_to_seq(layout, [out_l], OUT, comm, kernels)[0]
 
 
 # The resolved calls a module keeps (one per input signature: a few KB each). Packed batches
@@ -168,7 +264,7 @@ class UlyssesAttention(nn.Module):
         if torch.compiler.is_compiling():  # resolved at trace time; the graph keeps it (no cross-rank check)
             return self._call(q, k, v, seq_lens, docs, check)
         call = self._resolved(q, k, v, seq_lens, docs, key, check)
-        out = call.schedule(q, k, v, call)
+        out = run_schedule(q, k, v, call)
         if check:
             self._checked.add(key)
         return out

@@ -1,6 +1,6 @@
 """The path ``ulysses_attention`` takes inside ``torch.compile``: one graph, forward and backward.
 
-The eager op (``attention.eager``) runs the attention backend under its own
+The eager schedule (``interface.eager_attention``) runs the attention backend under its own
 autograd and calls ``torch.autograd.grad`` in its backward, posts grouped send/recv for
 batch > 1 and for dq/dk/dv, and checks inputs with an all-gather whose result the host
 decodes. Dynamo (torch 2.14) traces none of these by default: ``autograd.grad`` needs

@@ -124,7 +124,7 @@ def chunk_counts(plan: HeadPlan, fixed, want_auto: bool, auto: int, split: bool)
     """Counts to run (1 first) and ``(count, why)`` for fixed counts the plan cannot split into."""
     counts, notes = {1}, []
     for n in fixed:
-        got = len(chunk_plans(plan, n, split_groups=split))
+        got = len(chunk_plans(plan, n, split_kv_groups=split))
         if got == n:
             counts.add(n)
         else:
@@ -263,7 +263,7 @@ def run_case(args, case: Case, name: str, S: int, world: int, notes: dict, progr
     ``--chunks``, the count "auto" picks), measured; an OOM is noted, any other error propagates."""
     fixed, want_auto = parse_chunks(args.chunks)
     cuda = case.device.type == "cuda"
-    auto = choose_chunks(case.layout, case.q.element_size(), True, case.device.type, split_groups=case.split)
+    auto = choose_chunks(case.layout, case.q.element_size(), True, case.device.type, split_kv_groups=case.split)
     counts, chunk_notes = chunk_counts(case.plan, fixed, want_auto, auto, case.split)
     for n, why in chunk_notes:
         notes.setdefault(f"{name} chunks={n}", why)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..gqa import shares_one_kv, uniform_group
+from ..gqa import shares_one_kv, uniform_kv_groups
 from ..layout import Q_ONLY, QKV
 from ..traffic import h2s_recv_elems, s2h_send_elems
 
@@ -127,7 +127,7 @@ class ExchangeBytes:
         hq, hkv = lay.head_count("q", rank), lay.head_count("kv", rank)
         kv_map = lay.plan.local_kv_map(rank)
         shared = shares_one_kv(kv_map)
-        gathered = not shared and not uniform_group(len(kv_map), hkv, kv_map)
+        gathered = not shared and not uniform_kv_groups(len(kv_map), hkv, kv_map)
         head = B * S * D * e
         one = lay.world_size == 1  # the exchange moves nothing: the op's buffers are its kernel's
         # longctx.HeadChunkedAttention runs where the rank's query heads share one KV head or

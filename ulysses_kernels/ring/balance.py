@@ -30,20 +30,20 @@ import random
 
 import torch
 
-from .seq_layout import block_chunks
+from .seq_layout import block_segments
 
 __all__ = ["rank_work", "balance_documents"]
 
 
 def _segments(total: int, ring_size: int, seq_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bounds [n+1], owner [n])``: the sequence's chunks in position order and the ring rank
-    whose block holds each (contiguous: ``R`` chunks; zigzag: ``2R``)."""
-    n = block_chunks(0, ring_size, seq_layout)[1]
+    """``(bounds [n+1], owner [n])``: the sequence's segments in position order and the ring rank
+    whose block holds each (contiguous: ``R`` segments; zigzag: ``2R``)."""
+    n = block_segments(0, ring_size, seq_layout)[1]
     if total % n:
-        raise ValueError(f"balance_documents: the documents' total ({total} tokens) must split into {n} equal chunks for seq_layout={seq_layout!r}")
+        raise ValueError(f"balance_documents: the documents' total ({total} tokens) must split into {n} equal segments for seq_layout={seq_layout!r}")
     owner = [0] * n
     for j in range(ring_size):
-        for c in block_chunks(j, ring_size, seq_layout)[0]:
+        for c in block_segments(j, ring_size, seq_layout)[0]:
             owner[c] = j
     return torch.arange(n + 1, dtype=torch.int64) * (total // n), torch.tensor(owner)
 
@@ -51,15 +51,15 @@ def _segments(total: int, ring_size: int, seq_layout: str) -> tuple[torch.Tensor
 def _work(lengths: torch.Tensor, bounds: torch.Tensor, owner: torch.Tensor, ring_size: int) -> torch.Tensor:
     ends = lengths.cumsum(0)
     starts = ends - lengths
-    lo = (bounds[:-1].unsqueeze(0) - starts.unsqueeze(1)).clamp(min=0).minimum(lengths.unsqueeze(1))  # [docs, chunks]
+    lo = (bounds[:-1].unsqueeze(0) - starts.unsqueeze(1)).clamp(min=0).minimum(lengths.unsqueeze(1))  # [docs, segments]
     hi = (bounds[1:].unsqueeze(0) - starts.unsqueeze(1)).clamp(min=0).minimum(lengths.unsqueeze(1))
-    per_chunk = ((hi * (hi + 1) - lo * (lo + 1)) // 2).sum(0)
-    return torch.zeros(ring_size, dtype=torch.int64).index_add_(0, owner, per_chunk)
+    per_segment = ((hi * (hi + 1) - lo * (lo + 1)) // 2).sum(0)
+    return torch.zeros(ring_size, dtype=torch.int64).index_add_(0, owner, per_segment)
 
 
 def rank_work(lengths, ring_size: int, seq_layout: str = "contiguous") -> list[int]:
     """Causal document pairs each ring rank computes when documents of ``lengths`` are
-    packed in this order (their total must split into the layout's equal chunks)."""
+    packed in this order (their total must split into the layout's equal segments)."""
     lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
     bounds, owner = _segments(int(lengths.sum()), ring_size, seq_layout)
     return _work(lengths, bounds, owner, ring_size).tolist()
@@ -87,7 +87,7 @@ def balance_documents(lengths, ring_size: int, seq_layout: str = "contiguous", *
     ``lengths``: the documents' token counts, in the order given. ``padded_to``: the length
     the packed sequence is padded to (``hf.shard_batch(pad=True)``, ``pad_documents``: the
     padding is one document at the end, which stays there); ``None``: ``sum(lengths)``, which
-    must then split into the layout's equal chunks.
+    must then split into the layout's equal segments.
     ``ring_size``, ``seq_layout``: the 2-D group's (``SPGroups.ring_size``, ``seq_layout``).
     ``rounds`` x ``tries``: swaps tried (each round keeps the best of ``tries``). The order
     depends only on the arguments (seeded), so ranks that call it alike agree."""
@@ -114,14 +114,14 @@ def balance_documents(lengths, ring_size: int, seq_layout: str = "contiguous", *
     if n < 2 or ring_size < 2:
         return best.tolist()
     rng = random.Random(seed)
-    chunk = bounds[1] - bounds[0]
+    segment = bounds[1] - bounds[0]
     for _ in range(rounds):
         ordered = t[torch.cat([best, tail])]
         work = _work(ordered, bounds, owner, ring_size)
         heavy, light = int(work.argmax()), int(work.argmin())
-        # Documents with tokens in each ring rank's block: [docs, chunks] overlap, by owner.
+        # Documents with tokens in each ring rank's block: [docs, segments] overlap, by owner.
         ends = ordered.cumsum(0)
-        first, last = (ends - ordered) // chunk, (ends - 1) // chunk
+        first, last = (ends - ordered) // segment, (ends - 1) // segment
         span = torch.arange(len(bounds) - 1)
         touches = (span >= first.unsqueeze(1)) & (span <= last.unsqueeze(1))
         touches = touches[:n] & (ordered[:n] > 0).unsqueeze(1)  # documents only, not the padding

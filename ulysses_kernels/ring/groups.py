@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..comm import TorchCommunicator
 from ..plan import HeadPlan
-from .seq_layout import block_chunks, check_seq_layout
+from .seq_layout import block_segments, check_seq_layout
 
 __all__ = ["SPGroups", "make_sp_groups", "sp_rank_lists", "PLACEMENTS"]
 
@@ -114,27 +114,27 @@ class SPGroups:
                  batch: int = 1, head_dim: int = 128, itemsize: int = 2) -> str:  # fmt: skip
         """The 2-D plan as text: per rank its Ulysses and ring rank, its heads (with
         ``q_heads``/``kv_heads``: the ``HeadPlan`` of its Ulysses group) and the sequence
-        chunks its ring block holds; with ``seq_len`` too, the bytes each rank sends per
+        segments its ring block holds; with ``seq_len`` too, the bytes each rank sends per
         level in one forward (Ulysses: q/k/v to its peers and the output back; ring: its
         K/V block to the next ring rank, ``ring_size - 1`` times: the full ring; a causal call
         on contiguous shards, or a packed one, sends fewer, ``ring.schedule``)."""
         plan = HeadPlan.build(q_heads, kv_heads, self.ulysses_size) if q_heads is not None else None
-        n_chunks = block_chunks(0, self.ring_size, self.seq_layout)[1]
+        n_segments = block_segments(0, self.ring_size, self.seq_layout)[1]
         lines = [
             f"SPGroups: {self.world_size} ranks = {self.ulysses_size} (Ulysses, contiguous ranks) x "
             f"{self.ring_size} (ring, strided), placement {self.placement}, seq_layout {self.seq_layout} "
-            f"({n_chunks} sequence chunks)",
+            f"({n_segments} sequence segments)",
             f"  Ulysses groups {[list(g) for g in self.ulysses_ranks]}; ring groups {[list(g) for g in self.ring_ranks]}",
         ]
         if plan is not None:
             lines.append("  " + plan.table().splitlines()[0].replace("HeadPlan", "heads per Ulysses group"))
-        head = "  rank  ulysses  ring  chunks"
+        head = "  rank  ulysses  ring  segments"
         head += "  q heads    kv heads" if plan is not None else ""
         head += "  ulysses bytes  ring bytes" if plan is not None and seq_len is not None else ""
         lines.append(head)
         for r in range(self.world_size):
             u, j = r % self.ulysses_size, r // self.ulysses_size
-            row = f"  {r:4d}  {u:7d}  {j:4d}  {str(list(ring_chunks(self, j))):>6s}"
+            row = f"  {r:4d}  {u:7d}  {j:4d}  {str(list(ring_segments(self, j))):>8s}"
             if plan is not None:
                 (q0, q1), (k0, k1) = plan.q_ranges[u], plan.kv_ranges[u]
                 row += f"  [{q0:3d},{q1:3d})  [{k0:3d},{k1:3d})"
@@ -200,9 +200,9 @@ def make_sp_groups(ulysses_size: int, ring_size: int, group=None, placement: str
     return SPGroups(ulysses_size, ring_size, placement, seq_layout, ranks, ulysses, ring, rank, group, **handles)
 
 
-def ring_chunks(sp: SPGroups, ring_rank: int) -> tuple[int, ...]:
-    """The sequence chunks of ring rank ``ring_rank``'s block (``ring.seq_layout.block_chunks``)."""
-    return block_chunks(ring_rank, sp.ring_size, sp.seq_layout)[0]
+def ring_segments(sp: SPGroups, ring_rank: int) -> tuple[int, ...]:
+    """The sequence segments of ring rank ``ring_rank``'s block (``ring.seq_layout.block_segments``)."""
+    return block_segments(ring_rank, sp.ring_size, sp.seq_layout)[0]
 
 
 def _bytes_sent(plan: HeadPlan, u: int, sp: SPGroups, seq_len: int, row_bytes: int) -> tuple[int, int]:

@@ -22,9 +22,9 @@ What is skipped in practice (``describe`` prints it; ``bench.ring_balance`` tabu
   documents that start in block i reach no further), never by the ranks before it, so the
   hops around the end of the ring are skipped even without documents (``reach[i] =
   R-1-i``); with short documents most blocks travel one hop.
-* zigzag, causal: every block has an early and a late chunk, so block ``i`` is needed by
-  ``i+1`` (its early chunk) and by ``i-1`` (its late chunk) whenever a document crosses the
-  chunk boundaries there; ``i-1`` is the last rank of the path, so the block travels the
+* zigzag, causal: every block has an early and a late segment, so block ``i`` is needed by
+  ``i+1`` (its early segment) and by ``i-1`` (its late segment) whenever a document crosses
+  the segment boundaries there; ``i-1`` is the last rank of the path, so the block travels the
   whole ring and only the compute of the pairs in between is skipped.
 * not causal: a pair is computed when a document holds tokens of both blocks.
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .seq_layout import block_chunks, block_pieces, block_runs, document_pieces, document_rows
+from .seq_layout import block_pieces, block_runs, block_segments, document_pieces, document_rows
 
 __all__ = ["RingSchedule", "ring_schedule"]
 
@@ -106,10 +106,10 @@ def ring_schedule(ring_size: int, seq_layout: str, block_len: int, causal: bool,
     docs = None if cu_seqlens is None else [document_rows(r, cu_seqlens) for r in runs]
     table = []
     for j in range(R):
-        q_chunks = block_chunks(j, R, seq_layout)[0]
+        q_segments = block_segments(j, R, seq_layout)[0]
         row = []
         for i in range(R):
-            pieces = block_pieces(q_chunks, block_chunks(i, R, seq_layout)[0], block_len, causal)
+            pieces = block_pieces(q_segments, block_segments(i, R, seq_layout)[0], block_len, causal)
             if docs is not None:
                 pieces = document_pieces(pieces, docs[j], docs[i])
             row.append(tuple(pieces))

@@ -4,30 +4,32 @@ Notation: ``U`` ranks per Ulysses group, ``R`` ring steps, ``P = U * R`` ranks i
 sequence ``S`` tokens, ``s = S / P`` per rank. Rank ``r`` of the whole group is Ulysses rank
 ``u = r % U`` of ring rank ``j = r // U`` (``groups.SPGroups``: Ulysses groups on contiguous
 ranks). After the Ulysses exchange the ``U`` ranks of ring rank ``j`` hold, for their heads,
-the *block* of ring rank ``j``: ``L = U * s`` tokens made of equal *chunks* of the sequence.
+the *block* of ring rank ``j``: ``L = U * s`` tokens made of equal *segments* of the sequence
+(a block is what the ring passes on; a *chunk* is a head chunk of the overlap, never a
+segment).
 
 ``"contiguous"`` (the default; rank r holds the r-th contiguous shard)::
 
-    sequence  | block 0 | block 1 | ... | block R-1 |      R chunks of L tokens
-    block j = chunk j; rank (j, u) holds rows [u*s, (u+1)*s) of it
+    sequence  | block 0 | block 1 | ... | block R-1 |      R segments of L tokens
+    block j = segment j; rank (j, u) holds rows [u*s, (u+1)*s) of it
 
-``"zigzag"`` (the causal load balance: every ring rank gets one early and one late chunk)::
+``"zigzag"`` (the causal load balance: every ring rank gets one early and one late segment)::
 
-    sequence  | c0 | c1 | ... | c(2R-1) |                2R chunks of L/2 tokens
-    block j = c(j) ++ c(2R-1-j); rank (j, u) holds rows [u*s, (u+1)*s) of it
+    sequence  | s0 | s1 | ... | s(2R-1) |                2R segments of L/2 tokens
+    block j = s(j) ++ s(2R-1-j); rank (j, u) holds rows [u*s, (u+1)*s) of it
 
-Causal attention of a query chunk against a key chunk (chunks are equal and aligned): a key
-chunk before the query chunk is attended in full, the same chunk causally (the diagonal), a
-later one not at all. ``block_pieces`` turns that rule into the few rectangles one ring step
+Causal attention of a query segment against a key segment (segments are equal and aligned):
+a key segment before the query segment is attended in full, the same segment causally (the
+diagonal), a later one not at all. ``block_pieces`` turns that rule into the few rectangles one ring step
 computes.
 
 Packed documents (global ``cu_seqlens``): a block's global positions ascend (both layouts),
 so each document's tokens in a block are one run of block rows (``document_rows``: a
-document that crosses the zigzag fold, from chunk ``j`` into chunk ``2R-1-j``, too).
+document that crosses the zigzag fold, from segment ``j`` into segment ``2R-1-j``, too).
 ``document_pieces`` cuts a step's rectangles by document: the part of a full rectangle
 inside one document is full, the part of the diagonal inside one document is that
 document's own causal square (its rows ascend), and everything across two documents is
-dropped. Of two different (disjoint) chunks, at most one document holds tokens of both,
+dropped. Of two different (disjoint) segments, at most one document holds tokens of both,
 so an off-diagonal step keeps at most a rectangle or two however many documents there
 are; only the diagonal step (a block against itself) keeps one square per document.
 """
@@ -40,7 +42,7 @@ import math
 import torch
 
 __all__ = [
-    "SEQ_LAYOUTS", "check_seq_layout", "block_chunks", "block_runs", "shard_rows", "block_pieces", "document_rows",
+    "SEQ_LAYOUTS", "check_seq_layout", "block_segments", "block_runs", "shard_rows", "block_pieces", "document_rows",
     "document_pieces", "tile_rows",
 ]  # fmt: skip
 
@@ -54,58 +56,58 @@ def check_seq_layout(seq_layout: str, who: str) -> str:
     return seq_layout
 
 
-def block_chunks(ring_rank: int, ring_size: int, seq_layout: str) -> tuple[tuple[int, ...], int]:
-    """``(chunks, n_chunks)``: the chunk indices (in order) of ring rank ``ring_rank``'s block,
-    out of ``n_chunks`` equal chunks of the sequence."""
+def block_segments(ring_rank: int, ring_size: int, seq_layout: str) -> tuple[tuple[int, ...], int]:
+    """``(segments, n_segments)``: the segment indices (in order) of ring rank ``ring_rank``'s
+    block, out of ``n_segments`` equal segments of the sequence."""
     if seq_layout == "zigzag":
         return (ring_rank, 2 * ring_size - 1 - ring_rank), 2 * ring_size
     return (ring_rank,), ring_size
 
 
 def block_runs(ring_rank: int, ring_size: int, seq_layout: str, block_len: int) -> tuple[tuple[int, int], ...]:
-    """The global ``[start, end)`` of each chunk of ring rank ``ring_rank``'s block of
+    """The global ``[start, end)`` of each segment of ring rank ``ring_rank``'s block of
     ``block_len`` rows, in block-row order (ascending: the block's positions ascend)."""
-    chunks, _ = block_chunks(ring_rank, ring_size, seq_layout)
-    c = block_len // len(chunks)
-    return tuple((i * c, (i + 1) * c) for i in chunks)
+    segments, _ = block_segments(ring_rank, ring_size, seq_layout)
+    c = block_len // len(segments)
+    return tuple((i * c, (i + 1) * c) for i in segments)
 
 
 def shard_rows(seq_len: int, ulysses_size: int, ring_size: int, rank: int, seq_layout: str) -> torch.Tensor:
-    """The global positions (int64, ascending within each chunk) that rank ``rank`` of the
+    """The global positions (int64, ascending within each segment) that rank ``rank`` of the
     whole group holds. ``ValueError`` when ``seq_len`` does not split evenly."""
-    chunks, n = block_chunks(rank // ulysses_size, ring_size, seq_layout)
+    segments, n = block_segments(rank // ulysses_size, ring_size, seq_layout)
     world = ulysses_size * ring_size
-    if seq_len % n or (seq_len // n * len(chunks)) % ulysses_size:
+    if seq_len % n or (seq_len // n * len(segments)) % ulysses_size:
         raise ValueError(
-            f"shard_sequence: seq_len ({seq_len}) must split into {n} equal chunks whose blocks of "
-            f"{len(chunks)} chunk(s) split over {ulysses_size} Ulysses ranks (a multiple of "
+            f"shard_sequence: seq_len ({seq_len}) must split into {n} equal segments whose blocks of "
+            f"{len(segments)} segment(s) split over {ulysses_size} Ulysses ranks (a multiple of "
             f"{math.lcm(n, world)} always does) for seq_layout={seq_layout!r}"
         )
     c = seq_len // n
-    block = torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks])
+    block = torch.cat([torch.arange(i * c, (i + 1) * c) for i in segments])
     s = block.numel() // ulysses_size
     u = rank % ulysses_size
     return block[u * s : (u + 1) * s]
 
 
-def block_pieces(q_chunks, kv_chunks, block_len: int, causal: bool) -> list[tuple[slice, slice, bool]]:
+def block_pieces(q_segments, kv_segments, block_len: int, causal: bool) -> list[tuple[slice, slice, bool]]:
     """The rectangles one ring step computes: ``(q rows, kv rows, causal)`` in block-local rows,
-    for a query block made of chunks ``q_chunks`` and a KV block made of ``kv_chunks`` (chunk
-    indices, equal chunks of ``block_len / len(chunks)`` tokens). Adjacent full rectangles are
-    merged, so a zigzag step is one call, and a block against itself is one causal call (its
-    chunks ascend, so the block's own causal mask is the global one)."""
+    for a query block made of segments ``q_segments`` and a KV block made of ``kv_segments``
+    (segment indices, equal segments of ``block_len / len(segments)`` tokens). Adjacent full
+    rectangles are merged, so a zigzag step is one call, and a block against itself is one
+    causal call (its segments ascend, so the block's own causal mask is the global one)."""
     whole = slice(0, block_len)
     if not causal:
         return [(whole, whole, False)]
-    if tuple(q_chunks) == tuple(kv_chunks):
+    if tuple(q_segments) == tuple(kv_segments):
         return [(whole, whole, True)]
-    c = block_len // len(q_chunks)
-    rows = []  # per query chunk: the kv row range it sees in full
-    for qc in q_chunks:
-        seen = [i for i, kc in enumerate(kv_chunks) if kc < qc]
-        if any(kc == qc for kc in kv_chunks):
-            raise ValueError("block_pieces: a diagonal chunk in a block that is not the query block")
-        # Chunks before the query chunk; contiguous in the block for both layouts.
+    c = block_len // len(q_segments)
+    rows = []  # per query segment: the kv row range it sees in full
+    for qc in q_segments:
+        seen = [i for i, kc in enumerate(kv_segments) if kc < qc]
+        if any(kc == qc for kc in kv_segments):
+            raise ValueError("block_pieces: a diagonal segment in a block that is not the query block")
+        # Segments before the query segment; contiguous in the block for both layouts.
         rows.append((seen[0] * c, (seen[-1] + 1) * c) if seen else None)
     pieces: list[tuple[slice, slice, bool]] = []
     for i, kv in enumerate(rows):
@@ -122,9 +124,9 @@ def block_pieces(q_chunks, kv_chunks, block_len: int, causal: bool) -> list[tupl
 
 def document_rows(runs, cu_seqlens) -> dict[int, tuple[int, int]]:
     """``{document: (first row, end row)}``: the block rows of each document with tokens in
-    a block whose chunks are ``runs`` (``block_runs``), for global boundaries ``cu_seqlens``.
+    a block whose segments are ``runs`` (``block_runs``), for global boundaries ``cu_seqlens``.
     A block row counts the block's positions below a global position, so a document's rows
-    are one run even when it covers the end of one chunk and the start of the next."""
+    are one run even when it covers the end of one segment and the start of the next."""
 
     def row(x: int) -> int:  # block rows whose global position is below x
         return sum(min(max(x - a, 0), b - a) for a, b in runs)

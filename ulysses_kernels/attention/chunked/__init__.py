@@ -20,9 +20,9 @@ NOTE: an exception between two starts (an OOM in attention, a failed input check
 this rank's later collectives unposted while its peers post theirs: the peers hang until
 the process group's timeout. The op does not try to recover; let the job fail.
 
-Bit-identity with ``chunks=1``. A rank with several local KV groups is chunked on group
+Bit-identity with ``chunks=1``. A rank with several local KV groups is chunked on KV-group
 boundaries: every local KV head (and its gradient) belongs to one chunk and the backend
-sees whole groups. A rank whose query heads all share its one KV head (Llama-3-8B and
+sees whole KV groups. A rank whose query heads all share its one KV head (Llama-3-8B and
 Qwen2.5-14B at sp 8, Llama-3-8B at sp 16, MQA) is chunked by query heads instead: its KV
 head travels with its first chunk forward and with its last chunk backward, and both this
 op and the unchunked one run ``backends.SharedKV`` on it, which sums the KV gradient over

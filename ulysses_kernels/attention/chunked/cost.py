@@ -99,12 +99,12 @@ def _pipeline_seconds(c_in, compute, c_out, model: CostModel) -> float:
     return max(max(t), done_out[n - 1])
 
 
-def estimate_seconds(layout: Layout, n: int, itemsize: int, causal: bool, model: CostModel, split_groups: bool = True) -> float:
+def estimate_seconds(layout: Layout, n: int, itemsize: int, causal: bool, model: CostModel, split_kv_groups: bool = True) -> float:
     """Modelled forward + backward time of the layer with ``n`` chunks (per chunk: the
     bytes its exchanges move and every rank's attention)."""
     plan, S = layout.plan, layout.seq_total
-    fwd_plans = chunk_plans(plan, n, split_groups=split_groups)
-    bwd_plans = chunk_plans(plan, n, split_groups=split_groups, kv_last=True)
+    fwd_plans = chunk_plans(plan, n, split_kv_groups=split_kv_groups)
+    bwd_plans = chunk_plans(plan, n, split_kv_groups=split_kv_groups, kv_last=True)
     lat = model.latency_us * 1e-6
     # 2 S^2 D flops for the scores, 2 S^2 Dv for the values (4 S^2 D without MLA).
     per_head = 2.0 * layout.batch * S * S * (layout.head_dim + layout.v_head_dim) * (0.5 if causal else 1.0) / (model.attn_tflops * 1e12)
@@ -121,22 +121,22 @@ def estimate_seconds(layout: Layout, n: int, itemsize: int, causal: bool, model:
 
 
 def choose_chunks(
-    layout: Layout, itemsize: int, causal: bool, device_type: str, model: CostModel | None = None, split_groups: bool = True
+    layout: Layout, itemsize: int, causal: bool, device_type: str, model: CostModel | None = None, split_kv_groups: bool = True
 ) -> int:
     """The chunk count ``chunks="auto"`` uses: the modelled best among 1..8 (capped by
     what the plan can split), or 1 when chunking gains less than ``min_gain``."""
-    return _choose_chunks(layout, itemsize, causal, model or CostModel.from_env(device_type), split_groups)
+    return _choose_chunks(layout, itemsize, causal, model or CostModel.from_env(device_type), split_kv_groups)
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_chunks(layout: Layout, itemsize: int, causal: bool, model: CostModel, split_groups: bool) -> int:
+def _choose_chunks(layout: Layout, itemsize: int, causal: bool, model: CostModel, split_kv_groups: bool) -> int:
     if layout.world_size == 1:
         return 1
-    most = len(chunk_plans(layout.plan, MAX_CHUNKS, split_groups=split_groups))
-    base = estimate_seconds(layout, 1, itemsize, causal, model, split_groups)
+    most = len(chunk_plans(layout.plan, MAX_CHUNKS, split_kv_groups=split_kv_groups))
+    base = estimate_seconds(layout, 1, itemsize, causal, model, split_kv_groups)
     best_n, best_t = 1, base
     for n in range(2, most + 1):
-        t = estimate_seconds(layout, n, itemsize, causal, model, split_groups)
+        t = estimate_seconds(layout, n, itemsize, causal, model, split_kv_groups)
         if t < best_t:
             best_n, best_t = n, t
     return best_n if best_t < base * (1.0 - model.min_gain) else 1

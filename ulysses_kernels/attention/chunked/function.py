@@ -61,7 +61,7 @@ def _attend_chunk_backward(backend, saved, dout):
 
 # ---- the autograd function -----------------------------------------------------------------
 class ChunkedAttentionFunction(torch.autograd.Function):
-    """``eager.eager_attention`` with the all-to-alls of head chunks overlapping attention."""
+    """``interface.eager_attention`` with the all-to-alls of head chunks overlapping attention."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):
@@ -70,7 +70,7 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         causal, scale = call.causal, call.scale
         # backends.for_rank made this rank's backend SharedKV exactly when its chunks split
         # a shared KV head's query heads (the schedule's `shared`).
-        sched = build_schedule(layout, call.chunks, call.split_groups)
+        sched = build_schedule(layout, call.chunks, call.split_kv_groups)
         chan = AsyncChannel(comm, q.device)
         # The result is allocated at the first unpack, after the first chunk's attention
         # (not before it, where it would add to that peak).
@@ -130,7 +130,7 @@ class ChunkedAttentionFunction(torch.autograd.Function):
     def _backward(ctx, dout):
         call = ctx.call
         layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
-        sched = build_schedule(layout, call.chunks, call.split_groups)
+        sched = build_schedule(layout, call.chunks, call.split_kv_groups)
         chan = AsyncChannel(comm, dout.device)
         B, D, Dv, rank = layout.batch, layout.head_dim, layout.v_head_dim, layout.rank
         # dq, dk, dv are allocated at the first unpack: by then the first chunk's attention

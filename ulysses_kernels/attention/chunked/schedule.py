@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ...gqa import uniform_group
+from ...gqa import uniform_kv_groups
 from ...layout import Layout
 from ...plan import HeadPlan
 from .chunking import chunk_plans, splits_shared_kv
@@ -34,14 +34,14 @@ class Schedule:
 
 
 @functools.lru_cache(maxsize=64)
-def build_schedule(layout: Layout, n: int, split_groups: bool) -> Schedule:
+def build_schedule(layout: Layout, n: int, split_kv_groups: bool) -> Schedule:
     plan, rank = layout.plan, layout.rank
-    plans = chunk_plans(plan, n, split_groups=split_groups)
-    grad_plans = chunk_plans(plan, n, split_groups=split_groups, kv_last=True)
+    plans = chunk_plans(plan, n, split_kv_groups=split_kv_groups)
+    grad_plans = chunk_plans(plan, n, split_kv_groups=split_kv_groups, kv_last=True)
     replicated = {h for h in range(plan.kv_heads) if len(plan.kv_holders(h)) > 1}
     full_map = plan.local_kv_map(rank)
-    full_uniform = uniform_group(len(full_map), plan.kv_count(rank), full_map)
-    shared = split_groups and splits_shared_kv(plan, rank)
+    full_uniform = uniform_kv_groups(len(full_map), plan.kv_count(rank), full_map)
+    shared = split_kv_groups and splits_shared_kv(plan, rank)
 
     def lay(p: HeadPlan) -> Layout:
         return layout.with_plan(p)

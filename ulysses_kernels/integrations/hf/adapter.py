@@ -309,7 +309,7 @@ def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     them: plain causal attention (the fused op). The model's mask function saw only this
     rank's positions; the boundaries come from ``shard_batch``, global."""
     if shard.documents is None:
-        # A zigzag shard's positions jump at its second chunk (transformers sees a packed
+        # A zigzag shard's positions jump at its second segment (transformers sees a packed
         # sequence there); shard_batch made them from the global ones, so they are not.
         if mask.packed and shard.ring_layout is None:
             raise HFIntegrationError(

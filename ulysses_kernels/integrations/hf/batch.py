@@ -14,7 +14,7 @@ Packed batches (batch 1, documents end to end): the documents come from position
 restart at 0 (or ``cu_seqlens``); positions restart per document, the last token of each
 document has no target, and the global boundaries go on the step's ``SequenceShard``.
 A 2-D group with zigzag shards: rank r holds ``ring.shard_rows`` of the sequence (two
-chunks), recorded on the shard as ``ring_layout``.
+segments), recorded on the shard as ``ring_layout``.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ def _deepstack_shard(shard: SequenceShard, mask, embeds, bsz: int, seq: int) -> 
 
 def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens, pad: bool) -> tuple[int, list[int]]:
     """``(total, seq_lens)`` for a 2-D group: its ring level needs equal shards, and zigzag
-    cuts the sequence into ``2 x ring_size`` equal chunks whose blocks split over the
+    cuts the sequence into ``2 x ring_size`` equal segments whose blocks split over the
     Ulysses ranks (``pad`` pads to a multiple of ``lcm(2 x ring_size, group size)``)."""
     multiple = sp.world_size if sp.seq_layout == "contiguous" else math.lcm(2 * sp.ring_size, sp.world_size)
     if pad and total % multiple:
