@@ -83,6 +83,20 @@ def test_info_from_outside_the_checkout_lists_every_kernel_set(tmp_path):
     assert ext.split(None, 2)[2].startswith("built" if extension.available() else "NOT BUILT"), ext
 
 
+# The module paths users type (README, docs/performance.md, docs/gpu_validation.md): each must keep
+# working from outside the checkout whatever the package's insides become (#40 split three of them).
+USER_MODULES = (
+    "selftest", "memory", "demo",
+    *(f"bench.{name}" for name in ("alltoall", "attention", "host", "longctx", "overlap", "pack", "perf_model", "ring_balance", "summary")),
+)
+
+
+@pytest.mark.parametrize("module", USER_MODULES)
+def test_user_module_paths_run_from_outside_the_checkout(module, tmp_path):
+    out = run([sys.executable, "-I", "-m", f"ulysses_kernels.{module}", "--help"], tmp_path, timeout=120).stdout
+    assert out.startswith("usage:"), out[:500]
+
+
 def test_torchrun_demo_from_outside_the_checkout(tmp_path):
     run([BIN / "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "ulysses_kernels.demo"], tmp_path, timeout=400)
 
