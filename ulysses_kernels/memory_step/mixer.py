@@ -1,7 +1,8 @@
 """The token-mixer layers of a hybrid model in the replay: ``Mixer`` describes them (which
 kind, which layers, heads, dims, conv width, chunk), ``MixerReplay`` replays one such layer as
 ``hf.apply`` runs it (``integrations/hf/mixers.py``). Kinds: Gated DeltaNet (Qwen3.5,
-Qwen3.5-MoE, Qwen3-Next), Mamba2 as Bamba writes its layers, LFM2's gated short convolution.
+Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 as Bamba writes its
+layers, LFM2's gated short convolution.
 
 Gated DeltaNet, one layer on a rank with ``n`` local tokens and ``N`` tokens of the whole
 sequence (batch x sequence), ``Hv``/``Hk`` value/key heads of which the rank holds ``h``/``g``
@@ -26,6 +27,17 @@ dim, ``Ns`` the state, ``I = H P``, ``S'`` the tokens padded to the chunk ``C``:
     out     [N, h, P] -> one all-to-all back -> [n, I]
     gated norm (float32): 4 [n, I] + [n, G]; out_proj's input [n, I]
 
+Kimi Delta Attention, ``H`` heads of dim ``D`` (``h`` on the rank), chunk ``C``::
+
+    local:  q/k/v, the forget gate's f_a -> f_b, b; g_a's and f_a's outputs [n, D] kept
+    send    [n, H (4 D + 1)]                     -> recv [N, h (4 D + 1)]   (one all-to-all)
+    conv:   its input [N, 3 h D] and output [N + B (K - 1), 3 h D], kept
+    gates:  the forget gate's softplus pieces (3 [N, h, D] float32, a mask), beta [N, h]
+    kernel: ``chunk_kimi_delta_attention`` in float32 (``KDA_*`` below; its UT loop keeps
+            ~C^3/3 per chunk and head: the largest term at C = 64 and small D)
+    out     [N, h, D] -> one all-to-all back -> [n, H D]
+    gated norm (float32): the output, 3 [n, H D] + [n, H]; out_proj's input [n, H D]
+
 LFM2's short conv, ``c`` of the ``hidden`` channels on the rank (one channel a head)::
 
     local:  in_proj -> [n, 3 hidden] kept (B, C, x are views of it)
@@ -45,9 +57,8 @@ per-chunk states, recomputing the rest): on a GPU with them installed this model
 the kernel. Mamba2's float32 casts alias in a float32 model (``x.float()`` is ``x``): the
 counts follow the model's dtype (measured in float32 only).
 
-Not modelled, refused by name (``Mixer.from_config``): Kimi Delta Attention (its torch
-fallback keeps ``[C, C, Dk]`` decay tensors per chunk and a graph through the in-place UT
-loop, not counted yet), Nemotron-H (a layer is one block: a mixer, attention or an MLP alone)
+Not modelled, refused by name (``Mixer.from_config``): Nemotron-H (a layer is one block: a
+mixer, attention or an MLP alone)
 and Falcon-H1 (attention and Mamba2 side by side in one layer): the replay's layer is
 norm -> mixer or attention -> norm -> MLP; Jamba (Mamba1: ``hf.apply`` refuses it).
 """
@@ -78,7 +89,15 @@ GATED_NORM_WIDE, GATED_NORM_ONE = 5, 2
 # 2 per token: decay_states, state_decay_out; per chunk, 2 P x Ns states (the inter-chunk
 # einsum's input, with the zero initial state, and the chunks' start states).
 SCAN_NS, SCAN_P, SCAN_C, SCAN_ONE, SCAN_STATES = 5, 4, 3, 2, 2
-KINDS = ("gated-deltanet", "mamba2", "short-conv")
+# Kimi Delta Attention's ``chunk_kimi_delta_attention`` (float32), per padded token and head,
+# read from its code and checked against a tiny Kimi-Linear's saved tensors: C x Dk: the decay
+# mask, k_beta x key, each chunk's q x k (3); Dk: key and value padded, k_beta, g's exp, the
+# scaled query, each chunk's two decays (g's exp, the last minus g's exp) and two matmul
+# operands (q * g's exp, v_new), the transposed decayed key, k_cumdecay, k_beta * g's exp,
+# v_beta (13); C: the UT system, each chunk's intra attention (2); per chunk and head: the UT
+# loop's clones (row i of the system and its i x i block for i < C), the state, the last decay.
+KDA_CD, KDA_D, KDA_C = 3, 13, 2
+KINDS = ("gated-deltanet", "mamba2", "short-conv", "kimi-delta")
 
 
 @dataclass(frozen=True)
@@ -86,7 +105,8 @@ class Mixer:
     """The token-mixer layers of a hybrid, of ``kind`` (``KINDS``). Gated DeltaNet:
     ``heads``/``groups`` value/key heads, ``head_dim``/``key_dim`` their dims. Mamba2: heads and
     B/C groups, ``head_dim`` P, ``key_dim`` the SSM state Ns, ``norm_groups`` the gated norm's
-    groups. Short conv: ``heads`` = ``groups`` = the channels (hidden), dims 1. ``conv`` the
+    groups. Kimi Delta Attention: ``heads`` = ``groups``, ``head_dim`` = ``key_dim``. Short
+    conv: ``heads`` = ``groups`` = the channels (hidden), dims 1. ``conv`` the
     causal conv's width (with a bias: ``conv_bias``), ``chunk`` the kernel's chunk; layer ``i``
     is attention when ``(i + 1) % attention_every == 0`` (Qwen3.5's ``full_attention_interval``),
     or as ``layer_types`` (``"linear_attention"`` for a mixer of any kind / ``"full_attention"``
@@ -120,7 +140,7 @@ class Mixer:
 
     @classmethod
     def from_config(cls, cfg) -> Mixer:
-        """From a transformers Qwen3.5 / Qwen3-Next, Bamba or LFM2 text config (or its dict);
+        """From a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba or LFM2 text config (or its dict);
         any other model type is refused by name (the module docstring says why)."""
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         model = get("model_type") or type(cfg).__name__
@@ -128,6 +148,8 @@ class Mixer:
             raise UlyssesInputError(f"memory: config {model!r}: {_NOT_MODELLED[model]}; the calculator models {_MODELLED}")
         if model == "bamba":
             return cls._bamba(get)
+        if model == "kimi_linear":
+            return cls._kimi(get)
         if model == "lfm2":
             return cls._lfm2(get)
         if get("linear_num_value_heads") is None:
@@ -147,6 +169,16 @@ class Mixer:
         return cls(heads=heads, groups=groups, head_dim=get("mamba_d_head"), key_dim=get("mamba_d_state", 256), conv=get("mamba_d_conv", 4),
                    chunk=get("mamba_chunk_size", 256), layer_types=types, kind="mamba2", norm_groups=groups,
                    conv_bias=bool(get("mamba_conv_bias", True)))  # fmt: skip
+
+    @classmethod
+    def _kimi(cls, get) -> Mixer:
+        la = get("linear_attn_config") or {}
+        heads, dim = la.get("num_heads"), la.get("head_dim")
+        if heads is None or dim is None:
+            raise UlyssesInputError("memory: config 'kimi_linear' expected linear_attn_config with num_heads and head_dim")
+        types = get("layer_types")
+        return cls(heads=heads, groups=heads, head_dim=dim, key_dim=dim, conv=la.get("short_conv_kernel_size", 4), kind="kimi-delta",
+                   layer_types=tuple(types) if types else None)  # fmt: skip
 
     @classmethod
     def _lfm2(cls, get) -> Mixer:
@@ -172,6 +204,8 @@ class Mixer:
     def conv_channels(self) -> int:
         if self.kind == "short-conv":
             return self.heads
+        if self.kind == "kimi-delta":
+            return 3 * self.heads * self.head_dim
         return 2 * self.groups * self.key_dim + self.heads * self.head_dim
 
     def parameters(self, hidden: int) -> int:
@@ -184,6 +218,9 @@ class Mixer:
             return hidden * (hv + ch + self.heads) + conv + 3 * self.heads + hv + hv * hidden
         if self.kind == "short-conv":
             return 3 * hidden * ch + conv + ch * hidden
+        if self.kind == "kimi-delta":  # q/k/v, f_a/f_b, b, conv, A_log, dt_bias, g_a/g_b, o_norm, o_proj
+            d = self.head_dim
+            return 3 * hidden * hv + 2 * (hidden * d + d * hv) + hidden * self.heads + conv + self.heads + hv + d + hv * hidden
         return hidden * (ch + hv + 2 * self.heads) + conv + 2 * self.heads + self.head_dim + hv * hidden
 
     def heads_on(self, setup, rank: int) -> tuple[int, int]:
@@ -192,9 +229,8 @@ class Mixer:
         return lay.head_count("q", rank), lay.head_count("kv", rank)
 
 
-_MODELLED = "Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Bamba's Mamba2, LFM2's short convolution"
+_MODELLED = "Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Bamba's Mamba2, LFM2's short convolution"
 _NOT_MODELLED = {
-    "kimi_linear": "Kimi Delta Attention is not modelled (its torch fallback keeps [chunk, chunk, head_dim] decay tensors per chunk, not counted yet)",
     "nemotron_h": "Nemotron-H's layers are one block each (Mamba2, attention or an MLP alone), not the replay's norm -> mixer -> norm -> MLP layer",
     "falcon_h1": "Falcon-H1 runs attention and Mamba2 side by side in each layer, not the replay's one mixer per layer",
     "jamba": "Jamba's Mamba1 mixer is not modelled (hf.apply refuses it)",
@@ -226,6 +262,8 @@ class MixerReplay:
             self._mamba2(n, N, h, g, one, setup)
         elif m.kind == "short-conv":
             self._short_conv(n, N, h, one, setup)
+        elif m.kind == "kimi-delta":
+            self._kimi_delta(n, N, h, one, setup)
         else:
             self._gated_deltanet(n, N, h, g, one, setup)
         self.kept = self.local + self.remote + [("out", self.out)] + self.post
@@ -271,6 +309,26 @@ class MixerReplay:
         self.recv = N * (h * (P + 1) + 2 * g * Ns) * e
         self.back = 0 if one else n * inner * e
         self.proj = 0
+
+    def _kimi_delta(self, n, N, h, one, setup):
+        m, e = self.m, self.e
+        d, C, B, H = m.head_dim, m.chunk, setup.batch, m.heads
+        ch = 3 * h * d
+        padded = -(-setup.seq // C) * C * B
+        chunks = padded // C  # over the batch
+        ut = (C - 1) * C // 2 + (C - 1) * C * (2 * C - 1) // 6  # the UT loop's clones per chunk and head
+        kernel = (h * padded * (KDA_CD * C * d + KDA_D * d + KDA_C * C) + h * chunks * (ut + d * d + d)) * 4 + 3 * C * C
+        kernel += 2 * N * h * d * 4 + 3 * N * h * 4  # q and k (float32) and their l2 norms, beta
+        self.local = [("gates_a", 2 * n * d * e)]  # f_a_proj's and g_a_proj's outputs
+        self.remote = [("conv_w", ch * (m.conv * e + 8)), ("conv_in", N * ch * e), ("conv_out", (N + B * (m.conv - 1)) * ch * e),
+                       ("forget", 3 * N * h * d * 4 + N * h * d + 2 * h * 4), ("beta", N * h * e), ("kernel", kernel)]  # fmt: skip
+        self.out, self.y = 0, N * h * d * e
+        # o_norm (gated, float32): the output, its product with the gate's sigmoid, the normalized, rsqrt
+        self.post = [("norm", n * H * d * e + 3 * n * H * d * 4 + n * H * 4), ("o_in", n * H * d * e)]
+        self.send = 0 if one else n * H * (4 * d + 1) * e
+        self.recv = N * h * (4 * d + 1) * e
+        self.back = 0 if one else n * H * d * e
+        self.proj = n * H * (4 * d + 1) * e  # q, k, v, the forget gate's pre-activation, b: joined into the send
 
     def _short_conv(self, n, N, c, one, setup):
         e = self.e
