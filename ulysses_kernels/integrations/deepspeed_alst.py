@@ -453,13 +453,14 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 _SWITCHED_ATTR = "_ulysses_mixers_switched"  # on a decoder whose mixers ``_feed_mixers_of_class`` switched
 
 
-def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module]:
+def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module | None]:
     """``hf.apply``'s audit of token mixers (``hf.audit``), before any group is made: every module
     that mixes tokens along the sequence must be attention this entry point intercepts or a
     mixer ``hf.mixers`` runs. Returns ``(mixers with their head plans at sp_size, the decoder
-    stack)``. A model given by name or path (or a config holder that is not a module) is
-    audited as built from its config on the meta device (no memory, no weights): its plans say
-    the heads split, its decoder's class is what ``_feed_mixers_of_class`` wraps."""
+    stack or None without mixers)``. A model given by name or path (or a config holder that is
+    not a module) is audited as built from its config on the meta device (no memory, no
+    weights): its plans say the heads split, its decoder's class is what
+    ``_feed_mixers_of_class`` wraps."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     handled = HANDLED_MIXERS
@@ -479,8 +480,8 @@ def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module]:
     modules = [m for m in hf_model._attention_modules(model) if texts is None or m.config is texts.config]
     try:
         hf_audit.check_token_mixers(model, handled, attention=modules, scope=texts, caller="register_with_transformers")
-        decoder = texts if texts is not None else model.base_model
-        return plan_mixers(mixer_modules(decoder), sp_size), decoder
+        mixers = plan_mixers(mixer_modules(model if texts is None else texts), sp_size)
+        return mixers, ((texts if texts is not None else model.base_model) if mixers else None)
     except hf.HFIntegrationError as e:
         raise ALSTIntegrationError(str(e)) from e
 
