@@ -60,7 +60,7 @@ counts follow the model's dtype (measured in float32 only).
 Not modelled, refused by name (``Mixer.from_config``): Nemotron-H (a layer is one block: a
 mixer, attention or an MLP alone)
 and Falcon-H1 (attention and Mamba2 side by side in one layer): the replay's layer is
-norm -> mixer or attention -> norm -> MLP; Jamba (Mamba1: ``hf.apply`` refuses it).
+norm -> mixer or attention -> norm -> MLP; Jamba (Mamba1: three exchanges, not replayed yet).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ _MODELLED = "Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Atten
 _NOT_MODELLED = {
     "nemotron_h": "Nemotron-H's layers are one block each (Mamba2, attention or an MLP alone), not the replay's norm -> mixer -> norm -> MLP layer",
     "falcon_h1": "Falcon-H1 runs attention and Mamba2 side by side in each layer, not the replay's one mixer per layer",
-    "jamba": "Jamba's Mamba1 mixer is not modelled (hf.apply refuses it)",
+    "jamba": "Jamba's Mamba1 mixer is not modelled (hf.apply runs it with three exchanges; the replay has no such layer yet)",
 }
 
 # Shapes of released models' Gated DeltaNet layers (their config.json); sizes of the rest
