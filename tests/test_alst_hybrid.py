@@ -1,4 +1,4 @@
-"""Hybrid models (Gated DeltaNet, Mamba2) through DeepSpeed's ALST entry point after
+"""Hybrid models (Gated DeltaNet, Mamba2, Jamba's Mamba1) through DeepSpeed's ALST entry point after
 ``enable_alst()``: ``UlyssesSPAttentionHF.register_with_transformers(model, ...)`` on 2 gloo CPU
 ranks against one process, float64.
 

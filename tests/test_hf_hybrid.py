@@ -22,7 +22,8 @@ parameter gradient and the gathered logits compared with one process.
   Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1 (Mamba2), LFM2 (short conv).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
-  its gradient summed back); LFM2's 48 channels as 48 one-element heads.
+  its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels
+  likewise, its B | C one group that every rank receives.
 * Without the mixers' exchange (each mixer back on its own forward, attention still
   switched) the same step is far from one process: what issue #38 found.
 """
