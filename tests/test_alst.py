@@ -818,19 +818,19 @@ def test_errors(tmp_path):
 
 def test_register_refuses_token_mixers(tmp_path):
     """hf.apply's audit runs in register_with_transformers before any group is made: a hybrid
-    (Qwen3.5's Gated DeltaNet) given by path (audited as built on the meta device, its mixers
-    cannot be switched) is refused by its mixer's class and place; nothing is registered."""
+    whose mixer hf.mixers does not run (RecurrentGemma's RG-LRU) given by path (audited as built on the
+    meta device) is refused by its mixer's class and place; nothing is registered. (A hybrid
+    whose mixers run is switched by path as well as loaded: tests/test_alst_hybrid.py.)"""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from ulysses_kernels.integrations.deepspeed_alst import ALSTIntegrationError, UlyssesSPAttentionHF
     from ulysses_kernels.testing.tiny_models import build_tiny
 
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    model = build_tiny("qwen3_5_text")
-    # Given loaded, its mixers run (tests/test_alst_hybrid.py); by path they cannot be switched.
-    match = r"register_with_transformers: Qwen3_5ForCausalLM has a module that mixes tokens .* Qwen3_5GatedDeltaNet at model\.layers\.0\.linear_attn"
-    match += ".*given the loaded model"
-    path = str(tmp_path / "qwen3_5")
+    model = build_tiny("recurrent_gemma")
+    match = r"register_with_transformers: RecurrentGemmaForCausalLM has a module that mixes tokens .* RecurrentGemmaRecurrentBlock at "
+    match += r"model\.layers\.0\.temporal_block"
+    path = str(tmp_path / "recurrent_gemma")
     model.config.save_pretrained(path)
     with pytest.raises(ALSTIntegrationError, match=match):
         UlyssesSPAttentionHF.register_with_transformers(path, "sdpa", 2, 1)

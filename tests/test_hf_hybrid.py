@@ -18,11 +18,12 @@ parameter gradient and the gathered logits compared with one process.
   so "each document alone" is the reference.
 * The models' own kernels (``exact=False``): the same step with transformers' float32
   fallbacks, ordinary batches, at float32 rounding (measured below).
-* Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Kimi-Linear (Kimi Delta
+* Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
   Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1 (Mamba2), LFM2 (short conv).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
-  its gradient summed back); LFM2's 48 channels as 48 one-element heads.
+  its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels
+  likewise, its B | C one group that every rank receives.
 * Without the mixers' exchange (each mixer back on its own forward, attention still
   switched) the same step is far from one process: what issue #38 found.
 """
@@ -73,6 +74,9 @@ MODELS = [
         "layers_block_type": ["mamba", "attention", "mlp", "mamba"], "num_hidden_layers": 4, "mamba_num_heads": 6, "mamba_head_dim": 8,
         "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4, "chunk_size": 8}),
     ("falcon-h1", "FalconH1Config", "FalconH1ForCausalLM", "FalconH1Mixer", _ATTN | _MAMBA | {"num_hidden_layers": 2, "mamba_d_ssm": 48}),
+    ("jamba", "JambaConfig", "JambaForCausalLM", "JambaMambaMixer", _ATTN | {
+        "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
+        "mamba_expand": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False}),
     ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "Lfm2ShortConv", _ATTN | {
         "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3}),
 ]  # fmt: skip
@@ -85,7 +89,8 @@ RTOL, GRAD_RTOL = 1e-12, 1e-9
 # which one process sums in one pass and the ranks in parts) and every mixer's ``A_log``
 # (``-self.A_log.float().exp()``: the float64 sum over the tokens rounded to float32 once per
 # backward call; the packed reference runs one backward per document), and Kimi's forget-gate
-# ``dt_bias`` (``self.dt_bias.float()``).
+# ``dt_bias`` (``self.dt_bias.float()``), and Jamba's ``D`` and ``dt_proj.bias`` (``self.D.float()``,
+# ``self.dt_proj.bias.float()``: their float32 copies enter the scan).
 # NOTE: measured at 2 and 4 ranks: <= 3e-7 on those (0 to 4e-16 on the loss and logits and
 # <= 6e-16 on every other parameter, the mixers' projections and convs included).
 FLOAT32_RTOL = 1e-6
@@ -117,7 +122,8 @@ def loss_rtol(case) -> float:
 def grad_tolerances(model) -> dict[str, float]:
     """Per parameter name: ``FLOAT32_RTOL`` for the float32-cast parameters above, else ``GRAD_RTOL``."""
     loose = {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ in FLOAT32_NORMS}
-    return {n: FLOAT32_RTOL if n in loose or n.endswith((".A_log", "forget_gate.dt_bias")) else GRAD_RTOL for n, _ in model.named_parameters()}
+    cast = (".A_log", "forget_gate.dt_bias") + ((".mamba.D", ".mamba.dt_proj.bias") if type(model).__name__.startswith("Jamba") else ())
+    return {n: FLOAT32_RTOL if n in loose or n.endswith(cast) else GRAD_RTOL for n, _ in model.named_parameters()}
 
 
 def _gated_delta_rule_float64(query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
@@ -164,7 +170,41 @@ def _mamba2_scan_float64(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias
     return (out, state) if return_final_states else out
 
 
+def _selective_scan_float64(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False,
+                            **kwargs):  # fmt: skip
+    """``mamba_selective_scan``'s recurrence (Mamba1) in the inputs' dtype: per channel and token,
+    ``state = exp(dt A) state + dt x B``, ``y = state C + D x``, times ``silu(z)``; ``[B, I, S]``
+    x/dt/z, ``[B, N, S]`` B/C."""
+    dt = dt + delta_bias.to(dt.dtype)[..., None] if delta_bias is not None else dt
+    dt = torch.nn.functional.softplus(dt) if delta_softplus else dt
+    A = A.to(hidden_states.dtype)
+    state = hidden_states.new_zeros(hidden_states.shape[0], hidden_states.shape[1], A.shape[-1])
+    outs = []
+    for t in range(hidden_states.shape[2]):
+        d, x = dt[:, :, t], hidden_states[:, :, t]
+        state = (d[..., None] * A).exp() * state + (d * x)[..., None] * B[:, None, :, t]
+        outs.append((state * C[:, None, :, t]).sum(-1))
+    out = torch.stack(outs, dim=-1)
+    if D is not None:
+        out = out + hidden_states * D.to(hidden_states.dtype)[None, :, None]
+    if z is not None:
+        out = out * torch.nn.functional.silu(z)
+    return (out, state) if return_last_state else out
+
+
+def _jamba_rms_norm_float64(self, hidden_states):
+    """JambaRMSNorm in the input's dtype (transformers' normalizes in float32). Jamba's x_proj
+    output goes through three of them (dt, B, C) inside the mixer: their float32 backward sums
+    in an order that depends on the tensors' layout, so the gradients upstream of them (x_proj,
+    the conv, in_proj) moved by float32 steps between two correct runs.
+    NOTE: measured in one process, apply against the model with float32 norms: x_proj 1.7e-8,
+    in_proj 2.7e-9, loss and logits 0."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
 _FLOAT64_KERNELS = {
+    "jamba": ("mamba_selective_scan", _selective_scan_float64),
     "qwen3_5": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
     "qwen3_next": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
     "kimi_linear": ("chunk_kimi_delta_attention", _gated_delta_rule_float64),
@@ -186,10 +226,13 @@ def float64_kernels():
             module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, fn)
+        norm = importlib.import_module("transformers.models.jamba.modeling_jamba").JambaRMSNorm
+        saved.append((norm, "forward", norm.forward))
+        norm.forward = _jamba_rms_norm_float64
         yield
     finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def build(case):
@@ -347,3 +390,9 @@ def test_float64_kernels_are_the_models_recurrences():
     x, dt, a, bm, cm, d, bias = r(2, 13, 6, 8), r(2, 13, 6), -r(6).abs(), r(2, 13, 2, 8), r(2, 13, 2, 8), r(6), r(6)
     kw = {"D": d, "dt_bias": bias, "dt_softplus": True}
     close(_mamba2_scan_float64(x, dt, a, bm, cm, 8, **kw), modeling_bamba.mamba2_chunk_scan(x, dt, a, bm, cm, 8, **kw).double(), 1e-5, "mamba2 scan")
+    from transformers.models.jamba import modeling_jamba
+
+    x, dt, z, a, bm, cm, d, bias = r(2, 12, 13), r(2, 12, 13), r(2, 12, 13), -r(12, 8).abs(), r(2, 8, 13), r(2, 8, 13), r(12), r(12)
+    kw = {"D": d, "z": z, "delta_bias": bias, "delta_softplus": True}
+    theirs = modeling_jamba.mamba_selective_scan(x, dt, a, bm, cm, **kw).double()
+    close(_selective_scan_float64(x, dt, a, bm, cm, **kw), theirs, 1e-5, "mamba1 selective scan")

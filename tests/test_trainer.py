@@ -146,9 +146,9 @@ def _train(rank, world, sp, outdir, result_file):
         from deepspeed.utils import groups
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from ulysses_kernels.integrations import alst, mesh
+        from ulysses_kernels.integrations import deepspeed_alst, mesh
 
-        assert isinstance(ALL_ATTENTION_FUNCTIONS["sdpa"], alst.UlyssesSPAttentionHF)  # the Trainer's path ran ours
+        assert isinstance(ALL_ATTENTION_FUNCTIONS["sdpa"], deepspeed_alst.UlyssesSPAttentionHF)  # the Trainer's path ran ours
         assert isinstance(groups.mpu, mesh.DeepSpeedMPU) and groups.mpu.get_sequence_parallel_world_size() == sp
         ALL_ATTENTION_FUNCTIONS["sdpa"].unregister()
         # The same Trainer with DeepSpeed's class refuses the heads.

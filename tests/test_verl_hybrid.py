@@ -35,7 +35,7 @@ from test_verl import _mesh, _verl_on_cpu  # noqa: E402
 
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
-CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba")]  # a GDN hybrid (layer 0 a GDN) and a Mamba2 one
+CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "jamba")]  # a GDN hybrid (layer 0 a GDN), a Mamba2 one, Mamba1 (its layer drops the kwargs)
 DOCS = (20, 17)
 
 

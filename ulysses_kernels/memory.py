@@ -22,8 +22,9 @@ above it. The host column has the offloaded optimizer (and parameters) and, with
 live-bytes tracker for tiny Llama, Qwen2 and Qwen3 models on 2 and 4 gloo ranks
 (``tests/test_longctx_memory.py``: within 2%, exact in practice).
 
-A hybrid (``--mixer qwen3.5`` or ``--mixer config.json``): its Gated DeltaNet layers
-replayed as ``hf.apply`` runs them (``memory_step.mixer``; docs/longctx.md, "Hybrid models in
+A hybrid (``--mixer qwen3.5`` or ``--mixer config.json``): its mixer layers (Gated DeltaNet,
+Kimi Delta Attention, Bamba's Mamba2, LFM2's short convolution; other mixers refused by name) replayed as
+``hf.apply`` runs them (``memory_step.mixer``; docs/longctx.md, "Hybrid models in
 the calculator"; measured per layer by tests/test_memory_hybrid.py).
 
 ``activation_bytes`` (the forward alone, as docs/scaling.md's older figures were made) is
@@ -94,7 +95,7 @@ class Setup:
     flash_workspace: bool = False
     # longctx.HeadChunkedAttention: the attention backward's kernel per this many query heads
     attention_head_chunk: int | None = None
-    # A hybrid's Gated DeltaNet layers (memory_step.mixer); None: every layer is attention
+    # A hybrid's mixer layers (memory_step.mixer); None: every layer is attention
     mixer: Mixer | None = None
 
     def __post_init__(self):
@@ -167,7 +168,7 @@ def parameter_count(setup: Setup) -> tuple[int, int]:
     mlp = (3 if setup.mlp == "gated" else 2) * h * setup.ffn
     layer = attention + mlp + 2 * h
     embeddings = setup.vocab * h * (1 if setup.tie_embeddings else 2)
-    if setup.mixer is not None:  # a hybrid: its Gated DeltaNet layers in place of attention
+    if setup.mixer is not None:  # a hybrid: its mixer layers in place of attention
         mixers = sum(setup.mixer.is_mixer(i) for i in range(setup.layers))
         mixer_layer = setup.mixer.parameters(h) + mlp + 2 * h
         total = (setup.layers - mixers) * layer + mixers * mixer_layer + embeddings + h
@@ -291,7 +292,7 @@ def memory_rows(setup: Setup) -> list[Row]:
                               ("offloaded inputs", setup.offload_activations)) if on]  # fmt: skip
     kept = "layer inputs" if setup.checkpointing else "saved by every layer"
     if setup.mixer is not None:
-        kept += f"; {sum(setup.mixer.is_mixer(i) for i in range(setup.layers))} of {setup.layers} layers Gated DeltaNet"
+        kept += f"; {sum(setup.mixer.is_mixer(i) for i in range(setup.layers))} of {setup.layers} layers {setup.mixer.kind}"
     rows = _state_rows(setup) + [
         Row(f"activations kept for the backward ({kept})", "forward end (memory_step)" + (f"; {', '.join(pieces)}" if pieces else ""),
             step.forward_end, step.host_peak),
@@ -375,8 +376,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-gb", type=float, default=None, help="memory per GPU in GB (1e9 bytes), for --max-seq")
     p.add_argument("--host-gb", type=float, default=None, help="host memory per rank in GB, a second limit for --max-seq")
     p.add_argument("--mixer", default=None, type=_mixer_arg, metavar="PRESET|CONFIG.json",
-                   help=f"a hybrid's Gated DeltaNet layers (memory_step.mixer): a preset ({', '.join(sorted(MIXER_PRESETS))}: "
-                        "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next config.json (its linear_* sizes, layer_types)")
+                   help=f"a hybrid's mixer layers (memory_step.mixer): a preset ({', '.join(sorted(MIXER_PRESETS))}: Gated DeltaNet, "
+                        "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba or LFM2 config.json (its mixer "
+                        "sizes, layer_types); Nemotron-H, Falcon-H1, Jamba are refused by name")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 

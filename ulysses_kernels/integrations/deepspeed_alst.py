@@ -145,6 +145,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self._step: tuple | None = None
         self._restore: tuple | None = None  # (registry, key, previous local entry or None), set by register_with_transformers
         self._hook = None  # the decoder pre-hook that feeds a hybrid's mixers (register_with_transformers)
+        self._class_patch = None  # (decoder class, its own forward or None, ours): a hybrid given by name or path
 
     @property
     def core_attn_implementation(self) -> str | None:
@@ -175,6 +176,14 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             raise ALSTIntegrationError(
                 f"UlyssesSPAttentionHF: got {len(args)} positional argument(s) after the mask; transformers passes the "
                 "attention options by keyword (scaling=, dropout=, ...)"
+            )
+        if self._class_patch is not None and GROUP_KWARG not in kwargs:
+            # a hybrid registered by name or path whose decoder is not the audited class: its
+            # mixers would run on this rank's shard alone (silently wrong)
+            raise ALSTIntegrationError(
+                f"UlyssesSPAttentionHF: registered by name or path for {self._class_patch[0].__name__}'s hybrid mixers, but "
+                f"{type(module).__name__} ran in a model whose decoder is not a {self._class_patch[0].__name__}; pass the loaded "
+                "model to register_with_transformers"
             )
         for name in (_SHARD_KWARG, GROUP_KWARG):  # the mixers' (a hybrid's decoder pre-hook): not attention's
             kwargs.pop(name, None)
@@ -350,7 +359,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if isinstance(core_fn, UlyssesSPAttentionHF):  # registered before: wrap the model's function, not the wrapper
             core_fn = core_fn.attn
 
-        mixers = _audit(model_name_or_path if loaded else None, config, sequence_parallel_size)
+        mixers, decoder = _audit(model_name_or_path if loaded else None, config, sequence_parallel_size)
         groups = mesh.parallel_groups(sp_size=sequence_parallel_size)
         text = config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -367,20 +376,41 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         local = ALL_ATTENTION_FUNCTIONS._local_mapping
         uattn._restore = (ALL_ATTENTION_FUNCTIONS, core_attn_implementation, local.get(core_attn_implementation))
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = uattn
-        if mixers:
-            uattn._feed_mixers(model_name_or_path, mixers)
+        if mixers and loaded:
+            uattn._feed_mixers(decoder, mixers)
+        elif mixers:  # by name or path: the model is built later; its decoder class switches them
+            uattn._feed_mixers_of_class(type(decoder), sequence_parallel_size)
         return groups.mpu()
 
-    def _feed_mixers(self, model: torch.nn.Module, mixers: list) -> None:
+    def _feed_mixers(self, decoder: torch.nn.Module, mixers: list) -> None:
         """A hybrid's token mixers that are not attention (``hf.mixers``): switched on their
         instances, fed by a forward pre-hook on the decoder stack with this step's
         ``SequenceShard`` (from the call's position ids, the cache attention reads too) and the
         group. The shard must be known before layer 0, which is a mixer in Qwen3.5, so it cannot
         wait for the first attention call."""
         switch_mixers(mixers, None, None)
-        texts = hf_multimodal.text_model(model)
-        decoder = texts if texts is not None else model.base_model
         self._hook = decoder.register_forward_pre_hook(self._mixer_step, with_kwargs=True)
+
+    def _feed_mixers_of_class(self, decoder_cls: type, sp_size: int) -> None:
+        """``_feed_mixers`` for a model given by name or path, built after this call: the decoder
+        class's ``forward`` (the audited config's text model, e.g. ``Qwen3_5TextModel``) is
+        wrapped until ``unregister``, as the attention implementation's registry entry is: at
+        an instance's first call its mixers are planned and switched, then each call gets the
+        step's shard and group, as the pre-hook gives them. Process-wide for that class (DeepSpeed's
+        entry point intercepts the attention implementation process-wide too)."""
+        original = decoder_cls.__dict__.get("forward")
+        inherited = decoder_cls.forward
+
+        def forward(module, *args, **kwargs):
+            if not getattr(module, _SWITCHED_ATTR, False):
+                switch_mixers(plan_mixers(mixer_modules(module), sp_size), None, None)
+                object.__setattr__(module, _SWITCHED_ATTR, True)
+            args, kwargs = self._mixer_step(module, args, kwargs)
+            return inherited(module, *args, **kwargs)
+
+        forward.__wrapped__ = inherited
+        decoder_cls.forward = forward
+        self._class_patch = (decoder_cls, original, forward)
 
     def _mixer_step(self, module, args, kwargs):
         # transformers' models call their decoder with keywords; a caller may pass input_ids first.
@@ -403,6 +433,14 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._class_patch is not None:
+            cls, original, ours = self._class_patch
+            if cls.__dict__.get("forward") is ours:
+                if original is None:
+                    del cls.forward
+                else:
+                    cls.forward = original
+            self._class_patch = None
         registry, key, previous = self._restore
         if registry._local_mapping.get(key) is self:
             if previous is None:
@@ -412,16 +450,20 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self._restore = None
 
 
-def _audit(model, config, sp_size: int) -> list:
+_SWITCHED_ATTR = "_ulysses_mixers_switched"  # on a decoder whose mixers ``_feed_mixers_of_class`` switched
+
+
+def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module | None]:
     """``hf.apply``'s audit of token mixers (``hf.audit``), before any group is made: every module
-    that mixes tokens along the sequence must be attention this entry point intercepts or, in a
-    loaded model, a mixer ``hf.mixers`` runs (returned with its head plan at ``sp_size``). A
-    model given by name or path (or a config holder that is not a module) is audited as built
-    from its config on the meta device (no memory, no weights); its mixers cannot be switched
-    (the model is built later, elsewhere), so they are refused by name."""
+    that mixes tokens along the sequence must be attention this entry point intercepts or a
+    mixer ``hf.mixers`` runs. Returns ``(mixers with their head plans at sp_size, the decoder
+    stack or None without mixers)``. A model given by name or path (or a config holder that is
+    not a module) is audited as built from its config on the meta device (no memory, no
+    weights): its plans say the heads split, its decoder's class is what
+    ``_feed_mixers_of_class`` wraps."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    handled = HANDLED_MIXERS if isinstance(model, torch.nn.Module) else {}
+    handled = HANDLED_MIXERS
     if not isinstance(model, torch.nn.Module):
         try:
             with torch.device("meta"):
@@ -438,12 +480,10 @@ def _audit(model, config, sp_size: int) -> list:
     modules = [m for m in hf_model._attention_modules(model) if texts is None or m.config is texts.config]
     try:
         hf_audit.check_token_mixers(model, handled, attention=modules, scope=texts, caller="register_with_transformers")
-        return plan_mixers(mixer_modules(model if texts is None else texts), sp_size) if handled else []
+        mixers = plan_mixers(mixer_modules(model if texts is None else texts), sp_size)
+        return mixers, ((texts if texts is not None else model.base_model) if mixers else None)
     except hf.HFIntegrationError as e:
-        hint = ""
-        if not handled and any(type(m).__name__ in HANDLED_MIXERS for m in model.modules()):
-            hint = " (these mixers run sequence-parallel when register_with_transformers is given the loaded model, not its name or path)"
-        raise ALSTIntegrationError(str(e) + hint) from e
+        raise ALSTIntegrationError(str(e)) from e
 
 
 def _implementation_name(fn) -> str:

@@ -50,8 +50,8 @@ The package, by job (each imports only the ones above it):
   its text model on the global batch: the vision tower before sharding, replicated or split
   over the ranks) and the hooks ``apply`` installs on a vision-language model;
 * ``mixers``: hybrid models' token mixers that are not attention (Gated DeltaNet, Kimi Delta
-  Attention, Mamba2, LFM2's short convolution: ``HANDLED_MIXERS``), each run per head over the
-  whole sequence between two all-to-alls; ``apply`` switches them with the attention;
+  Attention, Mamba2, Jamba's Mamba1, LFM2's short convolution: ``HANDLED_MIXERS``), each run per
+  head over the whole sequence between all-to-alls; ``apply`` switches them with the attention;
 * ``audit``: ``check_token_mixers`` (never silently wrong: every module that mixes tokens along
   the sequence is switched attention or a handled mixer, else ``apply`` refuses the model by
   the module's class and place; the verl and ALST switches run it too);

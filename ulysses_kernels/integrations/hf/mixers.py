@@ -1,7 +1,7 @@
 """Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
 (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
-Nemotron-H, Falcon-H1) and LFM2's short convolution, switched by ``apply`` in the same call as
-attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
+Nemotron-H, Falcon-H1), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``) and LFM2's short
+convolution, switched by ``apply`` in the same call as attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
 reads); each runs exact against one process in tests/test_hf_hybrid.py.
 
 Per head, each of these layers is a function of the whole sequence (a causal depthwise
@@ -323,6 +323,43 @@ def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None,
     return self.out_proj(out.to(dtype))
 
 
+# ---- Mamba1: Jamba ----------------------------------------------------------------------------------
+def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """Jamba's Mamba1 mixer under Ulysses. Its ``x_proj`` mixes all ``I`` channels of a token
+    between the conv and the scan, so one exchange does not cover it: the channels (one element
+    a head, as LFM2's) go to the rank's shard for the conv, back to sequence shards for
+    ``x_proj`` and the dt/B/C norms (per token, local), then x | dt | the gate per channel and
+    B | C (one group: every rank gets it) to the rank's channels for the scan, and back: three
+    all-to-alls and the one back. The model's ``mamba_selective_scan`` per document."""
+    settings, shard = _context(self, kwargs, cache_params, attention_mask)
+    dtype = hidden_states.dtype
+    x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, s, I] each
+    (h0, h1), _, _ = _ranges(settings)
+    (local,) = _to_heads(settings, shard, x.unsqueeze(-1))  # [B, S, c, 1]
+    channels = torch.arange(h0, h1, device=local.device)
+    conv = _conv(self, self.conv1d, channels, shard, local.squeeze(-1), self.activation)  # [B, S, c]
+    x = _to_sequence(settings, shard, conv.unsqueeze(-1).contiguous()).squeeze(-1)  # [B, s, I]
+    n = self.ssm_state_size
+    time_step, bm, cm = torch.split(self.x_proj(x), [self.time_step_rank, n, n], dim=-1)
+    time_step, bm, cm = self.dt_layernorm(time_step), self.b_layernorm(bm), self.c_layernorm(cm)
+    dt = (self.dt_proj.weight @ time_step.transpose(1, 2)).transpose(1, 2)  # [B, s, I]; the scan adds the bias
+    heads, groups = _to_heads(settings, shard, torch.stack([x, dt, gate], dim=-1), torch.cat([bm, cm], dim=-1).unsqueeze(2))
+    x, dt, gate = heads.unbind(-1)  # [B, S, c]
+    bm, cm = groups.squeeze(2).split([n, n], dim=-1)  # [B, S, N]
+    a_neg = -torch.exp(self.A_log[h0:h1].float())
+    bias = self.dt_proj.bias[h0:h1].float() if self.dt_proj.bias is not None else None
+    scan = _kernel(self, "mamba_selective_scan")
+
+    def run(x, dt, gate, bm, cm):
+        t = lambda v: v.transpose(1, 2)  # noqa: E731 - the kernel's [B, channels, S] layout
+        return t(scan(t(x), t(dt), a_neg, t(bm), t(cm), D=self.D[h0:h1].float(), z=t(gate), delta_bias=bias, delta_softplus=True,
+                      return_last_state=False, use_mambapy=self.use_mambapy, use_associative_scan=self.use_associative_scan))  # fmt: skip
+
+    out = _per_document(shard, run, x, dt, gate, bm, cm)  # [B, S, c]
+    out = _to_sequence(settings, shard, out.unsqueeze(-1).contiguous()).squeeze(-1)
+    return self.out_proj(out.to(dtype))
+
+
 # ---- LFM2's short convolution ---------------------------------------------------------------------
 def _short_conv_forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
     """LFM2's gated short convolution under Ulysses: ``B * x`` to the rank's channels (one
@@ -352,19 +389,36 @@ _register(("Qwen3NextGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_proje
 _register(("KimiLinearDeltaAttention",), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
 _register(("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer"), "mamba2", _mamba2_forward, lambda m: (m.num_heads, m.n_groups))
 _register(("Lfm2ShortConv",), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
+_register(("JambaMambaMixer",), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
+# Families whose decoder layer calls the mixer without the step's keyword arguments (Jamba's
+# ``self.mamba(hidden_states=, cache_params=, attention_mask=)``): a pre-hook on that layer
+# hands the mixer this call's shard and group (``_LAYER_KWARGS``).
+_DROPPED_KWARGS = {"mamba1"}
+_LAYER_KWARGS = "_ulysses_layer_kwargs"
+_PARENT_ATTR = "_ulysses_parent"
 
 _DESCRIBE = {
     "gated-deltanet": "Gated DeltaNet: conv1d + delta-rule recurrence per value head (key heads as GQA groups), over the whole sequence after one all-to-all",
     "kimi-delta": "Kimi Delta Attention: conv1d + delta-rule recurrence with a per-channel forget gate per head, over the whole sequence after one all-to-all",
     "mamba2": "Mamba2: conv1d + SSM chunk scan per head (B/C groups as GQA groups), over the whole sequence after one all-to-all",
+    "mamba1": "Mamba1: conv1d over the rank's channels, x_proj per token on sequence shards, the selective scan per channel "
+    "(B/C one group) over the whole sequence: three all-to-alls",
     "short-conv": "LFM2 gated short convolution: the depthwise conv over the rank's channels, over the whole sequence after one all-to-all",
 }
 HANDLED_MIXERS: dict[str, str] = {name: _DESCRIBE[family] for name, (family, _, _) in _ADAPTERS.items()}
 
 
 def mixer_modules(model) -> list[torch.nn.Module]:
-    """The model's modules whose class ``HANDLED_MIXERS`` names."""
-    return [m for m in model.modules() if type(m).__name__ in _ADAPTERS]
+    """The model's modules whose class ``HANDLED_MIXERS`` names (each of a family whose layer
+    drops the step's keywords learns its parent layer, for ``switch_mixers``)."""
+    found = []
+    for parent in model.modules():
+        for child in parent.children():
+            if type(child).__name__ in _ADAPTERS:
+                found.append(child)
+                if _ADAPTERS[type(child).__name__][0] in _DROPPED_KWARGS:
+                    object.__setattr__(child, _PARENT_ATTR, parent)
+    return found
 
 
 def plan_mixers(modules, world_size: int) -> list[tuple[torch.nn.Module, HeadPlan]]:
@@ -405,5 +459,29 @@ def switch_mixers(plans, group, comm) -> None:
     (``GROUP_KWARG``, beside the ``SequenceShard``), as verl's switch passes them."""
     for m, plan in plans:
         family, forward, _ = _ADAPTERS[type(m).__name__]
+        fn = forward if comm is not None else _per_step(forward)
+        if family in _DROPPED_KWARGS:
+            fn = _from_layer(m, fn)
         object.__setattr__(m, _SETTINGS_ATTR, _MixerSettings(group, comm, plan, family))
-        object.__setattr__(m, "forward", types.MethodType(forward if comm is not None else _per_step(forward), m))
+        object.__setattr__(m, "forward", types.MethodType(fn, m))
+
+
+def _from_layer(mixer, forward: Callable) -> Callable:
+    """``forward`` given the step's shard and group from the parent layer's call (a pre-hook
+    on the layer, registered once), for a layer that calls its mixer without them."""
+    parent = getattr(mixer, _PARENT_ATTR, None)
+    if parent is None:
+        raise HFIntegrationError(f"apply: {type(mixer).__name__} was not found inside a layer (its layer passes the step's shard)")
+    if not getattr(parent, "_ulysses_hands_kwargs", False):
+
+        def hand(layer, args, kwargs):
+            picked = {k: kwargs[k] for k in (_SHARD_KWARG, GROUP_KWARG) if k in kwargs}
+            object.__setattr__(mixer, _LAYER_KWARGS, picked)
+
+        parent.register_forward_pre_hook(hand, with_kwargs=True)
+        object.__setattr__(parent, "_ulysses_hands_kwargs", True)
+
+    def run(self, *args, **kwargs):
+        return forward(self, *args, **{**getattr(self, _LAYER_KWARGS, {}), **kwargs})
+
+    return run
