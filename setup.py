@@ -82,9 +82,7 @@ def find_cuda_home():
         candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     for home in candidates:
         # /usr/local/bin/nvcc may be a wrapper script: require the toolkit headers too.
-        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")) and os.path.isfile(
-            os.path.join(home, "include", "cuda_runtime.h")
-        ):
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")) and os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
             return home
     return None
 
@@ -257,8 +255,7 @@ def extensions():
             extra_link_args=link_args,
         )
     else:
-        ext = CppExtension("ulysses_kernels._C", sources, include_dirs=include_dirs, define_macros=macros,
-                           extra_compile_args={"cxx": cxx})
+        ext = CppExtension("ulysses_kernels._C", sources, include_dirs=include_dirs, define_macros=macros, extra_compile_args={"cxx": cxx})
     _log("---- build summary ----")
     _log(f"torch {torch.__version__} (CUDA {torch.version.cuda}), python {sys.version.split()[0]}")
     if skip_cuda:

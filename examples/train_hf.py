@@ -183,11 +183,15 @@ def train(rank: int, world: int, args) -> list[float]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spawn", type=int, default=0, help="spawn this many gloo ranks on the CPU (no torchrun)")
-    p.add_argument("--sp-size", type=int, default=0, help="ranks per sequence-parallel group (default: all); "
-                   "the groups are data-parallel replicas")
+    p.add_argument("--sp-size", type=int, default=0, help="ranks per sequence-parallel group (default: all); the groups are data-parallel replicas")
     p.add_argument("--model", choices=tuple(FAMILIES), default="qwen2")
-    p.add_argument("--window", type=int, default=None, help="sliding window (qwen2: every layer, mistral: every "
-                   "layer, gemma2/gpt_oss: every other layer); default: none (the family's default for gemma2/gpt_oss)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="sliding window (qwen2: every layer, mistral: every "
+        "layer, gemma2/gpt_oss: every other layer); default: none (the family's default for gemma2/gpt_oss)",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--batches", type=int, default=1, help="distinct toy batches, cycled")

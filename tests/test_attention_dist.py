@@ -167,17 +167,22 @@ def _errors_body(rank, world):
         return lambda: uk.ulysses_attention(qq, kk, vv, seq_lens=changes.get("seq_lens"))
 
     only_rank1 = lambda x, y: x if rank == 1 else y  # noqa: E731
-    _expect_error(bad(k=only_rank1(torch.randn(B, s, hkv, 4), k), v=only_rank1(torch.randn(B, s, hkv, 4), v)),
-                  r"rank 1: k.shape\[3\] \(head_dim\) expected 8 \(q.shape\[3\]\), got 4")
+    _expect_error(
+        bad(k=only_rank1(torch.randn(B, s, hkv, 4), k), v=only_rank1(torch.randn(B, s, hkv, 4), v)),
+        r"rank 1: k.shape\[3\] \(head_dim\) expected 8 \(q.shape\[3\]\), got 4",
+    )
     _expect_error(bad(v=only_rank1(torch.randn(B, s, hkv + 1, D), v)), r"rank 1: v.shape\[2\] \(kv_heads\) expected 2 \(k.shape\[2\]\), got 3")
     _expect_error(bad(k=torch.randn(B + 1, s, hkv, D), v=torch.randn(B + 1, s, hkv, D)), r"k.shape\[0\] \(batch\) expected 2 \(q.shape\[0\]\), got 3")
-    _expect_error(bad(q=torch.randn(B, s, 6, D), k=torch.randn(B, s, 4, D), v=torch.randn(B, s, 4, D)),
-                  r"q_heads \(6, q.shape\[2\]\) must be a multiple of kv_heads \(4, k.shape\[2\]\)")
+    _expect_error(
+        bad(q=torch.randn(B, s, 6, D), k=torch.randn(B, s, 4, D), v=torch.randn(B, s, 4, D)),
+        r"q_heads \(6, q.shape\[2\]\) must be a multiple of kv_heads \(4, k.shape\[2\]\)",
+    )
     _expect_error(bad(v=only_rank1(v.double(), v)), r"rank 1: v.dtype expected float32 \(q.dtype\), got float64")
     _expect_error(bad(k=only_rank1(k.to("meta"), k)), r"rank 1: k.device expected cpu \(q.device\), got meta")
     few = world + 1
-    _expect_error(bad(q=torch.randn(B, s, world - 1, D), k=torch.randn(B, s, 1, D), v=torch.randn(B, s, 1, D)),
-                  rf"world_size \({world}\) > q_heads \({world - 1}\)")
+    _expect_error(
+        bad(q=torch.randn(B, s, world - 1, D), k=torch.randn(B, s, 1, D), v=torch.randn(B, s, 1, D)), rf"world_size \({world}\) > q_heads \({world - 1}\)"
+    )
     # Uneven shards without seq_lens: never silently wrong.
     longer = [torch.randn(B, s + 1, h, D) for h in (hq, hkv, hkv)]
     q2, k2, v2 = (only_rank1(a, b) for a, b in zip(longer, (q, k, v)))
@@ -196,12 +201,16 @@ def _errors_body(rank, world):
     _expect_error(bad(q=only_rank1(torch.randn(B, s, hq * 2, D), q)), heads_differ)
     # Integer tensors are refused with the other checks (before: SDPA's own error, naming no tensor).
     ints = [torch.randint(0, 9, x.shape) for x in (q, k, v)]
-    _expect_error(bad(q=ints[0], k=ints[1], v=ints[2]),
-                  rf"^ulysses_attention: ranks 0-{world - 1}: q.dtype expected a floating-point dtype \(float32, bfloat16, float16, float64\), got int64$")
+    _expect_error(
+        bad(q=ints[0], k=ints[1], v=ints[2]),
+        rf"^ulysses_attention: ranks 0-{world - 1}: q.dtype expected a floating-point dtype \(float32, bfloat16, float16, float64\), got int64$",
+    )
     # softmax_scale that is not a finite number: named (before: "could not convert string to float: 'x'").
     for scale, shown in (("x", r"'x' \(str\)"), (float("inf"), r"inf \(float\)"), (torch.ones(2), r"tensor\(\[1\., 1\.\]\) \(Tensor\)")):
-        _expect_error(lambda scale=scale: uk.ulysses_attention(q, k, v, softmax_scale=scale),
-                      rf"^ulysses_attention: softmax_scale expected a finite number or None, got {shown}$")
+        _expect_error(
+            lambda scale=scale: uk.ulysses_attention(q, k, v, softmax_scale=scale),
+            rf"^ulysses_attention: softmax_scale expected a finite number or None, got {shown}$",
+        )
     # The same problem on every rank is said once, with the ranks it applies to.
     _expect_error(bad(q=q[0]), rf"^ulysses_attention: ranks 0-{world - 1}: q must be 4-D \[batch, seq_local, heads, head_dim\], got shape \[3, 8, 8\]$")
     # [B, H, S, D] passed by mistake (16 tokens per rank, 8 query heads): a hint on the layout.
@@ -264,9 +273,7 @@ def test_error_text_does_not_grow_with_the_world():
     sigs = [signature(q, q, q, rank=r, world_size=world, causal=True, scale=None, seq_lens=None, plan_heads=None) for r in range(world)]
     with pytest.raises(uk.UlyssesInputError) as info:
         validate([Signature.decode(g.encode()) for g in sigs], gathered=True)
-    assert str(info.value) == (
-        "ulysses_attention: ranks 0-63: q.dtype expected a floating-point dtype (float32, bfloat16, float16, float64), got int32"
-    )
+    assert str(info.value) == ("ulysses_attention: ranks 0-63: q.dtype expected a floating-point dtype (float32, bfloat16, float16, float64), got int32")
     x, y = torch.empty(1, 4, 64, 8), torch.empty(1, 4, 64, 8, dtype=torch.float16)
     odd = {5, 6, 40}
     sigs = [signature(*(y if r in odd else x,) * 3, rank=r, world_size=world, causal=True, scale=None, seq_lens=None, plan_heads=None)

@@ -132,9 +132,7 @@ def test_wrong_kernels_are_counted_only_in_their_rows(cfg):
         if want_pack is None:
             hq, hkv, world, batch, seq, d = cfg
             case = next(c for c in cases if c.method == name and c.op == "pack")
-            last = case.size // DT.itemsize - sum(
-                Layout(HeadPlan.build(hq, hkv, world), 0, (seq,) * world, batch, d).s2h_send_splits(QKV)[:-1]
-            )
+            last = case.size // DT.itemsize - sum(Layout(HeadPlan.build(hq, hkv, world), 0, (seq,) * world, batch, d).s2h_send_splits(QKV)[:-1])
             assert last > 0
             want_pack = last
         assert wrong.pop(("pack", name)) == want_pack
@@ -191,9 +189,7 @@ def test_cpu_smoke_prints_checks_and_writes(tmp_path, capsys):
     for m in by.values():
         assert {"copy", "fused", "torch"} <= set(m) <= {"copy", "fused", "torch", "chain"}
         assert m["copy"] > 0 and m["fused"] > 0
-    assert ("chain" in by[(bp.config_label(bp.CPU_CONFIGS[0]), "pack")]) and "chain" not in by[
-        (bp.config_label(bp.CPU_CONFIGS[1]), "pack")
-    ]
+    assert ("chain" in by[(bp.config_label(bp.CPU_CONFIGS[0]), "pack")]) and "chain" not in by[(bp.config_label(bp.CPU_CONFIGS[1]), "pack")]
     for r in rows:
         copy_row = next(x for x in rows if (x["config"], x["op"], x["method"]) == (r["config"], r["op"], "copy"))
         assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / copy_row["gbps"])  # bandwidth, not time

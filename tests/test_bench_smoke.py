@@ -152,7 +152,7 @@ def test_attention_check_matches_float64_reference_and_catches_errors():
     ref = attention_reference(q, k, v, causal=True)
     ref.backward(dout)
     rows, heads = [0, 7, 8, 23], [1, 3]
-    scale = 8 ** -0.5
+    scale = 8**-0.5
     o, dq = att.reference_rows(inp, rows, heads, scale, k, v)
     torch.testing.assert_close(o.double(), ref[:, rows][:, :, heads], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dq.double(), q.grad[:, rows][:, :, heads], rtol=1e-4, atol=1e-4)

@@ -290,6 +290,7 @@ def _world_2(rank, world, cases):
         elif mode == "lower":
             f = _lower_level(uk.HeadPlan.build(hq, hkv, world), seq_lens, causal)
         else:
+
             def f(q, k, v, causal=causal, seq_lens=seq_lens, kernels=kernels):
                 return uk.ulysses_attention(q, k, v, causal=causal, seq_lens=seq_lens, attn_fn="sdpa", kernels=kernels)
 

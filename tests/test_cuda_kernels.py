@@ -113,10 +113,7 @@ def _blocks(lay, roles, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
     recv = torch.randn(sum(lay.h2s_splits(roles)[1]), generator=g).to(dtype).to(device)
     blocks = lay.h2s_recv_views(recv, roles)
-    local = [
-        torch.randn(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim, generator=g).to(dtype).to(device)
-        for s in roles
-    ]
+    local = [torch.randn(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim, generator=g).to(dtype).to(device) for s in roles]
     blocks[lay.rank] = [lay.h2s_send_blocks(x, lay.rank) for x in local]
     return blocks
 

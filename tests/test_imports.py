@@ -80,10 +80,7 @@ def _targets(node, package: str, modules) -> set[str]:
 
 def _graph(module_level: bool) -> dict[str, set[str]]:
     modules = _modules()
-    return {
-        name: _imports(name, ast.parse(path.read_text(), str(path)), modules, module_level) - {name}
-        for name, path in modules.items()
-    }
+    return {name: _imports(name, ast.parse(path.read_text(), str(path)), modules, module_level) - {name} for name, path in modules.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -157,9 +154,7 @@ def test_no_import_cycle_with_imports_inside_functions():
     module_level, in_functions = _graph(module_level=True), _graph(module_level=False)
     both = {name: module_level[name] | in_functions[name] for name in module_level}
     cycle = _cycle(both)
-    assert cycle is None, (
-        f"import cycle inside {PACKAGE} through an import inside a function: {' -> '.join(cycle)}"
-    )
+    assert cycle is None, f"import cycle inside {PACKAGE} through an import inside a function: {' -> '.join(cycle)}"
 
 
 # The op package (``ulysses_kernels.attention``: the public face, the resolved call, the

@@ -294,4 +294,3 @@ def test_head_counts_past_int32_are_rejected():
     out = torch.zeros(1, 1, 1, 1, dtype=torch.int8).expand(1, 1, n, 1)
     with pytest.raises(RuntimeError, match="32-bit head"):
         torch.ops.ulysses_kernels.unpack_h2s([x], [0, n], [out])
-

@@ -235,8 +235,7 @@ def _body(rank, world, peers):
                     peak, t = _measure(_ours(chunks), B, hq, hkv, pass_, rank)
                     if peak > ours + chunk:
                         failures.append(
-                            f"{case}, chunks={chunks} ({n}): peak {peak} B > unchunked {ours} B + one chunk's buffers {chunk} B; "
-                            f"at the peak: {_breakdown(t)}"
+                            f"{case}, chunks={chunks} ({n}): peak {peak} B > unchunked {ours} B + one chunk's buffers {chunk} B; at the peak: {_breakdown(t)}"
                         )
                 for name in peers:
                     if name == "chain" and hq % world:

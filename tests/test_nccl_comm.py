@@ -20,9 +20,7 @@ from test_watchdog import _wait_for  # the same bounded poll as the watchdog's o
 
 from ulysses_kernels import extension
 
-pytestmark = pytest.mark.skipif(
-    not (extension.available() and extension.load().build_info().get("nccl")), reason="ulysses_kernels._C without NCCL"
-)
+pytestmark = pytest.mark.skipif(not (extension.available() and extension.load().build_info().get("nccl")), reason="ulysses_kernels._C without NCCL")
 
 
 def _torch_nccl():

@@ -138,14 +138,11 @@ def _triton_on_cpu() -> bool:
     return "triton" in available_kernels()
 
 
-
 def _run(q, k, v, dout, chunks, kernels, comm, seq_lens=None, causal=True):
     from ulysses_kernels import ulysses_attention
 
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-    out = ulysses_attention(
-        *leaves, causal=causal, seq_lens=seq_lens, attn_fn="sdpa", comm=comm, kernels=kernels, chunks=chunks
-    )
+    out = ulysses_attention(*leaves, causal=causal, seq_lens=seq_lens, attn_fn="sdpa", comm=comm, kernels=kernels, chunks=chunks)
     out.backward(dout)
     return [out.detach()] + [x.grad for x in leaves]
 
@@ -305,6 +302,8 @@ def _check_gpu(ref, ref2, got, exact, what):
         tol = 8 * noise + _ULPS[a.dtype] * a.float().abs().max().item()
         exact[torch.equal(a, b)] += 1
         assert not b.isnan().any() and err <= tol, f"{what} {name}: max err {err:.3g} > tol {tol:.3g} (unchunked run-to-run noise {noise:.3g})"
+
+
 _SKIP_RC = 77  # a rank exits with this when NCCL refuses two ranks on one GPU
 
 

@@ -187,6 +187,7 @@ def test_gpu_thread_ranks_stream_safety():
     allocator churned with NaN before every collective. Chunked vs unchunked (tolerance of
     ``test_pipeline._check_gpu``), no NaN anywhere, unchunked vs SDPA over the whole sequence."""
     from test_pipeline import _check_gpu  # the tolerance logic of the NCCL stress test
+
     kernel_sets = [k for k in ("torch", "triton", "cuda") if k in available_kernels()]
     start = time.monotonic()
     lines = []

@@ -141,7 +141,7 @@ def test_bf16_sum_rounding_ties_and_specials():
     lay = Layout(plan, 0, (4, 4, 4), 1, 8)
     a = torch.tensor([1.0, 1.0078125, 256.0, float("inf"), -0.0, 1e38, 3.0, float("nan")])
     b = torch.tensor([0.00390625, 0.00390625, 1.0, 1.0, -0.0, 3e38, -3.0, 1.0])
-    c = torch.tensor([2.0 ** -9, 0.0, 0.5, float("-inf"), 0.0, -1e38, 2.0 ** -20, 0.0])
+    c = torch.tensor([2.0**-9, 0.0, 0.5, float("-inf"), 0.0, -1e38, 2.0**-20, 0.0])
     blocks = []
     for x in (a, b, c):
         blk = x.to(torch.bfloat16).to(DEVICE).expand(1, 4, 1, 8).contiguous()
@@ -217,7 +217,7 @@ def test_bit_movers(dtype):
 
 def test_nan_payloads_move_unchanged():
     lay = next(_layouts(4, 4, 2, (0,)))
-    q = torch.randint(-(2 ** 15), 2 ** 15, (2, lay.seq_local, 4, 8), dtype=torch.int16).view(torch.float16).to(DEVICE)
+    q = torch.randint(-(2**15), 2**15, (2, lay.seq_local, 4, 8), dtype=torch.int16).view(torch.float16).to(DEVICE)
     send_ref = torch.zeros(sum(lay.s2h_send_splits(Q_ONLY)), dtype=torch.float16, device=DEVICE)
     send = torch.ones_like(send_ref)
     L.pack_s2h(lay, (q,), Q_ONLY, send_ref)

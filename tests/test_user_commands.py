@@ -86,7 +86,9 @@ def test_info_from_outside_the_checkout_lists_every_kernel_set(tmp_path):
 # The module paths users type (README, docs/performance.md, docs/gpu_validation.md): each must keep
 # working from outside the checkout whatever the package's insides become (#40 split three of them).
 USER_MODULES = (
-    "selftest", "memory", "demo",
+    "selftest",
+    "memory",
+    "demo",
     *(f"bench.{name}" for name in ("alltoall", "attention", "host", "longctx", "overlap", "pack", "perf_model", "ring_balance", "summary")),
 )
 
@@ -106,10 +108,7 @@ def test_torchrun_without_a_process_group_fails_on_every_rank(tmp_path):
     each rank silently attended over its own shard only, as a world of one)."""
     script = tmp_path / "forgot_init.py"
     script.write_text(
-        "import torch, ulysses_kernels as uk\n"
-        "q = torch.randn(1, 8, 4, 8)\n"
-        "uk.ulysses_attention(q, q[:, :, :2], q[:, :, :2])\n"
-        "print('attended alone')\n"
+        "import torch, ulysses_kernels as uk\nq = torch.randn(1, 8, 4, 8)\nuk.ulysses_attention(q, q[:, :, :2], q[:, :, :2])\nprint('attended alone')\n"
     )
     # --monitor-interval 10: torchrun ends the other workers at its first check after one fails; at
     # load 8+ the fresh-clone CI run saw rank 1 SIGTERMed while still importing torch (1 message of 2).
@@ -426,7 +425,7 @@ def test_summary_names_the_integrations_that_did_not_run(tmp_path):
     )
     (tmp_path / "build" / "setup_skipped_integrations.txt").write_text("deepspeed\tscripts/setup.sh could not download it (no network)\n")
     out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], tmp_path, timeout=120).stdout
-    tail = out[out.index("integrations not tested"):]
+    tail = out[out.index("integrations not tested") :]
     assert "deepspeed: 2 tests skipped, not installed: scripts/setup.sh could not download it (no network)" in tail, out
     assert "verl: 1 test skipped, not installed: not in this environment" in tail, out
     assert "git" not in tail and "1 passed, 4 skipped" in tail, out

@@ -109,7 +109,6 @@ def packed_report(device: torch.device, dtype: torch.dtype) -> list[tuple[str, s
     return rows
 
 
-
 def doc_kwargs(docs) -> dict:
     """``{"docs": docs}`` for a packed sequence, ``{}`` otherwise: what a backend's
     ``forward``/``attend`` is called with (backends that predate documents need not take
@@ -127,7 +126,6 @@ def per_document(fn, q, k, v, docs) -> torch.Tensor:
     return torch.cat([fn(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in docs.spans()], dim=1)
 
 
-
 class _AttentionInputs(torch.autograd.Function):
     """Identity on ``q``, ``k``, ``v`` whose only grad-requiring input is a 0-element dummy:
     the attention graph then starts at this node (no ``AccumulateGrad`` holding q/k/v), and
@@ -140,7 +138,6 @@ class _AttentionInputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         return None, None, None, None
-
 
 
 class AttentionBackend:
@@ -235,7 +232,6 @@ class SDPABackend(AttentionBackend):
             enable_gqa=q.shape[2] != k.shape[2],
         )
         return out.transpose(1, 2)
-
 
 
 class MathBackend(AttentionBackend):
@@ -339,7 +335,6 @@ class SharedKV:
         return (dq, *self.heads(dk.shape[2]).scatter(dk, dv))
 
 
-
 def for_rank(backend, kv_map: Sequence[int]):
     """The backend a rank runs: ``SharedKV`` around built-in (``AttentionBackend``)
     backends when ``shares_one_kv(kv_map)``; the backend itself otherwise."""
@@ -377,4 +372,3 @@ def resolve_backend(attn_fn, q: torch.Tensor):
     if callable(attn_fn):
         return CallableBackend(attn_fn)
     raise TypeError(f"ulysses_attention: attn_fn must be None, a name, a callable or a backend, got {type(attn_fn).__name__}")
-

@@ -479,7 +479,5 @@ def check_head_to_seq(x, plan: HeadPlan, *, rank: int, world_size: int, seq_lens
             raise UlyssesInputError(f"head_to_seq: x.shape[1] ({x.shape[1]}) is not divisible by world_size ({world_size}); pass seq_lens")
         seq_lens = (x.shape[1] // world_size,) * world_size
     elif len(seq_lens) != world_size or sum(seq_lens) != x.shape[1]:
-        raise UlyssesInputError(
-            f"head_to_seq: seq_lens expected {world_size} entries summing to x.shape[1] = {x.shape[1]}, got {list(seq_lens)}"
-        )
+        raise UlyssesInputError(f"head_to_seq: seq_lens expected {world_size} entries summing to x.shape[1] = {x.shape[1]}, got {list(seq_lens)}")
     return Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])

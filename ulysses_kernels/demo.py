@@ -56,8 +56,10 @@ def _job(rank, world, args):
         plan = HeadPlan.build(args.q_heads, args.kv_heads, world)
         print(plan.table())
         what = "" if device.type == "cuda" else " (one call on the CPU: a code-path check, not a GPU claim)"
-        print(f"\nsequence {args.seq} tokens over {world} ranks {seq_lens}, batch {args.batch}, "
-              f"head_dim {args.head_dim}, {dtype} on {device.type} ({args.transport}), fwd+bwd {elapsed * 1e3:.1f} ms on rank 0{what}")
+        print(
+            f"\nsequence {args.seq} tokens over {world} ranks {seq_lens}, batch {args.batch}, "
+            f"head_dim {args.head_dim}, {dtype} on {device.type} ({args.transport}), fwd+bwd {elapsed * 1e3:.1f} ms on rank 0{what}"
+        )
         worst = [max(col) for col in zip(*gathered)]
         for name, e, tol in zip(("out", "dq", "dk", "dv"), worst, budget):
             print(f"  max |{name} - float64 reference| over ranks = {e:.3e}  (allowed {tol:.1e}: {'ok' if e <= tol else 'MISMATCH'})")

@@ -309,9 +309,7 @@ class Layout:
         roles = tuple(roles)
 
         def build():
-            return tuple(
-                tuple((self.batch, self.seq_local, self.head_count(s, p), self.dim(s)) for s in roles) for p in range(self.world_size)
-            )
+            return tuple(tuple((self.batch, self.seq_local, self.head_count(s, p), self.dim(s)) for s in roles) for p in range(self.world_size))
 
         return self._memo(("h2s_shapes", roles), build)
 
@@ -327,6 +325,7 @@ class Layout:
         if flat:
             return [list(pieces[p * n : (p + 1) * n]) for p in range(self.world_size)]
         return [[pieces[p * n + i].view(shapes[p][i]) for i in range(n)] for p in range(self.world_size)]
+
 
 def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
     """``x[:, :, start : start + c]`` for each head count ``c`` in turn: one op for all the views."""

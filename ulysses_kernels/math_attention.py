@@ -86,4 +86,3 @@ def math_attention_lse_backward(dout, q, k, v, out, lse, causal: bool, scale: fl
         b, t, _, d = dk.shape
         dk, dv = (x.view(b, t, k.shape[2], g, d).sum(3) for x in (dk, dv))
     return dq, dk, dv
-

@@ -357,8 +357,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=None, help="tokens of one sequence (not with --max-seq)")
     for name in ("kv-heads", "head-dim", "intermediate", "loss-tile-rows", "mlp-tile-rows", "norm-tile-rows"):
         p.add_argument(f"--{name}", type=int, default=None)
-    p.add_argument("--attention-head-chunk", type=int, default=None,
-                   help="the attention backward per this many query heads (longctx.HeadChunkedAttention)")
+    p.add_argument("--attention-head-chunk", type=int, default=None, help="the attention backward per this many query heads (longctx.HeadChunkedAttention)")
     p.add_argument("--mlp", default="gated", help="gated (Llama, Qwen2) or plain (GPT)")
     for name in ("batch", "sp", "dp"):
         p.add_argument(f"--{name}", type=int, default=1)
@@ -375,10 +374,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", action="store_true", help="find the longest sequence that fits --gpu-gb")
     p.add_argument("--gpu-gb", type=float, default=None, help="memory per GPU in GB (1e9 bytes), for --max-seq")
     p.add_argument("--host-gb", type=float, default=None, help="host memory per rank in GB, a second limit for --max-seq")
-    p.add_argument("--mixer", default=None, type=_mixer_arg, metavar="PRESET|CONFIG.json",
-                   help=f"a hybrid's mixer layers (memory_step.mixer): a preset ({', '.join(sorted(MIXER_PRESETS))}: Gated DeltaNet, "
-                        "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba or LFM2 config.json (its mixer "
-                        "sizes, layer_types); Nemotron-H, Falcon-H1, Jamba are refused by name")
+    p.add_argument(
+        "--mixer",
+        default=None,
+        type=_mixer_arg,
+        metavar="PRESET|CONFIG.json",
+        help=f"a hybrid's mixer layers (memory_step.mixer): a preset ({', '.join(sorted(MIXER_PRESETS))}: Gated DeltaNet, "
+        "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba or LFM2 config.json (its mixer "
+        "sizes, layer_types); Nemotron-H, Falcon-H1, Jamba are refused by name",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 

@@ -96,9 +96,7 @@ class HeadPlan:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"HeadPlan: {name} must be a positive int, got {value!r}")
         if q_heads % kv_heads != 0:
-            raise PlanError(
-                f"HeadPlan: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})"
-            )
+            raise PlanError(f"HeadPlan: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
         if world_size > q_heads:
             raise PlanError(f"HeadPlan: {more_ranks_than_heads(world_size, q_heads, f'world_size ({world_size})')}")
         group = q_heads // kv_heads
@@ -170,8 +168,7 @@ class HeadPlan:
         """A printable per-rank table of the plan."""
         ideal = (self.q_heads + 2 * self.kv_heads) / self.world_size
         lines = [
-            f"HeadPlan: {self.q_heads} query heads, {self.kv_heads} KV heads "
-            f"(KV group {self.kv_group_size}), {self.world_size} ranks",
+            f"HeadPlan: {self.q_heads} query heads, {self.kv_heads} KV heads (KV group {self.kv_group_size}), {self.world_size} ranks",
             f"  KV replication {self.kv_replication:.3f}x ({self.kv_sent} KV heads sent for "
             f"{self.kv_heads}), load imbalance {self.imbalance:.3f}x, "
             f"q/k/v bytes sent {self.traffic_ratio:.3f}x the even ideal",
@@ -180,8 +177,7 @@ class HeadPlan:
         for r in range(self.world_size):
             (q0, q1), (k0, k1) = self.q_ranges[r], self.kv_ranges[r]
             lines.append(
-                f"  {r:4d}  [{q0:3d},{q1:3d})  [{k0:3d},{k1:3d})  {q1 - q0:2d}  {k1 - k0:2d}"
-                f"  {self.local_heads(r):16d}  {self.local_heads(r) / ideal:6.3f}x"
+                f"  {r:4d}  [{q0:3d},{q1:3d})  [{k0:3d},{k1:3d})  {q1 - q0:2d}  {k1 - k0:2d}  {self.local_heads(r):16d}  {self.local_heads(r) / ideal:6.3f}x"
             )
         return "\n".join(lines)
 

@@ -127,8 +127,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=8)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="parameter dtype (ZeRO-3 refuses float64: DeepSpeed 0.19.8)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="parameter dtype (ZeRO-3 refuses float64: DeepSpeed 0.19.8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     p.add_argument("--quiet", action="store_true")

@@ -182,7 +182,22 @@ def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softm
 
 
 def setup_attention(
-    q, k, v, *, group, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check, cu_seqlens=None, max_seqlen=None,
+    q,
+    k,
+    v,
+    *,
+    group,
+    comm,
+    plan,
+    seq_lens,
+    causal,
+    softmax_scale,
+    attn_fn,
+    kernels,
+    chunks,
+    check,
+    cu_seqlens=None,
+    max_seqlen=None,
     members: Communicator | None = None,
 ) -> CallSetup:
     """The ``CallSetup`` of ``ulysses_attention`` (arguments as documented there).

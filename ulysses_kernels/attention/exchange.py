@@ -200,10 +200,7 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
         return list(local)
     like = local[0]
     _, blocks = post_head_to_seq(layout, local, roles, comm, kernels, flat=getattr(kernels, "flat_blocks", False))
-    outs = [
-        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device)
-        for s in roles
-    ]
+    outs = [torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device) for s in roles]
     kernels.unpack_h2s(layout, blocks, roles, outs)
     return outs
 
@@ -247,10 +244,7 @@ def a2a_head_to_seq_traced(layout: Layout, local: Sequence[torch.Tensor], roles:
     send_splits, recv_splits = layout.h2s_splits(roles)
     recv = _flat(sum(recv_splits), like)
     comm.all_to_all(recv, send, recv_splits, send_splits)
-    outs = [
-        torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device)
-        for s in roles
-    ]
+    outs = [torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device) for s in roles]
     kernels.unpack_h2s(layout, layout.h2s_recv_views(recv, roles), roles, outs)
     return outs
 
@@ -277,8 +271,7 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
             lay = call.layout
             like = next(g for g in grads if g is not None)
             grads = [
-                g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.dim(r))
-                for g, r in zip(grads, ctx.roles)
+                g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.dim(r)) for g, r in zip(grads, ctx.roles)
             ]
             return (None, *h2s(lay, grads, ctx.roles, call.comm, call.kernels))
 

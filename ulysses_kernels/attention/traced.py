@@ -58,7 +58,6 @@ head-to-sequence of dq/dk/dv, or of the output at batch > 1, first gathers each 
 into one send buffer. Batch 1 forward moves the same bytes as eager.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -160,10 +160,12 @@ def bare_case(op: str, sh: Shape, dtype, device, rank: int, world: int, comm=Non
     splits = [chunk] * world
     note = None
     if op == "a2a":
+
         def run():
             dist.all_to_all_single(recv, send)
             return recv
     elif op == "nccl":
+
         def run():
             comm.all_to_all(recv, send, splits, splits)
             return recv
@@ -354,7 +356,7 @@ def make_case(op: str, sh: Shape, dtype, device, rank: int, world: int, comms: d
     if op in ("a2a", "nccl", "symm"):
         case = bare_case(op, sh, dtype, device, rank, world, comm=comms["native"])
     else:
-        kern = None if op == "fused-nccl" else op[len("fused-"):]
+        kern = None if op == "fused-nccl" else op[len("fused-") :]
         comm = comms["native"] if op == "fused-nccl" else comms["torch"]
         case = layout_case(op, sh, dtype, device, rank, world, kernels=kern, comm=comm)
     case.run()

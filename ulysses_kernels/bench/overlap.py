@@ -234,9 +234,12 @@ class Case:
 def print_header(args, world: int, transport: str, device: torch.device, dtype) -> None:
     model = CostModel.from_env(device.type)
     lab = "" if device.type == "cuda" else f"  [{record.CPU_LABEL}]"
-    print(f"# bench_overlap: {world} ranks, {transport}, {device.type}, {sizes.dtype_name(dtype)}, batch {args.batch}, "
-          f"head_dim {args.head_dim}, causal, kernels {args.kernels}, attn_fn {args.attn_fn or 'default'}, "
-          f"warmup {args.warmup_iters}, iters {args.iters}{lab}", flush=True)
+    print(
+        f"# bench_overlap: {world} ranks, {transport}, {device.type}, {sizes.dtype_name(dtype)}, batch {args.batch}, "
+        f"head_dim {args.head_dim}, causal, kernels {args.kernels}, attn_fn {args.attn_fn or 'default'}, "
+        f"warmup {args.warmup_iters}, iters {args.iters}{lab}",
+        flush=True,
+    )
     print(f"# chunks='auto' cost model (ULYSSES_KERNELS_* env): link {model.link_gbps:g} GB/s, attention "
           f"{model.attn_tflops:g} TFLOP/s, latency {model.latency_us:g} us, overlap slowdown "
           f"{model.overlap_slowdown:g}, min gain {model.min_gain:g}", flush=True)  # fmt: skip
@@ -424,10 +427,14 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--check", type=int, default=1, help="compare every row with chunks=1 (1) or not (0)")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="skip a size whose estimate exceeds this share of free memory")
     harness.add_spawn(p, None, "spawn N gloo ranks on the CPU (default: 2 without torchrun and without a GPU, else 0)")
-    p.add_argument("--long-from", default="32K",
-                   help="the exposed/a2a <= 10%% target is judged at global sequences >= this (default 32K)")
-    p.add_argument("--auto-slack", type=float, default=None, metavar="FRAC",
-                   help="noise allowance of the auto <= chunks=1 target (0: strict; default: the run's own spread)")
+    p.add_argument("--long-from", default="32K", help="the exposed/a2a <= 10%% target is judged at global sequences >= this (default 32K)")
+    p.add_argument(
+        "--auto-slack",
+        type=float,
+        default=None,
+        metavar="FRAC",
+        help="noise allowance of the auto <= chunks=1 target (0: strict; default: the run's own spread)",
+    )
     harness.add_progress(p, "one line per (heads, seq, pass) on stderr, rank 0")
     harness.add_output(p, default_out_dir)
     args = p.parse_args(argv)

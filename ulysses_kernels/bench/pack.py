@@ -153,10 +153,7 @@ def chain_divides(lay: Layout) -> bool:
     if plan.q_heads % world or plan.kv_heads % world:
         return False
     hq, hkv = plan.q_heads // world, plan.kv_heads // world
-    return all(
-        lay.head_range("q", p) == (p * hq, (p + 1) * hq) and lay.head_range("kv", p) == (p * hkv, (p + 1) * hkv)
-        for p in range(world)
-    )
+    return all(lay.head_range("q", p) == (p * hq, (p + 1) * hq) and lay.head_range("kv", p) == (p * hkv, (p + 1) * hkv) for p in range(world))
 
 
 class _Config:

@@ -130,7 +130,6 @@ def model_hybrid(Hq, Hkv, U, R, S, args) -> dict | None:
     hq, hkv = [plan.q_count(r) for r in range(U)], [plan.kv_count(r) for r in range(U)]
     qkv = [hq[r] + 2 * hkv[r] for r in range(U)]
 
-
     flops_fwd = 4 * B * S * S * max(hq) * D / 2 / R
     step_c = {"fwd": flops_fwd / R / (args.fwd_tflops * 1e12), "bwd": 2.5 * flops_fwd / R / (args.bwd_tflops * 1e12)}
     link = ib if ring_crosses_nodes(U, R, G) else nvl
@@ -228,8 +227,11 @@ def check_attention_json(args, rows: list[dict]) -> None:
             f"P {args.worlds}, seqs {args.seqs}, passes {args.passes}): pass --models/--worlds/--seqs/--passes that it "
             f"measured, or measure these; {MAKE_ATTENTION_JSON}"
         )
-    print(f"# --attention-json {args.attention_json}: measured times in {used} of {len(rows)} rows (column source); "
-          f"the other rows are the model alone (the JSON has {shown})", flush=True)
+    print(
+        f"# --attention-json {args.attention_json}: measured times in {used} of {len(rows)} rows (column source); "
+        f"the other rows are the model alone (the JSON has {shown})",
+        flush=True,
+    )
 
 
 def table(args) -> list[dict]:
@@ -320,9 +322,11 @@ def main(argv=None) -> int:
         return 0
     rows = table(args)
     check_attention_json(args, rows)
-    print(f"# perf model (formulas, not measurements): NVLink busbw {args.nvlink_busbw} GB/s, IB {args.ib_busbw} GB/s/GPU, "
-          f"HBM copy {args.hbm_bw} TB/s, attention fwd {args.fwd_tflops} / bwd {args.bwd_tflops} TFLOP/s, "
-          f"{args.gpus_per_node} GPUs per node, batch {args.batch}, head_dim {args.head_dim}, {args.bytes} B/element")
+    print(
+        f"# perf model (formulas, not measurements): NVLink busbw {args.nvlink_busbw} GB/s, IB {args.ib_busbw} GB/s/GPU, "
+        f"HBM copy {args.hbm_bw} TB/s, attention fwd {args.fwd_tflops} / bwd {args.bwd_tflops} TFLOP/s, "
+        f"{args.gpus_per_node} GPUs per node, batch {args.batch}, head_dim {args.head_dim}, {args.bytes} B/element"
+    )
     print_table(COLUMNS, rows)
     return 0
 

@@ -114,8 +114,10 @@ def summarize(args, out_dir: Path) -> list[str]:
                                     "--methods", ",".join(methods), "--passes", "fwdbwd"], out_dir)  # fmt: skip
     seq = attn["rows"][0]["seq"] if attn["rows"] else args.seq
     wrong = sum(r["wrong"] or 0 for doc in (a2a, attn) for r in doc["rows"])
-    lines = [f"Benchmarks at one small size, {args.spawn} gloo ranks on this CPU ({LABEL}; median times; a speed-up's quartiles: "
-             "the ratio between the two rows' quartile times over the iterations):"]
+    lines = [
+        f"Benchmarks at one small size, {args.spawn} gloo ranks on this CPU ({LABEL}; median times; a speed-up's quartiles: "
+        "the ratio between the two rows' quartile times over the iterations):"
+    ]
     lines += alltoall_lines(a2a, sets) + attention_lines(attn, sets, seq)
     lines.append(f"  every row checked against its reference: {wrong} wrong elements")
     lines.append("  full tables: ULYSSES_KERNELS_DEMO_BENCH=full bash scripts/demo.sh; on GPUs: bench/README.md")

@@ -72,9 +72,7 @@ def _launched_world_size() -> int:
         return 1
 
 
-def get_communicator(
-    group=None, comm: Communicator | None = None, native: bool = False, device: torch.device | None = None
-) -> Communicator:
+def get_communicator(group=None, comm: Communicator | None = None, native: bool = False, device: torch.device | None = None) -> Communicator:
     """The communicator for ``group``: ``comm`` if given; a world of one when there is no
     process group (``NoProcessGroupError`` when a launcher's ``WORLD_SIZE`` says there are
     several processes); with ``native``, a new native NCCL

@@ -63,8 +63,7 @@ class Work:
     ):
         if (event is None) != (device is None):
             raise ValueError(
-                "Work: event and device expected together (the CUDA device whose current stream "
-                f"waits on the event), got event={event!r}, device={device!r}"
+                f"Work: event and device expected together (the CUDA device whose current stream waits on the event), got event={event!r}, device={device!r}"
             )
         if device is not None and torch.device(device).type != "cuda":
             raise ValueError(f"Work: device expected a CUDA device for the event, got {device}")

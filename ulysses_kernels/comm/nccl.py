@@ -116,9 +116,7 @@ class NCCLCommunicator:
     that are gone, ``ncclCommAbort`` does not.
     """
 
-    def __init__(
-        self, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None, *, timeout_s: float | None = None
-    ):
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None, *, timeout_s: float | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("NCCLCommunicator: torch.distributed is not initialized; call init_process_group first")
         if not torch.cuda.is_available():
@@ -138,9 +136,7 @@ class NCCLCommunicator:
         self._own(handle, timeout_s)
 
     @classmethod
-    def borrow(
-        cls, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None, *, timeout_s: float | None = None
-    ) -> NCCLCommunicator:
+    def borrow(cls, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None, *, timeout_s: float | None = None) -> NCCLCommunicator:
         """Our collectives on torch's own NCCL communicator of ``group`` (default: the world).
 
         Not collective and cheap (a pointer lookup and three NCCL queries), so it can be
@@ -406,8 +402,7 @@ def _torch_nccl_group(pg) -> tuple[object | None, str]:
         return None, f"the group has no CUDA transport ({e})"
     if not isinstance(cuda_pg, getattr(dist, "ProcessGroupNCCL", ())) or not hasattr(cuda_pg, "_comm_ptr"):
         return None, (
-            f"the group's CUDA transport expected ProcessGroupNCCL with _comm_ptr() (torch >= 2.9), "
-            f"got {type(cuda_pg).__name__} (torch {torch.__version__})"
+            f"the group's CUDA transport expected ProcessGroupNCCL with _comm_ptr() (torch >= 2.9), got {type(cuda_pg).__name__} (torch {torch.__version__})"
         )
     return cuda_pg, ""
 

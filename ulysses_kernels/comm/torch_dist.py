@@ -27,8 +27,7 @@ class TorchCommunicator:
     def __init__(self, group: dist.ProcessGroup | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                "ulysses_kernels: torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group first (or launch with torchrun)"
+                "ulysses_kernels: torch.distributed is not initialized; call torch.distributed.init_process_group first (or launch with torchrun)"
             )
         self.group = group
         pg = dist.group.WORLD if group is None else group

@@ -140,9 +140,7 @@ class DistributedAttention(nn.Module):
                 f"DistributedAttention: scatter_idx expected 2 (the head dimension of [s, b, h, d] or [b, s, h, d]), got {scatter_idx!r}"
             )
         if gather_idx not in (0, 1):
-            raise DeepSpeedIntegrationError(
-                f"DistributedAttention: gather_idx expected 0 ([s, b, h, d]) or 1 ([b, s, h, d]), got {gather_idx!r}"
-            )
+            raise DeepSpeedIntegrationError(f"DistributedAttention: gather_idx expected 0 ([s, b, h, d]) or 1 ([b, s, h, d]), got {gather_idx!r}")
         if check not in ("once", "always", "never"):
             raise DeepSpeedIntegrationError(f"DistributedAttention: check expected 'once', 'always' or 'never', got {check!r}")
         self.local_attn = local_attention
@@ -167,14 +165,11 @@ class DistributedAttention(nn.Module):
     def _plan(self, query: torch.Tensor, key: torch.Tensor) -> HeadPlan:
         if query.dim() != 4 or key.dim() != 4:
             raise DeepSpeedIntegrationError(
-                f"DistributedAttention.forward: query and key expected 4-D [s, b, h, d] or [b, s, h, d], got shapes "
-                f"{list(query.shape)} and {list(key.shape)}"
+                f"DistributedAttention.forward: query and key expected 4-D [s, b, h, d] or [b, s, h, d], got shapes {list(query.shape)} and {list(key.shape)}"
             )
         heads = (query.shape[2], key.shape[2])
         if self.num_kv_heads is not None and self.num_kv_heads != heads[1]:
-            raise DeepSpeedIntegrationError(
-                f"DistributedAttention: num_kv_heads ({self.num_kv_heads}) expected to equal key's head count ({heads[1]})"
-            )
+            raise DeepSpeedIntegrationError(f"DistributedAttention: num_kv_heads ({self.num_kv_heads}) expected to equal key's head count ({heads[1]})")
         plan = self._plans.get(heads)
         if plan is None:
             plan = self._plans[heads] = HeadPlan.build(heads[0], heads[1], self._comm.world_size)

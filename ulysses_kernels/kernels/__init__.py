@@ -223,7 +223,11 @@ def _import_or_why(name: str):
 # torch: views and copies of stock PyTorch ops, whose CUDA kernels are PyTorch's own.
 register_kernel_set(
     KernelSetSpec(
-        "torch", "ulysses_kernels.kernels.torch_kernels", "TorchKernels", auto_on=None, gpu_validated=(H200_2026_11_27,),
+        "torch",
+        "ulysses_kernels.kernels.torch_kernels",
+        "TorchKernels",
+        auto_on=None,
+        gpu_validated=(H200_2026_11_27,),
         describe=lambda: "pure PyTorch, any device",
     )
 )

@@ -309,9 +309,7 @@ class TritonKernels:
         dtype, device = like.dtype, like.device
         for t in tensors:
             if t.dtype != dtype or t.device != device:
-                raise ValueError(
-                    f"TritonKernels: every tensor must be {dtype} on {device}, got {t.dtype} on {t.device}"
-                )
+                raise ValueError(f"TritonKernels: every tensor must be {dtype} on {device}, got {t.dtype} on {t.device}")
         itemsize = like.element_size()
         if table.has_sum and dtype not in _TL_FLOAT:
             raise TypeError(f"TritonKernels: summing replicated KV heads needs a float dtype with add, got {dtype}")

@@ -69,10 +69,7 @@ def run_ranks(fn, world_size: int, *args, transport: str = "gloo", timeout_s: fl
                     for p in context.processes:
                         if p.is_alive():
                             p.kill()
-                    raise TimeoutError(
-                        f"run_ranks: {getattr(fn, '__name__', fn)} on {world_size} ranks did not finish "
-                        f"in {timeout_s:.0f} s (a hang?)"
-                    )
+                    raise TimeoutError(f"run_ranks: {getattr(fn, '__name__', fn)} on {world_size} ranks did not finish in {timeout_s:.0f} s (a hang?)")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             traces = []
             for rank, path in enumerate(context.error_files):

@@ -152,8 +152,7 @@ def _mismatch(posts) -> str | None:
             for i, (a, b) in enumerate(zip(out, inn)):
                 if a.numel() != b.numel() or a.dtype != b.dtype or a.device != b.device:
                     problems.append(
-                        f"piece {i} from rank {s} to rank {d}: sent {a.numel()} x {a.dtype} on {a.device}, "
-                        f"received into {b.numel()} x {b.dtype} on {b.device}"
+                        f"piece {i} from rank {s} to rank {d}: sent {a.numel()} x {a.dtype} on {a.device}, received into {b.numel()} x {b.dtype} on {b.device}"
                     )
     return f"{kinds[0]}: " + "; ".join(problems) if problems else None
 

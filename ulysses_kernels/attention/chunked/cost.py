@@ -111,18 +111,13 @@ def estimate_seconds(layout: Layout, n: int, itemsize: int, causal: bool, model:
     compute = [[per_head * cp.q_count(r) for r in range(plan.world_size)] for cp in fwd_plans]
     qkv_in = [lat + _a2a_seconds(layout, cp, QKV, itemsize, model) for cp in fwd_plans]
     q_only = [lat + _a2a_seconds(layout, cp, OUT, itemsize, model) for cp in fwd_plans]  # the output, dout
-    grads_out = [
-        (3 if any(gp.kv_count(r) for r in range(plan.world_size)) else 1) * lat + _a2a_seconds(layout, gp, QKV, itemsize, model)
-        for gp in bwd_plans
-    ]
+    grads_out = [(3 if any(gp.kv_count(r) for r in range(plan.world_size)) else 1) * lat + _a2a_seconds(layout, gp, QKV, itemsize, model) for gp in bwd_plans]
     fwd = _pipeline_seconds(qkv_in, compute, q_only, model)
     bwd = _pipeline_seconds(q_only, [[2.5 * x for x in row] for row in compute], grads_out, model)
     return fwd + bwd
 
 
-def choose_chunks(
-    layout: Layout, itemsize: int, causal: bool, device_type: str, model: CostModel | None = None, split_kv_groups: bool = True
-) -> int:
+def choose_chunks(layout: Layout, itemsize: int, causal: bool, device_type: str, model: CostModel | None = None, split_kv_groups: bool = True) -> int:
     """The chunk count ``chunks="auto"`` uses: the modelled best among 1..8 (capped by
     what the plan can split), or 1 when chunking gains less than ``min_gain``."""
     return _choose_chunks(layout, itemsize, causal, model or CostModel.from_env(device_type), split_kv_groups)

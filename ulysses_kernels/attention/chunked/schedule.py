@@ -70,8 +70,6 @@ def build_schedule(layout: Layout, n: int, split_kv_groups: bool) -> Schedule:
         unpack_plan = HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, gp.q_ranges, tuple(trimmed))
         grad_kv = any(gp.kv_count(p) for p in range(plan.world_size))
         chunks.append(Chunk(lay(cp), lay(gp), kv_map, expand, shared, grad_kv, lay(unpack_plan), tuple(trim)))
-    replicas = tuple(
-        (h, tuple((p, *where[(h, p)]) for p in plan.kv_holders(h))) for h in sorted(replicated)
-    )
+    replicas = tuple((h, tuple((p, *where[(h, p)]) for p in plan.kv_holders(h))) for h in sorted(replicated))
     blocks = frozenset((c, p) for _, holders in replicas for p, c, _ in holders)
     return Schedule(tuple(chunks), replicas, blocks)

@@ -50,9 +50,7 @@ _SETTINGS_ATTR = "_ulysses_settings"  # set on each attention module by ``apply`
 # softcap, no sinks, no dropout) is exactly what the fused ``ulysses_attention`` computes.
 # A call that needs nothing more runs the fused op (its SDPA/flash backends, chunked
 # overlap); anything else, or a user's own implementation, runs the model's attention.
-_FUSED_IMPLEMENTATIONS = frozenset(
-    {"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention"}
-)
+_FUSED_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention"})
 
 
 # Implementations whose attention takes the mask ``_GlobalMask.build`` makes as it is: packed
@@ -293,8 +291,7 @@ def _check_bidirectional(name: str, settings: _Settings, shard: SequenceShard) -
     (causal attention never looks ahead at it), and the ring level (not tested non-causal)."""
     if isinstance(settings.group, SPGroups):
         raise HFIntegrationError(
-            f"{name}: bidirectional attention runs on a flat sequence-parallel group; a 2-D group (SPGroups, Ulysses x "
-            "ring) supports causal models only"
+            f"{name}: bidirectional attention runs on a flat sequence-parallel group; a 2-D group (SPGroups, Ulysses x ring) supports causal models only"
         )
     if shard.total > shard.valid_len and shard.documents is None:
         raise HFIntegrationError(
@@ -567,7 +564,6 @@ def _closure(fn, like) -> dict:
     if code is None or code is not like.__code__ or not fn.__closure__:
         return {}
     return {n: cell.cell_contents for n, cell in zip(code.co_freevars, fn.__closure__)}
-
 
 
 def attention_settings(group=None, *, impl: str = "", fn: Callable | None = None, attn_fn=None, kernels=None,

@@ -88,9 +88,7 @@ class SequenceShard:
     def shard(self, x: torch.Tensor, dim: int = 1, pad_value=0) -> torch.Tensor:
         """This rank's slice of a global per-token tensor (padded with ``pad_value`` first)."""
         if x.shape[dim] not in (self.valid_len, self.total):
-            raise HFIntegrationError(
-                f"SequenceShard.shard: x.shape[{dim}] expected {self.valid_len} (the global length), got {x.shape[dim]}"
-            )
+            raise HFIntegrationError(f"SequenceShard.shard: x.shape[{dim}] expected {self.valid_len} (the global length), got {x.shape[dim]}")
         if x.shape[dim] < self.total:
             pad_shape = list(x.shape)
             pad_shape[dim] = self.total - x.shape[dim]
@@ -156,9 +154,7 @@ class ShardedBatch:
         """
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
-        ce = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), self.labels.flatten().to(logits.device), ignore_index=-100, reduction="sum"
-        )
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), self.labels.flatten().to(logits.device), ignore_index=-100, reduction="sum")
         return ce / max(self.num_tokens, 1)
 
 
@@ -266,8 +262,16 @@ def shard_batch(
     shifted, num_tokens = _shift_labels(labels, ignore_index, cu)
     tokens = input_ids if input_ids is not None else labels
     if check and world > 1:
-        _check_same_batch(get_communicator(_process_group(group), comm), labels.device, bsz, seq, total, num_tokens,
-                          0 if cu is None else len(cu), _fingerprint(tokens, shifted, cu, position_ids if mrope else None))
+        _check_same_batch(
+            get_communicator(_process_group(group), comm),
+            labels.device,
+            bsz,
+            seq,
+            total,
+            num_tokens,
+            0 if cu is None else len(cu),
+            _fingerprint(tokens, shifted, cu, position_ids if mrope else None),
+        )
 
     docs = None if cu is None else documents(pad_documents(cu, total))
     if mrope:
@@ -352,6 +356,8 @@ def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens, pad: bool) ->
             f"{multiple}, got {seq} tokens; use pad=True"
         )
     return total, seq_lens
+
+
 def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tuple[int, ...] | None:
     """A packed batch's document boundaries over the unpadded sequence: ``cu_seqlens`` if
     given, else where ``position_ids`` (``[batch or 1, seq]`` text positions) restart at 0
@@ -416,14 +422,11 @@ def _global_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None
     if position_ids is None:
         return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, seq)
     if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, bsz):
-        raise HFIntegrationError(
-            f"shard_batch: position_ids expected [{bsz} or 1, {seq}], got shape {list(position_ids.shape)}"
-        )
+        raise HFIntegrationError(f"shard_batch: position_ids expected [{bsz} or 1, {seq}], got shape {list(position_ids.shape)}")
     position_ids = position_ids.expand(bsz, seq)
     if seq > 1 and not bool((position_ids.diff(dim=1) == 1).all()):
         raise HFIntegrationError(
-            "shard_batch: position_ids must count up by one along the sequence, or (packed documents, batch 1) "
-            "restart at 0 at each document"
+            "shard_batch: position_ids must count up by one along the sequence, or (packed documents, batch 1) restart at 0 at each document"
         )
     return position_ids
 
@@ -435,9 +438,7 @@ def _shard_lengths(seq: int, world: int, pad: bool) -> tuple[int, list[int]]:
         total = math.ceil(seq / world) * world
         return total, [total // world] * world
     if seq < world:
-        raise HFIntegrationError(
-            f"shard_batch: the sequence ({seq} tokens) is shorter than the group ({world} ranks); use pad=True"
-        )
+        raise HFIntegrationError(f"shard_batch: the sequence ({seq} tokens) is shorter than the group ({world} ranks); use pad=True")
     return seq, split_lengths(seq, world)
 
 
@@ -483,7 +484,5 @@ def _check_same_batch(comm, device: torch.device, bsz: int, seq: int, total: int
         shown = lambda v: f"batch={v[0]} seq={v[1]} padded={v[2]} targets={v[3]} cu_seqlens entries={v[4]} fingerprint={v[5]:016x}"
         rows = by_value([tuple(v) for v in everyone], shown)  # one entry per distinct batch, not per rank
         raise HFIntegrationError(
-            "shard_batch: the ranks of the sequence-parallel group were given different batches "
-            f"(every rank must pass the same global batch): {rows}"
+            f"shard_batch: the ranks of the sequence-parallel group were given different batches (every rank must pass the same global batch): {rows}"
         )
-

@@ -172,8 +172,7 @@ def apply(
         raise HFIntegrationError("apply: transformers is not installed (pip install transformers)") from e
     if not isinstance(model, PreTrainedModel):
         raise HFIntegrationError(
-            f"apply: expected a transformers PreTrainedModel, got {type(model).__name__}; other modules can call "
-            "ulysses_kernels.ulysses_attention directly"
+            f"apply: expected a transformers PreTrainedModel, got {type(model).__name__}; other modules can call ulysses_kernels.ulysses_attention directly"
         )
     if check not in ("step", "always", "never"):
         raise HFIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")

@@ -86,7 +86,6 @@ def gather_sequence(x: torch.Tensor, shard: SequenceShard, group=None, dim: int 
     return full.narrow(dim, 0, shard.valid_len)
 
 
-
 def router_loss(router_logits, shard: SequenceShard, group=None, *, num_experts: int, top_k: int) -> torch.Tensor:
     """This rank's share of an MoE model's load-balancing loss over the *global* batch (the
     Switch-Transformer loss transformers' MoE models add as ``router_aux_loss_coef * aux_loss``):
