@@ -23,7 +23,7 @@ live-bytes tracker for tiny Llama, Qwen2 and Qwen3 models on 2 and 4 gloo ranks
 (``tests/test_longctx_memory.py``: within 2%, exact in practice).
 
 A hybrid (``--mixer qwen3.5`` or ``--mixer config.json``): its mixer layers (Gated DeltaNet,
-Kimi Delta Attention, Bamba's Mamba2, LFM2's short convolution; other mixers refused by name) replayed as
+Kimi Delta Attention, Bamba's and Nemotron-H's Mamba2, LFM2's short convolution; others refused by name) replayed as
 ``hf.apply`` runs them (``memory_step.mixer``; docs/longctx.md, "Hybrid models in
 the calculator"; measured per layer by tests/test_memory_hybrid.py).
 
@@ -131,7 +131,7 @@ class Setup:
         if self.mixer is not None:
             if not isinstance(self.mixer, Mixer):
                 raise MemoryInputError(f"memory: mixer expected a memory_step.mixer.Mixer or None, got {type(self.mixer).__name__}")
-            self.mixer.check_layers(self.layers)
+            self.mixer.check_setup(self)
             if self.sp > self.mixer.heads:
                 raise MemoryInputError(f"memory: sp ({self.sp}) expected at most the mixer's heads ({self.mixer.heads}): hf.apply splits its heads")
         if self.offload_activations and not self.checkpointing:
@@ -168,11 +168,9 @@ def parameter_count(setup: Setup) -> tuple[int, int]:
     mlp = (3 if setup.mlp == "gated" else 2) * h * setup.ffn
     layer = attention + mlp + 2 * h
     embeddings = setup.vocab * h * (1 if setup.tie_embeddings else 2)
-    if setup.mixer is not None:  # a hybrid: its mixer layers in place of attention
-        mixers = sum(setup.mixer.is_mixer(i) for i in range(setup.layers))
-        mixer_layer = setup.mixer.parameters(h) + mlp + 2 * h
-        total = (setup.layers - mixers) * layer + mixers * mixer_layer + embeddings + h
-        return total, max(layer if mixers < setup.layers else 0, mixer_layer)
+    if setup.mixer is not None:  # a hybrid: its mixer layers in place of attention (memory_step.mixer)
+        per = [setup.mixer.layer_parameters(i, h, attention, mlp) for i in range(setup.layers)]
+        return sum(per) + embeddings + h, max(per)
     return setup.layers * layer + embeddings + h, layer
 
 
@@ -380,8 +378,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_mixer_arg,
         metavar="PRESET|CONFIG.json",
         help=f"a hybrid's mixer layers (memory_step.mixer): a preset ({', '.join(sorted(MIXER_PRESETS))}: Gated DeltaNet, "
-        "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba or LFM2 config.json (its mixer "
-        "sizes, layer_types); Nemotron-H, Falcon-H1, Jamba are refused by name",
+        "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba, LFM2 or Nemotron-H (with --mlp plain) "
+        "config.json (its mixer sizes, layer_types); Falcon-H1, Jamba are refused by name",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p

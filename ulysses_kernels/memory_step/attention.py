@@ -18,6 +18,8 @@ class AttentionReplay:
     def __init__(self, ledger: Ledger, setup, sizes: StepSizes, x: ExchangeBytes, norms: NormReplay):
         self.t, self.s, self.sizes, self.norms = ledger, setup, sizes, norms
         self.op = AttentionOpReplay(ledger, setup, sizes, x)
+        # Nemotron-H's attention blocks (mixer form "blocks") have no RoPE: the projections go to the op
+        self.rotary = setup.mixer is None or setup.mixer.form != "blocks"
 
     # ---- RoPE ------------------------------------------------------------------------------
     def rope(self, src: str, nbytes: int, out: str) -> None:
@@ -62,6 +64,10 @@ class AttentionReplay:
             self.rope(pre[0], R.Q, p + "qe")
             self.rope(pre[1], R.K, p + "ke")
             t.free(*pre)
+        elif not self.rotary:
+            t.new(p + "qe", R.Q)
+            t.new(p + "ke", R.K)
+            t.new(p + "v", R.K)
         else:
             t.new(p + "q", R.Q)
             t.new(p + "k", R.K)
@@ -88,8 +94,12 @@ class AttentionReplay:
         norm's output); returns its gradient."""
         t, R, w = self.t, self.sizes.rows, "q/k/v backward"
         e, params = self.s.element_size, self.sizes.params
-        self.rope_backward(dk, R.K, p + "dkp")
-        self.rope_backward(dq, R.Q, p + "dqp")
+        if self.rotary:
+            self.rope_backward(dk, R.K, p + "dkp")
+            self.rope_backward(dq, R.Q, p + "dqp")
+        else:
+            t.rename(dk, p + "dkp")
+            t.rename(dq, p + "dqp")
         t.new(p + "dWv", params["v"] * e, w)
         t.new(p + "dxv", R.X, w)
         t.free(dv, p + "dWv")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .attention import AttentionReplay
 from .ledger import Ledger
 from .loss import LossReplay
-from .mixer import MixerReplay
+from .mixer_replay import MixerReplay
 from .mlp import MlpReplay
 from .norm import NormReplay
 from .sizes import ExchangeBytes, StepSizes
@@ -51,10 +51,16 @@ class StepReplay:
         """Layer ``i`` is a hybrid's Gated DeltaNet layer (else attention)."""
         return self.mixer is not None and self.s.mixer.is_mixer(i)
 
+    def _blocks(self) -> bool:
+        """Each layer is one block (Nemotron-H: mixer form ``"blocks"``)."""
+        return self.mixer is not None and self.s.mixer.form == "blocks"
+
     # ---- a decoder layer ---------------------------------------------------------------------
     def layer_forward(self, i: int, keep: bool) -> str:
         """Layer ``i``'s forward on its input ``in{i}``; returns its output. ``keep=False``:
         under checkpointing (nothing kept); ``keep=True`` without checkpointing."""
+        if self._blocks():
+            return self.block_forward(i, keep)
         t, R, p = self.t, self.sizes.rows, f"L{i}."
         n1 = self.norms.forward(p + "n1.", R, keep)
         o = self.mixer.forward(p + "a.", keep) if self._mixes(i) else self.attention.forward(p + "a.", keep)
@@ -78,6 +84,8 @@ class StepReplay:
 
     def layer_recompute(self, i: int) -> None:
         """The checkpointed layer's forward again, in the backward, up to its last saved tensor."""
+        if self._blocks():
+            return self.block_recompute(i)
         t, R, p = self.t, self.sizes.rows, f"L{i}."
         self.norms.forward(p + "n1.", R, keep=True)
         o = self.mixer.forward(p + "a.", keep=True) if self._mixes(i) else self.attention.forward(p + "a.", keep=True)
@@ -91,20 +99,60 @@ class StepReplay:
     def layer_backward(self, i: int, grad: str, x: str | None) -> str:
         """Layer ``i``'s backward from the gradient of its output; frees its input ``x`` (when its
         last saved reference goes); returns the input's gradient."""
-        t, R, p = self.t, self.sizes.rows, f"L{i}."
+        if self._blocks():
+            return self.block_backward(i, grad, x)
+        R, p = self.sizes.rows, f"L{i}."
         dx2 = self.mlp.layer_backward(p + "m.", R, p + "n2.out")
         res1 = p + "res1" if self._keeps_res1(True) else None
         dres1 = self.norms.backward(p + "n2.", R, dx2, res1, grad, "norm backward")
-        if self._mixes(i):
-            dxn1 = self.mixer.backward(p + "a.", dres1, p + "n1.out")
-            return self.norms.backward(p + "n1.", R, dxn1, x, dres1, "norm backward")
+        dxn1 = self.mixer.backward(p + "a.", dres1, p + "n1.out") if self._mixes(i) else self.attention_backward(p, dres1)
+        return self.norms.backward(p + "n1.", R, dxn1, x, dres1, "norm backward")
+
+    def attention_backward(self, p: str, grad: str) -> str:
+        """From the attention output's gradient ``grad`` (the caller's, kept) through o_proj and
+        the attention to the gradient of its input (the norm's output ``n1.out``, freed)."""
+        t, R = self.t, self.sizes.rows
         t.new(p + "dWo", self.sizes.params["o"] * self.s.element_size, "o_proj backward")
         dattn = t.new(p + "dattn", R.Q, "o_proj backward")
         if self.exchange.world > 1:  # o_proj's input (at world 1 it is the attention output, freed below)
             t.free(p + "a.out")
         t.free(p + "dWo")
-        dxn1 = self.attention.backward(p + "a.", dattn, p + "n1.out")
-        return self.norms.backward(p + "n1.", R, dxn1, x, dres1, "norm backward")
+        return self.attention.backward(p + "a.", dattn, p + "n1.out")
+
+    # ---- a block (Nemotron-H: norm -> mixer, attention or MLP -> residual) ------------------------
+    def _block_mix(self, i: int, p: str, keep: bool) -> str:
+        kind, R = self.s.mixer.block(i), self.sizes.rows
+        if kind == "mlp":
+            return self.mlp.layer_forward(p + "m.", R, keep)
+        return (self.mixer if kind == "mixer" else self.attention).forward(p + "a.", keep)
+
+    def block_forward(self, i: int, keep: bool) -> str:
+        t, R, p = self.t, self.sizes.rows, f"L{i}."
+        n1 = self.norms.forward(p + "n1.", R, keep)
+        o = self._block_mix(i, p, keep)
+        if not keep:
+            t.free(n1)
+        out = t.new(f"in{i + 1}", R.X, "layer output")
+        t.free(o)
+        return out
+
+    def block_recompute(self, i: int) -> None:
+        t, R, p = self.t, self.sizes.rows, f"L{i}."
+        self.norms.forward(p + "n1.", R, keep=True)
+        if self.s.mixer.block(i) == "mlp":
+            self.mlp.recompute(p + "m.", R)
+        else:
+            t.free(self._block_mix(i, p, keep=True))
+
+    def block_backward(self, i: int, grad: str, x: str | None) -> str:
+        R, p, kind = self.sizes.rows, f"L{i}.", self.s.mixer.block(i)
+        if kind == "mlp":
+            dxn1 = self.mlp.layer_backward(p + "m.", R, p + "n1.out")
+        elif kind == "mixer":
+            dxn1 = self.mixer.backward(p + "a.", grad, p + "n1.out")
+        else:
+            dxn1 = self.attention_backward(p, grad)
+        return self.norms.backward(p + "n1.", R, dxn1, x, grad, "norm backward")
 
     # ---- the step ------------------------------------------------------------------------------
     def run(self) -> StepMemory:
@@ -126,8 +174,9 @@ class StepReplay:
         n, e = self.sizes.n, self.sizes.e
         ckpt, offload = s.checkpointing, s.offload_activations
         t.new("in0", R.X, "embedding")
-        t.new("cos", n * s.dim * e)
-        t.new("sin", n * s.dim * e)
+        if self.attention.rotary:
+            t.new("cos", n * s.dim * e)
+            t.new("sin", n * s.dim * e)
         # A layer's input stays when checkpointing keeps it (not offloaded), or when its first
         # norm saves it.
         norm_keeps_x = self._norm_keeps_x()

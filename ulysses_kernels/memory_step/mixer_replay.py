@@ -1,0 +1,184 @@
+"""One hybrid mixer layer of a rank's step in the replay (``MixerReplay``): the tensors it keeps
+for the backward, its two exchanges and its backward, per ``Mixer.kind``, as ``hf.apply`` runs it
+(``integrations/hf/mixers.py``); the bytes each kind keeps are listed in ``memory_step.mixer``'s
+docstring."""
+
+from __future__ import annotations
+
+from .ledger import Ledger
+
+__all__ = ["MixerReplay"]
+
+# Per token and value head, what ``torch_chunk_gated_delta_rule`` keeps for its backward, in
+# float32 elements (read from its code; q and k are repeated to the value heads first):
+#  Dk: q, its l2norm and scaled copy, k, its l2norm, k*beta, k_beta*decay, k_cumdecay,
+#      query*decay, key*decay (9); Dv: v, v*beta, new_values, v_new, the output (5);
+#  C (chunk): pairwise decay, k_beta@k^T, the UT system, q@k^T, the intra-chunk attention (5);
+#  2 per token for the l2norms' rsqrt; and per chunk two Dk x Dv states.
+KERNEL_DK, KERNEL_DV, KERNEL_C, KERNEL_ONE, KERNEL_STATES = 9, 5, 5, 2, 2
+GATED_NORM_WIDE, GATED_NORM_ONE = 5, 2
+# Per padded token and head, what ``mamba2_chunk_scan`` keeps, in float32 elements (read from
+# its code, each checked against the saved tensors of a tiny Bamba): Ns: B and C for G's
+# einsum, B chunked and B_decay's einsum copy, C's copy for C_times_states (5); P: x padded
+# (D's residual), x*dt chunked, its einsum copy, C_times_states (4); C (chunk): L, G, M (3);
+# 2 per token: decay_states, state_decay_out; per chunk, 2 P x Ns states (the inter-chunk
+# einsum's input, with the zero initial state, and the chunks' start states).
+SCAN_NS, SCAN_P, SCAN_C, SCAN_ONE, SCAN_STATES = 5, 4, 3, 2, 2
+# Kimi Delta Attention's ``chunk_kimi_delta_attention`` (float32), per padded token and head,
+# read from its code and checked against a tiny Kimi-Linear's saved tensors: C x Dk: the decay
+# mask, k_beta x key, each chunk's q x k (3); Dk: key and value padded, k_beta, g's exp, the
+# scaled query, each chunk's two decays (g's exp, the last minus g's exp) and two matmul
+# operands (q * g's exp, v_new), the transposed decayed key, k_cumdecay, k_beta * g's exp,
+# v_beta (13); C: the UT system, each chunk's intra attention (2); per chunk and head: the UT
+# loop's clones (row i of the system and its i x i block for i < C), the state, the last decay.
+KDA_CD, KDA_D, KDA_C = 3, 13, 2
+
+
+class MixerReplay:
+    """The mixer layer of one rank's step (``sizes``: the step's; ``setup.mixer``): ``local``
+    kept before the exchange, ``remote`` after it (the last, ``kernel``, frees the received
+    heads), ``out`` (kept) and ``y`` (not) the kernel's output sent back, ``post`` kept after
+    the exchange back (``o_in`` last: out_proj's input). Bytes as the module docstring lists."""
+
+    def __init__(self, ledger: Ledger, setup, sizes, rank: int):
+        m, e = setup.mixer, setup.element_size
+        self.t, self.m, self.e = ledger, m, e
+        h, g = m.heads_on(setup, rank)
+        n = sizes.n
+        N = setup.batch * setup.seq
+        one = setup.sp == 1
+        self.X = n * setup.hidden * e
+        self.weights = m.parameters(setup.hidden) * e
+        if m.kind == "mamba2":
+            self._mamba2(n, N, h, g, one, setup)
+        elif m.kind == "short-conv":
+            self._short_conv(n, N, h, one, setup)
+        elif m.kind == "kimi-delta":
+            self._kimi_delta(n, N, h, one, setup)
+        else:
+            self._gated_deltanet(n, N, h, g, one, setup)
+        self.kept = self.local + self.remote + [("out", self.out)] + self.post
+
+    def _gated_deltanet(self, n, N, h, g, one, setup):
+        m, e = self.m, self.e
+        hv_local = n * m.heads * m.head_dim
+        padded = -(-setup.seq // m.chunk) * m.chunk * setup.batch
+        kernel = h * (padded * (KERNEL_DK * m.key_dim + KERNEL_DV * m.head_dim + KERNEL_C * m.chunk + KERNEL_ONE)
+                      + padded // m.chunk * KERNEL_STATES * m.key_dim * m.head_dim)  # fmt: skip
+        ch = 2 * g * m.key_dim + h * m.head_dim
+        # (name, bytes) kept for the backward, in the order the forward makes them
+        self.local = [("z", hv_local * e)]
+        self.remote = [("conv_in", N * ch * e), ("conv_out", N * ch * e), ("beta", N * h * e), ("sp_in", N * h * 4),
+                       ("sp_out", N * h * 4), ("kernel", kernel * 4)]  # fmt: skip
+        self.out, self.y = N * h * m.head_dim * e, 0
+        self.post = [("norm", GATED_NORM_WIDE * hv_local * max(e, 4) + GATED_NORM_ONE * n * m.heads * 4), ("o_in", hv_local * e)]
+        self.send = 0 if one else n * (m.heads * (m.head_dim + 2) + 2 * m.groups * m.key_dim) * e
+        self.recv = N * (h * (m.head_dim + 2) + 2 * g * m.key_dim) * e
+        self.back = 0 if one else hv_local * e  # the output's exchange back
+        self.proj = n * m.conv_channels * e  # in_proj_qkv's output, split into the exchange
+
+    def _mamba2(self, n, N, h, g, one, setup):
+        m, e = self.m, self.e
+        P, Ns, C, B = m.head_dim, m.key_dim, m.chunk, setup.batch
+        inner = m.heads * P
+        ch = h * P + 2 * g * Ns
+        padded = -(-setup.seq // C) * C * B
+        chunks = padded // (C * B)
+        # float32 model: x.float() is the conv's output (all its channels), else a float32 copy of x
+        x32 = N * ch * 4 if e == 4 else N * h * P * 4
+        scan = h * padded * (SCAN_NS * Ns + SCAN_P * P + SCAN_C * C + SCAN_ONE) + SCAN_STATES * B * (chunks + 1) * h * P * Ns
+        masks = 2 * C * C + 2 * (chunks + 1) ** 2 + 4 * B * h * (chunks + 1) ** 2  # segment_sum's masks, the chunks' decay
+        self.local = [("proj", n * (inner + m.conv_channels + m.heads) * e)]  # in_proj's output (the gate keeps it)
+        self.remote = [("conv_w", ch * (m.conv * e + 8)), ("conv_in", N * ch * e), ("conv_out", (N + B * (m.conv - 1)) * ch * e),
+                       ("dt", 2 * N * h * e + N * h * 4 + 2 * h * 4), ("x32", x32), ("kernel", 4 * scan + masks)]  # fmt: skip
+        self.out, self.y = 0, N * h * P * e
+        # gated norm in float32: the gate's silu (and in another dtype its float32 copy), the
+        # output's float32 copy, their product, rsqrt, the normalized output in the dtype
+        silu = n * inner * 4 * (1 if e == 4 else 2)
+        self.post = [("norm", silu + 2 * n * inner * 4 + n * m.norm_groups * 4 + n * inner * e), ("o_in", n * inner * e)]
+        self.send = 0 if one else n * (m.heads * (P + 1) + 2 * m.groups * Ns) * e
+        self.recv = N * (h * (P + 1) + 2 * g * Ns) * e
+        self.back = 0 if one else n * inner * e
+        self.proj = 0
+
+    def _kimi_delta(self, n, N, h, one, setup):
+        m, e = self.m, self.e
+        d, C, B, H = m.head_dim, m.chunk, setup.batch, m.heads
+        ch = 3 * h * d
+        padded = -(-setup.seq // C) * C * B
+        chunks = padded // C  # over the batch
+        ut = (C - 1) * C // 2 + (C - 1) * C * (2 * C - 1) // 6  # the UT loop's clones per chunk and head
+        kernel = (h * padded * (KDA_CD * C * d + KDA_D * d + KDA_C * C) + h * chunks * (ut + d * d + d)) * 4 + 3 * C * C
+        kernel += 2 * N * h * d * 4 + 3 * N * h * 4  # q and k (float32) and their l2 norms, beta
+        self.local = [("gates_a", 2 * n * d * e)]  # f_a_proj's and g_a_proj's outputs
+        self.remote = [("conv_w", ch * (m.conv * e + 8)), ("conv_in", N * ch * e), ("conv_out", (N + B * (m.conv - 1)) * ch * e),
+                       ("forget", 3 * N * h * d * 4 + N * h * d + 2 * h * 4), ("beta", N * h * e), ("kernel", kernel)]  # fmt: skip
+        self.out, self.y = 0, N * h * d * e
+        # o_norm (gated, float32): the output, its product with the gate's sigmoid, the normalized, rsqrt
+        self.post = [("norm", n * H * d * e + 3 * n * H * d * 4 + n * H * 4), ("o_in", n * H * d * e)]
+        self.send = 0 if one else n * H * (4 * d + 1) * e
+        self.recv = N * h * (4 * d + 1) * e
+        self.back = 0 if one else n * H * d * e
+        self.proj = n * H * (4 * d + 1) * e  # q, k, v, the forget gate's pre-activation, b: joined into the send
+
+    def _short_conv(self, n, N, c, one, setup):
+        e = self.e
+        hidden = self.m.heads
+        self.local = [("proj", 3 * n * hidden * e)]  # in_proj's output: B, C, x are views of it
+        self.remote = [("conv_w", c * (self.m.conv * e + 8)), ("kernel", N * c * e)]  # the conv's input
+        self.out, self.y = 0, N * c * e
+        self.post = [("back_kept", n * hidden * e), ("o_in", n * hidden * e)]  # C * back keeps back
+        self.send = 0 if one else n * hidden * e
+        self.recv = N * c * e
+        self.back = 0
+        self.proj = n * hidden * e  # B * x, packed into the send
+
+    def forward(self, p: str, keep: bool) -> str:
+        """The layer on the norm's output; returns out_proj's output ``[n, hidden]``."""
+        t = self.t
+        t.new(p + "qkv", self.proj)
+        for name, nbytes in self.local:
+            t.new(p + name, nbytes)
+        t.new(p + "send", self.send)
+        t.free(p + "qkv")
+        t.new(p + "recv", self.recv, "mixer exchange")
+        t.free(p + "send")
+        for name, nbytes in self.remote:
+            t.new(p + name, nbytes, "mixer forward")
+        t.free(p + "recv")
+        t.new(p + "out", self.out, "mixer forward")
+        t.new(p + "y", self.y, "mixer forward")
+        t.new(p + "back", self.back, "mixer exchange back")
+        t.free(p + "y")
+        for name, nbytes in self.post[:-1]:
+            t.new(p + name, nbytes, "mixer forward")
+        t.free(p + "back")
+        t.new(p + "o_in", self.post[-1][1])
+        o = t.new(p + "o", self.X, "mixer out_proj")
+        if not keep:
+            t.free(*(p + name for name, _ in self.kept))
+        return o
+
+    def recompute(self, p: str) -> None:
+        self.t.free(self.forward(p, keep=True))
+
+    def backward(self, p: str, grad: str, x: str) -> str:
+        """From the output's gradient ``grad`` (the caller's, kept) to the gradient of the
+        layer's input ``x`` (the norm's output, freed here): each kept tensor's gradient made
+        as the tensor goes, the exchanges' gradients, the weights' gradients one at a time."""
+        t, w = self.t, "mixer backward"
+        t.blip(self.weights, w)
+        prev = None
+        for name, nbytes in reversed(self.kept):
+            d = t.new(p + "d" + name, nbytes, w)
+            t.free(prev, p + name)
+            prev = d
+            if name == "out":
+                t.new(p + "drecv", self.recv, w)
+                t.free(prev)
+                prev = p + "drecv"
+        t.new(p + "dsend", self.send, w)
+        t.free(prev)
+        dx = t.new(p + "dx", self.X, w)
+        t.free(p + "dsend", x)
+        return dx
