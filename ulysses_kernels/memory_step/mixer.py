@@ -4,7 +4,8 @@ replays one such layer as ``hf.apply`` runs it (``integrations/hf/mixers.py``). 
 DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 as Bamba
 and Nemotron-H write it, LFM2's gated short convolution. Forms (``FORMS``): a layer is norm ->
 mixer or attention -> norm -> MLP (``stacked``), or one block, norm -> mixer, attention without
-RoPE or a relu2 MLP -> residual (``blocks``: Nemotron-H; ``replay.StepReplay.block_forward``).
+RoPE or a relu2 MLP -> residual (``blocks``: Nemotron-H; ``replay.StepReplay.block_forward``), or
+norm -> Mamba2 beside attention -> norm -> MLP (``parallel``: Falcon-H1, ``parallel_forward``).
 
 Gated DeltaNet, one layer on a rank with ``n`` local tokens and ``N`` tokens of the whole
 sequence (batch x sequence), ``Hv``/``Hk`` value/key heads of which the rank holds ``h``/``g``
@@ -28,6 +29,9 @@ dim, ``Ns`` the state, ``I = H P``, ``S'`` the tokens padded to the chunk ``C``:
     scan:   ``mamba2_chunk_scan`` in float32 (``SCAN_*`` below)
     out     [N, h, P] -> one all-to-all back -> [n, I]
     gated norm (float32): 4 [n, I] + [n, G]; out_proj's input [n, I]
+
+Falcon-H1's Mamba2 as Bamba's, with in_proj's output times ``mup_vector`` kept (in_proj's own output
+goes) and, without ``mamba_rms_norm``, ``out * silu(gate)`` keeping out and silu(gate) [n, I] each.
 
 Kimi Delta Attention, ``H`` heads of dim ``D`` (``h`` on the rank), chunk ``C``::
 
@@ -59,9 +63,8 @@ per-chunk states, recomputing the rest): on a GPU with them installed this model
 the kernel. Mamba2's float32 casts alias in a float32 model (``x.float()`` is ``x``): the
 counts follow the model's dtype (measured in float32 only).
 
-Not modelled, refused by name (``Mixer.from_config``): Falcon-H1 (attention and Mamba2 side by
-side in one layer, muP multipliers between them: neither form), Jamba (Mamba1: three exchanges,
-not replayed yet); Nemotron-H's MoE blocks and projection biases.
+Not modelled, refused by name (``Mixer.from_config``): Jamba (Mamba1: three exchanges, not
+replayed yet); Nemotron-H's MoE blocks, Falcon-H1's gate before its gated norm, projection biases.
 """
 
 from __future__ import annotations
@@ -77,8 +80,9 @@ __all__ = ["Mixer", "PRESETS"]
 KINDS = ("gated-deltanet", "mamba2", "short-conv", "kimi-delta")
 # How a layer is built around its mixer: "stacked" norm -> mixer or attention -> norm -> MLP (the
 # default; Qwen3.5, Bamba, LFM2, Kimi-Linear); "blocks": norm -> one of mixer, attention (no
-# RoPE) or an MLP (Nemotron-H).
-FORMS = ("stacked", "blocks")
+# RoPE) or an MLP (Nemotron-H); "parallel": norm -> Mamba2 and attention side by side, summed ->
+# norm -> MLP (Falcon-H1, its muP multipliers between them).
+FORMS = ("stacked", "blocks", "parallel")
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,9 @@ class Mixer:
     causal conv's width (with a bias: ``conv_bias``), ``chunk`` the kernel's chunk; layer ``i``
     is attention when ``(i + 1) % attention_every == 0`` (Qwen3.5's ``full_attention_interval``),
     or as ``layer_types`` (``"linear_attention"`` for a mixer of any kind / ``"full_attention"``
-    per layer; with ``form="blocks"`` also ``"mlp"``) say. ``form``: ``FORMS``."""
+    per layer; with ``form="blocks"`` also ``"mlp"``) say. ``form``: ``FORMS`` (``"parallel"``: every
+    layer has the mixer and attention). ``gated_norm``: Mamba2's gated RMSNorm (Falcon-H1 without
+    ``mamba_rms_norm``: the output times silu(gate) alone)."""
 
     heads: int
     groups: int
@@ -105,6 +111,7 @@ class Mixer:
     norm_groups: int = 1
     conv_bias: bool = False
     form: str = "stacked"
+    gated_norm: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -125,7 +132,7 @@ class Mixer:
 
     @classmethod
     def from_config(cls, cfg) -> Mixer:
-        """From a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba, LFM2 or Nemotron-H text config (or its dict);
+        """From a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba, LFM2, Nemotron-H or Falcon-H1 text config (or its dict);
         any other model type is refused by name (the module docstring says why)."""
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         model = get("model_type") or type(cfg).__name__
@@ -135,6 +142,8 @@ class Mixer:
             return cls._bamba(get)
         if model == "nemotron_h":
             return cls._nemotron_h(get)
+        if model == "falcon_h1":
+            return cls._falcon_h1(get)
         if model == "kimi_linear":
             return cls._kimi(get)
         if model == "lfm2":
@@ -176,6 +185,23 @@ class Mixer:
                    norm_groups=groups, conv_bias=bool(get("use_conv_bias", True)), form="blocks")  # fmt: skip
 
     @classmethod
+    def _falcon_h1(cls, get) -> Mixer:
+        for flag in ("mamba_proj_bias", "projectors_bias", "mlp_bias", "attention_bias"):
+            if get(flag):
+                raise UlyssesInputError(f"memory: config 'falcon_h1' with {flag}: the calculator counts its projections without a bias")
+        rms = bool(get("mamba_rms_norm", False))
+        if rms and not get("mamba_norm_before_gate", True):
+            raise UlyssesInputError("memory: config 'falcon_h1' with mamba_rms_norm and not mamba_norm_before_gate: not modelled (measured: before the gate)")
+        heads, dim = get("mamba_n_heads", 128), get("mamba_d_head")
+        inner = get("mamba_d_ssm") or int(get("mamba_expand", 2) * get("hidden_size"))
+        if not isinstance(dim, int) or heads * dim != inner:
+            raise UlyssesInputError(f"memory: config 'falcon_h1' mamba_n_heads x mamba_d_head expected mamba_d_ssm ({inner}), got {heads} x {dim!r}")
+        groups = get("mamba_n_groups", 1)
+        return cls(heads=heads, groups=groups, head_dim=dim, key_dim=get("mamba_d_state", 256), conv=get("mamba_d_conv", 4),
+                   chunk=get("mamba_chunk_size", 256), layer_types=("linear_attention",) * get("num_hidden_layers"), kind="mamba2",
+                   norm_groups=groups, conv_bias=bool(get("mamba_conv_bias", True)), form="parallel", gated_norm=rms)  # fmt: skip
+
+    @classmethod
     def _kimi(cls, get) -> Mixer:
         la = get("linear_attn_config") or {}
         heads, dim = la.get("num_heads"), la.get("head_dim")
@@ -214,11 +240,15 @@ class Mixer:
             raise UlyssesInputError(f"memory: mixer layer_types expected {setup.layers} entries (layers), got {len(self.layer_types)}")
         if self.form == "blocks" and setup.mlp != "plain":
             raise UlyssesInputError(f"memory: mlp expected 'plain' for a mixer of form 'blocks' (Nemotron-H's up -> relu2 -> down), got {setup.mlp!r}")
+        if self.form == "parallel" and setup.mlp != "gated":
+            raise UlyssesInputError(f"memory: mlp expected 'gated' for a mixer of form 'parallel' (Falcon-H1's), got {setup.mlp!r}")
 
     def layer_parameters(self, i: int, hidden: int, attention: int, mlp: int) -> int:
         """Layer ``i``'s parameters, given an attention's and an MLP's: stacked, its mixer or
-        attention, the MLP and two norms; a block, what it mixes with and one norm."""
+        attention, the MLP and two norms; a block, what it mixes with and one norm; parallel, both."""
         mixes = self.parameters(hidden) if self.is_mixer(i) else attention
+        if self.form == "parallel":
+            mixes += attention
         if self.form == "blocks":
             return (mlp if self.block(i) == "mlp" else mixes) + hidden
         return mixes + mlp + 2 * hidden
@@ -238,7 +268,7 @@ class Mixer:
         hv, ch = self.heads * self.head_dim, self.conv_channels
         conv = ch * (self.conv + (1 if self.conv_bias else 0))
         if self.kind == "mamba2":
-            return hidden * (hv + ch + self.heads) + conv + 3 * self.heads + hv + hv * hidden
+            return hidden * (hv + ch + self.heads) + conv + 3 * self.heads + (hv if self.gated_norm else 0) + hv * hidden
         if self.kind == "short-conv":
             return 3 * hidden * ch + conv + ch * hidden
         if self.kind == "kimi-delta":  # q/k/v, f_a/f_b, b, conv, A_log, dt_bias, g_a/g_b, o_norm, o_proj
@@ -252,14 +282,16 @@ class Mixer:
         return lay.head_count("q", rank), lay.head_count("kv", rank)
 
 
-_MODELLED = "Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Bamba's and Nemotron-H's Mamba2, LFM2's short convolution"
+_MODELLED = (
+    "Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Bamba's, Nemotron-H's and Falcon-H1's "
+    "Mamba2, LFM2's short convolution"
+)
 _NOT_MODELLED = {
-    "falcon_h1": "Falcon-H1 runs attention and Mamba2 side by side in each layer, not the replay's one mixer per layer",
     "jamba": "Jamba's Mamba1 mixer is not modelled (hf.apply runs it with three exchanges; the replay has no such layer yet)",
 }
 
 # Shapes of released models' Gated DeltaNet layers (their config.json); sizes of the rest
-# (hidden, heads, layers) come from the command line. Bamba, LFM2, Nemotron-H: give their config.json.
+# (hidden, heads, layers) come from the command line. Bamba, LFM2, Nemotron-H, Falcon-H1: give their config.json.
 PRESETS = {
     "qwen3.5": Mixer(heads=32, groups=16, head_dim=128, key_dim=128, conv=4, attention_every=4),  # Qwen3-Next-80B-A3B, Qwen3.5
 }

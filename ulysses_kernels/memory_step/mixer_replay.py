@@ -96,10 +96,13 @@ class MixerReplay:
         # output's float32 copy, their product, rsqrt, the normalized output in the dtype
         silu = n * inner * 4 * (1 if e == 4 else 2)
         self.post = [("norm", silu + 2 * n * inner * 4 + n * m.norm_groups * 4 + n * inner * e), ("o_in", n * inner * e)]
+        if not m.gated_norm:  # Falcon-H1 without its norm: out * silu(gate) keeps out and silu(gate)
+            self.post = [("gate", 2 * n * inner * e), ("o_in", n * inner * e)]
         self.send = 0 if one else n * (m.heads * (P + 1) + 2 * m.groups * Ns) * e
         self.recv = N * (h * (P + 1) + 2 * g * Ns) * e
         self.back = 0 if one else n * inner * e
-        self.proj = 0
+        # Falcon-H1's muP: in_proj's output times mup_vector (kept, ``proj``); the product goes
+        self.proj = n * (inner + m.conv_channels + m.heads) * e if m.form == "parallel" else 0
 
     def _kimi_delta(self, n, N, h, one, setup):
         m, e = self.m, self.e

@@ -55,12 +55,18 @@ class StepReplay:
         """Each layer is one block (Nemotron-H: mixer form ``"blocks"``)."""
         return self.mixer is not None and self.s.mixer.form == "blocks"
 
+    def _parallel(self) -> bool:
+        """Each layer runs Mamba2 and attention side by side (Falcon-H1: mixer form ``"parallel"``)."""
+        return self.mixer is not None and self.s.mixer.form == "parallel"
+
     # ---- a decoder layer ---------------------------------------------------------------------
     def layer_forward(self, i: int, keep: bool) -> str:
         """Layer ``i``'s forward on its input ``in{i}``; returns its output. ``keep=False``:
         under checkpointing (nothing kept); ``keep=True`` without checkpointing."""
         if self._blocks():
             return self.block_forward(i, keep)
+        if self._parallel():
+            return self.parallel_forward(i, keep)
         t, R, p = self.t, self.sizes.rows, f"L{i}."
         n1 = self.norms.forward(p + "n1.", R, keep)
         o = self.mixer.forward(p + "a.", keep) if self._mixes(i) else self.attention.forward(p + "a.", keep)
@@ -86,6 +92,8 @@ class StepReplay:
         """The checkpointed layer's forward again, in the backward, up to its last saved tensor."""
         if self._blocks():
             return self.block_recompute(i)
+        if self._parallel():
+            return self.parallel_forward(i, keep=True, recompute=True)
         t, R, p = self.t, self.sizes.rows, f"L{i}."
         self.norms.forward(p + "n1.", R, keep=True)
         o = self.mixer.forward(p + "a.", keep=True) if self._mixes(i) else self.attention.forward(p + "a.", keep=True)
@@ -101,6 +109,8 @@ class StepReplay:
         last saved reference goes); returns the input's gradient."""
         if self._blocks():
             return self.block_backward(i, grad, x)
+        if self._parallel():
+            return self.parallel_backward(i, grad, x)
         R, p = self.sizes.rows, f"L{i}."
         dx2 = self.mlp.layer_backward(p + "m.", R, p + "n2.out")
         res1 = p + "res1" if self._keeps_res1(True) else None
@@ -108,16 +118,73 @@ class StepReplay:
         dxn1 = self.mixer.backward(p + "a.", dres1, p + "n1.out") if self._mixes(i) else self.attention_backward(p, dres1)
         return self.norms.backward(p + "n1.", R, dxn1, x, dres1, "norm backward")
 
-    def attention_backward(self, p: str, grad: str) -> str:
+    def attention_backward(self, p: str, grad: str, x: str | None = None) -> str:
         """From the attention output's gradient ``grad`` (the caller's, kept) through o_proj and
-        the attention to the gradient of its input (the norm's output ``n1.out``, freed)."""
+        the attention to the gradient of its input ``x`` (default the norm's output ``n1.out``; freed)."""
         t, R = self.t, self.sizes.rows
         t.new(p + "dWo", self.sizes.params["o"] * self.s.element_size, "o_proj backward")
         dattn = t.new(p + "dattn", R.Q, "o_proj backward")
         if self.exchange.world > 1:  # o_proj's input (at world 1 it is the attention output, freed below)
             t.free(p + "a.out")
         t.free(p + "dWo")
-        return self.attention.backward(p + "a.", dattn, p + "n1.out")
+        return self.attention.backward(p + "a.", dattn, x or p + "n1.out")
+
+    # ---- a parallel layer (Falcon-H1: norm -> Mamba2 beside attention -> sum -> norm -> MLP) -------
+    def parallel_forward(self, i: int, keep: bool, recompute: bool = False) -> str | None:
+        """The norm's output times the SSM's and the attention's input multipliers (kept: the
+        in_proj and q/k/v inputs; the norm's output goes), Mamba2 (``s.``), attention (``a.``),
+        their outputs times their multipliers and summed, the residual, norm, gated MLP."""
+        t, R, p = self.t, self.sizes.rows, f"L{i}."
+        n1 = self.norms.forward(p + "n1.", R, keep)
+        t.new(p + "s_in", R.X)
+        o = self.mixer.forward(p + "s.", keep)
+        t.new(p + "s_out", R.X)
+        t.free(o)
+        t.new(p + "a_in", R.X)
+        t.free(n1)
+        if not keep:
+            t.free(p + "s_in")
+        o = self.attention.forward(p + "a.", keep)
+        t.new(p + "a_out", R.X)
+        t.free(o)
+        if not keep:
+            t.free(p + "a_in")
+        t.new(p + "sum", R.X)
+        t.free(p + "s_out", p + "a_out")
+        t.new(p + "res1", R.X)
+        t.free(p + "sum")
+        n2 = self.norms.forward(p + "n2.", R, keep)
+        if recompute:
+            self.mlp.recompute(p + "m.", R)
+            if not self._keeps_res1(True):
+                t.free(p + "res1")
+            return None
+        m = self.mlp.layer_forward(p + "m.", R, keep)
+        if not keep:
+            t.free(n2)
+        out = t.new(f"in{i + 1}", R.X, "layer output")
+        t.free(m)
+        if not self._keeps_res1(keep):
+            t.free(p + "res1")
+        return out
+
+    def parallel_backward(self, i: int, grad: str, x: str | None) -> str:
+        t, R, p, w = self.t, self.sizes.rows, f"L{i}.", "multiplier backward"
+        dx2 = self.mlp.layer_backward(p + "m.", R, p + "n2.out")
+        res1 = p + "res1" if self._keeps_res1(True) else None
+        dres1 = self.norms.backward(p + "n2.", R, dx2, res1, grad, "norm backward")
+        da = t.new(p + "da", R.X, w)  # the sum's gradient times the attention's output multiplier
+        dan = self.attention_backward(p, da, p + "a_in")
+        t.free(da)
+        t.new(p + "dn1a", R.X, w)  # times the attention's input multiplier
+        t.free(dan)
+        ds = t.new(p + "ds", R.X, w)
+        dsn = self.mixer.backward(p + "s.", ds, p + "s_in")
+        t.free(ds)
+        t.new(p + "dn1s", R.X, w)
+        t.free(dsn)
+        dn1 = t.accumulate(p + "dn1a", p + "dn1s", R.X, w)
+        return self.norms.backward(p + "n1.", R, dn1, x, dres1, "norm backward")
 
     # ---- a block (Nemotron-H: norm -> mixer, attention or MLP -> residual) ------------------------
     def _block_mix(self, i: int, p: str, keep: bool) -> str:
