@@ -23,7 +23,7 @@ live-bytes tracker for tiny Llama, Qwen2 and Qwen3 models on 2 and 4 gloo ranks
 (``tests/test_longctx_memory.py``: within 2%, exact in practice).
 
 A hybrid (``--mixer qwen3.5`` or ``--mixer config.json``): its mixer layers (Gated DeltaNet,
-Kimi Delta Attention, Bamba's, Nemotron-H's and Falcon-H1's Mamba2, LFM2's short convolution; others refused by name) replayed as
+Kimi Delta Attention, Bamba's, Nemotron-H's and Falcon-H1's Mamba2, Jamba's Mamba1, LFM2's short convolution) replayed as
 ``hf.apply`` runs them (``memory_step.mixer``; docs/longctx.md, "Hybrid models in
 the calculator"; measured per layer by tests/test_memory_hybrid.py).
 
@@ -379,7 +379,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PRESET|CONFIG.json",
         help=f"a hybrid's mixer layers (memory_step.mixer): a preset ({', '.join(sorted(MIXER_PRESETS))}: Gated DeltaNet, "
         "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba, LFM2, Nemotron-H (with --mlp plain) "
-        "or Falcon-H1 config.json (its mixer sizes, layer_types); Jamba is refused by name",
+        "Falcon-H1 or Jamba (dense MLPs) config.json (its mixer sizes, layer_types); MoE layers are refused by name",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p

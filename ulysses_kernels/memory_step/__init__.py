@@ -28,7 +28,7 @@ one ``GraphExecGroup`` (docs/longctx.md): the replay assumes one recompute.
 The pieces, one job each: ``replay.StepReplay`` (the step: layers, recompute, offload; the
 entry point), ``norm``, ``mlp``, ``attention`` (projections, RoPE), ``attention_op``
 (``ulysses_attention``: exchanges, kernel), ``loss`` (each block's forward and backward),
-``mixer`` (a hybrid's mixer layers: Gated DeltaNet, KDA, Mamba2, short conv; their layers' forms:
+``mixer`` (a hybrid's mixer layers: Gated DeltaNet, KDA, Mamba2, Mamba1 (``mamba1``), short conv; their layers' forms:
 stacked, Nemotron-H's blocks, Falcon-H1's parallel layer)
 and ``mixer_replay`` (one such layer as ``hf.apply`` runs it), ``tiles``
 (``SequenceTiled``: tile counts, the tiled forward), ``sizes`` (the bytes of a tensor,

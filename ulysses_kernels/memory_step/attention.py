@@ -18,8 +18,8 @@ class AttentionReplay:
     def __init__(self, ledger: Ledger, setup, sizes: StepSizes, x: ExchangeBytes, norms: NormReplay):
         self.t, self.s, self.sizes, self.norms = ledger, setup, sizes, norms
         self.op = AttentionOpReplay(ledger, setup, sizes, x)
-        # Nemotron-H's attention blocks (mixer form "blocks") have no RoPE: the projections go to the op
-        self.rotary = setup.mixer is None or setup.mixer.form != "blocks"
+        # Nemotron-H's and Jamba's attention has no RoPE (``Mixer.rope``): the projections go to the op
+        self.rotary = setup.mixer is None or setup.mixer.rope
 
     # ---- RoPE ------------------------------------------------------------------------------
     def rope(self, src: str, nbytes: int, out: str) -> None:

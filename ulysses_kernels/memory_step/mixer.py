@@ -1,8 +1,9 @@
 """The token-mixer layers of a hybrid model in the replay: ``Mixer`` describes them (which
 kind, which layers, heads, dims, conv width, chunk, the layer's form), ``mixer_replay.MixerReplay``
 replays one such layer as ``hf.apply`` runs it (``integrations/hf/mixers.py``). Kinds: Gated
-DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 as Bamba
-and Nemotron-H write it, LFM2's gated short convolution. Forms (``FORMS``): a layer is norm ->
+DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 as Bamba,
+Nemotron-H and Falcon-H1 write it, Jamba's Mamba1, LFM2's gated short convolution. Forms
+(``FORMS``): a layer is norm ->
 mixer or attention -> norm -> MLP (``stacked``), or one block, norm -> mixer, attention without
 RoPE or a relu2 MLP -> residual (``blocks``: Nemotron-H; ``replay.StepReplay.block_forward``), or
 norm -> Mamba2 beside attention -> norm -> MLP (``parallel``: Falcon-H1, ``parallel_forward``).
@@ -63,8 +64,11 @@ per-chunk states, recomputing the rest): on a GPU with them installed this model
 the kernel. Mamba2's float32 casts alias in a float32 model (``x.float()`` is ``x``): the
 counts follow the model's dtype (measured in float32 only).
 
-Not modelled, refused by name (``Mixer.from_config``): Jamba (Mamba1: three exchanges, not
-replayed yet); Nemotron-H's MoE blocks, Falcon-H1's gate before its gated norm, projection biases.
+Jamba's Mamba1 (``kind="mamba1"``: ``heads`` its channels, ``key_dim`` the state, ``dt_rank``):
+``memory_step/mamba1.py`` (three exchanges and one back).
+
+Not modelled, refused by name (``Mixer.from_config``): MoE layers (Nemotron-H's MoE blocks,
+Jamba's experts), Falcon-H1's gate before its gated norm, projection biases.
 """
 
 from __future__ import annotations
@@ -74,10 +78,11 @@ from dataclasses import dataclass
 from ..checks import UlyssesInputError
 from ..layout import Layout, split_lengths
 from ..plan import HeadPlan
+from .mamba1 import mamba1_parameters
 
 __all__ = ["Mixer", "PRESETS"]
 
-KINDS = ("gated-deltanet", "mamba2", "short-conv", "kimi-delta")
+KINDS = ("gated-deltanet", "mamba2", "short-conv", "kimi-delta", "mamba1")
 # How a layer is built around its mixer: "stacked" norm -> mixer or attention -> norm -> MLP (the
 # default; Qwen3.5, Bamba, LFM2, Kimi-Linear); "blocks": norm -> one of mixer, attention (no
 # RoPE) or an MLP (Nemotron-H); "parallel": norm -> Mamba2 and attention side by side, summed ->
@@ -97,7 +102,8 @@ class Mixer:
     or as ``layer_types`` (``"linear_attention"`` for a mixer of any kind / ``"full_attention"``
     per layer; with ``form="blocks"`` also ``"mlp"``) say. ``form``: ``FORMS`` (``"parallel"``: every
     layer has the mixer and attention). ``gated_norm``: Mamba2's gated RMSNorm (Falcon-H1 without
-    ``mamba_rms_norm``: the output times silu(gate) alone)."""
+    ``mamba_rms_norm``: the output times silu(gate) alone). ``rope``: the attention layers rotate
+    q and k (not Nemotron-H's, Jamba's). Mamba1: ``heads`` = its channels, ``groups`` 1, ``dt_rank``."""
 
     heads: int
     groups: int
@@ -112,6 +118,8 @@ class Mixer:
     conv_bias: bool = False
     form: str = "stacked"
     gated_norm: bool = True
+    rope: bool = True
+    dt_rank: int = 0
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -122,6 +130,8 @@ class Mixer:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UlyssesInputError(f"memory: mixer {name} expected a positive int, got {value!r}")
+        if self.kind == "mamba1" and (not isinstance(self.dt_rank, int) or self.dt_rank < 1):
+            raise UlyssesInputError(f"memory: mixer dt_rank expected a positive int for kind 'mamba1', got {self.dt_rank!r}")
         if self.heads % self.groups:
             raise UlyssesInputError(f"memory: mixer heads ({self.heads}) expected a multiple of groups ({self.groups})")
         if self.layer_types is not None:
@@ -132,7 +142,7 @@ class Mixer:
 
     @classmethod
     def from_config(cls, cfg) -> Mixer:
-        """From a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba, LFM2, Nemotron-H or Falcon-H1 text config (or its dict);
+        """From a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba, LFM2, Nemotron-H, Falcon-H1 or Jamba text config (or its dict);
         any other model type is refused by name (the module docstring says why)."""
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         model = get("model_type") or type(cfg).__name__
@@ -144,6 +154,8 @@ class Mixer:
             return cls._nemotron_h(get)
         if model == "falcon_h1":
             return cls._falcon_h1(get)
+        if model == "jamba":
+            return cls._jamba(get)
         if model == "kimi_linear":
             return cls._kimi(get)
         if model == "lfm2":
@@ -182,7 +194,7 @@ class Mixer:
         groups = get("n_groups", 8)
         return cls(heads=get("mamba_num_heads", 128), groups=groups, head_dim=get("mamba_head_dim", 64), key_dim=get("ssm_state_size", 128),
                    conv=get("conv_kernel", 4), chunk=get("chunk_size", 128), layer_types=tuple(names[t] for t in types), kind="mamba2",
-                   norm_groups=groups, conv_bias=bool(get("use_conv_bias", True)), form="blocks")  # fmt: skip
+                   norm_groups=groups, conv_bias=bool(get("use_conv_bias", True)), form="blocks", rope=False)  # fmt: skip
 
     @classmethod
     def _falcon_h1(cls, get) -> Mixer:
@@ -200,6 +212,25 @@ class Mixer:
         return cls(heads=heads, groups=groups, head_dim=dim, key_dim=get("mamba_d_state", 256), conv=get("mamba_d_conv", 4),
                    chunk=get("mamba_chunk_size", 256), layer_types=("linear_attention",) * get("num_hidden_layers"), kind="mamba2",
                    norm_groups=groups, conv_bias=bool(get("mamba_conv_bias", True)), form="parallel", gated_norm=rms)  # fmt: skip
+
+    @classmethod
+    def _jamba(cls, get) -> Mixer:
+        layers = get("num_hidden_layers")
+        experts = get("num_experts", 16)
+        period, offset = get("expert_layer_period", 2), get("expert_layer_offset", 1)
+        if experts > 1 and any(i % period == offset for i in range(layers)):
+            raise UlyssesInputError(f"memory: config 'jamba' with {experts} experts: its MoE layers are not modelled (num_experts=1: every layer an MLP)")
+        if get("mamba_proj_bias"):
+            raise UlyssesInputError("memory: config 'jamba' with mamba_proj_bias: the calculator counts in_proj without a bias")
+        attn_period, attn_offset = get("attn_layer_period", 8), get("attn_layer_offset", 4)
+        types = tuple("full_attention" if i % attn_period == attn_offset else "linear_attention" for i in range(layers))
+        hidden, rank = get("hidden_size"), get("mamba_dt_rank", "auto")
+        if not isinstance(hidden, int):
+            raise UlyssesInputError(f"memory: config 'jamba' expected hidden_size, got {hidden!r}")
+        rank = -(-hidden // 16) if rank == "auto" else rank
+        inner = int(get("mamba_expand", 2) * hidden)
+        return cls(heads=inner, groups=1, head_dim=1, key_dim=get("mamba_d_state", 16), conv=get("mamba_d_conv", 4), layer_types=types,
+                   kind="mamba1", conv_bias=bool(get("mamba_conv_bias", True)), rope=False, dt_rank=rank)  # fmt: skip
 
     @classmethod
     def _kimi(cls, get) -> Mixer:
@@ -255,7 +286,7 @@ class Mixer:
 
     @property
     def conv_channels(self) -> int:
-        if self.kind == "short-conv":
+        if self.kind in ("short-conv", "mamba1"):
             return self.heads
         if self.kind == "kimi-delta":
             return 3 * self.heads * self.head_dim
@@ -267,6 +298,8 @@ class Mixer:
         out_proj; short conv: in_proj, conv, out_proj."""
         hv, ch = self.heads * self.head_dim, self.conv_channels
         conv = ch * (self.conv + (1 if self.conv_bias else 0))
+        if self.kind == "mamba1":
+            return mamba1_parameters(self, hidden)
         if self.kind == "mamba2":
             return hidden * (hv + ch + self.heads) + conv + 3 * self.heads + (hv if self.gated_norm else 0) + hv * hidden
         if self.kind == "short-conv":
@@ -284,14 +317,12 @@ class Mixer:
 
 _MODELLED = (
     "Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Bamba's, Nemotron-H's and Falcon-H1's "
-    "Mamba2, LFM2's short convolution"
+    "Mamba2, Jamba's Mamba1, LFM2's short convolution"
 )
-_NOT_MODELLED = {
-    "jamba": "Jamba's Mamba1 mixer is not modelled (hf.apply runs it with three exchanges; the replay has no such layer yet)",
-}
+_NOT_MODELLED: dict[str, str] = {}
 
 # Shapes of released models' Gated DeltaNet layers (their config.json); sizes of the rest
-# (hidden, heads, layers) come from the command line. Bamba, LFM2, Nemotron-H, Falcon-H1: give their config.json.
+# (hidden, heads, layers) come from the command line. The others: give their config.json.
 PRESETS = {
     "qwen3.5": Mixer(heads=32, groups=16, head_dim=128, key_dim=128, conv=4, attention_every=4),  # Qwen3-Next-80B-A3B, Qwen3.5
 }

@@ -6,6 +6,7 @@ docstring."""
 from __future__ import annotations
 
 from .ledger import Ledger
+from .mamba1 import mamba1_stages
 
 __all__ = ["MixerReplay"]
 
@@ -49,7 +50,10 @@ class MixerReplay:
         one = setup.sp == 1
         self.X = n * setup.hidden * e
         self.weights = m.parameters(setup.hidden) * e
-        if m.kind == "mamba2":
+        self.stages = None  # Mamba1's forward, its own order (three exchanges)
+        if m.kind == "mamba1":
+            self._mamba1(n, N, h, one, setup)
+        elif m.kind == "mamba2":
             self._mamba2(n, N, h, g, one, setup)
         elif m.kind == "short-conv":
             self._short_conv(n, N, h, one, setup)
@@ -124,6 +128,21 @@ class MixerReplay:
         self.back = 0 if one else n * H * d * e
         self.proj = n * H * (4 * d + 1) * e  # q, k, v, the forget gate's pre-activation, b: joined into the send
 
+    def _mamba1(self, n, N, c, one, setup):
+        m, e = self.m, self.e
+        self.stages = mamba1_stages(m, n, N, c, setup.batch, e, one)
+        self.local, self.remote = [], [(name, nbytes) for action, name, nbytes in self.stages if action == "new"]
+        self.out, self.y = 0, 2 * N * c * e  # the output and its contiguous copy, sent back
+        self.post = [("o_in", n * m.heads * e)]
+        self.send = 0 if one else n * (3 * m.heads + 2 * m.key_dim) * e  # the largest exchange, for the backward
+        self.recv = N * (3 * c + 2 * m.key_dim) * e
+        self.back = 0 if one else n * m.heads * e
+        self.proj = 0
+        # The recurrent scan's backward: each token's slice of exp(A dt) and of dt B x gets a
+        # full-size zero-filled gradient, summed into a full-size accumulator: two [N, c, Ns]
+        # float32 each, beside the kept tensors (not traced; see tests/test_memory_hybrid.py)
+        self.scan_grads = 4 * N * c * m.key_dim * 4
+
     def _short_conv(self, n, N, c, one, setup):
         e = self.e
         hidden = self.m.heads
@@ -139,16 +158,23 @@ class MixerReplay:
     def forward(self, p: str, keep: bool) -> str:
         """The layer on the norm's output; returns out_proj's output ``[n, hidden]``."""
         t = self.t
-        t.new(p + "qkv", self.proj)
-        for name, nbytes in self.local:
-            t.new(p + name, nbytes)
-        t.new(p + "send", self.send)
-        t.free(p + "qkv")
-        t.new(p + "recv", self.recv, "mixer exchange")
-        t.free(p + "send")
-        for name, nbytes in self.remote:
-            t.new(p + name, nbytes, "mixer forward")
-        t.free(p + "recv")
+        if self.stages is not None:
+            for action, name, nbytes in self.stages:
+                if action == "free":
+                    t.free(p + name)
+                else:
+                    t.new(p + name, nbytes, "mixer forward")
+        else:
+            t.new(p + "qkv", self.proj)
+            for name, nbytes in self.local:
+                t.new(p + name, nbytes)
+            t.new(p + "send", self.send)
+            t.free(p + "qkv")
+            t.new(p + "recv", self.recv, "mixer exchange")
+            t.free(p + "send")
+            for name, nbytes in self.remote:
+                t.new(p + name, nbytes, "mixer forward")
+            t.free(p + "recv")
         t.new(p + "out", self.out, "mixer forward")
         t.new(p + "y", self.y, "mixer forward")
         t.new(p + "back", self.back, "mixer exchange back")
@@ -171,6 +197,8 @@ class MixerReplay:
         as the tensor goes, the exchanges' gradients, the weights' gradients one at a time."""
         t, w = self.t, "mixer backward"
         t.blip(self.weights, w)
+        if self.stages is not None:
+            t.blip(self.scan_grads, "mixer backward (Mamba1 scan)")
         prev = None
         for name, nbytes in reversed(self.kept):
             d = t.new(p + "d" + name, nbytes, w)
