@@ -3,10 +3,10 @@ kind, which layers, heads, dims, conv width, chunk, the layer's form), ``mixer_r
 replays one such layer as ``hf.apply`` runs it (``integrations/hf/mixers.py``). Kinds: Gated
 DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 as Bamba,
 Nemotron-H and Falcon-H1 write it, Jamba's Mamba1, LFM2's gated short convolution. Forms
-(``FORMS``): a layer is norm ->
-mixer or attention -> norm -> MLP (``stacked``), or one block, norm -> mixer, attention without
-RoPE or a relu2 MLP -> residual (``blocks``: Nemotron-H; ``replay.StepReplay.block_forward``), or
-norm -> Mamba2 beside attention -> norm -> MLP (``parallel``: Falcon-H1, ``parallel_forward``).
+(``FORMS``): a layer is norm -> mixer or attention -> norm -> MLP (``stacked``), or one block,
+norm -> mixer, attention without RoPE or a relu2 MLP -> residual (``blocks``: Nemotron-H;
+``replay.StepReplay.block_forward``), or norm -> Mamba2 beside attention -> norm -> MLP
+(``parallel``: Falcon-H1, ``parallel_forward``).
 
 Gated DeltaNet, one layer on a rank with ``n`` local tokens and ``N`` tokens of the whole
 sequence (batch x sequence), ``Hv``/``Hk`` value/key heads of which the rank holds ``h``/``g``
