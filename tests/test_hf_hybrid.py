@@ -19,7 +19,8 @@ parameter gradient and the gathered logits compared with one process.
 * The models' own kernels (``exact=False``): the same step with transformers' float32
   fallbacks, ordinary batches, at float32 rounding (measured below).
 * Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
-  Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1 (Mamba2), LFM2 (short conv).
+  Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid (Mamba2; Granite with
+  top-2 of 4 eager experts, RoPE and its multipliers), LFM2 (short conv).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
   its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels
@@ -73,6 +74,10 @@ MODELS = [
     ("nemotron-h", "NemotronHConfig", "NemotronHForCausalLM", "NemotronHMamba2Mixer", _ATTN | {
         "layers_block_type": ["mamba", "attention", "mlp", "mamba"], "num_hidden_layers": 4, "mamba_num_heads": 6, "mamba_head_dim": 8,
         "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4, "chunk_size": 8}),
+    ("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridMambaLayer", _ATTN | _MAMBA | {
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3, "position_embedding_type": "rope",
+        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 16, "experts_implementation": "eager",
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 4.0}),
     ("falcon-h1", "FalconH1Config", "FalconH1ForCausalLM", "FalconH1Mixer", _ATTN | _MAMBA | {"num_hidden_layers": 2, "mamba_d_ssm": 48}),
     ("jamba", "JambaConfig", "JambaForCausalLM", "JambaMambaMixer", _ATTN | {
         "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
@@ -105,7 +110,8 @@ FLOAT32_NORMS = {"Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm", "Nem
 # tokens inside the packed sequence differ at 1e-16 (matmuls and convs over other lengths): the
 # packed checks are at FLOAT32_RTOL. (A conv or recurrence run across a boundary is off by
 # 1e-2 and more.)
-# NOTE: measured: Bamba packed logits 1.8e-8, Qwen3-Next 1.2e-8 (2 ranks, float64 kernels); the
+# NOTE: measured: Bamba packed logits 1.8e-8, Qwen3-Next 1.2e-8 (2 ranks, float64 kernels),
+# GraniteMoeHybrid packed gradients 6.4e-8 (2 and 4 ranks; loss 4.5e-13 at 4); the
 # one-process Qwen3-Next, a 5-token sequence alone against the same 5 tokens followed by 3 more,
 # differs by 3.5e-9 in its last logits: the model is not exact at 1e-12 against itself here.
 
@@ -211,6 +217,7 @@ _FLOAT64_KERNELS = {
     "bamba": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "nemotron_h": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "falcon_h1": ("mamba2_chunk_scan", _mamba2_scan_float64),
+    "granitemoehybrid": ("mamba2_chunk_scan", _mamba2_scan_float64),
 }
 
 

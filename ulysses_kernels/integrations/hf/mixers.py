@@ -1,6 +1,6 @@
 """Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
 (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
-Nemotron-H, Falcon-H1), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``) and LFM2's short
+Nemotron-H, Falcon-H1, GraniteMoeHybrid), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``) and LFM2's short
 convolution, switched by ``apply`` in the same call as attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
 reads); each runs exact against one process in tests/test_hf_hybrid.py.
 
@@ -275,7 +275,7 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     return self.o_proj(self.o_norm(out, gate).reshape(bsz, seq, -1))
 
 
-# ---- Mamba2: Bamba, Nemotron-H, Falcon-H1 -----------------------------------------------------------
+# ---- Mamba2: Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid -----------------------------------------
 def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """A Mamba2 mixer under Ulysses (the module docstring); transformers 5.23's chunked torch
     path step by step (the fused ``mamba2_split_conv1d_scan_combined`` of mamba_ssm is the
@@ -387,7 +387,9 @@ _gdn_sizes = lambda m: (m.num_v_heads, m.num_k_heads)  # noqa: E731
 _register(("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_5), _gdn_sizes)
 _register(("Qwen3NextGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_next), _gdn_sizes)
 _register(("KimiLinearDeltaAttention",), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
-_register(("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer"), "mamba2", _mamba2_forward, lambda m: (m.num_heads, m.n_groups))
+# GraniteMoeHybridMambaLayer is BambaMixer's code (transformers' modular file derives it, the
+# generated module copies the kernels it calls); its decoder layer passes the step's keywords on.
+_register(("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer"), "mamba2", _mamba2_forward, lambda m: (m.num_heads, m.n_groups))
 _register(("Lfm2ShortConv",), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
 _register(("JambaMambaMixer",), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
 # Families whose decoder layer calls the mixer without the step's keyword arguments (Jamba's
