@@ -20,7 +20,8 @@ parameter gradient and the gathered logits compared with one process.
   fallbacks, ordinary batches, at float32 rounding (measured below).
 * Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
   Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid (Mamba2; Granite with
-  top-2 of 4 eager experts, RoPE and its multipliers), LFM2 (short conv).
+  top-2 of 4 eager experts, RoPE and its multipliers), LFM2 (short conv; LFM2-MoE with
+  top-2 of 4 eager experts; LFM3 with its conv 7 wide, wider than a 4-rank shard, and a sliding-window layer).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
   its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels
@@ -84,6 +85,12 @@ MODELS = [
         "mamba_expand": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False}),
     ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "Lfm2ShortConv", _ATTN | {
         "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3}),
+    ("lfm2-moe", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", "Lfm2MoeShortConv", _ATTN | {
+        "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3, "num_dense_layers": 1,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "experts_implementation": "eager"}),
+    ("lfm3", "Lfm3Config", "Lfm3ForCausalLM", "Lfm3ShortConv", _ATTN | {
+        "layer_types": ["conv", "full_attention", "conv", "sliding_attention"], "num_hidden_layers": 4, "conv_L_cache": 7,
+        "sliding_window": 5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 ]  # fmt: skip
 
 RTOL, GRAD_RTOL = 1e-12, 1e-9

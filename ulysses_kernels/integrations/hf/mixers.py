@@ -1,7 +1,8 @@
 """Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
 (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
-Nemotron-H, Falcon-H1, GraniteMoeHybrid), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``) and LFM2's short
-convolution, switched by ``apply`` in the same call as attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
+Nemotron-H, Falcon-H1, GraniteMoeHybrid), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``)
+and LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by ``apply`` in the same call as
+attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
 reads); each runs exact against one process in tests/test_hf_hybrid.py.
 
 Per head, each of these layers is a function of the whole sequence (a causal depthwise
@@ -360,7 +361,7 @@ def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None,
     return self.out_proj(out.to(dtype))
 
 
-# ---- LFM2's short convolution ---------------------------------------------------------------------
+# ---- LFM2's short convolution (LFM2, LFM2-MoE, LFM3) ----------------------------------------------
 def _short_conv_forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
     """LFM2's gated short convolution under Ulysses: ``B * x`` to the rank's channels (one
     element per head), the conv per document, back, ``C *`` locally."""
@@ -390,7 +391,8 @@ _register(("KimiLinearDeltaAttention",), "kimi-delta", _kda_forward, lambda m: (
 # GraniteMoeHybridMambaLayer is BambaMixer's code (transformers' modular file derives it, the
 # generated module copies the kernels it calls); its decoder layer passes the step's keywords on.
 _register(("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer"), "mamba2", _mamba2_forward, lambda m: (m.num_heads, m.n_groups))
-_register(("Lfm2ShortConv",), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
+# Lfm2MoeShortConv and Lfm3ShortConv are Lfm2ShortConv's code (LFM3's conv is 7 wide, torch only).
+_register(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
 _register(("JambaMambaMixer",), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
 # Families whose decoder layer calls the mixer without the step's keyword arguments (Jamba's
 # ``self.mamba(hidden_states=, cache_params=, attention_mask=)``): a pre-hook on that layer
