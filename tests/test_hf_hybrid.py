@@ -19,8 +19,8 @@ parameter gradient and the gathered logits compared with one process.
 * The models' own kernels (``exact=False``): the same step with transformers' float32
   fallbacks, ordinary batches, at float32 rounding (measured below).
 * Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
-  Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid (Mamba2; Granite with
-  top-2 of 4 eager experts, RoPE and its multipliers), LFM2 (short conv; LFM2-MoE with
+  Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 (Mamba2; Granite with
+  top-2 of 4 eager experts, RoPE and its multipliers; Zamba2 with shared attention blocks and LoRA adapters), LFM2 (short conv; LFM2-MoE with
   top-2 of 4 eager experts; LFM3 with its conv 7 wide, wider than a 4-rank shard, and a sliding-window layer).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
@@ -79,6 +79,12 @@ MODELS = [
         "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3, "position_embedding_type": "rope",
         "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 16, "experts_implementation": "eager",
         "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 4.0}),
+    # Zamba2: its shared attention reads 2 x hidden per token (the hidden state and the embeddings), heads of 2 x 48 / 4 (no
+    # head_dim); MHA: transformers' LoRA adapters of the shared block are sized for MHA (GQA with them fails in one process).
+    ("zamba2", "Zamba2Config", "Zamba2ForCausalLM", "Zamba2MambaMixer", {k: v for k, v in _ATTN.items() if k != "head_dim"} | {
+        "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"], "num_hidden_layers": 4, "n_mamba_heads": 6,
+        "mamba_expand": 1, "mamba_ngroups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "chunk_size": 8, "use_mem_rope": True,
+        "use_shared_attention_adapter": True, "adapter_rank": 4, "num_mem_blocks": 2, "num_key_value_heads": 4}),
     ("falcon-h1", "FalconH1Config", "FalconH1ForCausalLM", "FalconH1Mixer", _ATTN | _MAMBA | {"num_hidden_layers": 2, "mamba_d_ssm": 48}),
     ("jamba", "JambaConfig", "JambaForCausalLM", "JambaMambaMixer", _ATTN | {
         "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
@@ -205,8 +211,9 @@ def _selective_scan_float64(hidden_states, dt, A, B, C, D=None, z=None, delta_bi
     return (out, state) if return_last_state else out
 
 
-def _jamba_rms_norm_float64(self, hidden_states):
-    """JambaRMSNorm in the input's dtype (transformers' normalizes in float32). Jamba's x_proj
+def _rms_norm_float64(self, hidden_states):
+    """An RMSNorm (JambaRMSNorm, Zamba2RMSNorm) in the input's dtype (transformers' normalize in
+    float32). Jamba's x_proj
     output goes through three of them (dt, B, C) inside the mixer: their float32 backward sums
     in an order that depends on the tensors' layout, so the gradients upstream of them (x_proj,
     the conv, in_proj) moved by float32 steps between two correct runs.
@@ -215,6 +222,27 @@ def _jamba_rms_norm_float64(self, hidden_states):
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
+
+def _gated_rms_norm_float64(self, hidden_states, gate=None):
+    """Zamba2RMSNormGated (Bamba's code) in the input's dtype: ``silu(gate)`` times the input,
+    normalized per group of ``group_size`` channels, times the weight."""
+    if gate is not None:
+        hidden_states = hidden_states * torch.nn.functional.silu(gate)
+    *prefix, last = hidden_states.shape
+    grouped = hidden_states.view(*prefix, last // self.group_size, self.group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * grouped.view(*prefix, last)
+
+
+# Norms in float64 where the model's float32 ones move a packed check near its tolerance: Zamba2's
+# shared attention block, run at two layers, reads its RMSNorm's float32-rounded output.
+# NOTE: measured, Zamba2 packed at 4 ranks with its float32 norms: gradients 7.2e-7 (the shared
+# attention's q adapter; logits 7.8e-8), against 1e-6; with both norms in float64 in both runs:
+# 1.4e-15 (A_log, cast to float32 by the model, 7.1e-8).
+_FLOAT64_NORMS = {
+    "jamba": (("JambaRMSNorm", _rms_norm_float64),),
+    "zamba2": (("Zamba2RMSNorm", _rms_norm_float64), ("Zamba2RMSNormGated", _gated_rms_norm_float64)),
+}
 
 _FLOAT64_KERNELS = {
     "jamba": ("mamba_selective_scan", _selective_scan_float64),
@@ -225,13 +253,14 @@ _FLOAT64_KERNELS = {
     "nemotron_h": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "falcon_h1": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "granitemoehybrid": ("mamba2_chunk_scan", _mamba2_scan_float64),
+    "zamba2": ("mamba2_chunk_scan", _mamba2_scan_float64),
 }
 
 
 @contextlib.contextmanager
 def float64_kernels():
     """The float64 recurrences above in place of the models' float32 fallbacks, in the modeling
-    modules both runs call them from (restored on exit)."""
+    modules both runs call them from, and the norms of ``_FLOAT64_NORMS`` (restored on exit)."""
     import importlib
 
     saved = []
@@ -240,9 +269,12 @@ def float64_kernels():
             module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, fn)
-        norm = importlib.import_module("transformers.models.jamba.modeling_jamba").JambaRMSNorm
-        saved.append((norm, "forward", norm.forward))
-        norm.forward = _jamba_rms_norm_float64
+        for family, norms in _FLOAT64_NORMS.items():
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            for name, fn in norms:
+                norm = getattr(module, name)
+                saved.append((norm, "forward", norm.forward))
+                norm.forward = fn
         yield
     finally:
         for owner, name, fn in saved:

@@ -131,6 +131,7 @@ _OVERRIDES: dict[str, dict] = {
         "attention_head_dim": 32,
         "mamba_headdim": 16,
         "n_mamba_heads": 8,
+        "mamba_expand": 2,  # 8 heads of 16 = 2 x hidden (the generic rules cut the expansion to 1)
         "hybrid_layer_ids": [1, 3],
         "num_key_value_heads": HEADS,
         "num_query_groups": HEADS,

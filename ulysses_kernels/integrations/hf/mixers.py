@@ -1,6 +1,6 @@
 """Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
 (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
-Nemotron-H, Falcon-H1, GraniteMoeHybrid), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``)
+Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``)
 and LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by ``apply`` in the same call as
 attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
 reads); each runs exact against one process in tests/test_hf_hybrid.py.
@@ -276,7 +276,7 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     return self.o_proj(self.o_norm(out, gate).reshape(bsz, seq, -1))
 
 
-# ---- Mamba2: Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid -----------------------------------------
+# ---- Mamba2: Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 ---------------------------------
 def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """A Mamba2 mixer under Ulysses (the module docstring); transformers 5.23's chunked torch
     path step by step (the fused ``mamba2_split_conv1d_scan_combined`` of mamba_ssm is the
@@ -389,8 +389,15 @@ _register(("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), "gated-deltanet",
 _register(("Qwen3NextGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_next), _gdn_sizes)
 _register(("KimiLinearDeltaAttention",), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
 # GraniteMoeHybridMambaLayer is BambaMixer's code (transformers' modular file derives it, the
-# generated module copies the kernels it calls); its decoder layer passes the step's keywords on.
-_register(("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer"), "mamba2", _mamba2_forward, lambda m: (m.num_heads, m.n_groups))
+# generated module copies the kernels it calls); Zamba2MambaMixer's torch path is the same
+# arithmetic (dt clamped below at time_step_min: its time_step_limit). Their decoder layers pass
+# the step's keywords on.
+_register(
+    ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer"),
+    "mamba2",
+    _mamba2_forward,
+    lambda m: (m.num_heads, m.n_groups),
+)
 # Lfm2MoeShortConv and Lfm3ShortConv are Lfm2ShortConv's code (LFM3's conv is 7 wide, torch only).
 _register(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
 _register(("JambaMambaMixer",), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
