@@ -18,7 +18,7 @@ parameter gradient and the gathered logits compared with one process.
   so "each document alone" is the reference.
 * The models' own kernels (``exact=False``): the same step with transformers' float32
   fallbacks, ordinary batches, at float32 rounding (measured below).
-* Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
+* Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo Hybrid (Gated DeltaNet; OLMo's beta doubled), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
   Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 (Mamba2; Granite with
   top-2 of 4 eager experts, RoPE and its multipliers; Zamba2 with shared attention blocks and LoRA adapters), LFM2 (short conv; LFM2-MoE with
   top-2 of 4 eager experts; LFM3 with its conv 7 wide, wider than a 4-rank shard, and a sliding-window layer).
@@ -64,6 +64,9 @@ MODELS = [
         "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3}),
     ("qwen3-next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3NextGatedDeltaNet", _ATTN | _GDN | {
         "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_only_layers": [0, 1]}),
+    ("olmo-hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", "OlmoHybridGatedDeltaNet", _ATTN | _GDN | {
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2}),
     ("qwen3.5-moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeGatedDeltaNet", _ATTN | _GDN | {
         "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "experts_implementation": "eager"}),
@@ -248,6 +251,7 @@ _FLOAT64_KERNELS = {
     "jamba": ("mamba_selective_scan", _selective_scan_float64),
     "qwen3_5": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
     "qwen3_next": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
+    "olmo_hybrid": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
     "kimi_linear": ("chunk_kimi_delta_attention", _gated_delta_rule_float64),
     "bamba": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "nemotron_h": ("mamba2_chunk_scan", _mamba2_scan_float64),
