@@ -18,8 +18,10 @@ parameter gradient and the gathered logits compared with one process.
   so "each document alone" is the reference.
 * The models' own kernels (``exact=False``): the same step with transformers' float32
   fallbacks, ordinary batches, at float32 rounding (measured below).
-* Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next (Gated DeltaNet), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
-  Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1 (Mamba2), LFM2 (short conv).
+* Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo Hybrid (Gated DeltaNet; OLMo's beta doubled), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
+  Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 (Mamba2; Granite with
+  top-2 of 4 eager experts, RoPE and its multipliers; Zamba2 with shared attention blocks and LoRA adapters), LFM2 (short conv; LFM2-MoE with
+  top-2 of 4 eager experts; LFM3 with its conv 7 wide, wider than a 4-rank shard, and a sliding-window layer).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
   its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels
@@ -62,6 +64,9 @@ MODELS = [
         "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3}),
     ("qwen3-next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3NextGatedDeltaNet", _ATTN | _GDN | {
         "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_only_layers": [0, 1]}),
+    ("olmo-hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", "OlmoHybridGatedDeltaNet", _ATTN | _GDN | {
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2}),
     ("qwen3.5-moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeGatedDeltaNet", _ATTN | _GDN | {
         "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "experts_implementation": "eager"}),
@@ -73,12 +78,28 @@ MODELS = [
     ("nemotron-h", "NemotronHConfig", "NemotronHForCausalLM", "NemotronHMamba2Mixer", _ATTN | {
         "layers_block_type": ["mamba", "attention", "mlp", "mamba"], "num_hidden_layers": 4, "mamba_num_heads": 6, "mamba_head_dim": 8,
         "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4, "chunk_size": 8}),
+    ("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridMambaLayer", _ATTN | _MAMBA | {
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3, "position_embedding_type": "rope",
+        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 16, "experts_implementation": "eager",
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 4.0}),
+    # Zamba2: its shared attention reads 2 x hidden per token (the hidden state and the embeddings), heads of 2 x 48 / 4 (no
+    # head_dim); MHA: transformers' LoRA adapters of the shared block are sized for MHA (GQA with them fails in one process).
+    ("zamba2", "Zamba2Config", "Zamba2ForCausalLM", "Zamba2MambaMixer", {k: v for k, v in _ATTN.items() if k != "head_dim"} | {
+        "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"], "num_hidden_layers": 4, "n_mamba_heads": 6,
+        "mamba_expand": 1, "mamba_ngroups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "chunk_size": 8, "use_mem_rope": True,
+        "use_shared_attention_adapter": True, "adapter_rank": 4, "num_mem_blocks": 2, "num_key_value_heads": 4}),
     ("falcon-h1", "FalconH1Config", "FalconH1ForCausalLM", "FalconH1Mixer", _ATTN | _MAMBA | {"num_hidden_layers": 2, "mamba_d_ssm": 48}),
     ("jamba", "JambaConfig", "JambaForCausalLM", "JambaMambaMixer", _ATTN | {
         "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
         "mamba_expand": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False}),
     ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "Lfm2ShortConv", _ATTN | {
         "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3}),
+    ("lfm2-moe", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", "Lfm2MoeShortConv", _ATTN | {
+        "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3, "num_dense_layers": 1,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "experts_implementation": "eager"}),
+    ("lfm3", "Lfm3Config", "Lfm3ForCausalLM", "Lfm3ShortConv", _ATTN | {
+        "layer_types": ["conv", "full_attention", "conv", "sliding_attention"], "num_hidden_layers": 4, "conv_L_cache": 7,
+        "sliding_window": 5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 ]  # fmt: skip
 
 RTOL, GRAD_RTOL = 1e-12, 1e-9
@@ -105,7 +126,8 @@ FLOAT32_NORMS = {"Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm", "Nem
 # tokens inside the packed sequence differ at 1e-16 (matmuls and convs over other lengths): the
 # packed checks are at FLOAT32_RTOL. (A conv or recurrence run across a boundary is off by
 # 1e-2 and more.)
-# NOTE: measured: Bamba packed logits 1.8e-8, Qwen3-Next 1.2e-8 (2 ranks, float64 kernels); the
+# NOTE: measured: Bamba packed logits 1.8e-8, Qwen3-Next 1.2e-8 (2 ranks, float64 kernels),
+# GraniteMoeHybrid packed gradients 6.4e-8 (2 and 4 ranks; loss 4.5e-13 at 4); the
 # one-process Qwen3-Next, a 5-token sequence alone against the same 5 tokens followed by 3 more,
 # differs by 3.5e-9 in its last logits: the model is not exact at 1e-12 against itself here.
 
@@ -192,8 +214,9 @@ def _selective_scan_float64(hidden_states, dt, A, B, C, D=None, z=None, delta_bi
     return (out, state) if return_last_state else out
 
 
-def _jamba_rms_norm_float64(self, hidden_states):
-    """JambaRMSNorm in the input's dtype (transformers' normalizes in float32). Jamba's x_proj
+def _rms_norm_float64(self, hidden_states):
+    """An RMSNorm (JambaRMSNorm, Zamba2RMSNorm) in the input's dtype (transformers' normalize in
+    float32). Jamba's x_proj
     output goes through three of them (dt, B, C) inside the mixer: their float32 backward sums
     in an order that depends on the tensors' layout, so the gradients upstream of them (x_proj,
     the conv, in_proj) moved by float32 steps between two correct runs.
@@ -203,21 +226,45 @@ def _jamba_rms_norm_float64(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _gated_rms_norm_float64(self, hidden_states, gate=None):
+    """Zamba2RMSNormGated (Bamba's code) in the input's dtype: ``silu(gate)`` times the input,
+    normalized per group of ``group_size`` channels, times the weight."""
+    if gate is not None:
+        hidden_states = hidden_states * torch.nn.functional.silu(gate)
+    *prefix, last = hidden_states.shape
+    grouped = hidden_states.view(*prefix, last // self.group_size, self.group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * grouped.view(*prefix, last)
+
+
+# Norms in float64 where the model's float32 ones move a packed check near its tolerance: Zamba2's
+# shared attention block, run at two layers, reads its RMSNorm's float32-rounded output.
+# NOTE: measured, Zamba2 packed at 4 ranks with its float32 norms: gradients 7.2e-7 (the shared
+# attention's q adapter; logits 7.8e-8), against 1e-6; with both norms in float64 in both runs:
+# 1.4e-15 (A_log, cast to float32 by the model, 7.1e-8).
+_FLOAT64_NORMS = {
+    "jamba": (("JambaRMSNorm", _rms_norm_float64),),
+    "zamba2": (("Zamba2RMSNorm", _rms_norm_float64), ("Zamba2RMSNormGated", _gated_rms_norm_float64)),
+}
+
 _FLOAT64_KERNELS = {
     "jamba": ("mamba_selective_scan", _selective_scan_float64),
     "qwen3_5": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
     "qwen3_next": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
+    "olmo_hybrid": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
     "kimi_linear": ("chunk_kimi_delta_attention", _gated_delta_rule_float64),
     "bamba": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "nemotron_h": ("mamba2_chunk_scan", _mamba2_scan_float64),
     "falcon_h1": ("mamba2_chunk_scan", _mamba2_scan_float64),
+    "granitemoehybrid": ("mamba2_chunk_scan", _mamba2_scan_float64),
+    "zamba2": ("mamba2_chunk_scan", _mamba2_scan_float64),
 }
 
 
 @contextlib.contextmanager
 def float64_kernels():
     """The float64 recurrences above in place of the models' float32 fallbacks, in the modeling
-    modules both runs call them from (restored on exit)."""
+    modules both runs call them from, and the norms of ``_FLOAT64_NORMS`` (restored on exit)."""
     import importlib
 
     saved = []
@@ -226,9 +273,12 @@ def float64_kernels():
             module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, fn)
-        norm = importlib.import_module("transformers.models.jamba.modeling_jamba").JambaRMSNorm
-        saved.append((norm, "forward", norm.forward))
-        norm.forward = _jamba_rms_norm_float64
+        for family, norms in _FLOAT64_NORMS.items():
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            for name, fn in norms:
+                norm = getattr(module, name)
+                saved.append((norm, "forward", norm.forward))
+                norm.forward = fn
         yield
     finally:
         for owner, name, fn in saved:

@@ -35,7 +35,8 @@ from test_verl import _mesh, _verl_on_cpu  # noqa: E402
 
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
-CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "jamba")]  # a GDN hybrid (layer 0 a GDN), a Mamba2 one, Mamba1 (its layer drops the kwargs)
+# A GDN hybrid (layer 0 a GDN), Mamba2 ones (GraniteMoeHybrid: MoE), Mamba1 (its layer drops the kwargs).
+CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "granitemoehybrid", "jamba")]
 DOCS = (20, 17)
 
 

@@ -112,6 +112,8 @@ _OVERRIDES: dict[str, dict] = {
     "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"], "num_dense_layers": 1},
     "bamba": {"attn_layer_indices": [1, 3]},
+    # its default layout is Mamba2 layers only (no attention for apply to switch)
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
     "mamba2": {"num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 1, "state_size": 8, "chunk_size": 8},
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_expand": 1},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_dt_rank": 8},
@@ -129,6 +131,7 @@ _OVERRIDES: dict[str, dict] = {
         "attention_head_dim": 32,
         "mamba_headdim": 16,
         "n_mamba_heads": 8,
+        "mamba_expand": 2,  # 8 heads of 16 = 2 x hidden (the generic rules cut the expansion to 1)
         "hybrid_layer_ids": [1, 3],
         "num_key_value_heads": HEADS,
         "num_query_groups": HEADS,

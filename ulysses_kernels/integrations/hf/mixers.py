@@ -1,7 +1,8 @@
 """Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
-(Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
-Nemotron-H, Falcon-H1), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``) and LFM2's short
-convolution, switched by ``apply`` in the same call as attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo Hybrid), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
+Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``)
+and LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by ``apply`` in the same call as
+attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
 reads); each runs exact against one process in tests/test_hf_hybrid.py.
 
 Per head, each of these layers is a function of the whole sequence (a causal depthwise
@@ -191,7 +192,7 @@ def _arange(a: int, b: int, scale: int, offset: int, device) -> torch.Tensor:
     return torch.arange(offset + a * scale, offset + b * scale, device=device)
 
 
-# ---- Gated DeltaNet: Qwen3.5 (dense and MoE), Qwen3-Next ------------------------------------------
+# ---- Gated DeltaNet: Qwen3.5 (dense and MoE), Qwen3-Next, OLMo Hybrid -----------------------------
 def _gdn_project_qwen3_5(m, h):
     """Qwen3.5's projections: pre-conv q, k ``[B, s, Hk, Dk]``, v, z ``[B, s, Hv, Dv]``, b, a ``[B, s, Hv]``."""
     bsz, seq, _ = h.shape
@@ -207,7 +208,18 @@ def _gdn_project_qwen3_next(m, h):
     return q, k, v, z, b, a
 
 
-def _gdn_forward(project):
+def _gdn_project_olmo_hybrid(m, h):
+    """OLMo Hybrid's separate q/k/v/a/b projections and its output gate ``g_proj`` (as ``z``)."""
+    bsz, seq, _ = h.shape
+    q, k = m.q_proj(h).reshape(bsz, seq, -1, m.head_k_dim), m.k_proj(h).reshape(bsz, seq, -1, m.head_k_dim)
+    v, z = m.v_proj(h).reshape(bsz, seq, -1, m.head_v_dim), m.g_proj(h).reshape(bsz, seq, -1, m.head_v_dim)
+    return q, k, v, z, m.b_proj(h), m.a_proj(h)
+
+
+def _gdn_forward(project, norm_attr: str = "norm", out_attr: str = "out_proj"):
+    """The Gated DeltaNet forward over ``project``'s projections; ``norm_attr`` and ``out_attr``
+    name the layer's gated norm and output projection."""
+
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         """Gated DeltaNet under Ulysses (the module docstring); transformers 5.23's forward, step by step."""
         settings, shard = _context(self, kwargs, cache_params, attention_mask)
@@ -227,6 +239,8 @@ def _gdn_forward(project):
         q, k, v = q.reshape(bsz, total, hk, dk), k.reshape(bsz, total, hk, dk), v.reshape(bsz, total, hv, dv)
         q, k = expand_kv(q, k, kv_map)  # value head i reads key head kv_map[i] (uniform groups stay grouped)
         beta = b.squeeze(-1).sigmoid()
+        if getattr(self, "allow_neg_eigval", False):  # OLMo Hybrid: beta in [0, 2]
+            beta = beta * 2.0
         g = -self.A_log[h0:h1].float().exp() * F.softplus(a.squeeze(-1).float() + self.dt_bias[h0:h1])
         rule = _kernel(self, "torch_chunk_gated_delta_rule")
 
@@ -236,8 +250,8 @@ def _gdn_forward(project):
         out = _per_document(shard, run, q, k, v, g, beta)
         out = _to_sequence(settings, shard, out)  # [B, s, Hv, Dv]
         z_shape = z.shape
-        out = self.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(z_shape)
-        return self.out_proj(out.reshape(out.shape[0], out.shape[1], -1))
+        out = getattr(self, norm_attr)(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(z_shape)
+        return getattr(self, out_attr)(out.reshape(out.shape[0], out.shape[1], -1))
 
     return forward
 
@@ -275,7 +289,7 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     return self.o_proj(self.o_norm(out, gate).reshape(bsz, seq, -1))
 
 
-# ---- Mamba2: Bamba, Nemotron-H, Falcon-H1 -----------------------------------------------------------
+# ---- Mamba2: Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 ---------------------------------
 def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """A Mamba2 mixer under Ulysses (the module docstring); transformers 5.23's chunked torch
     path step by step (the fused ``mamba2_split_conv1d_scan_combined`` of mamba_ssm is the
@@ -360,7 +374,7 @@ def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None,
     return self.out_proj(out.to(dtype))
 
 
-# ---- LFM2's short convolution ---------------------------------------------------------------------
+# ---- LFM2's short convolution (LFM2, LFM2-MoE, LFM3) ----------------------------------------------
 def _short_conv_forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
     """LFM2's gated short convolution under Ulysses: ``B * x`` to the rank's channels (one
     element per head), the conv per document, back, ``C *`` locally."""
@@ -386,9 +400,20 @@ def _register(names, family: str, forward: Callable, sizes: Callable) -> None:
 _gdn_sizes = lambda m: (m.num_v_heads, m.num_k_heads)  # noqa: E731
 _register(("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_5), _gdn_sizes)
 _register(("Qwen3NextGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_next), _gdn_sizes)
+_register(("OlmoHybridGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_olmo_hybrid, "o_norm", "o_proj"), _gdn_sizes)
 _register(("KimiLinearDeltaAttention",), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
-_register(("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer"), "mamba2", _mamba2_forward, lambda m: (m.num_heads, m.n_groups))
-_register(("Lfm2ShortConv",), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
+# GraniteMoeHybridMambaLayer is BambaMixer's code (transformers' modular file derives it, the
+# generated module copies the kernels it calls); Zamba2MambaMixer's torch path is the same
+# arithmetic (dt clamped below at time_step_min: its time_step_limit). Their decoder layers pass
+# the step's keywords on.
+_register(
+    ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer"),
+    "mamba2",
+    _mamba2_forward,
+    lambda m: (m.num_heads, m.n_groups),
+)
+# Lfm2MoeShortConv and Lfm3ShortConv are Lfm2ShortConv's code (LFM3's conv is 7 wide, torch only).
+_register(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
 _register(("JambaMambaMixer",), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
 # Families whose decoder layer calls the mixer without the step's keyword arguments (Jamba's
 # ``self.mamba(hidden_states=, cache_params=, attention_mask=)``): a pre-hook on that layer
