@@ -148,18 +148,12 @@ class Mixer:
         model = get("model_type") or type(cfg).__name__
         if model in _NOT_MODELLED:
             raise UlyssesInputError(f"memory: config {model!r}: {_NOT_MODELLED[model]}; the calculator models {_MODELLED}")
-        if model == "bamba":
-            return cls._bamba(get)
-        if model == "nemotron_h":
-            return cls._nemotron_h(get)
-        if model == "falcon_h1":
-            return cls._falcon_h1(get)
-        if model == "jamba":
-            return cls._jamba(get)
-        if model == "kimi_linear":
-            return cls._kimi(get)
-        if model == "lfm2":
-            return cls._lfm2(get)
+        builder = {
+            "bamba": cls._bamba, "nemotron_h": cls._nemotron_h, "falcon_h1": cls._falcon_h1,
+            "jamba": cls._jamba, "kimi_linear": cls._kimi, "lfm2": cls._lfm2,
+        }.get(model)  # fmt: skip
+        if builder is not None:
+            return builder(get)
         if get("linear_num_value_heads") is None:
             raise UlyssesInputError(f"memory: config {model!r} has no token mixer the calculator models ({_MODELLED})")
         types = get("layer_types")

@@ -75,6 +75,12 @@ class StepReplay:
         t.new(p + "res1", R.X)
         t.free(o)
         n2 = self.norms.forward(p + "n2.", R, keep)
+        return self._mlp_half(i, n2, keep)
+
+    def _mlp_half(self, i: int, n2: str, keep: bool) -> str:
+        """The MLP on norm2's output ``n2`` and the layer's output ``in{i+1}``; res1 goes
+        unless norm2 saved it (a sequential layer and a parallel one end alike)."""
+        t, R, p = self.t, self.sizes.rows, f"L{i}."
         m = self.mlp.layer_forward(p + "m.", R, keep)
         if not keep:
             t.free(n2)
@@ -159,14 +165,7 @@ class StepReplay:
             if not self._keeps_res1(True):
                 t.free(p + "res1")
             return None
-        m = self.mlp.layer_forward(p + "m.", R, keep)
-        if not keep:
-            t.free(n2)
-        out = t.new(f"in{i + 1}", R.X, "layer output")
-        t.free(m)
-        if not self._keeps_res1(keep):
-            t.free(p + "res1")
-        return out
+        return self._mlp_half(i, n2, keep)
 
     def parallel_backward(self, i: int, grad: str, x: str | None) -> str:
         t, R, p, w = self.t, self.sizes.rows, f"L{i}.", "multiplier backward"
