@@ -758,7 +758,9 @@ def test_sass_moves_16_bytes_per_access_in_both_kernels():
         pytest.skip("no cuobjdump, or the extension was built without CUDA (no SASS to read)")
     sass = _sass_by_kernel(extension.load().__file__, tool)
     archs = {a for a, _ in sass}
-    assert {"sm_80", "sm_90"} <= archs, archs
+    # Every arch the build says it carries (CI: 8.0 and 9.0; a GPU machine: its own arch only).
+    built = {"sm_" + a.split("+")[0].replace(".", "") for a in extension.cuda_archs()}
+    assert built and built <= archs, (built, archs)
     # Mangled names: pack_kernel_new<16, I> is ...15pack_kernel_newILi16E..., unpack_kernel_new<Op, 16, I> ...ELi16E...
     picked = {
         "pack new": [k for k in sass if "15pack_kernel_newILi16E" in k[1]],
@@ -767,7 +769,7 @@ def test_sass_moves_16_bytes_per_access_in_both_kernels():
         "unpack old": [k for k in sass if "13unpack_kernelI" in k[1] and "ELi16E" in k[1]],
     }
     for what, kernels in picked.items():
-        assert len(kernels) >= 4, (what, kernels)  # 2 archs x 2 index widths (x 5 sum types for unpack)
+        assert len(kernels) >= 2 * len(built), (what, kernels)  # archs x 2 index widths (x 5 sum types for unpack)
         for key in kernels:
             if what.endswith("new"):  # global 128-bit accesses (LDG.E.128.CONSTANT, STG.E.128)
                 assert "LDG.E.128" in sass[key] and "STG.E.128" in sass[key], (what, key)

@@ -527,3 +527,24 @@ def test_hf_packed_window_and_softcap_run_on_the_kernel(monkeypatch, case, fresh
     T.close(out.logits.detach(), ref_logits, rtol, "logits")
     for name, p in model.named_parameters():
         T.close(p.grad, ref_grads[name], grad_rtol, f"grad of {name}")
+
+
+@pytest.mark.parametrize("form", ["5.23", "5.17"])
+def test_hf_packed_mask_wrapper_of_each_transformers_form_is_taken_off(form):
+    """transformers wraps a layer's mask function for a packed batch in one of two forms: 5.23
+    ``and_masks(overlay, remap_positions_for_packed_sequence(fn))``, 5.17 (no remapping, which
+    the H200 machine of 2026-11-28 has) ``and_masks(fn, overlay)``; both give back ``fn``."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    from ulysses_kernels.integrations.hf.adapter import _unpacked
+
+    fn = mu.sliding_window_causal_mask_function(16)
+    overlay = mu.packed_sequence_mask_function(torch.zeros(1, 8, dtype=torch.long))
+    if form == "5.23":
+        if not hasattr(mu, "remap_positions_for_packed_sequence"):
+            pytest.skip("this transformers has the older form only")
+        wrapped = mu.and_masks(overlay, mu.remap_positions_for_packed_sequence(fn, torch.arange(8)[None]))
+    else:
+        wrapped = mu.and_masks(fn, overlay)
+    assert _unpacked(wrapped) == (fn, True)
+    assert _unpacked(fn) == (fn, False)
+    assert _unpacked(mu.and_masks(fn, mu.causal_mask_function))[1] is False  # not a packed wrapper

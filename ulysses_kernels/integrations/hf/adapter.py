@@ -524,10 +524,15 @@ def _unpacked(mask_function) -> tuple[Callable, bool]:
 
     parts = _closure(mask_function, mu.and_masks(mu.causal_mask_function)).get("mask_functions")
     if isinstance(parts, tuple) and len(parts) == 2:
-        overlay = _closure(parts[0], mu.packed_sequence_mask_function(None))
-        remap = _closure(parts[1], mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None))
-        if "packed_sequence_mask" in overlay and "mask_function" in remap:
-            return remap["mask_function"], True
+        overlay = mu.packed_sequence_mask_function(None)
+        remap = getattr(mu, "remap_positions_for_packed_sequence", None)
+        if remap is not None:  # transformers 5.23: and_masks(overlay, remap(mask function))
+            wrapped = _closure(parts[1], remap(mu.causal_mask_function, None))
+            if "packed_sequence_mask" in _closure(parts[0], overlay) and "mask_function" in wrapped:
+                return wrapped["mask_function"], True
+        # older (5.17: no remapping): and_masks(mask function, overlay)
+        if "packed_sequence_mask" in _closure(parts[1], overlay):
+            return parts[0], True
     return mask_function, False
 
 
