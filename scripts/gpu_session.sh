@@ -39,6 +39,7 @@
 #          checks only (not committed) bench_alltoall and bench_overlap on a world of one
 #   nccl2  2 NCCL ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; skipped if NCCL < 2.30):
 #          the self-test at 2 ranks, the two-rank tests and bench_overlap --world 2 (correctness; timings not a claim)
+#   recheck  a short call after a wave: its fixes re-measured (see stage_recheck)
 #   attn   bench_attention 4K..1M for $GPU_SESSION_ATTN_MODELS (default llama3-8b), perf_model
 #   user   tests/test_user_commands.py in this venv: the documented commands as a user types them
 #
@@ -64,7 +65,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { sed -n '3,/^set -euo/p' "$0" | sed '$d'; exit 2; }
-for s in "$@"; do case $s in wave|build|tests|bench|nccl2|attn|user) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
+for s in "$@"; do case $s in wave|recheck|build|tests|bench|nccl2|attn|user) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
 
 DRY=${GPU_SESSION_DRY_RUN:-0} TINY=${GPU_SESSION_TINY:-0}
 BASE_PY=${GPU_SESSION_PYTHON:-python3} PY=.venv/bin/python
@@ -353,6 +354,41 @@ stage_wave() {
   # test_compile: 15 tests, 53 s serially on the H200; last, since the benchmarks above are this
   # wave's new measurements and the compile tests passed on the first run.
   step compile_tests 150 "$PY" -m pytest -q -ra "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_compile.xml" "$compile" || true
+  wave_record
+}
+
+stage_recheck() {  # a short second call after a wave: what the wave found wrong or slow, re-measured
+  # with its fixes, into bench/results/<date>_<gpu>_recheck/ (GPU_SESSION_RECORD_TAG): the self-test,
+  # the GPU test files named in GPU_SESSION_TESTS (default: the ones the wave's fixes touched), the
+  # pack variants side by side (GPU_SESSION_PACK_VARIANTS), bench.attention's rows named in
+  # GPU_SESSION_ATTN_METHODS with more iterations, and GPU_SESSION_EXTRA (one more command, e.g. a
+  # check of merged work). ~4-5 min on the H200 with a build.
+  local slug tests a m
+  if [ "$DRY" = 1 ]; then slug=gpu; else slug=$(gpu_slug); fi
+  WAVE_DIR=bench/results/$(date -u +%F)_${slug}_${GPU_SESSION_RECORD_TAG:-recheck}
+  [ "$TINY" = 1 ] && WAVE_DIR=$RESULTS/$(date -u +%F)_${slug}_${GPU_SESSION_RECORD_TAG:-recheck}
+  RESULTS=$WAVE_DIR
+  [ "$DRY" = 1 ] || mkdir -p "$WAVE_DIR"
+  say "recheck: records into $WAVE_DIR"
+  if [ "$DRY" != 1 ] && ! timeout -k 5 60 "$PY" -m ulysses_kernels.info --json > "$WAVE_DIR/info.json" 2> "$LOG/info_json.err"; then
+    say "FAILED   info --json (see $LOG/info_json.err)"; FAILED=1
+  fi
+  local quick=()
+  [ "$TINY" = 1 ] && quick=(--quick --kernels torch,cuda)
+  step selftest 120 "$PY" -m ulysses_kernels.selftest --timeout 45 "${quick[@]}" --json "$WAVE_DIR/selftest_w1.json" || true
+  pytest_args
+  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_packed_ring.py tests/test_varlen_backends.py}
+  [ "$TINY" = 1 ] && tests="tests/test_kernel_registry.py"
+  # shellcheck disable=SC2086  # $tests is a list of paths
+  step gpu_tests 150 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true
+  step bench_pack_auto 60 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
+  step bench_pack_sets 90 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new}" \
+    --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
+  a=(--models llama3-8b --min-seq 4K --max-seq 256K)
+  [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
+  m=${GPU_SESSION_ATTN_METHODS:-local,local-packed,layout-cuda,chain-layout,layout-cuda+graph}
+  step bench_attention 150 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" --methods "$m" -w 3 -n 15 --out-dir "$WAVE_DIR" || true
+  if [ -n "${GPU_SESSION_EXTRA:-}" ]; then step extra 90 bash -c "$GPU_SESSION_EXTRA" || true; fi
   wave_record
 }
 
