@@ -31,10 +31,11 @@ from test_hf_hybrid import FLOAT32_RTOL, MODELS, build, close, float64_kernels, 
 
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
-CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "jamba")]  # a GDN hybrid (layer 0 a GDN), a Mamba2 one, Mamba1 (its layer drops the kwargs)
-# Not GraniteMoeHybrid: its model does not pass position_ids to its decoder layers (transformers
-# 5.23; Granite, GraniteMoe and Bamba do), and this entry point's attention reads the step's
-# positions there: refused at the first step ("the model was called without position_ids").
+# A GDN hybrid (layer 0 a GDN), a Mamba2 one, Mamba1 (its layer drops the kwargs), and
+# GraniteMoeHybrid: its model does not pass position_ids to its decoder layers (transformers
+# 5.23; Granite, GraniteMoe and Bamba do), so its attention runs on the shard the decoder
+# pre-hook made from the model's position ids (it was refused at the first step before).
+CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "jamba", "granitemoehybrid")]
 DOCS = (15, 12, 10)  # 37 tokens: 19 + 18 on 2 ranks, document boundaries inside a shard and across
 # NOTE: the one sequence is 36 tokens (18 + 18). At 37 (19 + 18) and 38 (19 + 19) Bamba's
 # gradients are within 3.8e-8 / 2.8e-8 of one process (the layer-0 Mamba2's in_proj, conv, D,
@@ -77,7 +78,9 @@ def _job(rank, world, paths=None):
                 from transformers import AutoConfig, AutoModelForCausalLM
 
                 alst.register_with_transformers(paths[case[0]], "sdpa", world, 1)
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(paths[case[0]])).double().train()
+                # experts_implementation is a run-time choice, not saved: float64 needs the eager experts
+                extra = {k: v for k, v in case[4].items() if k == "experts_implementation"}
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(paths[case[0]], **extra)).double().train()
                 model.load_state_dict(build(case).state_dict())
                 model.config.use_cache = False
             uattn = ALL_ATTENTION_FUNCTIONS["sdpa"]

@@ -185,9 +185,17 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                 f"{type(module).__name__} ran in a model whose decoder is not a {self._class_patch[0].__name__}; pass the loaded "
                 "model to register_with_transformers"
             )
-        for name in (_SHARD_KWARG, GROUP_KWARG):  # the mixers' (a hybrid's decoder pre-hook): not attention's
-            kwargs.pop(name, None)
-        shard = self.step_shard(query, key, kwargs.get("position_ids"))
+        # The mixers' keywords (a hybrid's decoder pre-hook) are not attention's. Its shard is the
+        # step's (the same cache, made from the model's position ids before layer 0); a hybrid
+        # that does not hand position_ids to its layers (GraniteMoeHybrid) runs on it.
+        fed = kwargs.pop(_SHARD_KWARG, None)
+        kwargs.pop(GROUP_KWARG, None)
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None and fed is not None:
+            self._check_no_cache(query, key)
+            shard = fed
+        else:
+            shard = self.step_shard(query, key, position_ids)
         return hf.sequence_parallel_attention(module, query, key, value, settings=self._attention_settings(), shard=shard, **kwargs)
 
     def _attention_settings(self):
@@ -207,12 +215,16 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                 "position of every token of this rank's shard (UlyssesSPDataLoaderAdapter puts them in each batch, or "
                 "pass hf.shard_batch(...).position_ids)"
             )
+        self._check_no_cache(query, key)
+        return self._shard_for(query.shape[0], query.shape[2], position_ids)
+
+    @staticmethod
+    def _check_no_cache(query: torch.Tensor, key: torch.Tensor) -> None:
         if key.shape[2] != query.shape[2]:
             raise ALSTIntegrationError(
                 f"UlyssesSPAttentionHF: {key.shape[2]} keys for {query.shape[2]} queries (a KV cache): generation is not "
                 "supported under sequence parallelism; generate with the model in eval() and disable_in_eval=True"
             )
-        return self._shard_for(query.shape[0], query.shape[2], position_ids)
 
     def _shard_for(self, bsz: int, local: int, position_ids) -> hf.SequenceShard:
         """``step_shard`` for ``bsz`` rows of ``local`` tokens (also called by a hybrid's
