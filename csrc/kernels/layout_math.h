@@ -116,37 +116,11 @@ struct RowCopy {
   int64_t src_unit_stride;
 };
 
-// ---- launch geometry (pack.cu launches; here so the host tests can check it) -----------
-// Grid-stride launches of kThreads threads per block, gridDim.x <= kMaxBlocks. Nothing goes
-// to gridDim.y/z (at most 65535 each, which B * S alone passes at 64K tokens); gridDim.x
-// may be up to 2^31 - 1, far above kMaxBlocks. Beyond kMaxBlocks * kThreads each thread
-// loops (1M tokens, 64 heads, D = 128 bf16: 1.1e9 units, 16 per thread).
-//   unpack: 1-D, one thread per unit, gridDim.x = grid_blocks(units).
-//   pack:   2-D blocks of pack_block(units_per_row): blockDim.y rows at a time, blockDim.x
-//           lanes along each row; gridDim.x = pack_grid(rows, block) (see pack.cu).
+// ---- launch geometry (pack.cu) -----------------------------------------------------------
+// Blocks of kThreads threads (kThreads / kWarp warps) on gridDim.x only, as many as the work
+// needs and at most SMs x resident blocks (pack.cu new_grid; at most 2^16 when the device
+// cannot be asked); nothing goes to gridDim.y/z (at most 65535 each).
 constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = int64_t(1) << 18;
-
-UK_HD int64_t grid_blocks(int64_t work) {
-  const int64_t b = (work + kThreads - 1) / kThreads;
-  return b < kMaxBlocks ? b : kMaxBlocks;
-}
-
-// blockDim of the pack: `lanes` threads along a row (all its units when it has at most
-// kThreads of them, else each lane loops), `rows` rows per block (lanes * rows <= kThreads).
-struct PackBlock {
-  int lanes, rows;
-};
-
-UK_HD PackBlock pack_block(int64_t units_per_row) {
-  const int lanes = units_per_row < 1 ? 1 : units_per_row < kThreads ? (int)units_per_row : kThreads;
-  return PackBlock{lanes, kThreads / lanes};
-}
-
-UK_HD int64_t pack_grid(int64_t rows, const PackBlock& block) {
-  const int64_t b = (rows + block.rows - 1) / block.rows;
-  return b < kMaxBlocks ? b : kMaxBlocks;
-}
 
 // Index arithmetic runs in `I`: uint32_t when all the work of a launch has fewer than
 // kNarrowLimit units, else int64_t. 32-bit integer division is several times cheaper than
@@ -154,12 +128,8 @@ UK_HD int64_t pack_grid(int64_t rows, const PackBlock& block) {
 // byte offsets are always int64_t (a rank's send buffer passes 4 GiB at 1M tokens).
 constexpr int64_t kNarrowLimit = int64_t(1) << 31;
 
-// A uint32_t grid-stride index (a unit of the unpack, a row of the pack: never more than
-// kThreads rows per block) stays below work + gridDim.x * kThreads; it must not wrap
-// before the loop test sees it past the end.
-static_assert(kNarrowLimit - 1 + kMaxBlocks * kThreads < (int64_t(1) << 32),
-              "a 32-bit grid-stride index could wrap: lower kNarrowLimit or kMaxBlocks");
-
+// The new kernels' 32-bit chunk index stays below the chunks plus the grid's warps (at most
+// 2^16 x 8), far below 2^32; the wide kernels step over rows in int64_t.
 UK_HD bool narrow_index(int64_t work) { return work < kNarrowLimit; }
 
 // Where send-buffer row `row` comes from and goes to.

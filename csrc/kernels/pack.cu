@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) pack_kernel_new(const __grid_constan
 
 // Every role of the unpack in one launch: chunk c belongs to role unpack_role_of_chunk(m, c).
 // Rows held once are copied kInFlight units at a time; rows held by several sources (KV
-// replicas) are summed unit by unit in rank order (unpack_unit, as the old kernel).
+// replicas) are summed unit by unit in rank order (unpack_unit).
 template <class Op, int UNIT, class I>
 __global__ void __launch_bounds__(kThreads) unpack_kernel_new(const __grid_constant__ UnpackMulti m) {
   using V = typename VecOf<UNIT>::T;

@@ -183,54 +183,6 @@ static void test_pack(int unit, bool redirect, bool wide) {
   check_pack_case(c);
 }
 
-// The 2-D pack launch of pack.cu (pack_block, pack_grid), run thread by thread on the host:
-// the first blockDim.y threads of a block decode one row each into "shared memory", then
-// thread (x, y) copies units x, x + blockDim.x, ... of row y. The grid is cut to
-// `max_blocks` so that blocks also step over row tiles as they do past kMaxBlocks. Every row
-// must be decoded exactly once, every unit copied exactly once, and the result be the layout.
-static void test_pack_2d_launch(int D, int unit, bool redirect, int64_t max_blocks) {
-  PackCase c;
-  make_pack_case(c, D, unit, redirect);
-  const PackParams& p = c.p;
-  const int64_t rows = p.peer_row0[p.n_peers], upr = p.units_per_row;
-  const PackBlock blk = pack_block(upr);
-  const bool fits = blk.lanes >= 1 && blk.rows >= 1 && blk.lanes * blk.rows <= kThreads;
-  EXPECT(fits);
-  if (!fits) return;  // the kernel's shared rows[kThreads] would overflow
-  EXPECT(blk.lanes == (upr < kThreads ? upr : kThreads));
-  const int64_t full_grid = pack_grid(rows, blk);
-  EXPECT(full_grid * blk.rows >= rows && (full_grid - 1) * blk.rows < rows);
-  const int64_t grid = full_grid < max_blocks ? full_grid : max_blocks;
-  std::vector<int> decoded((size_t)rows, 0), copied((size_t)(rows * upr), 0);
-  std::vector<RowCopy> shared((size_t)kThreads);
-  const int threads = blk.lanes * blk.rows;
-  for (int64_t block = 0; block < grid; ++block) {
-    for (int64_t row0 = block * blk.rows; row0 < rows; row0 += grid * blk.rows) {
-      for (int tid = 0; tid < threads; ++tid) {
-        if (tid < blk.rows && row0 + tid < rows) {
-          shared[tid] = pack_row<uint32_t>(p, (uint32_t)(row0 + tid));
-          ++decoded[(size_t)(row0 + tid)];
-        }
-      }
-      for (int y = 0; y < blk.rows; ++y) {
-        if (row0 + y >= rows) continue;
-        const RowCopy r = shared[y];
-        for (int x = 0; x < blk.lanes; ++x) {
-          for (int64_t u = x; u < upr; u += blk.lanes) {
-            memcpy(r.dst + u * unit, r.src + u * r.src_unit_stride, (size_t)unit);
-            ++copied[(size_t)((row0 + y) * upr + u)];
-          }
-        }
-      }
-    }
-  }
-  bool once = true;
-  for (int n : decoded) once = once && n == 1;
-  for (int n : copied) once = once && n == 1;
-  EXPECT(once);
-  check_pack_case(c);
-}
-
 // The warp-chunk walk of pack.cu's new pack kernel, run lane by lane on the host: warp w of
 // block b takes chunks w + 8 b, w + 8 b + 8 grid, ...; lane l decodes row 32 c + l, then
 // walks units l, l + 32, ... of the chunk (LaneWalk) in batches of kInFlight. Every row
@@ -761,36 +713,6 @@ static void test_unpack_addresses_beyond_4gb(int64_t batch) {
   EXPECT(rows * row > (int64_t(1) << 33));
 }
 
-// The launches of pack.cu: block counts, the grid-stride bound of the 32-bit index path,
-// and the grid at 1M+ tokens (gridDim.x only; y and z would be limited to 65535).
-static void test_launch_geometry() {
-  EXPECT(grid_blocks(1) == 1 && grid_blocks(kThreads) == 1 && grid_blocks(kThreads + 1) == 2);
-  const int64_t big[] = {int64_t(1) << 20, (int64_t(1) << 31) - 1, int64_t(1) << 31, int64_t(1) << 40};
-  for (int64_t work : big) {
-    const int64_t blocks = grid_blocks(work);
-    EXPECT(blocks >= 1 && blocks <= kMaxBlocks && blocks <= INT32_MAX);
-    EXPECT(blocks * kThreads >= (work < kMaxBlocks * kThreads ? work : kMaxBlocks * kThreads));
-    // On the 32-bit path the last index a thread computes (< work + blocks * threads)
-    // must still be representable, else the loop wraps to 0 and runs forever.
-    if (narrow_index(work)) EXPECT(work - 1 + blocks * kThreads <= (int64_t)UINT32_MAX);
-  }
-  // 1M tokens per rank (B = 1), 64 q + 8 + 8 KV heads, D = 128 bf16, 16-byte units: the
-  // pack of one rank is 1.3e9 units, still 32-bit, over 2^18 blocks of 256 threads.
-  const int64_t work = (int64_t(1) << 20) * 80 * 16;
-  EXPECT(narrow_index(work) && grid_blocks(work) == kMaxBlocks);
-  // The pack's 2-D blocks at that size: 16 lanes x 16 rows, 2^18 blocks stepping over 8.4e7
-  // rows; the 32-bit row index (row0 + gridDim.x * blockDim.y) stays representable.
-  const int64_t rows = (int64_t(1) << 20) * 80;
-  const PackBlock blk = pack_block(16);
-  EXPECT(blk.lanes == 16 && blk.rows == 16 && pack_grid(rows, blk) == kMaxBlocks);
-  EXPECT(rows - 1 + kMaxBlocks * blk.rows <= (int64_t)UINT32_MAX);
-  // Any row length keeps more than half of the block's threads busy.
-  for (int64_t upr = 1; upr <= 3 * kThreads; ++upr) {
-    const PackBlock b = pack_block(upr);
-    EXPECT(b.lanes * b.rows <= kThreads && 2 * b.lanes * b.rows > kThreads);
-  }
-}
-
 int main() {
   test_half_rounding();
   test_bf16_rounding();
@@ -803,20 +725,10 @@ int main() {
     for (int unit : {4, 16}) test_unpack_head_span(unit, wide);
   }
   test_unpack_nan_sums();
-  // D = 6 floats: 6 or 3 units (several rows per block); D = 1: one unit, 256 rows per
-  // block; D = 300: more units than threads (each lane loops). Grids of 1, 2 or 7 blocks
-  // step over row tiles; 1 << 20 is the full grid.
-  for (int64_t blocks : {int64_t(1), int64_t(2), int64_t(7), int64_t(1) << 20}) {
-    for (int unit : {4, 8}) test_pack_2d_launch(6, unit, blocks % 2 == 0, blocks);
-    test_pack_2d_launch(1, 4, true, blocks);
-    test_pack_2d_launch(300, 4, false, blocks);
-    test_pack_2d_launch(300, 16, true, blocks);
-  }
   test_pack_addresses_beyond_4gb(1);  // 1.3e9 units: 32-bit index, 64-bit byte offsets
   test_pack_addresses_beyond_4gb(2);  // 2.7e9 units: 64-bit index
   test_unpack_addresses_beyond_4gb(1);  // 1.1e9 units: 32-bit index, 64-bit byte offsets
   test_unpack_addresses_beyond_4gb(2);  // 2.1e9 units: 64-bit index
-  test_launch_geometry();
   // The new kernels' warp-chunk walk (pack.cu kVariantNew).
   test_lane_walk();
   for (int64_t grid : {int64_t(1), int64_t(3), int64_t(1) << 20}) {
