@@ -228,7 +228,7 @@ PyObject* pack_variant(PyObject*, PyObject* args) {
 }
 
 PyMethodDef methods[] = {
-    {"pack_variant", pack_variant, METH_VARARGS, "pack_variant([variant]) -> int: the CUDA pack/unpack kernel variant (0 old, 1 new); sets it when given"},
+    {"pack_variant", pack_variant, METH_VARARGS, "pack_variant([variant]) -> int: the CUDA pack/unpack kernel variant (1 new, 2 wide); sets it when given"},
     {"build_info", build_info, METH_NOARGS, "How this extension was built (cuda, archs, nccl, nccl_header_version) and its limits (max_peers, max_roles)"},
 #ifdef ULYSSES_KERNELS_WITH_NCCL
     {"nccl_version", nccl_version, METH_NOARGS, "ncclGetVersion() of the NCCL library loaded in this process"},

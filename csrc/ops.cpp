@@ -31,7 +31,7 @@ std::atomic<int> g_pack_variant{kVariantNew};
 int pack_variant() { return g_pack_variant.load(std::memory_order_relaxed); }
 
 void set_pack_variant(int variant) {
-  g_pack_variant.store(variant == kVariantOld ? kVariantOld : kVariantNew, std::memory_order_relaxed);
+  g_pack_variant.store(variant == kVariantWide ? kVariantWide : kVariantNew, std::memory_order_relaxed);
 }
 
 namespace {
@@ -287,6 +287,7 @@ UnpackMulti unpack_multi(const UnpackLaunch& plan) {
   int64_t unit = 16;
   for (const UnpackParams& p : plan.params) unit = std::min(unit, p.unit);
   m.chunk0[0] = 0;
+  m.row0[0] = 0;
   for (int i = 0; i < m.n_roles; ++i) {
     UnpackParams p = plan.params[static_cast<size_t>(i)];
     p.units_per_row = p.units_per_row * p.unit / unit;
@@ -294,6 +295,7 @@ UnpackMulti unpack_multi(const UnpackLaunch& plan) {
     m.role[i] = p;
     m.span[i] = unpack_head_span(p);
     m.chunk0[i + 1] = m.chunk0[i] + warp_chunks(p.batch * p.seq * m.span[i].heads);
+    m.row0[i + 1] = m.row0[i] + p.batch * p.seq * m.span[i].heads;
   }
   return m;
 }
@@ -341,11 +343,7 @@ void unpack_h2s_cuda(at::TensorList blocks, at::IntArrayRef head_ranges, at::Ten
   const UnpackLaunch plan = make_unpack(blocks, head_ranges, outs);
   const c10::cuda::CUDAGuard guard(outs[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(outs[0].device().index()).stream();
-  if (pack_variant() == kVariantNew) {
-    check_cuda(launch_unpack_multi(unpack_multi(plan), multi_add(plan), stream), "unpack_h2s");
-    return;
-  }
-  for (size_t i = 0; i < plan.params.size(); ++i) check_cuda(launch_unpack(plan.params[i], plan.adds[i], stream), "unpack_h2s");
+  check_cuda(launch_unpack_multi(unpack_multi(plan), multi_add(plan), pack_variant(), stream), "unpack_h2s");
 }
 #endif
 

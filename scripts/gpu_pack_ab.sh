@@ -3,9 +3,9 @@
 # runs only when under 80 s were used): which is faster, and
 # are both exact there. Run from the checkout, with _C built for this GPU:
 #     bash scripts/gpu_pack_ab.sh            # PYTHON=... to pick the interpreter
-# 1. bench.pack, kernels cuda, triton, torch, variants old and new, the five default GPU
+# 1. bench.pack, kernels cuda, triton, torch, variants old, new and wide, the five default GPU
 #    configurations (96-320 MiB buffers, bf16), every row checked bit for bit: JSON/CSV in
-#    bench/results/ (meta.variants: % of copy per config and variant, old/new time ratio)
+#    bench/results/ (meta.variants: % of copy per config and variant, each set's time ratio)
 #    and the "# variants" lines that say which is faster.
 # 2. the GPU tests of both variants (bit-exact against the CPU twin on every world size,
 #    replicas, odd head dims; one unpack launch for q/k/v; CUDA-graph capture).
@@ -20,8 +20,8 @@ mkdir -p "$OUT"
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 rc=0
-echo "### [gpu_pack_ab] bench.pack, variants old,new"
-timeout 75 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new --warmup 5 --iters 40 --out "$OUT" \
+echo "### [gpu_pack_ab] bench.pack, variants old,new,wide"
+timeout 75 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new,wide --warmup 5 --iters 40 --out "$OUT" \
   2>&1 | tee "$OUT/bench_pack_variants.txt" || rc=1
 echo "### [gpu_pack_ab] GPU tests of both variants ($(elapsed) s so far)"
 timeout 30 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_kernels.py \

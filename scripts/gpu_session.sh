@@ -343,9 +343,9 @@ stage_wave() {
   # shellcheck disable=SC2086  # $tests is a list of paths
   step gpu_tests 240 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true
   step bench_pack_auto 120 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
-  # Every set, and the old/new kernel variants of cuda and triton (#36) in the same process:
+  # Every set, and the kernel variants of cuda (new, wide) and triton (old, new) (#36) in one process:
   # the "# variants" lines say which is faster (extension.DEFAULT_PACK_VARIANT follows them).
-  step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new --warmup 10 --iters 40 --out-dir "$WAVE_DIR" && pack_summary || true
+  step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new,wide --warmup 10 --iters 40 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
   step bench_attention 180 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$WAVE_DIR" &&

@@ -211,3 +211,40 @@ def test_script_exits_non_zero_on_a_wrong_kernel(tmp_path, capsys, monkeypatch):
         ("pack", "fused (corrupt-torch)"): 1,
         ("unpack", "fused (corrupt-torch)"): 1,
     }
+
+
+@pytest.mark.skipif("cuda" not in available_kernels(), reason="needs the C++ extension")
+def test_variant_sweep_runs_each_sets_own_variants(tmp_path, capsys):
+    # --variants old,new,wide: the cuda rows run new and wide (cuda has no "old"), one row each,
+    # and the "# variants" line compares the two in the set's order (new/wide).
+    from ulysses_kernels import extension
+
+    before = extension.pack_variant()
+    argv = ["--device", str(DEVICE), "-w", "0", "-n", "1", "--kernels", "cuda,torch", "--variants", "old,new,wide"]
+    assert bp.main([*argv, "--configs", "10/2/4/1/5/4", "--out-dir", str(tmp_path)]) == 0
+    assert extension.pack_variant() == before  # each row's variant is restored after it
+    out = capsys.readouterr().out
+    doc = _result(tmp_path)
+    fused = sorted({(r["op"], r["variant"]) for r in doc["rows"] if r["method"].startswith("fused (cuda")})
+    assert fused == [("pack", "new"), ("pack", "wide"), ("unpack", "new"), ("unpack", "wide")]
+    assert all(r["wrong"] == 0 for r in doc["rows"])
+    summary = doc["meta"]["variants"]["cuda"]
+    for op in ("pack", "unpack"):
+        ent = summary[op]
+        assert set(ent) == {"new", "wide", "x_new_over_wide", "faster"}, ent
+        assert ent["x_new_over_wide"] > 0 and ent["faster"] == ("wide" if ent["x_new_over_wide"] > 1 else "new")
+        assert f"# variants cuda {op}: new worst" in out and "time new/wide" in out
+    with pytest.raises(SystemExit, match="--variants wants a comma list of"):
+        bp.parse_variants("new,fast")
+
+
+def test_variant_summary_ratio_is_per_set():
+    # Synthetic rows: triton old is twice as slow as new (x_old_over_new = 2: new faster).
+    rows = [
+        {"method": f"fused (triton {v})", "op": "pack", "variant": v, "config": c, "pct_copy": p, "time_us": t}
+        for c in ("a", "b")
+        for v, p, t in (("old", 40.0, 20.0), ("new", 80.0, 10.0))
+    ]
+    ent = bp.variant_summary(rows)["triton"]["pack"]
+    assert ent["x_old_over_new"] == pytest.approx(2.0) and ent["faster"] == "new"
+    assert ent["old"]["worst_pct_copy"] == 40.0 and ent["new"]["worst_pct_copy"] == 80.0

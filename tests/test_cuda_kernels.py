@@ -6,6 +6,8 @@ Every plan is checked from every rank: world sizes 1..8, MHA/GQA/MQA, uneven hea
 batch > 1, uneven sequence shards, non-contiguous and fused-QKV inputs.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -366,14 +368,19 @@ def test_torch_compile_fullgraph_pack():
 # ---- the kernel variant switch ---------------------------------------------------------------
 def test_pack_variant_switch_reaches_the_extension():
     module = extension.load()
-    previous = extension.set_pack_variant("old")
+    previous = extension.set_pack_variant("wide")
     try:
-        assert extension.pack_variant() == "old" and module.pack_variant() == 0
-        assert extension.set_pack_variant("new") == "old"
+        assert extension.pack_variant() == "wide" and module.pack_variant() == 2
+        assert extension.kernel_variant("cuda") == "wide" and extension.kernel_variant("triton") == "new"  # triton has no wide
+        assert extension.set_pack_variant("new") == "wide"
         assert extension.pack_variant() == "new" and module.pack_variant() == 1
+        # "old" is a triton variant only: the cuda set falls back to "new".
+        assert extension.set_pack_variant("old") == "new"
+        assert extension.kernel_variant("cuda") == "new" and module.pack_variant() == 1
+        assert extension.kernel_variant("triton") == "old"
     finally:
         extension.set_pack_variant(previous)
-    with pytest.raises(ValueError, match=r"set_pack_variant: name expected one of \['old', 'new'\], got 'fast'"):
+    with pytest.raises(ValueError, match=r"set_pack_variant: name expected one of \['old', 'new', 'wide'\], got 'fast'"):
         extension.set_pack_variant("fast")
 
 
@@ -388,7 +395,8 @@ def test_pack_variant_env_is_read_once_and_checked(monkeypatch):
     assert extension.pack_variant() == "old"  # read once
     monkeypatch.setattr(extension, "_VARIANT", {})
     monkeypatch.delenv("ULYSSES_KERNELS_PACK_VARIANT")
-    assert extension.pack_variant() == extension.DEFAULT_PACK_VARIANT == "new"
+    assert extension.pack_variant() == extension.DEFAULT_PACK_VARIANT
+    assert extension.DEFAULT_PACK_VARIANT in extension.SET_VARIANTS["cuda"]  # the default names a cuda variant
 
 
 # ---- GPU: CUDA kernels against the CPU twin ------------------------------------------------
@@ -453,15 +461,15 @@ def test_gpu_large_pack_uses_vector_path_and_matches():
         (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv=True)
         torch.cuda.synchronize()
     assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
-    # The 16-byte path was taken: the kernel instantiated with UNIT=16 (pack_kernel<16, I>,
-    # or pack_kernel_new<16, I> for the new variant), and no narrower one (aligned bf16 rows
-    # of 128 elements, 256 bytes each).
+    # The 16-byte path was taken: the kernel of the variant in use instantiated with UNIT=16
+    # (pack_kernel_new<16, I> or pack_kernel_wide<16, I>), and no narrower one (aligned bf16
+    # rows of 128 elements, 256 bytes each).
     packs = {e.name for e in prof.events() if "pack_kernel" in e.name and "unpack" not in e.name}
-    kernel = "pack_kernel_new<16" if extension.pack_variant() == "new" else "pack_kernel<16"
+    kernel = f"pack_kernel_{extension.kernel_variant('cuda')}<16"
     assert packs and all(kernel in n for n in packs), packs
 
 
-@pytest.fixture(params=["old", "new"])
+@pytest.fixture(params=list(extension.SET_VARIANTS["cuda"]))
 def variant(request):
     """Run a test under each kernel variant (``extension.set_pack_variant``)."""
     previous = extension.set_pack_variant(request.param)
@@ -495,7 +503,7 @@ def test_gpu_both_variants_match_cpu_twin(plan, rank, batch, d, dtype, variant):
 @needs_gpu
 @pytest.mark.gpu
 def test_gpu_new_unpack_is_one_launch_for_qkv(variant):
-    # The new variant unpacks q, k and v in one kernel launch; the old one launches per role.
+    # Both variants unpack q, k and v in one kernel launch (the removed old one launched per role).
     lay = Layout(HeadPlan.build(40, 8, 8), 3, (64,) * 8, 1, 128)
     blocks, outs = _blocks(lay, QKV, torch.bfloat16, "cuda", 2), _outs(lay, QKV, torch.bfloat16, "cuda")
     CK.unpack_h2s(lay, blocks, QKV, outs)  # warm-up
@@ -504,7 +512,7 @@ def test_gpu_new_unpack_is_one_launch_for_qkv(variant):
         CK.unpack_h2s(lay, blocks, QKV, outs)
         torch.cuda.synchronize()
     launches = [e.name for e in prof.events() if "unpack_kernel" in e.name]
-    assert len(launches) == (1 if variant == "new" else 3), launches
+    assert len(launches) == 1 and f"unpack_kernel_{variant}<" in launches[0], launches
 
 
 class _LoopbackComm:
@@ -746,11 +754,12 @@ def _sass_by_kernel(path: str, tool: str) -> dict[tuple[str, str], str]:
     return out
 
 
-def test_sass_moves_16_bytes_per_access_in_both_kernels():
-    import re
+_MOVES_128 = re.compile(r"\b(?:LDG|STG)\.E\.128")
 
+
+def test_sass_moves_16_bytes_per_access_in_both_kernels():
     # The 16-byte instantiations of the pack and unpack kernels (both variants, every sum
-    # type) load and store 128 bits at a time (LDG.E.128 / STG.E.128): docs/performance.md.
+    # type) load and store 128 bits at a time (global LDG.E.128 / STG.E.128): docs/performance.md.
     pytest.importorskip("triton")
     tool = _cuobjdump()
     info = extension.build_info()
@@ -765,13 +774,13 @@ def test_sass_moves_16_bytes_per_access_in_both_kernels():
     picked = {
         "pack new": [k for k in sass if "15pack_kernel_newILi16E" in k[1]],
         "unpack new": [k for k in sass if "17unpack_kernel_newI" in k[1] and "ELi16E" in k[1]],
-        "pack old": [k for k in sass if "11pack_kernelILi16E" in k[1]],
-        "unpack old": [k for k in sass if "13unpack_kernelI" in k[1] and "ELi16E" in k[1]],
+        "pack wide": [k for k in sass if "16pack_kernel_wideILi16E" in k[1]],
+        "unpack wide": [k for k in sass if "18unpack_kernel_wideI" in k[1] and "ELi16E" in k[1]],
     }
     for what, kernels in picked.items():
         assert len(kernels) >= 2 * len(built), (what, kernels)  # archs x 2 index widths (x 5 sum types for unpack)
-        for key in kernels:
-            if what.endswith("new"):  # global 128-bit accesses (LDG.E.128.CONSTANT, STG.E.128)
-                assert "LDG.E.128" in sass[key] and "STG.E.128" in sass[key], (what, key)
-            else:  # the old kernels: 128-bit too, generic (LD.E.128) where the pointer came from shared memory
-                assert re.search(r"\bLDG?\.E\.128", sass[key]) and re.search(r"\bSTG?\.E\.128", sass[key]), (what, key)
+        for key in kernels:  # global 128-bit accesses (LDG.E.128[.CONSTANT], STG.E.128)
+            assert "LDG.E.128" in sass[key] and "STG.E.128" in sass[key], (what, key)
+            if what.endswith("wide"):  # a batch's 8 loads all issue before its first store
+                ops = [m.split(".")[0] for m in _MOVES_128.findall(sass[key])]
+                assert ops[:9] == ["LDG"] * 8 + ["STG"], (what, key, ops[:16])

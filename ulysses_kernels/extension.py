@@ -59,6 +59,8 @@ __all__ = [
     "nccl_all_to_all",
     "nccl_send_recv",
     "PACK_VARIANTS",
+    "SET_VARIANTS",
+    "kernel_variant",
     "pack_variant",
     "set_pack_variant",
 ]
@@ -68,21 +70,29 @@ __all__ = [
 _STATE: dict = {}
 
 # ---- the kernel variant ----------------------------------------------------------------------
-# The pack/unpack kernels of the "cuda" and "triton" sets come in two variants, both exact:
-# "new" (the default: 16-byte units on both sides, several loads in flight per thread, warp
-# chunks, one unpack launch for q, k and v) and "old" (the kernels before issue #36), kept
-# selectable for one release so that one GPU run measures both in one process
-# (``python -m ulysses_kernels.bench.pack --variants old,new``); docs/performance.md.
-PACK_VARIANTS = ("old", "new")
+# The pack/unpack kernels of the "cuda" and "triton" sets come in variants, all exact. One
+# name per process selects them (``ULYSSES_KERNELS_PACK_VARIANT``, read once, or
+# ``set_pack_variant``); each set runs it where it has a variant of that name, else its
+# fallback (``VARIANT_FALLBACK``):
+#   cuda:   "new" (warp chunks of 32 rows, 4 units in flight per lane, one unpack launch for
+#           q, k and v) and "wide" (equal row shares per warp, 8 units in flight per lane;
+#           issue #36); the first kernels ("old") lost to "new" on an H200 and were removed.
+#   triton: "old" (the kernels before issue #36) and "new".
+# ``python -m ulysses_kernels.bench.pack --variants new,wide`` (or old,new,wide) measures them
+# side by side in one process; docs/performance.md.
+PACK_VARIANTS = ("old", "new", "wide")
+SET_VARIANTS = {"cuda": ("new", "wide"), "triton": ("old", "new")}
+VARIANT_FALLBACK = {"cuda": "new", "triton": "new"}
 DEFAULT_PACK_VARIANT = "new"
 PACK_VARIANT_ENV = "ULYSSES_KERNELS_PACK_VARIANT"
+_CUDA_VARIANT_CODES = {"new": 1, "wide": 2}  # csrc/kernels/layout_math.h kVariantNew, kVariantWide
 _VARIANT: dict = {}  # {"name": ...} once read from the environment or set
 
 
 def pack_variant() -> str:
-    """The kernel variant in use (``"old"`` or ``"new"``): ``ULYSSES_KERNELS_PACK_VARIANT``
+    """The process's kernel variant name (one of ``PACK_VARIANTS``): ``ULYSSES_KERNELS_PACK_VARIANT``
     read once, unless ``set_pack_variant`` changed it since. ValueError naming the variable
-    when it holds anything else."""
+    when it holds anything else. ``kernel_variant`` says what one kernel set runs under it."""
     name = _VARIANT.get("name")
     if name is None:
         name = os.environ.get(PACK_VARIANT_ENV, "").strip().lower() or DEFAULT_PACK_VARIANT
@@ -92,16 +102,23 @@ def pack_variant() -> str:
     return name
 
 
+def kernel_variant(kernels: str) -> str:
+    """The variant kernel set ``kernels`` (``"cuda"`` or ``"triton"``) runs now: the process's
+    variant where the set has it, else the set's ``VARIANT_FALLBACK``."""
+    name = pack_variant()
+    return name if name in SET_VARIANTS[kernels] else VARIANT_FALLBACK[kernels]
+
+
 def set_pack_variant(name: str) -> str:
-    """Use kernel variant ``name`` (``"old"`` or ``"new"``) from now on in this process, for
+    """Use kernel variant ``name`` (one of ``PACK_VARIANTS``) from now on in this process, for
     the ``"cuda"`` set (the C++ extension's setting, when it is loaded) and the ``"triton"``
-    set; returns the previous one. For benchmarks and A/B checks."""
+    set, each as ``kernel_variant`` says; returns the previous one. For benchmarks and A/B checks."""
     if name not in PACK_VARIANTS:
         raise ValueError(f"ulysses_kernels.set_pack_variant: name expected one of {list(PACK_VARIANTS)}, got {name!r}")
     previous = pack_variant()
     _VARIANT["name"] = name
     if "module" in _STATE:
-        _STATE["module"].pack_variant(PACK_VARIANTS.index(name))
+        _STATE["module"].pack_variant(_CUDA_VARIANT_CODES[kernel_variant("cuda")])
     return previous
 
 
@@ -192,7 +209,7 @@ def load():
     _STATE["limits"] = {k: int(built[k]) for k in ("max_peers", "max_roles")}
     _STATE["archs"] = tuple(a for a in built.get("archs", "").split("_") if a) if built.get("cuda") else ()
     _register_fakes(module)
-    module.pack_variant(PACK_VARIANTS.index(pack_variant()))
+    module.pack_variant(_CUDA_VARIANT_CODES[kernel_variant("cuda")])
     _STATE["module"] = module
     return module
 

@@ -116,37 +116,11 @@ struct RowCopy {
   int64_t src_unit_stride;
 };
 
-// ---- launch geometry (pack.cu launches; here so the host tests can check it) -----------
-// Grid-stride launches of kThreads threads per block, gridDim.x <= kMaxBlocks. Nothing goes
-// to gridDim.y/z (at most 65535 each, which B * S alone passes at 64K tokens); gridDim.x
-// may be up to 2^31 - 1, far above kMaxBlocks. Beyond kMaxBlocks * kThreads each thread
-// loops (1M tokens, 64 heads, D = 128 bf16: 1.1e9 units, 16 per thread).
-//   unpack: 1-D, one thread per unit, gridDim.x = grid_blocks(units).
-//   pack:   2-D blocks of pack_block(units_per_row): blockDim.y rows at a time, blockDim.x
-//           lanes along each row; gridDim.x = pack_grid(rows, block) (see pack.cu).
+// ---- launch geometry (pack.cu) -----------------------------------------------------------
+// Blocks of kThreads threads (kThreads / kWarp warps) on gridDim.x only, as many as the work
+// needs and at most SMs x resident blocks (pack.cu new_grid; at most 2^16 when the device
+// cannot be asked); nothing goes to gridDim.y/z (at most 65535 each).
 constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = int64_t(1) << 18;
-
-UK_HD int64_t grid_blocks(int64_t work) {
-  const int64_t b = (work + kThreads - 1) / kThreads;
-  return b < kMaxBlocks ? b : kMaxBlocks;
-}
-
-// blockDim of the pack: `lanes` threads along a row (all its units when it has at most
-// kThreads of them, else each lane loops), `rows` rows per block (lanes * rows <= kThreads).
-struct PackBlock {
-  int lanes, rows;
-};
-
-UK_HD PackBlock pack_block(int64_t units_per_row) {
-  const int lanes = units_per_row < 1 ? 1 : units_per_row < kThreads ? (int)units_per_row : kThreads;
-  return PackBlock{lanes, kThreads / lanes};
-}
-
-UK_HD int64_t pack_grid(int64_t rows, const PackBlock& block) {
-  const int64_t b = (rows + block.rows - 1) / block.rows;
-  return b < kMaxBlocks ? b : kMaxBlocks;
-}
 
 // Index arithmetic runs in `I`: uint32_t when all the work of a launch has fewer than
 // kNarrowLimit units, else int64_t. 32-bit integer division is several times cheaper than
@@ -154,12 +128,8 @@ UK_HD int64_t pack_grid(int64_t rows, const PackBlock& block) {
 // byte offsets are always int64_t (a rank's send buffer passes 4 GiB at 1M tokens).
 constexpr int64_t kNarrowLimit = int64_t(1) << 31;
 
-// A uint32_t grid-stride index (a unit of the unpack, a row of the pack: never more than
-// kThreads rows per block) stays below work + gridDim.x * kThreads; it must not wrap
-// before the loop test sees it past the end.
-static_assert(kNarrowLimit - 1 + kMaxBlocks * kThreads < (int64_t(1) << 32),
-              "a 32-bit grid-stride index could wrap: lower kNarrowLimit or kMaxBlocks");
-
+// The new kernels' 32-bit chunk index stays below the chunks plus the grid's warps (at most
+// 2^16 x 8), far below 2^32; the wide kernels step over rows in int64_t.
 UK_HD bool narrow_index(int64_t work) { return work < kNarrowLimit; }
 
 // Where send-buffer row `row` comes from and goes to.
@@ -224,15 +194,43 @@ UK_HD void lane_walk_step(LaneWalk<I>& w, I upr, I drow, I du) {
 // Chunks of kWarp rows over `rows` rows.
 UK_HD int64_t warp_chunks(int64_t rows) { return (rows + kWarp - 1) / kWarp; }
 
-// The variants of the pack/unpack kernels (selected at run time through the host layer,
-// csrc/ops.cpp set_pack_variant; Python: ulysses_kernels.ops.set_pack_variant):
-//   kVariantOld: the previous kernels (pack: rows decoded per block, one unit per thread
-//                and step between two __syncthreads; unpack: one unit per thread, decoded
-//                per unit, one launch per role);
-//   kVariantNew: the warp-chunk walk above for both, the unpack of all roles in one launch.
-// Kept selectable for one release so that a GPU run measures both in one process.
-constexpr int kVariantOld = 0;
+// ---- the balanced walk of the "wide" kernels (pack.cu; variant kVariantWide) ---------
+// Warp w of W takes the rows [warp_rows(n, w, W)): equal shares of all n rows (of one
+// launch: every role of an unpack end to end), differing by at most one row, so that no
+// warp is left with a last chunk while the others idle (the "new" kernels hand out whole
+// chunks of kWarp rows: at 96 MiB an H200's resident warps took 2 or 3 chunks each, up to
+// a third of the time on a tail). A warp walks its share in groups of up to kWarp rows
+// (never across a role of an unpack), decoding one row per lane, then copying the group's
+// units as the new kernels do (LaneWalk) with kWideInFlight loads before the stores.
+constexpr int kWideInFlight = 8;
+// Units of the rows held twice (KV replicas) summed at once per lane: every holder's load
+// of these units is issued before the adds.
+constexpr int kWideSumInFlight = 2;
+
+struct RowRange {
+  int64_t begin, end;
+};
+
+// n * (w + 1) / W <= n: no overflow below 2^63 / W rows (W <= 2^31 warps, n < 2^32 rows
+// in any launch the host layer builds).
+UK_HD RowRange warp_rows(int64_t n, int64_t w, int64_t warps) { return RowRange{n * w / warps, n * (w + 1) / warps}; }
+
+// The group starting at row `r` of a share ending at `end`: up to kWarp rows, not past
+// `stop` (the end of r's role in an unpack; the share's end in a pack).
+UK_HD int64_t group_end(int64_t r, int64_t end, int64_t stop) {
+  const int64_t e = r + kWarp < end ? r + kWarp : end;
+  return e < stop ? e : stop;
+}
+
+// The variants of the CUDA pack/unpack kernels (selected at run time through the host
+// layer, csrc/ops.cpp set_pack_variant; Python: ulysses_kernels.extension.set_pack_variant):
+//   kVariantNew:  the warp-chunk walk above for both, the unpack of all roles in one launch.
+//   kVariantWide: the balanced walk above, kWideInFlight loads in flight per lane, the
+//                 replica sums kWideSumInFlight units at a time.
+// (The first kernels, variant 0 "old", lost to "new" on an H200 and were removed.)
+// Both kept selectable so that a GPU run measures them in one process.
 constexpr int kVariantNew = 1;
+constexpr int kVariantWide = 2;
 
 // Output row (b, t, head) of an unpack.
 struct OutRow {
@@ -320,6 +318,7 @@ struct UnpackMulti {
   UnpackParams role[kMaxRoles];
   HeadSpan span[kMaxRoles];
   int64_t chunk0[kMaxRoles + 1];
+  int64_t row0[kMaxRoles + 1];  // the wide kernel: role i owns rows [row0[i], row0[i + 1])
   int32_t n_roles;
 };
 
@@ -327,6 +326,13 @@ struct UnpackMulti {
 UK_HD int unpack_role_of_chunk(const UnpackMulti& m, int64_t c) {
   int i = 0;
   while (i + 1 < m.n_roles && m.chunk0[i + 1] <= c) ++i;
+  return i;
+}
+
+// The role of row `r` of all roles end to end (row0 ascending; empty roles skipped).
+UK_HD int unpack_role_of_row(const UnpackMulti& m, int64_t r) {
+  int i = 0;
+  while (i + 1 < m.n_roles && m.row0[i + 1] <= r) ++i;
   return i;
 }
 

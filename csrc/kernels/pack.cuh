@@ -8,11 +8,9 @@
 
 namespace ulysses_kernels {
 
-// variant: kVariantOld or kVariantNew (layout_math.h).
+// variant: kVariantNew or kVariantWide (layout_math.h).
 cudaError_t launch_pack(const PackParams& p, int variant, cudaStream_t stream);
-// The old variant's unpack, one role per launch.
-cudaError_t launch_unpack(const UnpackParams& p, AddType add, cudaStream_t stream);
-// The new variant's unpack: every role of `m` in one launch.
-cudaError_t launch_unpack_multi(const UnpackMulti& m, AddType add, cudaStream_t stream);
+// The unpack: every role of `m` in one launch.
+cudaError_t launch_unpack_multi(const UnpackMulti& m, AddType add, int variant, cudaStream_t stream);
 
 }  // namespace ulysses_kernels

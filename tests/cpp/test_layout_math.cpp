@@ -183,54 +183,6 @@ static void test_pack(int unit, bool redirect, bool wide) {
   check_pack_case(c);
 }
 
-// The 2-D pack launch of pack.cu (pack_block, pack_grid), run thread by thread on the host:
-// the first blockDim.y threads of a block decode one row each into "shared memory", then
-// thread (x, y) copies units x, x + blockDim.x, ... of row y. The grid is cut to
-// `max_blocks` so that blocks also step over row tiles as they do past kMaxBlocks. Every row
-// must be decoded exactly once, every unit copied exactly once, and the result be the layout.
-static void test_pack_2d_launch(int D, int unit, bool redirect, int64_t max_blocks) {
-  PackCase c;
-  make_pack_case(c, D, unit, redirect);
-  const PackParams& p = c.p;
-  const int64_t rows = p.peer_row0[p.n_peers], upr = p.units_per_row;
-  const PackBlock blk = pack_block(upr);
-  const bool fits = blk.lanes >= 1 && blk.rows >= 1 && blk.lanes * blk.rows <= kThreads;
-  EXPECT(fits);
-  if (!fits) return;  // the kernel's shared rows[kThreads] would overflow
-  EXPECT(blk.lanes == (upr < kThreads ? upr : kThreads));
-  const int64_t full_grid = pack_grid(rows, blk);
-  EXPECT(full_grid * blk.rows >= rows && (full_grid - 1) * blk.rows < rows);
-  const int64_t grid = full_grid < max_blocks ? full_grid : max_blocks;
-  std::vector<int> decoded((size_t)rows, 0), copied((size_t)(rows * upr), 0);
-  std::vector<RowCopy> shared((size_t)kThreads);
-  const int threads = blk.lanes * blk.rows;
-  for (int64_t block = 0; block < grid; ++block) {
-    for (int64_t row0 = block * blk.rows; row0 < rows; row0 += grid * blk.rows) {
-      for (int tid = 0; tid < threads; ++tid) {
-        if (tid < blk.rows && row0 + tid < rows) {
-          shared[tid] = pack_row<uint32_t>(p, (uint32_t)(row0 + tid));
-          ++decoded[(size_t)(row0 + tid)];
-        }
-      }
-      for (int y = 0; y < blk.rows; ++y) {
-        if (row0 + y >= rows) continue;
-        const RowCopy r = shared[y];
-        for (int x = 0; x < blk.lanes; ++x) {
-          for (int64_t u = x; u < upr; u += blk.lanes) {
-            memcpy(r.dst + u * unit, r.src + u * r.src_unit_stride, (size_t)unit);
-            ++copied[(size_t)((row0 + y) * upr + u)];
-          }
-        }
-      }
-    }
-  }
-  bool once = true;
-  for (int n : decoded) once = once && n == 1;
-  for (int n : copied) once = once && n == 1;
-  EXPECT(once);
-  check_pack_case(c);
-}
-
 // The warp-chunk walk of pack.cu's new pack kernel, run lane by lane on the host: warp w of
 // block b takes chunks w + 8 b, w + 8 b + 8 grid, ...; lane l decodes row 32 c + l, then
 // walks units l, l + 32, ... of the chunk (LaneWalk) in batches of kInFlight. Every row
@@ -268,6 +220,56 @@ static void test_pack_warp_walk(int D, int unit, bool redirect, int64_t grid) {
       }
     }
   }
+  bool once = true;
+  for (int n : decoded) once = once && n == 1;
+  for (int n : copied) once = once && n == 1;
+  EXPECT(once);
+  check_pack_case(c);
+}
+
+// The balanced walk of pack.cu's wide pack kernel, run lane by lane on the host: warp w of
+// `grid` blocks takes the rows warp_rows(rows, w, warps), in groups of up to kWarp rows
+// (group_end); lane l decodes row l of the group, then walks the group's units (LaneWalk)
+// in batches of kWideInFlight. Every row decoded once, every unit copied once, the shares
+// equal to within one row, and the result the layout.
+static void test_pack_wide_walk(int D, int unit, bool redirect, int64_t grid) {
+  PackCase c;
+  make_pack_case(c, D, unit, redirect);
+  const PackParams& p = c.p;
+  const int64_t rows = p.peer_row0[p.n_peers], upr = p.units_per_row, warps = grid * (kThreads / kWarp);
+  std::vector<int> decoded((size_t)rows, 0), copied((size_t)(rows * upr), 0);
+  RowCopy mine[kWarp];
+  const uint32_t u32 = (uint32_t)upr, drow = kWarp / u32, du = kWarp % u32;
+  int64_t covered = 0;
+  for (int64_t w = 0; w < warps; ++w) {
+    const RowRange share = warp_rows(rows, w, warps);
+    EXPECT(share.begin == covered && share.end >= share.begin && share.end - share.begin <= rows / warps + 1);
+    covered = share.end;
+    for (int64_t r = share.begin; r < share.end;) {
+      const int64_t e = group_end(r, share.end, share.end);
+      const uint32_t nr = (uint32_t)(e - r);
+      EXPECT(nr >= 1 && nr <= (uint32_t)kWarp);
+      for (uint32_t lane = 0; lane < nr; ++lane) {
+        mine[lane] = pack_row<uint32_t>(p, (uint32_t)(r + lane));
+        ++decoded[(size_t)(r + lane)];
+      }
+      for (int lane = 0; lane < kWarp; ++lane) {
+        LaneWalk<uint32_t> wk = lane_walk_start<uint32_t>(lane, u32);
+        while (wk.row < nr) {
+          for (int j = 0; j < kWideInFlight; ++j) {
+            if (wk.row < nr) {
+              const RowCopy& rc = mine[wk.row];
+              memcpy(rc.dst + (int64_t)wk.u * unit, rc.src + (int64_t)wk.u * rc.src_unit_stride, (size_t)unit);
+              ++copied[(size_t)((r + wk.row) * upr + wk.u)];
+            }
+            lane_walk_step(wk, u32, drow, du);
+          }
+        }
+      }
+      r = e;
+    }
+  }
+  EXPECT(covered == rows);
   bool once = true;
   for (int n : decoded) once = once && n == 1;
   for (int n : copied) once = once && n == 1;
@@ -434,6 +436,51 @@ static void run_unpack_multi(const UnpackMulti& m, int64_t grid) {
       }
 }
 
+// The wide unpack kernel over two roles, run lane by lane on the host: warp shares of all
+// roles' rows end to end (row0), groups cut at the role boundary, the copies of rows held
+// once, then the sums of rows held several times in batches of kWideSumInFlight units
+// (each unit summed in rank order, as unpack_unit; pack.cu unpack_sums_wide).
+template <int UNIT>
+static void run_unpack_wide(const UnpackMulti& m, int64_t grid) {
+  const int64_t warps = grid * (kThreads / kWarp), total = m.row0[m.n_roles];
+  UnpackRowCopy mine[kWarp];
+  for (int64_t w = 0; w < warps; ++w) {
+    const RowRange share = warp_rows(total, w, warps);
+    for (int64_t r = share.begin; r < share.end;) {
+      const int i = unpack_role_of_row(m, r);
+      const UnpackParams& p = m.role[i];
+      const HeadSpan& span = m.span[i];
+      const int64_t e = group_end(r, share.end, m.row0[i + 1]);
+      EXPECT(r >= m.row0[i] && e <= m.row0[i + 1] && e > r);
+      const uint32_t row0 = (uint32_t)(r - m.row0[i]), nr = (uint32_t)(e - r);
+      const uint32_t upr = (uint32_t)p.units_per_row, drow = kWarp / upr, du = kWarp % upr;
+      for (uint32_t lane = 0; lane < nr; ++lane) mine[lane] = unpack_row_copy(p, unpack_out_row<uint32_t>(p, span, row0 + lane));
+      for (int lane = 0; lane < kWarp; ++lane) {
+        LaneWalk<uint32_t> wk = lane_walk_start<uint32_t>(lane, upr);
+        while (wk.row < nr) {
+          for (int j = 0; j < kWideInFlight; ++j) {
+            if (wk.row < nr && mine[wk.row].kind == 1) {
+              const UnpackRowCopy& c = mine[wk.row];
+              memcpy(c.dst + (int64_t)wk.u * c.dst_unit_stride, c.src + (int64_t)wk.u * c.src_unit_stride, UNIT);
+            }
+            lane_walk_step(wk, upr, drow, du);
+          }
+        }
+        wk = lane_walk_start<uint32_t>(lane, upr);
+        while (wk.row < nr) {
+          for (int j = 0; j < kWideSumInFlight; ++j) {
+            if (wk.row < nr && mine[wk.row].kind == 2) {
+              unpack_unit<AddF32, UNIT>(p, unpack_out_row<uint32_t>(p, span, row0 + wk.row), wk.u);
+            }
+            lane_walk_step(wk, upr, drow, du);
+          }
+        }
+      }
+      r = e;
+    }
+  }
+}
+
 static void test_unpack_multi_walk(int unit, int64_t grid) {
   const int B = 2, s = 3, H = 12, D0 = 4, D1 = 8;
   const int a0[4] = {5, 7, 6, 9}, b0[4] = {7, 7, 9, 9}, a1[4] = {0, 2, 0, 0}, b1[4] = {2, 4, 0, 0};
@@ -468,6 +515,21 @@ static void test_unpack_multi_walk(int unit, int64_t grid) {
   }
   EXPECT(out0 == ref0);
   EXPECT(out1 == ref1);
+  // The wide kernel's walk (row0: 24 rows per role, end to end) writes the same.
+  m.row0[0] = 0;
+  for (int i = 0; i < 2; ++i) m.row0[i + 1] = m.row0[i] + m.role[i].batch * m.role[i].seq * m.span[i].heads;
+  EXPECT(m.row0[1] == 24 && m.row0[2] == 48);
+  EXPECT(unpack_role_of_row(m, 23) == 0 && unpack_role_of_row(m, 24) == 1 && unpack_role_of_row(m, 47) == 1);
+  std::vector<float> wide0((size_t)B * s * H * D0, -7.0f), wide1((size_t)B * s * 4 * D1, -7.0f);
+  m.role[0] = unpack_case(wide0, blk0, a0, b0, 4, B, s, H, D0, unit);
+  m.role[1] = unpack_case(wide1, blk1, a1, b1, 4, B, s, 4, D1, unit);
+  if (unit == 16) {
+    run_unpack_wide<16>(m, grid);
+  } else {
+    run_unpack_wide<4>(m, grid);
+  }
+  EXPECT(wide0 == ref0);
+  EXPECT(wide1 == ref1);
 }
 
 // The lane walk visits units lane, lane + 32, ... of a chunk of `rows` rows for any row length.
@@ -651,36 +713,6 @@ static void test_unpack_addresses_beyond_4gb(int64_t batch) {
   EXPECT(rows * row > (int64_t(1) << 33));
 }
 
-// The launches of pack.cu: block counts, the grid-stride bound of the 32-bit index path,
-// and the grid at 1M+ tokens (gridDim.x only; y and z would be limited to 65535).
-static void test_launch_geometry() {
-  EXPECT(grid_blocks(1) == 1 && grid_blocks(kThreads) == 1 && grid_blocks(kThreads + 1) == 2);
-  const int64_t big[] = {int64_t(1) << 20, (int64_t(1) << 31) - 1, int64_t(1) << 31, int64_t(1) << 40};
-  for (int64_t work : big) {
-    const int64_t blocks = grid_blocks(work);
-    EXPECT(blocks >= 1 && blocks <= kMaxBlocks && blocks <= INT32_MAX);
-    EXPECT(blocks * kThreads >= (work < kMaxBlocks * kThreads ? work : kMaxBlocks * kThreads));
-    // On the 32-bit path the last index a thread computes (< work + blocks * threads)
-    // must still be representable, else the loop wraps to 0 and runs forever.
-    if (narrow_index(work)) EXPECT(work - 1 + blocks * kThreads <= (int64_t)UINT32_MAX);
-  }
-  // 1M tokens per rank (B = 1), 64 q + 8 + 8 KV heads, D = 128 bf16, 16-byte units: the
-  // pack of one rank is 1.3e9 units, still 32-bit, over 2^18 blocks of 256 threads.
-  const int64_t work = (int64_t(1) << 20) * 80 * 16;
-  EXPECT(narrow_index(work) && grid_blocks(work) == kMaxBlocks);
-  // The pack's 2-D blocks at that size: 16 lanes x 16 rows, 2^18 blocks stepping over 8.4e7
-  // rows; the 32-bit row index (row0 + gridDim.x * blockDim.y) stays representable.
-  const int64_t rows = (int64_t(1) << 20) * 80;
-  const PackBlock blk = pack_block(16);
-  EXPECT(blk.lanes == 16 && blk.rows == 16 && pack_grid(rows, blk) == kMaxBlocks);
-  EXPECT(rows - 1 + kMaxBlocks * blk.rows <= (int64_t)UINT32_MAX);
-  // Any row length keeps more than half of the block's threads busy.
-  for (int64_t upr = 1; upr <= 3 * kThreads; ++upr) {
-    const PackBlock b = pack_block(upr);
-    EXPECT(b.lanes * b.rows <= kThreads && 2 * b.lanes * b.rows > kThreads);
-  }
-}
-
 int main() {
   test_half_rounding();
   test_bf16_rounding();
@@ -693,20 +725,10 @@ int main() {
     for (int unit : {4, 16}) test_unpack_head_span(unit, wide);
   }
   test_unpack_nan_sums();
-  // D = 6 floats: 6 or 3 units (several rows per block); D = 1: one unit, 256 rows per
-  // block; D = 300: more units than threads (each lane loops). Grids of 1, 2 or 7 blocks
-  // step over row tiles; 1 << 20 is the full grid.
-  for (int64_t blocks : {int64_t(1), int64_t(2), int64_t(7), int64_t(1) << 20}) {
-    for (int unit : {4, 8}) test_pack_2d_launch(6, unit, blocks % 2 == 0, blocks);
-    test_pack_2d_launch(1, 4, true, blocks);
-    test_pack_2d_launch(300, 4, false, blocks);
-    test_pack_2d_launch(300, 16, true, blocks);
-  }
   test_pack_addresses_beyond_4gb(1);  // 1.3e9 units: 32-bit index, 64-bit byte offsets
   test_pack_addresses_beyond_4gb(2);  // 2.7e9 units: 64-bit index
   test_unpack_addresses_beyond_4gb(1);  // 1.1e9 units: 32-bit index, 64-bit byte offsets
   test_unpack_addresses_beyond_4gb(2);  // 2.1e9 units: 64-bit index
-  test_launch_geometry();
   // The new kernels' warp-chunk walk (pack.cu kVariantNew).
   test_lane_walk();
   for (int64_t grid : {int64_t(1), int64_t(3), int64_t(1) << 20}) {
@@ -716,6 +738,16 @@ int main() {
     test_pack_warp_walk(300, 16, true, grid);
     for (int unit : {4, 16}) test_unpack_multi_walk(unit, grid);
   }
+  // The wide kernels' balanced walk (pack.cu kVariantWide); grid 1: 8 warps share the rows.
+  for (int64_t grid : {int64_t(1), int64_t(3), int64_t(1) << 10}) {
+    for (int unit : {4, 8}) test_pack_wide_walk(6, unit, grid % 2 == 0, grid);
+    test_pack_wide_walk(1, 4, true, grid);
+    test_pack_wide_walk(300, 4, false, grid);
+    test_pack_wide_walk(300, 16, true, grid);
+  }
+  EXPECT(warp_rows(10, 0, 4).begin == 0 && warp_rows(10, 0, 4).end == 2 && warp_rows(10, 3, 4).end == 10);
+  EXPECT(warp_rows(3, 0, 8).begin == 0 && warp_rows(3, 0, 8).end == 0 && warp_rows(3, 7, 8).end == 3);  // more warps than rows: some shares empty
+  EXPECT(group_end(0, 100, 100) == kWarp && group_end(90, 100, 100) == 100 && group_end(0, 100, 7) == 7);
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

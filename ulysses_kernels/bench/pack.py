@@ -3,7 +3,7 @@
     python -m ulysses_kernels.bench.pack                 # GPU: 96-320 MiB buffers; no GPU: tiny CPU sizes
     python -m ulysses_kernels.bench.pack --device cpu --iters 3 --out /tmp/results
     python -m ulysses_kernels.bench.pack --kernels cuda,triton --configs 32/8/8/1/8192/128
-    python -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new   # A/B of the kernel variants
+    python -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new,wide   # A/B of the kernel variants
 
 A configuration ``Hq/Hkv/P/B/s/D`` (query heads, KV heads, ranks, batch, tokens per rank,
 head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)``). Rows:
@@ -39,11 +39,13 @@ run after the timing, with the outputs filled with NaN first so that an element 
 leaves unwritten counts. Any ``#wrong`` > 0 makes the script exit non-zero (after writing
 its files).
 
-Variants (``--variants old,new``): the ``cuda`` and ``triton`` rows are run once per kernel
-variant (``ulysses_kernels.extension.set_pack_variant``, in this one process), labelled
-``fused (<k> <variant>)``; the JSON's ``meta.variants`` holds, per set and op, each
-variant's % of copy per configuration, the worst, and ``x_old_over_new`` (geometric mean of
-old time / new time: > 1 means the new variant is faster), printed as ``# variants`` lines.
+Variants (``--variants old,new,wide``): the ``cuda`` and ``triton`` rows are run once per
+listed variant the set has (``extension.SET_VARIANTS``: cuda new and wide, triton old and
+new; ``extension.set_pack_variant``, in this one process), labelled ``fused (<k> <variant>)``;
+the JSON's ``meta.variants`` holds, per set and op, each variant's % of copy per
+configuration, the worst, and, when both of a set's variants ran, ``x_<a>_over_<b>``
+(geometric mean of time(a) / time(b) in the set's order: > 1 means <b> is faster) and
+``faster``, printed as ``# variants`` lines.
 
 Timing: CUDA events around each call after a device sync (``timing.time_iters``); on the
 CPU ``perf_counter``, labelled "CPU (not a GPU claim)" in the table, the JSON (``env.timer``)
@@ -106,8 +108,8 @@ class Case:
     variant: str | None = None  # the kernel variant this row runs under (``extension.set_pack_variant``); None: any
 
 
-# Kernel sets whose kernels come in the variants of ``extension.PACK_VARIANTS``.
-VARIANT_SETS = ("cuda", "triton")
+# Kernel sets whose kernels come in variants (``extension.SET_VARIANTS``).
+VARIANT_SETS = tuple(extension.SET_VARIANTS)
 
 
 def fused_label(kern, device: torch.device, variant: str | None) -> str:
@@ -117,7 +119,9 @@ def fused_label(kern, device: torch.device, variant: str | None) -> str:
 
 
 def _variants_of(kern, variants: Sequence[str] | None) -> list[str | None]:
-    return list(variants) if variants and kern.name in VARIANT_SETS else [None]
+    """The listed variants set ``kern`` has (one row each), or [None]: one unlabelled row."""
+    own = [v for v in variants or () if v in extension.SET_VARIANTS.get(kern.name, ())]
+    return own or [None]
 
 
 def check(case: Case) -> int:
@@ -362,7 +366,8 @@ def default_kernels(device: torch.device) -> str:
 
 def variant_summary(rows: list[dict]) -> dict:
     """Per kernel set and op, per variant: % of copy of every configuration, the worst, and
-    the geometric mean of time(old) / time(new) (> 1: new faster). Empty without a sweep."""
+    for a set's two variants a, b (``extension.SET_VARIANTS`` order) the geometric mean of
+    time(a) / time(b) as ``x_<a>_over_<b>`` (> 1: b faster). Empty without a sweep."""
     out: dict = {}
     swept = [r for r in rows if r.get("variant")]
     for r in swept:
@@ -373,11 +378,14 @@ def variant_summary(rows: list[dict]) -> dict:
         for ent in per_op.values():
             for v in list(ent):
                 ent[v] = {"per_config": ent[v], "worst_pct_copy": min(x["pct_copy"] for x in ent[v].values())}
-            if "old" in ent and "new" in ent:
-                both = [c for c in ent["new"]["per_config"] if c in ent["old"]["per_config"]]
-                ratios = [ent["old"]["per_config"][c]["time_us"] / ent["new"]["per_config"][c]["time_us"] for c in both]
-                ent["x_old_over_new"] = math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else None
-                ent["faster"] = None if not ratios else ("new" if ent["x_old_over_new"] > 1 else "old")
+    for kern, per_op in out.items():
+        a, b = extension.SET_VARIANTS.get(kern, (None, None))
+        for ent in per_op.values():
+            if a in ent and b in ent:
+                both = [c for c in ent[b]["per_config"] if c in ent[a]["per_config"]]
+                ratios = [ent[a]["per_config"][c]["time_us"] / ent[b]["per_config"][c]["time_us"] for c in both]
+                ent[f"x_{a}_over_{b}"] = math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else None
+                ent["faster"] = None if not ratios else (b if ent[f"x_{a}_over_{b}"] > 1 else a)
     return out
 
 
@@ -397,8 +405,9 @@ def report(rows: list[dict], notes: dict, device: torch.device, summary: dict | 
     for kern, per_op in (summary or {}).items():
         for op, ent in per_op.items():
             worst = ", ".join(f"{v} worst {ent[v]['worst_pct_copy']:.1f}%" for v in extension.PACK_VARIANTS if v in ent)
-            ratio = ent.get("x_old_over_new")
-            verdict = f"; time old/new {ratio:.3f} (geomean): {ent['faster']} faster" if ratio else ""
+            a, b = extension.SET_VARIANTS.get(kern, (None, None))
+            ratio = ent.get(f"x_{a}_over_{b}")
+            verdict = f"; time {a}/{b} {ratio:.3f} (geomean): {ent['faster']} faster" if ratio else ""
             print(f"# variants {kern} {op}: {worst} of copy{verdict}{label}", flush=True)
     if rows and rows[0]["wrong"] is not None:
         harness.print_wrong_total(rows)
@@ -436,8 +445,8 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--dtype", "-d", default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
     p.add_argument("--kernels", default="auto", help="comma list of kernel sets for the fused rows: auto (default), cuda, triton, torch")
     p.add_argument("--variants", default=None,
-                   help=f"comma list of kernel variants {'/'.join(extension.PACK_VARIANTS)} for the cuda and triton rows, one row each "
-                        "(default: the current one, ULYSSES_KERNELS_PACK_VARIANT, unlabelled)")  # fmt: skip
+                   help=f"comma list of kernel variants {'/'.join(extension.PACK_VARIANTS)} for the cuda (new, wide) and triton (old, new) rows, "
+                        "one row per variant a set has (default: the current one, ULYSSES_KERNELS_PACK_VARIANT, unlabelled)")  # fmt: skip
     p.add_argument("--configs", default=None, help="comma list of Hq/Hkv/P/B/s/D (default: the GPU set, or tiny sizes on the CPU)")
     p.add_argument("-w", "--warmup", "--warmup-iters", dest="warmup", type=int, default=None, help="default 10 (GPU), 1 (CPU)")
     p.add_argument("-n", "--iters", type=int, default=None, help="timed calls per row, default 100 (GPU), 5 (CPU)")

@@ -321,7 +321,7 @@ class TritonKernels:
         addr_t = _int64_table(addrs, device, capturing)  # captured: from the graph's own pool
         if capturing:
             TritonKernels._captured.append((cols, srcs))
-        new = extension.pack_variant() == "new"
+        new = extension.kernel_variant("triton") == "new"
         grid, block_r, block_d = _launch_geometry(n_rows, table.n_cols, head_dim, _interpreting(), new)
         float_ty = _TL_FLOAT.get(dtype, tl.float32)
         acc_ty = tl.float64 if dtype == torch.float64 else tl.float32
