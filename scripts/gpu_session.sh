@@ -382,7 +382,7 @@ stage_recheck() {  # a short second call after a wave: what the wave found wrong
   # shellcheck disable=SC2086  # $tests is a list of paths
   step gpu_tests 150 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true
   step bench_pack_auto 60 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
-  step bench_pack_sets 90 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new}" \
+  step bench_pack_sets 90 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new,wide}" \
     --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
