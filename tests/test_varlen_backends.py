@@ -5,9 +5,10 @@ against the dense mask; FlexAttention itself (torch runs it eagerly there, forwa
 its backward is a GPU test) and the per-document loop (forward and backward) in float64
 against an explicit per-document reference, causal and not, grouped heads, windows, softcap,
 odd lengths, many documents, a document of one token; the ring steps on FlexAttention; the
-chooser's picks and refusals; and the GPU-only varlen kernel's calls, with torch's
+chooser's picks and refusals; the GPU-only varlen kernel's calls, with torch's
 ``varlen_attn`` replaced by a fake that records its arguments (per torch version's signature)
-and computes the reference, through the op on thread ranks. On a GPU: every kernel that
+and computes the reference, through the op on thread ranks; the GPU-only cudnn kernel's
+calls with cuDNN's ops faked the same way, and no host work per call on its path. On a GPU: every kernel that
 runs there in bf16 within 2x PyTorch's own error against float64, forward and backward.
 """
 
@@ -211,7 +212,9 @@ def test_chooser_on_the_cpu(monkeypatch, fresh_chooser):
         packed_kernel(cpu, torch.float32, prefer="flex")
     with pytest.raises(ValueError, match=r"kernel 'varlen' cannot run torch.bfloat16 on cpu \(causal, window 4\): .*needs CUDA fp16/bf16"):
         packed_kernel(cpu, torch.bfloat16, DocMask(True, 4), prefer="varlen")
-    with pytest.raises(ValueError, match=r"kernel 'fast' \(ULYSSES_KERNELS_PACKED or packed=\); expected one of \['flash', 'flex', 'loop', 'varlen'\]"):
+    with pytest.raises(
+        ValueError, match=r"kernel 'fast' \(ULYSSES_KERNELS_PACKED or packed=\); expected one of \['cudnn', 'flash', 'flex', 'loop', 'varlen'\]"
+    ):
         packed_kernel(cpu, torch.float32, prefer="fast")
     monkeypatch.setenv(backends.PACKED_ENV, "flex")
     assert packed_kernel(cpu, torch.float32, grad=False).name == "flex"
@@ -402,6 +405,170 @@ def test_op_runs_packed_documents_on_the_chosen_kernel(monkeypatch, fresh_choose
             torch.testing.assert_close(got, f.grad[:, rows], rtol=1e-10, atol=1e-10)
 
 
+# ---- cuDNN's ragged attention, its aten ops faked: what the kernel passes, and no host work per call ------------
+def fake_cudnn(calls: list):
+    """Stand-ins for ``aten._cudnn_attention_forward``/``_backward`` (keyword calls, torch
+    2.14's argument names) that record what they got and compute the float64 reference per
+    document, returning the statistics as cuDNN does (``[Tq, h, 1]``)."""
+
+    def docs_math(q, k, v, cu_q, cu_k, causal, scale):
+        cq, ck = tuple(cu_q.tolist()), tuple(cu_k.tolist())
+        parts = [packed._math_lse(q[None, a:b], k[None, c:d], v[None, c:d], DocMask(causal), scale)
+                 for (a, b), (c, d) in zip(itertools.pairwise(cq), itertools.pairwise(ck))]  # fmt: skip
+        return torch.cat([p[0] for p in parts], dim=1)[0], torch.cat([p[1] for p in parts], dim=2)[0]
+
+    def fwd(*, query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal, return_debug_mask,
+            scale):  # fmt: skip
+        calls.append({"op": "fwd", "q": query, "k": key, "v": value, "cu_q": cum_seq_q, "cu_k": cum_seq_k, "max_q": max_q, "max_k": max_k,
+                      "stats": compute_log_sumexp, "causal": is_causal, "scale": scale, "bias": attn_bias, "dropout": dropout_p})  # fmt: skip
+        assert query.shape[1] == key.shape[1] == value.shape[1], "cuDNN's ragged path gets as many KV heads as query heads"
+        assert all(x.is_contiguous() for x in (query, key, value))
+        out, lse = docs_math(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale)
+        seed, offset = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        stats = lse.t()[..., None].to(torch.float64 if query.dtype == torch.float64 else torch.float32)  # float32 on a GPU
+        return out.to(query.dtype), stats, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, torch.empty(0)
+
+    def bwd(*, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+            is_causal, scale):  # fmt: skip
+        calls.append({"op": "bwd", "cu_q": cum_seq_q, "cu_k": cum_seq_k, "dout": grad_out, "lse": logsumexp, "seed": philox_seed})
+        leaves = [x.detach().requires_grad_() for x in (query, key, value)]
+        with torch.enable_grad():
+            o, _ = docs_math(*leaves, cum_seq_q, cum_seq_k, is_causal, scale)
+            return torch.autograd.grad(o, leaves, grad_out)
+
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("hq,hkv,dv", [(6, 2, 16), (4, 1, 8), (4, 4, 16)], ids=["gqa", "one-kv-mla", "mha"])
+def test_cudnn_calls_and_exact(monkeypatch, causal, hq, hkv, dv):
+    """The cudnn kernel with cuDNN's ops faked: int32 device boundaries, the longest document,
+    the call's scale and causality, no bias and no dropout, KV expanded to the query heads
+    (gradients summed back), MLA's narrower v padded, the statistics taken from cuDNN's
+    ``[Tq, h, 1]``, and the backward given the forward's own output, statistics and seed;
+    the result the float64 reference, forward, LSE and backward."""
+    calls = []
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: fake_cudnn(calls))
+    cu = mixed_cu(300, seed=7)
+    q, k, v = (x.requires_grad_() for x in inputs(cu[-1], hq, hkv, dv=dv, seed=5))
+    docs = documents(cu)
+    mask = DocMask(causal)
+    out, lse = KERNELS["cudnn"].attend(q, k, v, docs, docs, mask, 0.2, lse=True)
+    (f,) = calls
+    assert f["cu_q"].dtype == torch.int32 and tuple(f["cu_q"].tolist()) == cu and f["cu_k"] is f["cu_q"]
+    assert f["max_q"] == f["max_k"] == docs.max_seqlen and f["causal"] == causal and f["scale"] == 0.2
+    assert f["bias"] is None and f["dropout"] == 0.0 and f["stats"] is True
+    assert f["k"].shape[1] == hq and f["q"].shape[2] == f["v"].shape[2] == 16
+    want, want_lse = reference(q, k, v, cu, cu, mask, 0.2)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    b = calls[-1]
+    assert b["op"] == "bwd" and b["cu_q"] is f["cu_q"] and b["seed"] is not None and b["dout"].is_contiguous()
+    for a, w in zip(got, torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
+
+
+def test_cudnn_path_does_no_host_work_per_call(monkeypatch, fresh_chooser):
+    """Through the backend as a layer runs it (forward, then backward), twice after a warm-up
+    call: no device-to-host read (``item``, ``tolist``, ``cpu``, a tensor's ``int``/``float``/
+    ``bool``) and no host-to-device copy of the boundaries (``torch.tensor``) outside the kernel
+    itself, and every call hands the kernel the one cached boundaries tensor (``Documents.on``)."""
+    calls = []
+    fwd, bwd = fake_cudnn(calls)
+    inside = [0]
+
+    def quiet(op):
+        def run(**kw):
+            inside[0] += 1
+            try:
+                return op(**kw)
+            finally:
+                inside[0] -= 1
+
+        return run
+
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: (quiet(fwd), quiet(bwd)))
+    monkeypatch.setattr(packed.CudnnRagged, "why_not", lambda *a: None)
+    host = []
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            if not inside[0]:
+                host.append(name)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    cu = mixed_cu(400, seed=8)
+    docs = documents(cu)
+    backend = SDPABackend(packed="cudnn")
+    q, k, v = inputs(cu[-1], 6, 2, seed=6)
+    dout = torch.randn(1, cu[-1], 6, 16, dtype=torch.float64)
+
+    def layer():
+        out, state = backend.forward(q, k, v, causal=True, scale=0.25, kv_map=[0, 0, 0, 1, 1, 1], needs_grad=True, docs=docs)
+        return out, backend.backward(state, dout)
+
+    first = layer()  # the warm-up: builds the cached device boundaries once
+    for name in ("item", "tolist", "cpu", "__int__", "__float__", "__bool__"):
+        counted(torch.Tensor, name)
+    counted(torch, "tensor")
+    calls.clear()
+    runs = [layer() for _ in range(2)]
+    assert host == [], f"host work per call on the cudnn path: {host}"
+    for out, grads in runs:
+        torch.testing.assert_close(out, first[0], rtol=0, atol=0)
+        for a, b in zip(grads, first[1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [c["op"] for c in calls] == ["fwd", "bwd", "fwd", "bwd"]
+    assert all(c["cu_q"] is docs.on(q.device) and c["cu_k"] is docs.on(q.device) for c in calls)
+
+
+def test_cudnn_refuses_what_it_cannot(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: fake_cudnn([]))
+    cuda, bf16, kern = torch.device("cuda"), torch.bfloat16, KERNELS["cudnn"]
+    assert kern.why_not(cuda, bf16, DocMask(True), True) is None and kern.why_not(cuda, bf16, DocMask(False), True) is None
+    assert kern.why_not(cuda, bf16, DocMask(True, 4), True) == "takes no sliding window"
+    assert kern.why_not(cuda, bf16, DocMask(True, None, 5.0), True) == "takes no softcap"
+    assert kern.why_not(cuda, torch.float32, DocMask(True), True) == "needs CUDA fp16/bf16, got cuda torch.float32"
+    assert "needs CUDA fp16/bf16, got cpu" in kern.why_not(torch.device("cpu"), bf16, DocMask(True), True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert kern.why_not(cuda, bf16, DocMask(True), True) == "needs sm_80 or newer, got sm_75"
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: "torch 2.9 has no aten._cudnn_attention_forward/_cudnn_attention_backward")
+    assert kern.why_not(cuda, bf16, DocMask(True), True) == "torch 2.9 has no aten._cudnn_attention_forward/_cudnn_attention_backward"
+    # A ring step's rectangles (query and key documents differ) are refused under a causal mask.
+    q, k, v = inputs(14, 2, 2, seed=1)
+    with pytest.raises(ValueError, match=r"kernel 'cudnn' runs causal documents whose query and key boundaries are equal"):
+        kern.attend(q, k, v, documents([0, 5, 9, 14]), documents([0, 9, 12, 14]), DocMask(True), 0.3)
+    with pytest.raises(ValueError, match=r"kernel 'cudnn' takes head dims that are multiples of 8 up to 128, got 12"):
+        kern.attend(*inputs(14, 2, 2, d=12, seed=1), documents([0, 5, 14]), documents([0, 5, 14]), DocMask(False), 0.3)
+
+
+def test_cudnn_ops_schema_of_this_torch():
+    """This torch's ops have every argument the kernel passes by name (else ``why_not`` says
+    which is missing: checked by removing one)."""
+    ops = packed._cudnn_ops()
+    if isinstance(ops, str):
+        pytest.skip(ops)
+    fwd, bwd = ops
+    assert {a.name for a in fwd._schema.arguments} >= packed._CUDNN_FWD_ARGS
+    assert {a.name for a in bwd._schema.arguments} >= packed._CUDNN_BWD_ARGS
+    packed._cudnn_ops.cache_clear()
+    try:
+        real = packed._CUDNN_BWD_ARGS
+        packed._CUDNN_BWD_ARGS = real | {"softmax_stats"}
+        assert packed._cudnn_ops() == f"torch {torch.__version__}'s aten::_cudnn_attention_backward takes no softmax_stats"
+    finally:
+        packed._CUDNN_BWD_ARGS = real
+        packed._cudnn_ops.cache_clear()
+
+
 # ---- the ring's steps on one kernel call --------------------------------------------------------------
 @pytest.mark.parametrize("layout,R", [("contiguous", 2), ("zigzag", 3)])
 def test_ring_step_pieces_on_flex(layout, R):
@@ -469,7 +636,7 @@ GPU_CASES = [  # (mask, hq, hkv, dv): few, as each FlexAttention mask/score vari
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", ["flash", "varlen", "flex"])
+@pytest.mark.parametrize("kernel", ["flash", "varlen", "cudnn", "flex"])
 @pytest.mark.parametrize("mask,hq,hkv,dv", GPU_CASES, ids=["causal", "bidirectional", "window64", "softcap20", "mha-dv64"])
 def test_gpu_kernels_bf16(kernel, mask, hq, hkv, dv):
     """Forward and backward against float64; the bound per tensor is 2x the error of the
@@ -494,6 +661,45 @@ def test_gpu_kernels_bf16(kernel, mask, hq, hkv, dv):
     for name, g, lo, t in zip(("out", "dq", "dk", "dv"), got, low, truth):
         err, own = (g.double() - t).abs().max().item(), (lo.double() - t).abs().max().item()
         assert err <= 2 * own + 1e-4, f"{kernel} {name}: {err:.3e} > 2 x {own:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lengths,causal", [("mixed", True), ("short", True), ("short", False), ("long", True)],
+                         ids=["mixed-causal", "short-causal", "short-bidirectional", "long-causal"])  # fmt: skip
+def test_gpu_cudnn_bf16_lse_and_grouped(lengths, causal):
+    """cuDNN's ragged kernel as the benchmark runs it (4 query heads on one KV head, head dim
+    128, bf16): out, LSE, dq, dk, dv against float64, each within 2x the per-document loop's
+    own bf16 error plus a small floor; on documents of every length up to 128 (torch 2.14's
+    varlen_attn keeps cuDNN off those: checked here rather than assumed), a realistic mix,
+    and a few long ones."""
+    dev = torch.device("cuda")
+    why = KERNELS["cudnn"].why_not(dev, torch.bfloat16, DocMask(causal), True)
+    if why:
+        pytest.skip(f"cudnn: {why}")
+    rng = random.Random(3)
+    if lengths == "short":
+        cu = lengths_cu([rng.randint(1, 128) for _ in range(40)])
+    elif lengths == "long":
+        cu = lengths_cu([1500, 3000, 7, 2500])
+    else:
+        cu = mixed_cu(3000, seed=1)
+    docs, mask = documents(cu), DocMask(causal)
+    base = [x.to(dev) for x in inputs(cu[-1], 4, 1, d=128, seed=9, dtype=torch.float32)]
+    dout = torch.randn(1, cu[-1], 4, 128, device=dev)
+
+    def run(name, dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in base]
+        out, lse = KERNELS[name].attend(*leaves, docs, docs, mask, 0.088, lse=True)
+        return [out, lse, *torch.autograd.grad(out, leaves, dout.to(dtype))]
+
+    truth = run("loop", torch.float64)
+    low = run("loop", torch.bfloat16)
+    got = run("cudnn", torch.bfloat16)
+    assert got[1].dtype == torch.float32 and got[1].shape == (1, 4, cu[-1])
+    for name, g, lo, t in zip(("out", "lse", "dq", "dk", "dv"), got, low, truth):
+        err, own = (g.double() - t).abs().max().item(), (lo.double() - t).abs().max().item()
+        assert err <= 2 * own + 1e-4, f"cudnn {name}: {err:.3e} > 2 x {own:.3e} (cuDNN {torch.backends.cudnn.version()})"
 
 
 # ---- transformers: windows and softcap of packed documents on the kernel ------------------------------

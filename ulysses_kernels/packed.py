@@ -17,6 +17,13 @@ Kernels (``KERNELS``; ``backends.packed_kernel`` chooses one):
     varlen  torch's ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA sm_80+,
             fp16/bf16; windows where its signature has ``window_size``; grouped heads natively
             where it has ``enable_gqa``, else KV expanded on this rank's head shard; LSE)
+    cudnn   cuDNN's ragged attention, ``aten._cudnn_attention_forward``/``_backward`` with
+            ``cum_seq_q``/``cum_seq_k`` (what torch's nested-tensor SDPA runs), called directly
+            from one ``autograd.Function``: CUDA sm_80+, fp16/bf16, causal or bidirectional
+            documents (no window, no softcap; causal only where query and key documents are
+            equal: a packed sequence, not a ring step's rectangles), head dims multiples of 8
+            up to 128, KV expanded on this rank's head shard; LSE. Forced only (``packed=`` or
+            ``ULYSSES_KERNELS_PACKED=cudnn``) until a GPU record shows it exact and fastest
     flex    torch's FlexAttention with a block mask built once per (boundaries, device,
             causal, window) (``doc_block_mask``; compiled on CUDA; on the CPU eager and
             forward only, so never picked there automatically; windows, softcap, LSE)
@@ -43,7 +50,7 @@ import torch.nn.functional as F
 from .documents import Documents
 from .math_attention import math_attention_lse
 
-__all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask"]
+__all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask", "CUDNN_HEAD_DIMS"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -208,6 +215,115 @@ class TorchVarlen(PackedKernel):
             return out[..., :dv].unsqueeze(0)
         out, m = out
         return out[..., :dv].unsqueeze(0), _acc(_lse_rows(m, docs_q, q.shape[1]), q.dtype)
+
+
+# ---- cuDNN's ragged attention ---------------------------------------------------------------------
+# The argument names the calls below pass by keyword (torch 2.14's schemas; a torch whose op
+# lacks one is refused by ``why_not`` rather than called with the wrong positions: the
+# ops' positional order has moved between versions).
+_CUDNN_FWD_ARGS = frozenset({"query", "key", "value", "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "compute_log_sumexp",
+                             "dropout_p", "is_causal", "return_debug_mask", "scale"})  # fmt: skip
+_CUDNN_BWD_ARGS = frozenset({"grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+                             "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"})  # fmt: skip
+CUDNN_HEAD_DIMS = range(8, 129, 8)  # the (padded) head dims the cudnn kernel takes
+
+
+@functools.lru_cache(maxsize=1)
+def _cudnn_ops():
+    """``(forward, backward)``: torch's ``aten._cudnn_attention_forward``/``_backward``
+    overloads, or a sentence why not (absent, or a schema without an argument passed here)."""
+    try:
+        fwd = torch.ops.aten._cudnn_attention_forward.default
+        bwd = torch.ops.aten._cudnn_attention_backward.default
+    except (AttributeError, RuntimeError):
+        return f"torch {torch.__version__} has no aten._cudnn_attention_forward/_cudnn_attention_backward"
+    for op, want in ((fwd, _CUDNN_FWD_ARGS), (bwd, _CUDNN_BWD_ARGS)):
+        missing = sorted(want - {a.name for a in op._schema.arguments})
+        if missing:
+            return f"torch {torch.__version__}'s {op._schema.name} takes no {', '.join(missing)}"
+    return fwd, bwd
+
+
+def _cudnn_lse(lse: torch.Tensor, tq: int, h: int) -> torch.Tensor:
+    """cuDNN's ragged softmax statistics (``[Tq, h, 1]``, natural log) as ``[h, Tq]``."""
+    if tuple(lse.shape) == (tq, h, 1):
+        return lse[..., 0].t()
+    if tuple(lse.shape) == (h, tq):
+        return lse
+    raise RuntimeError(f"packed documents: cuDNN returned a log-sum-exp of shape {list(lse.shape)}; expected [{tq}, {h}, 1] or [{h}, {tq}]")
+
+
+class _CudnnRagged(torch.autograd.Function):
+    """``(out [Tq, h, D], lse)`` of cuDNN's ragged attention over contiguous ``[T, h, D]``
+    q, k, v (as many KV heads as query heads) and int32 device boundaries; its backward calls
+    cuDNN's with what the forward returned (the statistics, the dropout seed and offset).
+    One op call per direction and nothing on the host: the per-call cost is the launch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, stats: bool):
+        fwd, _ = _cudnn_ops()
+        res = fwd(query=q, key=k, value=v, attn_bias=None, cum_seq_q=cu_q, cum_seq_k=cu_k, max_q=max_q, max_k=max_k, compute_log_sumexp=stats,
+                  dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale)  # fmt: skip
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, scale)
+        ctx.mark_non_differentiable(lse)  # as torch's varlen_attn: the LSE is an output to read, not to differentiate
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        _, bwd = _cudnn_ops()
+        q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, causal, scale = ctx.args
+        dq, dk, dv = bwd(grad_out=dout.contiguous(), query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed, philox_offset=offset,
+                         attn_bias=None, cum_seq_q=cu_q, cum_seq_k=cu_k, max_q=max_q, max_k=max_k, dropout_p=0.0, is_causal=causal,
+                         scale=scale)  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+class CudnnRagged(PackedKernel):
+    """cuDNN's ragged attention (``aten._cudnn_attention_forward``/``_backward`` with
+    ``cum_seq_q``/``cum_seq_k``), the kernel behind dense SDPA's fastest rows on Hopper,
+    without torch's custom-op wrapper (``_CudnnRagged``)."""
+
+    name = "cudnn"
+
+    def why_not(self, device, dtype, mask, grad):
+        ops = _cudnn_ops()
+        if isinstance(ops, str):
+            return ops
+        if device.type != "cuda" or dtype not in HALF:
+            return f"needs CUDA fp16/bf16, got {device.type} {dtype}"
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this torch"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return f"needs sm_80 or newer, got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        if mask.softcap is not None:
+            return "takes no softcap"
+        if mask.window is not None:
+            return "takes no sliding window"
+        return None
+
+    def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
+        if mask.causal and docs_q.cu_seqlens != docs_k.cu_seqlens:
+            raise ValueError(
+                "packed documents: kernel 'cudnn' runs causal documents whose query and key boundaries are equal (a packed "
+                "sequence), not a ring step's rectangles (flash-attn's bottom-right causal alignment is not cuDNN's)"
+            )
+        dv = v.shape[-1]
+        q, k, v = _flash_inputs(q[0], k[0], v[0])
+        if q.shape[-1] not in CUDNN_HEAD_DIMS:
+            raise ValueError(f"packed documents: kernel 'cudnn' takes head dims that are multiples of 8 up to 128, got {q.shape[-1]}")
+        if q.shape[1] != k.shape[1]:  # this rank's KV heads expanded on its shard (autograd sums their gradients back)
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dev = q.device
+        stats = lse or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
+        out, m = _CudnnRagged.apply(q, k, v, docs_q.on(dev), docs_k.on(dev), docs_q.max_seqlen, docs_k.max_seqlen, mask.causal, float(scale), stats)
+        if not lse:
+            return out[..., :dv].unsqueeze(0)
+        return out[..., :dv].unsqueeze(0), _acc(_cudnn_lse(m, q.shape[0], q.shape[1]), q.dtype).unsqueeze(0)
 
 
 # ---- FlexAttention ---------------------------------------------------------------------------
@@ -423,4 +539,6 @@ class Loop(PackedKernel):
         return (out, torch.cat(lses, dim=2)) if lse else out
 
 
-KERNELS: dict[str, PackedKernel] = {k.name: k for k in (FlashVarlen(), TorchVarlen(), Flex(), Loop())}
+# In the chooser's report order (``backends.packed_report``); what is picked by default is
+# ``backends.PACKED_DEFAULT``.
+KERNELS: dict[str, PackedKernel] = {k.name: k for k in (FlashVarlen(), TorchVarlen(), CudnnRagged(), Flex(), Loop())}
