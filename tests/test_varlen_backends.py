@@ -406,16 +406,18 @@ def test_op_runs_packed_documents_on_the_chosen_kernel(monkeypatch, fresh_choose
 
 
 # ---- cuDNN's ragged attention, its aten ops faked: what the kernel passes, and no host work per call ------------
+def docs_math(q, k, v, cu_q, cu_k, causal, scale):
+    """``(out [Tq, h, D], lse [h, Tq])`` per document of ``[T, h, D]`` tensors, explicit math."""
+    cq, ck = tuple(cu_q.tolist()), tuple(cu_k.tolist())
+    parts = [packed._math_lse(q[None, a:b], k[None, c:d], v[None, c:d], DocMask(causal), scale)
+             for (a, b), (c, d) in zip(itertools.pairwise(cq), itertools.pairwise(ck))]  # fmt: skip
+    return torch.cat([p[0] for p in parts], dim=1)[0], torch.cat([p[1] for p in parts], dim=2)[0]
+
+
 def fake_cudnn(calls: list):
     """Stand-ins for ``aten._cudnn_attention_forward``/``_backward`` (keyword calls, torch
     2.14's argument names) that record what they got and compute the float64 reference per
     document, returning the statistics as cuDNN does (``[Tq, h, 1]``)."""
-
-    def docs_math(q, k, v, cu_q, cu_k, causal, scale):
-        cq, ck = tuple(cu_q.tolist()), tuple(cu_k.tolist())
-        parts = [packed._math_lse(q[None, a:b], k[None, c:d], v[None, c:d], DocMask(causal), scale)
-                 for (a, b), (c, d) in zip(itertools.pairwise(cq), itertools.pairwise(ck))]  # fmt: skip
-        return torch.cat([p[0] for p in parts], dim=1)[0], torch.cat([p[1] for p in parts], dim=2)[0]
 
     def fwd(*, query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal, return_debug_mask,
             scale):  # fmt: skip
@@ -548,6 +550,61 @@ def test_cudnn_refuses_what_it_cannot(monkeypatch):
         kern.attend(q, k, v, documents([0, 5, 9, 14]), documents([0, 9, 12, 14]), DocMask(True), 0.3)
     with pytest.raises(ValueError, match=r"kernel 'cudnn' takes head dims that are multiples of 8 up to 128, got 12"):
         kern.attend(*inputs(14, 2, 2, d=12, seed=1), documents([0, 5, 14]), documents([0, 5, 14]), DocMask(False), 0.3)
+
+
+@pytest.mark.parametrize("version,want", [("2.11.0+cu130", "flash"), ("2.12.1", "flash"), ("2.13.0", "cudnn"), ("2.14.1+cu130", "cudnn")])
+def test_cudnn_backward_per_torch_version(monkeypatch, version, want):
+    monkeypatch.setattr(torch, "__version__", version)
+    assert packed.cudnn_backward() == want
+
+
+def test_cudnn_forward_with_flash_backward(monkeypatch):
+    """Before torch 2.13 the backward is FA2's varlen backward, given cuDNN's output and its
+    statistics as FA2's ``[h, Tq]`` (contiguous), the boundaries, the longest documents, the
+    causality and the scale, positionally as torch's own varlen_attn calls it; the gradients
+    are the float64 reference's (FA2 faked)."""
+    calls = []
+    fwd, _ = fake_cudnn(calls)
+
+    def fake_fa(grad_out, query, key, value, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, *, scale):
+        calls.append({"op": "fa", "lse": lse, "cu_q": cu_q, "max_q": max_q, "max_k": max_k, "dropout": dropout_p, "causal": is_causal,
+                      "rng": rng, "unused": unused, "scale": scale, "out": out})  # fmt: skip
+        leaves = [x.detach().requires_grad_() for x in (query, key, value)]
+        with torch.enable_grad():
+            o, _ = docs_math(*leaves, cu_q, cu_k, is_causal, scale)
+            return torch.autograd.grad(o, leaves, grad_out)
+
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: (fwd, packed._flash_backward(fake_fa)))
+    cu = mixed_cu(200, seed=9)
+    docs = documents(cu)
+    q, k, v = (x.requires_grad_() for x in inputs(cu[-1], 4, 1, seed=8))
+    out = KERNELS["cudnn"].attend(q, k, v, docs, docs, DocMask(True), 0.3)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    f, b = calls
+    want_lse = docs_math(q[0].detach(), k[0].detach().repeat_interleave(4, 1), v[0].detach().repeat_interleave(4, 1), f["cu_q"], f["cu_k"], True, 0.3)[1]
+    assert b["op"] == "fa" and b["lse"].shape == (4, cu[-1]) and b["lse"].is_contiguous()
+    torch.testing.assert_close(b["lse"], want_lse, rtol=1e-10, atol=1e-10)
+    assert b["cu_q"] is f["cu_q"] and b["max_q"] == b["max_k"] == docs.max_seqlen and b["causal"] is True and b["scale"] == 0.3
+    assert b["dropout"] == 0.0 and b["rng"].dtype == torch.uint64 and b["out"].shape == (cu[-1], 4, 16)
+    want = reference(q, k, v, cu, cu, DocMask(True), 0.3)[0]
+    for a, w in zip(got, torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
+
+
+def test_cudnn_ops_on_flash_backward_schema(monkeypatch):
+    """Before torch 2.13 ``_cudnn_ops`` hands out FA2's backward behind cuDNN's keywords, once
+    this torch's ``_flash_attention_backward`` has the positions it is called with."""
+    monkeypatch.setattr(packed, "cudnn_backward", lambda: "flash")
+    packed._cudnn_ops.cache_clear()
+    try:
+        ops = packed._cudnn_ops()
+        if isinstance(ops, str) and "has no aten._cudnn_attention_forward" in ops:
+            pytest.skip(ops)
+        assert not isinstance(ops, str), ops
+        assert ops[1] is not torch.ops.aten._cudnn_attention_backward.default and callable(ops[1])
+    finally:
+        packed._cudnn_ops.cache_clear()
 
 
 def test_cudnn_ops_schema_of_this_torch():

@@ -22,8 +22,10 @@ Kernels (``KERNELS``; ``backends.packed_kernel`` chooses one):
             from one ``autograd.Function``: CUDA sm_80+, fp16/bf16, causal or bidirectional
             documents (no window, no softcap; causal only where query and key documents are
             equal: a packed sequence, not a ring step's rectangles), head dims multiples of 8
-            up to 128, KV expanded on this rank's head shard; LSE. Forced only (``packed=`` or
-            ``ULYSSES_KERNELS_PACKED=cudnn``) until a GPU record shows it exact and fastest
+            up to 128, KV expanded on this rank's head shard; LSE. Its backward is cuDNN's from
+            torch 2.13, FA2's varlen backward before (``CUDNN_RAGGED_BACKWARD_SINCE``). Forced
+            only (``packed=`` or ``ULYSSES_KERNELS_PACKED=cudnn``) until a GPU record shows it
+            exact and fastest
     flex    torch's FlexAttention with a block mask built once per (boundaries, device,
             causal, window) (``doc_block_mask``; compiled on CUDA; on the CPU eager and
             forward only, so never picked there automatically; windows, softcap, LSE)
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 from .documents import Documents
 from .math_attention import math_attention_lse
 
-__all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask", "CUDNN_HEAD_DIMS"]
+__all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask", "CUDNN_HEAD_DIMS", "cudnn_backward"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -87,6 +89,12 @@ class PackedKernel:
     else why not (a sentence the chooser puts in its errors and ``info`` prints)."""
 
     name = "base"
+
+    @property
+    def label(self) -> str:
+        """The name in reports (the benchmark's backend column): what runs, where that is more
+        than the name."""
+        return self.name
 
     def why_not(self, device: torch.device, dtype: torch.dtype, mask: DocMask, grad: bool) -> str | None:
         raise NotImplementedError
@@ -226,6 +234,19 @@ _CUDNN_FWD_ARGS = frozenset({"query", "key", "value", "attn_bias", "cum_seq_q", 
 _CUDNN_BWD_ARGS = frozenset({"grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
                              "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"})  # fmt: skip
 CUDNN_HEAD_DIMS = range(8, 129, 8)  # the (padded) head dims the cudnn kernel takes
+# cuDNN's ragged backward before pytorch/pytorch#186142 (merged 2026-06) sizes its dQ
+# accumulator from ``query.size(2)`` (the head dim on this path) instead of ``max_q``:
+# documents longer than the head dim run past it (cudaErrorIllegalAddress, a sticky error that
+# ends the process). Torch releases before 2.13 are taken to have it, and there the backward
+# runs on torch's FlashAttention-2 varlen backward (``aten._flash_attention_backward``) from
+# cuDNN's output and statistics instead.
+CUDNN_RAGGED_BACKWARD_SINCE = (2, 13)
+
+
+def cudnn_backward() -> str:
+    """The backward of the cudnn kernel on this torch: ``"cudnn"`` or ``"flash"`` (FA2's varlen
+    backward from cuDNN's forward: see ``CUDNN_RAGGED_BACKWARD_SINCE``)."""
+    return "cudnn" if torch.torch_version.TorchVersion(torch.__version__) >= CUDNN_RAGGED_BACKWARD_SINCE else "flash"
 
 
 @functools.lru_cache(maxsize=1)
@@ -241,7 +262,33 @@ def _cudnn_ops():
         missing = sorted(want - {a.name for a in op._schema.arguments})
         if missing:
             return f"torch {torch.__version__}'s {op._schema.name} takes no {', '.join(missing)}"
+    if cudnn_backward() == "flash":
+        try:
+            fa = torch.ops.aten._flash_attention_backward.default
+        except (AttributeError, RuntimeError):
+            return f"torch {torch.__version__} has no aten._flash_attention_backward (the cudnn kernel's backward before torch 2.13)"
+        # Called positionally up to the dropout seed and offset (their names moved between versions).
+        names = [a.name for a in fa._schema.arguments]
+        if names[8:12] != ["max_q", "max_k", "dropout_p", "is_causal"] or "scale" not in names:
+            return f"torch {torch.__version__}'s aten::_flash_attention_backward has an unexpected schema: {fa._schema}"
+        bwd = _flash_backward(fa)
     return fwd, bwd
+
+
+def _flash_backward(fa):
+    """A stand-in for cuDNN's ragged backward (its keyword arguments) that runs FA2's varlen
+    backward ``fa`` from cuDNN's output and statistics (``[Tq, h, 1]`` -> FA2's ``[h, Tq]``;
+    both the natural-log log-sum-exp of the scaled scores). No dropout: the seed and offset
+    FA2 takes are not read (torch's own varlen_attn passes zeros and an empty tensor)."""
+
+    def bwd(*, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+            dropout_p, is_causal, scale):  # fmt: skip
+        lse = _cudnn_lse(logsumexp, query.shape[0], query.shape[1]).contiguous()
+        rng = torch.zeros(2, dtype=torch.uint64, device=query.device)
+        unused = torch.empty(0, device=query.device)
+        return fa(grad_out, query, key, value, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng, unused, scale=scale)
+
+    return bwd
 
 
 def _cudnn_lse(lse: torch.Tensor, tq: int, h: int) -> torch.Tensor:
@@ -287,6 +334,10 @@ class CudnnRagged(PackedKernel):
     without torch's custom-op wrapper (``_CudnnRagged``)."""
 
     name = "cudnn"
+
+    @property
+    def label(self) -> str:
+        return "cudnn" if cudnn_backward() == "cudnn" else "cudnn-fwd+fa2-bwd"
 
     def why_not(self, device, dtype, mask, grad):
         ops = _cudnn_ops()
