@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import types
 
 import pytest
 import torch
@@ -213,7 +214,7 @@ def test_chooser_on_the_cpu(monkeypatch, fresh_chooser):
     with pytest.raises(ValueError, match=r"kernel 'varlen' cannot run torch.bfloat16 on cpu \(causal, window 4\): .*needs CUDA fp16/bf16"):
         packed_kernel(cpu, torch.bfloat16, DocMask(True, 4), prefer="varlen")
     with pytest.raises(
-        ValueError, match=r"kernel 'fast' \(ULYSSES_KERNELS_PACKED or packed=\); expected one of \['cudnn', 'flash', 'flex', 'loop', 'varlen'\]"
+        ValueError, match=r"kernel 'fast' \(ULYSSES_KERNELS_PACKED or packed=\); expected one of \['cudnn', 'fa2', 'flash', 'flex', 'loop', 'varlen'\]"
     ):
         packed_kernel(cpu, torch.float32, prefer="fast")
     monkeypatch.setenv(backends.PACKED_ENV, "flex")
@@ -607,6 +608,76 @@ def test_cudnn_ops_on_flash_backward_schema(monkeypatch):
         packed._cudnn_ops.cache_clear()
 
 
+class FakeOp:
+    """A stand-in for an aten overload: ``fn`` with the real overload's ``_schema``."""
+
+    def __init__(self, fn, schema):
+        self.fn, self._schema = fn, schema
+
+    def __call__(self, *a, **kw):
+        return self.fn(*a, **kw)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_fa2_calls_and_exact(monkeypatch, causal):
+    """The fa2 kernel with torch's FlashAttention-2 varlen ops faked (their real schemas): the
+    forward positionally as torch's varlen_attn calls it (boundaries, longest documents, no
+    dropout, causality, no debug mask, the scale), its LSE ``[h, Tq]`` taken as it is, the
+    backward given the forward's output and LSE; exact against float64, on a ring step's
+    rectangles too (FA2 aligns causal masks bottom-right, as the reference)."""
+    calls = []
+
+    def fa_fwd(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale):
+        calls.append({"op": "fwd", "cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k, "dropout": dropout_p, "causal": is_causal,
+                      "debug": return_debug_mask, "scale": scale, "k": key.shape})  # fmt: skip
+        out, lse = docs_math(query, key, value, cu_q, cu_k, is_causal, scale)
+        return out.to(query.dtype), lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
+
+    def fa_bwd(grad_out, query, key, value, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, *, scale):
+        calls.append({"op": "bwd", "lse": lse, "cu_q": cu_q, "max_q": max_q, "causal": is_causal, "scale": scale})
+        leaves = [x.detach().requires_grad_() for x in (query, key, value)]
+        with torch.enable_grad():
+            o, _ = docs_math(*leaves, cu_q, cu_k, is_causal, scale)
+            return torch.autograd.grad(o, leaves, grad_out)
+
+    aten = torch.ops.aten
+    monkeypatch.setattr(aten, "_flash_attention_forward", types.SimpleNamespace(default=FakeOp(fa_fwd, aten._flash_attention_forward.default._schema)))
+    monkeypatch.setattr(aten, "_flash_attention_backward", types.SimpleNamespace(default=FakeOp(fa_bwd, aten._flash_attention_backward.default._schema)))
+    packed._fa2_ops.cache_clear()
+    try:
+        cu_q, cu_k = lengths_cu((5, 9, 1, 30)), lengths_cu((9, 5, 1, 33))
+        dq_, dk_ = documents(cu_q), documents(cu_k)
+        q, k, v = (x.requires_grad_() for x in inputs(cu_q[-1], 6, 2, dv=8, seed=12, tk=cu_k[-1]))
+        mask = DocMask(causal)
+        out, lse = KERNELS["fa2"].attend(q, k, v, dq_, dk_, mask, 0.2, lse=True)
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        packed._fa2_ops.cache_clear()
+    f, b = calls
+    assert tuple(f["cu_q"].tolist()) == cu_q and tuple(f["cu_k"].tolist()) == cu_k and f["cu_q"].dtype == torch.int32
+    assert (f["max_q"], f["max_k"]) == (30, 33) and f["dropout"] == 0.0 and f["causal"] == causal and f["debug"] is False and f["scale"] == 0.2
+    assert f["k"][1] == 6 and b["lse"].shape == (6, cu_q[-1]) and b["cu_q"] is f["cu_q"] and b["scale"] == 0.2 and b["causal"] == causal
+    want, want_lse = reference(q, k, v, cu_q, cu_k, mask, 0.2)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    for a, w in zip(got, torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
+
+
+def test_fa2_refuses_what_it_cannot(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda, bf16, kern = torch.device("cuda"), torch.bfloat16, KERNELS["fa2"]
+    if isinstance(packed._fa2_ops(), str):
+        pytest.skip(packed._fa2_ops())
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)  # FA2 does not need cuDNN
+    assert kern.why_not(cuda, bf16, DocMask(True), True) is None
+    assert kern.why_not(cuda, bf16, DocMask(True, 4), True) == "takes no sliding window"
+    assert kern.why_not(cuda, bf16, DocMask(True, None, 5.0), True) == "takes no softcap"
+    assert "needs CUDA fp16/bf16, got cpu" in kern.why_not(torch.device("cpu"), bf16, DocMask(True), True)
+    assert KERNELS["cudnn"].why_not(cuda, bf16, DocMask(True), True) in ("cuDNN is not available in this torch", packed._cudnn_ops())
+
+
 def test_cudnn_ops_schema_of_this_torch():
     """This torch's ops have every argument the kernel passes by name (else ``why_not`` says
     which is missing: checked by removing one)."""
@@ -693,7 +764,7 @@ GPU_CASES = [  # (mask, hq, hkv, dv): few, as each FlexAttention mask/score vari
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", ["flash", "varlen", "cudnn", "flex"])
+@pytest.mark.parametrize("kernel", ["flash", "varlen", "cudnn", "fa2", "flex"])
 @pytest.mark.parametrize("mask,hq,hkv,dv", GPU_CASES, ids=["causal", "bidirectional", "window64", "softcap20", "mha-dv64"])
 def test_gpu_kernels_bf16(kernel, mask, hq, hkv, dv):
     """Forward and backward against float64; the bound per tensor is 2x the error of the
@@ -722,18 +793,21 @@ def test_gpu_kernels_bf16(kernel, mask, hq, hkv, dv):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["cudnn", "fa2"])
 @pytest.mark.parametrize("lengths,causal", [("mixed", True), ("short", True), ("short", False), ("long", True)],
                          ids=["mixed-causal", "short-causal", "short-bidirectional", "long-causal"])  # fmt: skip
-def test_gpu_cudnn_bf16_lse_and_grouped(lengths, causal):
-    """cuDNN's ragged kernel as the benchmark runs it (4 query heads on one KV head, head dim
-    128, bf16): out, LSE, dq, dk, dv against float64, each within 2x the per-document loop's
-    own bf16 error plus a small floor; on documents of every length up to 128 (torch 2.14's
-    varlen_attn keeps cuDNN off those: checked here rather than assumed), a realistic mix,
-    and a few long ones."""
+def test_gpu_ragged_bf16_lse_and_grouped(kernel, lengths, causal):
+    """The direct ragged kernels (cuDNN's; FA2's without varlen_attn's wrapper) as the
+    benchmark runs them (4 query heads on one KV head, head dim 128, bf16): out, LSE, dq, dk,
+    dv against float64, each within 2x the per-document loop's own bf16 error plus a small
+    floor; on documents of every length up to 128 (torch 2.14's varlen_attn keeps cuDNN off
+    those: checked here rather than assumed), a realistic mix, and a few long ones (longer
+    than the head dim: what cuDNN's ragged backward before torch 2.13 mis-sizes, see
+    ``packed.CUDNN_RAGGED_BACKWARD_SINCE``)."""
     dev = torch.device("cuda")
-    why = KERNELS["cudnn"].why_not(dev, torch.bfloat16, DocMask(causal), True)
+    why = KERNELS[kernel].why_not(dev, torch.bfloat16, DocMask(causal), True)
     if why:
-        pytest.skip(f"cudnn: {why}")
+        pytest.skip(f"{kernel}: {why}")
     rng = random.Random(3)
     if lengths == "short":
         cu = lengths_cu([rng.randint(1, 128) for _ in range(40)])
@@ -752,11 +826,11 @@ def test_gpu_cudnn_bf16_lse_and_grouped(lengths, causal):
 
     truth = run("loop", torch.float64)
     low = run("loop", torch.bfloat16)
-    got = run("cudnn", torch.bfloat16)
+    got = run(kernel, torch.bfloat16)
     assert got[1].dtype == torch.float32 and got[1].shape == (1, 4, cu[-1])
     for name, g, lo, t in zip(("out", "lse", "dq", "dk", "dv"), got, low, truth):
         err, own = (g.double() - t).abs().max().item(), (lo.double() - t).abs().max().item()
-        assert err <= 2 * own + 1e-4, f"cudnn {name}: {err:.3e} > 2 x {own:.3e} (cuDNN {torch.backends.cudnn.version()})"
+        assert err <= 2 * own + 1e-4, f"{KERNELS[kernel].label} {name}: {err:.3e} > 2 x {own:.3e} (cuDNN {torch.backends.cudnn.version()})"
 
 
 # ---- transformers: windows and softcap of packed documents on the kernel ------------------------------

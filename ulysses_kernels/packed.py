@@ -26,6 +26,9 @@ Kernels (``KERNELS``; ``backends.packed_kernel`` chooses one):
             torch 2.13, FA2's varlen backward before (``CUDNN_RAGGED_BACKWARD_SINCE``). Forced
             only (``packed=`` or ``ULYSSES_KERNELS_PACKED=cudnn``) until a GPU record shows it
             exact and fastest
+    fa2     torch's FlashAttention-2 varlen ops (``aten._flash_attention_forward``/``_backward``)
+            called directly: ``varlen``'s kernel without its custom-op wrapper (no window, no
+            softcap); forced only, as cudnn
     flex    torch's FlexAttention with a block mask built once per (boundaries, device,
             causal, window) (``doc_block_mask``; compiled on CUDA; on the CPU eager and
             forward only, so never picked there automatically; windows, softcap, LSE)
@@ -267,10 +270,9 @@ def _cudnn_ops():
             fa = torch.ops.aten._flash_attention_backward.default
         except (AttributeError, RuntimeError):
             return f"torch {torch.__version__} has no aten._flash_attention_backward (the cudnn kernel's backward before torch 2.13)"
-        # Called positionally up to the dropout seed and offset (their names moved between versions).
-        names = [a.name for a in fa._schema.arguments]
-        if names[8:12] != ["max_q", "max_k", "dropout_p", "is_causal"] or "scale" not in names:
-            return f"torch {torch.__version__}'s aten::_flash_attention_backward has an unexpected schema: {fa._schema}"
+        why = _flash_backward_schema(fa)  # called positionally: the seed's and offset's names moved between versions
+        if why:
+            return why
         bwd = _flash_backward(fa)
     return fwd, bwd
 
@@ -292,60 +294,103 @@ def _flash_backward(fa):
 
 
 def _cudnn_lse(lse: torch.Tensor, tq: int, h: int) -> torch.Tensor:
-    """cuDNN's ragged softmax statistics (``[Tq, h, 1]``, natural log) as ``[h, Tq]``."""
+    """A ragged op's softmax statistics as ``[h, Tq]``: cuDNN's ``[Tq, h, 1]``, or FA2's ``[h, Tq]`` as they are."""
     if tuple(lse.shape) == (tq, h, 1):
         return lse[..., 0].t()
     if tuple(lse.shape) == (h, tq):
         return lse
-    raise RuntimeError(f"packed documents: cuDNN returned a log-sum-exp of shape {list(lse.shape)}; expected [{tq}, {h}, 1] or [{h}, {tq}]")
+    raise RuntimeError(f"packed documents: the ragged op returned a log-sum-exp of shape {list(lse.shape)}; expected [{tq}, {h}, 1] or [{h}, {tq}]")
 
 
-class _CudnnRagged(torch.autograd.Function):
-    """``(out [Tq, h, D], lse)`` of cuDNN's ragged attention over contiguous ``[T, h, D]``
-    q, k, v (as many KV heads as query heads) and int32 device boundaries; its backward calls
-    cuDNN's with what the forward returned (the statistics, the dropout seed and offset).
-    One op call per direction and nothing on the host: the per-call cost is the launch."""
+@functools.lru_cache(maxsize=1)
+def _fa2_ops():
+    """``(forward, backward)``: torch's FlashAttention-2 varlen ops (``aten._flash_attention_forward``/
+    ``_backward``, what ``varlen_attn`` runs on a torch without cuDNN's varlen path) behind
+    cuDNN's keyword interface (``_cudnn_ops``), or a sentence why not. Called positionally (the
+    names of their later arguments moved between versions), after checking those positions."""
+    try:
+        fwd = torch.ops.aten._flash_attention_forward.default
+        bwd = torch.ops.aten._flash_attention_backward.default
+    except (AttributeError, RuntimeError):
+        return f"torch {torch.__version__} has no aten._flash_attention_forward/_flash_attention_backward"
+    names = [a.name for a in fwd._schema.arguments]
+    if names[:10] != ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "return_debug_mask"] or (
+        "scale" not in names
+    ):
+        return f"torch {torch.__version__}'s aten::_flash_attention_forward has an unexpected schema: {fwd._schema}"
+    why = _flash_backward_schema(bwd)
+    if why:
+        return why
+
+    def forward(*, query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal,
+                return_debug_mask, scale):  # fmt: skip
+        out, lse, rng, unused, _ = fwd(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, False, scale=scale)
+        return out, lse, None, None, max_q, max_k, rng, unused, None
+
+    return forward, _flash_backward(bwd)
+
+
+def _flash_backward_schema(fa) -> str | None:
+    names = [a.name for a in fa._schema.arguments]
+    if names[:12] != ["grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+                      "is_causal"] or "scale" not in names:  # fmt: skip
+        return f"torch {torch.__version__}'s aten::_flash_attention_backward has an unexpected schema: {fa._schema}"
+    return None
+
+
+class _Ragged(torch.autograd.Function):
+    """``(out [Tq, h, D], lse)`` of one ragged attention op pair (``ops()``: ``_cudnn_ops`` or
+    ``_fa2_ops``, cuDNN's keywords) over contiguous ``[T, h, D]`` q, k, v (as many KV heads as
+    query heads) and int32 device boundaries; the backward gets what the forward returned (the
+    statistics, the dropout seed and offset). One op call per direction and nothing on the
+    host (no custom-op wrapper, no sync): the per-call cost is the launches."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, stats: bool):
-        fwd, _ = _cudnn_ops()
+    def forward(ctx, ops, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, stats: bool):
+        fwd, _ = ops()
         res = fwd(query=q, key=k, value=v, attn_bias=None, cum_seq_q=cu_q, cum_seq_k=cu_k, max_q=max_q, max_k=max_k, compute_log_sumexp=stats,
                   dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale)  # fmt: skip
         out, lse, seed, offset = res[0], res[1], res[6], res[7]
         ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, scale)
+        ctx.ops, ctx.args = ops, (max_q, max_k, causal, scale)
         ctx.mark_non_differentiable(lse)  # as torch's varlen_attn: the LSE is an output to read, not to differentiate
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        _, bwd = _cudnn_ops()
+        _, bwd = ctx.ops()
         q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, causal, scale = ctx.args
         dq, dk, dv = bwd(grad_out=dout.contiguous(), query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed, philox_offset=offset,
                          attn_bias=None, cum_seq_q=cu_q, cum_seq_k=cu_k, max_q=max_q, max_k=max_k, dropout_p=0.0, is_causal=causal,
                          scale=scale)  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return None, dq, dk, dv, None, None, None, None, None, None, None
 
 
 class CudnnRagged(PackedKernel):
     """cuDNN's ragged attention (``aten._cudnn_attention_forward``/``_backward`` with
     ``cum_seq_q``/``cum_seq_k``), the kernel behind dense SDPA's fastest rows on Hopper,
-    without torch's custom-op wrapper (``_CudnnRagged``)."""
+    without torch's custom-op wrapper (``_Ragged``)."""
 
     name = "cudnn"
+    head_dims = CUDNN_HEAD_DIMS
+    needs_cudnn = True
+
+    @staticmethod
+    def ops():
+        return _cudnn_ops()
 
     @property
     def label(self) -> str:
         return "cudnn" if cudnn_backward() == "cudnn" else "cudnn-fwd+fa2-bwd"
 
     def why_not(self, device, dtype, mask, grad):
-        ops = _cudnn_ops()
+        ops = self.ops()
         if isinstance(ops, str):
             return ops
         if device.type != "cuda" or dtype not in HALF:
             return f"needs CUDA fp16/bf16, got {device.type} {dtype}"
-        if not torch.backends.cudnn.is_available():
+        if self.needs_cudnn and not torch.backends.cudnn.is_available():
             return "cuDNN is not available in this torch"
         if torch.cuda.get_device_capability(device) < (8, 0):
             return f"needs sm_80 or newer, got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
@@ -355,26 +400,52 @@ class CudnnRagged(PackedKernel):
             return "takes no sliding window"
         return None
 
-    def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
+    def check_documents(self, docs_q: Documents, docs_k: Documents, mask: DocMask):
         if mask.causal and docs_q.cu_seqlens != docs_k.cu_seqlens:
             raise ValueError(
                 "packed documents: kernel 'cudnn' runs causal documents whose query and key boundaries are equal (a packed "
                 "sequence), not a ring step's rectangles (flash-attn's bottom-right causal alignment is not cuDNN's)"
             )
+
+    def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
+        self.check_documents(docs_q, docs_k, mask)
         dv = v.shape[-1]
         q, k, v = _flash_inputs(q[0], k[0], v[0])
-        if q.shape[-1] not in CUDNN_HEAD_DIMS:
-            raise ValueError(f"packed documents: kernel 'cudnn' takes head dims that are multiples of 8 up to 128, got {q.shape[-1]}")
+        if q.shape[-1] not in self.head_dims:
+            raise ValueError(f"packed documents: kernel {self.name!r} takes head dims that are multiples of 8 up to {self.head_dims[-1]}, got {q.shape[-1]}")
         if q.shape[1] != k.shape[1]:  # this rank's KV heads expanded on its shard (autograd sums their gradients back)
             g = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dev = q.device
         stats = lse or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
-        out, m = _CudnnRagged.apply(q, k, v, docs_q.on(dev), docs_k.on(dev), docs_q.max_seqlen, docs_k.max_seqlen, mask.causal, float(scale), stats)
+        cu_q, cu_k = docs_q.on(dev), docs_k.on(dev)
+        out, m = _Ragged.apply(type(self).ops, q, k, v, cu_q, cu_k, docs_q.max_seqlen, docs_k.max_seqlen, mask.causal, float(scale), stats)
         if not lse:
             return out[..., :dv].unsqueeze(0)
         return out[..., :dv].unsqueeze(0), _acc(_cudnn_lse(m, q.shape[0], q.shape[1]), q.dtype).unsqueeze(0)
+
+
+class Fa2Ragged(CudnnRagged):
+    """torch's FlashAttention-2 varlen ops called directly (``_fa2_ops``): the kernel of the
+    ``varlen`` row on torch 2.11 without ``varlen_attn``'s custom-op wrapper, so that the two
+    rows side by side measure that wrapper's per-call cost. Bottom-right causal (ring
+    rectangles too); no window (the ``varlen`` kernel has them), no softcap."""
+
+    name = "fa2"
+    head_dims = range(8, 257, 8)
+    needs_cudnn = False
+
+    @staticmethod
+    def ops():
+        return _fa2_ops()
+
+    @property
+    def label(self) -> str:
+        return "fa2"
+
+    def check_documents(self, docs_q, docs_k, mask):
+        return None
 
 
 # ---- FlexAttention ---------------------------------------------------------------------------
@@ -592,4 +663,4 @@ class Loop(PackedKernel):
 
 # In the chooser's report order (``backends.packed_report``); what is picked by default is
 # ``backends.PACKED_DEFAULT``.
-KERNELS: dict[str, PackedKernel] = {k.name: k for k in (FlashVarlen(), TorchVarlen(), CudnnRagged(), Flex(), Loop())}
+KERNELS: dict[str, PackedKernel] = {k.name: k for k in (FlashVarlen(), TorchVarlen(), CudnnRagged(), Fa2Ragged(), Flex(), Loop())}
