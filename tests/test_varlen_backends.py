@@ -678,6 +678,19 @@ def test_fa2_refuses_what_it_cannot(monkeypatch):
     assert KERNELS["cudnn"].why_not(cuda, bf16, DocMask(True), True) in ("cuDNN is not available in this torch", packed._cudnn_ops())
 
 
+def test_expand_heads_is_repeat_interleave():
+    """The KV expansion the varlen, cudnn and fa2 kernels run on a rank's shard: each KV head
+    repeated in place, and its gradient each copy's sum."""
+    x = torch.randn(7, 3, 5, dtype=torch.float64, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    g = torch.randn(7, 12, 5, dtype=torch.float64)
+    a, b = packed._expand_heads(x, 4), y.repeat_interleave(4, dim=1)
+    assert torch.equal(a, b)
+    a.backward(g)
+    b.backward(g)
+    torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-12)
+
+
 def test_cudnn_ops_schema_of_this_torch():
     """This torch's ops have every argument the kernel passes by name (else ``why_not`` says
     which is missing: checked by removing one)."""

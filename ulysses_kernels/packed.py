@@ -119,6 +119,15 @@ def _flash_inputs(q, k, v):
     return out
 
 
+def _expand_heads(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``[T, h, D]`` -> ``[T, h * g, D]``, head ``j`` repeated ``g`` times in place (what
+    ``repeat_interleave(g, dim=1)`` gives): one copy forward and one sum backward, where
+    ``repeat_interleave`` builds an index on the device and scatters its gradient back
+    with atomics (several launches per call)."""
+    t, h, d = x.shape
+    return x.unsqueeze(2).expand(t, h, g, d).reshape(t, h * g, d)
+
+
 def _acc(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The log-sum-exp in the accumulation dtype of inputs of ``dtype`` (``ring.merge.acc_dtype``)."""
     return lse.to(torch.float64 if dtype == torch.float64 else torch.float32)
@@ -217,7 +226,7 @@ class TorchVarlen(PackedKernel):
                 kw["enable_gqa"] = True
             else:  # expand this rank's KV heads (its shard only, never the wire's)
                 g = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+                k, v = _expand_heads(k, g), _expand_heads(v, g)
         if lse:
             kw["return_aux"] = aux(lse=True)
         dev = q.device
@@ -415,7 +424,7 @@ class CudnnRagged(PackedKernel):
             raise ValueError(f"packed documents: kernel {self.name!r} takes head dims that are multiples of 8 up to {self.head_dims[-1]}, got {q.shape[-1]}")
         if q.shape[1] != k.shape[1]:  # this rank's KV heads expanded on its shard (autograd sums their gradients back)
             g = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            k, v = _expand_heads(k, g), _expand_heads(v, g)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dev = q.device
         stats = lse or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
