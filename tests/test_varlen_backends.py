@@ -678,6 +678,32 @@ def test_fa2_refuses_what_it_cannot(monkeypatch):
     assert KERNELS["cudnn"].why_not(cuda, bf16, DocMask(True), True) in ("cuDNN is not available in this torch", packed._cudnn_ops())
 
 
+@pytest.mark.parametrize("name", ["cudnn", "fa2"])
+def test_ragged_ops_take_the_calls_arguments(name):
+    """This torch's real ops take the calls ``_Ragged`` makes, argument by argument: FA2's run
+    on meta tensors (their shapes: out as q, LSE ``[h, Tq]``, gradients as q, k, v); cuDNN's
+    have no meta kernel, so their CPU call must fail at dispatch (no CPU kernel), not at binding."""
+    ops = packed._cudnn_ops() if name == "cudnn" else packed._fa2_ops()
+    if isinstance(ops, str):
+        pytest.skip(ops)
+    fwd, bwd = ops
+    dev = "meta" if name == "fa2" else "cpu"
+    q = torch.empty(300, 4, 128, device=dev, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device=dev)
+    kw = {"cum_seq_q": cu, "cum_seq_k": cu, "max_q": 200, "max_k": 200, "dropout_p": 0.0, "is_causal": True, "scale": 0.1}
+    if name == "cudnn":
+        with pytest.raises(NotImplementedError, match="Could not run 'aten::_cudnn_attention_forward' with arguments from the 'CPU' backend"):
+            fwd(query=q, key=q, value=q, attn_bias=None, compute_log_sumexp=True, return_debug_mask=False, **kw)
+        op = "_cudnn_attention_backward" if packed.cudnn_backward() == "cudnn" else "_flash_attention_backward"  # before torch 2.13: FA2's
+        with pytest.raises(NotImplementedError, match=f"Could not run 'aten::{op}' with arguments from the 'CPU' backend"):
+            bwd(grad_out=q, query=q, key=q, value=q, out=q, logsumexp=torch.empty(300, 4, 1), philox_seed=cu, philox_offset=cu, attn_bias=None, **kw)
+        return
+    res = fwd(query=q, key=q, value=q, attn_bias=None, compute_log_sumexp=True, return_debug_mask=False, **kw)
+    assert res[0].shape == q.shape and res[1].shape == (4, 300)
+    grads = bwd(grad_out=q, query=q, key=q, value=q, out=res[0], logsumexp=res[1], philox_seed=res[6], philox_offset=res[7], attn_bias=None, **kw)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3
+
+
 def test_expand_heads_is_repeat_interleave():
     """The KV expansion the varlen, cudnn and fa2 kernels run on a rank's shard: each KV head
     repeated in place, and its gradient each copy's sum."""
