@@ -723,7 +723,8 @@ def test_cudnn_ops_schema_of_this_torch():
     ops = packed._cudnn_ops()
     if isinstance(ops, str):
         pytest.skip(ops)
-    fwd, bwd = ops
+    fwd, bwd = torch.ops.aten._cudnn_attention_forward.default, torch.ops.aten._cudnn_attention_backward.default
+    assert ops[0] is fwd and (ops[1] is bwd) == (packed.cudnn_backward() == "cudnn")
     assert {a.name for a in fwd._schema.arguments} >= packed._CUDNN_FWD_ARGS
     assert {a.name for a in bwd._schema.arguments} >= packed._CUDNN_BWD_ARGS
     packed._cudnn_ops.cache_clear()
