@@ -427,9 +427,10 @@ class CudnnRagged(PackedKernel):
             k, v = _expand_heads(k, g), _expand_heads(v, g)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dev = q.device
-        stats = lse or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
         cu_q, cu_k = docs_q.on(dev), docs_k.on(dev)
-        out, m = _Ragged.apply(type(self).ops, q, k, v, cu_q, cu_k, docs_q.max_seqlen, docs_k.max_seqlen, mask.causal, float(scale), stats)
+        # The statistics always ([Tq, h] floats): a forward without them returns an undefined
+        # tensor where the Function saves and marks one, and no-grad calls are not where time goes.
+        out, m = _Ragged.apply(type(self).ops, q, k, v, cu_q, cu_k, docs_q.max_seqlen, docs_k.max_seqlen, mask.causal, float(scale), True)
         if not lse:
             return out[..., :dv].unsqueeze(0)
         return out[..., :dv].unsqueeze(0), _acc(_cudnn_lse(m, q.shape[0], q.shape[1]), q.dtype).unsqueeze(0)
