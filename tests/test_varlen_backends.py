@@ -473,27 +473,35 @@ def test_cudnn_calls_and_exact(monkeypatch, causal, hq, hkv, dv):
         torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
 
 
-def test_cudnn_path_does_no_host_work_per_call(monkeypatch, fresh_chooser):
+@pytest.mark.parametrize("kernel", ["cudnn", "varlen"])
+def test_packed_path_does_no_host_work_per_call(monkeypatch, fresh_chooser, kernel):
     """Through the backend as a layer runs it (forward, then backward), twice after a warm-up
-    call: no device-to-host read (``item``, ``tolist``, ``cpu``, a tensor's ``int``/``float``/
-    ``bool``) and no host-to-device copy of the boundaries (``torch.tensor``) outside the kernel
-    itself, and every call hands the kernel the one cached boundaries tensor (``Documents.on``)."""
+    call, on the cudnn kernel (cuDNN's ops faked) and on the varlen kernel (torch 2.11's
+    ``varlen_attn`` faked): no device-to-host read (``item``, ``tolist``, ``cpu``, a tensor's
+    ``int``/``float``/``bool``) and no host-to-device copy of the boundaries (``torch.tensor``)
+    outside the kernel itself, and every call hands the kernel the one cached boundaries tensor
+    (``Documents.on``)."""
     calls = []
-    fwd, bwd = fake_cudnn(calls)
     inside = [0]
 
     def quiet(op):
-        def run(**kw):
+        def run(*a, **kw):
             inside[0] += 1
             try:
-                return op(**kw)
+                return op(*a, **kw)
             finally:
                 inside[0] -= 1
 
         return run
 
-    monkeypatch.setattr(packed, "_cudnn_ops", lambda: (quiet(fwd), quiet(bwd)))
-    monkeypatch.setattr(packed.CudnnRagged, "why_not", lambda *a: None)
+    if kernel == "cudnn":
+        fwd, bwd = fake_cudnn(calls)
+        monkeypatch.setattr(packed, "_cudnn_ops", lambda: (quiet(fwd), quiet(bwd)))
+        monkeypatch.setattr(packed.CudnnRagged, "why_not", lambda *a: None)
+    else:
+        fn, aux, params = fake_varlen("2.11", calls)
+        monkeypatch.setattr(packed, "_varlen_api", lambda: (quiet(fn), aux, params))
+        monkeypatch.setattr(packed.TorchVarlen, "why_not", lambda *a: None)
     host = []
 
     def counted(owner, name):
@@ -508,7 +516,7 @@ def test_cudnn_path_does_no_host_work_per_call(monkeypatch, fresh_chooser):
 
     cu = mixed_cu(400, seed=8)
     docs = documents(cu)
-    backend = SDPABackend(packed="cudnn")
+    backend = SDPABackend(packed=kernel)
     q, k, v = inputs(cu[-1], 6, 2, seed=6)
     dout = torch.randn(1, cu[-1], 6, 16, dtype=torch.float64)
 
@@ -522,12 +530,12 @@ def test_cudnn_path_does_no_host_work_per_call(monkeypatch, fresh_chooser):
     counted(torch, "tensor")
     calls.clear()
     runs = [layer() for _ in range(2)]
-    assert host == [], f"host work per call on the cudnn path: {host}"
+    assert host == [], f"host work per call on the {kernel} path: {host}"
     for out, grads in runs:
         torch.testing.assert_close(out, first[0], rtol=0, atol=0)
         for a, b in zip(grads, first[1]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert [c["op"] for c in calls] == ["fwd", "bwd", "fwd", "bwd"]
+    assert [c.get("op", "fwd") for c in calls] == (["fwd", "bwd", "fwd", "bwd"] if kernel == "cudnn" else ["fwd", "fwd"])
     assert all(c["cu_q"] is docs.on(q.device) and c["cu_k"] is docs.on(q.device) for c in calls)
 
 
