@@ -5,9 +5,10 @@ against the dense mask; FlexAttention itself (torch runs it eagerly there, forwa
 its backward is a GPU test) and the per-document loop (forward and backward) in float64
 against an explicit per-document reference, causal and not, grouped heads, windows, softcap,
 odd lengths, many documents, a document of one token; the ring steps on FlexAttention; the
-chooser's picks and refusals; and the GPU-only varlen kernel's calls, with torch's
+chooser's picks and refusals; the GPU-only varlen kernel's calls, with torch's
 ``varlen_attn`` replaced by a fake that records its arguments (per torch version's signature)
-and computes the reference, through the op on thread ranks. On a GPU: every kernel that
+and computes the reference, through the op on thread ranks; the GPU-only cudnn kernel's
+calls with cuDNN's ops faked the same way, and no host work per call on its path. On a GPU: every kernel that
 runs there in bf16 within 2x PyTorch's own error against float64, forward and backward.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import types
 
 import pytest
 import torch
@@ -211,7 +213,9 @@ def test_chooser_on_the_cpu(monkeypatch, fresh_chooser):
         packed_kernel(cpu, torch.float32, prefer="flex")
     with pytest.raises(ValueError, match=r"kernel 'varlen' cannot run torch.bfloat16 on cpu \(causal, window 4\): .*needs CUDA fp16/bf16"):
         packed_kernel(cpu, torch.bfloat16, DocMask(True, 4), prefer="varlen")
-    with pytest.raises(ValueError, match=r"kernel 'fast' \(ULYSSES_KERNELS_PACKED or packed=\); expected one of \['flash', 'flex', 'loop', 'varlen'\]"):
+    with pytest.raises(
+        ValueError, match=r"kernel 'fast' \(ULYSSES_KERNELS_PACKED or packed=\); expected one of \['cudnn', 'fa2', 'flash', 'flex', 'loop', 'varlen'\]"
+    ):
         packed_kernel(cpu, torch.float32, prefer="fast")
     monkeypatch.setenv(backends.PACKED_ENV, "flex")
     assert packed_kernel(cpu, torch.float32, grad=False).name == "flex"
@@ -402,6 +406,345 @@ def test_op_runs_packed_documents_on_the_chosen_kernel(monkeypatch, fresh_choose
             torch.testing.assert_close(got, f.grad[:, rows], rtol=1e-10, atol=1e-10)
 
 
+# ---- cuDNN's ragged attention, its aten ops faked: what the kernel passes, and no host work per call ------------
+def docs_math(q, k, v, cu_q, cu_k, causal, scale):
+    """``(out [Tq, h, D], lse [h, Tq])`` per document of ``[T, h, D]`` tensors, explicit math."""
+    cq, ck = tuple(cu_q.tolist()), tuple(cu_k.tolist())
+    parts = [packed._math_lse(q[None, a:b], k[None, c:d], v[None, c:d], DocMask(causal), scale)
+             for (a, b), (c, d) in zip(itertools.pairwise(cq), itertools.pairwise(ck))]  # fmt: skip
+    return torch.cat([p[0] for p in parts], dim=1)[0], torch.cat([p[1] for p in parts], dim=2)[0]
+
+
+def fake_cudnn(calls: list):
+    """Stand-ins for ``aten._cudnn_attention_forward``/``_backward`` (keyword calls, torch
+    2.14's argument names) that record what they got and compute the float64 reference per
+    document, returning the statistics as cuDNN does (``[Tq, h, 1]``)."""
+
+    def fwd(*, query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal, return_debug_mask,
+            scale):  # fmt: skip
+        calls.append({"op": "fwd", "q": query, "k": key, "v": value, "cu_q": cum_seq_q, "cu_k": cum_seq_k, "max_q": max_q, "max_k": max_k,
+                      "stats": compute_log_sumexp, "causal": is_causal, "scale": scale, "bias": attn_bias, "dropout": dropout_p})  # fmt: skip
+        assert query.shape[1] == key.shape[1] == value.shape[1], "cuDNN's ragged path gets as many KV heads as query heads"
+        assert all(x.is_contiguous() for x in (query, key, value))
+        out, lse = docs_math(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale)
+        seed, offset = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        stats = lse.t()[..., None].to(torch.float64 if query.dtype == torch.float64 else torch.float32)  # float32 on a GPU
+        return out.to(query.dtype), stats, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, torch.empty(0)
+
+    def bwd(*, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+            is_causal, scale):  # fmt: skip
+        calls.append({"op": "bwd", "cu_q": cum_seq_q, "cu_k": cum_seq_k, "dout": grad_out, "lse": logsumexp, "seed": philox_seed})
+        leaves = [x.detach().requires_grad_() for x in (query, key, value)]
+        with torch.enable_grad():
+            o, _ = docs_math(*leaves, cum_seq_q, cum_seq_k, is_causal, scale)
+            return torch.autograd.grad(o, leaves, grad_out)
+
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("hq,hkv,dv", [(6, 2, 16), (4, 1, 8), (4, 4, 16)], ids=["gqa", "one-kv-mla", "mha"])
+def test_cudnn_calls_and_exact(monkeypatch, causal, hq, hkv, dv):
+    """The cudnn kernel with cuDNN's ops faked: int32 device boundaries, the longest document,
+    the call's scale and causality, no bias and no dropout, KV expanded to the query heads
+    (gradients summed back), MLA's narrower v padded, the statistics taken from cuDNN's
+    ``[Tq, h, 1]``, and the backward given the forward's own output, statistics and seed;
+    the result the float64 reference, forward, LSE and backward."""
+    calls = []
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: fake_cudnn(calls))
+    cu = mixed_cu(300, seed=7)
+    q, k, v = (x.requires_grad_() for x in inputs(cu[-1], hq, hkv, dv=dv, seed=5))
+    docs = documents(cu)
+    mask = DocMask(causal)
+    out, lse = KERNELS["cudnn"].attend(q, k, v, docs, docs, mask, 0.2, lse=True)
+    (f,) = calls
+    assert f["cu_q"].dtype == torch.int32 and tuple(f["cu_q"].tolist()) == cu and f["cu_k"] is f["cu_q"]
+    assert f["max_q"] == f["max_k"] == docs.max_seqlen and f["causal"] == causal and f["scale"] == 0.2
+    assert f["bias"] is None and f["dropout"] == 0.0 and f["stats"] is True
+    assert f["k"].shape[1] == hq and f["q"].shape[2] == f["v"].shape[2] == 16
+    want, want_lse = reference(q, k, v, cu, cu, mask, 0.2)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    b = calls[-1]
+    assert b["op"] == "bwd" and b["cu_q"] is f["cu_q"] and b["seed"] is not None and b["dout"].is_contiguous()
+    for a, w in zip(got, torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "varlen"])
+def test_packed_path_does_no_host_work_per_call(monkeypatch, fresh_chooser, kernel):
+    """Through the backend as a layer runs it (forward, then backward), twice after a warm-up
+    call, on the cudnn kernel (cuDNN's ops faked) and on the varlen kernel (torch 2.11's
+    ``varlen_attn`` faked): no device-to-host read (``item``, ``tolist``, ``cpu``, a tensor's
+    ``int``/``float``/``bool``) and no host-to-device copy of the boundaries (``torch.tensor``)
+    outside the kernel itself, and every call hands the kernel the one cached boundaries tensor
+    (``Documents.on``)."""
+    calls = []
+    inside = [0]
+
+    def quiet(op):
+        def run(*a, **kw):
+            inside[0] += 1
+            try:
+                return op(*a, **kw)
+            finally:
+                inside[0] -= 1
+
+        return run
+
+    if kernel == "cudnn":
+        fwd, bwd = fake_cudnn(calls)
+        monkeypatch.setattr(packed, "_cudnn_ops", lambda: (quiet(fwd), quiet(bwd)))
+        monkeypatch.setattr(packed.CudnnRagged, "why_not", lambda *a: None)
+    else:
+        fn, aux, params = fake_varlen("2.11", calls)
+        monkeypatch.setattr(packed, "_varlen_api", lambda: (quiet(fn), aux, params))
+        monkeypatch.setattr(packed.TorchVarlen, "why_not", lambda *a: None)
+    host = []
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            if not inside[0]:
+                host.append(name)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    cu = mixed_cu(400, seed=8)
+    docs = documents(cu)
+    backend = SDPABackend(packed=kernel)
+    q, k, v = inputs(cu[-1], 6, 2, seed=6)
+    dout = torch.randn(1, cu[-1], 6, 16, dtype=torch.float64)
+
+    def layer():
+        out, state = backend.forward(q, k, v, causal=True, scale=0.25, kv_map=[0, 0, 0, 1, 1, 1], needs_grad=True, docs=docs)
+        return out, backend.backward(state, dout)
+
+    first = layer()  # the warm-up: builds the cached device boundaries once
+    for name in ("item", "tolist", "cpu", "__int__", "__float__", "__bool__"):
+        counted(torch.Tensor, name)
+    counted(torch, "tensor")
+    calls.clear()
+    runs = [layer() for _ in range(2)]
+    assert host == [], f"host work per call on the {kernel} path: {host}"
+    for out, grads in runs:
+        torch.testing.assert_close(out, first[0], rtol=0, atol=0)
+        for a, b in zip(grads, first[1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [c.get("op", "fwd") for c in calls] == (["fwd", "bwd", "fwd", "bwd"] if kernel == "cudnn" else ["fwd", "fwd"])
+    assert all(c["cu_q"] is docs.on(q.device) and c["cu_k"] is docs.on(q.device) for c in calls)
+
+
+def test_cudnn_refuses_what_it_cannot(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: fake_cudnn([]))
+    cuda, bf16, kern = torch.device("cuda"), torch.bfloat16, KERNELS["cudnn"]
+    assert kern.why_not(cuda, bf16, DocMask(True), True) is None and kern.why_not(cuda, bf16, DocMask(False), True) is None
+    assert kern.why_not(cuda, bf16, DocMask(True, 4), True) == "takes no sliding window"
+    assert kern.why_not(cuda, bf16, DocMask(True, None, 5.0), True) == "takes no softcap"
+    assert kern.why_not(cuda, torch.float32, DocMask(True), True) == "needs CUDA fp16/bf16, got cuda torch.float32"
+    assert "needs CUDA fp16/bf16, got cpu" in kern.why_not(torch.device("cpu"), bf16, DocMask(True), True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert kern.why_not(cuda, bf16, DocMask(True), True) == "needs sm_80 or newer, got sm_75"
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: "torch 2.9 has no aten._cudnn_attention_forward/_cudnn_attention_backward")
+    assert kern.why_not(cuda, bf16, DocMask(True), True) == "torch 2.9 has no aten._cudnn_attention_forward/_cudnn_attention_backward"
+    # A ring step's rectangles (query and key documents differ) are refused under a causal mask.
+    q, k, v = inputs(14, 2, 2, seed=1)
+    with pytest.raises(ValueError, match=r"kernel 'cudnn' runs causal documents whose query and key boundaries are equal"):
+        kern.attend(q, k, v, documents([0, 5, 9, 14]), documents([0, 9, 12, 14]), DocMask(True), 0.3)
+    with pytest.raises(ValueError, match=r"kernel 'cudnn' takes head dims that are multiples of 8 up to 128, got 12"):
+        kern.attend(*inputs(14, 2, 2, d=12, seed=1), documents([0, 5, 14]), documents([0, 5, 14]), DocMask(False), 0.3)
+
+
+@pytest.mark.parametrize("version,want", [("2.11.0+cu130", "flash"), ("2.12.1", "flash"), ("2.13.0", "cudnn"), ("2.14.1+cu130", "cudnn")])
+def test_cudnn_backward_per_torch_version(monkeypatch, version, want):
+    monkeypatch.setattr(torch, "__version__", version)
+    assert packed.cudnn_backward() == want
+
+
+def test_cudnn_forward_with_flash_backward(monkeypatch):
+    """Before torch 2.13 the backward is FA2's varlen backward, given cuDNN's output and its
+    statistics as FA2's ``[h, Tq]`` (contiguous), the boundaries, the longest documents, the
+    causality and the scale, positionally as torch's own varlen_attn calls it; the gradients
+    are the float64 reference's (FA2 faked)."""
+    calls = []
+    fwd, _ = fake_cudnn(calls)
+
+    def fake_fa(grad_out, query, key, value, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, *, scale):
+        calls.append({"op": "fa", "lse": lse, "cu_q": cu_q, "max_q": max_q, "max_k": max_k, "dropout": dropout_p, "causal": is_causal,
+                      "rng": rng, "unused": unused, "scale": scale, "out": out})  # fmt: skip
+        leaves = [x.detach().requires_grad_() for x in (query, key, value)]
+        with torch.enable_grad():
+            o, _ = docs_math(*leaves, cu_q, cu_k, is_causal, scale)
+            return torch.autograd.grad(o, leaves, grad_out)
+
+    monkeypatch.setattr(packed, "_cudnn_ops", lambda: (fwd, packed._flash_backward(fake_fa)))
+    cu = mixed_cu(200, seed=9)
+    docs = documents(cu)
+    q, k, v = (x.requires_grad_() for x in inputs(cu[-1], 4, 1, seed=8))
+    out = KERNELS["cudnn"].attend(q, k, v, docs, docs, DocMask(True), 0.3)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    f, b = calls
+    want_lse = docs_math(q[0].detach(), k[0].detach().repeat_interleave(4, 1), v[0].detach().repeat_interleave(4, 1), f["cu_q"], f["cu_k"], True, 0.3)[1]
+    assert b["op"] == "fa" and b["lse"].shape == (4, cu[-1]) and b["lse"].is_contiguous()
+    torch.testing.assert_close(b["lse"], want_lse, rtol=1e-10, atol=1e-10)
+    assert b["cu_q"] is f["cu_q"] and b["max_q"] == b["max_k"] == docs.max_seqlen and b["causal"] is True and b["scale"] == 0.3
+    assert b["dropout"] == 0.0 and b["rng"].dtype == torch.uint64 and b["out"].shape == (cu[-1], 4, 16)
+    want = reference(q, k, v, cu, cu, DocMask(True), 0.3)[0]
+    for a, w in zip(got, torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
+
+
+def test_cudnn_ops_on_flash_backward_schema(monkeypatch):
+    """Before torch 2.13 ``_cudnn_ops`` hands out FA2's backward behind cuDNN's keywords, once
+    this torch's ``_flash_attention_backward`` has the positions it is called with."""
+    monkeypatch.setattr(packed, "cudnn_backward", lambda: "flash")
+    packed._cudnn_ops.cache_clear()
+    try:
+        ops = packed._cudnn_ops()
+        if isinstance(ops, str) and "has no aten._cudnn_attention_forward" in ops:
+            pytest.skip(ops)
+        assert not isinstance(ops, str), ops
+        assert ops[1] is not torch.ops.aten._cudnn_attention_backward.default and callable(ops[1])
+    finally:
+        packed._cudnn_ops.cache_clear()
+
+
+class FakeOp:
+    """A stand-in for an aten overload: ``fn`` with the real overload's ``_schema``."""
+
+    def __init__(self, fn, schema):
+        self.fn, self._schema = fn, schema
+
+    def __call__(self, *a, **kw):
+        return self.fn(*a, **kw)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_fa2_calls_and_exact(monkeypatch, causal):
+    """The fa2 kernel with torch's FlashAttention-2 varlen ops faked (their real schemas): the
+    forward positionally as torch's varlen_attn calls it (boundaries, longest documents, no
+    dropout, causality, no debug mask, the scale), its LSE ``[h, Tq]`` taken as it is, the
+    backward given the forward's output and LSE; exact against float64, on a ring step's
+    rectangles too (FA2 aligns causal masks bottom-right, as the reference)."""
+    calls = []
+
+    def fa_fwd(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale):
+        calls.append({"op": "fwd", "cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k, "dropout": dropout_p, "causal": is_causal,
+                      "debug": return_debug_mask, "scale": scale, "k": key.shape})  # fmt: skip
+        out, lse = docs_math(query, key, value, cu_q, cu_k, is_causal, scale)
+        return out.to(query.dtype), lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
+
+    def fa_bwd(grad_out, query, key, value, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, *, scale):
+        calls.append({"op": "bwd", "lse": lse, "cu_q": cu_q, "max_q": max_q, "causal": is_causal, "scale": scale})
+        leaves = [x.detach().requires_grad_() for x in (query, key, value)]
+        with torch.enable_grad():
+            o, _ = docs_math(*leaves, cu_q, cu_k, is_causal, scale)
+            return torch.autograd.grad(o, leaves, grad_out)
+
+    aten = torch.ops.aten
+    monkeypatch.setattr(aten, "_flash_attention_forward", types.SimpleNamespace(default=FakeOp(fa_fwd, aten._flash_attention_forward.default._schema)))
+    monkeypatch.setattr(aten, "_flash_attention_backward", types.SimpleNamespace(default=FakeOp(fa_bwd, aten._flash_attention_backward.default._schema)))
+    packed._fa2_ops.cache_clear()
+    try:
+        cu_q, cu_k = lengths_cu((5, 9, 1, 30)), lengths_cu((9, 5, 1, 33))
+        dq_, dk_ = documents(cu_q), documents(cu_k)
+        q, k, v = (x.requires_grad_() for x in inputs(cu_q[-1], 6, 2, dv=8, seed=12, tk=cu_k[-1]))
+        mask = DocMask(causal)
+        out, lse = KERNELS["fa2"].attend(q, k, v, dq_, dk_, mask, 0.2, lse=True)
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        packed._fa2_ops.cache_clear()
+    f, b = calls
+    assert tuple(f["cu_q"].tolist()) == cu_q and tuple(f["cu_k"].tolist()) == cu_k and f["cu_q"].dtype == torch.int32
+    assert (f["max_q"], f["max_k"]) == (30, 33) and f["dropout"] == 0.0 and f["causal"] == causal and f["debug"] is False and f["scale"] == 0.2
+    assert f["k"][1] == 6 and b["lse"].shape == (6, cu_q[-1]) and b["cu_q"] is f["cu_q"] and b["scale"] == 0.2 and b["causal"] == causal
+    want, want_lse = reference(q, k, v, cu_q, cu_k, mask, 0.2)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    for a, w in zip(got, torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
+
+
+def test_fa2_refuses_what_it_cannot(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda, bf16, kern = torch.device("cuda"), torch.bfloat16, KERNELS["fa2"]
+    if isinstance(packed._fa2_ops(), str):
+        pytest.skip(packed._fa2_ops())
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)  # FA2 does not need cuDNN
+    assert kern.why_not(cuda, bf16, DocMask(True), True) is None
+    assert kern.why_not(cuda, bf16, DocMask(True, 4), True) == "takes no sliding window"
+    assert kern.why_not(cuda, bf16, DocMask(True, None, 5.0), True) == "takes no softcap"
+    assert "needs CUDA fp16/bf16, got cpu" in kern.why_not(torch.device("cpu"), bf16, DocMask(True), True)
+    assert KERNELS["cudnn"].why_not(cuda, bf16, DocMask(True), True) in ("cuDNN is not available in this torch", packed._cudnn_ops())
+
+
+@pytest.mark.parametrize("name", ["cudnn", "fa2"])
+def test_ragged_ops_take_the_calls_arguments(name):
+    """This torch's real ops take the calls ``_Ragged`` makes, argument by argument: FA2's run
+    on meta tensors (their shapes: out as q, LSE ``[h, Tq]``, gradients as q, k, v); cuDNN's
+    have no meta kernel, so their CPU call must fail at dispatch (no CPU kernel), not at binding."""
+    ops = packed._cudnn_ops() if name == "cudnn" else packed._fa2_ops()
+    if isinstance(ops, str):
+        pytest.skip(ops)
+    fwd, bwd = ops
+    dev = "meta" if name == "fa2" else "cpu"
+    q = torch.empty(300, 4, 128, device=dev, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device=dev)
+    kw = {"cum_seq_q": cu, "cum_seq_k": cu, "max_q": 200, "max_k": 200, "dropout_p": 0.0, "is_causal": True, "scale": 0.1}
+    if name == "cudnn":
+        with pytest.raises(NotImplementedError, match="Could not run 'aten::_cudnn_attention_forward' with arguments from the 'CPU' backend"):
+            fwd(query=q, key=q, value=q, attn_bias=None, compute_log_sumexp=True, return_debug_mask=False, **kw)
+        op = "_cudnn_attention_backward" if packed.cudnn_backward() == "cudnn" else "_flash_attention_backward"  # before torch 2.13: FA2's
+        with pytest.raises(NotImplementedError, match=f"Could not run 'aten::{op}' with arguments from the 'CPU' backend"):
+            bwd(grad_out=q, query=q, key=q, value=q, out=q, logsumexp=torch.empty(300, 4, 1), philox_seed=cu, philox_offset=cu, attn_bias=None, **kw)
+        return
+    res = fwd(query=q, key=q, value=q, attn_bias=None, compute_log_sumexp=True, return_debug_mask=False, **kw)
+    assert res[0].shape == q.shape and res[1].shape == (4, 300)
+    grads = bwd(grad_out=q, query=q, key=q, value=q, out=res[0], logsumexp=res[1], philox_seed=res[6], philox_offset=res[7], attn_bias=None, **kw)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3
+
+
+def test_expand_heads_is_repeat_interleave():
+    """The KV expansion the varlen, cudnn and fa2 kernels run on a rank's shard: each KV head
+    repeated in place, and its gradient each copy's sum."""
+    x = torch.randn(7, 3, 5, dtype=torch.float64, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    g = torch.randn(7, 12, 5, dtype=torch.float64)
+    a, b = packed._expand_heads(x, 4), y.repeat_interleave(4, dim=1)
+    assert torch.equal(a, b)
+    a.backward(g)
+    b.backward(g)
+    torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-12)
+
+
+def test_cudnn_ops_schema_of_this_torch():
+    """This torch's ops have every argument the kernel passes by name (else ``why_not`` says
+    which is missing: checked by removing one)."""
+    ops = packed._cudnn_ops()
+    if isinstance(ops, str):
+        pytest.skip(ops)
+    fwd, bwd = torch.ops.aten._cudnn_attention_forward.default, torch.ops.aten._cudnn_attention_backward.default
+    assert ops[0] is fwd and (ops[1] is bwd) == (packed.cudnn_backward() == "cudnn")
+    assert {a.name for a in fwd._schema.arguments} >= packed._CUDNN_FWD_ARGS
+    assert {a.name for a in bwd._schema.arguments} >= packed._CUDNN_BWD_ARGS
+    packed._cudnn_ops.cache_clear()
+    try:
+        real = packed._CUDNN_BWD_ARGS
+        packed._CUDNN_BWD_ARGS = real | {"softmax_stats"}
+        assert packed._cudnn_ops() == f"torch {torch.__version__}'s aten::_cudnn_attention_backward takes no softmax_stats"
+    finally:
+        packed._CUDNN_BWD_ARGS = real
+        packed._cudnn_ops.cache_clear()
+
+
 # ---- the ring's steps on one kernel call --------------------------------------------------------------
 @pytest.mark.parametrize("layout,R", [("contiguous", 2), ("zigzag", 3)])
 def test_ring_step_pieces_on_flex(layout, R):
@@ -469,7 +812,7 @@ GPU_CASES = [  # (mask, hq, hkv, dv): few, as each FlexAttention mask/score vari
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", ["flash", "varlen", "flex"])
+@pytest.mark.parametrize("kernel", ["flash", "varlen", "cudnn", "fa2", "flex"])
 @pytest.mark.parametrize("mask,hq,hkv,dv", GPU_CASES, ids=["causal", "bidirectional", "window64", "softcap20", "mha-dv64"])
 def test_gpu_kernels_bf16(kernel, mask, hq, hkv, dv):
     """Forward and backward against float64; the bound per tensor is 2x the error of the
@@ -494,6 +837,51 @@ def test_gpu_kernels_bf16(kernel, mask, hq, hkv, dv):
     for name, g, lo, t in zip(("out", "dq", "dk", "dv"), got, low, truth):
         err, own = (g.double() - t).abs().max().item(), (lo.double() - t).abs().max().item()
         assert err <= 2 * own + 1e-4, f"{kernel} {name}: {err:.3e} > 2 x {own:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["cudnn", "fa2"])
+@pytest.mark.parametrize("lengths,causal", [("mixed", True), ("short", True), ("short", False), ("long", True)],
+                         ids=["mixed-causal", "short-causal", "short-bidirectional", "long-causal"])  # fmt: skip
+def test_gpu_ragged_bf16_lse_and_grouped(kernel, lengths, causal):
+    """The direct ragged kernels (cuDNN's; FA2's without varlen_attn's wrapper) as the
+    benchmark runs them (4 query heads on one KV head, head dim 128, bf16): out, LSE, dq, dk,
+    dv against float64, each within 2x the per-document loop's own bf16 error plus a small
+    floor; on documents of every length up to 128 (torch 2.14's varlen_attn keeps cuDNN off
+    those: checked here rather than assumed), a realistic mix, and a few long ones (longer
+    than the head dim: what cuDNN's ragged backward before torch 2.13 mis-sizes, see
+    ``packed.CUDNN_RAGGED_BACKWARD_SINCE``)."""
+    dev = torch.device("cuda")
+    why = KERNELS[kernel].why_not(dev, torch.bfloat16, DocMask(causal), True)
+    if why:
+        pytest.skip(f"{kernel}: {why}")
+    rng = random.Random(3)
+    if lengths == "short":
+        cu = lengths_cu([rng.randint(1, 128) for _ in range(40)])
+    elif lengths == "long":
+        cu = lengths_cu([1500, 3000, 7, 2500])
+    else:
+        cu = mixed_cu(3000, seed=1)
+    docs, mask = documents(cu), DocMask(causal)
+    base = [x.to(dev) for x in inputs(cu[-1], 4, 1, d=128, seed=9, dtype=torch.float32)]
+    dout = torch.randn(1, cu[-1], 4, 128, device=dev)
+
+    def run(name, dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in base]
+        out, lse = KERNELS[name].attend(*leaves, docs, docs, mask, 0.088, lse=True)
+        return [out, lse, *torch.autograd.grad(out, leaves, dout.to(dtype))]
+
+    truth = run("loop", torch.float64)
+    low = run("loop", torch.bfloat16)
+    got = run(kernel, torch.bfloat16)
+    assert got[1].dtype == torch.float32 and got[1].shape == (1, 4, cu[-1])
+    with torch.no_grad():  # an inference call (no LSE asked) gives the training call's output
+        plain = KERNELS[kernel].attend(*[x.to(torch.bfloat16) for x in base], docs, docs, mask, 0.088)
+    assert torch.equal(plain, got[0])
+    for name, g, lo, t in zip(("out", "lse", "dq", "dk", "dv"), got, low, truth):
+        err, own = (g.double() - t).abs().max().item(), (lo.double() - t).abs().max().item()
+        assert err <= 2 * own + 1e-4, f"{KERNELS[kernel].label} {name}: {err:.3e} > 2 x {own:.3e} (cuDNN {torch.backends.cudnn.version()})"
 
 
 # ---- transformers: windows and softcap of packed documents on the kernel ------------------------------

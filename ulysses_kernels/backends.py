@@ -60,13 +60,18 @@ __all__ = [
     "PACKED_ENV",
 ]
 
-# Forces one packed-documents kernel (``packed.KERNELS``: flash, varlen, flex, loop) for every
-# backend that uses the chooser; unset or "auto": the chooser's order.
+# Forces one packed-documents kernel (``packed.KERNELS``: flash, varlen, cudnn, flex, loop) for
+# every backend that uses the chooser; unset or "auto": the chooser's order.
 PACKED_ENV = "ULYSSES_KERNELS_PACKED"
+
+# The chooser's order for torch's own kernels (flash-attn's varlen goes first for the flash
+# backend). A kernel enters it only once a GPU record shows it exact and fastest; cuDNN's
+# ragged kernel ("cudnn") is forced only (``packed=``, ULYSSES_KERNELS_PACKED) until then.
+PACKED_DEFAULT: tuple[str, ...] = ("varlen", "flex", "loop")
 
 
 def packed_kernel(device: torch.device, dtype: torch.dtype, mask: DocMask | None = None, *, grad: bool = True,
-                  candidates: Sequence[str] = ("varlen", "flex", "loop"), prefer: str | None = None):  # fmt: skip
+                  candidates: Sequence[str] = PACKED_DEFAULT, prefer: str | None = None):  # fmt: skip
     """The packed-documents kernel (``packed.PackedKernel``) for tensors on ``device`` of
     ``dtype`` under ``mask``: ``prefer`` (else ``ULYSSES_KERNELS_PACKED``) when given, else the
     first of ``candidates`` that runs here (flash-attn's varlen, torch's ``varlen_attn``,
@@ -101,7 +106,7 @@ def _packed_kernel(device, dtype, mask, grad, candidates, forced, compiling):
 def packed_report(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str]]:
     """``[(kernel, "picked" | "runs here" | why not)]`` for causal packed documents with a
     backward on ``device`` in ``dtype``, in the chooser's order (``info`` prints it)."""
-    pick = packed_kernel(device, dtype, candidates=tuple(KERNELS))
+    pick = packed_kernel(device, dtype, candidates=("flash", *PACKED_DEFAULT))
     rows = []
     for name, kern in KERNELS.items():
         why = kern.why_not(torch.device(device), dtype, DocMask(True), True)
@@ -155,7 +160,7 @@ class AttentionBackend:
     lse_scores_in_memory = True
     # The packed-documents kernels this backend may use, in the chooser's order, and the
     # one it is forced to (``None``: ``packed_kernel`` picks).
-    packed_candidates: tuple[str, ...] = ("varlen", "flex", "loop")
+    packed_candidates: tuple[str, ...] = PACKED_DEFAULT
     packed: str | None = None
 
     def packed_kernel(self, q: torch.Tensor, mask: DocMask | bool, grad: bool | None = None):
@@ -249,7 +254,7 @@ class FlashBackend(AttentionBackend):
     documents through ``flash_attn_varlen_func`` first (``packed.FlashVarlen``)."""
 
     name = "flash"
-    packed_candidates = ("flash", "varlen", "flex", "loop")
+    packed_candidates = ("flash", *PACKED_DEFAULT)
 
     def __init__(self, packed: str | None = None):
         self.packed = packed

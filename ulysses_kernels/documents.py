@@ -50,11 +50,12 @@ class Documents:
     def on(self, device: torch.device) -> torch.Tensor:
         """``cu_seqlens`` as an int32 tensor on ``device`` (flash-attn's varlen argument).
 
-        On a GPU kept per ``(boundaries, device)`` in a small bounded cache keyed by values:
-        every layer of a step reuses one copy (no per-layer host-to-device copy)."""
-        if device.type != "cuda" or torch.compiler.is_compiling():
+        Kept per ``(boundaries, device)`` in a small bounded cache keyed by values: every layer
+        and every call of a step reuses one copy (no per-call host-to-device copy, no host work
+        beyond hashing the boundaries). Callers read it, never write it."""
+        if torch.compiler.is_compiling():
             return torch.tensor(self.cu_seqlens, dtype=torch.int32, device=device)
-        return _device_cu_seqlens(self.cu_seqlens, device)
+        return _device_cu_seqlens(self.cu_seqlens, torch.device(device))
 
 
 @functools.lru_cache(maxsize=64)

@@ -17,6 +17,18 @@ Kernels (``KERNELS``; ``backends.packed_kernel`` chooses one):
     varlen  torch's ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA sm_80+,
             fp16/bf16; windows where its signature has ``window_size``; grouped heads natively
             where it has ``enable_gqa``, else KV expanded on this rank's head shard; LSE)
+    cudnn   cuDNN's ragged attention, ``aten._cudnn_attention_forward``/``_backward`` with
+            ``cum_seq_q``/``cum_seq_k`` (what torch's nested-tensor SDPA runs), called directly
+            from one ``autograd.Function``: CUDA sm_80+, fp16/bf16, causal or bidirectional
+            documents (no window, no softcap; causal only where query and key documents are
+            equal: a packed sequence, not a ring step's rectangles), head dims multiples of 8
+            up to 128, KV expanded on this rank's head shard; LSE. Its backward is cuDNN's from
+            torch 2.13, FA2's varlen backward before (``CUDNN_RAGGED_BACKWARD_SINCE``). Forced
+            only (``packed=`` or ``ULYSSES_KERNELS_PACKED=cudnn``) until a GPU record shows it
+            exact and fastest
+    fa2     torch's FlashAttention-2 varlen ops (``aten._flash_attention_forward``/``_backward``)
+            called directly: ``varlen``'s kernel without its custom-op wrapper (no window, no
+            softcap); forced only, as cudnn
     flex    torch's FlexAttention with a block mask built once per (boundaries, device,
             causal, window) (``doc_block_mask``; compiled on CUDA; on the CPU eager and
             forward only, so never picked there automatically; windows, softcap, LSE)
@@ -43,7 +55,7 @@ import torch.nn.functional as F
 from .documents import Documents
 from .math_attention import math_attention_lse
 
-__all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask"]
+__all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask", "CUDNN_HEAD_DIMS", "cudnn_backward"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -81,6 +93,12 @@ class PackedKernel:
 
     name = "base"
 
+    @property
+    def label(self) -> str:
+        """The name in reports (the benchmark's backend column): what runs, where that is more
+        than the name."""
+        return self.name
+
     def why_not(self, device: torch.device, dtype: torch.dtype, mask: DocMask, grad: bool) -> str | None:
         raise NotImplementedError
 
@@ -99,6 +117,15 @@ def _flash_inputs(q, k, v):
         x = x if x.stride(1) != 0 or x.shape[1] == 1 else x.contiguous()
         out.append(x if x.shape[-1] == w else F.pad(x, (0, w - x.shape[-1])))
     return out
+
+
+def _expand_heads(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``[T, h, D]`` -> ``[T, h * g, D]``, head ``j`` repeated ``g`` times in place (what
+    ``repeat_interleave(g, dim=1)`` gives): one copy forward and one sum backward, where
+    ``repeat_interleave`` builds an index on the device and scatters its gradient back
+    with atomics (several launches per call)."""
+    t, h, d = x.shape
+    return x.unsqueeze(2).expand(t, h, g, d).reshape(t, h * g, d)
 
 
 def _acc(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -199,7 +226,7 @@ class TorchVarlen(PackedKernel):
                 kw["enable_gqa"] = True
             else:  # expand this rank's KV heads (its shard only, never the wire's)
                 g = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+                k, v = _expand_heads(k, g), _expand_heads(v, g)
         if lse:
             kw["return_aux"] = aux(lse=True)
         dev = q.device
@@ -208,6 +235,227 @@ class TorchVarlen(PackedKernel):
             return out[..., :dv].unsqueeze(0)
         out, m = out
         return out[..., :dv].unsqueeze(0), _acc(_lse_rows(m, docs_q, q.shape[1]), q.dtype)
+
+
+# ---- cuDNN's ragged attention ---------------------------------------------------------------------
+# The argument names the calls below pass by keyword (torch 2.14's schemas; a torch whose op
+# lacks one is refused by ``why_not`` rather than called with the wrong positions: the
+# ops' positional order has moved between versions).
+_CUDNN_FWD_ARGS = frozenset({"query", "key", "value", "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "compute_log_sumexp",
+                             "dropout_p", "is_causal", "return_debug_mask", "scale"})  # fmt: skip
+_CUDNN_BWD_ARGS = frozenset({"grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+                             "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"})  # fmt: skip
+CUDNN_HEAD_DIMS = range(8, 129, 8)  # the (padded) head dims the cudnn kernel takes
+# cuDNN's ragged backward before pytorch/pytorch#186142 (merged 2026-06) sizes its dQ
+# accumulator from ``query.size(2)`` (the head dim on this path) instead of ``max_q``:
+# documents longer than the head dim run past it (cudaErrorIllegalAddress, a sticky error that
+# ends the process). Torch releases before 2.13 are taken to have it, and there the backward
+# runs on torch's FlashAttention-2 varlen backward (``aten._flash_attention_backward``) from
+# cuDNN's output and statistics instead.
+CUDNN_RAGGED_BACKWARD_SINCE = (2, 13)
+
+
+def cudnn_backward() -> str:
+    """The backward of the cudnn kernel on this torch: ``"cudnn"`` or ``"flash"`` (FA2's varlen
+    backward from cuDNN's forward: see ``CUDNN_RAGGED_BACKWARD_SINCE``)."""
+    return "cudnn" if torch.torch_version.TorchVersion(torch.__version__) >= CUDNN_RAGGED_BACKWARD_SINCE else "flash"
+
+
+@functools.lru_cache(maxsize=1)
+def _cudnn_ops():
+    """``(forward, backward)``: torch's ``aten._cudnn_attention_forward``/``_backward``
+    overloads, or a sentence why not (absent, or a schema without an argument passed here)."""
+    try:
+        fwd = torch.ops.aten._cudnn_attention_forward.default
+        bwd = torch.ops.aten._cudnn_attention_backward.default
+    except (AttributeError, RuntimeError):
+        return f"torch {torch.__version__} has no aten._cudnn_attention_forward/_cudnn_attention_backward"
+    for op, want in ((fwd, _CUDNN_FWD_ARGS), (bwd, _CUDNN_BWD_ARGS)):
+        missing = sorted(want - {a.name for a in op._schema.arguments})
+        if missing:
+            return f"torch {torch.__version__}'s {op._schema.name} takes no {', '.join(missing)}"
+    if cudnn_backward() == "flash":
+        try:
+            fa = torch.ops.aten._flash_attention_backward.default
+        except (AttributeError, RuntimeError):
+            return f"torch {torch.__version__} has no aten._flash_attention_backward (the cudnn kernel's backward before torch 2.13)"
+        why = _flash_backward_schema(fa)  # called positionally: the seed's and offset's names moved between versions
+        if why:
+            return why
+        bwd = _flash_backward(fa)
+    return fwd, bwd
+
+
+def _flash_backward(fa):
+    """A stand-in for cuDNN's ragged backward (its keyword arguments) that runs FA2's varlen
+    backward ``fa`` from cuDNN's output and statistics (``[Tq, h, 1]`` -> FA2's ``[h, Tq]``;
+    both the natural-log log-sum-exp of the scaled scores). No dropout: the seed and offset
+    FA2 takes are not read (torch's own varlen_attn passes zeros and an empty tensor)."""
+
+    def bwd(*, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+            dropout_p, is_causal, scale):  # fmt: skip
+        lse = _cudnn_lse(logsumexp, query.shape[0], query.shape[1]).contiguous()
+        rng = torch.zeros(2, dtype=torch.uint64, device=query.device)
+        unused = torch.empty(0, device=query.device)
+        return fa(grad_out, query, key, value, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng, unused, scale=scale)
+
+    return bwd
+
+
+def _cudnn_lse(lse: torch.Tensor, tq: int, h: int) -> torch.Tensor:
+    """A ragged op's softmax statistics as ``[h, Tq]``: cuDNN's ``[Tq, h, 1]``, or FA2's ``[h, Tq]`` as they are."""
+    if tuple(lse.shape) == (tq, h, 1):
+        return lse[..., 0].t()
+    if tuple(lse.shape) == (h, tq):
+        return lse
+    raise RuntimeError(f"packed documents: the ragged op returned a log-sum-exp of shape {list(lse.shape)}; expected [{tq}, {h}, 1] or [{h}, {tq}]")
+
+
+@functools.lru_cache(maxsize=1)
+def _fa2_ops():
+    """``(forward, backward)``: torch's FlashAttention-2 varlen ops (``aten._flash_attention_forward``/
+    ``_backward``, what ``varlen_attn`` runs on a torch without cuDNN's varlen path) behind
+    cuDNN's keyword interface (``_cudnn_ops``), or a sentence why not. Called positionally (the
+    names of their later arguments moved between versions), after checking those positions."""
+    try:
+        fwd = torch.ops.aten._flash_attention_forward.default
+        bwd = torch.ops.aten._flash_attention_backward.default
+    except (AttributeError, RuntimeError):
+        return f"torch {torch.__version__} has no aten._flash_attention_forward/_flash_attention_backward"
+    names = [a.name for a in fwd._schema.arguments]
+    if names[:10] != ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "return_debug_mask"] or (
+        "scale" not in names
+    ):
+        return f"torch {torch.__version__}'s aten::_flash_attention_forward has an unexpected schema: {fwd._schema}"
+    why = _flash_backward_schema(bwd)
+    if why:
+        return why
+
+    def forward(*, query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal,
+                return_debug_mask, scale):  # fmt: skip
+        out, lse, rng, unused, _ = fwd(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, False, scale=scale)
+        return out, lse, None, None, max_q, max_k, rng, unused, None
+
+    return forward, _flash_backward(bwd)
+
+
+def _flash_backward_schema(fa) -> str | None:
+    names = [a.name for a in fa._schema.arguments]
+    if names[:12] != ["grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+                      "is_causal"] or "scale" not in names:  # fmt: skip
+        return f"torch {torch.__version__}'s aten::_flash_attention_backward has an unexpected schema: {fa._schema}"
+    return None
+
+
+class _Ragged(torch.autograd.Function):
+    """``(out [Tq, h, D], lse)`` of one ragged attention op pair (``ops()``: ``_cudnn_ops`` or
+    ``_fa2_ops``, cuDNN's keywords) over contiguous ``[T, h, D]`` q, k, v (as many KV heads as
+    query heads) and int32 device boundaries; the backward gets what the forward returned (the
+    statistics, the dropout seed and offset). One op call per direction and nothing on the
+    host (no custom-op wrapper, no sync): the per-call cost is the launches."""
+
+    @staticmethod
+    def forward(ctx, ops, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, stats: bool):
+        fwd, _ = ops()
+        res = fwd(query=q, key=k, value=v, attn_bias=None, cum_seq_q=cu_q, cum_seq_k=cu_k, max_q=max_q, max_k=max_k, compute_log_sumexp=stats,
+                  dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale)  # fmt: skip
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
+        ctx.ops, ctx.args = ops, (max_q, max_k, causal, scale)
+        ctx.mark_non_differentiable(lse)  # as torch's varlen_attn: the LSE is an output to read, not to differentiate
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        _, bwd = ctx.ops()
+        q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, causal, scale = ctx.args
+        dq, dk, dv = bwd(grad_out=dout.contiguous(), query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed, philox_offset=offset,
+                         attn_bias=None, cum_seq_q=cu_q, cum_seq_k=cu_k, max_q=max_q, max_k=max_k, dropout_p=0.0, is_causal=causal,
+                         scale=scale)  # fmt: skip
+        return None, dq, dk, dv, None, None, None, None, None, None, None
+
+
+class CudnnRagged(PackedKernel):
+    """cuDNN's ragged attention (``aten._cudnn_attention_forward``/``_backward`` with
+    ``cum_seq_q``/``cum_seq_k``), the kernel behind dense SDPA's fastest rows on Hopper,
+    without torch's custom-op wrapper (``_Ragged``)."""
+
+    name = "cudnn"
+    head_dims = CUDNN_HEAD_DIMS
+    needs_cudnn = True
+
+    @staticmethod
+    def ops():
+        return _cudnn_ops()
+
+    @property
+    def label(self) -> str:
+        return "cudnn" if cudnn_backward() == "cudnn" else "cudnn-fwd+fa2-bwd"
+
+    def why_not(self, device, dtype, mask, grad):
+        ops = self.ops()
+        if isinstance(ops, str):
+            return ops
+        if device.type != "cuda" or dtype not in HALF:
+            return f"needs CUDA fp16/bf16, got {device.type} {dtype}"
+        if self.needs_cudnn and not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this torch"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return f"needs sm_80 or newer, got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        if mask.softcap is not None:
+            return "takes no softcap"
+        if mask.window is not None:
+            return "takes no sliding window"
+        return None
+
+    def check_documents(self, docs_q: Documents, docs_k: Documents, mask: DocMask):
+        if mask.causal and docs_q.cu_seqlens != docs_k.cu_seqlens:
+            raise ValueError(
+                "packed documents: kernel 'cudnn' runs causal documents whose query and key boundaries are equal (a packed "
+                "sequence), not a ring step's rectangles (flash-attn's bottom-right causal alignment is not cuDNN's)"
+            )
+
+    def attend(self, q, k, v, docs_q, docs_k, mask, scale, lse=False):
+        self.check_documents(docs_q, docs_k, mask)
+        dv = v.shape[-1]
+        q, k, v = _flash_inputs(q[0], k[0], v[0])
+        if q.shape[-1] not in self.head_dims:
+            raise ValueError(f"packed documents: kernel {self.name!r} takes head dims that are multiples of 8 up to {self.head_dims[-1]}, got {q.shape[-1]}")
+        if q.shape[1] != k.shape[1]:  # this rank's KV heads expanded on its shard (autograd sums their gradients back)
+            g = q.shape[1] // k.shape[1]
+            k, v = _expand_heads(k, g), _expand_heads(v, g)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dev = q.device
+        cu_q, cu_k = docs_q.on(dev), docs_k.on(dev)
+        # The statistics always ([Tq, h] floats): a forward without them returns an undefined
+        # tensor where the Function saves and marks one, and no-grad calls are not where time goes.
+        out, m = _Ragged.apply(type(self).ops, q, k, v, cu_q, cu_k, docs_q.max_seqlen, docs_k.max_seqlen, mask.causal, float(scale), True)
+        if not lse:
+            return out[..., :dv].unsqueeze(0)
+        return out[..., :dv].unsqueeze(0), _acc(_cudnn_lse(m, q.shape[0], q.shape[1]), q.dtype).unsqueeze(0)
+
+
+class Fa2Ragged(CudnnRagged):
+    """torch's FlashAttention-2 varlen ops called directly (``_fa2_ops``): the kernel of the
+    ``varlen`` row on torch 2.11 without ``varlen_attn``'s custom-op wrapper, so that the two
+    rows side by side measure that wrapper's per-call cost. Bottom-right causal (ring
+    rectangles too); no window (the ``varlen`` kernel has them), no softcap."""
+
+    name = "fa2"
+    head_dims = range(8, 257, 8)
+    needs_cudnn = False
+
+    @staticmethod
+    def ops():
+        return _fa2_ops()
+
+    @property
+    def label(self) -> str:
+        return "fa2"
+
+    def check_documents(self, docs_q, docs_k, mask):
+        return None
 
 
 # ---- FlexAttention ---------------------------------------------------------------------------
@@ -423,4 +671,6 @@ class Loop(PackedKernel):
         return (out, torch.cat(lses, dim=2)) if lse else out
 
 
-KERNELS: dict[str, PackedKernel] = {k.name: k for k in (FlashVarlen(), TorchVarlen(), Flex(), Loop())}
+# In the chooser's report order (``backends.packed_report``); what is picked by default is
+# ``backends.PACKED_DEFAULT``.
+KERNELS: dict[str, PackedKernel] = {k.name: k for k in (FlashVarlen(), TorchVarlen(), CudnnRagged(), Fa2Ragged(), Flex(), Loop())}

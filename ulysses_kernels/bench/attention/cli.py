@@ -39,7 +39,7 @@ Methods (``--methods``, default all that can run):
                (``backends.packed_kernel``; column ``backend``: ``<backend>+<kernel>``)
   local-packed-<kernel>
                the same on one packed-documents kernel (``packed.KERNELS``: flash, varlen,
-               flex, loop), by default every one that runs here besides the pick and flex
+               cudnn, flex, loop), by default every one that runs here besides the pick and flex
                (named only: its first call compiles FlexAttention; that time, ``first_s``, is
                printed and kept out of the timing)
   layout-<k>   ours, data movement only: the packs/unpacks of one layer without the

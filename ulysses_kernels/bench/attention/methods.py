@@ -86,7 +86,7 @@ def build_method(name, args, inp, plan, rank, world, P, backend, scale, layout):
         forced.packed = kernel
         packed_kernel(inp.device, inp.dtype, prefer=kernel)  # ValueError (a skip) when it cannot run here
         m = local_method(plan, rank, forced, scale, name, docs=packed_documents(inp.S))
-        m.backend = f"{backend.name}+{kernel}"
+        m.backend = f"{backend.name}+{KERNELS[kernel].label}"
         return m
     if name.startswith("packed-hybrid-"):
         m = packed_hybrid_method(name, args, inp, backend, rank)
@@ -201,7 +201,7 @@ def packed_label(backend, device: torch.device, dtype) -> str:
     """The backend column of a packed row: ``<backend>+<packed kernel>``."""
     if not hasattr(backend, "packed_kernel"):
         return getattr(backend, "name", "?")
-    return f"{backend.name}+{packed_kernel(device, dtype, candidates=backend.packed_candidates, prefer=backend.packed).name}"
+    return f"{backend.name}+{packed_kernel(device, dtype, candidates=backend.packed_candidates, prefer=backend.packed).label}"
 
 
 def peer_method(name, backend, scale, P, H, Hkv):
