@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ulysses_kernels as uk
-from ulysses_kernels import backends, packed
+from ulysses_kernels import backends, block_masks, packed
 from ulysses_kernels.backends import SDPABackend, packed_kernel
 from ulysses_kernels.documents import Documents, documents
 from ulysses_kernels.packed import KERNELS, DocMask, doc_intervals
@@ -122,7 +122,7 @@ def test_block_sparsity_is_the_dense_mask_reduced(mask, block):
         cu_q, cu_k = lengths_cu(lq), lengths_cu(lk or lq)
         tq, tk = cu_q[-1], cu_k[-1]
         lo, hi = doc_intervals(Documents(cu_q, 0), Documents(cu_k, 0), mask)
-        partial, full = packed._block_sparsity(lo, hi, tk, block)
+        partial, full = block_masks._block_sparsity(lo, hi, tk, block)
         nq, nk = -(-tq // block), -(-tk // block)
         m = torch.zeros(nq * block, nk * block, dtype=torch.bool)
         m[:tq, :tk] = dense_mask(cu_q, cu_k, mask)
@@ -137,10 +137,10 @@ def test_block_sparsity_is_the_dense_mask_reduced(mask, block):
 
 def test_block_mask_is_cached_per_boundaries_and_mask():
     docs = documents([0, 3, 130, 131])
-    a = packed.doc_block_mask(docs, docs, torch.device("cpu"), DocMask(True))
-    assert packed.doc_block_mask(docs, docs, torch.device("cpu"), DocMask(True, None, 2.0)) is a  # softcap: a score_mod
-    assert packed.doc_block_mask(docs, docs, torch.device("cpu"), DocMask(True, 4)) is not a
-    assert packed.doc_block_mask(docs, docs, torch.device("cpu"), DocMask(False)) is not a
+    a = block_masks.doc_block_mask(docs, docs, torch.device("cpu"), DocMask(True))
+    assert block_masks.doc_block_mask(docs, docs, torch.device("cpu"), DocMask(True, None, 2.0)) is a  # softcap: a score_mod
+    assert block_masks.doc_block_mask(docs, docs, torch.device("cpu"), DocMask(True, 4)) is not a
+    assert block_masks.doc_block_mask(docs, docs, torch.device("cpu"), DocMask(False)) is not a
 
 
 # ---- FlexAttention and the loop, float64 on the CPU -------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Documents", "documents", "pad_documents", "document_ids", "longest_document", "first_unordered", "boundaries_digest"]
+__all__ = ["Documents", "DocMask", "documents", "pad_documents", "document_ids", "longest_document", "first_unordered", "boundaries_digest"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,30 @@ def document_ids(cu_seqlens: Sequence[int], device=None) -> torch.Tensor:
     """``[S]`` int64: the document index of each token."""
     cu = torch.tensor(list(cu_seqlens), dtype=torch.int64, device=device)
     return torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), cu.diff())
+
+
+@dataclass(frozen=True)
+class DocMask:
+    """What attention inside a document hides: ``causal``, a sliding ``window`` (tokens, causal
+    only), a ``softcap`` on the scaled scores. Checked on construction."""
+
+    causal: bool
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self):
+        if self.window is not None and (not self.causal or int(self.window) < 1):
+            raise ValueError(
+                f"packed documents: window={self.window!r} with causal={self.causal}; a sliding window is supported on "
+                "causal attention only, as a positive token count"
+            )
+        if self.softcap is not None and not float(self.softcap) > 0:
+            raise ValueError(f"packed documents: softcap={self.softcap!r}; expected a positive float or None")
+
+    def describe(self) -> str:
+        parts = ["causal" if self.causal else "bidirectional"]
+        if self.window is not None:
+            parts.append(f"window {self.window}")
+        if self.softcap is not None:
+            parts.append(f"softcap {self.softcap:g}")
+        return ", ".join(parts)
