@@ -54,6 +54,7 @@ from ulysses_kernels.testing.hybrids import (  # noqa: E402 - MODELS, build, flo
     gated_delta_rule_float64,
     mamba2_scan_float64,
     selective_scan_float64,
+    sharded_step,
 )
 
 RTOL, GRAD_RTOL = 1e-12, 1e-9
@@ -102,16 +103,6 @@ def grad_tolerances(model) -> dict[str, float]:
     return {n: FLOAT32_RTOL if n in loose or n.endswith(cast) else GRAD_RTOL for n, _ in model.named_parameters()}
 
 
-def _step(model, batch, group):
-    out = model(**batch.model_inputs(loss=False))
-    loss = batch.loss(out.logits)
-    loss.backward()
-    hf.sync_gradients(model, group)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return hf.reduce_loss(loss, group), grads, hf.gather_sequence(out.logits.detach(), batch.shard, group)
-
-
 def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
@@ -146,12 +137,12 @@ def check_models(group, results, exact: bool):
         rtol = loss_rtol(case) if exact else OWN_KERNEL_RTOL
         for pad in (False, True)[: 2 if exact and world == 2 else 1]:  # padded shards: at 2 ranks (time)
             what = f"{name}, world {world}, {'padded' if pad else 'uneven'}, {'float64' if exact else 'own'} kernels"
-            got = _step(model, hf.shard_batch(ids, labels, group=group, pad=pad), group)
+            got = sharded_step(model, hf.shard_batch(ids, labels, group=group, pad=pad), group)
             results[(name, world, "padded" if pad else "uneven", exact)] = check_against(got, ref, tols, rtol, what)
         if exact:
             ref_packed = reference_packed(build(case), pids, plabels, cu)
             what = f"{name}, world {world}, packed"
-            got = _step(model, hf.shard_batch(pids, plabels, group=group, position_ids=positions), group)
+            got = sharded_step(model, hf.shard_batch(pids, plabels, group=group, position_ids=positions), group)
             tols, rtol = dict.fromkeys(tols, FLOAT32_RTOL), FLOAT32_RTOL  # see PACKED below FLOAT32_NORMS
             results[(name, world, "packed", exact)] = check_against(got, ref_packed, tols, rtol, what)
 
@@ -165,7 +156,7 @@ def check_without_mixers(group):
         for m in model.modules():
             if type(m).__name__ == case[3]:
                 del m.forward  # the instance attribute apply set: the class's forward again
-        _, grads, _ = _step(model, hf.shard_batch(ids, labels, group=group), group)
+        _, grads, _ = sharded_step(model, hf.shard_batch(ids, labels, group=group), group)
         worst = max(_rel(g, ref[1][n]) for n, g in grads.items())
         assert worst > 1e-3, f"{case[0]}: without the mixers' exchange the gradients are within {worst:.1e} of one process"
 
@@ -216,7 +207,7 @@ def test_world_of_one_matches_the_model():
             ref = reference_unpacked(build(case), ids, labels)
             model = hf.apply(build(case))
             assert all(hasattr(m, "_ulysses_mixer") for m in model.modules() if type(m).__name__ == case[3]), case[0]
-            got = _step(model, hf.shard_batch(ids, labels), None)
+            got = sharded_step(model, hf.shard_batch(ids, labels), None)
             check_against(got, ref, grad_tolerances(model), loss_rtol(case), f"{case[0]}, one process")
 
 

@@ -9,7 +9,10 @@ ALST and GPU-step tests built on it) and ``python -m ulysses_kernels.bench.hybri
   scan, Mamba1's selective scan; Jamba's and Zamba2's norms) in float64 sequential forms in
   place of transformers' float32 fallbacks (and of flash-linear-attention / mamba_ssm when
   those are installed), in the modeling modules both a one-process run and a sharded run call
-  them from: a reference that rounds at float64 only.
+  them from: a reference that rounds at float64 only;
+* ``one_process_step`` / ``sharded_step``: one training step (loss, every parameter gradient,
+  the logits) of a model in one process, and of a model under ``hf.apply`` on its shard (the
+  loss reduced, the gradients synced, the logits gathered over the group).
 """
 
 from __future__ import annotations
@@ -18,7 +21,19 @@ import contextlib
 
 import torch
 
-__all__ = ["MODELS", "VOCAB", "build", "float64_kernels", "gated_delta_rule_float64", "mamba2_scan_float64", "selective_scan_float64"]
+from ..integrations import hf
+
+__all__ = [
+    "MODELS",
+    "VOCAB",
+    "build",
+    "float64_kernels",
+    "gated_delta_rule_float64",
+    "mamba2_scan_float64",
+    "one_process_step",
+    "selective_scan_float64",
+    "sharded_step",
+]
 
 VOCAB = 61
 _ATTN = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -227,3 +242,33 @@ def build(case):
             if type(m).__name__.endswith("TopKRouter"):
                 m.weight.normal_(std=0.5)
     return model.train()
+
+
+def one_process_step(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """One step of ``model`` on the whole ``[batch, seq]`` batch in this process: the mean
+    next-token loss over the labels that are not -100 (half-precision logits upcast to
+    float32, as ``SequenceShard.loss`` does on the ranks), ``{name: gradient}`` and the logits
+    ``[batch, seq, vocab]`` (detached); the gradients are cleared on the model afterwards."""
+    logits = model(input_ids=ids, use_cache=False).logits
+    scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    target = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(scores[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+    loss = loss / (target != -100).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, logits.detach()
+
+
+def sharded_step(model, batch, group) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """One step of a model under ``hf.apply`` on this rank's ``batch`` (``hf.shard_batch``):
+    the global mean loss (``reduce_loss``), ``{name: gradient}`` summed over ``group``
+    (``sync_gradients``) and the logits gathered into the global sequence (``gather_sequence``).
+    Collective: call it on every rank; the gradients are cleared on the model afterwards."""
+    out = model(**batch.model_inputs(loss=False))
+    loss = batch.loss(out.logits)
+    loss.backward()
+    hf.sync_gradients(model, group)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return hf.reduce_loss(loss, group), grads, hf.gather_sequence(out.logits.detach(), batch.shard, group)
