@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue #38's GPU check, in about a minute: one bf16 training step of Qwen3.5 (Gated DeltaNet
+# through flash-linear-attention's chunk_gated_delta_rule, when its wheel is carried) and Bamba
+# (Mamba2 on transformers' torch path: mamba_ssm and causal-conv1d need compiling, not carried),
+# hf.apply on 2 gloo ranks sharing the GPU against the same model in one process, both against
+# a float64 one-process reference (python -m ulysses_kernels.bench.hybrid_step; its docstring).
+# Run from the checkout, the wheels in build/wheels (the device tool's carry=["build/wheels"]):
+#     python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels
+#     ULYSSES_KERNELS_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_hybrid_step.sh [OUT_DIR]
+# PYTHON=... picks the interpreter (default python3). The wheels are installed (--no-deps,
+# offline) into a private directory put first on PYTHONPATH: transformers 5.23 (what hf.apply's
+# mixers are written against), fla-core (pure Python + Triton; imports einops), and
+# huggingface_hub only when the machine's is older than transformers 5.23 needs (>= 1.31).
+# Without a GPU no wheel is installed and the CPU proxy runs (tiny sizes, transformers' torch
+# kernels). Writes bench_hybrid_step_<date>_<gpu>_w2.{json,csv} and hybrid_step.txt (the table
+# and the kernels that ran) into OUT_DIR (default bench/results/<UTC date>_<gpu>); exit status
+# 1 when a check failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # configs only: nothing to download
+start=$(date +%s)
+slug=$("$PY" -c '
+import re, torch
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "tesla")]
+print(words[0] if words else "gpu")' 2>/dev/null) || slug=gpu
+OUT=${1:-bench/results/$(date -u +%F)_$slug}
+mkdir -p "$OUT"
+if [ "$slug" != cpu ]; then
+  wheels=()
+  for w in build/wheels/transformers-5.23.0-*.whl build/wheels/fla_core-*.whl build/wheels/einops-*.whl; do
+    [ -f "$w" ] && wheels+=("$w") || echo "### [gpu_hybrid_step] no $w: that package comes from the machine (or is absent)"
+  done
+  if ! "$PY" -c 'import sys, huggingface_hub; from packaging.version import Version; sys.exit(Version(huggingface_hub.__version__) < Version("1.31"))' 2>/dev/null; then
+    for w in build/wheels/huggingface_hub-*.whl; do [ -f "$w" ] && wheels+=("$w"); done
+  fi
+  if [ ${#wheels[@]} -gt 0 ]; then
+    dir=$(mktemp -d /tmp/ulysses_hybrid_wheels.XXXXXX)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$dir" "${wheels[@]}" &&
+      export PYTHONPATH=$dir:$PYTHONPATH || echo "### [gpu_hybrid_step] pip could not install ${wheels[*]}: the machine's packages run"
+  fi
+fi
+"$PY" -c 'import torch, transformers, importlib.util as u
+print("### [gpu_hybrid_step] torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
+      "fla", "yes" if u.find_spec("fla") else "no", "huggingface_hub", __import__("huggingface_hub").__version__)'
+timeout -k 10 150 "$PY" -m ulysses_kernels.bench.hybrid_step --out-dir "$OUT" "${@:2}" 2>&1 | grep -v "is falling back to its reference PyTorch" | tee "$OUT/hybrid_step.txt"
+rc=${PIPESTATUS[0]}
+echo "### [gpu_hybrid_step] done in $(( $(date +%s) - start )) s, rc=$rc (records in $OUT)"
+exit "$rc"
