@@ -72,26 +72,32 @@ def test_check_fails_beyond_twice_one_process():
         hybrid_step.check("m", ref, one, (ref[0], {"w": ref[1]["w"], "v": ref[1]["w"]}, ref[2]), floor=1e-3)
 
 
-def test_first_config_autotuners():
+def test_one_config_autotuners():
     """Every autotuner of the named package's loaded modules (also one under ``triton.heuristics``)
-    keeps its first config only; modules outside the package are untouched."""
+    keeps one config, its smallest (block sizes x stages, then warps); modules outside the
+    package are untouched."""
     triton = pytest.importorskip("triton")
     import triton.language as tl
 
     def kernel(x, BLOCK: tl.constexpr):  # never launched: only its autotuners are looked at
         pass
 
-    configs = [triton.Config({"BLOCK": b}) for b in (16, 32, 64)]
-    tuned = triton.autotune(configs=list(configs), key=[])(triton.jit(kernel))
-    wrapped = triton.heuristics({"BLOCK": lambda args: 16})(triton.autotune(configs=list(configs), key=[])(triton.jit(kernel)))
-    outside = triton.autotune(configs=list(configs), key=[])(triton.jit(kernel))
+    def configs():
+        return [triton.Config({"BLOCK": 64}, num_warps=4, num_stages=2), triton.Config({"BLOCK": 32}, num_warps=8, num_stages=3),
+                triton.Config({"BLOCK": 32, "P": "ieee"}, num_warps=2, num_stages=3), triton.Config({"BLOCK": 128}, num_warps=1, num_stages=1)]  # fmt: skip
+
+    tuned = triton.autotune(configs=configs(), key=[])(triton.jit(kernel))
+    wrapped = triton.heuristics({"X": lambda args: 1})(triton.autotune(configs=configs(), key=[])(triton.jit(kernel)))
+    outside = triton.autotune(configs=configs(), key=[])(triton.jit(kernel))
     mine, other = types.ModuleType("fakepkg.ops"), types.ModuleType("otherpkg")
     mine.tuned, mine.wrapped, other.tuned = tuned, wrapped, outside
     sys.modules.update({"fakepkg.ops": mine, "otherpkg": other})
     try:
-        assert hybrid_step.first_config_autotuners("fakepkg") == 2
-        assert [c.kwargs for c in tuned.configs] == [{"BLOCK": 16}] and len(wrapped.fn.configs) == 1 and len(outside.configs) == 3
-        assert hybrid_step.first_config_autotuners("fakepkg") == 0
+        assert hybrid_step.one_config_autotuners("fakepkg") == 2
+        # 32 x 3 stages = 96 is the smallest footprint (128 x 1 = 128, 64 x 2 = 128); of the two, 2 warps
+        assert [(c.kwargs, c.num_warps) for c in tuned.configs] == [({"BLOCK": 32, "P": "ieee"}, 2)]
+        assert len(wrapped.fn.configs) == 1 and len(outside.configs) == 4
+        assert hybrid_step.one_config_autotuners("fakepkg") == 0
     finally:
         del sys.modules["fakepkg.ops"], sys.modules["otherpkg"]
 

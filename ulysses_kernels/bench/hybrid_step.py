@@ -28,10 +28,11 @@ flash-attention rule: the sharded step may be at most twice as far from float64 
 dtype in one process, plus ``--floor`` for quantities that one process happens to hit almost
 exactly). ``ranks_vs_one`` is the direct relative difference. Exit status 1 when a check fails.
 
-``--autotune first`` (default) cuts every Triton autotuner of flash-linear-attention to its first
-config, so that each kernel compiles once instead of once per config (~70 configs for the
-Gated DeltaNet forward and backward): the config is a speed choice, the arithmetic is the
-kernel's; ``full`` keeps the autotuning (slower first step). No timing here is a performance
+``--autotune one`` (default) cuts every Triton autotuner of flash-linear-attention to one config,
+its smallest (tiles x stages), so that each kernel compiles once instead of once per config
+(~70 configs for the Gated DeltaNet forward and backward) and no config can run out of shared
+memory: the config is a speed choice, the arithmetic is the kernel's; ``full`` keeps the
+autotuning (a slower first step). No timing here is a performance
 claim: the record's ``seconds`` are the wall time of each phase, compilation included.
 """
 
@@ -107,7 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=2, help="ranks of the sharded run (default 2)")
     p.add_argument("--transport", choices=("gloo", "nccl"), default="gloo", help="torch.distributed backend of the ranks (default gloo)")
     p.add_argument("--floor", type=float, default=None, help="relative error allowed on top of 2x one process's (default: half an ulp of --dtype)")
-    p.add_argument("--autotune", choices=("first", "full"), default="first", help="flash-linear-attention's autotuners: first config only (default) or all")
+    p.add_argument(
+        "--autotune", choices=("one", "full"), default="one", help="flash-linear-attention's autotuners: their smallest config only (default) or all"
+    )
     p.add_argument("--timeout", type=float, default=300, help="seconds the ranks may take (default 300)")
     harness.add_output(p)
     args = p.parse_args(argv)
@@ -197,9 +200,21 @@ def counting_kernels(models):
             setattr(module, name, fn)
 
 
-def first_config_autotuners(prefix: str = "fla") -> int:
-    """Cut every Triton autotuner in the loaded ``prefix`` modules to its first config (one
-    compile per kernel, no benchmarking); returns how many were cut. A no-op without Triton."""
+def _footprint(config) -> tuple:
+    """How much a Triton config asks of a multiprocessor: the product of its integer block sizes
+    times its pipeline stages, then its warps (smallest first)."""
+    size = 1
+    for value in config.kwargs.values():
+        if isinstance(value, int) and not isinstance(value, bool):
+            size *= max(value, 1)
+    return (size * max(config.num_stages or 1, 1), config.num_warps or 0)
+
+
+def one_config_autotuners(prefix: str = "fla") -> int:
+    """Cut every Triton autotuner in the loaded ``prefix`` modules to one config, its smallest
+    (``_footprint``: the one least likely to run out of shared memory or registers on any GPU,
+    as a config that does is skipped by autotuning but would fail alone); one compile per kernel,
+    no benchmarking. Returns how many were cut; a no-op without Triton."""
     try:
         from triton.runtime.autotuner import Autotuner
     except ImportError:
@@ -212,7 +227,7 @@ def first_config_autotuners(prefix: str = "fla") -> int:
             for _ in range(4):  # @triton.heuristics wraps the autotuner: follow ``.fn``
                 if isinstance(obj, Autotuner):
                     if len(obj.configs) > 1:
-                        obj.configs = obj.configs[:1]
+                        obj.configs = [min(obj.configs, key=_footprint)]
                         cut += 1
                     break
                 obj = getattr(obj, "fn", None)
@@ -239,8 +254,8 @@ def one_process(case, ids, labels, dtype, device, autotune: str) -> tuple[tuple,
         ref = _to_cpu(one_process_step(build(case).to(device), ids, labels))
     seconds["reference"] = time.perf_counter() - t
     model = build(case).to(device=device, dtype=dtype)
-    if autotune == "first":
-        first_config_autotuners()
+    if autotune == "one":
+        one_config_autotuners()
     t = time.perf_counter()
     with counting_kernels([model]) as kernels:
         one = _to_cpu(one_process_step(model, ids, labels))
@@ -263,8 +278,8 @@ def _rank_job(rank, world, names, size, seq, dtype, device_type, autotune, out_p
     for case in cases(names, size):
         ids, labels = batch(seq, case[4]["vocab_size"])
         model = hf.apply(build(case).to(device=device, dtype=dtype))
-        if autotune == "first":
-            first_config_autotuners()
+        if autotune == "one":
+            one_config_autotuners()
         t = time.perf_counter()
         with counting_kernels([model]) as kernels:
             got = sharded_step(model, hf.shard_batch(ids.to(device), labels.to(device)), None)
