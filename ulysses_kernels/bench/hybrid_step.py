@@ -15,12 +15,12 @@ sizes the fast kernels' tiles take), the same weights in three runs:
   flash-linear-attention's ``chunk_gated_delta_rule`` when ``fla`` is importable, mamba_ssm's and
   causal-conv1d's when installed, transformers' torch fallbacks otherwise (``kernels`` in the
   record says which ran, with call counts);
-* ranks: ``--world`` ranks (``--transport gloo``: processes sharing the one GPU; torch's
-  ProcessGroupGloo runs all_to_all_single, all_reduce and all_gather on CUDA tensors by staging
-  them through pinned host memory, which is all ``hf.apply`` and its helpers call; NCCL before
-  2.30 cannot put two ranks on one GPU), ``--dtype``, ``hf.apply`` + ``shard_batch`` (uneven
-  shards: 999 tokens are 500 + 499) + ``sync_gradients`` + ``reduce_loss`` + ``gather_sequence``,
-  the same kernels as "one".
+* ranks: ``--world`` ranks (``--transport gloo``: processes sharing the one GPU, NCCL before
+  2.30 cannot put two ranks on one; torch's ProcessGroupGloo stages CUDA tensors through pinned
+  host memory for all_to_all_single, all_reduce and all_gather, and ``TorchCommunicator`` does
+  for the exchanges' grouped send/recv: a batch above 1, several tensors back to sequence
+  shards), ``--dtype``, ``hf.apply`` + ``shard_batch`` (uneven shards: 999 tokens are 500 +
+  499) + ``sync_gradients`` + ``reduce_loss`` + ``gather_sequence``, the same kernels as "one".
 
 Check, per quantity (the loss, the logits, each parameter's gradient), with ``err(x)`` =
 ``max|x - reference| / max|reference|``: ``err(ranks) <= 2 err(one) + floor`` (the
