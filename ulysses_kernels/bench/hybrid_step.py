@@ -51,8 +51,10 @@ import torch
 import torch.distributed as dist
 
 from ulysses_kernels.bench import harness, record
+from ulysses_kernels.integrations import hf
 from ulysses_kernels.kernels import auto_choice
 from ulysses_kernels.testing import run_ranks
+from ulysses_kernels.testing.hybrids import MODELS, build, float64_kernels, one_process_step, sharded_step
 
 NAME = "bench_hybrid_step"
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -128,8 +130,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def cases(names, size: str) -> list[tuple]:
     """The ``testing.hybrids.MODELS`` rows named ``names``, their configs at ``size``."""
-    from ulysses_kernels.testing.hybrids import MODELS
-
     table = {c[0]: c for c in MODELS}
     out = []
     for name in names:
@@ -245,8 +245,6 @@ def _to_cpu(result) -> tuple:
 def one_process(case, ids, labels, dtype, device, autotune: str) -> tuple[tuple, tuple, dict, dict]:
     """The float64 reference and the one-process step in ``dtype``: ``(reference, one, kernels of
     one, seconds)``, on the CPU in float64 (``_to_cpu``)."""
-    from ulysses_kernels.testing.hybrids import build, float64_kernels, one_process_step
-
     ids, labels = ids.to(device), labels.to(device)
     seconds = {}
     t = time.perf_counter()
@@ -266,9 +264,6 @@ def one_process(case, ids, labels, dtype, device, autotune: str) -> tuple[tuple,
 def _rank_job(rank, world, names, size, seq, dtype, device_type, autotune, out_path):
     """On each rank: every model under ``hf.apply`` on the world group, one sharded step; rank 0
     saves ``{model: (result, kernels, seconds)}`` to ``out_path``."""
-    from ulysses_kernels.integrations import hf
-    from ulysses_kernels.testing.hybrids import build, sharded_step
-
     device = torch.device("cpu")
     if device_type == "cuda":
         if dist.get_backend() != "nccl":
