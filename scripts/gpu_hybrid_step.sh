@@ -42,10 +42,7 @@ if [ "$slug" != cpu ]; then
       export PYTHONPATH=$dir:$PYTHONPATH || echo "### [gpu_hybrid_step] pip could not install ${wheels[*]}: the machine's packages run"
   fi
 fi
-"$PY" -c 'import torch, transformers, importlib.util as u
-print("### [gpu_hybrid_step] torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
-      "fla", "yes" if u.find_spec("fla") else "no", "huggingface_hub", __import__("huggingface_hub").__version__)'
-timeout -k 10 150 "$PY" -m ulysses_kernels.bench.hybrid_step --out-dir "$OUT" "${@:2}" 2>&1 | grep -v "is falling back to its reference PyTorch" | tee "$OUT/hybrid_step.txt"
+timeout -k 10 150 "$PY" -m ulysses_kernels.bench.hybrid_step --timeout 100 --out-dir "$OUT" "${@:2}" 2>&1 | grep -v "is falling back to its reference PyTorch" | tee "$OUT/hybrid_step.txt"
 rc=${PIPESTATUS[0]}
 echo "### [gpu_hybrid_step] done in $(( $(date +%s) - start )) s, rc=$rc (records in $OUT)"
 exit "$rc"

@@ -342,7 +342,7 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def _versions() -> dict:
     found = {}
-    for name in ("transformers", "fla", "mamba_ssm", "causal_conv1d"):
+    for name in ("transformers", "huggingface_hub", "fla", "einops", "triton", "mamba_ssm", "causal_conv1d"):
         module = sys.modules.get(name)
         found[name] = getattr(module, "__version__", "present") if module is not None else None
     return found
@@ -385,6 +385,8 @@ def main(argv=None) -> int:
     title = (f"# hybrid step on {where}: {args.dtype}, {args.world} {args.transport} ranks vs one process, both vs float64; "
              f"{args.size} sizes, batch {BATCH} x {args.seq} tokens, floor {args.floor:g}")  # fmt: skip
     record.print_table(COLUMNS, summary(rows), title=title)
+    found = ", ".join(f"{k} {v}" for k, v in _versions().items() if v is not None)
+    print(f"# torch {torch.__version__} (CUDA {torch.version.cuda}), {found}; attention kernels: {auto_choice(device)[0].name}", flush=True)
     for name, meta in meta_models.items():
         ran = ", ".join(f"{k} -> {v['source']} ({v['calls']} calls one, {meta['kernels_ranks_rank0'].get(k, {}).get('calls', 0)} rank 0)"
                         for k, v in meta["kernels_one"].items())  # fmt: skip
