@@ -21,11 +21,10 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # configs only: nothing to download
 start=$(date +%s)
-slug=$("$PY" -c '
-import re, torch
-name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "tesla")]
-print(words[0] if words else "gpu")' 2>/dev/null) || slug=gpu
+# The GPU's first word ("h100", "h200"; "cpu" without one), from nvidia-smi: no interpreter start.
+slug=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' ' ' |
+  awk '{for (i = 1; i <= NF; i++) if ($i != "nvidia" && $i != "tesla") {print $i; exit}}')
+slug=${slug:-cpu}
 OUT=${1:-bench/results/$(date -u +%F)_$slug}
 mkdir -p "$OUT"
 if [ "$slug" != cpu ]; then
