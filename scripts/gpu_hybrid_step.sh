@@ -8,9 +8,11 @@
 #     python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels
 #     ULYSSES_KERNELS_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_hybrid_step.sh [OUT_DIR]
 # PYTHON=... picks the interpreter (default python3). The wheels are installed (--no-deps,
-# offline) into a private directory put first on PYTHONPATH: transformers 5.23 (what hf.apply's
+# offline) into private directories put first on PYTHONPATH: transformers 5.23 (what hf.apply's
 # mixers are written against), fla-core (pure Python + Triton; imports einops), and
 # huggingface_hub only when the machine's is older than transformers 5.23 needs (>= 1.31).
+# If the run with fla stops before its checks (an import or Triton compile error), it runs once
+# more on transformers' torch kernels (~30 s more; HYBRID_STEP_FALLBACK=0: not), its log beside.
 # Without a GPU no wheel is installed and the CPU proxy runs (tiny sizes, transformers' torch
 # kernels). Writes bench_hybrid_step_<date>_<gpu>_w2.{json,csv} and hybrid_step.txt (the table
 # and the kernels that ran) into OUT_DIR (default bench/results/<UTC date>_<gpu>); exit status
@@ -27,21 +29,39 @@ slug=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
 slug=${slug:-cpu}
 OUT=${1:-bench/results/$(date -u +%F)_$slug}
 mkdir -p "$OUT"
-if [ "$slug" != cpu ]; then
-  wheels=()
-  for w in build/wheels/transformers-5.23.0-*.whl build/wheels/fla_core-*.whl build/wheels/einops-*.whl; do
-    [ -f "$w" ] && wheels+=("$w") || echo "### [gpu_hybrid_step] no $w: that package comes from the machine (or is absent)"
+install() {  # install DIR WHEEL...: the wheels that exist, offline, no dependencies; prints DIR on success
+  local dir=$1 have=() w
+  shift
+  for w in "$@"; do
+    [ -f "$w" ] && have+=("$w") || echo "### [gpu_hybrid_step] no $w: that package comes from the machine (or is absent)" >&2
   done
-  if ! "$PY" -c 'import sys, huggingface_hub; from packaging.version import Version; sys.exit(Version(huggingface_hub.__version__) < Version("1.31"))' 2>/dev/null; then
-    for w in build/wheels/huggingface_hub-*.whl; do [ -f "$w" ] && wheels+=("$w"); done
-  fi
-  if [ ${#wheels[@]} -gt 0 ]; then
-    dir=$(mktemp -d /tmp/ulysses_hybrid_wheels.XXXXXX)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$dir" "${wheels[@]}" &&
-      export PYTHONPATH=$dir:$PYTHONPATH || echo "### [gpu_hybrid_step] pip could not install ${wheels[*]}: the machine's packages run"
-  fi
+  [ ${#have[@]} -gt 0 ] && "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$dir" "${have[@]}" >&2 && echo "$dir"
+}
+fla_dir=
+if [ "$slug" != cpu ]; then
+  # transformers (and huggingface_hub when the machine's is older than transformers 5.23 needs),
+  # and flash-linear-attention apart, so that a run without it is one PYTHONPATH away.
+  tf=(build/wheels/transformers-5.23.0-*.whl)
+  "$PY" -c 'import sys, huggingface_hub; from packaging.version import Version; sys.exit(Version(huggingface_hub.__version__) < Version("1.31"))' \
+    2>/dev/null || tf+=(build/wheels/huggingface_hub-*.whl)
+  tf_dir=$(install "$(mktemp -d /tmp/ulysses_hybrid_tf.XXXXXX)" "${tf[@]}") && export PYTHONPATH=$tf_dir:$PYTHONPATH
+  fla_dir=$(install "$(mktemp -d /tmp/ulysses_hybrid_fla.XXXXXX)" build/wheels/fla_core-*.whl build/wheels/einops-*.whl)
 fi
-timeout -k 10 150 "$PY" -m ulysses_kernels.bench.hybrid_step --timeout 100 --out-dir "$OUT" "${@:2}" 2>&1 | grep -v "is falling back to its reference PyTorch" | tee "$OUT/hybrid_step.txt"
-rc=${PIPESTATUS[0]}
+step() {  # step SECONDS PYTHONPATH LOG: the bench, its table on stdout and in LOG; its exit status
+  PYTHONPATH=$2 timeout -k 10 "$1" "$PY" -m ulysses_kernels.bench.hybrid_step --timeout 100 --out-dir "$OUT" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 |
+    grep -v "is falling back to its reference PyTorch" | tee "$3"
+  return "${PIPESTATUS[0]}"
+}
+EXTRA=("${@:2}")
+step 150 "${fla_dir:+$fla_dir:}$PYTHONPATH" "$OUT/hybrid_step.txt"
+rc=$?
+# A run that stopped before its checks (no "checks within" line) with flash-linear-attention on the
+# path: once more on transformers' torch kernels (HYBRID_STEP_FALLBACK=0: not), so that the bf16
+# step is recorded either way; the first log keeps the error.
+if [ "$rc" != 0 ] && [ -n "$fla_dir" ] && [ "${HYBRID_STEP_FALLBACK:-1}" = 1 ] && ! grep -q "checks within" "$OUT/hybrid_step.txt"; then
+  echo "### [gpu_hybrid_step] the run with flash-linear-attention stopped (rc=$rc, log $OUT/hybrid_step.txt); again without it"
+  step 90 "$PYTHONPATH" "$OUT/hybrid_step_torch_kernels.txt"
+  echo "### [gpu_hybrid_step] without flash-linear-attention: rc=$? (the run with it failed: rc=$rc)"
+fi
 echo "### [gpu_hybrid_step] done in $(( $(date +%s) - start )) s, rc=$rc (records in $OUT)"
 exit "$rc"
