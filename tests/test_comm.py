@@ -120,6 +120,49 @@ def test_torch_communicator_returns_work_on_gloo():
     run_ranks(_torch_comm_body, 3)
 
 
+def _through_host_body(rank, world, device_type):
+    """``send_recv`` through host copies (what gloo gets for device tensors): a ring shift of
+    pieces of one flat buffer (views, as the exchanges pass them), blocking and async; with
+    ``async_op`` the receive buffers are written by ``wait()``, not before."""
+    from ulysses_kernels.comm import TorchCommunicator
+
+    if device_type == "cuda":
+        torch.cuda.set_device(0)  # the ranks share the one GPU
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    comm = TorchCommunicator()
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    sends = [(nxt, torch.arange(7, dtype=torch.bfloat16, device=device) + rank), (nxt, torch.full((3,), rank * 10.0, device=device))]
+    flat = torch.full((7 + 3 + 2,), -1.0, device=device)
+    recv_b, recv_f = torch.full((7,), -1.0, dtype=torch.bfloat16, device=device), flat[2:5]
+    want_b, want_f = torch.arange(7, dtype=torch.bfloat16) + prev, torch.full((3,), prev * 10.0)
+    # The CUDA case takes the staged path by itself; on the CPU it is called directly.
+    run = comm.send_recv if device_type == "cuda" else comm._send_recv_through_host
+    work = run(sends, [(prev, recv_b), (prev, recv_f)], async_op=True)
+    assert isinstance(work, Work), type(work)
+    if device_type == "cpu":
+        torch.distributed.barrier()  # the peer's data has arrived in the host buffers by now
+        assert bool((recv_b == -1).all()) and bool((flat == -1).all()), "written before wait()"
+    work.wait()
+    assert torch.equal(recv_b.cpu(), want_b) and torch.equal(recv_f.cpu(), want_f), (recv_b, recv_f)
+    assert bool((flat[:2] == -1).all()) and bool((flat[5:] == -1).all()), "a receive wrote outside its view"
+    recv_b.fill_(-1)
+    assert run(sends, [(prev, recv_b)] + [(prev, torch.empty(3, device=device))], async_op=False) is None
+    assert torch.equal(recv_b.cpu(), want_b)
+
+
+def test_send_recv_through_host_on_gloo():
+    """The host-staged ``send_recv`` (gloo's path for CUDA tensors), exercised with CPU tensors on 3 ranks."""
+    run_ranks(_through_host_body, 3, "cpu")
+
+
+@pytest.mark.gpu
+def test_send_recv_of_cuda_tensors_on_gloo():
+    """2 gloo ranks sharing the GPU: ``send_recv`` of CUDA tensors (bf16 and float32 views)
+    arrives, through host copies (gloo would read a device pointer as host memory)."""
+    _needs_cuda()
+    run_ranks(_through_host_body, 2, "cuda")
+
+
 # ---- CUDA: the event case ----------------------------------------------------------------------
 def _needs_cuda():
     if not torch.cuda.is_available():

@@ -26,13 +26,13 @@ parameter gradient and the gathered logits compared with one process.
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
   its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels
   likewise, its B | C one group that every rank receives.
+* The model table, ``build`` and the float64 forms live in ``ulysses_kernels.testing.hybrids``
+  (``python -m ulysses_kernels.bench.hybrid_step`` runs the same models on a GPU in bf16).
 * Without the mixers' exchange (each mixer back on its own forward, attention still
   switched) the same step is far from one process: what issue #38 found.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -47,60 +47,15 @@ from test_hf_packed import reference as reference_packed  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
 from ulysses_kernels.integrations.hf.mixers import HANDLED_MIXERS  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
-
-VOCAB = 61
-_ATTN = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 12, "max_position_embeddings": 64, "attn_implementation": "sdpa"}  # fmt: skip
-_GDN = {"linear_num_value_heads": 6, "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
-_MAMBA = {"mamba_n_heads": 6, "mamba_d_head": 8, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_expand": 1}
-
-# (name, config class, model class, the mixer class, config). Mamba2's chunk of 8 tokens: the
-# 13-token sequence is two chunks (the inter-chunk state passing runs). Qwen3-Next with dense
-# MLPs (``mlp_only_layers``): its MoE router's float32 softmax turns the float64 rounding of
-# one document run alone into float32 steps of the routing weights (1.6e-10 on the packed
-# logits, measured), which says nothing about the mixer; MoE under apply is tests/test_hf_models.py.
-MODELS = [
-    ("qwen3.5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5GatedDeltaNet", _ATTN | _GDN | {
-        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3}),
-    ("qwen3-next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3NextGatedDeltaNet", _ATTN | _GDN | {
-        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_only_layers": [0, 1]}),
-    ("olmo-hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", "OlmoHybridGatedDeltaNet", _ATTN | _GDN | {
-        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3, "pad_token_id": 0,
-        "bos_token_id": 1, "eos_token_id": 2}),
-    ("qwen3.5-moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeGatedDeltaNet", _ATTN | _GDN | {
-        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "experts_implementation": "eager"}),
-    ("kimi-linear", "KimiLinearConfig", "KimiLinearForCausalLM", "KimiLinearDeltaAttention", _ATTN | {
-        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_layer_types": ["dense", "dense"],
-        "linear_attn_config": {"head_dim": 8, "num_heads": 6, "short_conv_kernel_size": 4}, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-    ("bamba", "BambaConfig", "BambaForCausalLM", "BambaMixer", _ATTN | _MAMBA | {"num_hidden_layers": 3, "attn_layer_indices": [1]}),
-    ("nemotron-h", "NemotronHConfig", "NemotronHForCausalLM", "NemotronHMamba2Mixer", _ATTN | {
-        "layers_block_type": ["mamba", "attention", "mlp", "mamba"], "num_hidden_layers": 4, "mamba_num_heads": 6, "mamba_head_dim": 8,
-        "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4, "chunk_size": 8}),
-    ("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridMambaLayer", _ATTN | _MAMBA | {
-        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3, "position_embedding_type": "rope",
-        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 16, "experts_implementation": "eager",
-        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 4.0}),
-    # Zamba2: its shared attention reads 2 x hidden per token (the hidden state and the embeddings), heads of 2 x 48 / 4 (no
-    # head_dim); MHA: transformers' LoRA adapters of the shared block are sized for MHA (GQA with them fails in one process).
-    ("zamba2", "Zamba2Config", "Zamba2ForCausalLM", "Zamba2MambaMixer", {k: v for k, v in _ATTN.items() if k != "head_dim"} | {
-        "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"], "num_hidden_layers": 4, "n_mamba_heads": 6,
-        "mamba_expand": 1, "mamba_ngroups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "chunk_size": 8, "use_mem_rope": True,
-        "use_shared_attention_adapter": True, "adapter_rank": 4, "num_mem_blocks": 2, "num_key_value_heads": 4}),
-    ("falcon-h1", "FalconH1Config", "FalconH1ForCausalLM", "FalconH1Mixer", _ATTN | _MAMBA | {"num_hidden_layers": 2, "mamba_d_ssm": 48}),
-    ("jamba", "JambaConfig", "JambaForCausalLM", "JambaMambaMixer", _ATTN | {
-        "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
-        "mamba_expand": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False}),
-    ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "Lfm2ShortConv", _ATTN | {
-        "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3}),
-    ("lfm2-moe", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", "Lfm2MoeShortConv", _ATTN | {
-        "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3, "num_dense_layers": 1,
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "experts_implementation": "eager"}),
-    ("lfm3", "Lfm3Config", "Lfm3ForCausalLM", "Lfm3ShortConv", _ATTN | {
-        "layer_types": ["conv", "full_attention", "conv", "sliding_attention"], "num_hidden_layers": 4, "conv_L_cache": 7,
-        "sliding_window": 5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-]  # fmt: skip
+from ulysses_kernels.testing.hybrids import (  # noqa: E402 - MODELS, build, float64_kernels: the verl and ALST hybrid tests' too, from here
+    MODELS,
+    build,
+    float64_kernels,
+    gated_delta_rule_float64,
+    mamba2_scan_float64,
+    selective_scan_float64,
+    sharded_step,
+)
 
 RTOL, GRAD_RTOL = 1e-12, 1e-9
 # Parameters the models cast to float32 before use, so that their gradient is rounded to
@@ -148,167 +103,6 @@ def grad_tolerances(model) -> dict[str, float]:
     return {n: FLOAT32_RTOL if n in loose or n.endswith(cast) else GRAD_RTOL for n, _ in model.named_parameters()}
 
 
-def _gated_delta_rule_float64(query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    """``torch_recurrent_gated_delta_rule``'s recurrence in the inputs' dtype (no float32 cast):
-    per token, the state decays by ``exp(g)`` (per head, or per key channel: Kimi), takes the delta-rule update ``beta (v - S^T k)``
-    along ``k``, and is read by ``q / sqrt(Dk)`` (q, k L2-normalized)."""
-    hv, hk = value.shape[2], key.shape[2]
-    query, key = query.repeat_interleave(hv // hk, dim=2), key.repeat_interleave(hv // hk, dim=2)
-    if use_qk_l2norm_in_kernel:
-        query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
-        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
-    query = query * query.shape[-1] ** -0.5
-    g, beta = g.to(value.dtype), beta.to(value.dtype)
-    state = value.new_zeros(value.shape[0], hv, key.shape[-1], value.shape[-1])
-    outs = []
-    for t in range(value.shape[1]):
-        # GDN: one decay per head [B, H]; Kimi's KDA: one per key channel [B, H, Dk].
-        state = state * (g[:, t].exp()[..., None, None] if g.dim() == 3 else g[:, t].exp()[..., None])
-        delta = (value[:, t] - (state * key[:, t].unsqueeze(-1)).sum(-2)) * beta[:, t].unsqueeze(-1)
-        state = state + key[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
-        outs.append((state * query[:, t].unsqueeze(-1)).sum(-2))
-    return torch.stack(outs, dim=1), state if output_final_state else None
-
-
-def _mamba2_scan_float64(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
-                         dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):  # fmt: skip
-    """``mamba2_chunk_scan``'s SSM as a sequential scan in the inputs' dtype: per token and head,
-    ``state = exp(dt A) state + dt x B^T``, ``y = state C + D x``."""
-    heads, groups = hidden_states.shape[2], B.shape[2]
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dt.dtype)
-    if dt_softplus:
-        dt = torch.nn.functional.softplus(dt)
-    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    B, C = B.repeat_interleave(heads // groups, dim=2), C.repeat_interleave(heads // groups, dim=2)
-    A = A.to(hidden_states.dtype)
-    state = hidden_states.new_zeros(hidden_states.shape[0], heads, hidden_states.shape[3], B.shape[3])
-    outs = []
-    for t in range(hidden_states.shape[1]):
-        x, d = hidden_states[:, t], dt[:, t]
-        state = state * (d * A).exp()[..., None, None] + (d[..., None] * x).unsqueeze(-1) * B[:, t].unsqueeze(-2)
-        outs.append((state * C[:, t].unsqueeze(-2)).sum(-1) + (D[:, None] * x if D is not None else 0))
-    out = torch.stack(outs, dim=1)
-    return (out, state) if return_final_states else out
-
-
-def _selective_scan_float64(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False,
-                            **kwargs):  # fmt: skip
-    """``mamba_selective_scan``'s recurrence (Mamba1) in the inputs' dtype: per channel and token,
-    ``state = exp(dt A) state + dt x B``, ``y = state C + D x``, times ``silu(z)``; ``[B, I, S]``
-    x/dt/z, ``[B, N, S]`` B/C."""
-    dt = dt + delta_bias.to(dt.dtype)[..., None] if delta_bias is not None else dt
-    dt = torch.nn.functional.softplus(dt) if delta_softplus else dt
-    A = A.to(hidden_states.dtype)
-    state = hidden_states.new_zeros(hidden_states.shape[0], hidden_states.shape[1], A.shape[-1])
-    outs = []
-    for t in range(hidden_states.shape[2]):
-        d, x = dt[:, :, t], hidden_states[:, :, t]
-        state = (d[..., None] * A).exp() * state + (d * x)[..., None] * B[:, None, :, t]
-        outs.append((state * C[:, None, :, t]).sum(-1))
-    out = torch.stack(outs, dim=-1)
-    if D is not None:
-        out = out + hidden_states * D.to(hidden_states.dtype)[None, :, None]
-    if z is not None:
-        out = out * torch.nn.functional.silu(z)
-    return (out, state) if return_last_state else out
-
-
-def _rms_norm_float64(self, hidden_states):
-    """An RMSNorm (JambaRMSNorm, Zamba2RMSNorm) in the input's dtype (transformers' normalize in
-    float32). Jamba's x_proj
-    output goes through three of them (dt, B, C) inside the mixer: their float32 backward sums
-    in an order that depends on the tensors' layout, so the gradients upstream of them (x_proj,
-    the conv, in_proj) moved by float32 steps between two correct runs.
-    NOTE: measured in one process, apply against the model with float32 norms: x_proj 1.7e-8,
-    in_proj 2.7e-9, loss and logits 0."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def _gated_rms_norm_float64(self, hidden_states, gate=None):
-    """Zamba2RMSNormGated (Bamba's code) in the input's dtype: ``silu(gate)`` times the input,
-    normalized per group of ``group_size`` channels, times the weight."""
-    if gate is not None:
-        hidden_states = hidden_states * torch.nn.functional.silu(gate)
-    *prefix, last = hidden_states.shape
-    grouped = hidden_states.view(*prefix, last // self.group_size, self.group_size)
-    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return self.weight * grouped.view(*prefix, last)
-
-
-# Norms in float64 where the model's float32 ones move a packed check near its tolerance: Zamba2's
-# shared attention block, run at two layers, reads its RMSNorm's float32-rounded output.
-# NOTE: measured, Zamba2 packed at 4 ranks with its float32 norms: gradients 7.2e-7 (the shared
-# attention's q adapter; logits 7.8e-8), against 1e-6; with both norms in float64 in both runs:
-# 1.4e-15 (A_log, cast to float32 by the model, 7.1e-8).
-_FLOAT64_NORMS = {
-    "jamba": (("JambaRMSNorm", _rms_norm_float64),),
-    "zamba2": (("Zamba2RMSNorm", _rms_norm_float64), ("Zamba2RMSNormGated", _gated_rms_norm_float64)),
-}
-
-_FLOAT64_KERNELS = {
-    "jamba": ("mamba_selective_scan", _selective_scan_float64),
-    "qwen3_5": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
-    "qwen3_next": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
-    "olmo_hybrid": ("torch_chunk_gated_delta_rule", _gated_delta_rule_float64),
-    "kimi_linear": ("chunk_kimi_delta_attention", _gated_delta_rule_float64),
-    "bamba": ("mamba2_chunk_scan", _mamba2_scan_float64),
-    "nemotron_h": ("mamba2_chunk_scan", _mamba2_scan_float64),
-    "falcon_h1": ("mamba2_chunk_scan", _mamba2_scan_float64),
-    "granitemoehybrid": ("mamba2_chunk_scan", _mamba2_scan_float64),
-    "zamba2": ("mamba2_chunk_scan", _mamba2_scan_float64),
-}
-
-
-@contextlib.contextmanager
-def float64_kernels():
-    """The float64 recurrences above in place of the models' float32 fallbacks, in the modeling
-    modules both runs call them from, and the norms of ``_FLOAT64_NORMS`` (restored on exit)."""
-    import importlib
-
-    saved = []
-    try:
-        for family, (name, fn) in _FLOAT64_KERNELS.items():
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, fn)
-        for family, norms in _FLOAT64_NORMS.items():
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-            for name, fn in norms:
-                norm = getattr(module, name)
-                saved.append((norm, "forward", norm.forward))
-                norm.forward = fn
-        yield
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
-
-
-def build(case):
-    _, config_name, model_name, _, cfg = case
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**cfg)).double()
-    with torch.no_grad():  # Mamba2's D starts at 1 and its dt bias at 1 in some models: random, so that each matters per head
-        for name, p in model.named_parameters():
-            if name.endswith((".D", ".dt_bias", ".A_log")):
-                p.uniform_(0.2, 1.5)
-        for m in model.modules():  # MoE routers start at zero (every expert tied): random, so that routing matters
-            if type(m).__name__.endswith("TopKRouter"):
-                m.weight.normal_(std=0.5)
-    return model.train()
-
-
-def _step(model, batch, group):
-    out = model(**batch.model_inputs(loss=False))
-    loss = batch.loss(out.logits)
-    loss.backward()
-    hf.sync_gradients(model, group)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return hf.reduce_loss(loss, group), grads, hf.gather_sequence(out.logits.detach(), batch.shard, group)
-
-
 def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
@@ -343,12 +137,12 @@ def check_models(group, results, exact: bool):
         rtol = loss_rtol(case) if exact else OWN_KERNEL_RTOL
         for pad in (False, True)[: 2 if exact and world == 2 else 1]:  # padded shards: at 2 ranks (time)
             what = f"{name}, world {world}, {'padded' if pad else 'uneven'}, {'float64' if exact else 'own'} kernels"
-            got = _step(model, hf.shard_batch(ids, labels, group=group, pad=pad), group)
+            got = sharded_step(model, hf.shard_batch(ids, labels, group=group, pad=pad), group)
             results[(name, world, "padded" if pad else "uneven", exact)] = check_against(got, ref, tols, rtol, what)
         if exact:
             ref_packed = reference_packed(build(case), pids, plabels, cu)
             what = f"{name}, world {world}, packed"
-            got = _step(model, hf.shard_batch(pids, plabels, group=group, position_ids=positions), group)
+            got = sharded_step(model, hf.shard_batch(pids, plabels, group=group, position_ids=positions), group)
             tols, rtol = dict.fromkeys(tols, FLOAT32_RTOL), FLOAT32_RTOL  # see PACKED below FLOAT32_NORMS
             results[(name, world, "packed", exact)] = check_against(got, ref_packed, tols, rtol, what)
 
@@ -362,7 +156,7 @@ def check_without_mixers(group):
         for m in model.modules():
             if type(m).__name__ == case[3]:
                 del m.forward  # the instance attribute apply set: the class's forward again
-        _, grads, _ = _step(model, hf.shard_batch(ids, labels, group=group), group)
+        _, grads, _ = sharded_step(model, hf.shard_batch(ids, labels, group=group), group)
         worst = max(_rel(g, ref[1][n]) for n, g in grads.items())
         assert worst > 1e-3, f"{case[0]}: without the mixers' exchange the gradients are within {worst:.1e} of one process"
 
@@ -413,7 +207,7 @@ def test_world_of_one_matches_the_model():
             ref = reference_unpacked(build(case), ids, labels)
             model = hf.apply(build(case))
             assert all(hasattr(m, "_ulysses_mixer") for m in model.modules() if type(m).__name__ == case[3]), case[0]
-            got = _step(model, hf.shard_batch(ids, labels), None)
+            got = sharded_step(model, hf.shard_batch(ids, labels), None)
             check_against(got, ref, grad_tolerances(model), loss_rtol(case), f"{case[0]}, one process")
 
 
@@ -428,21 +222,21 @@ def test_float64_kernels_are_the_models_recurrences():
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     q, k, v = r(2, 13, 2, 8), r(2, 13, 2, 8), r(2, 13, 6, 8)
     decay, beta = -r(2, 13, 6).abs(), r(2, 13, 6).sigmoid()
-    ours = _gated_delta_rule_float64(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)[0]
+    ours = gated_delta_rule_float64(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)[0]
     theirs = modeling_qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
     close(ours, theirs.double(), 1e-5, "gated delta rule")
     from transformers.models.kimi_linear import modeling_kimi_linear
 
     q, k, v, decay = r(2, 13, 6, 8), r(2, 13, 6, 8), r(2, 13, 6, 8), -r(2, 13, 6, 8).abs()
-    ours = _gated_delta_rule_float64(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)[0]
+    ours = gated_delta_rule_float64(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)[0]
     theirs = modeling_kimi_linear.chunk_kimi_delta_attention(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
     close(ours, theirs.double(), 1e-5, "kimi delta rule")
     x, dt, a, bm, cm, d, bias = r(2, 13, 6, 8), r(2, 13, 6), -r(6).abs(), r(2, 13, 2, 8), r(2, 13, 2, 8), r(6), r(6)
     kw = {"D": d, "dt_bias": bias, "dt_softplus": True}
-    close(_mamba2_scan_float64(x, dt, a, bm, cm, 8, **kw), modeling_bamba.mamba2_chunk_scan(x, dt, a, bm, cm, 8, **kw).double(), 1e-5, "mamba2 scan")
+    close(mamba2_scan_float64(x, dt, a, bm, cm, 8, **kw), modeling_bamba.mamba2_chunk_scan(x, dt, a, bm, cm, 8, **kw).double(), 1e-5, "mamba2 scan")
     from transformers.models.jamba import modeling_jamba
 
     x, dt, z, a, bm, cm, d, bias = r(2, 12, 13), r(2, 12, 13), r(2, 12, 13), -r(12, 8).abs(), r(2, 8, 13), r(2, 8, 13), r(12), r(12)
     kw = {"D": d, "z": z, "delta_bias": bias, "delta_softplus": True}
     theirs = modeling_jamba.mamba_selective_scan(x, dt, a, bm, cm, **kw).double()
-    close(_selective_scan_float64(x, dt, a, bm, cm, **kw), theirs, 1e-5, "mamba1 selective scan")
+    close(selective_scan_float64(x, dt, a, bm, cm, **kw), theirs, 1e-5, "mamba1 selective scan")

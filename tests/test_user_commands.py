@@ -89,7 +89,7 @@ USER_MODULES = (
     "selftest",
     "memory",
     "demo",
-    *(f"bench.{name}" for name in ("alltoall", "attention", "host", "longctx", "overlap", "pack", "perf_model", "ring_balance", "summary")),
+    *(f"bench.{name}" for name in ("alltoall", "attention", "host", "hybrid_step", "longctx", "overlap", "pack", "perf_model", "ring_balance", "summary")),
 )
 
 

@@ -1,7 +1,10 @@
 """Communicators over ``torch.distributed``, and the one for a world of one without it.
 
 * ``TorchCommunicator(group)``: torch's collectives on the group, whatever its transport
-  (gloo, NCCL or any other torch has);
+  (gloo, NCCL or any other torch has); on gloo, CUDA tensors too (several processes sharing
+  one GPU, say): torch's gloo stages them through host memory for ``all_to_all_single``,
+  ``all_reduce`` and ``all_gather``, and this class does so for ``send_recv`` (gloo's
+  send/recv read and write the tensor's memory as host memory);
 * ``LocalCommunicator()``: world size 1 when ``torch.distributed`` is not initialized.
 
 Both implement ``ulysses_kernels.comm.Communicator``; with ``async_op=True`` they return
@@ -54,6 +57,10 @@ class TorchCommunicator:
         return Work(works=(work,)) if async_op else None
 
     def send_recv(self, sends, recvs, async_op=False):
+        # gloo alone (a "cpu:gloo,cuda:nccl" group sends its CUDA tensors over NCCL); the
+        # transport is looked up only when a tensor is off the host.
+        if any(t.device.type != "cpu" for _, t in (*sends, *recvs)) and transport(self.group) == "gloo":
+            return self._send_recv_through_host(sends, recvs, async_op)
         ops = [dist.P2POp(dist.isend, t, self._global(p), self.group) for p, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group) for p, t in recvs]
         works = dist.batch_isend_irecv(ops) if ops else []
@@ -61,6 +68,21 @@ class TorchCommunicator:
             return Work(works=works)
         for work in works:
             work.wait()
+        return None
+
+    def _send_recv_through_host(self, sends, recvs, async_op):
+        """``send_recv`` of device tensors over gloo, through host copies: the sends copied to
+        the host now (after the current stream's work on them), the receives into host
+        buffers, copied into ``recvs`` by the first ``wait()`` (at once without
+        ``async_op``). torch's own gloo collectives stage CUDA tensors the same way
+        (pinned copies on a side stream); its send/recv do not, and would hand gloo a device
+        pointer to read as host memory."""
+        host_sends = [(p, t.to("cpu")) for p, t in sends]
+        host_recvs = [(p, torch.empty(t.shape, dtype=t.dtype)) for p, t in recvs]
+        work = _CopyBack(self.send_recv(host_sends, host_recvs, async_op=True), [t for _, t in recvs], [t for _, t in host_recvs])
+        if async_op:
+            return Work(works=(work,))
+        work.wait()
         return None
 
     def all_gather_ints(self, values, device):
@@ -73,6 +95,20 @@ class TorchCommunicator:
         sizes = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(sizes, mine, group=self.group)
         return [t.tolist() for t in sizes]
+
+
+class _CopyBack:
+    """A host-side exchange's handle: ``wait()`` waits it, then copies each host buffer into
+    its device tensor (once)."""
+
+    def __init__(self, work, targets, sources):
+        self.work, self.pairs = work, list(zip(targets, sources))
+
+    def wait(self):
+        self.work.wait()
+        pairs, self.pairs = self.pairs, []
+        for target, source in pairs:
+            target.copy_(source)
 
 
 class LocalCommunicator:
