@@ -377,7 +377,7 @@ stage_recheck() {  # a short second call after a wave: what the wave found wrong
   [ "$TINY" = 1 ] && quick=(--quick --kernels torch,cuda)
   step selftest 120 "$PY" -m ulysses_kernels.selftest --timeout 45 "${quick[@]}" --json "$WAVE_DIR/selftest_w1.json" || true
   pytest_args
-  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_packed_ring.py tests/test_varlen_backends.py}
+  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_packed_ring.py tests/test_varlen_backends.py tests/test_comm.py}
   [ "$TINY" = 1 ] && tests="tests/test_kernel_registry.py"
   # shellcheck disable=SC2086  # $tests is a list of paths
   step gpu_tests 150 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true
@@ -386,8 +386,17 @@ stage_recheck() {  # a short second call after a wave: what the wave found wrong
     --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
-  m=${GPU_SESSION_ATTN_METHODS:-local,local-packed,layout-cuda,chain-layout,layout-cuda+graph}
+  m=${GPU_SESSION_ATTN_METHODS:-local,local-packed,local-packed-fa2,layout-cuda,chain-layout,layout-cuda+graph}
   step bench_attention 150 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" --methods "$m" -w 3 -n 15 --out-dir "$WAVE_DIR" || true
+  # #37: the cudnn packed kernel in a process of its own (a kernel fault must not cost the rows
+  # above), beside the dense rows it is a fraction of; #36: the layer's layout rows on the wide
+  # pack/unpack variant (the rows above ran the default variant).
+  step bench_attention_cudnn 90 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" --methods local,local-packed-cudnn -w 2 -n 8 --out-dir "$WAVE_DIR" || true
+  # #38: one bf16 step of two hybrids, hf.apply on 2 gloo ranks sharing the GPU against one process
+  # (flash-linear-attention from build/wheels; scripts/gpu_hybrid_step.sh)
+  [ "$TINY" = 1 ] || step hybrid_step 200 env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR" || true
+  step bench_layout_wide 60 env ULYSSES_KERNELS_PACK_VARIANT=wide "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" \
+    --methods layout-cuda,chain-layout,layout-cuda+graph -w 3 -n 15 --out-dir "$WAVE_DIR" || true
   if [ -n "${GPU_SESSION_EXTRA:-}" ]; then step extra 90 bash -c "$GPU_SESSION_EXTRA" || true; fi
   wave_record
 }
