@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2054  # comma lists below are flag values (--seqs 8K,32K), not array syntax
-# Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled; see
-# /work/.library/device/README.md): each `run` call runs one or more stages, in order.
+# Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled): each `run`
+# call runs one or more stages, in order.
+#
+# NEXT (the 2026-11-28 wave ran; its fixes and candidates wait for a GPU): ONE call, ~5 min,
+#   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels  # here
+#   GPU_SESSION_GIT_SHA=<sha of HEAD> GPU_SESSION_XDIST=8 GPU_SESSION_BUDGET_S=340 bash scripts/gpu_session.sh recheck
+#   # (device tool: timeout_s=360, carry=["build/wheels"]). It records into bench/results/<date>_<gpu>_recheck/:
+#   # the cuda `wide` pack variant against `new` (#36: set extension.DEFAULT_PACK_VARIANT to the winner),
+#   # the layout rows at 15 iterations (the 8K outlier), the packed fa2 and cudnn rows (#37: backends.PACKED_DEFAULT),
+#   # the hybrid bf16 step (#38), and the GPU tests of the fixes (SASS per built arch, bf16 bounds, transformers 5.17).
 #
 #   GPU_SESSION_GIT_SHA=<sha of HEAD> GPU_SESSION_XDIST=8 GPU_SESSION_BUDGET_S=565 bash scripts/gpu_session.sh wave
 #   # ONE call (device tool: timeout_s=600, carry=["build/wheels"]), ~9 min. Before it, here:
