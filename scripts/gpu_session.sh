@@ -394,12 +394,12 @@ stage_recheck() {  # a short second call after a wave: what the wave found wrong
     --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
-  m=${GPU_SESSION_ATTN_METHODS:-local,local-packed,local-packed-fa2,layout-cuda,chain-layout,layout-cuda+graph}
+  m=${GPU_SESSION_ATTN_METHODS:-local,local+graph,local-packed,local-packed+graph,local-packed-fa2,layout-cuda,chain-layout,layout-cuda+graph}
   step bench_attention 150 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" --methods "$m" -w 3 -n 15 --out-dir "$WAVE_DIR" || true
   # #37: the cudnn packed kernel in a process of its own (a kernel fault must not cost the rows
   # above), beside the dense rows it is a fraction of; #36: the layer's layout rows on the wide
   # pack/unpack variant (the rows above ran the default variant).
-  step bench_attention_cudnn 90 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" --methods local,local-packed-cudnn -w 2 -n 8 --out-dir "$WAVE_DIR" || true
+  step bench_attention_cudnn 90 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" --methods local,local+graph,local-packed-cudnn,local-packed-cudnn+graph -w 2 -n 8 --out-dir "$WAVE_DIR" || true
   # #38: one bf16 step of two hybrids, hf.apply on 2 gloo ranks sharing the GPU against one process
   # (flash-linear-attention from build/wheels; scripts/gpu_hybrid_step.sh)
   [ "$TINY" = 1 ] || step hybrid_step 200 env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR" || true

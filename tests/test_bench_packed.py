@@ -5,7 +5,9 @@ every row correct and compared with its equal-length twin."""
 from __future__ import annotations
 
 import json
+import types
 
+import pytest
 import torch
 
 from ulysses_kernels.bench import attention as att
@@ -61,3 +63,32 @@ def test_bench_attention_packed_rows(tmp_path, capfd):
     assert all(r["docs"] == att.packed_documents(128).count > 1 and r["x_equal"] > 0 and r["x_floor"] > 0 for r in packed)
     assert all(r["docs"] == 1 and r["x_equal"] is None for r in rows if r["method"] == "ulysses-torch")
     assert "x_equal" in out and "# wrong elements: 0 OK" in out
+
+
+def test_graphed_rows_skip_on_the_cpu_and_compare_with_the_graphed_dense_row():
+    """``local*+graph`` rows need a GPU (a clear skip here); their ``x_dense`` is against
+    ``local+graph`` where that ran (both without host time), else against ``local``."""
+    import importlib
+
+    from ulysses_kernels.bench.harness import Skip
+
+    methods = importlib.import_module("ulysses_kernels.bench.attention.methods")
+    report = importlib.import_module("ulysses_kernels.bench.attention.report")  # the package's `report` is a function
+
+    inp = types.SimpleNamespace(device=torch.device("cpu"))
+    for name in ("local+graph", "local-packed+graph", "local-packed-varlen+graph"):
+        with pytest.raises(Skip, match="a CUDA graph needs a GPU"):
+            methods.build_method(name, None, inp, None, 0, 1, 8, None, 1.0, None)
+
+    def row(method, tflops, time_ms=1.0):
+        return {"method": method, "pass": "fwd", "tflops": tflops, "time_ms": time_ms, "mem_gib": None}
+
+    rows = [row("local", 100.0), row("local+graph", 400.0), row("local-packed", 50.0), row("local-packed+graph", 200.0, 0.5)]
+    report._ratios(rows)
+    by = {r["method"]: r for r in rows}
+    assert by["local-packed"]["x_dense"] == 0.5  # eager against eager
+    assert by["local-packed+graph"]["x_dense"] == 0.5  # graphed against graphed (not 2.0 against eager)
+    assert by["local-packed+graph"]["x_floor"] == 0.5  # its time over local-packed's
+    assert by["local+graph"]["x_dense"] is None and by["local+graph"]["x_floor"] == 1.0
+    report._ratios(rows[:1] + rows[2:])  # no graphed dense row: against local
+    assert by["local-packed+graph"]["x_dense"] == 2.0

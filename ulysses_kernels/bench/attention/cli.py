@@ -42,6 +42,10 @@ Methods (``--methods``, default all that can run):
                cudnn, flex, loop), by default every one that runs here besides the pick and flex
                (named only: its first call compiles FlexAttention; that time, ``first_s``, is
                printed and kept out of the timing)
+  local+graph, local-packed+graph, local-packed-<kernel>+graph
+               the same call's forward and backward captured as CUDA graphs and replayed
+               (GPU only): the kernels without the host's time; their ``x_dense`` is against
+               ``local+graph`` where it ran
   layout-<k>   ours, data movement only: the packs/unpacks of one layer without the
                collectives (fwd: q/k/v pack + output unpack; bwd: dout pack + dq/dk/dv unpack)
   chain-layout the chain's permute copies without the collectives

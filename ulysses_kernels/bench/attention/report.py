@@ -55,7 +55,8 @@ def _ratios(rows):
         name = r["method"]
         floor = "local-packed" if name.startswith(("packed-", "local-packed")) else None if name.startswith("equal-") else "local"
         local = by.get((floor, r["pass"]))
-        dense = by.get(("local", r["pass"]))
+        # a graphed row against the graphed dense row (both without host time) where it ran
+        dense = (name.endswith("+graph") and by.get(("local+graph", r["pass"]))) or by.get(("local", r["pass"]))
         packed = name.startswith(("packed-", "local-packed"))
         r["x_dense"] = r["tflops"] / dense["tflops"] if packed and dense and r["tflops"] and dense["tflops"] else None
         r["x_chain"] = chain["time_ms"] / r["time_ms"] if chain else None
