@@ -61,6 +61,18 @@ MODELS = [
         "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_layer_types": ["dense", "dense"],
         "linear_attn_config": {"head_dim": 8, "num_heads": 6, "short_conv_kernel_size": 4}, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
         "qk_nope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Bailing Hybrid: KDA with one gate projection and the bounded (safe) gate, MLA attention, dense MLPs.
+    ("bailing-hybrid", "BailingHybridConfig", "BailingHybridForCausalLM", "BailingHybridDeltaAttention", _ATTN | {
+        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_layer_types": ["dense", "dense"],
+        "linear_head_dim": 8, "linear_num_heads": 6, "linear_conv_kernel_dim": 4, "kv_lora_rank": 16, "q_lora_rank": None,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4, "num_nextn_predict_layers": 0,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # The same with its unbounded gate (kda_safe_gate=False: Kimi's -exp(A_log) * softplus).
+    ("bailing-hybrid-softplus", "BailingHybridConfig", "BailingHybridForCausalLM", "BailingHybridDeltaAttention", _ATTN | {
+        "layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2, "mlp_layer_types": ["dense", "dense"],
+        "linear_head_dim": 8, "linear_num_heads": 6, "linear_conv_kernel_dim": 4, "kv_lora_rank": 16, "q_lora_rank": None,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4, "num_nextn_predict_layers": 0,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "kda_safe_gate": False}),
     ("bamba", "BambaConfig", "BambaForCausalLM", "BambaMixer", _ATTN | _MAMBA | {"num_hidden_layers": 3, "attn_layer_indices": [1]}),
     ("nemotron-h", "NemotronHConfig", "NemotronHForCausalLM", "NemotronHMamba2Mixer", _ATTN | {
         "layers_block_type": ["mamba", "attention", "mlp", "mamba"], "num_hidden_layers": 4, "mamba_num_heads": 6, "mamba_head_dim": 8,
@@ -179,6 +191,15 @@ def _gated_rms_norm_float64(self, hidden_states, gate=None):
     return self.weight * grouped.view(*prefix, last)
 
 
+def _sigmoid_gated_rms_norm_float64(self, hidden_states, gate=None):
+    """BailingHybridRMSNormGated in the input's dtype: normalized over the head, times the
+    weight, times ``sigmoid(gate)`` (transformers' runs in float32 whatever the input).
+    NOTE: measured, Bailing Hybrid at 2 ranks with its float32 gated norm: its weight's gradient
+    9.1e-8 from one process (the float32 sums over each rank's tokens), against 1e-9."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon)) * torch.sigmoid(gate)
+
+
 # Norms in float64 where the model's float32 ones move a packed check near its tolerance: Zamba2's
 # shared attention block, run at two layers, reads its RMSNorm's float32-rounded output.
 # NOTE: measured, Zamba2 packed at 4 ranks with its float32 norms: gradients 7.2e-7 (the shared
@@ -187,6 +208,7 @@ def _gated_rms_norm_float64(self, hidden_states, gate=None):
 _FLOAT64_NORMS = {
     "jamba": (("JambaRMSNorm", _rms_norm_float64),),
     "zamba2": (("Zamba2RMSNorm", _rms_norm_float64), ("Zamba2RMSNormGated", _gated_rms_norm_float64)),
+    "bailing_hybrid": (("BailingHybridRMSNormGated", _sigmoid_gated_rms_norm_float64),),
 }
 
 _FLOAT64_KERNELS = {
@@ -195,6 +217,7 @@ _FLOAT64_KERNELS = {
     "qwen3_next": ("torch_chunk_gated_delta_rule", gated_delta_rule_float64),
     "olmo_hybrid": ("torch_chunk_gated_delta_rule", gated_delta_rule_float64),
     "kimi_linear": ("chunk_kimi_delta_attention", gated_delta_rule_float64),
+    "bailing_hybrid": ("chunk_kimi_delta_attention", gated_delta_rule_float64),
     "bamba": ("mamba2_chunk_scan", mamba2_scan_float64),
     "nemotron_h": ("mamba2_chunk_scan", mamba2_scan_float64),
     "falcon_h1": ("mamba2_chunk_scan", mamba2_scan_float64),

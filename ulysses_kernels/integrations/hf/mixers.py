@@ -256,7 +256,7 @@ def _gdn_forward(project, norm_attr: str = "norm", out_attr: str = "out_proj"):
     return forward
 
 
-# ---- Kimi Delta Attention (Kimi-Linear): GDN with a per-channel forget gate --------------------------
+# ---- Kimi Delta Attention (Kimi-Linear, Bailing Hybrid): GDN with a per-channel forget gate -----------
 def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """Kimi-Linear's delta attention under Ulysses: per head q | k | v | the forget gate's
     pre-activation (``f_b_proj(f_a_proj(h))``, ``D`` each) | b, one all-to-all; the conv, the
@@ -265,8 +265,10 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     settings, shard = _context(self, kwargs, cache_params, attention_mask)
     bsz, seq, _ = hidden_states.shape
     d, fg = self.head_dim, self.forget_gate
+    bailing = hasattr(fg, "f_proj")  # Bailing Hybrid: one gate projection, its A_log per head, a bounded gate
     per_head = [p(hidden_states).reshape(bsz, seq, -1, d) for p in (self.q_proj, self.k_proj, self.v_proj)]
-    per_head.append(fg.f_b_proj(fg.f_a_proj(hidden_states)).reshape(bsz, seq, -1, d))
+    pre = fg.f_proj(hidden_states) if bailing else fg.f_b_proj(fg.f_a_proj(hidden_states))
+    per_head.append(pre.reshape(bsz, seq, -1, d))
     per_head.append(self.b_proj(hidden_states).unsqueeze(-1))
     (heads,) = _to_heads(settings, shard, torch.cat(per_head, -1))
     (h0, h1), _, _ = _ranges(settings)
@@ -275,9 +277,13 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     channels = torch.cat([_arange(h0, h1, d, i * self.qkv_dim, dev) for i in range(3)])
     mixed = _conv(self, self.conv1d, channels, shard, torch.cat([t.reshape(bsz, total, -1) for t in (q, k, v)], -1), self.activation)
     q, k, v = (t.reshape(bsz, total, h, d) for t in mixed.split([h * d] * 3, dim=-1))
-    # KimiLinearForgetGate.forward after its projections, on the rank's channels.
-    g = f.float() + fg.dt_bias[h0 * d : h1 * d].float().view(1, 1, h, d)
-    g = -torch.exp(fg.A_log[:, :, h0:h1].float()) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+    if bailing:  # BailingHybridForgetGate.forward after its projection, on the rank's channels
+        g = f.float() + fg.dt_bias[h0 * d : h1 * d].view(1, 1, h, d)
+        decay = fg.A_log[h0:h1].exp().view(1, 1, h, 1)
+        g = (fg.lower_bound * torch.sigmoid(decay * g) if fg.safe_gate else -decay * F.softplus(g)).to(hidden_states.dtype)
+    else:  # KimiLinearForgetGate.forward after its projections, on the rank's channels.
+        g = f.float() + fg.dt_bias[h0 * d : h1 * d].float().view(1, 1, h, d)
+        g = -torch.exp(fg.A_log[:, :, h0:h1].float()) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
     beta = b.squeeze(-1).sigmoid()
     rule = _kernel(self, "chunk_kimi_delta_attention")
 
@@ -285,7 +291,7 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
         return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
 
     out = _to_sequence(settings, shard, _per_document(shard, run, q, k, v, g, beta).contiguous())
-    gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(bsz, seq, -1, d)
+    gate = (self.g_proj(hidden_states) if bailing else self.g_b_proj(self.g_a_proj(hidden_states))).reshape(bsz, seq, -1, d)
     return self.o_proj(self.o_norm(out, gate).reshape(bsz, seq, -1))
 
 
@@ -401,7 +407,7 @@ _gdn_sizes = lambda m: (m.num_v_heads, m.num_k_heads)  # noqa: E731
 _register(("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_5), _gdn_sizes)
 _register(("Qwen3NextGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_next), _gdn_sizes)
 _register(("OlmoHybridGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_olmo_hybrid, "o_norm", "o_proj"), _gdn_sizes)
-_register(("KimiLinearDeltaAttention",), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
+_register(("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
 # GraniteMoeHybridMambaLayer is BambaMixer's code (transformers' modular file derives it, the
 # generated module copies the kernels it calls); Zamba2MambaMixer's torch path is the same
 # arithmetic (dt clamped below at time_step_min: its time_step_limit). Their decoder layers pass
