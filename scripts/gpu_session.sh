@@ -326,18 +326,28 @@ words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nv
 print(words[0] if words else "gpu")' 2>/dev/null || echo gpu
 }
 
-stage_wave() {
-  local slug tests compile a quick=()
+open_record() {  # open_record LABEL SUFFIX: WAVE_DIR (= RESULTS) is <date>_<gpu>SUFFIX under bench/results
+  # (TINY: under the run's own results folder), where the stage's records are committed from
+  local slug base=bench/results
   if [ "$DRY" = 1 ]; then slug=gpu; else slug=$(gpu_slug); fi
-  WAVE_DIR=$RESULTS/$(date -u +%F)_$slug
-  [ "$TINY" = 1 ] || WAVE_DIR=bench/results/$(date -u +%F)_$slug
+  [ "$TINY" = 1 ] && base=$RESULTS
+  WAVE_DIR=$base/$(date -u +%F)_$slug$2
   RESULTS=$WAVE_DIR
   [ "$DRY" = 1 ] || mkdir -p "$WAVE_DIR"
-  say "wave: records into $WAVE_DIR"
-  step info 60 "$PY" -m ulysses_kernels.info || true
+  say "$1: records into $WAVE_DIR"
+}
+
+record_info() {  # the record's copy of `info --json` (a failure is reported and counted, the stage goes on)
   if [ "$DRY" != 1 ] && ! timeout -k 5 60 "$PY" -m ulysses_kernels.info --json > "$WAVE_DIR/info.json" 2> "$LOG/info_json.err"; then
     say "FAILED   info --json (see $LOG/info_json.err)"; FAILED=1
   fi
+}
+
+stage_wave() {
+  local tests compile a quick=()
+  open_record wave ""
+  step info 60 "$PY" -m ulysses_kernels.info || true
+  record_info
   # The self-test: every path on this GPU against float64 (--timeout 45: its hang timer, 2 * 45
   # + 60 s, ends a stuck run inside the step). 210 paths took 15 s on the H200.
   [ "$TINY" = 1 ] && quick=(--quick --kernels torch,cuda)
@@ -371,16 +381,9 @@ stage_recheck() {  # a short second call after a wave: what the wave found wrong
   # pack variants side by side (GPU_SESSION_PACK_VARIANTS), bench.attention's rows named in
   # GPU_SESSION_ATTN_METHODS with more iterations, and GPU_SESSION_EXTRA (one more command, e.g. a
   # check of merged work). ~4-5 min on the H200 with a build.
-  local slug tests a m
-  if [ "$DRY" = 1 ]; then slug=gpu; else slug=$(gpu_slug); fi
-  WAVE_DIR=bench/results/$(date -u +%F)_${slug}_${GPU_SESSION_RECORD_TAG:-recheck}
-  [ "$TINY" = 1 ] && WAVE_DIR=$RESULTS/$(date -u +%F)_${slug}_${GPU_SESSION_RECORD_TAG:-recheck}
-  RESULTS=$WAVE_DIR
-  [ "$DRY" = 1 ] || mkdir -p "$WAVE_DIR"
-  say "recheck: records into $WAVE_DIR"
-  if [ "$DRY" != 1 ] && ! timeout -k 5 60 "$PY" -m ulysses_kernels.info --json > "$WAVE_DIR/info.json" 2> "$LOG/info_json.err"; then
-    say "FAILED   info --json (see $LOG/info_json.err)"; FAILED=1
-  fi
+  local tests a m
+  open_record recheck "_${GPU_SESSION_RECORD_TAG:-recheck}"
+  record_info
   local quick=()
   [ "$TINY" = 1 ] && quick=(--quick --kernels torch,cuda)
   step selftest 120 "$PY" -m ulysses_kernels.selftest --timeout 45 "${quick[@]}" --json "$WAVE_DIR/selftest_w1.json" || true
