@@ -835,3 +835,9 @@ def test_register_refuses_token_mixers(tmp_path):
     with pytest.raises(ALSTIntegrationError, match=match):
         UlyssesSPAttentionHF.register_with_transformers(path, "sdpa", 2, 1)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before  # refused before the interception
+    # An attention-free model whose mixers hf.apply runs (Mamba2): no attention for ALST to intercept.
+    path = str(tmp_path / "mamba2")
+    build_tiny("mamba2").config.save_pretrained(path)
+    with pytest.raises(ALSTIntegrationError, match=r"Mamba2Config has no num_attention_heads: .*hf\.apply\(model, group\)"):
+        UlyssesSPAttentionHF.register_with_transformers(path, "sdpa", 2, 1)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before

@@ -21,7 +21,8 @@ parameter gradient and the gathered logits compared with one process.
 * Models: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo Hybrid (Gated DeltaNet; OLMo's beta doubled), Jamba (Mamba1: three exchanges), Kimi-Linear (Kimi Delta
   Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 (Mamba2; Granite with
   top-2 of 4 eager experts, RoPE and its multipliers; Zamba2 with shared attention blocks and LoRA adapters), LFM2 (short conv; LFM2-MoE with
-  top-2 of 4 eager experts; LFM3 with its conv 7 wide, wider than a 4-rank shard, and a sliding-window layer).
+  top-2 of 4 eager experts; LFM3 with its conv 7 wide, wider than a 4-rank shard, and a sliding-window layer);
+  attention-free Mamba, Falcon-Mamba (Mamba1) and Mamba2 (their logits kept in float64: ``build``).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
   its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels
@@ -169,12 +170,37 @@ def check_without_mixers(group):
         assert worst > 1e-3, f"{case[0]}: without the mixers' exchange the gradients are within {worst:.1e} of one process"
 
 
+def check_checkpointed_micro_batches(group):
+    """Gradient checkpointing, two micro-batches forward (packed documents, then the ordinary
+    batch of other lengths), one backward: each layer's recompute runs on its own batch's shard.
+    The mixers whose step keywords are handed over by a pre-hook (Jamba's from its layer's call,
+    Mamba's and Mamba2's from the model's) would otherwise recompute the first batch on the
+    second's shard (transformers runs a checkpointed layer's hooks once, outside the recompute).
+    Gradients on this rank against the two batches' steps run one at a time."""
+    ids, labels = global_batch()
+    pids, plabels, positions, _ = packed_batch()
+    for case in [c for c in MODELS if c[0] in ("jamba", "mamba", "mamba2")]:
+        model = hf.apply(build(case), group)
+        batches = [hf.shard_batch(pids, plabels, group=group, position_ids=positions), hf.shard_batch(ids, labels, group=group)]
+        one_at_a_time = {}
+        for b in batches:
+            b.loss(model(**b.model_inputs(loss=False)).logits).backward()
+            for n, p in model.named_parameters():
+                one_at_a_time[n] = one_at_a_time.get(n, 0) + p.grad
+            model.zero_grad(set_to_none=True)
+        model.activation_checkpointing_enable()
+        sum(b.loss(model(**b.model_inputs(loss=False)).logits) for b in batches).backward()
+        for n, p in model.named_parameters():
+            close(p.grad, one_at_a_time[n], RTOL, f"{case[0]}: checkpointed micro-batches, grad of {n}")
+
+
 def job(rank, world):
     results = {}
     with float64_kernels():
         check_models(None, results, exact=True)
         if world == 2:
             check_without_mixers(None)
+            check_checkpointed_micro_batches(None)
     if world == 2:  # the models' own kernels: at 2 ranks (time; 4 ranks measured the same, see OWN_KERNEL_RTOL)
         check_models(None, results, exact=False)
     if rank == 0:

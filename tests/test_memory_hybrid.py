@@ -195,6 +195,7 @@ def test_mixer_description_and_refusals():
                         (transformers.FalconH1Config(mamba_rms_norm=True, mamba_norm_before_gate=False), "not mamba_norm_before_gate"),
                         (transformers.NemotronHConfig(layers_block_type=["mamba", "moe"]), r"\['moe'\].*mamba, attention and mlp blocks"),
                         (transformers.NemotronHConfig(layers_block_type=["mamba"], mlp_bias=True), "with mlp_bias"),
+                        (transformers.Mamba2Config(), "attention-free .* not model yet"),
                         (transformers.LlamaConfig(), "has no token mixer")):  # fmt: skip
         with pytest.raises(memory.UlyssesInputError, match=f"config '{config.model_type}'.*{why}"):
             Mixer.from_config(config)

@@ -200,6 +200,11 @@ def test_refused_when_preparing(uv):
         _patch(nxt, 4)
     assert nxt.config._attn_implementation != uv.ATTN_IMPLEMENTATION
     assert all("forward" not in vars(m) for m in nxt.modules())
+    # An attention-free model whose mixers hf.apply runs (Mamba2): verl's switch plans attention heads.
+    from ulysses_kernels.testing.tiny_models import build_tiny
+
+    with pytest.raises(uv.VerlIntegrationError, match=r"Mamba2ForCausalLM .*its config has no num_attention_heads"):
+        _patch(build_tiny("mamba2").float(), 2)
     # A mixer no layer type announces (a depthwise convolution over the sequence in an MLP): the audit finds it.
     conv = _qwen2()
     mlp = conv.model.layers[0].mlp

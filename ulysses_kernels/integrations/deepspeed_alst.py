@@ -372,8 +372,14 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             core_fn = core_fn.attn
 
         mixers, decoder = _audit(model_name_or_path if loaded else None, config, sequence_parallel_size)
-        groups = mesh.parallel_groups(sp_size=sequence_parallel_size)
         text = config.get_text_config()
+        if not isinstance(getattr(text, "num_attention_heads", None), int):
+            raise ALSTIntegrationError(
+                f"register_with_transformers: {type(text).__name__} has no num_attention_heads: ALST intercepts the model's "
+                "attention, which an attention-free model (Mamba, Mamba2, Falcon-Mamba) does not call; run it with "
+                "ulysses_kernels.integrations.hf.apply(model, group) (docs/hf.md)"
+            )
+        groups = mesh.parallel_groups(sp_size=sequence_parallel_size)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         uattn = cls(

@@ -68,7 +68,8 @@ Jamba's Mamba1 (``kind="mamba1"``: ``heads`` its channels, ``key_dim`` the state
 ``memory_step/mamba1.py`` (three exchanges and one back).
 
 Not modelled, refused by name (``Mixer.from_config``): MoE layers (Nemotron-H's MoE blocks,
-Jamba's experts), Falcon-H1's gate before its gated norm, projection biases.
+Jamba's experts), Falcon-H1's gate before its gated norm, projection biases, the attention-free
+Mamba, Falcon-Mamba and Mamba2 models (blocks without an MLP).
 """
 
 from __future__ import annotations
@@ -313,7 +314,10 @@ _MODELLED = (
     "Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Bamba's, Nemotron-H's and Falcon-H1's "
     "Mamba2, Jamba's Mamba1, LFM2's short convolution"
 )
-_NOT_MODELLED: dict[str, str] = {}
+# hf.apply runs these exact (docs/hf.md); their layers are norm -> mixer -> residual, no MLP and
+# no attention: a layer form the replay does not build yet.
+_ATTENTION_FREE = "attention-free (norm -> mixer blocks without an MLP), a layer form the calculator does not model yet"
+_NOT_MODELLED: dict[str, str] = {"mamba": _ATTENTION_FREE, "falcon_mamba": _ATTENTION_FREE, "mamba2": _ATTENTION_FREE}
 
 # Shapes of released models' Gated DeltaNet layers (their config.json); sizes of the rest
 # (hidden, heads, layers) come from the command line. The others: give their config.json.

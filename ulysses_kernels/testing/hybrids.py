@@ -39,6 +39,7 @@ VOCAB = 61
 _ATTN = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 12, "max_position_embeddings": 64, "attn_implementation": "sdpa"}  # fmt: skip
 _GDN = {"linear_num_value_heads": 6, "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
+_SSM = {"vocab_size": VOCAB, "hidden_size": 48, "num_hidden_layers": 2, "state_size": 8, "conv_kernel": 4, "expand": 1, "residual_in_fp32": False}
 _MAMBA = {"mamba_n_heads": 6, "mamba_d_head": 8, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_expand": 1}
 
 # (name, config class, model class, the mixer class, config). Mamba2's chunk of 8 tokens: the
@@ -91,6 +92,10 @@ MODELS = [
     ("jamba", "JambaConfig", "JambaForCausalLM", "JambaMambaMixer", _ATTN | {
         "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
         "mamba_expand": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False}),
+    # Attention-free: Mamba (Mamba1), Falcon-Mamba (Mamba1 with its dt/B/C norms), Mamba2 (Codestral Mamba's architecture).
+    ("mamba", "MambaConfig", "MambaForCausalLM", "MambaMixer", _SSM | {"time_step_rank": 8, "use_mambapy": False}),
+    ("falcon-mamba", "FalconMambaConfig", "FalconMambaForCausalLM", "FalconMambaMixer", _SSM | {"time_step_rank": 8, "use_mambapy": False}),
+    ("mamba2", "Mamba2Config", "Mamba2ForCausalLM", "Mamba2Mixer", _SSM | {"num_heads": 6, "head_dim": 8, "n_groups": 2, "chunk_size": 8}),
     ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "Lfm2ShortConv", _ATTN | {
         "layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "conv_L_cache": 3}),
     ("lfm2-moe", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", "Lfm2MoeShortConv", _ATTN | {
@@ -180,6 +185,11 @@ def _rms_norm_float64(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _weightless_rms_norm_float64(self, x):
+    """FalconMambaWeightlessRMSNorm (its mixer's dt/B/C norms) in the input's dtype."""
+    return self._norm(x)
+
+
 def _gated_rms_norm_float64(self, hidden_states, gate=None):
     """Zamba2RMSNormGated (Bamba's code) in the input's dtype: ``silu(gate)`` times the input,
     normalized per group of ``group_size`` channels, times the weight."""
@@ -209,10 +219,16 @@ _FLOAT64_NORMS = {
     "jamba": (("JambaRMSNorm", _rms_norm_float64),),
     "zamba2": (("Zamba2RMSNorm", _rms_norm_float64), ("Zamba2RMSNormGated", _gated_rms_norm_float64)),
     "bailing_hybrid": (("BailingHybridRMSNormGated", _sigmoid_gated_rms_norm_float64),),
+    "mamba": (("MambaRMSNorm", _rms_norm_float64),),
+    "falcon_mamba": (("FalconMambaRMSNorm", _rms_norm_float64), ("FalconMambaWeightlessRMSNorm", _weightless_rms_norm_float64)),
+    "mamba2": (("Mamba2RMSNorm", _rms_norm_float64), ("MambaRMSNormGated", _gated_rms_norm_float64)),
 }
 
 _FLOAT64_KERNELS = {
     "jamba": ("mamba_selective_scan", selective_scan_float64),
+    "mamba": ("mamba_selective_scan", selective_scan_float64),
+    "falcon_mamba": ("mamba_selective_scan", selective_scan_float64),
+    "mamba2": ("mamba2_chunk_scan", mamba2_scan_float64),
     "qwen3_5": ("torch_chunk_gated_delta_rule", gated_delta_rule_float64),
     "qwen3_next": ("torch_chunk_gated_delta_rule", gated_delta_rule_float64),
     "olmo_hybrid": ("torch_chunk_gated_delta_rule", gated_delta_rule_float64),
@@ -250,6 +266,21 @@ def float64_kernels():
             setattr(owner, name, fn)
 
 
+class _Float64Logits(torch.Tensor):
+    """Logits whose ``.float()`` keeps float64 (an alias on the autograd graph): Mamba's,
+    Falcon-Mamba's and Mamba2's causal LMs cast their logits to float32 (``lm_head(h).float()``),
+    which would round a float64 difference upstream to a float32 step in the loss and in every
+    gradient behind it.
+    NOTE: measured, Falcon-Mamba at 2 ranks with its float32 logits: loss 9.7e-8 from one process."""
+
+    def float(self, *args, **kwargs):
+        plain = self.as_subclass(torch.Tensor)
+        return plain if plain.dtype == torch.float64 else plain.float(*args, **kwargs)
+
+
+_FLOAT32_LOGITS = {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
+
+
 def build(case):
     """``case``'s model (a row of ``MODELS``), float64 on the CPU, seeded: the same weights every call."""
     import transformers
@@ -264,6 +295,8 @@ def build(case):
         for m in model.modules():  # MoE routers start at zero (every expert tied): random, so that routing matters
             if type(m).__name__.endswith("TopKRouter"):
                 m.weight.normal_(std=0.5)
+    if model_name in _FLOAT32_LOGITS:
+        model.lm_head.register_forward_hook(lambda module, args, out: out.as_subclass(_Float64Logits))
     return model.train()
 
 

@@ -65,6 +65,8 @@ _ATTENTION_NAME = re.compile(r"attention|attn", re.IGNORECASE)
 # tokens. transformers' GPT-2 ``Conv1D`` is a linear layer (excluded by type below).
 _POSITION_WISE_WORD = re.compile(r"(rms|layer|group)?norm|rotary|embeddings?|mlp|moe|experts?|router|dropout|activation|output", re.IGNORECASE)
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+")
+# A module whose name says it numbers positions (``embed_positions``, ``rotary_emb``, ``wpe``).
+_POSITION_MODULE = re.compile(r"position|rotary|pos_?emb|^wpe$", re.IGNORECASE)
 
 
 def _position_wise_name(name: str) -> bool:
@@ -234,13 +236,15 @@ def token_mixers(
     return list(found.values())
 
 
-def position_problems(model: torch.nn.Module, scope: torch.nn.Module | None = None) -> list[TokenMixer]:
+def position_problems(model: torch.nn.Module, scope: torch.nn.Module | None = None, reads_positions: bool = True) -> list[TokenMixer]:
     """Where ``model`` would number its positions from each rank's shard rather than take the
     global ``position_ids`` that ``shard_batch`` gives (found by the coverage walk: both ran with
     no error and wrong gradients):
 
     * a text model whose ``forward`` takes ``input_ids`` but no ``position_ids`` (BART-style
-      decoders: their learned positions count from 0 on every shard);
+      decoders: their learned positions count from 0 on every shard), unless nothing in it reads
+      a position (``reads_positions`` false: no attention, no module named for positions; Mamba's
+      and Mamba2's models, whose recurrences order the tokens themselves);
     * a learned position table with a ``padding_idx`` (RoBERTa's convention: positions start at
       ``padding_idx + 1`` and are made from ``input_ids``; ``shard_batch``'s start at 0)."""
     scope = model if scope is None else scope
@@ -249,7 +253,8 @@ def position_problems(model: torch.nn.Module, scope: torch.nn.Module | None = No
         params = inspect.signature(scope.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
         params = {}
-    if "input_ids" in params and "position_ids" not in params:
+    positional = reads_positions or any(_POSITION_MODULE.search(n.rsplit(".", 1)[-1]) for n, _ in scope.named_modules() if n)
+    if "input_ids" in params and "position_ids" not in params and positional:
         found.append(TokenMixer("", type(scope).__name__, "its forward takes no position_ids, so each rank would number its shard's positions from 0"))
     prefix = next((n for n, m in model.named_modules() if m is scope), "")
     for name, m in scope.named_modules():
@@ -289,9 +294,10 @@ def check_token_mixers(
     """Refuse ``model`` (``HFIntegrationError``, nothing changed) when a module mixes tokens along
     the sequence and is neither switched attention, nor in ``handled``, nor marked exact; see
     ``token_mixers``. ``caller`` starts the message (``"apply"``, ``"apply_monkey_patch"``, ...)."""
+    attention = list(attention)
     mixers = token_mixers(model, attention=attention, handled=handled, scope=scope)
     if not mixers:
-        positions = position_problems(model, scope)
+        positions = position_problems(model, scope, reads_positions=bool(attention))
         if positions:
             p = positions[0]
             raise HFIntegrationError(

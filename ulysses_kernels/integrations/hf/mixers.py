@@ -1,7 +1,8 @@
 """Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
-(Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo Hybrid), Kimi Delta Attention (Kimi-Linear), Mamba2 (Bamba,
-Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2), Jamba's Mamba1 (three exchanges: ``_mamba1_forward``)
-and LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by ``apply`` in the same call as
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo Hybrid), Kimi Delta Attention (Kimi-Linear, Bailing
+Hybrid), Mamba2 (Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2; attention-free Mamba2),
+Mamba1 (Jamba; attention-free Mamba and Falcon-Mamba: three exchanges, ``_mamba1_forward``) and
+LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by ``apply`` in the same call as
 attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
 reads); each runs exact against one process in tests/test_hf_hybrid.py.
 
@@ -295,7 +296,7 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     return self.o_proj(self.o_norm(out, gate).reshape(bsz, seq, -1))
 
 
-# ---- Mamba2: Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 ---------------------------------
+# ---- Mamba2: Mamba2, Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 -------------------------
 def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """A Mamba2 mixer under Ulysses (the module docstring); transformers 5.23's chunked torch
     path step by step (the fused ``mamba2_split_conv1d_scan_combined`` of mamba_ssm is the
@@ -343,14 +344,15 @@ def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None,
     return self.out_proj(out.to(dtype))
 
 
-# ---- Mamba1: Jamba ----------------------------------------------------------------------------------
+# ---- Mamba1: Jamba, Mamba, Falcon-Mamba ---------------------------------------------------------------
 def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-    """Jamba's Mamba1 mixer under Ulysses. Its ``x_proj`` mixes all ``I`` channels of a token
-    between the conv and the scan, so one exchange does not cover it: the channels (one element
-    a head, as LFM2's) go to the rank's shard for the conv, back to sequence shards for
-    ``x_proj`` and the dt/B/C norms (per token, local), then x | dt | the gate per channel and
-    B | C (one group: every rank gets it) to the rank's channels for the scan, and back: three
-    all-to-alls and the one back. The model's ``mamba_selective_scan`` per document."""
+    """A Mamba1 mixer under Ulysses (Jamba's, Mamba's, Falcon-Mamba's). Its ``x_proj`` mixes all
+    ``I`` channels of a token between the conv and the scan, so one exchange does not cover it:
+    the channels (one element a head, as LFM2's) go to the rank's shard for the conv, back to
+    sequence shards for ``x_proj`` and the dt/B/C norms (per token, local; Jamba and
+    Falcon-Mamba have them, Mamba not), then x | dt | the gate per channel and B | C (one group:
+    every rank gets it) to the rank's channels for the scan, and back: three all-to-alls and the
+    one back. The model's ``mamba_selective_scan`` per document."""
     settings, shard = _context(self, kwargs, cache_params, attention_mask)
     dtype = hidden_states.dtype
     x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, s, I] each
@@ -361,7 +363,8 @@ def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None,
     x = _to_sequence(settings, shard, conv.unsqueeze(-1).contiguous()).squeeze(-1)  # [B, s, I]
     n = self.ssm_state_size
     time_step, bm, cm = torch.split(self.x_proj(x), [self.time_step_rank, n, n], dim=-1)
-    time_step, bm, cm = self.dt_layernorm(time_step), self.b_layernorm(bm), self.c_layernorm(cm)
+    if hasattr(self, "dt_layernorm"):  # Jamba, Falcon-Mamba
+        time_step, bm, cm = self.dt_layernorm(time_step), self.b_layernorm(bm), self.c_layernorm(cm)
     dt = (self.dt_proj.weight @ time_step.transpose(1, 2)).transpose(1, 2)  # [B, s, I]; the scan adds the bias
     heads, groups = _to_heads(settings, shard, torch.stack([x, dt, gate], dim=-1), torch.cat([bm, cm], dim=-1).unsqueeze(2))
     x, dt, gate = heads.unbind(-1)  # [B, S, c]
@@ -413,20 +416,27 @@ _register(("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"), "kimi-del
 # arithmetic (dt clamped below at time_step_min: its time_step_limit). Their decoder layers pass
 # the step's keywords on.
 _register(
-    ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer"),
+    ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer"),
     "mamba2",
     _mamba2_forward,
     lambda m: (m.num_heads, m.n_groups),
 )
 # Lfm2MoeShortConv and Lfm3ShortConv are Lfm2ShortConv's code (LFM3's conv is 7 wide, torch only).
 _register(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
-_register(("JambaMambaMixer",), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
-# Families whose decoder layer calls the mixer without the step's keyword arguments (Jamba's
-# ``self.mamba(hidden_states=, cache_params=, attention_mask=)``): a pre-hook on that layer
-# hands the mixer this call's shard and group (``_LAYER_KWARGS``).
-_DROPPED_KWARGS = {"mamba1"}
-_LAYER_KWARGS = "_ulysses_layer_kwargs"
-_PARENT_ATTR = "_ulysses_parent"
+# Falcon-Mamba's mixer is Jamba's (dt/B/C norms, without weights); Mamba's has no norms.
+_register(("JambaMambaMixer", "MambaMixer", "FalconMambaMixer"), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
+# Mixers that the step's keyword arguments do not reach: Jamba's decoder layer calls its mixer
+# without them (``self.mamba(hidden_states=, cache_params=, attention_mask=)``); Mamba's and
+# Falcon-Mamba's blocks too, and their model calls the blocks without them; Mamba2's
+# ``Mamba2ForCausalLM`` calls its backbone without them. A pre-hook on the mixer's layer hands it
+# the shard and group of this call: from the layer's own keywords, else from those of the call to
+# the model ``apply`` switched (kept by a pre-hook on it). ``_hand_over``.
+_HANDED = {"JambaMambaMixer", "MambaMixer", "FalconMambaMixer", "Mamba2Mixer"}
+_LAYER_KWARGS = "_ulysses_layer_kwargs"  # on a mixer: the shard and group handed to it
+_PARENT_ATTR = "_ulysses_parent"  # on a mixer: its layer
+_HANDS_ATTR = "_ulysses_hands_to"  # on a layer: the mixers its pre-hook hands the keywords to
+_STEP_ATTR = "_ulysses_step_kwargs"  # on the model: the shard and group of its current call
+_WRAPPED_ATTR = "_ulysses_hands_on_recompute"  # on a layer's checkpoint function: wrapped
 
 _DESCRIBE = {
     "gated-deltanet": "Gated DeltaNet: conv1d + delta-rule recurrence per value head (key heads as GQA groups), over the whole sequence after one all-to-all",
@@ -447,7 +457,7 @@ def mixer_modules(model) -> list[torch.nn.Module]:
         for child in parent.children():
             if type(child).__name__ in _ADAPTERS:
                 found.append(child)
-                if _ADAPTERS[type(child).__name__][0] in _DROPPED_KWARGS:
+                if type(child).__name__ in _HANDED:
                     object.__setattr__(child, _PARENT_ATTR, parent)
     return found
 
@@ -484,35 +494,91 @@ def _per_step(forward: Callable) -> Callable:
     return run
 
 
-def switch_mixers(plans, group, comm) -> None:
+def switch_mixers(plans, group, comm, root: torch.nn.Module | None = None) -> None:
     """Give each planned mixer its settings and its sequence-parallel forward (on the
     instance). ``comm`` ``None``: the group and communicator come with each step
-    (``GROUP_KWARG``, beside the ``SequenceShard``), as verl's switch passes them."""
+    (``GROUP_KWARG``, beside the ``SequenceShard``), as verl's switch passes them. ``root``: the
+    model the user calls (``apply``'s), whose call's keywords a mixer that does not receive them
+    is handed (``_HANDED``)."""
     for m, plan in plans:
         family, forward, _ = _ADAPTERS[type(m).__name__]
         fn = forward if comm is not None else _per_step(forward)
-        if family in _DROPPED_KWARGS:
-            fn = _from_layer(m, fn)
+        if type(m).__name__ in _HANDED:
+            fn = _hand_over(m, fn, root)
         object.__setattr__(m, _SETTINGS_ATTR, _MixerSettings(group, comm, plan, family))
         object.__setattr__(m, "forward", types.MethodType(fn, m))
 
 
-def _from_layer(mixer, forward: Callable) -> Callable:
-    """``forward`` given the step's shard and group from the parent layer's call (a pre-hook
-    on the layer, registered once), for a layer that calls its mixer without them."""
+_STEP_KEYS = (_SHARD_KWARG, GROUP_KWARG)
+
+
+def _keep_step(root: torch.nn.Module) -> None:
+    """A pre-hook on ``root`` (registered once) keeping the shard and group of each call
+    (none: an unsharded call, which the mixers then refuse)."""
+    if getattr(root, "_ulysses_keeps_step", False):
+        return
+
+    def keep(model, args, kwargs):
+        object.__setattr__(model, _STEP_ATTR, {k: kwargs[k] for k in _STEP_KEYS if k in kwargs})
+
+    root.register_forward_pre_hook(keep, with_kwargs=True, prepend=True)
+    object.__setattr__(root, "_ulysses_keeps_step", True)
+
+
+def _hand_over(mixer, forward: Callable, root) -> Callable:
+    """``forward`` given the step's shard and group by a pre-hook on the mixer's layer (registered
+    once per layer): the layer call's own keywords, else ``root``'s call's (``_keep_step``).
+
+    transformers checkpoints a layer's ``forward`` with its hooks outside the checkpoint, so the
+    recompute in the backward runs without the pre-hook: were the mixer to read what the last
+    pre-hook handed it, a recompute after another forward (two micro-batches, then one backward)
+    would run on the other batch's shard. The layer's ``_gradient_checkpointing_func`` is wrapped
+    (at each call, as the model may turn checkpointing on later) so that the function it
+    checkpoints, first run and recompute alike, hands the mixers this call's keywords."""
     parent = getattr(mixer, _PARENT_ATTR, None)
     if parent is None:
         raise HFIntegrationError(f"apply: {type(mixer).__name__} was not found inside a layer (its layer passes the step's shard)")
-    if not getattr(parent, "_ulysses_hands_kwargs", False):
+    if root is not None:
+        _keep_step(root)
+    mixers = getattr(parent, _HANDS_ATTR, None)
+    if mixers is None:
+        mixers = []
 
         def hand(layer, args, kwargs):
-            picked = {k: kwargs[k] for k in (_SHARD_KWARG, GROUP_KWARG) if k in kwargs}
-            object.__setattr__(mixer, _LAYER_KWARGS, picked)
+            picked = {k: kwargs[k] for k in _STEP_KEYS if k in kwargs}
+            if _SHARD_KWARG not in picked and root is not None:
+                picked = getattr(root, _STEP_ATTR, {})
+            for m in mixers:
+                object.__setattr__(m, _LAYER_KWARGS, picked)
+            _hand_on_recompute(layer, mixers)
 
         parent.register_forward_pre_hook(hand, with_kwargs=True)
-        object.__setattr__(parent, "_ulysses_hands_kwargs", True)
+        object.__setattr__(parent, _HANDS_ATTR, mixers)
+    if all(m is not mixer for m in mixers):
+        mixers.append(mixer)
 
     def run(self, *args, **kwargs):
         return forward(self, *args, **{**getattr(self, _LAYER_KWARGS, {}), **kwargs})
 
     return run
+
+
+def _hand_on_recompute(layer: torch.nn.Module, mixers: list) -> None:
+    """Wrap ``layer``'s checkpoint function (when it has one) so that the function it checkpoints
+    hands ``mixers`` the keywords they hold now, at the first run and at the recompute."""
+    checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+    if checkpoint is None or getattr(checkpoint, _WRAPPED_ATTR, False):
+        return
+
+    def checkpointed(function, *args, **kwargs):
+        handed = [(m, getattr(m, _LAYER_KWARGS, {})) for m in mixers]
+
+        def with_handed(*a, **k):
+            for m, kw in handed:
+                object.__setattr__(m, _LAYER_KWARGS, kw)
+            return function(*a, **k)
+
+        return checkpoint(with_handed, *args, **kwargs)
+
+    setattr(checkpointed, _WRAPPED_ATTR, True)
+    object.__setattr__(layer, "_gradient_checkpointing_func", checkpointed)

@@ -139,8 +139,10 @@ def apply(
     Args:
         model: a ``transformers.PreTrainedModel`` whose self-attention uses ``AttentionInterface``:
             causal (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, GPT-OSS, Qwen3-MoE, ... families) or
-            bidirectional (BERT, ModernBERT, ViT: each layer's ``is_causal``); no cross-attention,
-            no ``output_router_logits`` (``router_loss`` is the global load-balancing loss).
+            bidirectional (BERT, ModernBERT, ViT: each layer's ``is_causal``); hybrids whose other
+            token mixers ``mixers.HANDLED_MIXERS`` names, and models with those mixers alone
+            (Mamba, Falcon-Mamba, Mamba2); no cross-attention, no ``output_router_logits``
+            (``router_loss`` is the global load-balancing loss).
         group: the sequence-parallel process group (default: the world), or an ``SPGroups``
             (``make_sp_groups``: Ulysses x ring; plain causal attention only, equal
             shards, contiguous or zigzag, packed or not: ``shard_batch(..., pad=True)``). Pass the same to
@@ -191,8 +193,6 @@ def apply(
     modules = [m for m in _attention_modules(model) if texts is None or m.config is texts.config]
     # Every other module that mixes tokens along the sequence must be one apply makes exact.
     check_token_mixers(model, HANDLED_MIXERS, attention=modules, scope=texts)
-    if not modules:
-        raise HFIntegrationError(f"apply: found no attention modules in {type(model).__name__}")
     # Resolved before the model is switched, so that a refusal leaves it as it was.
     inner = []
     for m in modules:
@@ -203,6 +203,8 @@ def apply(
     # mixers.HANDLED_MIXERS), planned here so that a layer whose heads cannot be split is refused
     # before anything changes.
     mixers = _plan_mixers(model if texts is None else texts, group, comm)
+    if not modules and not mixers:
+        raise HFIntegrationError(f"apply: found no attention modules (nor any other token mixer it runs) in {type(model).__name__}")
     # The long-context pieces (they refuse before changing anything, as the checks above).
     enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
                         offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
@@ -222,7 +224,7 @@ def apply(
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
         object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
-    switch_mixers(mixers, group, shared.comm)
+    switch_mixers(mixers, group, shared.comm, root=model)
     if texts is not None:
         prepare_multimodal(model)  # the text model's and the top-level model's pre-hooks
     return model
