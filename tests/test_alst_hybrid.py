@@ -34,8 +34,9 @@ from ulysses_kernels.testing import run_ranks  # noqa: E402
 # A GDN hybrid (layer 0 a GDN), a Mamba2 one, Mamba1 (its layer drops the kwargs), and
 # GraniteMoeHybrid: its model does not pass position_ids to its decoder layers (transformers
 # 5.23; Granite, GraniteMoe and Bamba do), so its attention runs on the shard the decoder
-# pre-hook made from the model's position ids (it was refused at the first step before).
-CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "jamba", "granitemoehybrid")]
+# pre-hook made from the model's position ids (it was refused at the first step before);
+# RecurrentGemma (RG-LRU blocks beside local attention).
+CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "jamba", "granitemoehybrid", "recurrent-gemma")]
 DOCS = (15, 12, 10)  # 37 tokens: 19 + 18 on 2 ranks, document boundaries inside a shard and across
 # NOTE: the one sequence is 36 tokens (18 + 18). At 37 (19 + 18) and 38 (19 + 19) Bamba's
 # gradients are within 3.8e-8 / 2.8e-8 of one process (the layer-0 Mamba2's in_proj, conv, D,

@@ -22,7 +22,9 @@ parameter gradient and the gathered logits compared with one process.
   Attention, MLA attention), Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2 (Mamba2; Granite with
   top-2 of 4 eager experts, RoPE and its multipliers; Zamba2 with shared attention blocks and LoRA adapters), LFM2 (short conv; LFM2-MoE with
   top-2 of 4 eager experts; LFM3 with its conv 7 wide, wider than a 4-rank shard, and a sliding-window layer);
-  attention-free Mamba, Falcon-Mamba (Mamba1) and Mamba2 (their logits kept in float64: ``build``).
+  attention-free Mamba, Falcon-Mamba (Mamba1) and Mamba2 (their logits kept in float64: ``build``);
+  RecurrentGemma (RG-LRU blocks of 4 heads, local MQA attention; its float32 scan and norms in float64);
+  Zamba (multi-head Mamba1: one exchange, its shared attention block over [hidden, embeddings]).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
   its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels
@@ -194,6 +196,21 @@ def check_checkpointed_micro_batches(group):
             close(p.grad, one_at_a_time[n], RTOL, f"{case[0]}: checkpointed micro-batches, grad of {n}")
 
 
+def check_rg_lru_positions(group):
+    """RecurrentGemma restarts its recurrence where a position is 0 and scales the first token
+    otherwise: with positions from 5 (a continued sequence) the logits differ from positions
+    from 0 by 4.6e-2 (measured); the ranks read each token's flag from its global position
+    (sent with the block's heads) and match one process with the same positions."""
+    ids, labels = global_batch()
+    positions = torch.arange(5, 5 + ids.shape[1]).expand(ids.shape[0], -1)
+    case = next(c for c in MODELS if c[0] == "recurrent-gemma")
+    ref = build(case)(input_ids=ids, position_ids=positions, use_cache=False).logits.detach()
+    model = hf.apply(build(case), group)
+    batch = hf.shard_batch(ids, labels, group=group, position_ids=positions)
+    out = model(**batch.model_inputs(loss=False)).logits.detach()
+    close(hf.gather_sequence(out, batch.shard, group), ref, RTOL, "recurrent-gemma, positions from 5: logits")
+
+
 def job(rank, world):
     results = {}
     with float64_kernels():
@@ -201,6 +218,7 @@ def job(rank, world):
         if world == 2:
             check_without_mixers(None)
             check_checkpointed_micro_batches(None)
+            check_rg_lru_positions(None)
     if world == 2:  # the models' own kernels: at 2 ranks (time; 4 ranks measured the same, see OWN_KERNEL_RTOL)
         check_models(None, results, exact=False)
     if rank == 0:

@@ -35,8 +35,9 @@ from test_verl import _mesh, _verl_on_cpu  # noqa: E402
 
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
-# A GDN hybrid (layer 0 a GDN), Mamba2 ones (GraniteMoeHybrid: MoE), Mamba1 (its layer drops the kwargs).
-CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "granitemoehybrid", "jamba")]
+# A GDN hybrid (layer 0 a GDN), Mamba2 ones (GraniteMoeHybrid: MoE), Mamba1 (its layer drops the kwargs),
+# RecurrentGemma (its RG-LRU restarts where a position is 0: each rank's flags from verl's sliced positions).
+CASES = [c for c in MODELS if c[0] in ("qwen3.5", "bamba", "granitemoehybrid", "jamba", "recurrent-gemma")]
 DOCS = (20, 17)
 
 

@@ -92,6 +92,19 @@ MODELS = [
     ("jamba", "JambaConfig", "JambaForCausalLM", "JambaMambaMixer", _ATTN | {
         "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
         "mamba_expand": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False}),
+    # Zamba (v1): Mamba1 in 4 heads of 12 channels, each with its own x_proj/dt_proj, and a shared attention block over
+    # [hidden, embeddings] (2 x 48 wide, 4 heads of 24) at layers 2 and 4 (transformers ties the shared block's weights to
+    # layer 2's: it needs two hybrid layers, the first at 2).
+    ("zamba", "ZambaConfig", "ZambaForCausalLM", "ZambaMambaMixer", {
+        "vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 5, "attn_layer_period": 3, "attn_layer_offset": 1,
+        "attention_hidden_size": 96, "attention_head_dim": 24, "num_attention_heads": 4, "num_key_value_heads": 4, "n_mamba_heads": 4,
+        "mamba_expand": 1, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_dt_rank": 8, "use_associative_scan": False,
+        "attn_implementation": "sdpa", "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # RecurrentGemma (Griffin): RG-LRU blocks (4 heads of 12 channels) and a local-attention layer (MQA), partial RoPE, logit softcap.
+    ("recurrent-gemma", "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", "RecurrentGemmaRecurrentBlock", {
+        "vocab_size": VOCAB, "hidden_size": 48, "lru_width": 48, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 12, "num_hidden_layers": 3, "block_types": ["recurrent", "attention", "recurrent"], "attention_window_size": 64,
+        "conv1d_width": 4, "attn_implementation": "sdpa", "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Attention-free: Mamba (Mamba1), Falcon-Mamba (Mamba1 with its dt/B/C norms), Mamba2 (Codestral Mamba's architecture).
     ("mamba", "MambaConfig", "MambaForCausalLM", "MambaMixer", _SSM | {"time_step_rank": 8, "use_mambapy": False}),
     ("falcon-mamba", "FalconMambaConfig", "FalconMambaForCausalLM", "FalconMambaMixer", _SSM | {"time_step_rank": 8, "use_mambapy": False}),
@@ -185,6 +198,20 @@ def _rms_norm_float64(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _one_plus_rms_norm_float64(self, x):
+    """RecurrentGemmaRMSNorm (Gemma's ``1 + weight``) in the input's dtype."""
+    return self._norm(x) * (1.0 + self.weight)
+
+
+def _rnn_scan_in_input_dtype(own):
+    """RecurrentGemmaRglru's ``_rnn_scan`` (``own``) accumulating in the inputs' dtype (the model's: float32)."""
+
+    def scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=None):
+        return own(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=hidden_states.dtype)
+
+    return scan
+
+
 def _weightless_rms_norm_float64(self, x):
     """FalconMambaWeightlessRMSNorm (its mixer's dt/B/C norms) in the input's dtype."""
     return self._norm(x)
@@ -219,6 +246,8 @@ _FLOAT64_NORMS = {
     "jamba": (("JambaRMSNorm", _rms_norm_float64),),
     "zamba2": (("Zamba2RMSNorm", _rms_norm_float64), ("Zamba2RMSNormGated", _gated_rms_norm_float64)),
     "bailing_hybrid": (("BailingHybridRMSNormGated", _sigmoid_gated_rms_norm_float64),),
+    "recurrent_gemma": (("RecurrentGemmaRMSNorm", _one_plus_rms_norm_float64),),
+    "zamba": (("ZambaRMSNorm", _rms_norm_float64),),
     "mamba": (("MambaRMSNorm", _rms_norm_float64),),
     "falcon_mamba": (("FalconMambaRMSNorm", _rms_norm_float64), ("FalconMambaWeightlessRMSNorm", _weightless_rms_norm_float64)),
     "mamba2": (("Mamba2RMSNorm", _rms_norm_float64), ("MambaRMSNormGated", _gated_rms_norm_float64)),
@@ -227,6 +256,7 @@ _FLOAT64_NORMS = {
 _FLOAT64_KERNELS = {
     "jamba": ("mamba_selective_scan", selective_scan_float64),
     "mamba": ("mamba_selective_scan", selective_scan_float64),
+    "zamba": ("mamba_selective_scan", selective_scan_float64),
     "falcon_mamba": ("mamba_selective_scan", selective_scan_float64),
     "mamba2": ("mamba2_chunk_scan", mamba2_scan_float64),
     "qwen3_5": ("torch_chunk_gated_delta_rule", gated_delta_rule_float64),
@@ -254,6 +284,10 @@ def float64_kernels():
             module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, fn)
+        from transformers.models.recurrent_gemma import modeling_recurrent_gemma as rg
+
+        saved.append((rg.RecurrentGemmaRglru, "_rnn_scan", rg.RecurrentGemmaRglru._rnn_scan))
+        rg.RecurrentGemmaRglru._rnn_scan = _rnn_scan_in_input_dtype(rg.RecurrentGemmaRglru._rnn_scan)
         for family, norms in _FLOAT64_NORMS.items():
             module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             for name, fn in norms:

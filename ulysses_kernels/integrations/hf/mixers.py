@@ -1,9 +1,9 @@
 """Ulysses for the token mixers of hybrid models that are not attention: Gated DeltaNet
 (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo Hybrid), Kimi Delta Attention (Kimi-Linear, Bailing
 Hybrid), Mamba2 (Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2; attention-free Mamba2),
-Mamba1 (Jamba; attention-free Mamba and Falcon-Mamba: three exchanges, ``_mamba1_forward``) and
-LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by ``apply`` in the same call as
-attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
+Mamba1 (Jamba; attention-free Mamba and Falcon-Mamba: three exchanges, ``_mamba1_forward``),
+Zamba's multi-head Mamba1 (one exchange), RecurrentGemma's RG-LRU block and LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by
+``apply`` in the same call as attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
 reads); each runs exact against one process in tests/test_hf_hybrid.py.
 
 Per head, each of these layers is a function of the whole sequence (a causal depthwise
@@ -383,6 +383,92 @@ def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None,
     return self.out_proj(out.to(dtype))
 
 
+# ---- Zamba's multi-head Mamba1 -----------------------------------------------------------------------
+def _zamba_mamba_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """Zamba's Mamba mixer under Ulysses: Mamba1 split into ``n_mamba_heads`` heads, each with its
+    own ``x_proj`` / ``dt_proj`` over its channels, so (unlike Mamba1's one ``x_proj`` over all
+    channels) per head it is a function of the whole sequence: x | the gate per head (``in_proj``
+    interleaves them: channel ``c``'s x is row ``2c``, its gate ``2c + 1``), one all-to-all; the
+    conv on the rank's channels, the head's ``x_proj``, ``dt_proj`` and ``mamba_selective_scan``
+    per document; back; ``out_proj`` locally."""
+    settings, shard = _context(self, kwargs, cache_params, attention_mask)
+    dtype = hidden_states.dtype
+    bsz, seq, _ = hidden_states.shape
+    heads, dim = self.n_mamba_heads, self.mamba_head_dim
+    (local,) = _to_heads(settings, shard, self.in_proj(hidden_states).reshape(bsz, seq, heads, 2 * dim))
+    (h0, h1), _, _ = _ranges(settings)
+    total, h = local.shape[1], local.shape[2]
+    x, gate = local.reshape(bsz, total, h, dim, 2).unbind(-1)  # [B, S, h, P] each
+    x = _conv(self, self.conv1d, torch.arange(h0 * dim, h1 * dim, device=x.device), shard, x.reshape(bsz, total, h * dim), self.activation)
+    x = x.reshape(bsz, total, h, dim)
+    n, rank = self.ssm_state_size, self.time_step_rank
+    a_neg = -torch.exp(self.A_log[h0:h1].float())
+    bias = self.dt_proj_bias[h0:h1].float() if self.dt_proj_bias is not None else None
+    scan = _kernel(self, "mamba_selective_scan")
+
+    def run(x, gate):  # one document, [B, L, h, P]: ZambaMambaMixer's per-head step
+        outs = []
+        for i in range(h):
+            xi = x[:, :, i].transpose(1, 2)  # [B, P, L]
+            time_step, bm, cm = torch.split((self.x_proj_weight[h0 + i] @ xi).transpose(1, 2), [rank, n, n], dim=-1)
+            dt = self.dt_proj_weight[h0 + i] @ time_step.transpose(1, 2)
+            outs.append(scan(xi, dt, a_neg[i], bm.transpose(1, 2), cm.transpose(1, 2), D=self.D[h0 + i].float(), z=gate[:, :, i].transpose(1, 2),
+                             delta_bias=None if bias is None else bias[i], delta_softplus=True, return_last_state=False, use_mambapy=False,
+                             use_associative_scan=self.use_associative_scan))  # fmt: skip
+        return torch.stack(outs, dim=2).transpose(1, 3)  # [B, L, h, P]
+
+    out = _to_sequence(settings, shard, _per_document(shard, run, x, gate).contiguous())  # [B, s, H, P]
+    return self.out_proj(out.reshape(bsz, seq, -1).to(dtype))
+
+
+# ---- RecurrentGemma's RG-LRU block (Griffin) -------------------------------------------------------
+def _rg_lru_forward(self, input_states, position_ids=None, attention_mask=None, use_cache=True, **kwargs):
+    """RecurrentGemma's recurrent block (Griffin's conv1d + RG-LRU) under Ulysses. The RG-LRU's
+    gates are block-diagonal, one ``lru_width / heads`` block a head, so per head the block is a
+    function of the whole sequence: ``linear_x``'s output per head, with each token's reset flag
+    (its global position is 0: the model restarts the recurrence there) as one more column, to
+    the rank's heads (one all-to-all); the depthwise conv on the rank's channels and the RG-LRU
+    with the rank's gate blocks and ``recurrent_param`` slice, per document (from a zero state,
+    resets where the model's positions are 0: a packed document's first token); back; times the
+    ``linear_y`` branch and ``linear_out`` locally."""
+    settings, shard = _context(self, kwargs, True if use_cache else None, None)
+    bsz, seq, _ = input_states.shape
+    lru = self.rg_lru
+    width = lru.block_width
+    y = self.act_fn(self.linear_y(input_states))
+    if position_ids is None:
+        raise HFIntegrationError(f"{type(self).__name__}: called without position_ids (the global positions of the shard's tokens)")
+    flag = (position_ids == 0).to(input_states.dtype).expand(bsz, seq)
+    x = self.linear_x(input_states).reshape(bsz, seq, lru.num_attention_heads, width)
+    (x,) = _to_heads(settings, shard, torch.cat([x, flag[:, :, None, None].expand(bsz, seq, x.shape[2], 1)], -1))
+    (h0, h1), _, _ = _ranges(settings)
+    total, h = x.shape[1], x.shape[2]
+    reset = x[:, :, 0, width] > 0.5  # [B, S]
+    x = x[..., :width].reshape(bsz, total, h * width)
+    rows = slice(h0 * width, h1 * width)
+    conv = self.conv_1d
+    weight, bias = conv.weight[rows], None if conv.bias is None else conv.bias[rows]
+    sqrt_bound = _kernel(self, "SqrtBoundDerivative").apply
+    decay = F.softplus(lru.recurrent_param[rows])
+
+    def gate(act, weight, bias):  # the block-diagonal gate of the rank's heads, per token
+        blocks = act.reshape(-1, h, width).permute(1, 0, 2)
+        return torch.sigmoid(torch.baddbmm(bias[h0:h1, None, :], blocks, weight[h0:h1]).transpose(0, 1).reshape(act.shape))
+
+    def run(x, reset):  # RecurrentGemmaRecurrentBlock's conv, then RecurrentGemmaRglru.forward (from a zero state)
+        length = x.shape[1]
+        x = F.conv1d(x.transpose(1, 2), weight, bias, padding=conv.padding[0], groups=h * width)[..., :length].transpose(1, 2)
+        reset = reset[:, :, None]
+        log_a = -8.0 * gate(x, lru.recurrent_gate_weight, lru.recurrent_gate_bias) * decay
+        normalized = x * gate(x, lru.input_gate_weight, lru.input_gate_bias)
+        normalized = normalized * (reset + ~reset * sqrt_bound(1 - torch.exp(2 * log_a))).type(x.dtype)
+        return lru._rnn_scan(hidden_states=normalized, recurrent_gate=torch.exp(log_a), reset=reset, recurrent_states=None)[0]
+
+    out = _per_document(shard, run, x, reset)
+    out = _to_sequence(settings, shard, out.reshape(bsz, total, h, width).contiguous()).reshape(bsz, seq, -1)
+    return self.linear_out(out * y), None
+
+
 # ---- LFM2's short convolution (LFM2, LFM2-MoE, LFM3) ----------------------------------------------
 def _short_conv_forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
     """LFM2's gated short convolution under Ulysses: ``B * x`` to the rank's channels (one
@@ -423,6 +509,8 @@ _register(
 )
 # Lfm2MoeShortConv and Lfm3ShortConv are Lfm2ShortConv's code (LFM3's conv is 7 wide, torch only).
 _register(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
+_register(("ZambaMambaMixer",), "zamba-mamba", _zamba_mamba_forward, lambda m: (m.n_mamba_heads, m.n_mamba_heads))
+_register(("RecurrentGemmaRecurrentBlock",), "rg-lru", _rg_lru_forward, lambda m: (m.rg_lru.num_attention_heads, m.rg_lru.num_attention_heads))
 # Falcon-Mamba's mixer is Jamba's (dt/B/C norms, without weights); Mamba's has no norms.
 _register(("JambaMambaMixer", "MambaMixer", "FalconMambaMixer"), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
 # Mixers that the step's keyword arguments do not reach: Jamba's decoder layer calls its mixer
@@ -445,6 +533,10 @@ _DESCRIBE = {
     "mamba1": "Mamba1: conv1d over the rank's channels, x_proj per token on sequence shards, the selective scan per channel "
     "(B/C one group) over the whole sequence: three all-to-alls",
     "short-conv": "LFM2 gated short convolution: the depthwise conv over the rank's channels, over the whole sequence after one all-to-all",
+    "zamba-mamba": "Zamba's multi-head Mamba1: conv1d, each head's x_proj/dt_proj and the selective scan per head, over the whole "
+    "sequence after one all-to-all",
+    "rg-lru": "RecurrentGemma's recurrent block: the depthwise conv and the RG-LRU per head block (its gates block-diagonal), over the "
+    "whole sequence after one all-to-all",
 }
 HANDLED_MIXERS: dict[str, str] = {name: _DESCRIBE[family] for name, (family, _, _) in _ADAPTERS.items()}
 
