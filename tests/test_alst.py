@@ -818,7 +818,7 @@ def test_errors(tmp_path):
 
 def test_register_refuses_token_mixers(tmp_path):
     """hf.apply's audit runs in register_with_transformers before any group is made: a hybrid
-    whose mixer hf.mixers does not run (MiniMax's lightning attention) given by path (audited as built on the
+    whose mixer hf.mixers does not run (xLSTM's mLSTM) given by path (audited as built on the
     meta device) is refused by its mixer's class and place; nothing is registered. (A hybrid
     whose mixers run is switched by path as well as loaded: tests/test_alst_hybrid.py.)"""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -827,10 +827,10 @@ def test_register_refuses_token_mixers(tmp_path):
     from ulysses_kernels.testing.tiny_models import build_tiny
 
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    model = build_tiny("minimax")
-    match = r"register_with_transformers: MiniMaxForCausalLM has a module that mixes tokens .* MiniMaxLightningAttention at "
-    match += r"model\.layers\.1\.self_attn"
-    path = str(tmp_path / "minimax")
+    model = build_tiny("xlstm")
+    match = r"register_with_transformers: xLSTMForCausalLM has a module that mixes tokens .* xLSTMLayer at "
+    match += r"backbone\.blocks\.0\.mlstm_layer"
+    path = str(tmp_path / "xlstm")
     model.config.save_pretrained(path)
     with pytest.raises(ALSTIntegrationError, match=match):
         UlyssesSPAttentionHF.register_with_transformers(path, "sdpa", 2, 1)

@@ -24,7 +24,8 @@ parameter gradient and the gathered logits compared with one process.
   top-2 of 4 eager experts; LFM3 with its conv 7 wide, wider than a 4-rank shard, and a sliding-window layer);
   attention-free Mamba, Falcon-Mamba (Mamba1) and Mamba2 (their logits kept in float64: ``build``);
   RecurrentGemma (RG-LRU blocks of 4 heads, local MQA attention; its float32 scan and norms in float64);
-  Zamba (multi-head Mamba1: one exchange, its shared attention block over [hidden, embeddings]).
+  Zamba (multi-head Mamba1: one exchange, its shared attention block over [hidden, embeddings]);
+  MiniMax (lightning attention in blocks of 8, top-2 of 4 experts).
 * Head layouts: GDN 6 value heads over 2 key heads, Kimi 6 heads, Mamba2 6 heads over 2 groups: at 4
   ranks 2, 2, 1, 1 heads per rank, a key head / group split over two ranks (sent to both,
   its gradient summed back); LFM2's 48 channels as 48 one-element heads; Jamba's 48 channels

@@ -237,7 +237,7 @@ def _walk_job(rank, world, types, path):
 
 def test_walk_exact_on_two_ranks(tmp_path):
     table = _docs_table()
-    # Every model the table lists as exact (106 with transformers 5.23; the whole file: 74 to 143 s on 2 loaded cores).
+    # Every model the table lists as exact (107 with transformers 5.23; the whole file: 74 to 143 s on 2 loaded cores).
     types = sorted(t for t, cell in table.items() if cell.startswith("exact"))
     path = str(tmp_path / "walk.json")
     run_ranks(_walk_job, 2, types, path)

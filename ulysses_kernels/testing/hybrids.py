@@ -92,6 +92,10 @@ MODELS = [
     ("jamba", "JambaConfig", "JambaForCausalLM", "JambaMambaMixer", _ATTN | {
         "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
         "mamba_expand": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False}),
+    # MiniMax: lightning attention (blocks of 8: the 13 tokens are two) beside softmax attention, top-2 of 4 eager experts.
+    ("minimax", "MiniMaxConfig", "MiniMaxForCausalLM", "MiniMaxLightningAttention", _ATTN | {
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3, "block_size": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "experts_implementation": "eager"}),
     # Zamba (v1): Mamba1 in 4 heads of 12 channels, each with its own x_proj/dt_proj, and a shared attention block over
     # [hidden, embeddings] (2 x 48 wide, 4 heads of 24) at layers 2 and 4 (transformers ties the shared block's weights to
     # layer 2's: it needs two hybrid layers, the first at 2).

@@ -2,7 +2,8 @@
 (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo Hybrid), Kimi Delta Attention (Kimi-Linear, Bailing
 Hybrid), Mamba2 (Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid, Zamba2; attention-free Mamba2),
 Mamba1 (Jamba; attention-free Mamba and Falcon-Mamba: three exchanges, ``_mamba1_forward``),
-Zamba's multi-head Mamba1 (one exchange), RecurrentGemma's RG-LRU block and LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by
+Zamba's multi-head Mamba1 (one exchange), MiniMax's lightning attention, RecurrentGemma's RG-LRU
+block and LFM2's short convolution (LFM2, LFM2-MoE, LFM3), switched by
 ``apply`` in the same call as attention. ``HANDLED_MIXERS`` names every class made exact (what ``apply``'s refusal audit
 reads); each runs exact against one process in tests/test_hf_hybrid.py.
 
@@ -383,6 +384,42 @@ def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None,
     return self.out_proj(out.to(dtype))
 
 
+# ---- MiniMax's lightning attention ------------------------------------------------------------------
+def _lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    """MiniMax's lightning attention (causal linear attention with a per-head decay, computed in
+    blocks of ``block_size``) under Ulysses: q | k | v per head (after the projection's
+    activation), one all-to-all; the model's blocked recurrence with the rank's heads' decay
+    buffers, per document; back; the norm over all heads, the output gate and ``out_proj``
+    locally. The blocked form is the same sum at any blocking, so the rank's whole-sequence run
+    is one process's."""
+    settings, shard = _context(self, kwargs, past_key_values, attention_mask)
+    bsz, seq, _ = hidden_states.shape
+    d = self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(bsz, seq, self.num_attention_heads, 3 * d)
+    (local,) = _to_heads(settings, shard, qkv)  # [B, S, h, 3 D]
+    (h0, h1), _, _ = _ranges(settings)
+    slope, q_decay, k_decay = self.slope_rate[h0:h1], self.query_decay[h0:h1], self.key_decay[h0:h1]
+    diag = self.diagonal_decay[:, h0:h1]  # [1, h, block, block]
+    block = self.block_size
+
+    def run(qkv):  # one document [B, L, h, 3 D]: MiniMaxLightningAttention.forward's blocked loop, no cache
+        q, k, v = qkv.transpose(1, 2).split(d, dim=-1)  # [B, h, L, D]
+        length = q.shape[2]
+        state = q.new_zeros(q.shape[0], q.shape[1], d, d)
+        outs = []
+        for start in range(0, length, block):
+            n = min(block, length - start)
+            qb, kb, vb = q[:, :, start : start + n], k[:, :, start : start + n], v[:, :, start : start + n]
+            intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * diag[:, :, :n, :n], vb)
+            outs.append(torch.matmul(qb * q_decay[:, :n], state) + intra)
+            state = state * torch.exp(-slope * n) + torch.matmul((kb * k_decay[:, -n:]).transpose(-1, -2), vb)
+        return torch.cat(outs, dim=-2).transpose(1, 2)  # [B, L, h, D]
+
+    out = _to_sequence(settings, shard, _per_document(shard, run, local).contiguous()).reshape(bsz, seq, -1)
+    out = torch.sigmoid(self.output_gate(hidden_states)) * self.norm(out)
+    return self.out_proj(out), None
+
+
 # ---- Zamba's multi-head Mamba1 -----------------------------------------------------------------------
 def _zamba_mamba_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """Zamba's Mamba mixer under Ulysses: Mamba1 split into ``n_mamba_heads`` heads, each with its
@@ -509,6 +546,7 @@ _register(
 )
 # Lfm2MoeShortConv and Lfm3ShortConv are Lfm2ShortConv's code (LFM3's conv is 7 wide, torch only).
 _register(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
+_register(("MiniMaxLightningAttention",), "lightning", _lightning_forward, lambda m: (m.num_attention_heads, m.num_attention_heads))
 _register(("ZambaMambaMixer",), "zamba-mamba", _zamba_mamba_forward, lambda m: (m.n_mamba_heads, m.n_mamba_heads))
 _register(("RecurrentGemmaRecurrentBlock",), "rg-lru", _rg_lru_forward, lambda m: (m.rg_lru.num_attention_heads, m.rg_lru.num_attention_heads))
 # Falcon-Mamba's mixer is Jamba's (dt/B/C norms, without weights); Mamba's has no norms.
@@ -533,6 +571,7 @@ _DESCRIBE = {
     "mamba1": "Mamba1: conv1d over the rank's channels, x_proj per token on sequence shards, the selective scan per channel "
     "(B/C one group) over the whole sequence: three all-to-alls",
     "short-conv": "LFM2 gated short convolution: the depthwise conv over the rank's channels, over the whole sequence after one all-to-all",
+    "lightning": "MiniMax's lightning attention: the blocked causal linear attention with a per-head decay, over the whole sequence after one all-to-all",
     "zamba-mamba": "Zamba's multi-head Mamba1: conv1d, each head's x_proj/dt_proj and the selective scan per head, over the whole "
     "sequence after one all-to-all",
     "rg-lru": "RecurrentGemma's recurrent block: the depthwise conv and the RG-LRU per head block (its gates block-diagonal), over the "
