@@ -26,6 +26,7 @@ from ulysses_kernels import HeadPlan  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
 from ulysses_kernels.integrations.hf.adapter import _GlobalMask, _ulysses_mask  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
+from ulysses_kernels.testing.reference import one_process_step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 13  # divides neither 2 nor 4
@@ -106,18 +107,13 @@ def global_batch():
     return ids, labels
 
 
-def reference(model, ids, labels):
-    """One process, whole sequence, float64: loss, parameter grads and logits."""
-    logits = model(input_ids=ids).logits
-    target = labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
-    loss = loss / (target != -100).sum()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+def reference(model, ids, labels, **inputs):
+    """One process, whole sequence, float64: loss, parameter grads and logits
+    (``testing.reference.one_process_step``), and transformers' own loss (``out.loss``)."""
+    loss, grads, logits = one_process_step(model, ids, labels, **inputs)
     with torch.no_grad():
-        hf_loss = model(input_ids=ids, labels=labels).loss
-    return loss.detach(), grads, logits.detach(), hf_loss
+        hf_loss = model(input_ids=ids, labels=labels, **inputs).loss
+    return loss, grads, logits, hf_loss
 
 
 def close(a, b, rtol, what):

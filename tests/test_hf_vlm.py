@@ -24,6 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_hf import close  # noqa: E402
+from test_hf import reference as text_reference  # noqa: E402
 
 from ulysses_kernels.integrations import hf  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
@@ -117,17 +118,8 @@ def global_batch(family: str, images=IMAGES, rows: int = 2, seq: int = SEQ):
 
 def reference(model, ids, labels, vision):
     """One process, the model's own forward with its pixel values: loss, grads, logits, and
-    transformers' own loss."""
-    logits = model(input_ids=ids, **vision).logits
-    target = labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
-    loss = loss / (target != -100).sum()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        hf_loss = model(input_ids=ids, labels=labels, **vision).loss
-    return loss.detach(), grads, logits.detach(), hf_loss
+    transformers' own loss (``test_hf.reference``)."""
+    return text_reference(model, ids, labels, **vision)
 
 
 # Vision towers that compute in float32 whatever the model dtype: the Qwen towers apply their

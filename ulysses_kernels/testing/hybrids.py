@@ -10,9 +10,10 @@ ALST and GPU-step tests built on it) and ``python -m ulysses_kernels.bench.hybri
   place of transformers' float32 fallbacks (and of flash-linear-attention / mamba_ssm when
   those are installed), in the modeling modules both a one-process run and a sharded run call
   them from: a reference that rounds at float64 only;
-* ``one_process_step`` / ``sharded_step``: one training step (loss, every parameter gradient,
-  the logits) of a model in one process, and of a model under ``hf.apply`` on its shard (the
-  loss reduced, the gradients synced, the logits gathered over the group).
+* ``one_process_step`` (``testing.reference``'s) / ``sharded_step``: one training step (loss,
+  every parameter gradient, the logits) of a model in one process, and of a model under
+  ``hf.apply`` on its shard (the loss reduced, the gradients synced, the logits gathered over
+  the group).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import torch
 
 from ..integrations import hf
+from .reference import one_process_step
 
 __all__ = [
     "MODELS",
@@ -336,22 +338,6 @@ def build(case):
     if model_name in _FLOAT32_LOGITS:
         model.lm_head.register_forward_hook(lambda module, args, out: out.as_subclass(_Float64Logits))
     return model.train()
-
-
-def one_process_step(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """One step of ``model`` on the whole ``[batch, seq]`` batch in this process: the mean
-    next-token loss over the labels that are not -100 (half-precision logits upcast to
-    float32, as ``SequenceShard.loss`` does on the ranks), ``{name: gradient}`` and the logits
-    ``[batch, seq, vocab]`` (detached); the gradients are cleared on the model afterwards."""
-    logits = model(input_ids=ids, use_cache=False).logits
-    scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    target = labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(scores[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
-    loss = loss / (target != -100).sum()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads, logits.detach()
 
 
 def sharded_step(model, batch, group) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:

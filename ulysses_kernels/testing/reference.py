@@ -5,7 +5,9 @@
 * ``packed_attention_reference``: the same for a packed sequence, one document at a time
   (each document run on its own, as one process would without packing);
 * ``contiguous_shard``: the rows of a global tensor that one rank holds under ``seq_lens``
-  (contiguous shards; ``ulysses_kernels.shard_sequence`` shards for a 2-D group).
+  (contiguous shards; ``ulysses_kernels.shard_sequence`` shards for a 2-D group);
+* ``one_process_step``: one training step of a transformers model in one process (loss,
+  gradients, logits), what a step under ``hf.apply`` must equal.
 
 Built from the explicit softmax of ``ulysses_kernels.math_attention``.
 """
@@ -16,7 +18,7 @@ import torch
 
 from ..math_attention import default_scale, math_attention
 
-__all__ = ["attention_reference", "packed_attention_reference", "contiguous_shard"]
+__all__ = ["attention_reference", "contiguous_shard", "one_process_step", "packed_attention_reference"]
 
 
 def attention_reference(q, k, v, causal=True, softmax_scale=None, dtype=torch.float64):
@@ -37,3 +39,20 @@ def contiguous_shard(x: torch.Tensor, seq_lens, rank: int) -> torch.Tensor:
     """Rows of ``x`` (``[B, S, ...]``) that rank ``rank`` holds under ``seq_lens``."""
     start = sum(seq_lens[:rank])
     return x[:, start : start + seq_lens[rank]]
+
+
+def one_process_step(model, ids: torch.Tensor, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """One training step of a transformers causal LM on the whole ``[batch, seq]`` batch in this
+    process (``inputs``: the model's other inputs, e.g. a vision-language model's pixel values):
+    the mean next-token loss over the labels that are not -100 (half-precision logits upcast to
+    float32, as ``SequenceShard.loss`` does on the ranks), ``{name: gradient}`` and the logits
+    ``[batch, seq, vocab]`` (detached); the gradients are cleared on the model afterwards."""
+    logits = model(input_ids=ids, use_cache=False, **inputs).logits
+    scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    target = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(scores[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+    loss = loss / (target != -100).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, logits.detach()
