@@ -396,7 +396,11 @@ def test_mask_function():
     assert torch.equal(eager[0, 0] == 0, kv <= q) and (eager[0, 0][kv > q] == torch.finfo(f64).min).all()
     assert sliding.build("flash_attention_2", shard, f64, cpu) is None  # the window travels as a parameter
     _raises("cannot rebuild", _ulysses_mask, **sizes, mask_function=mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: q >= 0))
-    _raises("cannot rebuild", _ulysses_mask, **sizes, mask_function=mu.chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long)))
+    # Llama 4's chunked mask: the chunk is recorded and built over global positions (chunks of 3 over 8 tokens)
+    chunked = _ulysses_mask(**sizes, mask_function=mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)))
+    assert chunked.chunk == 3 and not chunked.covers(8) and chunked.covers(3)
+    assert torch.equal(chunked.build("sdpa", shard, f64, cpu)[0, 0], (kv <= q) & (kv // 3 == q // 3))
+    _raises("chunked mask over left padding", _ulysses_mask, **sizes, mask_function=mu.chunked_causal_mask_function(3, torch.tensor([0, 1])))
     _raises("KV cache", _ulysses_mask, batch_size=2, q_length=1, kv_length=5, q_offset=4)
     _raises("padding attention_mask", _ulysses_mask, **sizes, attention_mask=torch.tensor([[True] * 4, [False] + [True] * 3]))
 

@@ -95,11 +95,26 @@ class _GlobalMask:
     mask_kwargs: dict
     packed: bool = False  # transformers saw restarting positions on this rank (packed documents)
     causal: bool = True  # False: bidirectional (an encoder's mask; its window is a distance, both ways)
+    chunk: int | None = None  # chunked causal attention (Llama 4): tokens attend within chunks of this many
 
     def covers(self, total: int) -> bool:
         """The mask hides nothing over ``total`` tokens but the causal order (no window, or
-        one that long: a causal window of ``w`` tokens, a bidirectional one of distance ``w``)."""
+        one that long: a causal window of ``w`` tokens, a bidirectional one of distance ``w``;
+        no chunk shorter than the sequence)."""
+        if self.chunk is not None and self.chunk < total:
+            return False
         return self.window is None or self.window >= (total if self.causal else total - 1)
+
+    def documents(self, shard: SequenceShard) -> Documents | None:
+        """The documents the mask overlays: the step's, each cut into chunks of ``chunk`` tokens
+        counted from the document's start (a chunked layer attends within one: over an unpacked
+        sequence transformers' chunks of indices, in a packed one each document's chunks as the
+        document alone has them)."""
+        if self.chunk is None or self.chunk >= shard.total:
+            return shard.documents
+        spans = shard.documents.spans() if shard.documents is not None else [(0, shard.total)]
+        cuts = sorted({c for a, b in spans for c in range(a, b, self.chunk)} | {shard.total})
+        return Documents(tuple(cuts), max(b - a for a, b in zip(cuts[:-1], cuts[1:])))
 
     def build(self, impl: str, shard: SequenceShard, dtype: torch.dtype, device: torch.device):
         """The mask ``impl``'s attention expects over the global sequence: what one process
@@ -109,7 +124,7 @@ class _GlobalMask:
 
         if impl not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # as transformers does
             return None
-        key = (impl, self.window, self.causal, self.mask_kwargs.get("allow_is_causal_skip", True), dtype, device)
+        key = (impl, self.window, self.causal, self.chunk, self.mask_kwargs.get("allow_is_causal_skip", True), dtype, device)
         if key not in shard._masks:
             # Batch 1: every row of the batch has the same mask (no padding), broadcast by the attention.
             shard._masks[key] = ALL_MASK_ATTENTION_FUNCTIONS[impl](
@@ -130,9 +145,10 @@ class _GlobalMask:
         kwargs = {"mask_function": base, **self.mask_kwargs}
         if not self.causal:
             kwargs.setdefault("allow_is_bidirectional_skip", True)  # None when nothing is hidden: sdpa's is_causal=False
-        if shard.documents is None:
+        documents = self.documents(shard)
+        if documents is None:
             return kwargs
-        ids = document_ids(shard.documents.cu_seqlens, device).unsqueeze(0)
+        ids = document_ids(documents.cu_seqlens, device).unsqueeze(0)
         overlay = mu.and_masks(mu.packed_sequence_mask_function(ids), kwargs["mask_function"])
         return {**kwargs, "mask_function": overlay, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}
 
@@ -248,6 +264,12 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     if not causal:
         _check_bidirectional(name, settings, shard)
     docs = _packed(module, settings, shard, mask, kwargs)
+    if mask.chunk is not None and not mask.covers(shard.total) and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
+        raise HFIntegrationError(
+            f"{name}: chunked attention (chunks of {mask.chunk} tokens over {shard.total}) runs sequence-parallel on the "
+            f"'eager' or 'sdpa' implementation (their mask carries the chunks); this model runs {settings.inner_impl!r}"
+        )
+    query = _global_temperature(module, shard, query)
     if not _plain(settings, shard, mask, module, kwargs):
         if isinstance(settings.group, SPGroups):
             raise HFIntegrationError(
@@ -269,6 +291,29 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     if check:
         shard._checked.add(sig)
     return out, None
+
+
+def _global_temperature(module, shard: SequenceShard, query: torch.Tensor) -> torch.Tensor:
+    """Llama 4's NoPE layers scale each query by a factor of its position (attention temperature
+    tuning: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``, in float32), with ``p`` the
+    index the module counts in the hidden states it sees: on a shard, the shard's own from 0.
+    Rescaled here to the global index (in a packed document: its index in the document, as the
+    document alone has it). ``query`` ``[B, H, s_local, D]``."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    if shard.ring_layout is not None:
+        raise HFIntegrationError(f"{type(module).__name__}: attention temperature tuning (NoPE layers) under a zigzag 2-D layout is not supported")
+    local = torch.arange(query.shape[2], device=query.device)
+    index = local + shard.start
+    if shard.documents is not None:
+        starts = torch.tensor(shard.documents.cu_seqlens[:-1], device=query.device)
+        index = index - starts[torch.searchsorted(starts, index, right=True) - 1]
+
+    def scale(p):  # Llama4TextAttention's, in float32 as the model computes it
+        return torch.log1p(torch.floor((p.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    ratio = scale(index).double() / scale(local).double()
+    return (query * ratio.to(torch.promote_types(query.dtype, torch.float32)).view(1, 1, -1, 1)).to(query.dtype)
 
 
 def _causality(name: str, causal: bool, mask: _GlobalMask) -> _GlobalMask:
@@ -352,6 +397,8 @@ def _doc_mask(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, modu
     of it."""
     window = kwargs.get("sliding_window")
     if mask.window is not None and window is not None and int(window) != mask.window:
+        return None
+    if not mask.covers(shard.total) and mask.chunk is not None:  # chunks: the model's attention with its mask
         return None
     window = mask.window if window is None else int(window)
     if (
@@ -483,12 +530,12 @@ def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     """Mask function for ``AttentionMaskInterface``: record the layer type's mask, build nothing.
 
     Called once per forward per layer type (``layer_types``: ``full_attention``,
-    ``sliding_attention``) with the local sizes. Returns ``None`` for plain causal (what
-    the attention call assumes when it gets no mask, and what any model code passes on
-    safely) and a ``_GlobalMask`` for a sliding window; the attention call turns either
-    into the global mask (``_GlobalMask.build``). What cannot be rebuilt over the global
-    sequence raises: a KV cache, a padding mask, and masks other than causal and
-    sliding-window causal (chunked or bidirectional attention, custom overlays).
+    ``sliding_attention``, ``chunked_attention``) with the local sizes. Returns ``None`` for
+    plain causal (what the attention call assumes when it gets no mask, and what any model code
+    passes on safely) and a ``_GlobalMask`` for a sliding window, a chunk (Llama 4) or
+    bidirectional attention; the attention call turns either into the global mask
+    (``_GlobalMask.build``). What cannot be rebuilt over the global sequence raises: a KV
+    cache, a padding mask, and other masks (custom overlays).
     transformers' wrapper for packed sequences (restarting positions on this rank) is taken
     off (``_unpacked``): the attention call takes the documents from the step's shard.
     """
@@ -506,6 +553,9 @@ def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
             "(shard_batch(..., cu_seqlens=...): each attends only within itself)"
         )
     mask_function, packed = _unpacked(mask_function)
+    chunk = _chunk_of(mask_function)
+    if chunk is not None:
+        return _GlobalMask(None, {}, packed, chunk=chunk)
     window, causal = _window_of(mask_function)
     if window is None and causal:
         return _GlobalMask(None, {}, packed=True) if packed else None
@@ -536,6 +586,24 @@ def _unpacked(mask_function) -> tuple[Callable, bool]:
     return mask_function, False
 
 
+def _chunk_of(mask_function) -> int | None:
+    """The chunk size of transformers' chunked causal mask function (Llama 4's chunked layers:
+    ``and_masks(chunked_overlay(size, left_padding), causal)``, no left padding), else ``None``."""
+    from transformers import masking_utils as mu
+
+    overlay = getattr(mu, "chunked_overlay", None)
+    parts = _closure(mask_function, mu.and_masks(mu.causal_mask_function)).get("mask_functions")
+    if overlay is None or not (isinstance(parts, tuple) and len(parts) == 2 and parts[1] is mu.causal_mask_function):
+        return None
+    found = _closure(parts[0], overlay(1, None))
+    size, padding = found.get("chunk_size"), found.get("left_padding")
+    if not isinstance(size, int) or size <= 0:
+        return None
+    if isinstance(padding, torch.Tensor) and bool(padding.any()):
+        raise HFIntegrationError("sequence-parallel attention got a chunked mask over left padding; drop the padding attention_mask")
+    return size
+
+
 def _window_of(mask_function) -> tuple[int | None, bool]:
     """``(window, causal)`` of one of transformers' four position-only mask functions
     (recognised by their code, not their names): causal ``(None, True)``, sliding-window
@@ -557,9 +625,9 @@ def _window_of(mask_function) -> tuple[int | None, bool]:
         if isinstance(window, int) and window > 0:
             return window, causal
     raise HFIntegrationError(
-        "sequence-parallel attention rebuilds causal, bidirectional and sliding-window masks over the global "
+        "sequence-parallel attention rebuilds causal, bidirectional, sliding-window and chunked masks over the global "
         f"sequence; the model asked for another mask ({getattr(mask_function, '__qualname__', mask_function)!r}: "
-        "chunked attention, or a custom overlay such as or_mask_function/and_mask_function), which it cannot rebuild"
+        "a custom overlay such as or_mask_function/and_mask_function), which it cannot rebuild"
     )
 
 

@@ -177,11 +177,14 @@ def token_mixers(
     attention: Iterable[torch.nn.Module] = (),
     handled: Mapping[str, str] | None = None,
     scope: torch.nn.Module | None = None,
+    chunked: bool = False,
 ) -> list[TokenMixer]:
     """Every module of ``model`` (within ``scope``: a vision-language model's text model) that
     mixes tokens along the sequence and is neither one of the ``attention`` modules (those
     ``apply`` switches) nor in ``handled`` (class name -> description) nor marked with
-    ``ulysses_kernels_exact``. One entry per mixer, in module order."""
+    ``ulysses_kernels_exact``. One entry per mixer, in module order. ``chunked``: the caller
+    runs chunked attention layers (Llama 4's: ``apply``'s mask rebuilds them), so they are not
+    reported."""
     handled = handled or {}
     switched = {id(m) for m in attention}
     scope = model if scope is None else scope
@@ -206,7 +209,7 @@ def token_mixers(
         if id(m) in switched:
             if not _dispatches(m):
                 why.append("attention that computes its scores itself instead of calling transformers' AttentionInterface")
-            if _chunked(m):
+            if _chunked(m) and not chunked:
                 why.append(f"chunked attention (attention_chunk_size={m.config.attention_chunk_size})")
         else:
             signal = _name_signal(m)
@@ -290,12 +293,13 @@ def check_token_mixers(
     attention: Iterable[torch.nn.Module],
     scope: torch.nn.Module | None = None,
     caller: str = "apply",
+    chunked: bool = False,
 ) -> None:
     """Refuse ``model`` (``HFIntegrationError``, nothing changed) when a module mixes tokens along
     the sequence and is neither switched attention, nor in ``handled``, nor marked exact; see
     ``token_mixers``. ``caller`` starts the message (``"apply"``, ``"apply_monkey_patch"``, ...)."""
     attention = list(attention)
-    mixers = token_mixers(model, attention=attention, handled=handled, scope=scope)
+    mixers = token_mixers(model, attention=attention, handled=handled, scope=scope, chunked=chunked)
     if not mixers:
         positions = position_problems(model, scope, reads_positions=bool(attention))
         if positions:

@@ -192,7 +192,7 @@ def apply(
     # over whole images before the sequence is sharded) keeps its implementation.
     modules = [m for m in _attention_modules(model) if texts is None or m.config is texts.config]
     # Every other module that mixes tokens along the sequence must be one apply makes exact.
-    check_token_mixers(model, HANDLED_MIXERS, attention=modules, scope=texts)
+    check_token_mixers(model, HANDLED_MIXERS, attention=modules, scope=texts, chunked=True)
     # Resolved before the model is switched, so that a refusal leaves it as it was.
     inner = []
     for m in modules:
