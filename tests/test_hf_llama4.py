@@ -76,8 +76,10 @@ def job(rank, world):
     model = hf.apply(build())
     assert any(getattr(m, "attention_chunk_size", None) or m.config.layer_types[m.layer_idx] == "chunked_attention"
                for m in model.modules() if type(m).__name__ == "Llama4TextAttention")  # fmt: skip
-    for pad in (False, True):
+    for pad in (False, True):  # 2 rows: the chunked layers on sdpa with the chunked mask
         check(step(model, hf.shard_batch(ids, labels, pad=pad), None), ref, RTOL, GRAD_RTOL, f"llama4 world {world} pad={pad}")
+    ref = reference_unpacked(build(), ids[1:], labels[1:])  # 1 row: the packed-documents kernel over the chunks
+    check(step(model, hf.shard_batch(ids[1:], labels[1:]), None), ref, RTOL, GRAD_RTOL, f"llama4 world {world} one row")
     pids, plabels, positions, cu = packed_batch()
     ref = reference_packed(build(), pids, plabels, cu)
     got = step(model, hf.shard_batch(pids, plabels, position_ids=positions), None)
@@ -90,8 +92,9 @@ def test_llama4_chunked_and_temperature_exact(world):
 
 
 def test_chunked_attention_needs_a_masked_implementation():
-    """A chunk shorter than the sequence on an implementation that takes no mask (flash
-    attention's would run plain causal) is refused by name; ALST's entry point, which rebuilds
+    """A chunk shorter than the sequence over several rows on an implementation that takes no
+    mask (flash attention's would run plain causal) is refused by name (one row runs the
+    packed-documents kernel); ALST's entry point, which rebuilds
     causal and sliding-window masks only, still refuses chunked layers (the audit)."""
     ids, labels = global_batch()
     model = hf.apply(build(attn_implementation="eager"))
@@ -101,8 +104,11 @@ def test_chunked_attention_needs_a_masked_implementation():
         settings = getattr(m, "_ulysses_settings", None)
         if settings is not None:
             object.__setattr__(m, "_ulysses_settings", type(settings)(**{**settings.__dict__, "inner_impl": "flash_attention_2"}))
-    with pytest.raises(hf.HFIntegrationError, match=r"chunked attention \(chunks of 5 tokens over 13\) runs sequence-parallel on the 'eager' or 'sdpa'"):
+    refused = r"chunked attention \(chunks of 5 tokens over 13\) of a batch of 2 rows runs sequence-parallel on the 'eager' or 'sdpa'"
+    with pytest.raises(hf.HFIntegrationError, match=refused):
         model(**batch.model_inputs(loss=False))
+    one = hf.shard_batch(ids[:1], labels[:1])
+    model(**one.model_inputs(loss=False))  # one row: the packed-documents kernel, whatever the implementation
     from ulysses_kernels.integrations.hf.audit import check_token_mixers
     from ulysses_kernels.integrations.hf.model import _attention_modules
 

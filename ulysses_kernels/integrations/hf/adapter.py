@@ -264,12 +264,18 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     if not causal:
         _check_bidirectional(name, settings, shard)
     docs = _packed(module, settings, shard, mask, kwargs)
-    if mask.chunk is not None and not mask.covers(shard.total) and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
-        raise HFIntegrationError(
-            f"{name}: chunked attention (chunks of {mask.chunk} tokens over {shard.total}) runs sequence-parallel on the "
-            f"'eager' or 'sdpa' implementation (their mask carries the chunks); this model runs {settings.inner_impl!r}"
-        )
     query = _global_temperature(module, shard, query)
+    if mask.chunk is not None and not mask.covers(shard.total):
+        # Chunked attention (Llama 4): one row, the packed-documents kernel over the chunks as documents (O(S)
+        # memory); more rows, the model's eager/sdpa attention with the chunked mask ([1, 1, S, S]).
+        doc_mask = _doc_mask(settings, shard, mask, module, kwargs) if query.shape[0] == 1 else None
+        if doc_mask is None and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
+            raise HFIntegrationError(
+                f"{name}: chunked attention (chunks of {mask.chunk} tokens over {shard.total}) of a batch of {query.shape[0]} rows "
+                f"runs sequence-parallel on the 'eager' or 'sdpa' implementation (their mask carries the chunks; one row runs "
+                f"the packed-documents kernel); this model runs {settings.inner_impl!r}"
+            )
+        return _model_attention(module, settings, shard, mask, query, key, value, kwargs, mask.documents(shard), doc_mask), None
     if not _plain(settings, shard, mask, module, kwargs):
         if isinstance(settings.group, SPGroups):
             raise HFIntegrationError(
@@ -397,8 +403,6 @@ def _doc_mask(settings: _Settings, shard: SequenceShard, mask: _GlobalMask, modu
     of it."""
     window = kwargs.get("sliding_window")
     if mask.window is not None and window is not None and int(window) != mask.window:
-        return None
-    if not mask.covers(shard.total) and mask.chunk is not None:  # chunks: the model's attention with its mask
         return None
     window = mask.window if window is None else int(window)
     if (
