@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from ulysses_kernels import HeadPlan  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
-from ulysses_kernels.integrations.hf.adapter import _GlobalMask, _ulysses_mask  # noqa: E402
+from ulysses_kernels.integrations.hf.masks import _GlobalMask, _ulysses_mask  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 from ulysses_kernels.testing.reference import one_process_step  # noqa: E402
 

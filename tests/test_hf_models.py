@@ -28,7 +28,8 @@ from test_hf import check_step, close, global_batch, reference  # noqa: E402
 
 from ulysses_kernels import make_sp_groups  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
-from ulysses_kernels.integrations.hf.adapter import _GlobalMask, _ulysses_attention_forward, _ulysses_mask  # noqa: E402
+from ulysses_kernels.integrations.hf.adapter import _ulysses_attention_forward  # noqa: E402
+from ulysses_kernels.integrations.hf.masks import _GlobalMask, _ulysses_mask  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
 VOCAB = 61

@@ -16,9 +16,10 @@ import torch
 from ...comm import get_communicator
 from ...longctx.patches import enable as enable_long_context
 from ...ring import SPGroups
-from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, _ulysses_mask, attention_settings
+from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings
 from .audit import check_token_mixers
 from .batch import _SHARD_KWARG, HFIntegrationError
+from .masks import _ulysses_mask
 from .mixers import HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
 from .multimodal import prepare as prepare_multimodal
 from .multimodal import text_config_key, text_model

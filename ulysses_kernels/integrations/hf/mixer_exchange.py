@@ -1,0 +1,148 @@
+"""The pieces every sequence-parallel token mixer of ``mixers`` is built from: the one
+all-to-all to the rank's heads (``_ToHeads``, ``_to_heads``) and back (``_to_sequence``), the
+call's context (the settings ``switch_mixers`` put on the module, the step's ``SequenceShard``,
+the refusals of a cache and a padding mask), the module's kernel functions as transformers
+resolved them, the causal conv on the rank's channels and the per-document runs of packed
+batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ...attention import head_to_seq
+from ...attention.exchange import a2a_head_to_seq, a2a_seq_to_head
+from ...kernels import TorchKernels
+from ...layout import Layout
+from ...plan import HeadPlan
+from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
+
+__all__ = ["GROUP_KWARG"]
+
+_ROLES = ("q", "v")  # per-head tensors on the plan's query ranges, per-group ones on its KV ranges
+_HEADS_ONLY = ("q",)
+_SETTINGS_ATTR = "_ulysses_mixer"  # set on each switched mixer by ``switch_mixers``
+# ``(group, communicator)`` of this step, in the model's kwargs, for mixers switched without a
+# group (verl's switch: its group is known per forward, not when the model is prepared).
+GROUP_KWARG = "ulysses_mixer_group"
+
+
+class _ToHeads(torch.autograd.Function):
+    """Sequence-sharded ``heads`` ``[B, s_r, H, W]`` (and ``groups`` ``[B, s_r, G, U]``) ->
+    this rank's heads over the whole sequence ``[B, S, h, W]`` (``[B, S, g, U]``), one
+    all-to-all; the backward is the reverse exchange, summing the gradient of a group that
+    several ranks received (the library's movers, as for q/k/v).
+
+    The pure-PyTorch kernel set packs and unpacks: the Triton and CUDA sets are tested on
+    attention's roles and widths, not on these; on a GPU this is a strided copy per role and
+    peer (not measured yet)."""
+
+    @staticmethod
+    def forward(ctx, layout: Layout, comm, heads, groups=None):
+        ctx.layout, ctx.comm = layout, comm
+        ctx.roles = _ROLES if groups is not None else _HEADS_ONLY
+        tensors = (heads, groups) if groups is not None else (heads,)
+        return tuple(a2a_seq_to_head(layout, tensors, ctx.roles, comm, TorchKernels))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lay = ctx.layout
+        like = next(g for g in grads if g is not None)
+        grads = [g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.dim(r)) for g, r in zip(grads, ctx.roles)]
+        back = a2a_head_to_seq(lay, grads, ctx.roles, ctx.comm, TorchKernels)
+        return (None, None, *back) if len(back) == 2 else (None, None, back[0], None)
+
+
+@dataclass(frozen=True, eq=False)
+class _MixerSettings:
+    """What ``apply`` set on one mixer: the group, its communicator, the head plan
+    (``comm`` ``None``: both come with each step as ``GROUP_KWARG``)."""
+
+    group: object
+    comm: object
+    plan: HeadPlan
+    family: str
+
+
+def _kernel(module, name: str) -> Callable:
+    """The kernel function ``name`` of ``module``'s transformers module (what its forward calls)."""
+    fn = getattr(sys.modules.get(type(module).__module__), name, None)
+    if not callable(fn):
+        raise HFIntegrationError(f"apply: {type(module).__name__}'s module has no {name} (transformers changed?)")
+    return fn
+
+
+def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, SequenceShard]:
+    settings = getattr(module, _SETTINGS_ATTR)
+    shard = kwargs.get(_SHARD_KWARG)
+    name = type(module).__name__
+    if settings.comm is None:
+        group, comm = kwargs[GROUP_KWARG]  # present: ``_per_step`` checked it
+        settings = dataclasses.replace(settings, group=group, comm=comm)
+    if not isinstance(shard, SequenceShard):
+        raise HFIntegrationError(
+            f"{name}: the model runs sequence-parallel but was called without a sequence shard; feed it "
+            "model(**ulysses_kernels.integrations.hf.shard_batch(input_ids, group=group).model_inputs())"
+        )
+    if cache is not None:
+        raise HFIntegrationError(f"{name}: a cache (past_key_values / use_cache=True) is not supported sequence-parallel; run with use_cache=False")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise HFIntegrationError(f"{name}: a padding attention_mask is not supported; drop it and set padded labels to -100")
+    if (shard.rank, shard.world_size) != (settings.comm.rank, settings.comm.world_size):
+        raise HFIntegrationError(
+            f"{name}: the batch was sharded for rank {shard.rank} of {shard.world_size} but apply() was given a group in which "
+            f"this process is rank {settings.comm.rank} of {settings.comm.world_size}; pass the same group to apply and shard_batch"
+        )
+    return settings, shard
+
+
+def _to_heads(settings: _MixerSettings, shard: SequenceShard, heads, groups=None):
+    """``_ToHeads`` over the layer's plan and the step's shards."""
+    lay = Layout(settings.plan, settings.comm.rank, tuple(shard.seq_lens), heads.shape[0], heads.shape[3],
+                 groups.shape[3] if groups is not None else None)  # fmt: skip
+    return _ToHeads.apply(lay, settings.comm, heads.contiguous(), None if groups is None else groups.contiguous())
+
+
+def _to_sequence(settings: _MixerSettings, shard: SequenceShard, out):
+    """``[B, S, h, D]`` over the rank's heads -> ``[B, s_r, H, D]`` (the library's ``head_to_seq``)."""
+    return head_to_seq(out, settings.plan, group=settings.group, seq_lens=list(shard.seq_lens), comm=settings.comm)
+
+
+def _spans(shard: SequenceShard) -> list[tuple[int, int]]:
+    """The documents ``(start, end)`` of the global sequence (one span when not packed)."""
+    return shard.documents.spans() if shard.documents is not None else [(0, shard.total)]
+
+
+def _per_document(shard: SequenceShard, fn, *tensors, dim: int = 1):
+    """``fn`` on each document's slice of ``tensors`` (along ``dim``), joined back."""
+    spans = _spans(shard)
+    if len(spans) == 1:
+        return fn(*tensors)
+    return torch.cat([fn(*(t.narrow(dim, a, b - a) for t in tensors)) for a, b in spans], dim=dim)
+
+
+def _conv(module, conv: torch.nn.Conv1d, channels: torch.Tensor, shard, x: torch.Tensor, activation) -> torch.Tensor:
+    """The layer's causal depthwise conv1d on the rank's ``channels`` (indices into the conv's
+    channels) of ``x`` ``[B, S, C_r]``, per document, with the module's ``causal_conv1d_fn``."""
+    fn = _kernel(module, "causal_conv1d_fn")
+    weight = conv.weight.squeeze(1).index_select(0, channels)
+    bias = None if conv.bias is None else conv.bias.index_select(0, channels)
+
+    def run(x):
+        return fn(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+
+    return _per_document(shard, run, x)
+
+
+def _ranges(settings: _MixerSettings) -> tuple[tuple[int, int], tuple[int, int], tuple[int, ...]]:
+    rank = settings.comm.rank
+    plan = settings.plan
+    return plan.q_ranges[rank], plan.kv_ranges[rank], plan.local_kv_map(rank)
+
+
+def _arange(a: int, b: int, scale: int, offset: int, device) -> torch.Tensor:
+    return torch.arange(offset + a * scale, offset + b * scale, device=device)
