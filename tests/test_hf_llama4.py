@@ -29,6 +29,7 @@ from test_hf_packed import reference as reference_packed  # noqa: E402
 
 from ulysses_kernels.integrations import hf  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
+from ulysses_kernels.testing.hybrids import sharded_step  # noqa: E402
 
 CONFIG = {"vocab_size": 61, "hidden_size": 48, "intermediate_size": 32, "intermediate_size_mlp": 64, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "attention_chunk_size": 5, "floor_scale": 4,
@@ -53,16 +54,6 @@ def build(**overrides):
     return model
 
 
-def step(model, batch, group):
-    out = model(**batch.model_inputs(loss=False))
-    loss = batch.loss(out.logits)
-    loss.backward()
-    hf.sync_gradients(model, group)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return hf.reduce_loss(loss, group), grads, hf.gather_sequence(out.logits.detach(), batch.shard, group)
-
-
 def check(got, ref, rtol, grad_rtol, what):
     close(got[0], ref[0], rtol, f"{what}: loss")
     close(got[2], ref[2], rtol, f"{what}: logits")
@@ -77,12 +68,12 @@ def job(rank, world):
     assert any(getattr(m, "attention_chunk_size", None) or m.config.layer_types[m.layer_idx] == "chunked_attention"
                for m in model.modules() if type(m).__name__ == "Llama4TextAttention")  # fmt: skip
     for pad in (False, True):  # 2 rows: the chunked layers on sdpa with the chunked mask
-        check(step(model, hf.shard_batch(ids, labels, pad=pad), None), ref, RTOL, GRAD_RTOL, f"llama4 world {world} pad={pad}")
+        check(sharded_step(model, hf.shard_batch(ids, labels, pad=pad), None), ref, RTOL, GRAD_RTOL, f"llama4 world {world} pad={pad}")
     ref = reference_unpacked(build(), ids[1:], labels[1:])  # 1 row: the packed-documents kernel over the chunks
-    check(step(model, hf.shard_batch(ids[1:], labels[1:]), None), ref, RTOL, GRAD_RTOL, f"llama4 world {world} one row")
+    check(sharded_step(model, hf.shard_batch(ids[1:], labels[1:]), None), ref, RTOL, GRAD_RTOL, f"llama4 world {world} one row")
     pids, plabels, positions, cu = packed_batch()
     ref = reference_packed(build(), pids, plabels, cu)
-    got = step(model, hf.shard_batch(pids, plabels, position_ids=positions), None)
+    got = sharded_step(model, hf.shard_batch(pids, plabels, position_ids=positions), None)
     check(got, ref[:3], PACKED_RTOL, PACKED_RTOL, f"llama4 world {world} packed")
 
 
