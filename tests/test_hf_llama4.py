@@ -27,6 +27,7 @@ from test_hf import reference as reference_unpacked  # noqa: E402
 from test_hf_packed import packed_batch  # noqa: E402
 from test_hf_packed import reference as reference_packed  # noqa: E402
 
+from ulysses_kernels import make_sp_groups  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 from ulysses_kernels.testing.hybrids import sharded_step  # noqa: E402
@@ -75,6 +76,10 @@ def job(rank, world):
     ref = reference_packed(build(), pids, plabels, cu)
     got = sharded_step(model, hf.shard_batch(pids, plabels, position_ids=positions), None)
     check(got, ref[:3], PACKED_RTOL, PACKED_RTOL, f"llama4 world {world} packed")
+    if world == 4:  # a 2-D group (Ulysses x ring) runs plain causal attention only: chunks refused on every rank
+        sp = make_sp_groups(2, 2)
+        with pytest.raises(hf.HFIntegrationError, match=r"with a 2-D group \(SPGroups\) only plain causal attention runs.* chunks"):
+            hf.apply(build(), sp)(**hf.shard_batch(ids, labels, group=sp, pad=True).model_inputs(loss=False))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -188,23 +188,23 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
         _check_bidirectional(name, settings, shard)
     docs = _packed(module, settings, shard, mask, kwargs)
     query = _global_temperature(module, shard, query)
-    if mask.chunk is not None and not mask.covers(shard.total):
-        # Chunked attention (Llama 4): one row, the packed-documents kernel over the chunks as documents (O(S)
-        # memory); more rows, the model's eager/sdpa attention with the chunked mask ([1, 1, S, S]).
-        doc_mask = _doc_mask(settings, shard, mask, module, kwargs) if query.shape[0] == 1 else None
-        if doc_mask is None and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
-            raise HFIntegrationError(
-                f"{name}: chunked attention (chunks of {mask.chunk} tokens over {shard.total}) of a batch of {query.shape[0]} rows "
-                f"runs sequence-parallel on the 'eager' or 'sdpa' implementation (their mask carries the chunks; one row runs "
-                f"the packed-documents kernel); this model runs {settings.inner_impl!r}"
-            )
-        return _model_attention(module, settings, shard, mask, query, key, value, kwargs, mask.documents(shard), doc_mask), None
     if not _plain(settings, shard, mask, module, kwargs):
         if isinstance(settings.group, SPGroups):
             raise HFIntegrationError(
-                f"{name}: with a 2-D group (SPGroups) only plain causal attention runs (the fused op with "
-                "ring attention); a sliding window shorter than the sequence, softcapping, sinks or dropout need a flat group"
+                f"{name}: with a 2-D group (SPGroups) only plain causal attention runs (the fused op with ring attention); "
+                "a sliding window shorter than the sequence, chunks, softcapping, sinks or dropout need a flat group"
             )
+        if mask.chunk is not None and not mask.covers(shard.total):
+            # Chunked attention (Llama 4): one row, the packed-documents kernel over the chunks as documents (O(S)
+            # memory); more rows, the model's eager/sdpa attention with the chunked mask ([1, 1, S, S]).
+            doc_mask = _doc_mask(settings, shard, mask, module, kwargs) if query.shape[0] == 1 else None
+            if doc_mask is None and settings.inner_impl not in _MASKED_IMPLEMENTATIONS:
+                raise HFIntegrationError(
+                    f"{name}: chunked attention (chunks of {mask.chunk} tokens over {shard.total}) of a batch of {query.shape[0]} "
+                    f"rows runs sequence-parallel on the 'eager' or 'sdpa' implementation (their mask carries the chunks; one "
+                    f"row runs the packed-documents kernel); this model runs {settings.inner_impl!r}"
+                )
+            return _model_attention(module, settings, shard, mask, query, key, value, kwargs, mask.documents(shard), doc_mask), None
         doc_mask = None if docs is None else _doc_mask(settings, shard, mask, module, kwargs)
         return _model_attention(module, settings, shard, mask, query, key, value, kwargs, docs, doc_mask), None
 
