@@ -1,6 +1,9 @@
 import os
+import random
 import re
 from pathlib import Path
+
+import pytest
 
 # Triton kernels run under the interpreter on machines without a GPU; this must be set
 # before any module with @triton.jit is imported.
@@ -20,6 +23,8 @@ if "OMP_NUM_THREADS" not in os.environ:
     # runbook (scripts/gpu_session.sh) runs pytest on a 16-core machine without the variable.
     if torch is not None:
         torch.set_num_threads(1)
+
+from ulysses_kernels.testing import RankPool, set_default_pool  # noqa: E402 - after TRITON_INTERPRET is set
 
 
 # ---- the integrations that did not run ------------------------------------------------------
@@ -57,3 +62,58 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "integrations not tested (bash scripts/setup.sh installs them; ULYSSES_KERNELS_PEERS=0 leaves them out)", yellow=True)
         for line in lines:
             terminalreporter.write_line(line)
+
+
+# ---- one pool of live gloo worlds for the whole run ------------------------------------------
+# run_ranks reuses worlds instead of spawning (and importing torch) per test: most of the suite's
+# time was process start-up. ULYSSES_KERNELS_RANK_POOL=0 spawns per call as before.
+_POOL = None
+
+
+def pytest_configure(config):
+    global _POOL
+    if os.environ.get("ULYSSES_KERNELS_RANK_POOL", "1") != "0":
+        _POOL = RankPool()
+        set_default_pool(_POOL)
+
+
+def pytest_unconfigure(config):
+    if _POOL is not None:
+        set_default_pool(None)
+        _POOL.close()
+
+
+# ---- a seeded shuffle: the suite must pass in any order ---------------------------------------
+# ULYSSES_KERNELS_TEST_SHUFFLE=<seed> shuffles the test files, and the tests inside each file,
+# with that seed (CI runs one such order; the header line names the seed to replay it).
+def pytest_report_header(config):
+    seed = os.environ.get("ULYSSES_KERNELS_TEST_SHUFFLE")
+    return [f"test order: shuffled with seed {seed} (ULYSSES_KERNELS_TEST_SHUFFLE={seed} replays it)"] if seed else []
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = os.environ.get("ULYSSES_KERNELS_TEST_SHUFFLE")
+    if not seed:
+        return
+    rng = random.Random(seed)
+    by_file = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    files = list(by_file)
+    rng.shuffle(files)
+    items[:] = []
+    for name in files:
+        tests = by_file[name]
+        rng.shuffle(tests)
+        items.extend(tests)
+
+
+# ---- state a test must not leave behind ----------------------------------------------------------
+# torch.compiler.is_compiling() reads one process-wide flag; a test that leaves it set makes every
+# later eager call in this process (thread ranks included) take the traced path.
+@pytest.fixture(autouse=True)
+def _no_leaked_compile_flag():
+    yield
+    if torch is not None and getattr(torch.compiler, "_is_compiling_flag", False):
+        torch.compiler._is_compiling_flag = False
+        pytest.fail("this test left torch.compiler.is_compiling() True for the rest of the process")

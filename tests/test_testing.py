@@ -1,12 +1,14 @@
 """The spawn helper itself: failures come back with the rank's traceback, hangs time out."""
 
 import contextlib
+import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from ulysses_kernels.testing import RanksFailed, run_ranks
+from ulysses_kernels.testing import RankPool, RanksFailed, run_ranks
 
 
 def _fails_on_rank_1(rank, world):
@@ -58,3 +60,85 @@ def test_the_transport_keyword_and_its_old_spelling(tmp_path):
     with pytest.warns(DeprecationWarning, match=r"run_ranks\(backend=\.\.\.\) is now run_ranks\(transport=\.\.\.\)"):
         run_ranks(_says_its_transport, 2, str(tmp_path / "old"), backend="gloo")
     assert (tmp_path / "old").read_text() == "gloo"
+
+
+# ---- the pool of live worlds (what the suite's run_ranks uses) ------------------------------
+def _records_pid(rank, world, path):
+    with open(f"{path}.{rank}", "w") as fh:
+        fh.write(f"{os.getpid()} {os.environ.get('ULYSSES_KERNELS_POOL_PROBE', '')} {torch.get_default_dtype()}")
+    torch.set_default_dtype(torch.float64)  # must not leak into the next call
+    os.environ["ULYSSES_KERNELS_POOL_LEAK"] = "1"
+    dist.all_reduce(torch.ones(1))
+
+
+def _pids(path, world):
+    return [open(f"{path}.{r}").read().split(" ") for r in range(world)]
+
+
+def _leak_check(rank, world):
+    assert "ULYSSES_KERNELS_POOL_LEAK" not in os.environ
+    assert torch.get_default_dtype() == torch.float32
+
+
+def _fails_everywhere(rank, world):
+    dist.all_reduce(torch.ones(1))
+    raise ValueError(f"rank {rank} says no")
+
+
+def _dies_on_rank_0(rank, world):
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_a_pool_reuses_its_world_and_recovers_from_failures_and_hangs(tmp_path, monkeypatch):
+    with RankPool(timeout_s=60) as pool:
+        monkeypatch.setenv("ULYSSES_KERNELS_POOL_PROBE", "first")
+        pool.run(_records_pid, 2, str(tmp_path / "a"))
+        first = _pids(tmp_path / "a", 2)
+        assert [f[1:] for f in first] == [["first", "torch.float32"]] * 2  # the caller's environment, a fresh dtype
+        pool.run(_leak_check, 2)  # the previous call's dtype and environment are gone
+        monkeypatch.setenv("ULYSSES_KERNELS_POOL_PROBE", "second")
+        pool.run(_records_pid, 2, str(tmp_path / "b"))
+        second = _pids(tmp_path / "b", 2)
+        assert [s[0] for s in second] == [f[0] for f in first]  # the same processes
+        assert {s[1] for s in second} == {"second"}
+        # An error raised on every rank comes back with each rank's traceback; the world (the
+        # same processes, a new process group) goes on.
+        with pytest.raises(RanksFailed, match="(?s)rank 0 raised.*rank 0 says no.*rank 1 raised.*rank 1 says no"):
+            pool.run(_fails_everywhere, 2)
+        pool.run(_records_pid, 2, str(tmp_path / "c"))
+        assert [c[0] for c in _pids(tmp_path / "c", 2)] == [f[0] for f in first]
+        # One rank's failure leaves its peer waiting in a collective: that world is ended.
+        with pytest.raises(RanksFailed, match="(?s)rank 1 raised.*rank 1 says no"):
+            pool.run(_fails_on_rank_1, 2)
+        pool.run(_records_pid, 2, str(tmp_path / "c2"))
+        assert set(c[0] for c in _pids(tmp_path / "c2", 2)).isdisjoint(f[0] for f in first)
+        # A hang is ended at the call's deadline; the next call gets a new world.
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not finish"):
+            pool.run(_sleeps, 2, timeout_s=1)
+        assert time.monotonic() - start < 60
+        pool.run(_records_pid, 2, str(tmp_path / "d"))
+        after_hang = [d[0] for d in _pids(tmp_path / "d", 2)]
+        assert set(after_hang).isdisjoint(f[0] for f in first)
+        # A rank that dies is reported by name; the next call gets a new world.
+        with pytest.raises(RanksFailed, match="rank 0 died: process exited with code 3"):
+            pool.run(_dies_on_rank_0, 2, timeout_s=30)
+        pool.run(_records_pid, 2, str(tmp_path / "e"))
+        assert set(e[0] for e in _pids(tmp_path / "e", 2)).isdisjoint(after_hang)
+
+
+def test_a_pool_keeps_at_most_its_processes(tmp_path):
+    with RankPool(timeout_s=60, max_processes=5) as pool:
+        pool.run(_records_pid, 2, str(tmp_path / "a"))
+        pool.run(_records_pid, 3, str(tmp_path / "b"))
+        assert sorted(pool.world_sizes) == [2, 3]
+        pool.run(_records_pid, 4, str(tmp_path / "c"))  # 2 + 3 + 4 > 5: the least recently used worlds close
+        assert pool.world_sizes == [4]
+
+
+def test_run_ranks_fresh_spawns_new_processes(tmp_path):
+    run_ranks(_records_pid, 2, str(tmp_path / "a"))
+    run_ranks(_records_pid, 2, str(tmp_path / "b"), fresh=True)
+    assert set(p[0] for p in _pids(tmp_path / "a", 2)).isdisjoint(p[0] for p in _pids(tmp_path / "b", 2))

@@ -7,20 +7,25 @@
   "ranks" that are threads of this process, each with a ``ThreadCommunicator``: a fake of the
   ``ulysses_kernels.comm.Communicator`` interface that moves real bytes between the threads
   and is stricter than a real collective (mismatched collectives, failed peers, receive
-  buffers read too early, CUDA stream ordering).
+  buffers read too early, CUDA stream ordering);
+* ``rank_pool``: ``RankPool`` keeps gloo worlds alive and runs one call after another on
+  them; ``set_default_pool(pool)`` makes ``run_ranks`` use it (the test suite does).
 """
 
 from __future__ import annotations
 
-from .ranks import RanksFailed, run_ranks
+from .rank_pool import RankPool
+from .ranks import RanksFailed, run_ranks, set_default_pool
 from .thread_ranks import FakeCommError, PeerFailed, ThreadCommunicator, ThreadGroup, ThreadRanksFailed
 
 __all__ = [
     "FakeCommError",
     "PeerFailed",
+    "RankPool",
     "RanksFailed",
     "ThreadCommunicator",
     "ThreadGroup",
     "ThreadRanksFailed",
     "run_ranks",
+    "set_default_pool",
 ]

@@ -6,6 +6,10 @@ failure in the parent with the rank's traceback.
 A rank that hangs must not hang the caller: collectives time out after ``timeout_s``
 (the process group's own timeout) and the parent kills the ranks and raises
 ``TimeoutError`` when they have not all finished by then.
+
+With a default pool set (``set_default_pool(RankPool())``, as the test suite's conftest
+does), gloo calls run on the pool's live worlds instead of new processes
+(``ulysses_kernels.testing.rank_pool``); ``fresh=True`` spawns new ranks all the same.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "RanksFailed"]
+__all__ = ["run_ranks", "RanksFailed", "set_default_pool"]
 
 
 class RanksFailed(RuntimeError):
@@ -30,6 +34,15 @@ class RanksFailed(RuntimeError):
 
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("ULYSSES_KERNELS_TEST_TIMEOUT", "600"))
+_default_pool = None  # a RankPool that run_ranks' gloo calls use; set by the caller that owns it
+
+
+def set_default_pool(pool):
+    """Let ``run_ranks`` run gloo calls on ``pool`` (a ``RankPool``; ``None``: spawn each
+    time). Returns the pool that was set before. The caller owns the pool and closes it."""
+    global _default_pool
+    previous, _default_pool = _default_pool, pool
+    return previous
 
 
 def _worker(rank, fn, world_size, init_file, transport, timeout_s, args):
@@ -48,13 +61,19 @@ def _worker(rank, fn, world_size, init_file, transport, timeout_s, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, transport: str = "gloo", timeout_s: float | None = None, backend: str | None = None) -> None:
+def run_ranks(
+    fn, world_size: int, *args, transport: str = "gloo", timeout_s: float | None = None, backend: str | None = None, fresh: bool = False,
+) -> None:  # fmt: skip
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks joined by ``transport``
     (``"gloo"``, ``"nccl"``: what torch calls the group's backend; ``backend=`` is the old
-    spelling of it, still taken, with a ``DeprecationWarning``)."""
+    spelling of it, still taken, with a ``DeprecationWarning``). ``fresh``: new processes even
+    where a default pool is set (a call that needs a process of its own)."""
     if backend is not None:
         warnings.warn("run_ranks(backend=...) is now run_ranks(transport=...)", DeprecationWarning, stacklevel=2)
         transport = backend
+    if _default_pool is not None and transport == "gloo" and not fresh:
+        _default_pool.run(fn, world_size, *args, timeout_s=timeout_s)
+        return
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")

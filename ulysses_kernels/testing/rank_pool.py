@@ -1,0 +1,287 @@
+"""A pool of live gloo worlds that runs one function after another on the same ranks.
+
+Spawning ranks costs seconds each time on a small machine (every rank imports torch, often
+transformers, and joins a process group); a test suite that spawns a world per test spends
+most of its time there. ``RankPool`` keeps one world per world size alive and hands each
+call's function to its ranks::
+
+    pool = RankPool()
+    pool.run(fn, 4, *args)   # fn(rank, 4, *args) on the pool's 4 ranks, as run_ranks would
+    pool.close()
+
+What a call sees is what a freshly spawned rank sees, as far as a process can be reset: the
+caller's ``os.environ``, ``sys.path`` and working directory, the default dtype, grad mode,
+one intra-op thread, torch's default seed, fresh warning filters and an empty torch.compile
+cache. What a call leaves behind in modules it imported stays (that is what makes the pool
+fast); a test that needs a process of its own passes ``fresh=True`` to ``run_ranks``.
+
+Failures and hangs. A rank that raises sends its traceback back; the pool waits a short
+grace for the others (a bad input raises on every rank), re-raises them all as
+``RanksFailed``, and then starts the world's process group anew (destroy + init on every
+rank), so that collectives left half-matched by the failure cannot pair with the next
+call's. A rank that dies, a call past its deadline, or a group that does not come back
+ends the whole world (its processes are killed); the next call spawns a new one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as std_mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+from .ranks import RanksFailed
+
+__all__ = ["RankPool"]
+
+GRACE_S = 5.0  # how long the other ranks may take to report once one rank has failed
+START_S = 900.0  # a world's start (every rank imports torch: slow on a loaded machine)
+REINIT_S = 60.0  # a process group's restart after a failure
+MAX_PROCESSES = int(os.environ.get("ULYSSES_KERNELS_RANK_POOL_MAX", "20"))  # live ranks over all worlds
+
+
+def _init_group(rank, world_size, init_file, timeout_s):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
+def _fresh_state(env, path, cwd, filters):
+    """Make this rank look like a new process to the next call (see the module's docstring)."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    os.chdir(cwd)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.set_num_threads(1)
+    warnings.resetwarnings()
+    warnings.filters.extend(filters)  # the filters a new process starts with
+    for module in list(sys.modules.values()):  # "warn once" registries: each call sees its warnings
+        registry = getattr(module, "__warningregistry__", None)
+        if isinstance(registry, dict):
+            registry.clear()
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+
+
+def _worker(rank, world_size, init_file, timeout_s, conn):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    initial_seed, filters = torch.initial_seed(), list(warnings.filters)
+    _init_group(rank, world_size, init_file, timeout_s)
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent is gone
+            break
+        except Exception:  # noqa: BLE001 - a call whose function cannot be unpickled here
+            conn.send(("error", traceback.format_exc()))
+            continue
+        kind, payload = message
+        if kind == "close":
+            break
+        if kind == "reinit":
+            try:
+                dist.destroy_process_group()
+                _init_group(rank, world_size, payload, timeout_s)
+                conn.send(("ready", None))
+            except Exception:  # noqa: BLE001 - the parent ends the world
+                conn.send(("error", traceback.format_exc()))
+            continue
+        fn, args, env, path, cwd = payload
+        try:
+            _fresh_state(env, path, cwd, filters)
+            torch.manual_seed(initial_seed)
+            fn(rank, world_size, *args)
+            if not dist.is_initialized():
+                raise RuntimeError("the call destroyed the pool's process group: run it with run_ranks(..., fresh=True)")
+            dist.barrier()
+            conn.send(("ok", None))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which decides
+            conn.send(("error", traceback.format_exc()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _World:
+    """``world_size`` live ranks joined by one gloo group."""
+
+    def __init__(self, world_size: int, timeout_s: float):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._tmp = tempfile.TemporaryDirectory()
+        self._inits = 0
+        ctx = std_mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(world_size)]
+        self.conns = [parent for parent, _ in pipes]
+        init = self._init_file()
+        self.processes = []
+        for rank, (_, child) in enumerate(pipes):
+            p = ctx.Process(target=_worker, args=(rank, world_size, init, timeout_s, child), daemon=False)  # a call may start processes of its own
+            p.start()
+            child.close()
+            self.processes.append(p)
+        self._expect_ready(START_S, "start")
+
+    def _init_file(self):
+        self._inits += 1
+        return os.path.join(self._tmp.name, f"init{self._inits}")
+
+    def _expect_ready(self, timeout_s, what):
+        replies = self._collect(timeout_s)
+        bad = {r: v for r, v in replies.items() if v[0] != "ready"}
+        if len(replies) < self.world_size or bad:
+            self.kill()
+            raise RuntimeError(f"RankPool: {self.world_size} ranks did not {what}: " + "; ".join(f"rank {r}: {v[1]}" for r, v in bad.items()))
+
+    def _collect(self, timeout_s, grace_s=None):
+        """Each rank's reply, until all replied, the deadline passed, or (with ``grace_s``)
+        that long after the first failure."""
+        replies, deadline, grace_end = {}, time.monotonic() + timeout_s, None
+        while len(replies) < self.world_size:
+            now = time.monotonic()
+            end = deadline if grace_end is None else min(deadline, grace_end)
+            if now >= end:
+                break
+            waiting = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
+            sentinels = {self.processes[r].sentinel: r for r in waiting.values()}
+            for ready in wait(list(waiting) + list(sentinels), timeout=end - now):
+                rank = waiting.get(ready, sentinels.get(ready))
+                if rank in replies:
+                    continue
+                try:
+                    replies[rank] = self.conns[rank].recv() if ready in waiting else ("died", None)
+                except (EOFError, OSError):
+                    replies[rank] = ("died", None)
+                if replies[rank][0] == "died":
+                    self.processes[rank].join(timeout=5)
+                    code = self.processes[rank].exitcode
+                    replies[rank] = ("died", f"process exited with code {code}" if code is not None else "process died")
+                if replies[rank][0] != "ok" and replies[rank][0] != "ready" and grace_s is not None and grace_end is None:
+                    grace_end = time.monotonic() + grace_s
+        return replies
+
+    def run(self, fn, args, timeout_s):
+        payload = (fn, args, dict(os.environ), list(sys.path), os.getcwd())
+        try:
+            for conn in self.conns:
+                conn.send(("call", payload))
+        except (BrokenPipeError, OSError) as e:
+            self.kill()
+            raise RanksFailed(f"RankPool: a rank of the world of {self.world_size} is gone: {e}") from e
+        replies = self._collect(timeout_s + 30, grace_s=GRACE_S)  # the group's own timeout fires first
+        failed = {r: v for r, v in sorted(replies.items()) if v[0] != "ok"}
+        if len(replies) == self.world_size and not failed:
+            return
+        if not failed:
+            self.kill()
+            raise TimeoutError(f"run_ranks: {getattr(fn, '__name__', fn)} on {self.world_size} ranks did not finish in {timeout_s:.0f} s (a hang?)")
+        traces = "\n".join(f"-- rank {r} raised:\n{v[1]}" if v[0] == "error" else f"-- rank {r} died: {v[1]}" for r, v in failed.items())
+        if len(replies) < self.world_size or any(v[0] == "died" for v in failed.values()):
+            self.kill()
+        else:
+            self.restart_group()
+        raise RanksFailed(traces)
+
+    def restart_group(self):
+        """A new process group on every rank (the old one may hold half-matched collectives)."""
+        init = self._init_file()
+        try:
+            for conn in self.conns:
+                conn.send(("reinit", init))
+            self._expect_ready(REINIT_S, "restart their process group")
+        except Exception:  # noqa: BLE001 - the world is ended; the next call spawns a new one
+            self.kill()
+
+    @property
+    def alive(self):
+        return bool(self.processes) and all(p.is_alive() for p in self.processes)
+
+    def close(self):
+        for conn in self.conns:
+            try:
+                conn.send(("close", None))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.processes:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self):
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.processes, self.conns = [], []
+        self._tmp.cleanup()
+
+
+_OPEN_POOLS: list[RankPool] = []  # closed at exit, before multiprocessing joins its children
+
+
+@atexit.register
+def _close_open_pools():
+    while _OPEN_POOLS:
+        _OPEN_POOLS.pop().close()
+
+
+class RankPool:
+    """Live gloo worlds, one per world size, reused call after call (see the module's
+    docstring). ``timeout_s``: each world's process-group timeout and each call's default
+    deadline; ``max_processes``: live ranks over all worlds (the least recently used worlds
+    are closed to make room)."""
+
+    def __init__(self, timeout_s: float = 600.0, max_processes: int = MAX_PROCESSES):
+        self.timeout_s = timeout_s
+        self.max_processes = max_processes
+        self._worlds: dict[int, _World] = {}  # in order of last use
+        _OPEN_POOLS.append(self)
+
+    def run(self, fn, world_size: int, *args, timeout_s: float | None = None) -> None:
+        """Call ``fn(rank, world_size, *args)`` on this pool's ``world_size`` ranks."""
+        world = self._worlds.pop(world_size, None)
+        if world is None or not world.alive:
+            if world is not None:
+                world.kill()
+            self._make_room(world_size)
+            world = _World(world_size, self.timeout_s)
+        self._worlds[world_size] = world
+        world.run(fn, args, self.timeout_s if timeout_s is None else timeout_s)
+
+    def _make_room(self, world_size):
+        while self._worlds and sum(w.world_size for w in self._worlds.values()) + world_size > self.max_processes:
+            oldest = next(iter(self._worlds))
+            self._worlds.pop(oldest).close()
+
+    @property
+    def world_sizes(self):
+        return [n for n, w in self._worlds.items() if w.alive]
+
+    def close(self):
+        while self._worlds:
+            self._worlds.popitem()[1].close()
+        if self in _OPEN_POOLS:
+            _OPEN_POOLS.remove(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
