@@ -26,7 +26,6 @@ if "OMP_NUM_THREADS" not in os.environ:
 
 from ulysses_kernels.testing import RankPool, set_default_pool  # noqa: E402 - after TRITON_INTERPRET is set
 
-
 # ---- the integrations that did not run ------------------------------------------------------
 # scripts/setup.sh installs these unless ULYSSES_KERNELS_PEERS=0; without network it goes on
 # without them and notes why in this file. A green run whose integration tests all skipped

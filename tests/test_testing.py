@@ -113,7 +113,7 @@ def test_a_pool_reuses_its_world_and_recovers_from_failures_and_hangs(tmp_path, 
         with pytest.raises(RanksFailed, match="(?s)rank 1 raised.*rank 1 says no"):
             pool.run(_fails_on_rank_1, 2)
         pool.run(_records_pid, 2, str(tmp_path / "c2"))
-        assert set(c[0] for c in _pids(tmp_path / "c2", 2)).isdisjoint(f[0] for f in first)
+        assert {c[0] for c in _pids(tmp_path / "c2", 2)}.isdisjoint(f[0] for f in first)
         # A hang is ended at the call's deadline; the next call gets a new world.
         start = time.monotonic()
         with pytest.raises(TimeoutError, match="did not finish"):
@@ -126,7 +126,7 @@ def test_a_pool_reuses_its_world_and_recovers_from_failures_and_hangs(tmp_path, 
         with pytest.raises(RanksFailed, match="rank 0 died: process exited with code 3"):
             pool.run(_dies_on_rank_0, 2, timeout_s=30)
         pool.run(_records_pid, 2, str(tmp_path / "e"))
-        assert set(e[0] for e in _pids(tmp_path / "e", 2)).isdisjoint(after_hang)
+        assert {e[0] for e in _pids(tmp_path / "e", 2)}.isdisjoint(after_hang)
 
 
 def test_a_pool_keeps_at_most_its_processes(tmp_path):
@@ -141,4 +141,4 @@ def test_a_pool_keeps_at_most_its_processes(tmp_path):
 def test_run_ranks_fresh_spawns_new_processes(tmp_path):
     run_ranks(_records_pid, 2, str(tmp_path / "a"))
     run_ranks(_records_pid, 2, str(tmp_path / "b"), fresh=True)
-    assert set(p[0] for p in _pids(tmp_path / "a", 2)).isdisjoint(p[0] for p in _pids(tmp_path / "b", 2))
+    assert {p[0] for p in _pids(tmp_path / "a", 2)}.isdisjoint(p[0] for p in _pids(tmp_path / "b", 2))

@@ -26,6 +26,7 @@ ends the whole world (its processes are killed); the next call spawns a new one.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing as std_mp
 import os
@@ -212,10 +213,8 @@ class _World:
 
     def close(self):
         for conn in self.conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(("close", None))
-            except (BrokenPipeError, OSError):
-                pass
         deadline = time.monotonic() + 10
         for p in self.processes:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
