@@ -5,4 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU
-.venv/bin/python -m pytest -q -ra tests "$@"
+# Not -q: each test file's name shows as it starts, so progress is visible from the first minute.
+# The five slowest tests are listed at the end (.ci/run asks for 20); then how long it took.
+start=$SECONDS
+rc=0
+.venv/bin/python -m pytest -ra --durations=5 tests "$@" || rc=$?
+took=$((SECONDS - start))
+echo "[test] pytest took $((took / 60)) min $((took % 60)) s (exit status $rc)"
+exit $rc
