@@ -11,6 +11,8 @@ of them), and 45 MB of DWARF. A device call carries 64 MiB in all, so:
     python3 scripts/nccl_carry.py                 # here: build/nccl_carry/ (~25 MiB), then checks it
     python3 scripts/nccl_carry.py --check         # here: the checks alone, on the artifact already built
     python3 scripts/nccl_carry.py --unpack DIR    # on the GPU machine: DIR/nvidia/nccl/{lib/libnccl.so.2,include/nccl.h}
+    LD_PRELOAD=DIR/nvidia/nccl/lib/libnccl.so.2 PYTHONPATH=DIR python3 scripts/nccl_carry.py --probe DIR
+                                                  # there: torch runs it (one copy mapped), 2 ranks all-reduce on GPU 0
 
 Building (stdlib only, plus binutils' objcopy):
 1. ``objcopy --strip-debug``: the DWARF sections go (not loaded: no allocated section moves).
@@ -328,6 +330,41 @@ def check(carry: Path, arch: int, max_mib: float) -> bool:
     return ok
 
 
+def _probe_rank(rank: int, store: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
+    t = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)  # NCCL's sm_90 kernels from the rewritten fatbins, two ranks on one GPU
+    torch.cuda.synchronize()
+    if not bool((t == 3).all()):
+        raise RuntimeError(f"rank {rank}: all_reduce of 1 and 2 gave {t.unique().tolist()}, expected [3.0]")
+    dist.destroy_process_group()
+
+
+def probe(dest: Path) -> bool:
+    """In a process started with this NCCL ahead of torch's (LD_PRELOAD, ``dest`` first on
+    PYTHONPATH): torch runs it, one copy is mapped, and with a GPU two ranks on GPU 0 all-reduce
+    (NCCL_MULTI_RANK_GPU_ENABLE=1) through its kernels."""
+    import torch
+    import torch.multiprocessing as mp
+
+    lib = (dest / "nvidia" / "nccl" / "lib" / LIB).resolve()
+    version = tuple(torch.cuda.nccl.version())
+    with open("/proc/self/maps") as f:
+        mapped = sorted({line.split(None, 5)[5].strip() for line in f if "libnccl" in line and len(line.split(None, 5)) == 6})
+    ok = version >= (2, 30) and mapped == [str(lib)]
+    print(f"[nccl_carry] torch {torch.__version__} runs NCCL {'.'.join(map(str, version))}; mapped: {mapped}: {'OK' if ok else 'FAIL'}")
+    if ok and torch.cuda.is_available():
+        os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+        with tempfile.TemporaryDirectory(prefix="nccl_probe_") as tmp:
+            mp.spawn(_probe_rank, args=(os.path.join(tmp, "store"),), nprocs=2)
+        print(f"[nccl_carry] OK   2 NCCL ranks on {torch.cuda.get_device_name(0)} all-reduced 4 MiB")
+    return ok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", type=Path, help=f"the {LIB} to reduce (default: the nvidia-nccl wheel of this python)")
@@ -336,7 +373,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-mib", type=float, default=32.0, help="the carry folder's size limit checked (default 32)")
     p.add_argument("--check", action="store_true", help="only check the carry folder already built")
     p.add_argument("--unpack", type=Path, metavar="DIR", help="unpack the carry folder into DIR/nvidia/nccl/{lib,include}, print the version")
+    p.add_argument("--probe", type=Path, metavar="DIR", help="check that torch runs DIR's NCCL (started with it ahead: see above)")
     args = p.parse_args(argv)
+    if args.probe:
+        return 0 if probe(args.probe) else 1
     if args.unpack:
         lib = unpack(args.out, args.unpack)
         print(f"[nccl_carry] {lib}: NCCL {version_text(nccl_version(lib))} (sha256 as in the manifest)")
