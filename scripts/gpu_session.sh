@@ -3,19 +3,20 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled): each `run`
 # call runs one or more stages, in order.
 #
-# NEXT (issue 49): ONE call, `world`, 505 s of step budgets under one 540 s deadline. Here, first:
+# NEXT (issue 49): ONE call, `world`: 13 steps, budgets summing to 520 s under one 540 s deadline. Here, first:
 #   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels
 #   /work/main/.venv/bin/python scripts/nccl_carry.py   # build/nccl_carry/: NCCL 2.30.7, sm_90 only, 29.4 MiB, checked
 #   GPU_SESSION_DRY_RUN=1 bash scripts/gpu_session.sh world   # the plan: every step, its budget, the sum
 # The device tool's call (the working tree ~4.3 MB + build/nccl_carry 29.4 MiB + build/wheels 14.6 MiB = ~48 MiB of 64):
-#   run(command="GPU_SESSION_GIT_SHA=<sha of HEAD> GPU_SESSION_XDIST=8 bash scripts/gpu_session.sh world",
+#   run(command="GPU_SESSION_GIT_SHA=<git rev-parse --short HEAD> bash scripts/gpu_session.sh world",
 #       carry=["build/nccl_carry", "build/wheels"], timeout_s=600)
 # It unpacks the carried NCCL ahead of torch's (LD_PRELOAD, and first on PYTHONPATH so that torch's own preload maps the
-# same file), builds _C against it, and records into bench/results/<date>_<gpu>_world/: self-test at 8 NCCL ranks on the
-# one GPU (every kernel set, the native and torch communicators), the two-rank tests, the self-test at 2 and 4 ranks
-# (--quick), bench.alltoall and bench.overlap at 8 ranks on one GPU, the pack variants (#36), the attention rows of
-# #36/#37 (packed fa2/cudnn, layout, +graph), and the hybrid bf16 step over 2 NCCL ranks (#38). What comes back: $OUT's
-# summary_world.txt and gpu_session_world.tgz (`tar xzf` in the repo root puts the record in place).
+# same file), probes it (2 ranks on GPU 0 all-reduce), builds _C against it, and records into
+# bench/results/<date>_<gpu>_world/: the self-test at 8 NCCL ranks on the one GPU (every kernel set, the native and
+# torch communicators), the two-rank tests, the pack variants (#36), the attention rows of #36/#37 (packed fa2/cudnn,
+# layout, +graph), bench.alltoall and bench.overlap at 8 ranks on one GPU, the self-test at 2 and 4 ranks (--quick),
+# and the hybrid bf16 step over 2 NCCL ranks (#38). Back in $OUT: summary_world.txt and gpu_session_world.tgz
+# (`tar xzf` in the repo root puts the record in place). docs/gpu_validation.md has the plan's table.
 #
 # Before (the 2026-11-28 wave ran; its fixes and candidates wait for a GPU): ONE call, ~5 min,
 #   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels  # here
