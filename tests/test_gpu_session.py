@@ -153,3 +153,11 @@ def test_nccl_carry_keeps_one_arch_in_place():
     assert [[e[3] for e in entries] for _s, _h, entries in found] == [[90], [100]]
     assert found[1][0] == off + len(first) and data[off + len(first) : off + len(first) + len(only_100)] == only_100
     assert data[off + 16 + len(sm90) : off + len(first)] == bytes(len(first) - 16 - len(sm90))
+
+
+def test_info_prints_the_report_and_writes_its_json(tmp_path, capsys):
+    path = tmp_path / "info.json"
+    assert info.main(["--json-to", str(path)]) == 0
+    written = json.loads(path.read_text())
+    assert re.search(rf"^NCCL +{re.escape(info.nccl_line(written))}$", capsys.readouterr().out, re.M)
+    assert written["torch_nccl"] and isinstance(written["nccl_libraries"], list)

@@ -182,9 +182,14 @@ def format_report(info: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """``--json``: print JSON instead of the report; ``--json-to PATH``: print the report and write
+    the JSON to PATH (one collection: the GPU runbook's record)."""
     argv = sys.argv[1:] if argv is None else argv
     info = collect()
     print(json.dumps(info, indent=2) if "--json" in argv else format_report(info))
+    if "--json-to" in argv:
+        with open(argv[argv.index("--json-to") + 1], "w") as f:
+            json.dump(info, f, indent=2)
     return 0
 
 
