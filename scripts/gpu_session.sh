@@ -90,7 +90,8 @@
 # GPU (CPU check that every command line parses; results stay in build/gpu_session/).
 # Other knobs: GPU_SESSION_TESTS (test files), GPU_SESSION_TEST_TIMEOUT (per test, s),
 # GPU_SESSION_MAXFAIL, GPU_SESSION_XDIST (workers, default 4; 0: no xdist), GPU_SESSION_ATTN_MODELS,
-# GPU_SESSION_ATTN_MAX_SEQ, GPU_SESSION_ARCH, GPU_SESSION_REBUILD=1. TINY builds _C for one arch:
+# GPU_SESSION_ATTN_MAX_SEQ, GPU_SESSION_ARCH, GPU_SESSION_REBUILD=1, GPU_SESSION_STEP_SCALE (every step budget times N:
+# a TINY check on a slow CPU). TINY builds _C for one arch:
 # run it in a copy of the tree, not in a checkout whose _C others are using.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -128,6 +129,7 @@ step() {  # step NAME LIMIT_S CMD...: run under timeout, log to $LOG/NAME.log, r
   shift 2
   left=$((DEADLINE - $(date +%s) - 20))
   if [ "$left" -lt 30 ]; then say "SKIPPED  $name (call budget spent)"; FAILED=1; return 1; fi
+  limit=$((limit * ${GPU_SESSION_STEP_SCALE:-1}))  # a CPU check (TINY) on slow cores: every budget times this
   [ "$limit" -gt "$left" ] && limit=$left
   PLAN+=("$name $limit")
   echo "[gpu_session] >>> $name (timeout ${limit}s): $*"

@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from ulysses_kernels import info
 from ulysses_kernels.selftest.cli import launched_transport
@@ -161,3 +162,17 @@ def test_info_prints_the_report_and_writes_its_json(tmp_path, capsys):
     written = json.loads(path.read_text())
     assert re.search(rf"^NCCL +{re.escape(info.nccl_line(written))}$", capsys.readouterr().out, re.M)
     assert written["torch_nccl"] and isinstance(written["nccl_libraries"], list)
+
+
+def test_a_record_of_ranks_sharing_a_gpu_says_so(monkeypatch):
+    from ulysses_kernels.bench import record
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    env = record.env_record(torch.device("cuda", 0), 8, "nccl")
+    assert env["local_ranks"] == 8 and env["gpus_visible"] == 1 and env["shared_gpu"].startswith("8 ranks on 1 GPU")
+    assert record.device_label(env) == "NVIDIA H200 (8 ranks on 1 GPU)"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    alone = record.env_record(torch.device("cuda", 0), 1, "nccl")
+    assert "shared_gpu" not in alone and record.device_label(alone) == "NVIDIA H200"
