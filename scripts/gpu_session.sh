@@ -3,7 +3,7 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled): each `run`
 # call runs one or more stages, in order.
 #
-# NEXT (issue 49): ONE call, `world`: 13 steps, budgets summing to 520 s under one 540 s deadline. Here, first:
+# NEXT (issue 49): ONE call, `world`: 14 steps, budgets summing to 520 s under one 540 s deadline. Here, first:
 #   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels
 #   /work/main/.venv/bin/python scripts/nccl_carry.py   # build/nccl_carry/: NCCL 2.30.7, sm_90 only, 29.4 MiB, checked
 #   GPU_SESSION_DRY_RUN=1 bash scripts/gpu_session.sh world   # the plan: every step, its budget, the sum
@@ -495,8 +495,11 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
     --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
-  step bench_attention 60 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 6 --out-dir "$WAVE_DIR" \
-    --methods "${GPU_SESSION_ATTN_METHODS:-local,local+graph,local-packed,local-packed+graph,local-packed-fa2,layout-cuda,chain-layout,layout-cuda+graph}" || true
+  step bench_attention 50 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 6 --out-dir "$WAVE_DIR" \
+    --methods "${GPU_SESSION_ATTN_METHODS:-local,local+graph,local-packed,local-packed+graph,local-packed-fa2}" || true
+  # #36: the layer's layout rows at 15 iterations (the 8K outlier of 2026-11-27); memory-bound, milliseconds a row
+  step bench_layout 20 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 3 -n 15 --out-dir "$WAVE_DIR" \
+    --methods layout-cuda,chain-layout,layout-cuda+graph || true
   step bench_attention_cudnn 30 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 8 --out-dir "$WAVE_DIR" \
     --methods local,local-packed-cudnn,local-packed-cudnn+graph || true
   if multi_rank_ok alltoall_w8; then
@@ -514,7 +517,7 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
   # #38: hf.apply's bf16 step of two hybrids over 2 NCCL ranks on the GPU against one process (fla from build/wheels);
   # last, so it may use what the steps above left of the deadline (its compile of fla's kernels is the unknown)
   if [ "$TINY" != 1 ] && multi_rank_ok hybrid_nccl_w2; then
-    step hybrid_nccl_w2 "$(at_least 55)" env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR/hybrid_nccl_w2" --transport nccl --world 2 || true
+    step hybrid_nccl_w2 "$(at_least 45)" env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR/hybrid_nccl_w2" --transport nccl --world 2 || true
   fi
   wave_record
 }
