@@ -524,7 +524,7 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
 
 world_note() {  # what N ranks on one GPU can and cannot show, written beside the world rows
   cat <<EOF
-N ranks on one GPU (NCCL $(nccl_version), NCCL_MULTI_RANK_GPU_ENABLE=1): every rank is a process on cuda:0, so
+N ranks on one GPU (NCCL $NCCL_RUNS, NCCL_MULTI_RANK_GPU_ENABLE=1): every rank is a process on cuda:0, so
 the ranks share the GPU's HBM bandwidth and SMs, and an all-to-all between them is a copy within one HBM.
 What this shows: the multi-rank code paths (the native NCCL communicator, borrowed and torch.distributed
 exchanges, the chunked pipeline, hf.apply) run and agree with float64 / one process over real NCCL at
