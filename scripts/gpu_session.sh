@@ -486,7 +486,7 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
   w8=8 w2=2 o=(--heads-sets 32/8 --seqs 8K,32K --chunks 1,2,auto -w 2 -n 5) x=(-b 1M -e 64M -f 4 -w 3 -n 10)
   [ "$TINY" = 1 ] && w8=3 o=(--heads-sets 8/2 --seqs 64,256 --head-dim 16 --chunks 1,2) x=(-b 1K -e 16K -f 4 -w 1 -n 2)
   if multi_rank_ok selftest_w8; then
-    step selftest_w8 110 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.selftest --timeout 30 --json "$WAVE_DIR/selftest_w8.json" || true
+    step selftest_w8 105 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.selftest --timeout 30 --json "$WAVE_DIR/selftest_w8.json" || true
   fi
   if multi_rank_ok two_ranks; then
     step two_ranks 60 "$PY" -m pytest -q -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
@@ -509,15 +509,15 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
     step overlap_w8 25 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.bench.overlap "${o[@]}" --out-dir "$WAVE_DIR/one_gpu_w$w8" || true
   fi
   if multi_rank_ok selftest_w2; then
-    step selftest_w2 20 "${run[@]}" --nproc-per-node "$w2" -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w2.json" || true
+    step selftest_w2 25 "${run[@]}" --nproc-per-node "$w2" -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w2.json" || true
   fi
   if multi_rank_ok selftest_w4; then
-    step selftest_w4 20 "${run[@]}" --nproc-per-node 4 -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w4.json" || true
+    step selftest_w4 30 "${run[@]}" --nproc-per-node 4 -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w4.json" || true
   fi
   # #38: hf.apply's bf16 step of two hybrids over 2 NCCL ranks on the GPU against one process (fla from build/wheels);
   # last, so it may use what the steps above left of the deadline (its compile of fla's kernels is the unknown)
   if [ "$TINY" != 1 ] && multi_rank_ok hybrid_nccl_w2; then
-    step hybrid_nccl_w2 "$(at_least 45)" env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR/hybrid_nccl_w2" --transport nccl --world 2 || true
+    step hybrid_nccl_w2 "$(at_least 35)" env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR/hybrid_nccl_w2" --transport nccl --world 2 || true
   fi
   wave_record
 }
