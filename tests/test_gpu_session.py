@@ -54,7 +54,7 @@ def carry(tmp_path):
     return str(tmp_path / "carry")
 
 
-def test_world_plan_fits_one_deadline_most_decisive_first(tmp_path, carry):
+def test_world_plan_fits_one_deadline_most_decisive_first_and_says_which_nccl(tmp_path, carry):
     out = dry_run(tmp_path, "world", GPU_SESSION_NCCL_CARRY_DIR=carry)
     rows, total, deadline = plan(out)
     names = [n for n, _ in rows]
@@ -71,9 +71,7 @@ def test_world_plan_fits_one_deadline_most_decisive_first(tmp_path, carry):
     assert "--transport nccl --world 2" in out and "one_gpu_w8" in out
     assert "the carried one would run ahead of the machine's" in out
     assert "one deadline of 540 s" in out
-
-
-def test_world_plan_without_a_carried_nccl_says_so(tmp_path):
+    # without a carried NCCL (one test: both dry runs write build/gpu_session/world/, so never side by side)
     out = dry_run(tmp_path, "world", GPU_SESSION_NCCL_CARRY="0")
     rows, total, _ = plan(out)
     assert "nccl_carry" not in [n for n, _ in rows] and total <= DEADLINE_S
