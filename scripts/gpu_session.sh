@@ -3,7 +3,22 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled): each `run`
 # call runs one or more stages, in order.
 #
-# NEXT (the 2026-11-28 wave ran; its fixes and candidates wait for a GPU): ONE call, ~5 min,
+# NEXT (issue 49): ONE call, `world`: 14 steps, budgets summing to 520 s under one 540 s deadline. Here, first:
+#   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels
+#   /work/main/.venv/bin/python scripts/nccl_carry.py   # build/nccl_carry/: NCCL 2.30.7, sm_90 only, 29.4 MiB, checked
+#   GPU_SESSION_DRY_RUN=1 bash scripts/gpu_session.sh world   # the plan: every step, its budget, the sum
+# The device tool's call (the working tree ~4.3 MB + build/nccl_carry 29.4 MiB + build/wheels 14.6 MiB = ~48 MiB of 64):
+#   run(command="GPU_SESSION_GIT_SHA=<git rev-parse --short HEAD> bash scripts/gpu_session.sh world",
+#       carry=["build/nccl_carry", "build/wheels"], timeout_s=600)
+# It unpacks the carried NCCL ahead of torch's (LD_PRELOAD, and first on PYTHONPATH so that torch's own preload maps the
+# same file), probes it (2 ranks on GPU 0 all-reduce), builds _C against it, and records into
+# bench/results/<date>_<gpu>_world/: the self-test at 8 NCCL ranks on the one GPU (every kernel set, the native and
+# torch communicators), the two-rank tests, the pack variants (#36), the attention rows of #36/#37 (packed fa2/cudnn,
+# layout, +graph), bench.alltoall and bench.overlap at 8 ranks on one GPU, the self-test at 2 and 4 ranks (--quick),
+# and the hybrid bf16 step over 2 NCCL ranks (#38). Back in $OUT: summary_world.txt and gpu_session_world.tgz
+# (`tar xzf` in the repo root puts the record in place). docs/gpu_validation.md has the plan's table.
+#
+# Before (the 2026-11-28 wave ran; its fixes and candidates wait for a GPU): ONE call, ~5 min,
 #   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels  # here
 #   GPU_SESSION_GIT_SHA=<sha of HEAD> GPU_SESSION_XDIST=8 GPU_SESSION_BUDGET_S=340 bash scripts/gpu_session.sh recheck
 #   # (device tool: timeout_s=360, carry=["build/wheels"]). It records into bench/results/<date>_<gpu>_recheck/:
@@ -48,6 +63,8 @@
 #   nccl2  2 NCCL ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; skipped if NCCL < 2.30):
 #          the self-test at 2 ranks, the two-rank tests and bench_overlap --world 2 (correctness; timings not a claim)
 #   recheck  a short call after a wave: its fixes re-measured (see stage_recheck)
+#   world  issue 49 in one call: several NCCL ranks on the one GPU over the carried NCCL >= 2.30, then the
+#          recheck's decisive rows (see stage_world); needs build/nccl_carry (scripts/nccl_carry.py)
 #   attn   bench_attention 4K..1M for $GPU_SESSION_ATTN_MODELS (default llama3-8b), perf_model
 #   user   tests/test_user_commands.py in this venv: the documented commands as a user types them
 #
@@ -64,16 +81,22 @@
 #
 # Every step runs under `timeout`, inside a budget for the whole call (GPU_SESSION_BUDGET_S,
 # default 540 s); a step that would not fit is SKIPPED. Exit status: non-zero if any step failed.
-# GPU_SESSION_DRY_RUN=1 prints the commands; GPU_SESSION_TINY=1 runs them at tiny sizes without a
+# NCCL: with build/nccl_carry/ present (the device tool's carry), the call first unpacks it into
+# build/nccl/ and, if torch then runs it, every later step runs on it (LD_PRELOAD, PYTHONPATH,
+# NCCL_HOME for _C, NCCL_MULTI_RANK_GPU_ENABLE=1); otherwise it says so and runs on the machine's
+# NCCL, and the steps that need several ranks on one GPU are SKIPPED by name. The summary's header,
+# `info`, every self-test and bench record name the NCCL that ran. GPU_SESSION_NCCL_CARRY=0: ignore the carry; GPU_SESSION_NCCL_CARRY_DIR: another folder.
+# GPU_SESSION_DRY_RUN=1 prints the commands and, at the end, every step's budget and their sum; GPU_SESSION_TINY=1 runs them at tiny sizes without a
 # GPU (CPU check that every command line parses; results stay in build/gpu_session/).
 # Other knobs: GPU_SESSION_TESTS (test files), GPU_SESSION_TEST_TIMEOUT (per test, s),
 # GPU_SESSION_MAXFAIL, GPU_SESSION_XDIST (workers, default 4; 0: no xdist), GPU_SESSION_ATTN_MODELS,
-# GPU_SESSION_ATTN_MAX_SEQ, GPU_SESSION_ARCH, GPU_SESSION_REBUILD=1. TINY builds _C for one arch:
+# GPU_SESSION_ATTN_MAX_SEQ, GPU_SESSION_ARCH, GPU_SESSION_REBUILD=1, GPU_SESSION_STEP_SCALE (every step budget times N:
+# a TINY check on a slow CPU). TINY builds _C for one arch:
 # run it in a copy of the tree, not in a checkout whose _C others are using.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { sed -n '3,/^set -euo/p' "$0" | sed '$d'; exit 2; }
-for s in "$@"; do case $s in wave|recheck|build|tests|bench|nccl2|attn|user) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
+for s in "$@"; do case $s in wave|recheck|world|build|tests|bench|nccl2|attn|user) ;; *) echo "unknown stage: $s" >&2; exit 2;; esac; done
 
 DRY=${GPU_SESSION_DRY_RUN:-0} TINY=${GPU_SESSION_TINY:-0}
 BASE_PY=${GPU_SESSION_PYTHON:-python3} PY=.venv/bin/python
@@ -87,7 +110,7 @@ LC_ALL=C ls bench/results > "$LOG/.results_before"
 # so that a hung spawn is killed and reported by run_ranks; a test that pytest-timeout stops
 # leaves its ranks behind, and pytest waits for them at exit (until the step is killed).
 export PYTHONUNBUFFERED=1 ULYSSES_KERNELS_TEST_TIMEOUT=${ULYSSES_KERNELS_TEST_TIMEOUT:-180}
-FAILED=0
+FAILED=0 PLAN=() NCCL_RUNS="?"
 
 say() { echo "[gpu_session] $*" | tee -a "$SUMMARY"; }
 
@@ -106,7 +129,9 @@ step() {  # step NAME LIMIT_S CMD...: run under timeout, log to $LOG/NAME.log, r
   shift 2
   left=$((DEADLINE - $(date +%s) - 20))
   if [ "$left" -lt 30 ]; then say "SKIPPED  $name (call budget spent)"; FAILED=1; return 1; fi
+  limit=$((limit * ${GPU_SESSION_STEP_SCALE:-1}))  # a CPU check (TINY) on slow cores: every budget times this
   [ "$limit" -gt "$left" ] && limit=$left
+  PLAN+=("$name $limit")
   echo "[gpu_session] >>> $name (timeout ${limit}s): $*"
   [ "$DRY" = 1 ] && return 0
   t=$(date +%s)
@@ -164,9 +189,42 @@ pytest_args() {  # PYTEST_ARGS: crash isolation (xdist) and a per-test timeout, 
   fi
 }
 
-stamp() {  # what the build depends on: sources, python, torch, arch
+stamp() {  # what the build depends on: sources, python, torch, arch, the NCCL header
   { find csrc setup.py -type f | LC_ALL=C sort | xargs cat
-    "$PY" -c 'import sys, torch; print(sys.version, torch.__version__)'; echo "$ARCH"; } | sha256sum | cut -c1-16
+    "$PY" -c 'import sys, torch; print(sys.version, torch.__version__)'; echo "$ARCH"
+    cat "${NCCL_HOME:-/nonexistent}/include/nccl.h" 2>/dev/null || true; } | sha256sum | cut -c1-16
+}
+
+nccl_version() {  # the NCCL torch runs in this environment ("2.30.7"), "?" when it cannot say
+  "${1:-$PY}" -c 'import torch; print(".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null || echo "?"
+}
+
+use_nccl_carry() {  # the carried NCCL >= 2.30 (build/nccl_carry: scripts/nccl_carry.py) ahead of torch's, if torch runs it
+  # The library goes to build/nccl/nvidia/nccl/lib: LD_PRELOAD names it, and build/nccl first on PYTHONPATH
+  # makes torch's own preload (nvidia/nccl/lib/libnccl.so.* of the first sys.path entry) map the same file.
+  # The probe: torch runs it, one copy mapped, 2 ranks on GPU 0 all-reduce through its kernels.
+  local dir=$PWD/build/nccl lib=$PWD/build/nccl/nvidia/nccl/lib/libnccl.so.2 carry=${GPU_SESSION_NCCL_CARRY_DIR:-build/nccl_carry}
+  if [ "${GPU_SESSION_NCCL_CARRY:-1}" != 1 ] || [ ! -f "$carry/manifest.json" ]; then
+    say "NCCL: none carried ($carry; GPU_SESSION_NCCL_CARRY=${GPU_SESSION_NCCL_CARRY:-1}): the machine's $([ "$DRY" = 1 ] || nccl_version "$BASE_PY")"
+    return 0
+  fi
+  [ "$DRY" = 1 ] || rm -rf "$dir"
+  if step nccl_carry 30 bash -c "\"\$0\" scripts/nccl_carry.py --out '$carry' --unpack '$dir' &&
+      LD_PRELOAD='$lib' PYTHONPATH='$dir' \"\$0\" scripts/nccl_carry.py --probe '$dir'" "$BASE_PY"; then
+    [ "$DRY" = 1 ] && { say "NCCL: (dry run) the carried one would run ahead of the machine's, from $lib"; return 0; }
+    export LD_PRELOAD=$lib${LD_PRELOAD:+:$LD_PRELOAD} PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} NCCL_HOME=$dir/nvidia/nccl NCCL_MULTI_RANK_GPU_ENABLE=1
+    say "NCCL: the carried $(sed -n 's/.*"nccl": "\(.*\)".*/\1/p' "$carry/manifest.json") runs ahead of the machine's ($lib)"
+  else
+    say "NCCL: the carried NCCL did not run (nccl_carry.log): this call runs on the machine's $(nccl_version "$BASE_PY")"
+  fi
+}
+
+multi_rank_ok() {  # multi_rank_ok STEP: 0 when several ranks may share the GPU (NCCL >= 2.30), else SKIPPED by name
+  [ "$DRY" = 1 ] && return 0
+  local major minor
+  IFS=. read -r major minor _ <<< "$NCCL_RUNS"
+  if [ "${major:-0}" -gt 2 ] 2>/dev/null || { [ "${major:-0}" = 2 ] && [ "${minor:-0}" -ge 30 ] 2>/dev/null; }; then return 0; fi
+  say "SKIPPED  $1: NCCL $NCCL_RUNS runs here, and NCCL < 2.30 refuses several ranks on one GPU"; FAILED=1; return 1
 }
 
 ext_ok() {  # the _C in the tree loads, has CUDA code for $ARCH, and was built from these sources
@@ -176,7 +234,9 @@ assert i.get('built') and i.get('cuda') and '$ARCH' in i.get('archs', '').split(
 }
 
 setup() {
-  if [ "$DRY" = 1 ]; then ARCH=${GPU_SESSION_ARCH:-9.0}; say "dry run: commands printed, nothing run"
+  if [ "$DRY" = 1 ]; then say "dry run: commands printed, nothing run"; fi
+  use_nccl_carry
+  if [ "$DRY" = 1 ]; then ARCH=${GPU_SESSION_ARCH:-9.0}
   else
     make_venv
     if [ "$TINY" != 1 ]; then
@@ -189,7 +249,7 @@ setup() {
   local skip=0
   [ "$DRY" != 1 ] && [ "${GPU_SESSION_REBUILD:-0}" != 1 ] && ext_ok && skip=1
   [ "$skip" = 1 ] && say "using the carried _C build (stamp $(stamp))"
-  step setup 480 env ULYSSES_KERNELS_SYSTEM_TORCH=1 ULYSSES_KERNELS_SKIP_EXTENSION=$skip PYTHON="$BASE_PY" \
+  step setup "$SETUP_S" env ULYSSES_KERNELS_SYSTEM_TORCH=1 ULYSSES_KERNELS_SKIP_EXTENSION=$skip PYTHON="$BASE_PY" \
     ULYSSES_KERNELS_CUDA_ARCHS="$ARCH" MAX_JOBS="$(nproc)" bash scripts/setup.sh ||
     { cp build/setup_build_ext.log "$LOG/" 2>/dev/null; die "set-up failed (see $LOG/setup.log)"; }
   cp build/setup_build_ext.log "$LOG/" 2>/dev/null || true
@@ -201,6 +261,7 @@ setup() {
   ext_ok || die "ulysses_kernels._C is not usable with CUDA code for arch $ARCH (see $LOG/setup.log)"
   if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/gpu_carry"; cp build/gpu_carry/* "$OUT/gpu_carry/"; fi
   [ -n "${GPU_SESSION_GIT_SHA:-}" ] && export ULYSSES_KERNELS_GIT_SHA=$GPU_SESSION_GIT_SHA  # bench JSON, without .git
+  NCCL_RUNS=$(nccl_version)  # what torch runs in this call, for multi_rank_ok
   local sha
   if sha=$(git rev-parse --short HEAD 2>/dev/null); then git diff --quiet HEAD || sha="$sha +local edits"
   else sha=${GPU_SESSION_GIT_SHA:-"unknown (set GPU_SESSION_GIT_SHA)"}; fi
@@ -412,6 +473,79 @@ stage_recheck() {  # a short second call after a wave: what the wave found wrong
   wave_record
 }
 
+stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL >= 2.30), then the recheck's decisive rows.
+  # Budgets from the H200 runs (2026-11-28: setup 34 s, info 7 s, the world-1 self-test's 210 paths 24 s, bench.pack's
+  # three sets and variants 8 s, bench.attention 4K..256K every method 101 s); a torchrun of N ranks adds ~10 s of
+  # start-up (torch import, CUDA contexts, NCCL init). Ranks on one GPU share its HBM and SMs: the world rows check
+  # the multi-rank code paths over real NCCL and time how much of the exchange stays exposed; no row is a
+  # bandwidth claim (world_note.txt in the record says so beside the numbers).
+  local a run=("$PY" -m torch.distributed.run --standalone) w8 w2 o x
+  open_record world "_${GPU_SESSION_RECORD_TAG:-world}"
+  step info 20 "$PY" -m ulysses_kernels.info --json-to "$WAVE_DIR/info.json" || true
+  [ "$DRY" = 1 ] || world_note > "$WAVE_DIR/world_note.txt"
+  w8=8 w2=2 o=(--heads-sets 32/8 --seqs 8K,32K --chunks 1,2,auto -w 2 -n 5) x=(-b 1M -e 64M -f 4 -w 3 -n 10)
+  [ "$TINY" = 1 ] && w8=3 o=(--heads-sets 8/2 --seqs 64,256 --head-dim 16 --chunks 1,2) x=(-b 1K -e 16K -f 4 -w 1 -n 2)
+  if multi_rank_ok selftest_w8; then
+    step selftest_w8 105 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.selftest --timeout 30 --json "$WAVE_DIR/selftest_w8.json" || true
+  fi
+  if multi_rank_ok two_ranks; then
+    step two_ranks 60 "$PY" -m pytest -q -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
+  fi
+  step bench_pack 25 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new,wide}" \
+    --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
+  a=(--models llama3-8b --min-seq 4K --max-seq 256K)
+  [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
+  step bench_attention 50 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 6 --out-dir "$WAVE_DIR" \
+    --methods "${GPU_SESSION_ATTN_METHODS:-local,local+graph,local-packed,local-packed+graph,local-packed-fa2}" || true
+  # #36: the layer's layout rows at 15 iterations (the 8K outlier of 2026-11-27); memory-bound, milliseconds a row
+  step bench_layout 20 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 3 -n 15 --out-dir "$WAVE_DIR" \
+    --methods layout-cuda,chain-layout,layout-cuda+graph || true
+  step bench_attention_cudnn 30 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 8 --out-dir "$WAVE_DIR" \
+    --methods local,local-packed-cudnn,local-packed-cudnn+graph || true
+  if multi_rank_ok alltoall_w8; then
+    step alltoall_w8 20 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.bench.alltoall "${x[@]}" --out-dir "$WAVE_DIR/one_gpu_w$w8" || true
+  fi
+  if multi_rank_ok overlap_w8; then
+    step overlap_w8 25 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.bench.overlap "${o[@]}" --out-dir "$WAVE_DIR/one_gpu_w$w8" || true
+  fi
+  if multi_rank_ok selftest_w2; then
+    step selftest_w2 25 "${run[@]}" --nproc-per-node "$w2" -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w2.json" || true
+  fi
+  if multi_rank_ok selftest_w4; then
+    step selftest_w4 30 "${run[@]}" --nproc-per-node 4 -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w4.json" || true
+  fi
+  # #38: hf.apply's bf16 step of two hybrids over 2 NCCL ranks on the GPU against one process (fla from build/wheels);
+  # last, so it may use what the steps above left of the deadline (its compile of fla's kernels is the unknown)
+  if [ "$TINY" != 1 ] && multi_rank_ok hybrid_nccl_w2; then
+    step hybrid_nccl_w2 "$(at_least 35)" env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR/hybrid_nccl_w2" --transport nccl --world 2 || true
+  fi
+  wave_record
+}
+
+world_note() {  # what N ranks on one GPU can and cannot show, written beside the world rows
+  cat <<EOF
+N ranks on one GPU (NCCL $NCCL_RUNS, NCCL_MULTI_RANK_GPU_ENABLE=1): every rank is a process on cuda:0, so
+the ranks share the GPU's HBM bandwidth and SMs, and an all-to-all between them is a copy within one HBM.
+What this shows: the multi-rank code paths (the native NCCL communicator, borrowed and torch.distributed
+exchanges, the chunked pipeline, hf.apply) run and agree with float64 / one process over real NCCL at
+world N; the exposed-communication fraction of the layer (bench.overlap's exposed/a2a) with the exchange
+and attention contending for the same SMs. What it cannot show: link bandwidth (NVLink, network), the
+busbw of a real N-GPU all-to-all, or the overlap that N separate GPUs give; those rows are not claims.
+EOF
+}
+
+at_least() {  # at_least N: N, or more when the call has more left before its deadline (a dry run: N)
+  local left=$((DEADLINE - $(date +%s) - 20))
+  if [ "$DRY" = 1 ] || [ "$left" -lt "$1" ]; then echo "$1"; else echo "$left"; fi
+}
+
+plan_table() {  # every step this call ran (dry: would run) with its budget (its timeout), and their sum against the deadline
+  local line sum=0
+  say "plan: step budgets in order (seconds), one deadline of ${GPU_SESSION_BUDGET_S:-540} s"
+  for line in "${PLAN[@]}"; do sum=$((sum + ${line#* })); say "  $(printf '%-24s %4s  %4s' "${line% *}" "${line#* }" "$sum")"; done
+  say "plan: ${#PLAN[@]} steps, budgets sum ${sum} s of the ${GPU_SESSION_BUDGET_S:-540} s deadline"
+}
+
 wave_record() {  # the step logs (the tables a person reads) and the summary beside the JSON
   [ -n "${WAVE_DIR:-}" ] && [ "$DRY" != 1 ] || return 0
   mkdir -p "$WAVE_DIR/logs"
@@ -421,9 +555,12 @@ wave_record() {  # the step logs (the tables a person reads) and the summary bes
   rm -f "$WAVE_DIR"/*_latest.json
 }
 
+SETUP_S=${GPU_SESSION_SETUP_S:-480}
+case " $* " in *" world "*) SETUP_S=${GPU_SESSION_SETUP_S:-45} ;; esac
 trap 'echo; echo "======== gpu_session $TAG summary ($(( $(date +%s) - T0 ))s; logs in $LOG${OUT:+, copied to \$OUT})"; cat "$SUMMARY"' EXIT
 setup
 for s in "$@"; do "stage_$s"; done
+plan_table
 publish
 [ "$FAILED" = 0 ] || { say "FAILED: see the lines above"; wave_record; publish; exit 1; }
 say "all steps OK"; wave_record; publish

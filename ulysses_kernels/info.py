@@ -9,12 +9,18 @@ set (whether it runs in this process, and why not), the default kernel set
 (``kernels="auto"``) with the GPU runs it was validated on, and the packed-documents kernel
 the chooser picks here (``backends.packed_kernel``; CUDA bf16 where a GPU is visible, else CPU
 float32). ``--json`` prints the same as JSON.
+
+The NCCL row says which NCCL runs in this process: torch's ``ncclGetVersion``, the one ``_C``
+calls, and every libnccl file mapped (``/proc/self/maps``), so that a carried NCCL put ahead of
+torch's (``LD_PRELOAD``, scripts/gpu_session.sh) is seen to be the one that runs, and two copies
+in one process are seen at all.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 
 import torch
@@ -22,6 +28,30 @@ import torch
 from . import extension, toolchain
 from .backends import packed_report
 from .kernels import KERNEL_SETS, auto_choice, kernel_set_report
+
+
+def nccl_libraries() -> list[str]:
+    """The libnccl files mapped into this process (Linux; empty elsewhere or before any is loaded)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split(None, 5)[5].strip() for line in f if "libnccl" in line and len(line.split(None, 5)) == 6})
+    except OSError:
+        return []
+
+
+def nccl_line(info: dict) -> str:
+    """torch's NCCL, _C's, the files mapped, and LD_PRELOAD when it names one: the NCCL that runs here."""
+    ext = info["extension"]
+    parts = [f"torch {info['torch_nccl']}"]
+    if ext.get("nccl"):
+        parts.append(f"_C {ext['nccl_runtime_version']}")
+    libs = info["nccl_libraries"]
+    parts.append(f"mapped: {', '.join(libs) if libs else 'none'}")
+    if len(libs) > 1:
+        parts.append(f"{len(libs)} COPIES IN ONE PROCESS")
+    if "nccl" in info["ld_preload"]:
+        parts.append(f"LD_PRELOAD={info['ld_preload']}")
+    return "; ".join(parts)
 
 
 def collect() -> dict:
@@ -53,6 +83,8 @@ def collect() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch_nccl": torch_nccl,
+        "nccl_libraries": nccl_libraries(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "triton": triton_version,
         "flash_attn": importlib.util.find_spec("flash_attn") is not None,
         "extension": ext,
@@ -123,7 +155,7 @@ def format_report(info: dict) -> str:
         ("python", info["python"]),
         ("torch", f"{info['torch']} (CUDA {info['torch_cuda']})"),
         ("GPU", info["gpu"] or "none visible"),
-        ("torch NCCL", info["torch_nccl"]),
+        ("NCCL", nccl_line(info)),
         ("triton", info["triton"] or "not installed"),
         ("flash-attn", "present" if info["flash_attn"] else "not installed"),
         ("_C extension", extension_line(info)),
@@ -150,9 +182,14 @@ def format_report(info: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """``--json``: print JSON instead of the report; ``--json-to PATH``: print the report and write
+    the JSON to PATH (one collection: the GPU runbook's record)."""
     argv = sys.argv[1:] if argv is None else argv
     info = collect()
     print(json.dumps(info, indent=2) if "--json" in argv else format_report(info))
+    if "--json-to" in argv:
+        with open(argv[argv.index("--json-to") + 1], "w") as f:
+            json.dump(info, f, indent=2)
     return 0
 
 

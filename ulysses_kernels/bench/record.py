@@ -125,6 +125,12 @@ def env_record(device: torch.device, world_size: int, transport: str | None, **e
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
     }
+    if device.type == "cuda":  # several ranks sharing a GPU (NCCL >= 2.30) is not N GPUs: the record says so
+        gpus, local = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        rec.update(gpus_visible=gpus, local_ranks=local)
+        if local > gpus:
+            rec["shared_gpu"] = (f"{local} ranks on {gpus} GPU{'s' if gpus > 1 else ''}: they share its HBM and SMs; "
+                                 "the rows check code paths and the exposed-communication share, not link bandwidth")  # fmt: skip
     rec.update(extra)
     return rec
 
@@ -200,8 +206,11 @@ def kernel_label(name: str, device: torch.device) -> str:
 
 
 def device_label(env: dict) -> str:
-    """What a plot title says ran it: the GPU's name, or ``CPU_LABEL``."""
-    return env["gpu"] if env["device"] == "cuda" else CPU_LABEL
+    """What a plot title says ran it: the GPU's name (and "N ranks on one GPU" when they shared it), or ``CPU_LABEL``."""
+    if env["device"] != "cuda":
+        return CPU_LABEL
+    shared = env.get("local_ranks", 1) > env.get("gpus_visible", 1)
+    return f"{env['gpu']} ({env['local_ranks']} ranks on {env['gpus_visible']} GPU)" if shared else env["gpu"]
 
 
 def load_pyplot():

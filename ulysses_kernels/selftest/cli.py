@@ -2,6 +2,7 @@
 
     python -m ulysses_kernels.selftest                       # one rank per local GPU; no GPU: 2 gloo ranks on the CPU
     torchrun --nproc-per-node 8 -m ulysses_kernels.selftest  # the launched ranks (NCCL on GPUs, else gloo)
+    NCCL_MULTI_RANK_GPU_ENABLE=1 torchrun --nproc-per-node 4 -m ulysses_kernels.selftest  # 4 NCCL ranks on 1 GPU (NCCL >= 2.30)
     python -m ulysses_kernels.selftest --spawn 2             # 2 gloo ranks on the CPU
     python -m ulysses_kernels.selftest --json selftest.json  # also write every result as JSON
 
@@ -158,18 +159,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def launched_transport(gpus: int, local_ranks: int, environ) -> str:
+    """A torchrun rank's transport: NCCL when every local rank has a GPU of its own, or when ranks
+    may share one (``NCCL_MULTI_RANK_GPU_ENABLE=1``: NCCL >= 2.30 accepts several ranks on one GPU,
+    rank r on GPU r % GPUs; an older NCCL refuses that by name when the communicator is made);
+    else gloo on the CPU."""
+    shared = environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+    return "nccl" if gpus > 0 and (gpus >= local_ranks or shared) else "gloo"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     for name in args.imports:
         importlib.import_module(name)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.spawn:
-        # Launched by torchrun: this process is one rank (NCCL when every local rank has a GPU).
+        # Launched by torchrun: this process is one rank.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        transport = "nccl" if gpus >= local else "gloo"
+        transport = launched_transport(gpus, local, os.environ)
         kernel_choice(args.kernels)  # a bad --kernels stops every rank here, alike
         if transport == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
         dist.init_process_group(transport)
         device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
         try:

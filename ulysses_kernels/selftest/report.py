@@ -49,6 +49,8 @@ def _install_lines(install: dict | None) -> list[str]:
     if not install:
         return []
     lines = [f"default kernels (kernels='auto'): {info.default_line(install)}"]
+    if "nccl_libraries" in install:  # the NCCL that ran (a record before that key was written has none)
+        lines.append(f"NCCL: {info.nccl_line(install)}")
     if install.get("extension_error_path") is not None:
         lines.append(f"_C error path: {toolchain.probe_line(install['extension_error_path'])}")
     return lines
@@ -60,6 +62,8 @@ def report(results: list[dict], env: dict, settings: dict, not_tested: dict, arg
     counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     ok = complete and counts["FAIL"] == 0
     where = env.get("gpu") if settings.get("device") == "cuda" else CPU_LABEL
+    if settings.get("device") == "cuda" and 0 < settings.get("gpus", 0) < settings.get("world_size", 0):
+        where += f" ({settings['world_size']} ranks on {settings['gpus']} GPU{'s' if settings['gpus'] > 1 else ''}: they share its HBM and SMs)"
     dtype = settings.get("dtype")
     rule = f"{FLOAT64_BOUND:g}" if dtype == "fp64" else f"2x PyTorch's own {dtype} error (SDPA, same device)"
     out = [

@@ -50,6 +50,7 @@ def run(rank) -> bool:
     chunks = [chunk_value(c) for c in (args.chunks or (QUICK_CHUNKS if args.quick else CHUNKS))]
     rank.settings = {
         "world_size": rank.world, "transport": rank.transport, "device": rank.device.type,
+        "gpus": torch.cuda.device_count() if rank.device.type == "cuda" else 0,
         "dtype": dtype_name(rank.dtype), "head_dim": rank.head_dim, "seq_per_rank": rank.seq_per_rank,
         "kernels": kernels, "comms": None, "chunks": chunks, "cases": [c.name for c in cases], "layouts": [c.name for c in cases],  # layouts: the old key
         "timeout_s": rank.timeout, "argv": args.argv, "packed_kernel": _packed_kernel_name(rank.device, rank.dtype),
