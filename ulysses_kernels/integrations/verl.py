@@ -556,7 +556,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     out = ulysses_attention(
         q, k, v, step.group, causal=True, softmax_scale=scaling, seq_lens=step.seq_lens, attn_fn=state.attn_fn,
         plan=plan, comm=comm, kernels=options.kernels, chunks=options.chunks, check=check,
-        cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
+        cu_seqlens=docs,
     )  # fmt: skip
     if check:
         step.checked.add(sig)
