@@ -377,8 +377,8 @@ def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tup
         pos = position_ids.expand(bsz, -1) if position_ids.shape[0] == 1 else position_ids
         if pos.shape[0] != bsz or bool((pos[:, 0] != 0).any()):
             raise HFIntegrationError(
-                f"shard_batch: packed position_ids must be [1 or batch ({bsz}), seq] and start at 0 in every row (each document "
-                f"counts 0, 1, ...), got shape {list(position_ids.shape)} starting with {pos[:, 0].tolist()}"
+                f"shard_batch: packed position_ids must start at 0 in every row (each document counts 0, 1, ...) and be "
+                f"[1 or batch ({bsz}), seq], got shape {list(position_ids.shape)} starting with {pos[:, 0].tolist()}"
             )
         starts = [torch.nonzero(row == 0).flatten().tolist() for row in pos]
         rows = tuple(tuple(x) + (seq,) for x in starts)
