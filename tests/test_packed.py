@@ -173,9 +173,10 @@ def _check_errors(rank, world):
     _raises(r"ranks disagree on cu_seqlens: rank 0 has 3 entries from 0 to 8 .*; rank 1 has 3 entries", lambda: call([0, 3, 8] if rank == 0 else [0, 5, 8]))
     _raises(r"ranks disagree on cu_seqlens: rank 0 has 3 entries .*; rank 1 has None", lambda: call([0, 3, 8] if rank == 0 else None))
     _raises(r"ranks disagree on max_seqlen: rank 0 has 5; rank 1 has 6$", lambda: call([0, 3, 8], max_seqlen=5 + rank))
-    # Batch 2 is refused; the group still works afterwards.
+    # Batch 2 takes one list of boundaries per row (test_packed_batch); the group still works afterwards.
     q2, k2, v2 = (torch.cat([x, x]) for x in (q, k, v))
-    _raises(r"ranks 0-1: packed documents \(cu_seqlens\) need batch 1 \(q.shape\[0\]\), got 2", lambda: uk.ulysses_attention(q2, k2, v2, cu_seqlens=[0, 8]))
+    batch_2 = r"ranks 0-1: cu_seqlens: packed documents at batch 2 \(q.shape\[0\]\) take one list of boundaries"
+    _raises(batch_2, lambda: uk.ulysses_attention(q2, k2, v2, cu_seqlens=[0, 8]))
     assert uk.ulysses_attention(q, k, v, cu_seqlens=[0, 3, 8]).shape == q.shape
 
 

@@ -149,8 +149,9 @@ def test_documents_from_position_ids(uv):
     assert _documents(torch.arange(7).unsqueeze(0)) is None  # one document: plain causal
     # A first position that is not 0 still starts a document (verl's ulysses_pad appends 0, 1, ...).
     assert _documents(torch.tensor([[3, 4, 0, 1]])).cu_seqlens == (0, 2, 4)
-    with pytest.raises(uv.VerlIntegrationError, match="need batch 1"):
-        _documents(PACKED.expand(2, -1))
+    # Several rows: each its own documents, joined end to end (the op attends them as one packed row).
+    rows = _documents(torch.cat([PACKED, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]])]))
+    assert rows.rows == 2 and rows.cu_seqlens == (0, 4, 6, 11, 14, 22)
 
 
 def test_refused_when_preparing(uv):

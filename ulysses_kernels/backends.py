@@ -54,6 +54,7 @@ __all__ = [
     "BACKENDS",
     "save_tensors",
     "doc_kwargs",
+    "attend_rows",
     "per_document",
     "packed_kernel",
     "packed_report",
@@ -121,6 +122,21 @@ def doc_kwargs(docs) -> dict:
     return {} if docs is None else {"docs": docs}
 
 
+def attend_rows(attend, q, k, v, causal: bool, scale: float, docs=None) -> torch.Tensor:
+    """``attend(q, k, v, causal, scale[, docs=])`` (a backend's ``attend``) on ``[B, S, h, D]``;
+    a batch of packed rows (``docs.rows = B > 1``: boundaries joined end to end over
+    ``[B * S]``, ``documents``) runs as one packed row ``[1, B * S, h, D]`` (a view of the
+    receive buffer's batch-major rows, no copy) and comes back as ``[B, S, h, Dv]``: every
+    row end is a boundary, so attention never crosses rows."""
+    if docs is None:
+        return attend(q, k, v, causal, scale)
+    B, S = q.shape[0], q.shape[1]
+    if B == 1:
+        return attend(q, k, v, causal, scale, docs=docs)
+    out = attend(*(x.reshape(1, B * S, *x.shape[2:]) for x in (q, k, v)), causal, scale, docs=docs)
+    return out.view(B, S, *out.shape[2:])
+
+
 def per_document(fn, q, k, v, docs) -> torch.Tensor:
     """``fn(q_d, k_d, v_d)`` on each document's rows of ``[1, S, H, D]`` tensors, joined
     along the sequence: block-diagonal attention from any dense attention ``fn``.
@@ -186,13 +202,12 @@ class AttentionBackend:
         return math_attention_lse_backward(dout, q, k, v, out, lse, causal, scale)
 
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
-        kw = doc_kwargs(docs)
         heads = KVGather.of(kv_map, k.shape[2])  # gathered where the map is not uniform
         if not needs_grad:
             if not torch.is_grad_enabled():  # as the op calls it (inside its autograd nodes, or with nothing to differentiate)
-                return self.attend(q, *heads.gather(k, v), causal, scale, **kw), None
+                return attend_rows(self.attend, q, *heads.gather(k, v), causal, scale, docs), None
             with torch.no_grad():
-                return self.attend(q, *heads.gather(k, v), causal, scale, **kw), None
+                return attend_rows(self.attend, q, *heads.gather(k, v), causal, scale, docs), None
         # A gathered map: the kernel saves the gathered k, v (dk, dv are summed back to the
         # KV heads in ``backward``), and q leaves the receive buffer (``KVGather.own_q``).
         q = heads.own_q(q, k)
@@ -200,7 +215,7 @@ class AttentionBackend:
         dummy = torch.empty(0, dtype=q.dtype, device=q.device, requires_grad=True)
         with torch.enable_grad():
             inputs = _AttentionInputs.apply(dummy, q.detach(), k.detach(), v.detach())
-            out = self.attend(*inputs, causal, scale, **kw)
+            out = attend_rows(self.attend, *inputs, causal, scale, docs)
         edges = [torch.autograd.graph.get_gradient_edge(x) for x in (out, *inputs)]
         # The state is a list that ``backward`` empties: the graph (and what it saved) goes with it.
         return out.detach(), [edges, heads]

@@ -66,17 +66,47 @@ def graph_exec_group():
 
 def one_recompute():
     """A context for a backward that runs nested backward passes (``torch.autograd.grad`` over
-    attention graphs, as ``AttentionBackend.backward`` does): under non-reentrant activation
-    checkpointing each nested pass is a graph task of its own, and the checkpoint would run
-    its recompute (the region's forward: our collectives again) once per nested pass, at
-    points that differ between ranks whose chunks hold no heads (a hang). Inside one
-    ``torch.utils.checkpoint.GraphExecGroup`` the region is recomputed once, at the first
-    unpack. An enclosing group (the caller's) is used as it is; torch without the class
-    (older than 2.9): a no-op."""
+    attention graphs, as ``AttentionBackend.backward`` does). Under non-reentrant activation
+    checkpointing a region is recomputed once per graph task (or per
+    ``torch.utils.checkpoint.GraphExecGroup``) that unpacks one of its saved tensors, and each
+    nested pass is a graph task of its own: without this, the region would be recomputed by
+    the outer backward (for the layer's other saved tensors) and again by each nested pass
+    (our collectives again, at points that differ between ranks whose chunks hold no heads: a
+    hang). Under selective checkpointing (``create_selective_checkpoint_contexts``) the second
+    recompute reads the ops the policy saved a second time: "Trying to backward an extra
+    time" (measured on torch 2.14, a policy saving matmuls, before this joined the outer task).
+
+    So the nested passes join the backward that runs this node: inside the context the
+    checkpoint's recompute key (``GraphExecGroup._get_current_group()``, which
+    ``torch.utils.checkpoint`` reads before falling back to the graph task id) is the
+    enclosing group if the caller opened one, else the id of the graph task running this
+    backward, the key the outer backward's own unpacks use. The region is then recomputed
+    once for the outer backward and every nested pass, whichever unpacks first. The nested
+    passes unpack only their attention graph's saved tensors, which no other pass reads (the
+    group's contract). Outside a backward (no graph task) a fresh group. Torch without
+    ``GraphExecGroup`` (older than 2.9): a no-op (chunked calls then run unchunked:
+    ``chunks_recompute_apart``)."""
     group = graph_exec_group()
     if group is None or torch._C._get_graph_exec_group() is not None:
         return contextlib.nullcontext()
-    return group()
+    task = torch._C._current_graph_task_id()
+    return group() if task == -1 else _JoinTask(task)
+
+
+class _JoinTask:
+    """Sets the checkpoint's recompute key to graph task ``task`` (``one_recompute``)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: int):
+        self.task = task
+
+    def __enter__(self):
+        torch._C._set_graph_exec_group(self.task)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch._C._set_graph_exec_group(None)
 
 
 def chunks_recompute_apart() -> bool:

@@ -128,7 +128,7 @@ class Signature:
         vals += [self.causal, self.scale_bits]
         vals += [-1, -1] if self.plan_heads is None else list(self.plan_heads)
         vals += [0] + [0] * self.world_size if self.seq_lens is None else [1] + list(self.seq_lens)
-        vals += [len(self.docs)] + list(self.docs) + [0] * (_DOC_FIELDS - len(self.docs))
+        vals += [len(self.docs)] + list(self.docs) + [0] * (DOC_FIELDS - len(self.docs))
         return vals
 
     @classmethod
@@ -148,26 +148,27 @@ class Signature:
         given = next(it)
         lens = tuple(next(it) for _ in range(world))
         n_docs = next(it)
-        docs = tuple(next(it) for _ in range(_DOC_FIELDS))[:n_docs]
+        docs = tuple(next(it) for _ in range(DOC_FIELDS))[:n_docs]
         return cls(rank, world, tuple(shapes), dtypes, devices, causal, scale_bits, lens if given else None, plan_heads, docs)
 
 
 # The boundaries travel in the signature as a fixed-size summary (the all-gather needs one
 # length on every rank): what the rank-local checks report, and a digest for agreement.
-_DOC_FIELDS = 9
+DOC_FIELDS = 11
 
 
 def document_summary(docs: Documents | None) -> tuple[int, ...]:
     """``(entries, first, last, bad index, value before it, bad value, max_seqlen, longest
-    document, digest)``: ``bad index`` is the first boundary not above the one before it
-    (-1: none). What ranks exchange about their boundaries (here and in the 2-D group's
+    document, digest, rows, bad row)``: ``bad index`` is the first boundary not above the one
+    before it (-1: none); ``rows`` and ``bad row`` as in ``Documents``. What ranks exchange about their boundaries (here and in the 2-D group's
     check, ``ring.check_ring_inputs``); empty for ``None``."""
     if docs is None:
         return ()
     cu = docs.cu_seqlens
     bad = first_unordered(cu)
     first, last = (cu[0], cu[-1]) if cu else (0, 0)
-    return (len(cu), first, last, bad, cu[bad - 1] if bad > 0 else 0, cu[bad] if bad > 0 else 0, docs.max_seqlen, longest_document(cu), boundaries_digest(cu))
+    return (len(cu), first, last, bad, cu[bad - 1] if bad > 0 else 0, cu[bad] if bad > 0 else 0, docs.max_seqlen, longest_document(cu),
+            boundaries_digest(cu), docs.rows, docs.bad_row)  # fmt: skip
 
 
 def document_text(summary: Sequence[int]) -> str | None:
@@ -189,17 +190,27 @@ def _doc_problems(sig: Signature, total: int) -> list[str]:
 
 def document_problems(summary: Sequence[int], batch: int, total: int, how: str) -> list[str]:
     """Problems of one rank's boundaries (``document_summary``) for a packed sequence of
-    ``total`` tokens (``how``: where that length comes from) and batch ``batch``."""
-    n, first, last, bad, before, value, max_seqlen, longest, _ = summary
-    out = [] if batch == 1 else [f"packed documents (cu_seqlens) need batch 1 (q.shape[0]), got {batch}"]
+    ``total`` tokens per row (``how``: where that length comes from) and batch ``batch``:
+    one row's boundaries ``(0, ..., total)`` at batch 1, one such list per row above."""
+    n, first, last, bad, before, value, max_seqlen, longest, _, rows, bad_row = summary
+    if rows != batch:
+        if batch == 1 or rows == 1:
+            given = "one list of boundaries" if rows == 1 else f"{rows} lists of boundaries"
+            return [f"cu_seqlens: packed documents at batch {batch} (q.shape[0]) take one list of boundaries (0, ..., {total}) per row, got {given}"]
+        return [f"cu_seqlens expected one list of boundaries per row: {batch} (q.shape[0]), got {rows}"]
+    if bad_row:
+        return [f"cu_seqlens row {bad_row - 1}: expected boundaries from 0 to the global length {total} ({how}), as in every row"]
     if n < 2:
-        return out + [f"cu_seqlens expected at least 2 entries (0 and the global length {total}), got {n}"]
+        return [f"cu_seqlens expected at least 2 entries (0 and the global length {total}), got {n}"]
+    out = []
     if first != 0:
         out.append(f"cu_seqlens[0] expected 0, got {first}")
-    if last != total:
-        out.append(f"cu_seqlens[-1] expected {total} (the global sequence length: {how}), got {last}")
+    if last != total * rows:
+        what = f"{total} (the global sequence length: {how})" if rows == 1 else f"{total} in every row (the global sequence length: {how})"
+        out.append(f"cu_seqlens[-1] expected {what}, got {last if rows == 1 else last // rows}")
     if bad > 0:
-        out.append(f"cu_seqlens must be strictly increasing (documents of length >= 1): cu_seqlens[{bad}] = {value} <= cu_seqlens[{bad - 1}] = {before}")
+        where = "" if rows == 1 else " (rows joined end to end)"
+        out.append(f"cu_seqlens must be strictly increasing (documents of length >= 1){where}: cu_seqlens[{bad}] = {value} <= cu_seqlens[{bad - 1}] = {before}")
     elif max_seqlen < longest:
         out.append(f"max_seqlen expected >= {longest} (the longest document), got {max_seqlen}")
     return out

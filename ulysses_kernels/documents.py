@@ -6,6 +6,12 @@ boundaries). ``cu_seqlens`` are the *global* cumulative boundaries, flash-attn's
 convention: ``(0, end_0, end_1, ..., S)``, document i is tokens ``[cu[i], cu[i+1])``.
 Attention is block-diagonal over the documents (causal inside a document when causal).
 
+A batch of packed rows (``[B, S, H, D]``, each row its own documents) is given as one list
+of boundaries per row, each ``(0, ..., S)``; ``Documents`` holds them end to end over the
+flattened ``[B * S]`` tokens (flash-attn's varlen convention over a batch: every row end is
+a boundary, so no document crosses rows), with ``rows = B``. A backend attends the rows as
+one packed row of ``B * S`` tokens (``backends.attend_rows``).
+
 After the sequence-to-head exchange every rank holds the whole sequence in global order,
 so the boundaries its attention needs are these same global ones: ``Documents`` is built
 once per call from the arguments (no collective), and every layer of a step that passes
@@ -30,10 +36,15 @@ class Documents:
 
     ``cu_seqlens``: ``(0, ..., total)``, strictly increasing (checked in ``checks``).
     ``max_seqlen``: the longest document (given, or derived from ``cu_seqlens``).
+    ``rows``: the batch rows the boundaries span end to end (``total = rows * S``; 1: one
+    packed row). ``bad_row``: 1 + the first row given per row whose boundaries do not run
+    from 0 to the first row's length (0: none); ``checks`` reports it on every rank.
     """
 
     cu_seqlens: tuple[int, ...]
     max_seqlen: int
+    rows: int = 1
+    bad_row: int = 0
 
     @property
     def total(self) -> int:
@@ -64,13 +75,32 @@ def _device_cu_seqlens(cu_seqlens: tuple[int, ...], device: torch.device) -> tor
 
 
 def documents(cu_seqlens, max_seqlen: int | None = None) -> Documents | None:
-    """``cu_seqlens`` (a sequence of ints, or a 1-D integer tensor: a CUDA tensor costs one
-    host sync) as ``Documents``; ``None`` when ``cu_seqlens`` is None. Only the types are
-    checked here; the values are checked by ``checks`` (the same error on every rank)."""
+    """``cu_seqlens`` as ``Documents``; ``None`` when ``cu_seqlens`` is None. One packed row:
+    a sequence of ints, or a 1-D integer tensor (a CUDA tensor costs one host sync). A batch
+    of packed rows: a list with one such sequence per row, each ``(0, ..., S)``, joined end
+    to end (module docstring). Only the types are checked here; the values are checked by
+    ``checks`` (the same error on every rank). ``Documents`` (what the module and the
+    integrations hold) are taken as they are, with ``max_seqlen`` None."""
+    if isinstance(cu_seqlens, Documents) and max_seqlen is None:
+        return cu_seqlens
     if cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError("ulysses_attention: max_seqlen was given without cu_seqlens")
         return None
+    if isinstance(cu_seqlens, Sequence) and cu_seqlens and all(_is_row(x) for x in cu_seqlens):
+        rows = [_boundaries(x) for x in cu_seqlens]
+        cu, bad_row = _join_rows(rows)
+        return Documents(cu, longest_document(cu) if max_seqlen is None else int(max_seqlen), len(rows), bad_row)
+    cu = _boundaries(cu_seqlens)
+    return Documents(cu, longest_document(cu) if max_seqlen is None else int(max_seqlen))
+
+
+def _is_row(x) -> bool:
+    return isinstance(x, torch.Tensor) or (isinstance(x, Sequence) and not isinstance(x, str))
+
+
+def _boundaries(cu_seqlens) -> tuple[int, ...]:
+    """One row's boundaries as a tuple of ints (types checked, values not)."""
     if isinstance(cu_seqlens, torch.Tensor):
         if torch.compiler.is_compiling():
             # A tensor's values are unknown while tracing; the boundaries shape the graph.
@@ -80,12 +110,24 @@ def documents(cu_seqlens, max_seqlen: int | None = None) -> Documents | None:
                 f"ulysses_attention: cu_seqlens expected a 1-D integer tensor or a list of ints, "
                 f"got a tensor of shape {list(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
             )
-        cu = tuple(int(x) for x in cu_seqlens.tolist())
-    elif isinstance(cu_seqlens, Sequence) and all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
-        cu = tuple(int(x) for x in cu_seqlens)
-    else:
-        raise TypeError(f"ulysses_attention: cu_seqlens expected a list of ints or a 1-D integer tensor, got {cu_seqlens!r}")
-    return Documents(cu, longest_document(cu) if max_seqlen is None else int(max_seqlen))
+        return tuple(int(x) for x in cu_seqlens.tolist())
+    if isinstance(cu_seqlens, Sequence) and all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+        return tuple(int(x) for x in cu_seqlens)
+    raise TypeError(f"ulysses_attention: cu_seqlens expected a list of ints, a 1-D integer tensor, or one of those per batch row, got {cu_seqlens!r}")
+
+
+def _join_rows(rows: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], int]:
+    """Per-row boundaries ``(0, ..., S)`` end to end over ``[B * S]``, and 1 + the first row
+    that does not run from 0 to row 0's length (0: none). A bad row is joined as given (its
+    entries offset), so the value checks see the joined boundaries as they are."""
+    length = rows[0][-1] if rows[0] else 0
+    cu, offset, bad_row = [0], 0, 0
+    for i, row in enumerate(rows):
+        if not bad_row and (len(row) < 2 or row[0] != 0 or row[-1] != length):
+            bad_row = i + 1
+        cu += [offset + x for x in row[1:]]
+        offset += length
+    return tuple(cu), bad_row
 
 
 def longest_document(cu: Sequence[int]) -> int:

@@ -47,7 +47,7 @@ def ulysses_attention(
     kernels=None,
     chunks: int | str = 1,
     check: bool = True,
-    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    cu_seqlens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | None = None,
     max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across ``group``.
@@ -101,6 +101,11 @@ def ulysses_attention(
             than the group; padding is a trailing document (``documents.pad_documents``).
             ``check`` validates them (from 0, increasing, to S, equal on every rank) in the
             same all-gather; without it only rank-locally (equality is the caller's contract).
+            A batch of packed rows (``q`` ``[B, s_local, Hq, D]``, each row its own documents):
+            one such list per row, ``[[0, ..., S], [0, ..., S], ...]``; the backend attends the
+            rows end to end as one packed row of ``B * S`` tokens (a callable or a backend
+            object gets the joined boundaries and ``[1, B * S, h, D]``, or for a backend object
+            ``[B, S, h, D]`` and ``docs.rows = B``). Not on a 2-D group (``SPGroups``).
         max_seqlen: the longest document; default derived from ``cu_seqlens`` (no collective).
 
     Returns:
@@ -304,7 +309,7 @@ class UlyssesAttention(nn.Module):
         return setup_attention(
             q, k, v, group=self.group, comm=self.comm, plan=self.plan, seq_lens=seq_lens, causal=self.causal,
             softmax_scale=self.softmax_scale, attn_fn=self.attn_fn, kernels=self.kernels, chunks=self.chunks, check=check,
-            cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
+            cu_seqlens=docs,
             members=self._members,
         )  # fmt: skip
 
@@ -312,7 +317,7 @@ class UlyssesAttention(nn.Module):
         return ulysses_attention(
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, seq_lens=seq_lens,
             group=self.group, attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, kernels=self.kernels, chunks=self.chunks,
-            check=check, cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
+            check=check, cu_seqlens=docs,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

@@ -64,7 +64,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends import AttentionBackend, SharedKV, doc_kwargs
+from ..backends import AttentionBackend, SharedKV, attend_rows, doc_kwargs
 from ..gqa import expand_kv
 from .exchange import HeadToSeqTraced, SeqToHeadTraced
 
@@ -122,7 +122,7 @@ def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int],
         k, v = _SharedKVExpand.apply(k, v, q.shape[2])
         kv_map = range(q.shape[2])
     k2, v2 = expand_kv(k, v, kv_map)
-    return inner.attend(q, k2, v2, causal, scale, **doc_kwargs(docs))
+    return attend_rows(inner.attend, q, k2, v2, causal, scale, docs)
 
 
 def traced_attention(q, k, v, call) -> torch.Tensor:

@@ -26,7 +26,7 @@ with the global positions that ``UlyssesSPDataLoaderAdapter`` put in the batch):
 
     first call of a step (a new position_ids tensor): gather every rank's position_ids (two
         small all-gathers), find the shard lengths and, where positions restart (packed
-        documents, batch 1), the global document boundaries -> the step's SequenceShard
+        documents, each row its own), the global document boundaries -> the step's SequenceShard
     every call: hf.sequence_parallel_attention -> the fused ulysses_attention for plain causal
         attention (one all-to-all for q, k, v, one for the output; any head layout, KV heads
         sent only to the ranks that use them), else the model's own implementation on the

@@ -481,21 +481,16 @@ def _check_header(module, state: _ModelState, everyone: list[list[int]], world: 
 def _documents(positions: torch.Tensor) -> Documents | None:
     """The documents of global ``[batch, total]`` position ids: a document starts at token 0
     and wherever the position is 0 (the rule transformers applies before flash-attn's varlen
-    kernel, so both paths see the same boundaries). ``None`` when there is one document per
-    row; packed documents need batch 1."""
+    kernel, so both paths see the same boundaries), each row its own. ``None`` when there is
+    one document per row."""
     total = positions.shape[1]
     starts = positions == 0
     starts[:, 0] = True
     counts = starts.sum(dim=1)
     if bool((counts == 1).all()):
         return None
-    if positions.shape[0] != 1:
-        raise VerlIntegrationError(
-            f"packed documents (position_ids restarting at 0) need batch 1, as verl's remove-padding path makes them; "
-            f"got position_ids of shape {list(positions.shape)}"
-        )
-    cu = torch.nonzero(starts[0]).flatten().tolist() + [total]
-    return documents(cu)
+    rows = [torch.nonzero(row).flatten().tolist() + [total] for row in starts]
+    return documents(rows[0] if len(rows) == 1 else rows)
 
 
 # --------------------------------------------------------------------------------------
@@ -556,7 +551,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     out = ulysses_attention(
         q, k, v, step.group, causal=True, softmax_scale=scaling, seq_lens=step.seq_lens, attn_fn=state.attn_fn,
         plan=plan, comm=comm, kernels=options.kernels, chunks=options.chunks, check=check,
-        cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
+        cu_seqlens=docs,
     )  # fmt: skip
     if check:
         step.checked.add(sig)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpointing import save_tensors
-from ..checks import UlyssesInputError, by_value, document_problems, document_summary, document_text, dtype_code, rank_list
+from ..checks import DOC_FIELDS, UlyssesInputError, by_value, document_problems, document_summary, document_text, dtype_code, rank_list
 from ..comm import Communicator, get_communicator
 from ..documents import Documents
 from ..gqa import KVGather
@@ -235,6 +235,8 @@ def _ring_problems(sp: SPGroups, q, seq_lens) -> list[str]:
 
 def _doc_problems(summary, batch: int, total: int) -> list[str]:
     how = "q.shape[1] x the 2-D group's size (equal shards)"
+    if summary and (batch > 1 or summary[9] > 1):  # rows
+        return [f"packed documents at batch {max(batch, summary[9])} on a 2-D group (SPGroups): the ring level takes one packed row (batch 1)"]
     return document_problems(summary, batch, total, how) if summary else []
 
 
@@ -264,8 +266,8 @@ def check_ring_inputs(sp: SPGroups, q, k, *, causal, scale_bits: int, seq_lens, 
         return
     shape = [*q.shape, k.shape[2]] if q.dim() == 4 and k.dim() == 4 else [-1] * 5
     mine = [int(failed is not None or bool(problems)), *shape, dtype_code(q.dtype), int(bool(causal)), scale_bits]
-    mine += [len(summary), *summary, *[0] * (9 - len(summary))]
-    mine.append(v.shape[3] if v is not None and v.dim() == 4 else -1)  # v_head_dim (MLA), last: row[19]
+    mine += [len(summary), *summary, *[0] * (DOC_FIELDS - len(summary))]
+    mine.append(v.shape[3] if v is not None and v.dim() == 4 else -1)  # v_head_dim (MLA), last: row[-1]
     everyone = get_communicator(sp.group).all_gather_ints(mine, q.device)
     if problems:
         raise UlyssesInputError("ulysses_attention: " + "; ".join(problems))
@@ -280,7 +282,7 @@ def check_ring_inputs(sp: SPGroups, q, k, *, causal, scale_bits: int, seq_lens, 
         values = [row[i] for row in everyone]
         if any(x != values[0] for x in values):
             raise UlyssesInputError(f"ulysses_attention: ranks of the 2-D group disagree on {name}: {by_value(values)} (codes for dtype/softmax_scale)")
-    values = [row[19] for row in everyone]
+    values = [row[-1] for row in everyone]
     if any(x != values[0] for x in values):
         raise UlyssesInputError(f"ulysses_attention: ranks of the 2-D group disagree on v_head_dim (v.shape[3]): {by_value(values)}")
     summaries = [tuple(row[10 : 10 + row[9]]) for row in everyone]

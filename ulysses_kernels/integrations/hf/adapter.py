@@ -215,7 +215,7 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     out = ulysses_attention(
         q, k, v, settings.group, causal=causal, softmax_scale=scaling, seq_lens=shard.seq_lens,
         attn_fn=settings.attn_fn, comm=settings.comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
-        cu_seqlens=None if docs is None else docs.cu_seqlens, max_seqlen=None if docs is None else docs.max_seqlen,
+        cu_seqlens=docs,
     )  # fmt: skip
     if check:
         shard._checked.add(sig)
@@ -234,6 +234,8 @@ def _global_temperature(module, shard: SequenceShard, query: torch.Tensor) -> to
         raise HFIntegrationError(f"{type(module).__name__}: attention temperature tuning (NoPE layers) under a zigzag 2-D layout is not supported")
     local = torch.arange(query.shape[2], device=query.device)
     index = local + shard.start
+    if shard.documents is not None and shard.documents.rows > 1:
+        raise HFIntegrationError(f"{type(module).__name__}: attention temperature tuning (NoPE layers) with packed documents needs batch 1")
     if shard.documents is not None:
         starts = torch.tensor(shard.documents.cu_seqlens[:-1], device=query.device)
         index = index - starts[torch.searchsorted(starts, index, right=True) - 1]
@@ -288,11 +290,14 @@ def _packed(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
                 "not sharded as packed; pass the global position_ids (or cu_seqlens) to shard_batch"
             )
         return None
-    if (
-        not _plain(settings, shard, mask, module, kwargs)
-        and settings.inner_impl not in _MASKED_IMPLEMENTATIONS
-        and _doc_mask(settings, shard, mask, module, kwargs) is None
-    ):
+    plain = _plain(settings, shard, mask, module, kwargs)
+    if shard.documents.rows > 1 and not plain:
+        raise HFIntegrationError(
+            f"{type(module).__name__}: packed documents in a batch of {shard.documents.rows} rows run on plain causal or "
+            "bidirectional attention (the fused op); a sliding window, chunked attention, logit softcapping, attention "
+            "sinks or dropout with packed documents need batch 1"
+        )
+    if not plain and settings.inner_impl not in _MASKED_IMPLEMENTATIONS and _doc_mask(settings, shard, mask, module, kwargs) is None:
         raise HFIntegrationError(
             f"{type(module).__name__}: packed documents with a sliding window, logit softcapping, attention sinks, dropout "
             f"or a registered implementation run on the 'eager' or 'sdpa' implementation (their mask carries the "

@@ -10,9 +10,11 @@ Layout of one step, global sequence of ``S`` tokens over ``P`` ranks::
       | shard_batch: rank r keeps columns [start_r, start_r + seq_lens[r])
     rank r     [B, seq_lens[r]] input_ids, shifted labels, global positions
 
-Packed batches (batch 1, documents end to end): the documents come from position ids that
-restart at 0 (or ``cu_seqlens``); positions restart per document, the last token of each
-document has no target, and the global boundaries go on the step's ``SequenceShard``.
+Packed batches (documents end to end in each row; each row its own documents): the
+documents come from position ids that restart at 0 (or ``cu_seqlens``, one list per row);
+positions restart per document, the last token of each document has no target, and the
+global boundaries go on the step's ``SequenceShard`` (``documents.Documents``: several rows
+joined end to end, ``rows`` = batch).
 A 2-D group with zigzag shards: rank r holds ``ring.shard_rows`` of the sequence (two
 segments), recorded on the shard as ``ring_layout``.
 """
@@ -205,8 +207,8 @@ def shard_batch(
             token is rank r+1's first token.
         group: the sequence-parallel group (the one given to ``apply``).
         position_ids: ``[batch or 1, seq]`` global positions; default ``0 .. seq-1``. They
-            count up by one, or (a packed batch: batch 1, ``DataCollatorWithFlattening``'s
-            format) restart at 0 at the start of each document. Or a vision-language model's
+            count up by one, or (a packed batch, ``DataCollatorWithFlattening``'s format, in
+            each row) restart at 0 at the start of each document. Or a vision-language model's
             mRoPE positions ``[3, batch or 1, seq]`` (temporal, height, width: Qwen2-VL,
             Qwen2.5-VL, Qwen3-VL's ``get_rope_index``) or ``[4, batch or 1, seq]`` (row 0 the
             text positions, as transformers' text models take them for packed inputs): kept as
@@ -223,7 +225,8 @@ def shard_batch(
             rank, including batches of the same shape (a sampler that shards by global rank
             instead of by data-parallel rank).
         cu_seqlens: a packed batch's document boundaries ``(0, ..., seq)`` (a list or an
-            integer tensor), instead of restarting ``position_ids``. Packed: attention stays
+            integer tensor; with batch > 1 one of those per row), instead of restarting
+            ``position_ids``. Packed: attention stays
             inside each document, positions restart per document, the last token of each
             document has no target; with ``pad`` the padding is a trailing document.
         inputs_embeds: ``[batch, seq, hidden]`` global input embeddings (a vision-language
@@ -269,11 +272,11 @@ def shard_batch(
             seq,
             total,
             num_tokens,
-            0 if cu is None else len(cu),
+            0 if cu is None else sum(len(row) for row in cu),
             _fingerprint(tokens, shifted, cu, position_ids if mrope else None),
         )
 
-    docs = None if cu is None else documents(pad_documents(cu, total))
+    docs = None if cu is None else _step_documents(cu, total)
     if mrope:
         # As given (each row continuing into the padding, so that row 0 never restarts there).
         positions = _continued(position_ids.expand(-1, bsz, -1), total)
@@ -281,9 +284,10 @@ def shard_batch(
         # Positions count up by one (checked by _global_positions), so the padded ones simply continue.
         positions = position_ids[:, :1] + torch.arange(total, device=labels.device)
     else:
-        # Per document 0, 1, ... (the padding is a document of its own).
+        # Per document 0, 1, ... (the padding is a document of its own), row by row.
         ids = document_ids(docs.cu_seqlens, labels.device)
-        positions = (torch.arange(total, device=labels.device) - ids.new_tensor(docs.cu_seqlens[:-1])[ids]).unsqueeze(0)
+        flat = torch.arange(total * docs.rows, device=labels.device) - ids.new_tensor(docs.cu_seqlens[:-1])[ids]
+        positions = flat.view(docs.rows, total)
     shard = SequenceShard(tuple(seq_lens), rank, world, seq, bsz, docs, ring_layout)
     shard.text_inputs = _deepstack_shard(shard, visual_pos_masks, deepstack_visual_embeds, bsz, seq)
     return ShardedBatch(
@@ -358,40 +362,65 @@ def _check_2d_shards(sp: SPGroups, seq: int, total: int, seq_lens, pad: bool) ->
     return total, seq_lens
 
 
-def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tuple[int, ...] | None:
-    """A packed batch's document boundaries over the unpadded sequence: ``cu_seqlens`` if
-    given, else where ``position_ids`` (``[batch or 1, seq]`` text positions) restart at 0
-    (``None``: not packed). Packed batches are batch 1 and their positions, when given, are
-    0, 1, ... within each document. ``input_ids``: any ``[batch, seq]`` tensor of the batch
-    (its shape and device are read)."""
-    seq = input_ids.shape[1]
+def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tuple[tuple[int, ...], ...] | None:
+    """A packed batch's document boundaries over the unpadded sequence, one tuple
+    ``(0, ..., seq)`` per row: ``cu_seqlens`` if given (one list, batch 1, or one list per
+    row), else where each row of ``position_ids`` (``[batch or 1, seq]`` text positions)
+    restarts at 0 (``None``: not packed). Positions, when given, count 0, 1, ... within each
+    document. ``input_ids``: any ``[batch, seq]`` tensor of the batch (its shape and device
+    are read)."""
+    bsz, seq = input_ids.shape
     restarts = position_ids is not None and position_ids.dim() == 2 and seq > 1 and not bool((position_ids.diff(dim=1) == 1).all())
     if cu_seqlens is None and not restarts:
         return None
-    if input_ids.shape[0] != 1:
-        raise HFIntegrationError(
-            f"shard_batch: packed documents (cu_seqlens, or position_ids that restart) need batch 1 (documents end to end), "
-            f"got a batch (input_ids, labels) of shape {list(input_ids.shape)}"
-        )
     if cu_seqlens is None:
-        pos = position_ids.reshape(-1)
-        if int(pos[0]) != 0:
-            raise HFIntegrationError(f"shard_batch: packed position_ids must start at 0 (each document counts 0, 1, ...), got {int(pos[0])}")
-        starts = torch.nonzero(pos == 0).flatten().tolist()
-        cu = tuple(starts) + (seq,)
-    else:
-        cu = documents(cu_seqlens).cu_seqlens
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or first_unordered(cu) > 0:
-            raise HFIntegrationError(f"shard_batch: cu_seqlens expected strictly increasing boundaries from 0 to the sequence length {seq}, got {list(cu)}")
-    if position_ids is not None:
-        ids = document_ids(cu, input_ids.device)
-        expected = torch.arange(seq, device=input_ids.device) - ids.new_tensor(cu[:-1])[ids]
-        if position_ids.shape != (1, seq) or not torch.equal(position_ids.reshape(-1).to(expected.dtype), expected):
+        pos = position_ids.expand(bsz, -1) if position_ids.shape[0] == 1 else position_ids
+        if pos.shape[0] != bsz or bool((pos[:, 0] != 0).any()):
             raise HFIntegrationError(
-                "shard_batch: in a packed batch position_ids must be [1, seq] and count 0, 1, ... within each document "
-                f"(documents {list(cu)}), got {position_ids.reshape(-1)[:32].tolist()}{' ...' if seq > 32 else ''}"
+                f"shard_batch: packed position_ids must start at 0 in every row (each document counts 0, 1, ...) and be "
+                f"[1 or batch ({bsz}), seq], got shape {list(position_ids.shape)} starting with {pos[:, 0].tolist()}"
             )
-    return cu
+        starts = [torch.nonzero(row == 0).flatten().tolist() for row in pos]
+        rows = tuple(tuple(x) + (seq,) for x in starts)
+    else:
+        docs = documents(cu_seqlens)
+        joined, n = docs.cu_seqlens, docs.rows
+        if n != bsz:
+            raise HFIntegrationError(
+                f"shard_batch: cu_seqlens expected {'one list of boundaries' if bsz == 1 else f'one list of boundaries per row ({bsz})'}, got {n}"
+            )
+        if docs.bad_row or len(joined) < 2 or joined[0] != 0 or joined[-1] != seq * n or first_unordered(joined) > 0:
+            raise HFIntegrationError(
+                f"shard_batch: cu_seqlens expected strictly increasing boundaries from 0 to the sequence length {seq} in every row, got {cu_seqlens!r}"
+            )
+        rows = _split_rows(joined, n, seq)
+    if position_ids is not None:
+        for b, cu in enumerate(rows):
+            ids = document_ids(cu, input_ids.device)
+            expected = torch.arange(seq, device=input_ids.device) - ids.new_tensor(cu[:-1])[ids]
+            got = position_ids[b if position_ids.shape[0] > 1 else 0] if position_ids.shape[0] in (1, bsz) else None
+            if got is None or not torch.equal(got.to(expected.dtype), expected):
+                raise HFIntegrationError(
+                    f"shard_batch: in a packed batch position_ids must be [1 or batch, seq] and count 0, 1, ... within each document "
+                    f"(row {b}: documents {list(cu)}), got {position_ids[min(b, position_ids.shape[0] - 1)][:32].tolist()}{' ...' if seq > 32 else ''}"
+                )
+    return rows
+
+
+def _step_documents(cu: tuple[tuple[int, ...], ...], total: int) -> Documents:
+    """The step's ``Documents``: each row's boundaries padded to ``total`` (the padding a
+    trailing document), one packed row as is, several joined end to end (``documents``)."""
+    padded = [pad_documents(row, total) for row in cu]
+    return documents(padded[0] if len(padded) == 1 else padded)
+
+
+def _split_rows(joined: tuple[int, ...], rows: int, seq: int) -> tuple[tuple[int, ...], ...]:
+    """Boundaries joined end to end over ``rows`` rows of ``seq`` tokens -> one tuple per row."""
+    out = []
+    for b in range(rows):
+        lo, hi = b * seq, (b + 1) * seq
+        out.append(tuple(x - lo for x in joined if lo <= x <= hi))
+    return tuple(out)
 
 
 def _checked_labels(input_ids: torch.Tensor | None, labels: torch.Tensor | None, inputs_embeds=None) -> torch.Tensor:
@@ -425,9 +454,7 @@ def _global_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None
         raise HFIntegrationError(f"shard_batch: position_ids expected [{bsz} or 1, {seq}], got shape {list(position_ids.shape)}")
     position_ids = position_ids.expand(bsz, seq)
     if seq > 1 and not bool((position_ids.diff(dim=1) == 1).all()):
-        raise HFIntegrationError(
-            "shard_batch: position_ids must count up by one along the sequence, or (packed documents, batch 1) restart at 0 at each document"
-        )
+        raise HFIntegrationError("shard_batch: position_ids must count up by one along the sequence, or (packed documents) restart at 0 at each document")
     return position_ids
 
 
@@ -445,12 +472,12 @@ def _shard_lengths(seq: int, world: int, pad: bool) -> tuple[int, list[int]]:
 def _shift_labels(labels: torch.Tensor, ignore_index: int, cu=None) -> tuple[torch.Tensor, int]:
     """The global label shift, done once before sharding: ``(shifted, num_tokens)`` where the
     target of position t is ``labels[t + 1]`` (the last position, and in a packed batch the
-    last position of each document ``cu``, has none), ignored targets are ``-100`` whatever
+    last position of each document of each row's boundaries ``cu``, has none), ignored targets are ``-100`` whatever
     ``ignore_index`` was, and ``num_tokens`` counts the others."""
     shifted = torch.full_like(labels, ignore_index)
     shifted[:, :-1] = labels[:, 1:]
-    if cu is not None:
-        shifted[:, [end - 1 for end in cu[1:]]] = ignore_index
+    for b, row in enumerate(cu or ()):  # per row: the last token of each document has no target
+        shifted[b, [end - 1 for end in row[1:]]] = ignore_index
     if ignore_index != -100:
         shifted = torch.where(shifted == ignore_index, torch.full_like(shifted, -100), shifted)
     return shifted, int((shifted != -100).sum())
@@ -472,7 +499,7 @@ def _fingerprint(input_ids: torch.Tensor, shifted: torch.Tensor, cu, positions: 
     if positions is not None:
         fp = fp * 31 + weighted(positions)
     fp = int(fp.item())
-    return (fp * 1_000_003 + (-1 if cu is None else boundaries_digest(cu))) & mask
+    return (fp * 1_000_003 + (-1 if cu is None else boundaries_digest([x for row in cu for x in row]))) & mask
 
 
 def _check_same_batch(comm, device: torch.device, bsz: int, seq: int, total: int, num_tokens: int, bounds: int, fingerprint: int) -> None:

@@ -114,6 +114,8 @@ def _to_sequence(settings: _MixerSettings, shard: SequenceShard, out):
 
 def _spans(shard: SequenceShard) -> list[tuple[int, int]]:
     """The documents ``(start, end)`` of the global sequence (one span when not packed)."""
+    if shard.documents is not None and shard.documents.rows > 1:
+        raise HFIntegrationError(f"mixers other than attention (linear attention, SSMs) take packed documents at batch 1, got {shard.documents.rows} rows")
     return shard.documents.spans() if shard.documents is not None else [(0, shard.total)]
 
 
