@@ -7,20 +7,26 @@
   "ranks" that are threads of this process, each with a ``ThreadCommunicator``: a fake of the
   ``ulysses_kernels.comm.Communicator`` interface that moves real bytes between the threads
   and is stricter than a real collective (mismatched collectives, failed peers, receive
-  buffers read too early, CUDA stream ordering).
+  buffers read too early, CUDA stream ordering);
+* ``tiny_models``: ``build_tiny(model_type)``, a transformers causal LM of that type shrunk to
+  ~0.1M parameters, random weights, float64, no download (``build_tiny("qwen3_5_text")``: a
+  Qwen3.5 hybrid, the README's first example).
 """
 
 from __future__ import annotations
 
 from .ranks import RanksFailed, run_ranks
 from .thread_ranks import FakeCommError, PeerFailed, ThreadCommunicator, ThreadGroup, ThreadRanksFailed
+from .tiny_models import NotBuildable, build_tiny
 
 __all__ = [
     "FakeCommError",
+    "NotBuildable",
     "PeerFailed",
     "RanksFailed",
     "ThreadCommunicator",
     "ThreadGroup",
     "ThreadRanksFailed",
+    "build_tiny",
     "run_ranks",
 ]
