@@ -9,6 +9,8 @@ step and matches one process. Before: a Gated DeltaNet with fewer heads than ran
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +92,32 @@ def test_one_mixer_head_over_two_ranks_says_to_run_without_sequence_parallelism(
     msg = _refusal(lambda: plan_mixers(mixer_modules(model), 2))
     assert "Qwen3_5GatedDeltaNet (1 heads, 1 groups) cannot be split over 2 ranks" in msg, msg
     assert msg.endswith("run it without sequence parallelism") and "make_sp_groups(ulysses_size" not in msg, msg
+
+
+def test_generate_is_refused_with_the_kv_cache_message_and_its_fix_works():
+    """``model.generate`` after ``apply`` says generation/KV cache (the docs' words; before, the
+    attention call's "called without a sequence shard"), and generating with the trained
+    weights loaded into a model apply did not change, as it says, works."""
+    ids = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(0))
+    model = build_tiny("llama")
+    before = copy.deepcopy(model)
+    hf.apply(model)
+    msg = _refusal(lambda: model.generate(ids, max_new_tokens=3, do_sample=False))
+    assert msg.startswith("LlamaForCausalLM.generate: generation is not supported sequence-parallel: it keeps a KV cache"), msg
+    assert "fresh.load_state_dict(model.state_dict())" in msg, msg
+    fresh = build_tiny("llama", seed=1)
+    fresh.load_state_dict(model.state_dict())
+    got = fresh.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert got.shape == (1, 9) and torch.equal(got, before.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
+
+
+def test_the_docs_refused_example_is_the_real_error():
+    """docs/hf.md's example of a refused model ("Never silently wrong") is the error ``apply``
+    raises for it, word for word ("[...]": a part the docs leave out). Before, the docs showed
+    Zamba, which apply runs."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "hf.md").read_text()
+    block = doc.split("<!-- refused-example:", 1)[1].split("```", 2)[1]
+    model_class = re.match(r"\s*apply: (\w+)ForCausalLM", block).group(1).lower()
+    msg = _refusal(lambda: hf.apply(build_tiny(model_class)))
+    pattern = ".*?".join(re.escape(" ".join(part.split())) for part in block.split("[...]"))
+    assert re.fullmatch(pattern, " ".join(msg.split())), f"docs/hf.md:\n{block}\nthe real error:\n{msg}"

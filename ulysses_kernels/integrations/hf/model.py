@@ -228,7 +228,30 @@ def apply(
     switch_mixers(mixers, group, shared.comm, root=model)
     if texts is not None:
         prepare_multimodal(model)  # the text model's and the top-level model's pre-hooks
+    _refuse_generate(model)
     return model
+
+
+def _refuse_generate(model) -> None:
+    """``model.generate`` refused by name, on the instance: it would call the model on the
+    whole prompt without a shard (the attention call would say only that) and then feed back a
+    KV cache holding this rank's shard of the sequence."""
+    object.__setattr__(model, "generate", _GenerateRefused(type(model).__name__))
+
+
+class _GenerateRefused:
+    """What ``apply`` puts in place of ``model.generate`` (a plain class: the model still pickles)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def __call__(self, *args, **kwargs):
+        raise HFIntegrationError(
+            f"{self.model_name}.generate: generation is not supported sequence-parallel: it keeps a KV cache (past_key_values, "
+            "use_cache=True), which would hold this rank's shard of the sequence only; generate with a model apply did not "
+            "change (load this one's weights into it: fresh.load_state_dict(model.state_dict()), or a copy.deepcopy made "
+            "before apply)"
+        )
 
 
 def _plan_mixers(model, group, comm) -> list:
