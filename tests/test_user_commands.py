@@ -411,7 +411,7 @@ def test_setup_without_network_goes_on_and_says_what_it_skipped(tmp_path):
         shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
     site = tmp_path / "site"
     site.mkdir()
-    leave_out = (*INTEGRATION_DISTS, "ulysses_kernels", "__editable__", "distutils-precedence.pth", "__pycache__")
+    leave_out = (*INTEGRATION_DISTS, "ulysses_kernels", "_ulysses_kernels", "__editable__", "distutils-precedence.pth", "__pycache__")
     for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
         if not entry.name.startswith(leave_out):
             (site / entry.name).symlink_to(entry)
@@ -422,6 +422,12 @@ def test_setup_without_network_goes_on_and_says_what_it_skipped(tmp_path):
     offline.pop("ULYSSES_KERNELS_PEERS", None)
     r = run(["bash", "scripts/setup.sh"], repo, env=offline, timeout=600)
     out = r.stdout + r.stderr
+    # The venv's own torch extension cache (DeepSpeed's shm_comm op is built once per venv, not in
+    # turn by every checkout sharing ~/.cache/torch_extensions); a value in the environment wins.
+    code = "import os; print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    no_ext = {k: v for k, v in offline.items() if k != "TORCH_EXTENSIONS_DIR"}
+    assert run([repo / ".venv" / "bin" / "python", "-c", code], tmp_path, env=no_ext).stdout.strip() == str(repo / ".venv" / "torch_extensions")
+    assert run([repo / ".venv" / "bin" / "python", "-c", code], tmp_path, env=dict(no_ext, TORCH_EXTENSIONS_DIR="/x")).stdout.strip() == "/x"
     assert re.search(r"^\[setup\] skipping deepspeed, accelerate: pip could not download the pinned versions \(no network\?\)", out, re.M), out
     assert re.search(r"^\[setup\] skipping verl: pip could not download", out, re.M), out
     assert not re.search(r"^ERROR", out, re.M), out
