@@ -580,5 +580,7 @@ def test_engine_example_command(path, cmd, needs, tmp_path):
         shutil.copy(src, tmp_path / path)
     argv = shlex.split(cmd)
     argv[0] = sys.executable
-    out = run(argv, tmp_path, timeout=600).stdout
-    assert "matches one process" in out, out  # step 0 against one process; the exit code checks the loss fell
+    r = run(argv, tmp_path, timeout=600)
+    assert "matches one process" in r.stdout, r.stdout  # step 0 against one process; the exit code checks the loss fell
+    # Quiet: the peers' deprecation warnings (DeepSpeed's ZeRO-3 collectives: 68 lines before) filtered at the example's calls.
+    assert "FutureWarning" not in r.stderr and "DeprecationWarning" not in r.stderr, r.stderr[-4000:]
