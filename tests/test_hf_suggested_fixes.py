@@ -59,6 +59,13 @@ def _job(rank, world):
     if rank < 2:
         _step_matches_one_process(hybrid(), ids, pair)
 
+    # A hybrid whose attention has 2 heads (its Gated DeltaNet 4): refused at apply, not at the call (whose op
+    # error would suggest a 2-D group, which the Gated DeltaNet refuses).
+    msg = _refusal(lambda: hf.apply(build_tiny("qwen3_5_text", TWO_HEADS)))
+    assert "Qwen3_5Attention (2 query heads) cannot be split over 3 ranks" in msg and "at most 2 ranks" in msg, msg
+    if rank < 2:
+        _step_matches_one_process(build_tiny("qwen3_5_text", TWO_HEADS), ids, pair)
+
     # The model's own attention (a sliding window shorter than the sequence) on 2 heads: refused at the call.
     windowed = lambda: build_tiny("mistral", {**TWO_HEADS, "sliding_window": 4})  # noqa: E731
     model = hf.apply(windowed())
