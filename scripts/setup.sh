@@ -36,6 +36,18 @@ if [ "$SYSTEM_TORCH" = "1" ] && [ ! -e .venv/bin/torchrun ]; then
   printf '#!%s\nimport sys\nfrom torch.distributed.run import main\nsys.exit(main())\n' "$PWD/.venv/bin/python" > .venv/bin/torchrun
   chmod +x .venv/bin/torchrun
 fi
+# DeepSpeed JIT-compiles its shared-memory op (deepspeed_shm_comm) at its first init on a CPU
+# into torch's extension cache: by default one directory per user
+# (~/.cache/torch_extensions/py311_cu130/deepspeed_shm_comm) whose build.ninja names the
+# DeepSpeed sources of the venv that built it last, so two checkouts on one machine (a fresh
+# clone beside another) rebuilt it in turn, a test rank paying the minutes (NOTE: 8 min at load
+# 20 here). This venv keeps its own: a .pth sets TORCH_EXTENSIONS_DIR for its python, unless
+# the environment sets it.
+.venv/bin/python - "$PWD/.venv/torch_extensions" <<'EOF_EXT'
+import pathlib, sys, sysconfig
+line = f"import os; os.environ.setdefault('TORCH_EXTENSIONS_DIR', {sys.argv[1]!r})\n"
+pathlib.Path(sysconfig.get_paths()["purelib"], "_ulysses_kernels_torch_extensions.pth").write_text(line)
+EOF_EXT
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 # Every install takes the versions CI passed with, transitive requirements included.
 PINNED=(-c scripts/constraints.txt)

@@ -246,10 +246,10 @@ def _errors_body(rank, world):
 
 
 def _readme_lower_level(rank, world):
-    """The README's "Lower level" lines, run as written around a user's attention over equal
+    """docs/usage.md's "Lower level" lines, run as written around a user's attention over equal
     q and KV head counts: at 3 ranks rank 1's query heads 14-26 straddle KV heads 2-5, so the
     lines without ``plan.local_kv_map`` would be wrong (or fail on a shape)."""
-    with open(os.path.join(ROOT, "README.md")) as fh:
+    with open(os.path.join(ROOT, "docs", "usage.md")) as fh:
         readme = fh.read()
     start = readme.index("# Lower level")
     end = readme.index("out = uk.head_to_seq(out, plan)", start)

@@ -142,3 +142,20 @@ def test_run_ranks_fresh_spawns_new_processes(tmp_path):
     run_ranks(_records_pid, 2, str(tmp_path / "a"))
     run_ranks(_records_pid, 2, str(tmp_path / "b"), fresh=True)
     assert {p[0] for p in _pids(tmp_path / "a", 2)}.isdisjoint(p[0] for p in _pids(tmp_path / "b", 2))
+
+
+def test_build_tiny_is_public_and_builds_the_readme_hybrid():
+    """The README's first example builds its hybrid with ``ulysses_kernels.testing.build_tiny``
+    (no config from testing/hybrids.py needed): a Qwen3.5 with both of its token mixers."""
+    pytest.importorskip("transformers")
+    from ulysses_kernels import testing
+
+    assert "build_tiny" in testing.__all__
+    model = testing.build_tiny("qwen3_5_text")
+    assert type(model).__name__ == "Qwen3_5ForCausalLM" and model.dtype == torch.float64 and model.training
+    assert set(model.config.layer_types) == {"linear_attention", "full_attention"}, model.config.layer_types
+    assert sum(p.numel() for p in model.parameters()) < testing.tiny_models.MAX_PARAMETERS
+    again = testing.build_tiny("qwen3_5_text")  # seeded: the same weights on every rank
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    with pytest.raises(testing.NotBuildable):
+        testing.build_tiny("qwen3_5")  # a multimodal wrapper: the reason is given, nothing built

@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["HeadPlan", "PlanError", "more_ranks_than_heads"]
+__all__ = ["HeadPlan", "PlanError", "more_ranks_than_heads", "more_ranks_than_heads_flat"]
 
 
 class PlanError(ValueError):
@@ -72,6 +72,14 @@ def more_ranks_than_heads(world_size: int, q_heads: int, what: str = "world_size
         f"split the {world_size} ranks in two levels, Ulysses inside and ring attention across: "
         f"group=ulysses_kernels.make_sp_groups(ulysses_size={ulysses}, ring_size={world_size // ulysses})"
     )
+
+
+def more_ranks_than_heads_flat(heads: int, world_size: int, why_not_2d: str) -> str:
+    """The error text for a layer of ``heads`` heads on ``world_size > heads`` ranks where a 2-D
+    group does not help (``why_not_2d`` says why; ``more_ranks_than_heads`` would suggest
+    ``make_sp_groups``): the fix that works is a smaller flat group."""
+    fix = "run it without sequence parallelism" if heads == 1 else f"pass a flat sequence-parallel group of at most {heads} ranks"
+    return f"Ulysses gives each rank at least one of its {heads} heads, and {why_not_2d}; {fix}"
 
 
 @dataclass(frozen=True)

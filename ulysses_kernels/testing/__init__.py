@@ -10,6 +10,9 @@
   buffers read too early, CUDA stream ordering);
 * ``rank_pool``: ``RankPool`` keeps gloo worlds alive and runs one call after another on
   them; ``set_default_pool(pool)`` makes ``run_ranks`` use it (the test suite does).
+* ``tiny_models``: ``build_tiny(model_type)``, a transformers causal LM of that type shrunk to
+  ~0.1M parameters, random weights, float64, no download (``build_tiny("qwen3_5_text")``: a
+  Qwen3.5 hybrid, the README's first example).
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ from __future__ import annotations
 from .rank_pool import RankPool
 from .ranks import RanksFailed, run_ranks, set_default_pool
 from .thread_ranks import FakeCommError, PeerFailed, ThreadCommunicator, ThreadGroup, ThreadRanksFailed
+from .tiny_models import NotBuildable, build_tiny
 
 __all__ = [
     "FakeCommError",
+    "NotBuildable",
     "PeerFailed",
     "RankPool",
     "RanksFailed",
     "ThreadCommunicator",
     "ThreadGroup",
     "ThreadRanksFailed",
+    "build_tiny",
     "run_ranks",
     "set_default_pool",
 ]

@@ -8,6 +8,10 @@ size field the config has that reads as a width, a count of experts or a rank, c
 builds the model in float64 on the CPU. A model that cannot be shrunk or built that way raises
 ``NotBuildable`` with the reason; nothing is dropped silently.
 
+Public (``from ulysses_kernels.testing import build_tiny``): a model for a first try with no
+download, e.g. ``build_tiny("qwen3_5_text")``, a Qwen3.5 hybrid (Gated DeltaNet and attention
+layers), as the README's first example builds it.
+
 4 layers, so that a hybrid's default layer pattern (an attention layer every 2nd, 3rd or 4th
 layer, Mamba or linear attention between) has both kinds.
 """

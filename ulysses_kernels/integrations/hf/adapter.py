@@ -39,7 +39,7 @@ from ...documents import Documents
 from ...gqa import expand_kv
 from ...math_attention import default_scale
 from ...packed import DocMask
-from ...plan import HeadPlan
+from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
 from ...ring import SPGroups
 from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
 from .masks import _GlobalMask, _layer_mask
@@ -359,7 +359,18 @@ def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _G
     ``[B, s_local, Hq, D]``.
     """
     comm, name, q_heads = settings.comm, type(module).__name__, query.shape[1]
-    plan = HeadPlan.build(q_heads, key.shape[1], comm.world_size)
+    try:
+        plan = HeadPlan.build(q_heads, key.shape[1], comm.world_size)
+    except PlanError as e:
+        if comm.world_size <= q_heads:
+            raise
+        # The op's own text would suggest make_sp_groups: refused above for this call.
+        why = (
+            f"this call runs the model's own {settings.inner_impl!r} attention (a window, chunks, softcapping, sinks, dropout "
+            "or an implementation other than the fused op), which a 2-D group (make_sp_groups) refuses"
+        )
+        fix = more_ranks_than_heads_flat(q_heads, comm.world_size, why)
+        raise HFIntegrationError(f"{name}: {q_heads} query heads cannot be split over {comm.world_size} ranks: {fix}") from e
     sig = ("model", tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, query.device)
     check = _check_now(settings, shard, sig)
     q, k, v = seq_to_head(

@@ -59,7 +59,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...plan import HeadPlan, PlanError
+from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
 from .batch import _SHARD_KWARG, HFIntegrationError
 from .mixer_exchange import _SETTINGS_ATTR, GROUP_KWARG, _MixerSettings
 from .mixer_forwards import (
@@ -160,7 +160,11 @@ def plan_mixers(modules, world_size: int) -> list[tuple[torch.nn.Module, HeadPla
         try:
             plans.append((m, HeadPlan.build(heads, groups, world_size)))
         except PlanError as e:
-            raise HFIntegrationError(f"apply: {type(m).__name__} ({heads} heads, {groups} groups) cannot be split over {world_size} ranks: {e}") from e
+            why = "a 2-D group (make_sp_groups) is refused for mixers that are not attention: its ring level does not carry their state"
+            why = more_ranks_than_heads_flat(heads, world_size, why)
+            raise HFIntegrationError(
+                f"apply: {type(m).__name__} ({heads} heads, {groups} groups) cannot be split over {world_size} ranks: {why if world_size > heads else e}"
+            ) from e
     return plans
 
 

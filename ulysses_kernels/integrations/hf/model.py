@@ -15,6 +15,7 @@ import torch
 
 from ...comm import get_communicator
 from ...longctx.patches import enable as enable_long_context
+from ...plan import more_ranks_than_heads_flat
 from ...ring import SPGroups
 from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings
 from .audit import check_token_mixers
@@ -203,7 +204,7 @@ def apply(
     # Hybrid models' token mixers that are not attention (Gated DeltaNet, Mamba2, short convs:
     # mixers.HANDLED_MIXERS), planned here so that a layer whose heads cannot be split is refused
     # before anything changes.
-    mixers = _plan_mixers(model if texts is None else texts, group, comm)
+    mixers = _plan_mixers(model if texts is None else texts, group, comm, attention=modules)
     if not modules and not mixers:
         raise HFIntegrationError(f"apply: found no attention modules (nor any other token mixer it runs) in {type(model).__name__}")
     # The long-context pieces (they refuse before changing anything, as the checks above).
@@ -228,13 +229,38 @@ def apply(
     switch_mixers(mixers, group, shared.comm, root=model)
     if texts is not None:
         prepare_multimodal(model)  # the text model's and the top-level model's pre-hooks
+    _refuse_generate(model)
     return model
 
 
-def _plan_mixers(model, group, comm) -> list:
+def _refuse_generate(model) -> None:
+    """``model.generate`` refused by name, on the instance: it would call the model on the
+    whole prompt without a shard (the attention call would say only that) and then feed back a
+    KV cache holding this rank's shard of the sequence."""
+    object.__setattr__(model, "generate", _GenerateRefused(type(model).__name__))
+
+
+class _GenerateRefused:
+    """What ``apply`` puts in place of ``model.generate`` (a plain class: the model still pickles)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def __call__(self, *args, **kwargs):
+        raise HFIntegrationError(
+            f"{self.model_name}.generate: generation is not supported sequence-parallel: it keeps a KV cache (past_key_values, "
+            "use_cache=True), which would hold this rank's shard of the sequence only; generate with a model apply did not "
+            "change (load this one's weights into it: fresh.load_state_dict(model.state_dict()), or a copy.deepcopy made "
+            "before apply)"
+        )
+
+
+def _plan_mixers(model, group, comm, attention=()) -> list:
     """The head plans of ``model``'s mixers that are not attention (``mixers.plan_mixers``);
     on a 2-D group (``SPGroups``) they are refused: the ring level passes attention's K/V blocks
-    only, not a recurrent state."""
+    only, not a recurrent state. Such a model's ``attention`` layers then run on the flat group
+    too: one with fewer query heads than ranks is refused here, with that fix (the attention
+    call's own error would suggest ``make_sp_groups``)."""
     modules = mixer_modules(model)
     if not modules:
         return []
@@ -244,7 +270,15 @@ def _plan_mixers(model, group, comm) -> list:
             f"apply: {type(model).__name__} has token mixers that are not attention ({names}): they run under Ulysses on a "
             "flat group only, not on a 2-D SPGroups (its ring level moves attention's K/V blocks, not a recurrent state)"
         )
-    return plan_mixers(modules, get_communicator(group, comm).world_size)
+    world = get_communicator(group, comm).world_size
+    for m in attention:
+        heads = getattr(m.config, "num_attention_heads", None)
+        if isinstance(heads, int) and 0 < heads < world:
+            why = f"the model's other token mixers ({names}) need a flat group"
+            raise HFIntegrationError(
+                f"apply: {type(m).__name__} ({heads} query heads) cannot be split over {world} ranks: {more_ranks_than_heads_flat(heads, world, why)}"
+            )
+    return plan_mixers(modules, world)
 
 
 def _check_sparse_attention(modules) -> None:
