@@ -37,7 +37,7 @@ format's relative rounding (2^-4 for e4m3, 2^-3 for e5m2) for values in the form
 range after scaling, and half the smallest subnormal step (times ``scale``) below it.
 
 Bytes on the wire: ``(D + 4) / (D * itemsize)`` of today's: 0.5 * (1 + 4 / D) for bf16
-(0.5625 at D = 64, 0.53125 at D = 128), 0.25 * (1 + 4 / D) for float32.
+(0.53125 at D = 64, 0.515625 at D = 128), 0.25 * (1 + 4 / D) for float32.
 
 With one rank nothing goes on a wire: ``resolve_wire`` gives ``None`` (the op is bit for bit
 the one without ``wire_dtype``).
@@ -158,11 +158,13 @@ def error_bound(x: torch.Tensor, fmt: Fp8Format, out_dtype: torch.dtype) -> torc
     quantize-dequantize may make, in float64: the format's relative rounding ``2^-(m+1) |x|``
     (e4m3: 2^-4, e5m2: 2^-3), or below the format's normal range half its smallest
     subnormal step times the scale, whichever is larger, plus the rounding of the result to
-    ``out_dtype`` and of the float32 scale (a few units of float32's last place)."""
+    ``out_dtype`` (half its last place; half its smallest subnormal) and of the float32 scale
+    (a few units of float32's last place)."""
     rel, sub = _unit(fmt)
     xd = x.double()
     amax = xd.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
     scale = amax / fmt.max
-    out_eps = torch.finfo(out_dtype).eps / 2
+    info = torch.finfo(out_dtype)
     bound = torch.maximum(rel * xd.abs(), sub * scale)
-    return bound * (1 + 4 * 2.0**-24) + out_eps * (xd.abs() + bound)
+    # The result's rounding to out_dtype: half its last place, or half its smallest subnormal.
+    return bound * (1 + 4 * 2.0**-24) + info.eps / 2 * (xd.abs() + bound) + info.smallest_normal * info.eps / 2
