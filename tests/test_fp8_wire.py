@@ -201,7 +201,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _step(q, k, v, dout, **kw):
     """One forward+backward: ``(out, dq, dk, dv)``."""
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = uk.ulysses_attention(q, k, v, kernels="torch", attn_fn="sdpa", check=False, **kw)
+    kw.setdefault("kernels", "torch")
+    out = uk.ulysses_attention(q, k, v, attn_fn="sdpa", check=False, **kw)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -270,3 +271,26 @@ def _op_body(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_op_fwd_bwd_against_the_plain_wire_chunks_documents_and_bytes(world):
     run_ranks(_op_body, world)
+
+
+def _kernel_sets_body(rank, world, names):
+    torch.set_num_threads(1)
+    hq, hkv, B, seq_lens, D, Dv = 4, 2, 2, [3, 5, 2, 4][:world], 8, 6
+    S, off, s_r = sum(seq_lens), sum(seq_lens[:rank]), seq_lens[rank]
+    q, k, v, dout = (torch.randn(B, S, h, d, generator=torch.Generator().manual_seed(i))[:, off : off + s_r].to(torch.bfloat16)
+                     for i, (h, d) in enumerate(((hq, D), (hkv, D), (hkv, Dv), (hq, Dv))))  # fmt: skip
+    want = _step(q, k, v, dout, seq_lens=seq_lens, wire_dtype="fp8")
+    for name in names:
+        for chunks in (1, 2):
+            got = _step(q, k, v, dout, seq_lens=seq_lens, wire_dtype="fp8", kernels=name, chunks=chunks)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (name, chunks)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_op_with_each_kernel_set_equals_the_torch_set(world):
+    from ulysses_kernels.kernels import available_kernels
+
+    names = [n for n in ("triton", "cuda") if n in available_kernels()]
+    if not names:
+        pytest.skip("neither the Triton nor the C++ kernel set runs here")
+    run_ranks(_kernel_sets_body, world, names)
