@@ -26,11 +26,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 
 import torch
 import torch.distributed as dist
+
+from .record import git_sha
 
 VOCAB, HALF = 64, None
 
@@ -205,7 +206,7 @@ def main(argv=None) -> None:
         "losses": runs,
         "wall_seconds": time.perf_counter() - t0,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
     }  # fmt: skip
     with open(os.path.join(args.out, "fp8_study.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -213,13 +214,6 @@ def main(argv=None) -> None:
     print(json.dumps({k: result[k] for k in ("final_loss_mean_last_20", "final_loss_rel_diff_fp8_vs_bf16_wire", "wall_seconds")}, indent=1))
     for step, per in cosines.items():
         print(step, {k: round(v["fp8_vs_bf16_wire"], 5) for k, v in per.items()})
-
-
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _plot(result: dict, path: str) -> None:
