@@ -58,6 +58,25 @@ UK_HD void store_dtype(char* p, float v, int dt) {  // v already a value of the 
   memcpy(p, &h, 2);
 }
 
+// a * b rounded once: nvcc contracts a product and a following add into one FMA (--fmad=true
+// is its default), which the reference, rounding the product first, does not.
+UK_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// a / b correctly rounded whatever the compiler's flags (-prec-div=false, --use_fast_math).
+UK_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 // float32 y (finite, |y| <= the format's max) -> FP8 bits, round to nearest even.
 UK_HD uint8_t fp8_encode(float y, const Fp8Format& f) {
   const uint32_t u = float_bits(y), sign = (u >> 31) << 7, a = u & 0x7fffffffu;
@@ -82,7 +101,7 @@ UK_HD float fp8_decode(uint8_t b, const Fp8Format& f) {
   const uint32_t e = ((uint32_t)b >> f.mb) & emask, m = b & ((1u << f.mb) - 1u), sign = ((uint32_t)b >> 7) << 31;
   if (f.e4m3 ? (b & 0x7f) == 0x7f : (e == emask && m != 0)) return bits_float(0x7fc00000u);
   if (!f.e4m3 && e == emask) return bits_float(sign | 0x7f800000u);
-  if (e == 0) return bits_float(float_bits((float)m * f.sub_step) | sign);
+  if (e == 0) return bits_float(float_bits(mul_rn((float)m, f.sub_step)) | sign);
   return bits_float(sign | ((e + (uint32_t)(127 - f.bias)) << 23) | (m << (23 - f.mb)));
 }
 
@@ -96,9 +115,9 @@ UK_HD void quantize_row(const char* src, int64_t sd, int dt, int64_t D, char* ds
     const float ax = x < 0 ? -x : x;
     amax = ax > amax ? ax : amax;
   }
-  const float inv = f.max / amax, scale = amax / f.max;
+  const float inv = div_rn(f.max, amax), scale = div_rn(amax, f.max);
   for (int64_t d = 0; d < D; ++d) {
-    float y = load_as_float(src + d * sd, dt) * inv;
+    float y = mul_rn(load_as_float(src + d * sd, dt), inv);
     y = y > f.max ? f.max : (y < -f.max ? -f.max : y);
     dst[d] = (char)fp8_encode(y, f);
   }
@@ -109,7 +128,7 @@ UK_HD void quantize_row(const char* src, int64_t sd, int dt, int64_t D, char* ds
 UK_HD float dequantize_elem(const char* row, int64_t D, int64_t d, int dt, const Fp8Format& f) {
   float scale;
   memcpy(&scale, row + D, 4);
-  return round_to_dtype(fp8_decode((uint8_t)row[d], f) * scale, dt);
+  return round_to_dtype(mul_rn(fp8_decode((uint8_t)row[d], f), scale), dt);
 }
 
 // Output row r of a dequantizing unpack (UnpackParams over wire blocks: byte strides, the

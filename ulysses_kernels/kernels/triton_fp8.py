@@ -20,7 +20,9 @@ rows of one head), with descriptor tables built from the layout's own views on m
 Offsets and strides are in elements of each tensor's dtype (bytes for the wire buffers).
 FP8 encoding and decoding are integer operations on float32 bits (round to nearest even,
 as PyTorch's conversion), so the result does not depend on the compiler's or the
-interpreter's conversions; the divisions are ``div_rn`` (correctly rounded, as PyTorch's).
+interpreter's conversions; the divisions are ``div_rn`` (correctly rounded, as PyTorch's),
+and the launches pass ``enable_fp_fusion=False`` (Triton would fuse a dequantized product
+and the replica sum's add into one FMA, which the reference rounds twice).
 """
 
 from __future__ import annotations
@@ -222,7 +224,7 @@ def _launch_quant(cols: list[int], tensors, n_tok: int, batch: int, fmt: Fp8Form
         _quant_kernel[grid](addr, table, n_rows, batch, FLOAT=_float_of(dtype), IS_BF16=dtype == torch.bfloat16,
                             ITEM=torch.empty(0, dtype=dtype).element_size(), FMT_MAX=fmt.max,
                             MB=fmt.mantissa_bits, BIAS=_bias(fmt), SUB_EXP=fmt.min_subnormal_exp, MIN_NORMAL=_min_normal(fmt),
-                            FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_D=block_d)  # fmt: skip
+                            FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_D=block_d, enable_fp_fusion=False)  # fmt: skip
 
 
 def _launch_dequant(table: tuple[list[int], list[int]], tensors, n_tok: int, batch: int, fmt: Fp8Format, out: torch.Tensor) -> None:
@@ -237,7 +239,8 @@ def _launch_dequant(table: tuple[list[int], list[int]], tensors, n_tok: int, bat
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _dequant_kernel[grid](addr, col_t, src_t, n_rows, batch, FLOAT=_float_of(out.dtype), IS_BF16=out.dtype == torch.bfloat16,
                               BF16_NAN=0x7FFF if device.type == "cuda" else 0xFFFF, MB=fmt.mantissa_bits, BIAS=_bias(fmt),
-                              SUB_STEP=2.0**fmt.min_subnormal_exp, IS_E4M3=fmt.name == "e4m3", BLOCK_R=block_r, BLOCK_D=block_d)  # fmt: skip
+                              SUB_STEP=2.0**fmt.min_subnormal_exp, IS_E4M3=fmt.name == "e4m3", BLOCK_R=block_r, BLOCK_D=block_d,
+                              enable_fp_fusion=False)  # fmt: skip
 
 
 def _bias(fmt: Fp8Format) -> int:
