@@ -229,11 +229,12 @@ def extensions():
         cuda_home = None
     csrc = os.path.join("csrc")
     sources = [os.path.join(csrc, "ops.cpp"), os.path.join(csrc, "module.cpp"), os.path.join(csrc, "kernels", "pack_cpu.cpp")]
+    sources += [os.path.join(csrc, "fp8_ops.cpp"), os.path.join(csrc, "kernels", "fp8_cpu.cpp")]  # the FP8 wire
     macros, include_dirs, link_args = [], [os.path.join(ROOT, "csrc")], []
     cxx = ["-O3"]
     nccl = None
     if cuda_home:
-        sources.append(os.path.join(csrc, "kernels", "pack.cu"))
+        sources += [os.path.join(csrc, "kernels", "pack.cu"), os.path.join(csrc, "kernels", "fp8.cu")]
         macros += [("ULYSSES_KERNELS_WITH_CUDA", None), ("ULYSSES_KERNELS_ARCHS", archs.replace(";", "_").replace(" ", "_"))]
         include_dirs += _nvidia_dirs()
         nccl = find_nccl()

@@ -348,8 +348,18 @@ def _fake_nccl_send_recv(comm, sends, send_peers, recvs, recv_peers):
     _require(len(sends) == len(send_peers) and len(recvs) == len(recv_peers), "nccl_send_recv: one peer per tensor expected")
 
 
+def _fake_quant_pack_s2h(tensors, head_ranges, send, recv=None, rank=-1, seq_offset=0, fmt=0):
+    _require(send.dtype == torch.uint8 and send.dim() == 1, f"quant_pack_s2h: send expected 1-D uint8 (wire bytes), got {send.dtype} {list(send.shape)}")
+
+
+def _fake_dequant_unpack_h2s(blocks, head_ranges, outs, fmt=0):
+    _require(len(head_ranges) == 2 * len(blocks) and len(outs) >= 1, "dequant_unpack_h2s: blocks expected world_size x roles tensors, 2 head range values each")
+
+
 def _register_fakes(module) -> None:
     fakes = {"pack_s2h": _fake_pack_s2h, "pack_h2s": _fake_pack_h2s, "unpack_h2s": _fake_unpack_h2s}
+    if hasattr(torch.ops.ulysses_kernels, "quant_pack_s2h"):  # the FP8 wire's ops (csrc/fp8_ops.cpp)
+        fakes.update(quant_pack_s2h=_fake_quant_pack_s2h, dequant_unpack_h2s=_fake_dequant_unpack_h2s)
     if module.build_info().get("nccl"):
         fakes.update(nccl_all_to_all=_fake_nccl_all_to_all, nccl_send_recv=_fake_nccl_send_recv)
     for name, fn in fakes.items():

@@ -51,6 +51,7 @@ from ..layout import Layout
 from ..math_attention import default_scale
 from ..plan import HeadPlan
 from ..ring import SPGroups, check_ring_inputs, ring_backend
+from ..wire import WireSpec, resolve_wire
 from .chunked import choose_chunks, chunk_plans
 
 __all__ = ["CallSetup", "members_of", "setup_attention", "setup_exchange", "setup_head_to_seq"]
@@ -70,7 +71,8 @@ class CallSetup(NamedTuple):
     which are also every rank's view after the sequence-to-head exchange), ``None`` for
     ordinary batches; the backend receives them as ``docs=``. ``traced`` and ``chunks`` say
     which schedule runs the call: ``interface.run_schedule`` reads them (the only place that
-    picks one).
+    picks one). ``wire``: the FP8 format of each exchange (``wire.WireSpec``), ``None`` for
+    the attention dtype on the wire (the default; always with one rank).
     """
 
     plan: HeadPlan
@@ -85,6 +87,7 @@ class CallSetup(NamedTuple):
     chunks: int = 1
     traced: bool = False
     docs: Documents | None = None
+    wire: WireSpec | None = None
 
 
 def members_of(group, comm) -> Communicator:
@@ -199,6 +202,7 @@ def setup_attention(
     cu_seqlens=None,
     max_seqlen=None,
     members: Communicator | None = None,
+    wire_dtype=None,
 ) -> CallSetup:
     """The ``CallSetup`` of ``ulysses_attention`` (arguments as documented there).
     ``members``: the group's members when the caller holds them (``UlyssesAttention``).
@@ -211,7 +215,8 @@ def setup_attention(
     traced = torch.compiler.is_compiling()
     if isinstance(group, SPGroups):
         return _setup_2d(group, q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
-                         attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)  # fmt: skip
+                         attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                         wire_dtype=wire_dtype)  # fmt: skip
     if members is None:
         members = members_of(group, comm)
     docs = None if cu_seqlens is None and max_seqlen is None else documents(cu_seqlens, max_seqlen)
@@ -226,7 +231,8 @@ def setup_attention(
     plan, layout, kv_map, base, split, backend, kern, scale = parts
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     comm = _transport(group, comm, members, q.device, traced)
-    return CallSetup(plan, layout, comm, kern, backend, split, bool(causal), scale, kv_map, n, traced, docs)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
+    return CallSetup(plan, layout, comm, kern, backend, split, bool(causal), scale, kv_map, n, traced, docs, wire)
 
 
 def _resolve_parts(key: tuple, q: torch.Tensor, attn_fn, kernels, traced: bool) -> tuple:
@@ -253,7 +259,7 @@ def _cached_parts(key: tuple, attn_fn: str | None, kernels: str | None, generati
 
 
 def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check, cu_seqlens,
-              max_seqlen) -> CallSetup:  # fmt: skip
+              max_seqlen, wire_dtype=None) -> CallSetup:  # fmt: skip
     """``setup_attention`` for a 2-D group (resolved per call: the ring level agrees across
     the whole group, ``_prepare_2d``)."""
     if torch.compiler.is_compiling():
@@ -272,8 +278,9 @@ def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_sc
     base, split, _ = _backend(attn_fn, q, layout.kv_map, False)
     kern = _kernel_set(kernels, q.device, layout, False)
     n = 1 if type(chunks) is int and chunks == 1 else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, False)
     return CallSetup(plan, layout, comm, kern, ring_backend(sp, base), split, bool(causal), default_scale(q.shape[3], softmax_scale),
-                     layout.kv_map, n, False, docs)  # fmt: skip
+                     layout.kv_map, n, False, docs, wire)  # fmt: skip
 
 
 def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check) -> CallSetup:

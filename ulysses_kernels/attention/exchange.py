@@ -30,6 +30,7 @@ docs/design.md ("Buffers and who owns them") gives the peak of one call as a for
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -38,6 +39,7 @@ import torch
 from .. import layout as L
 from ..kernels import TorchKernels
 from ..layout import OUT, Q_ONLY, QKV, Layout
+from ..wire import SCALE_BYTES, Fp8Format, wire_layout
 
 __all__ = [
     "post_seq_to_head",
@@ -47,6 +49,9 @@ __all__ = [
     "a2a_seq_to_head_traced",
     "a2a_head_to_seq_traced",
     "exchange_functions",
+    "s2h_results",
+    "h2s_unpack",
+    "wire_of",
     "SeqToHead",
     "HeadToSeq",
     "SeqToHeadTraced",
@@ -64,35 +69,62 @@ def _run_now(tensors, collective):
     return None
 
 
-def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels, start=_run_now):
+def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels, start=_run_now, wire: Fp8Format | None = None):
     """Pack ``tensors`` (``[B, s_r, H, D]``) and post the sequence-to-head exchange.
 
     ``start(buffers, collective)`` runs ``collective(async_op)`` (blocking by default; the chunked
     pipeline passes one that overlaps it with compute) and returns a handle.
-    Returns ``(handle, recv)``; ``layout.s2h_recv_views(recv, roles)`` are the results
-    once the handle is waited.
+    Returns ``(handle, recv)``; ``s2h_results(layout, recv, roles, kernels, wire, like)``
+    (``layout.s2h_recv_views(recv, roles)`` without ``wire``) are the results once the handle
+    is waited. ``wire``: an FP8 format (``ulysses_kernels.wire``): the pack quantizes into
+    byte buffers laid out as ``wire_layout(layout, wire)``.
     """
     like, rank = tensors[0], layout.rank
-    recv_splits = layout.s2h_recv_splits(roles)
+    lay = layout if wire is None else wire_layout(layout, wire)  # the buffers' sizes
+    if wire is not None:
+        like = like.new_empty(0, dtype=torch.uint8)
+        pack = functools.partial(kernels.quant_pack_s2h, fmt=wire)
+    else:
+        pack = kernels.pack_s2h
+    recv_splits = lay.s2h_recv_splits(roles)
     recv = _flat(sum(recv_splits), like)
     if layout.batch == 1 and layout.world_size > 1:
-        send_splits = layout.s2h_send_splits(roles)
+        send_splits = lay.s2h_send_splits(roles)
         send = _flat(sum(send_splits), like)
-        kernels.pack_s2h(layout, tensors, roles, send)
+        pack(layout, tensors, roles, send)
         collective = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
         # One piece per (peer, batch element); our own rows are packed in place, so the
         # send buffer holds the peers' blocks only.
-        send = _flat(sum(layout.s2h_send_splits(roles, own=False)), like)
-        kernels.pack_s2h(layout, tensors, roles, send, recv=recv)
+        send = _flat(sum(lay.s2h_send_splits(roles, own=False)), like)
+        pack(layout, tensors, roles, send, recv=recv)
         sends, recvs = [], []
         if layout.world_size > 1:
-            send_p, recv_p = layout.s2h_send_pieces(send, roles, own=False), layout.s2h_recv_pieces(recv, roles)
+            send_p, recv_p = lay.s2h_send_pieces(send, roles, own=False), lay.s2h_recv_pieces(recv, roles)
             peers = [p for p in range(layout.world_size) if p != rank]
             sends = [(p, x) for p in peers for x in send_p[p]]
             recvs = [(p, x) for p in peers for x in recv_p[p]]
         collective = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
     return start((recv, send), collective), recv
+
+
+def s2h_results(layout: Layout, recv: torch.Tensor, roles, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
+    """The sequence-to-head results of a waited receive buffer: ``[B, S, h, D]`` views of it,
+    or with ``wire`` new tensors in ``like``'s dtype, dequantized by the kernel set."""
+    if wire is None:
+        return layout.s2h_recv_views(recv, roles)
+    S, rank = layout.seq_total, layout.rank
+    outs = [like.new_empty(layout.batch, S, layout.head_count(s, rank), layout.dim(s)) for s in roles]
+    kernels.dequant_s2h(layout, recv, roles, outs, wire)
+    return outs
+
+
+def h2s_unpack(layout: Layout, blocks, roles, outs, kernels, wire: Fp8Format | None) -> None:
+    """``kernels.unpack_h2s``, or with ``wire`` its dequantizing twin (``dequant_unpack_h2s``)."""
+    if wire is None:
+        kernels.unpack_h2s(layout, blocks, roles, outs)
+    else:
+        kernels.dequant_unpack_h2s(layout, blocks, roles, outs, wire)
 
 
 def _one_collective(layout: Layout, n_tensors: int) -> bool:
@@ -144,7 +176,7 @@ def _send_pieces(layout: Layout, x: torch.Tensor) -> list[list[torch.Tensor]]:
     return [[layout.h2s_send_blocks(x, p)[b].reshape(-1) for b in range(B)] for p in range(P)]
 
 
-def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now, flat: bool = False):
+def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now, flat: bool = False, wire: Fp8Format | None = None):
     """Post the head-to-sequence exchange of local ``[B, S, h, D]`` tensors (one per role).
 
     Rows that are contiguous per batch element go on the wire in place; others are packed
@@ -154,19 +186,27 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
     ``flat=True`` (for a caller that passes the blocks straight to a kernel set that takes
     flat blocks: ``flat_blocks``, the ``cuda`` set): the blocks of the receive buffer are
     its 1-D pieces (no view per block), and with batch 1 so are this rank's own.
+    ``wire`` (an FP8 format): every tensor is packed, quantized, into bytes ``[B, S, h, D + 4]``
+    (``ulysses_kernels.wire``), and the blocks are blocks of bytes (``h2s_unpack`` takes them).
     """
-    wire = []
+    fmt, wire = wire, []
     for x in local:
-        if not L.rows_contiguous(x):
+        if fmt is not None:
+            B, S, h, D = x.shape
+            packed = x.new_empty(B, S, h, D + SCALE_BYTES, dtype=torch.uint8)
+            kernels.quant_pack_h2s(layout, x, packed.view(-1), fmt)
+            x = packed
+        elif not L.rows_contiguous(x):
             # NOTE: a backend that returns rows that are not contiguous costs this copy.
             packed = _flat(x.numel(), x)
             kernels.pack_h2s(layout, x, packed)
             x = packed.view(x.shape)
         wire.append(x)
+    lay = layout if fmt is None else wire_layout(layout, fmt)  # the buffers' sizes
     one = _one_collective(layout, len(wire))
-    recv, blocks, recv_pieces = _h2s_recv(layout, roles, wire[0], own=one, flat=flat)
+    recv, blocks, recv_pieces = _h2s_recv(lay, roles, wire[0], own=one, flat=flat)
     if one:
-        send_splits, recv_splits = layout.h2s_splits(roles)
+        send_splits, recv_splits = lay.h2s_splits(roles)
         flat_send = wire[0].reshape(-1)
         collective = lambda a: comm.all_to_all(recv, flat_send, recv_splits, send_splits, async_op=a)  # noqa: E731
     else:
@@ -184,30 +224,34 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
         if flat and layout.batch == 1 and cut:
             blocks[layout.rank] = [cut[i][layout.rank][0] for i in range(len(wire))]
         else:
-            blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
+            blocks[layout.rank] = [lay.h2s_send_blocks(x, layout.rank) for x in wire]
     return start((recv, *wire), collective), blocks
 
 
-def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
-    """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views."""
-    _, recv = post_seq_to_head(layout, tensors, roles, comm, kernels)
-    return layout.s2h_recv_views(recv, roles)
+def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
+    """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views
+    (with ``wire``, an FP8 format: new tensors, dequantized from the receive buffer)."""
+    _, recv = post_seq_to_head(layout, tensors, roles, comm, kernels, wire=wire)
+    return s2h_results(layout, recv, roles, kernels, wire, tensors[0])
 
 
-def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels) -> list[torch.Tensor]:
-    """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]``."""
+def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
+    """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]`` (``wire``:
+    an FP8 format on the wire, dequantized into ``local``'s dtype)."""
     if layout.world_size == 1:
         return list(local)
     like = local[0]
-    _, blocks = post_head_to_seq(layout, local, roles, comm, kernels, flat=getattr(kernels, "flat_blocks", False))
+    flat = getattr(kernels, "flat_blocks", False)
+    _, blocks = post_head_to_seq(layout, local, roles, comm, kernels, flat=flat, wire=wire)
     outs = [torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device) for s in roles]
-    kernels.unpack_h2s(layout, blocks, roles, outs)
+    h2s_unpack(layout, blocks, roles, outs, kernels, wire)
     return outs
 
 
 # ---- the traced movers: one all_to_all per exchange (see attention.traced) ----
-def a2a_seq_to_head_traced(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels) -> list[torch.Tensor]:
-    """``[B, s_r, H, D]`` tensors -> this rank's heads ``[B, S, h, D]`` (views), one all_to_all."""
+def a2a_seq_to_head_traced(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels, wire=None) -> list[torch.Tensor]:
+    """``[B, s_r, H, D]`` tensors -> this rank's heads ``[B, S, h, D]`` (views), one all_to_all.
+    ``wire`` is always None here (``wire.resolve_wire`` refuses it inside torch.compile)."""
     like = tensors[0]
     send = _flat(sum(layout.s2h_send_splits(roles)), like)
     kernels.pack_s2h(layout, tensors, roles, send)
@@ -228,7 +272,7 @@ def a2a_seq_to_head_traced(layout: Layout, tensors: Sequence[torch.Tensor], role
     return layout.s2h_recv_views(got, roles)
 
 
-def a2a_head_to_seq_traced(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels) -> list[torch.Tensor]:
+def a2a_head_to_seq_traced(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels, wire=None) -> list[torch.Tensor]:
     """Local ``[B, S, h, D]`` tensors (one per role) -> ``[B, s_r, H, D]``, one all_to_all;
     replicated KV heads are summed in rank order by the kernel set's unpack, as in eager."""
     if layout.world_size == 1:
@@ -249,6 +293,13 @@ def a2a_head_to_seq_traced(layout: Layout, local: Sequence[torch.Tensor], roles:
     return outs
 
 
+def wire_of(call, exchange: str) -> Fp8Format | None:
+    """The FP8 format of ``exchange`` (``"qkv"``, ``"out"``, ``"dout"``, ``"grads"``) in the
+    call's ``WireSpec``, ``None`` without one (a call set up without ``wire`` has none)."""
+    spec = getattr(call, "wire", None)
+    return None if spec is None else getattr(spec, exchange)
+
+
 def exchange_functions(s2h, h2s, suffix: str = ""):
     """The two differentiable exchanges, over a pair of data movers with the signatures of
     ``a2a_seq_to_head`` and ``a2a_head_to_seq`` (eager: those two; inside torch.compile:
@@ -263,7 +314,7 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
         def forward(ctx, call, *tensors):
             ctx.call = call
             ctx.roles = QKV if len(tensors) == 3 else Q_ONLY
-            return tuple(s2h(call.layout, tensors, ctx.roles, call.comm, call.kernels))
+            return tuple(s2h(call.layout, tensors, ctx.roles, call.comm, call.kernels, wire_of(call, "qkv")))
 
         @staticmethod
         def backward(ctx, *grads):
@@ -273,7 +324,7 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
             grads = [
                 g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.dim(r)) for g, r in zip(grads, ctx.roles)
             ]
-            return (None, *h2s(lay, grads, ctx.roles, call.comm, call.kernels))
+            return (None, *h2s(lay, grads, ctx.roles, call.comm, call.kernels, wire_of(call, "grads")))
 
     class HeadToSeq(torch.autograd.Function):
         """Head-sharded ``[B, S, hq, Dv]`` -> sequence-sharded ``[B, s_r, Hq, Dv]`` (the
@@ -282,12 +333,12 @@ def exchange_functions(s2h, h2s, suffix: str = ""):
         @staticmethod
         def forward(ctx, call, local):
             ctx.call = call
-            return h2s(call.layout, [local], OUT, call.comm, call.kernels)[0]
+            return h2s(call.layout, [local], OUT, call.comm, call.kernels, wire_of(call, "out"))[0]
 
         @staticmethod
         def backward(ctx, grad):
             call = ctx.call
-            return None, s2h(call.layout, [grad], OUT, call.comm, call.kernels)[0]
+            return None, s2h(call.layout, [grad], OUT, call.comm, call.kernels, wire_of(call, "dout"))[0]
 
     for cls in (SeqToHead, HeadToSeq):
         cls.__name__ = cls.__qualname__ = cls.__name__ + suffix

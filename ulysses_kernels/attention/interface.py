@@ -24,9 +24,10 @@ from ..documents import documents
 from ..layout import OUT, QKV
 from ..plan import HeadPlan
 from ..ring import SPGroups
+from ..wire import wire_spec
 from . import chunked
 from .call import CallSetup, members_of, setup_attention, setup_exchange, setup_head_to_seq
-from .exchange import HeadToSeq, HeadToSeqTraced, SeqToHead, SeqToHeadTraced, a2a_head_to_seq, a2a_seq_to_head
+from .exchange import HeadToSeq, HeadToSeqTraced, SeqToHead, SeqToHeadTraced, a2a_head_to_seq, a2a_seq_to_head, wire_of
 from .traced import traced_attention
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
@@ -49,6 +50,7 @@ def ulysses_attention(
     check: bool = True,
     cu_seqlens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    wire_dtype=None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across ``group``.
 
@@ -107,6 +109,12 @@ def ulysses_attention(
             object gets the joined boundaries and ``[1, B * S, h, D]``, or for a backend object
             ``[B, S, h, D]`` and ``docs.rows = B``). Not on a 2-D group (``SPGroups``).
         max_seqlen: the longest document; default derived from ``cu_seqlens`` (no collective).
+        wire_dtype: ``None`` (the attention dtype on the wire), ``"fp8"`` (each exchange
+            quantized in the pack with one float32 scale per (token, head), in the same
+            collective: e4m3 for q/k/v and the output, e5m2 for d_out and dq/dk/dv; bytes
+            on the wire ``(D + 4) / (D * itemsize)`` of today's), or a ``wire.WireSpec``
+            naming the format of each exchange (docs/fp8_wire.md). Not exact: each exchange
+            adds the format's rounding. Eager and chunked schedules, the ``torch`` kernel set.
 
     Returns:
         ``[batch, seq_local, q_heads, v_head_dim]``: full attention over the global sequence,
@@ -119,6 +127,7 @@ def ulysses_attention(
     call = setup_attention(
         q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
         attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        wire_dtype=wire_dtype,
     )  # fmt: skip
     return run_schedule(q, k, v, call)
 
@@ -198,12 +207,12 @@ class LocalAttention(torch.autograd.Function):
 def _forward_only(q, k, v, call):
     """``SeqToHead``, ``LocalAttention`` and ``HeadToSeq``'s forwards, as plain calls."""
     layout, comm, kernels = call.layout, call.comm, call.kernels
-    q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels)
+    q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels, wire_of(call, "qkv"))
     out_l, _ = call.backend.forward(
         q_l, k_l, v_l, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=False, **doc_kwargs(call.docs)
     )  # fmt: skip
     del q_l, k_l, v_l
-    return a2a_head_to_seq(layout, [out_l], OUT, comm, kernels)[0]
+    return a2a_head_to_seq(layout, [out_l], OUT, comm, kernels, wire_of(call, "out"))[0]
 
 
 # The resolved calls a module keeps (one per input signature: a few KB each). Packed batches
@@ -230,6 +239,8 @@ class UlyssesAttention(nn.Module):
     64 signatures); later calls with that signature go straight to the schedule. The
     exception is the native NCCL default (``ULYSSES_KERNELS_NATIVE_NCCL=1``, CUDA tensors, no
     ``comm``), whose communicator is looked up per call, as the functional op does.
+
+    ``wire_dtype``: as in ``ulysses_attention`` (``None``, ``"fp8"`` or a ``wire.WireSpec``).
     """
 
     def __init__(
@@ -245,6 +256,7 @@ class UlyssesAttention(nn.Module):
         kernels=None,
         chunks: int | str = 1,
         check: str = "once",
+        wire_dtype=None,
     ):
         super().__init__()
         if check not in ("once", "always", "never"):
@@ -258,6 +270,7 @@ class UlyssesAttention(nn.Module):
         self.plan = HeadPlan.build(q_heads, kv_heads, size)
         self.causal, self.softmax_scale, self.attn_fn, self.check = causal, softmax_scale, attn_fn, check
         self.kernels, self.chunks = kernels, chunks
+        self.wire_dtype = wire_spec(wire_dtype)  # checked here: a bad value fails at construction
         self._checked: set[tuple] = set()
         self._calls: OrderedDict[tuple, CallSetup] = OrderedDict()
         self._members = None  # the group's members (rank, world size), looked up at the first call
@@ -310,14 +323,14 @@ class UlyssesAttention(nn.Module):
             q, k, v, group=self.group, comm=self.comm, plan=self.plan, seq_lens=seq_lens, causal=self.causal,
             softmax_scale=self.softmax_scale, attn_fn=self.attn_fn, kernels=self.kernels, chunks=self.chunks, check=check,
             cu_seqlens=docs,
-            members=self._members,
+            members=self._members, wire_dtype=self.wire_dtype,
         )  # fmt: skip
 
     def _call(self, q, k, v, seq_lens, docs, check: bool) -> torch.Tensor:
         return ulysses_attention(
             q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, seq_lens=seq_lens,
             group=self.group, attn_fn=self.attn_fn, plan=self.plan, comm=self.comm, kernels=self.kernels, chunks=self.chunks,
-            check=check, cu_seqlens=docs,
+            check=check, cu_seqlens=docs, wire_dtype=self.wire_dtype,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

@@ -21,6 +21,9 @@ per rank, head_dim D, e bytes per element, the plan of ``HeadPlan.build(Hq, Hkv,
             (permute+contiguous before and after the collective) for q, k, v and the output,
             plus the KV repeat. bwd mirrors fwd.
   total     compute + wire + layout (chunks=1: nothing overlaps, all communication exposed)
+  fp8       the same with wire_dtype="fp8": D + 4 bytes per head per token on the wire instead
+            of e*D (FP8 values, a float32 scale per (token, head)), the layout (e*D + D + 4)
+            per head moved; x_fp8 = ours / fp8 (columns "fp8 wire", "fp8(ms)", "x_fp8")
 
 Hybrid (``--hybrid``): Ulysses over ``U`` contiguous ranks x ring attention over ``R``
 (``make_sp_groups(U, R)``, zigzag layout: every rank the same causal work), per rank:
@@ -95,6 +98,13 @@ def model_layer(Hq, Hkv, P, S, args) -> dict | None:
     wire = {"fwd": exchange_seconds(qkv, hq, s * tok, G, nvl, ib), "bwd": exchange_seconds(hq, qkv, s * tok, G, nvl, ib)}
     send_qkv = s * tok * (Hq + 2 * plan.kv_sent)  # the pack writes every byte sent, once
     lay = {"fwd": 2 * (send_qkv + s * tok * Hq) / hbm, "bwd": 2 * (s * tok * Hq + send_qkv) / hbm}
+    # wire_dtype="fp8" (ulysses_kernels.wire): D + 4 bytes per head per token on the wire (FP8
+    # values and a float32 scale); the quantizing pack reads e*D and writes D + 4 bytes, the
+    # dequantizing unpack the reverse: the layout moves (e*D + D + 4) per head instead of 2*e*D.
+    tok8 = B * (D + 4)
+    wire8 = {"fwd": exchange_seconds(qkv, hq, s * tok8, G, nvl, ib), "bwd": exchange_seconds(hq, qkv, s * tok8, G, nvl, ib)}
+    heads_qkv = Hq + 2 * plan.kv_sent
+    lay8 = dict.fromkeys(("fwd", "bwd"), s * (tok + tok8) * (heads_qkv + Hq) / hbm)
 
     chain = None
     if Hq % P == 0:
@@ -109,7 +119,7 @@ def model_layer(Hq, Hkv, P, S, args) -> dict | None:
 
     flops_fwd = 4 * B * S * S * max(hq) * D / 2
     compute = {"fwd": flops_fwd / (args.fwd_tflops * 1e12), "bwd": 2.5 * flops_fwd / (args.bwd_tflops * 1e12)}
-    return {"plan": plan, "compute": compute, "wire": wire, "layout": lay, "chain": chain}
+    return {"plan": plan, "compute": compute, "wire": wire, "layout": lay, "chain": chain, "wire_fp8": wire8, "layout_fp8": lay8}
 
 
 def ring_crosses_nodes(U: int, R: int, gpus_per_node: int) -> bool:
@@ -267,9 +277,12 @@ def table(args) -> list[dict]:
                     ours = comp + wire + lay
                     # "measured": compute and layout from the JSON; "measured-compute"/"-layout": one of them.
                     src = {0: "model", 2: "measured"}.get(len(measured_parts)) or f"measured-{measured_parts[0]}"
+                    # With the FP8 wire (always the model's layout: no measured row for it yet).
+                    fp8 = comp + sum(m["wire_fp8"][x] + m["layout_fp8"][x] for x in parts)
                     row = {"model": model, "P": P, "seq": S, "pass": p, "compute_ms": comp * 1e3, "source": src,
                            "wire_ms": wire * 1e3, "layout_ms": lay * 1e3, "ours_ms": ours * 1e3,
-                           "exposed": (wire + lay) / ours, "kv_repl": m["plan"].kv_replication}  # fmt: skip
+                           "exposed": (wire + lay) / ours, "kv_repl": m["plan"].kv_replication,
+                           "fp8_wire_ms": sum(m["wire_fp8"][x] for x in parts) * 1e3, "fp8_ms": fp8 * 1e3, "x_fp8": ours / fp8}  # fmt: skip
                     if m["chain"] is not None:
                         cl = sum(m["chain"]["layout"][x] for x in parts)
                         if (model, S, P, p, "chain-layout") in meas:
@@ -288,7 +301,8 @@ COLUMNS = [
     ("compute_ms", "compute(ms)", ".2f"), ("wire_ms", "wire(ms)", ".2f"), ("layout_ms", "layout(ms)", ".3f"),
     ("ours_ms", "ours(ms)", ".2f"), ("exposed", "exposed", ".1%"), ("chain_wire_ms", "chain wire", ".2f"),
     ("chain_layout_ms", "chain layout", ".3f"), ("chain_ms", "chain(ms)", ".2f"), ("speedup", "x_chain", ".3f"),
-    ("kv_repl", "kv_repl", ".2f"), ("source", "source", ""),
+    ("kv_repl", "kv_repl", ".2f"), ("fp8_wire_ms", "fp8 wire", ".2f"), ("fp8_ms", "fp8(ms)", ".2f"), ("x_fp8", "x_fp8", ".3f"),
+    ("source", "source", ""),
 ]  # fmt: skip
 
 

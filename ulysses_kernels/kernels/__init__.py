@@ -10,6 +10,14 @@ layout math of ``ulysses_kernels.layout``:
 * ``unpack_h2s(layout, blocks, roles, outs)``: received blocks -> ``[B, s_r, H, D]``
   outputs, summing replicated KV heads in rank order.
 
+Optionally the FP8 wire's four (``ulysses_kernels.wire``; the torch set's are the definition,
+``wire.resolve_wire`` refuses ``wire_dtype`` for a set without them):
+``quant_pack_s2h(layout, tensors, roles, send, fmt, recv=None)``, ``quant_pack_h2s(layout,
+local, send, fmt)``, ``dequant_s2h(layout, recv, roles, outs, fmt)`` and
+``dequant_unpack_h2s(layout, blocks, roles, outs, fmt)``: the same operations on byte buffers
+in the wire format of ``wire.wire_layout(layout, fmt)`` (rows of ``D`` FP8 values and a
+float32 scale), quantizing in the packs and dequantizing into ``outs`` in the unpacks.
+
 Optionally ``supports(layout) -> bool`` (the C++ kernels take at most ``kMaxPeers`` ranks),
 and ``flat_blocks = True`` when ``unpack_h2s`` also takes each block as the flat 1-D piece of
 ``B * s_r * h * D`` elements it is in wire format (the exchange then makes no view per block).

@@ -16,7 +16,11 @@ import torch
 
 from .. import extension
 from ..layout import Layout
+from ..wire import wire_layout
 from .torch_kernels import pack_s2h as pack_s2h_torch
+from .torch_kernels import quant_pack_s2h as quant_pack_s2h_torch
+
+_FMT = {"e4m3": 0, "e5m2": 1}  # the ops' fmt argument (csrc/kernels/fp8_math.h fp8_format)
 
 __all__ = ["CudaKernels"]
 
@@ -99,3 +103,30 @@ class CudaKernels:
     def unpack_h2s(layout: Layout, blocks, roles, outs) -> None:
         flat = [b for per_source in blocks for b in per_source]
         torch.ops.ulysses_kernels.unpack_h2s(flat, layout.head_ranges(roles), list(outs))
+
+    # ---- FP8 on the wire (ulysses_kernels.wire; csrc/fp8_ops.cpp, kernels/fp8_math.h) ----------
+    @staticmethod
+    def quant_pack_s2h(layout: Layout, tensors, roles, send, fmt, recv=None) -> None:
+        if not layout.uniform:
+            # MLA: the op quantizes rows of one head dim (a scale per whole head: no rows of
+            # gcd(D, Dv) elements here); the torch set packs them, the same bytes.
+            return quant_pack_s2h_torch(layout, tensors, roles, send, fmt, recv)
+        torch.ops.ulysses_kernels.quant_pack_s2h(
+            list(tensors), layout.head_ranges(roles), send, recv, layout.rank, layout.seq_offset(layout.rank), _FMT[fmt.name]
+        )
+
+    @staticmethod
+    def quant_pack_h2s(layout: Layout, local, send, fmt) -> None:
+        torch.ops.ulysses_kernels.quant_pack_s2h([local], [0, local.shape[2]], send, None, -1, 0, _FMT[fmt.name])
+
+    @staticmethod
+    def dequant_s2h(layout: Layout, recv, roles, outs, fmt) -> None:
+        # One source (the receive buffer) per role, every role in one call.
+        views = wire_layout(layout, fmt).s2h_recv_views(recv, roles)
+        ranges = [x for out in outs for x in (0, out.shape[2])]
+        torch.ops.ulysses_kernels.dequant_unpack_h2s(list(views), ranges, list(outs), _FMT[fmt.name])
+
+    @staticmethod
+    def dequant_unpack_h2s(layout: Layout, blocks, roles, outs, fmt) -> None:
+        flat = [b for per_source in blocks for b in per_source]
+        torch.ops.ulysses_kernels.dequant_unpack_h2s(flat, layout.head_ranges(roles), list(outs), _FMT[fmt.name])

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from .. import extension
 from ..layout import Layout
+from . import triton_fp8
 
 __all__ = ["TritonKernels"]
 
@@ -285,6 +286,12 @@ class TritonKernels:
         g = layout.row_dim(roles)  # columns of g elements: one launch for mixed head dims (MLA)
         table = cls._get(key, lambda: _columns_unpack_h2s(layout, blocks, roles, outs, g), g, outs[0].element_size())
         cls._launch(table, [*flat, *outs], layout.seq_local, layout.batch, g, outs[0])
+
+    # ---- FP8 on the wire (ulysses_kernels.wire): kernels/triton_fp8.py ----------------------
+    quant_pack_s2h = staticmethod(triton_fp8.quant_pack_s2h)
+    quant_pack_h2s = staticmethod(triton_fp8.quant_pack_h2s)
+    dequant_s2h = staticmethod(triton_fp8.dequant_s2h)
+    dequant_unpack_h2s = staticmethod(triton_fp8.dequant_unpack_h2s)
 
     # ---- host side ----------------------------------------------------------------------
     @classmethod

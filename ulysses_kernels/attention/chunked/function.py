@@ -11,22 +11,24 @@ from ...comm import AsyncChannel
 from ...gqa import KVGather, KVGradSum
 from ...layout import OUT, Q_ONLY, QKV, Layout
 from ...plan import HeadPlan
-from ..exchange import post_head_to_seq, post_seq_to_head
+from ..exchange import h2s_unpack, post_head_to_seq, post_seq_to_head, s2h_results, wire_of
 from .schedule import Chunk, Schedule, build_schedule
 
 __all__ = ["ChunkedAttentionFunction", "chunked_attention"]
 
 
-def _start_s2h(chan: AsyncChannel, lay: Layout, tensors, roles, kernels):
-    """Pack and start one seq->head exchange. Returns (pending, receive buffer)."""
-    return post_seq_to_head(lay, tensors, roles, chan.comm, kernels, chan.start)
+def _start_s2h(chan: AsyncChannel, lay: Layout, tensors, roles, kernels, wire=None):
+    """Pack and start one seq->head exchange (``wire``: its FP8 format, or None). Returns
+    (pending, receive buffer)."""
+    return post_seq_to_head(lay, tensors, roles, chan.comm, kernels, chan.start, wire=wire)
 
 
-def _start_h2s(chan: AsyncChannel, lay: Layout, local: torch.Tensor, role: str, kernels):
+def _start_h2s(chan: AsyncChannel, lay: Layout, local: torch.Tensor, role: str, kernels, wire=None):
     """Start one head->seq exchange of a local ``[B, S, h, D]`` tensor (``role``'s heads).
     Returns (pending, blocks): per source, the ``[B, s_r, h, D]`` block to unpack once
-    ``pending`` is waited (our own read from ``local``)."""
-    pending, blocks = post_head_to_seq(lay, [local], (role,), chan.comm, kernels, chan.start)
+    ``pending`` is waited (our own read from ``local``; with ``wire``, blocks of bytes
+    ``[B, s_r, h, D + 4]``, ``ulysses_kernels.wire``)."""
+    pending, blocks = post_head_to_seq(lay, [local], (role,), chan.comm, kernels, chan.start, wire=wire)
     return pending, [per[0] for per in blocks]
 
 
@@ -68,6 +70,7 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         needs_grad = any(ctx.needs_input_grad[:3])
         layout, comm, kernels, backend = call.layout, call.comm, call.kernels, call.backend
         causal, scale = call.causal, call.scale
+        w_in, w_out = wire_of(call, "qkv"), wire_of(call, "out")
         # backends.for_rank made this rank's backend SharedKV exactly when its chunks split
         # a shared KV head's query heads (the schedule's `shared`).
         sched = build_schedule(layout, call.chunks, call.split_kv_groups)
@@ -77,14 +80,14 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         out = None
         states = []
         shared_kv = None  # a shared KV head: (k, v) views of the first chunk's receive buffer
-        pending_in = _start_s2h(chan, sched.chunks[0].layout, (q, k, v), QKV, kernels)
+        pending_in = _start_s2h(chan, sched.chunks[0].layout, (q, k, v), QKV, kernels, w_in)
         pending_out = None
         for c, chunk in enumerate(sched.chunks):
             work, recv = pending_in
             work.wait()
             if c + 1 < len(sched.chunks):
-                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (q, k, v), QKV, kernels)
-            q_c, k_c, v_c = chunk.layout.s2h_recv_views(recv, QKV)
+                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (q, k, v), QKV, kernels, w_in)
+            q_c, k_c, v_c = s2h_results(chunk.layout, recv, QKV, kernels, w_in, q)
             del recv
             if chunk.shared:
                 if k_c.shape[2]:
@@ -97,12 +100,12 @@ class ChunkedAttentionFunction(torch.autograd.Function):
                 out_c, saved = q_c.new_empty(*q_c.shape[:3], layout.v_head_dim), None
             del q_c, k_c, v_c
             states.append(saved)
-            started = (_start_h2s(chan, chunk.layout, out_c, "o", kernels), chunk)
+            started = (_start_h2s(chan, chunk.layout, out_c, "o", kernels, w_out), chunk)
             del out_c
             if pending_out is not None:
-                out = _finish_out(pending_out, out, layout, kernels)
+                out = _finish_out(pending_out, out, layout, kernels, w_out, q)
             pending_out = started
-        out = _finish_out(pending_out, out, layout, kernels)
+        out = _finish_out(pending_out, out, layout, kernels, w_out, q)
         ctx.call = call
         # The chunks' backend states: gradient edges and integers, no tensor (the receive
         # buffers and outputs live in the attention graphs' saved tensors, which
@@ -133,19 +136,20 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         sched = build_schedule(layout, call.chunks, call.split_kv_groups)
         chan = AsyncChannel(comm, dout.device)
         B, D, Dv, rank = layout.batch, layout.head_dim, layout.v_head_dim, layout.rank
+        w_in, w_out = wire_of(call, "dout"), wire_of(call, "grads")
         # dq, dk, dv are allocated at the first unpack: by then the first chunk's attention
         # backward has run and freed its state.
         outs = None
         kv_blocks = {}  # (chunk, source) -> (dk block, dv block) for the replica sums
         kv_sum = KVGradSum()  # a shared KV head's gradient, summed over the chunks' query heads
-        pending_in = _start_s2h(chan, sched.chunks[0].layout, (dout,), OUT, kernels)
+        pending_in = _start_s2h(chan, sched.chunks[0].layout, (dout,), OUT, kernels, w_in)
         pending_out = None
         for c, chunk in enumerate(sched.chunks):
             work, recv = pending_in
             work.wait()
             if c + 1 < len(sched.chunks):
-                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (dout,), OUT, kernels)
-            (dout_c,) = chunk.layout.s2h_recv_views(recv, OUT)
+                pending_in = _start_s2h(chan, sched.chunks[c + 1].layout, (dout,), OUT, kernels, w_in)
+            (dout_c,) = s2h_results(chunk.layout, recv, OUT, kernels, w_in, dout)
             del recv
             saved = ctx.states[c]
             ctx.states[c] = None
@@ -166,13 +170,13 @@ class ChunkedAttentionFunction(torch.autograd.Function):
                 grads = _attend_chunk_backward(backend, saved, dout_c)
             del dout_c, saved
             roles = QKV if chunk.grad_kv else Q_ONLY
-            started = ([_start_h2s(chan, chunk.grad, g, st, kernels) for g, st in zip(grads, roles)], c)
+            started = ([_start_h2s(chan, chunk.grad, g, st, kernels, w_out) for g, st in zip(grads, roles)], c)
             del grads
             if pending_out is not None:
-                outs = _finish_grads(pending_out, sched, outs, kv_blocks, kernels)
+                outs = _finish_grads(pending_out, sched, outs, kv_blocks, kernels, w_out, dout)
             pending_out = started
-        dq, dk, dv = _finish_grads(pending_out, sched, outs, kv_blocks, kernels)
-        _sum_replicas(layout, sched, (dk, dv), kv_blocks, kernels)
+        dq, dk, dv = _finish_grads(pending_out, sched, outs, kv_blocks, kernels, w_out, dout)
+        _sum_replicas(layout, sched, (dk, dv), kv_blocks, kernels, w_out)
         ctx.states = None
         return dq, dk, dv, None
 
@@ -182,20 +186,21 @@ def _new_results(layout: Layout, roles, like: torch.Tensor) -> list[torch.Tensor
     return [like.new_empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s)) for s in roles]
 
 
-def _finish_out(pending, out, layout: Layout, kernels) -> torch.Tensor:
+def _finish_out(pending, out, layout: Layout, kernels, wire, like: torch.Tensor) -> torch.Tensor:
     """Wait for one chunk's output exchange and unpack it into ``out`` (allocated here the
-    first time). Returns ``out``."""
+    first time; ``wire``: the exchange's FP8 format, or None, and then in ``like``'s dtype). Returns ``out``."""
     (work, blocks), chunk = pending
     work.wait()
     if out is None:
-        (out,) = _new_results(layout, OUT, blocks[0])
-    kernels.unpack_h2s(chunk.layout, [[x] for x in blocks], OUT, [out])
+        (out,) = _new_results(layout, OUT, blocks[0] if wire is None else like)
+    h2s_unpack(chunk.layout, [[x] for x in blocks], OUT, [out], kernels, wire)
     return out
 
 
-def _finish_grads(pending, sched: Schedule, outs, kv_blocks, kernels) -> list[torch.Tensor]:
+def _finish_grads(pending, sched: Schedule, outs, kv_blocks, kernels, wire, like: torch.Tensor) -> list[torch.Tensor]:
     """Wait for one chunk's gradient exchanges and unpack them into ``outs`` (dq, dk, dv;
-    allocated here the first time). Returns ``outs``."""
+    allocated here the first time, in ``like``'s dtype; ``wire`` as for ``_finish_out``).
+    Returns ``outs``."""
     started, c = pending
     chunk = sched.chunks[c]
     per_role = []
@@ -203,9 +208,9 @@ def _finish_grads(pending, sched: Schedule, outs, kv_blocks, kernels) -> list[to
         work.wait()
         per_role.append(blocks)
     if outs is None:
-        outs = _new_results(chunk.grad, QKV, per_role[0][0])
+        outs = _new_results(chunk.grad, QKV, per_role[0][0] if wire is None else like)
     if not chunk.grad_kv:  # query-head gradients only
-        kernels.unpack_h2s(chunk.unpack, [[b] for b in per_role[0]], Q_ONLY, [outs[0]])
+        h2s_unpack(chunk.unpack, [[b] for b in per_role[0]], Q_ONLY, [outs[0]], kernels, wire)
         return outs
     world = chunk.grad.world_size
     blocks = []
@@ -215,11 +220,11 @@ def _finish_grads(pending, sched: Schedule, outs, kv_blocks, kernels) -> list[to
         blocks.append([dq_b, dk_b[:, :, lo:hi], dv_b[:, :, lo:hi]])
         if (c, p) in sched.replica_blocks:  # held for _sum_replicas; other blocks go now
             kv_blocks[(c, p)] = (dk_b, dv_b)
-    kernels.unpack_h2s(chunk.unpack, blocks, QKV, list(outs))
+    h2s_unpack(chunk.unpack, blocks, QKV, list(outs), kernels, wire)
     return outs
 
 
-def _sum_replicas(layout: Layout, sched: Schedule, outs, kv_blocks, kernels) -> None:
+def _sum_replicas(layout: Layout, sched: Schedule, outs, kv_blocks, kernels, wire=None) -> None:
     """KV heads several ranks hold: first holder copied, the others added, in rank order
     (the unchunked unpack's order), one unpack per such head."""
     plan = layout.plan
@@ -233,7 +238,7 @@ def _sum_replicas(layout: Layout, sched: Schedule, outs, kv_blocks, kernels) -> 
             dk_b, dv_b = kv_blocks[(c, p)]
             blocks[p] = [dk_b[:, :, idx : idx + 1], dv_b[:, :, idx : idx + 1]]
         rep = HeadPlan(plan.q_heads, plan.kv_heads, plan.world_size, plan.q_ranges, tuple(ranges))
-        kernels.unpack_h2s(layout.with_plan(rep), blocks, ("kv", "v"), list(outs))
+        h2s_unpack(layout.with_plan(rep), blocks, ("kv", "v"), list(outs), kernels, wire)
 
 
 def chunked_attention(q, k, v, call):
