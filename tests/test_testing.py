@@ -159,3 +159,17 @@ def test_build_tiny_is_public_and_builds_the_readme_hybrid():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     with pytest.raises(testing.NotBuildable):
         testing.build_tiny("qwen3_5")  # a multimodal wrapper: the reason is given, nothing built
+
+
+def _prints(rank, world):
+    print(f"rank {rank} says hello", flush=rank == 0)  # rank 1's line reaches the caller unflushed too
+
+
+def test_a_pool_writes_to_the_callers_output_as_it_is_now(capfd):
+    # A test's captured output is the caller's fd 1 at the call, not at the world's start.
+    with RankPool(timeout_s=60) as pool:
+        pool.run(_prints, 2)
+        out = capfd.readouterr().out
+        assert "rank 0 says hello" in out and "rank 1 says hello" in out
+        pool.run(_prints, 2)
+        assert capfd.readouterr().out.count("says hello") == 2

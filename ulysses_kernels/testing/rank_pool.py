@@ -35,6 +35,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from multiprocessing import reduction
 from multiprocessing.connection import wait
 
 import torch
@@ -77,6 +78,26 @@ def _fresh_state(env, path, cwd, filters):
         dynamo.reset()
 
 
+@contextlib.contextmanager
+def _writing_to(fds):
+    """File descriptors 1 and 2 (and sys.stdout/stderr, which write to them) point at ``fds``
+    for the block; the pool's own ones after it."""
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, fd in zip((1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), saved):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _worker(rank, world_size, init_file, timeout_s, conn):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -85,13 +106,9 @@ def _worker(rank, world_size, init_file, timeout_s, conn):
     conn.send(("ready", None))
     while True:
         try:
-            message = conn.recv()
+            kind, payload = conn.recv()
         except EOFError:  # the parent is gone
             break
-        except Exception:  # noqa: BLE001 - a call whose function cannot be unpickled here
-            conn.send(("error", traceback.format_exc()))
-            continue
-        kind, payload = message
         if kind == "close":
             break
         if kind == "reinit":
@@ -102,14 +119,18 @@ def _worker(rank, world_size, init_file, timeout_s, conn):
             except Exception:  # noqa: BLE001 - the parent ends the world
                 conn.send(("error", traceback.format_exc()))
             continue
-        fn, args, env, path, cwd = payload
+        # A call: the caller's standard output and error as they are now (a test's captured
+        # fds), as a rank spawned by this call would inherit them, then the call itself.
+        outputs = [reduction.recv_handle(conn) for _ in range(2)]
         try:
-            _fresh_state(env, path, cwd, filters)
-            torch.manual_seed(initial_seed)
-            fn(rank, world_size, *args)
-            if not dist.is_initialized():
-                raise RuntimeError("the call destroyed the pool's process group: run it with run_ranks(..., fresh=True)")
-            dist.barrier()
+            with _writing_to(outputs):
+                fn, args, env, path, cwd = conn.recv()  # may fail here: a function this rank cannot import
+                _fresh_state(env, path, cwd, filters)
+                torch.manual_seed(initial_seed)
+                fn(rank, world_size, *args)
+                if not dist.is_initialized():
+                    raise RuntimeError("the call destroyed the pool's process group: run it with run_ranks(..., fresh=True)")
+                dist.barrier()
             conn.send(("ok", None))
         except BaseException:  # noqa: BLE001 - reported to the parent, which decides
             conn.send(("error", traceback.format_exc()))
@@ -178,8 +199,13 @@ class _World:
     def run(self, fn, args, timeout_s):
         payload = (fn, args, dict(os.environ), list(sys.path), os.getcwd())
         try:
-            for conn in self.conns:
-                conn.send(("call", payload))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for conn, p in zip(self.conns, self.processes):
+                conn.send(("call", None))
+                for fd in (1, 2):
+                    reduction.send_handle(conn, fd, p.pid)
+                conn.send(payload)
         except (BrokenPipeError, OSError) as e:
             self.kill()
             raise RanksFailed(f"RankPool: a rank of the world of {self.world_size} is gone: {e}") from e
