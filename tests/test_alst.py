@@ -179,7 +179,10 @@ def ulysses_sp_hf(alst, adapter, path: str, zero_stage: int, sample: list[int]) 
     model_b.backward(loss_b)
     grad_b = safe_get_full_grad(model_b.module.model.layers[0].self_attn.q_proj.weight)
     assert grad_b is not None
-    torch_assert_equal(loss_a, loss_b)
+    # One float32 ulp apart on this machine's CPU (10.4051342 vs 10.4051332 at 10/2 heads over 4 ranks,
+    # measured 2026-11-29 with fresh ranks too; equal on earlier CI machines): the sharded and unsharded
+    # matmuls round differently there. Two ulps of the loss, no more.
+    torch.testing.assert_close(loss_b, loss_a, rtol=2 * torch.finfo(torch.float32).eps, atol=0.0)
     if zero_stage in (1, 2):
         if world == 2:  # DeepSpeed's test runs at 2 ranks; its tolerance (at 4 ranks the factor below exceeds it)
             torch.testing.assert_close(grad_a, grad_b, rtol=1.6e-02, atol=1e-03)
@@ -395,7 +398,8 @@ def _suite(rank, world, impl, path, checkpoint_dir):
 @pytest.mark.parametrize("impl", ["deepspeed", "ours"])
 def test_deepspeed_alst_suite(impl, tmp_path):
     """DeepSpeed's ALST tests, once with its class and once through ``enable_alst()``."""
-    run_ranks(_suite, 2, impl, save_llama(str(tmp_path / "llama")), str(tmp_path / "ckpt"))
+    # Ranks of their own: the test swaps DeepSpeed's ALST classes for ours in the process (alst_classes).
+    run_ranks(_suite, 2, impl, save_llama(str(tmp_path / "llama")), str(tmp_path / "ckpt"), fresh=True)
 
 
 # ---- beyond DeepSpeed's suite: what its class cannot run, at 4 ranks ----------------------------
@@ -805,9 +809,7 @@ def _errors(rank, world, path):
     on_every_rank(r"hold \[3, 5\] tokens of a 8-token sequence; expected the contiguous split \[4, 4\]", call, uattn,
                   q=qkv(local=local), position_ids=torch.arange(local).unsqueeze(0) + 3 * rank)  # fmt: skip
     on_every_rank("seq_length_is_variable=False with seq_length 12, got a 8-token sequence", call, fixed, position_ids=pos)
-    # positions restarting (packed documents) in a batch of 2: shard_batch's rule, on every rank
-    packed = torch.tensor([[0, 1, 0, 1]]).repeat(2, 1)
-    on_every_rank("the gathered position_ids cannot be sharded: .*need batch 1", call, uattn, q=qkv(bsz=2), position_ids=packed)
+    # (positions restarting in a batch of 2 are each row's documents now, no longer refused: test_packed_batch.py)
     # and a good call still runs after all of that
     out, weights = call(uattn, position_ids=pos)
     assert out.shape == (1, 4, 4, 4) and weights is None

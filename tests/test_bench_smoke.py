@@ -591,7 +591,8 @@ def test_perf_model_main_prints_a_consistent_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("# perf model") and "350.0 / bwd 260.0 TFLOP/s" in out[0]
     header = out[1].split()
-    assert header[:5] == ["model", "P", "seq", "pass", "compute(ms)"] and header[-3:] == ["x_chain", "kv_repl", "source"]
+    assert header[:5] == ["model", "P", "seq", "pass", "compute(ms)"]
+    assert " ".join(header).endswith("x_chain kv_repl fp8 wire fp8(ms) x_fp8 source")  # the FP8 wire's three columns last
     num = lambda x: None if x == "n/a" else float(x.rstrip("%"))  # noqa: E731
     rows = {}
     for line in out[3:]:
@@ -599,7 +600,10 @@ def test_perf_model_main_prints_a_consistent_table(capsys):
         model, P, S, p = c[0], int(c[1]), int(c[2]), c[3]
         comp, wire, lay, ours, exposed, cw, cl, chain, x_chain, repl = map(num, c[4:14])
         rows[(model, P, S, p)] = (comp, chain)
-        assert c[14] == "model"
+        assert c[-1] == "model"
+        fp8_wire, fp8, x_fp8 = map(num, c[14:17])
+        assert fp8_wire < wire and fp8 < ours
+        assert x_fp8 == pytest.approx(ours / fp8, rel=0.01)
         assert ours == pytest.approx(comp + wire + lay, abs=0.02)
         assert exposed == pytest.approx(100 * (wire + lay) / ours, abs=0.1 + 100 * 0.02 / ours)
         assert repl == (2.0 if P == 16 else 1.0)  # 8 KV heads: each sent to 2 of 16 ranks

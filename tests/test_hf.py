@@ -190,10 +190,8 @@ def check_errors(rank, world, pair):
     _raises("padding attention_mask", model, **inputs, attention_mask=mask)
     # An all-ones mask (what a tokenizer returns without padding) is fine.
     model(**inputs, attention_mask=torch.ones_like(batch.input_ids))
-    # Packed sequences (restarting positions) are documents end to end: batch 1 only
-    # (tests/test_hf_packed.py runs them).
-    packed = torch.cat([torch.arange(6), torch.arange(SEQ - 6)]).unsqueeze(0)
-    _raises("need batch 1", hf.shard_batch, ids, labels, position_ids=packed)
+    # Packed sequences (restarting positions) at batch > 1 are each row's documents now (no longer
+    # refused): tests/test_packed_batch.py and tests/test_hf_packed_batch.py run them against one process.
 
     # Ranks that disagree on the batch: every rank raises after the one exchange.
     bad = ids[:, : SEQ - 1] if rank == 0 else ids

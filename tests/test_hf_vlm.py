@@ -338,9 +338,8 @@ def check_errors(rank, world):
     _raises(r"mRoPE\) position_ids expected \[3 or 4, 2 or 1, 17\]", hf.shard_batch, ids, labels, position_ids=pos[:2])
     _raises(r"inputs_embeds expected \[2, 17, hidden\]", hf.shard_batch, ids, labels, inputs_embeds=mm["inputs_embeds"][:, :-1])
     _raises("may be None only with inputs_embeds and labels", hf.shard_batch, None, inputs_embeds=mm["inputs_embeds"])
-    # 4-row positions: a text row that restarts means packed documents, which are batch 1.
-    restarting = torch.cat([torch.arange(5), torch.arange(SEQ - 5)]).view(1, 1, SEQ).expand(1, 2, SEQ)
-    _raises("need batch 1", hf.shard_batch, ids, labels, position_ids=torch.cat([restarting, pos]))
+    # (4-row positions whose text row restarts are packed documents per row at batch > 1 now, no longer
+    # refused: tests/test_packed_batch.py and tests/test_hf_packed_batch.py.)
     # vision="split" needs a tower that takes image_grid_thw; an unknown mode is refused.
     llava_ids, _, llava_vision = global_batch("llava")
     _raises("is not a Qwen-VL model .* use vision='replicated'", hf.multimodal_inputs, hf.apply(build("llava")), llava_ids, vision="split", **llava_vision)

@@ -233,7 +233,8 @@ def _check_errors(rank, sp):
     _raises(r"ranks of the 2-D group disagree on cu_seqlens: ranks 0-2, 4-7 have 3 entries .*; rank 3 has 3 entries",
             lambda: call(good if rank != 3 else [0, 6, S]))  # fmt: skip
     _raises(r"disagree on cu_seqlens: ranks 0-6 have 3 entries .*; rank 7 has None", lambda: call(good if rank != 7 else None))
-    _raises(r"ranks 0-7: packed documents \(cu_seqlens\) need batch 1", lambda: uk.ulysses_attention(*(torch.cat([q, q]),) * 3, group=sp, cu_seqlens=good))
+    two_rows = r"ranks 0-7: packed documents at batch 2 on a 2-D group \(SPGroups\): the ring level takes one packed row \(batch 1\)"
+    _raises(two_rows, lambda: uk.ulysses_attention(*(torch.cat([q, q]),) * 3, group=sp, cu_seqlens=good))
     _raises(r"needs equal shards on every rank \(for packed documents pad the sequence", lambda: call(good, seq_lens=[4] * 7 + [5]))
     out = call(good)  # nothing was left half-posted
     assert out.shape == q.shape and torch.isfinite(out).all()
