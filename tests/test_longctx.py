@@ -125,14 +125,16 @@ def check_pieces(group, what):
                 local = hf.shard_batch(ids, labels, group=group).input_ids.numel()
                 assert stats["offloaded"] == 2 and stats["restored"] == 2, f"{case}: {stats}"
                 assert stats["host_peak"] == 2 * local * hidden * 8 and stats["host_bytes"] == 0, f"{case}: {stats}"
-    # Without one GraphExecGroup around the backward each checkpointed layer is recomputed
-    # twice (docs/longctx.md): still exact, the input brought back twice.
+    # Without a GraphExecGroup around the backward: still one recompute per checkpointed layer
+    # (checkpointing.one_recompute joins the attention's nested passes to the running graph
+    # task), so the input is brought back once per layer, as with the group.
     loss, grads, _, model, _ = sharded_step("llama", group, ids, labels, ALL, exec_group=False)
     ref_loss, ref_grads = reference("llama", ids, labels)
     close(loss, ref_loss, LOSS_RTOL, f"{what}: loss, backward outside a GraphExecGroup")
     for name, g in grads.items():
         close(g, ref_grads[name], GRAD_RTOL, f"{what}: grad of {name}, backward outside a GraphExecGroup")
-    assert longctx.state(model).offload.stats()["restored"] == 4
+    stats = longctx.state(model).offload.stats()
+    assert stats["offloaded"] == 2 and stats["restored"] == 2, f"{what}, backward outside a GraphExecGroup: {stats}"
 
 
 def check_outputs_and_errors(group):
