@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ulysses_kernels as uk
+from ulysses_kernels import checks
 from ulysses_kernels.attention import call as call_module
 from ulysses_kernels.attention import interface
 from ulysses_kernels.bench import host
@@ -69,7 +70,10 @@ def test_a_call_after_the_first_resolves_nothing(monkeypatch):
     monkeypatch.setattr(call_module, "named_backend", counted("backend", real_backend))
     monkeypatch.setattr(interface, "setup_attention", counted("setup", real_setup))
     comm = LocalCommunicator()
-    # A signature no other test uses (head_dim 24), so that the first call resolves it.
+    # The value caches emptied (a test that ran before may have resolved the same backend key:
+    # sdpa, cpu, float32, this kv map), so that the first call resolves each piece.
+    for cache in (checks._planned, call_module._cached_parts, call_module._cached_backend, call_module._cached_kernel_set):
+        cache.cache_clear()
     q, k, v = torch.randn(1, 8, 6, 24), torch.randn(1, 8, 3, 24), torch.randn(1, 8, 3, 24)
     first = uk.ulysses_attention(q, k, v, comm=comm, attn_fn="sdpa")
     assert counts == {"plan": 1, "kernels": 1, "backend": 1, "setup": 1}, counts

@@ -1,6 +1,7 @@
 """The spawn helper itself: failures come back with the rank's traceback, hangs time out."""
 
 import contextlib
+import importlib.util
 import os
 import time
 
@@ -80,6 +81,23 @@ def _leak_check(rank, world):
     assert torch.get_default_dtype() == torch.float32
 
 
+def _sets_peers_state(rank, world):
+    from accelerate.state import PartialState
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    _sets_peers_state.config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})  # kept alive
+    assert is_deepspeed_zero3_enabled()
+    assert PartialState().initialized
+
+
+def _peers_state_gone(rank, world):
+    from accelerate.state import PartialState
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    assert not is_deepspeed_zero3_enabled()  # from_pretrained would build under zero.Init
+    assert not PartialState._shared_state, PartialState._shared_state
+
+
 def _fails_everywhere(rank, world):
     dist.all_reduce(torch.ones(1))
     raise ValueError(f"rank {rank} says no")
@@ -98,6 +116,9 @@ def test_a_pool_reuses_its_world_and_recovers_from_failures_and_hangs(tmp_path, 
         first = _pids(tmp_path / "a", 2)
         assert [f[1:] for f in first] == [["first", "torch.float32"]] * 2  # the caller's environment, a fresh dtype
         pool.run(_leak_check, 2)  # the previous call's dtype and environment are gone
+        if importlib.util.find_spec("transformers") and importlib.util.find_spec("accelerate"):
+            pool.run(_sets_peers_state, 2)
+            pool.run(_peers_state_gone, 2)  # the peers' process-wide settings too
         monkeypatch.setenv("ULYSSES_KERNELS_POOL_PROBE", "second")
         pool.run(_records_pid, 2, str(tmp_path / "b"))
         second = _pids(tmp_path / "b", 2)

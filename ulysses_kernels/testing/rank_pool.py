@@ -11,8 +11,9 @@ call's function to its ranks::
 
 What a call sees is what a freshly spawned rank sees, as far as a process can be reset: the
 caller's ``os.environ``, ``sys.path`` and working directory, the default dtype, grad mode,
-one intra-op thread, torch's default seed, fresh warning filters and an empty torch.compile
-cache. What a call leaves behind in modules it imported stays (that is what makes the pool
+one intra-op thread, torch's default seed, fresh warning filters, an empty torch.compile
+cache, and none of the peers' process-wide settings (transformers' DeepSpeed ZeRO-3 flag,
+accelerate's state). What a call leaves behind in modules it imported stays (that is what makes the pool
 fast); a test that needs a process of its own passes ``fresh=True`` to ``run_ranks``.
 
 Failures and hangs. A rank that raises sends its traceback back; the pool waits a short
@@ -76,6 +77,22 @@ def _fresh_state(env, path, cwd, filters):
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()
+    _forget_peers_settings()
+
+
+def _forget_peers_settings():
+    """What the peers keep process-wide between two calls, as a new process has it: transformers'
+    "DeepSpeed ZeRO-3 is on" (a Trainer or an ``HfDeepSpeedConfig`` sets it; ``from_pretrained``
+    then builds the next call's model under ``zero.Init``, which wants ``LOCAL_RANK``: a verl test
+    after a Trainer test failed so) and accelerate's singleton state (its ``Accelerator`` keeps
+    the first one's settings). Only modules a call already imported."""
+    hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")
+    if hf_deepspeed is not None:
+        hf_deepspeed.unset_hf_deepspeed_config()
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
+        accelerate_state.GradientState._reset_state()
 
 
 @contextlib.contextmanager
