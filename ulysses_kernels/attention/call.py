@@ -283,9 +283,10 @@ def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_sc
                      layout.kv_map, n, False, docs, wire)  # fmt: skip
 
 
-def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check) -> CallSetup:
+def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire_dtype=None) -> CallSetup:
     """The ``CallSetup`` of ``seq_to_head``: ``k``, ``v`` may be None (q moves alone; the
-    plan's KV head count is used for the checks)."""
+    plan's KV head count is used for the checks). ``wire_dtype``: as for ``setup_attention``
+    (``seq_to_head`` moves its tensors in the ``qkv`` format, their gradients in ``grads``)."""
     traced = torch.compiler.is_compiling()
     if (k is None) != (v is None):
         raise UlyssesInputError("seq_to_head: pass both k and v, or neither")
@@ -296,14 +297,19 @@ def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check) -> C
     members = members_of(group, comm)
     plan, layout = prepare(q, k, v, comm=members, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check and not traced)
     comm = _transport(group, comm, members, q.device, traced)
-    return CallSetup(plan, layout, comm, _kernel_set(kernels, q.device, layout, traced), traced=traced)
+    kern = _kernel_set(kernels, q.device, layout, traced)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
+    return CallSetup(plan, layout, comm, kern, traced=traced, wire=wire)
 
 
-def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels) -> CallSetup:
+def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels, wire_dtype=None) -> CallSetup:
     """The ``CallSetup`` of ``head_to_seq``: rank-local checks of ``x`` against ``plan``
-    (``UlyssesInputError``, as every entry point raises)."""
+    (``UlyssesInputError``, as every entry point raises). ``wire_dtype``: ``x`` moves in the
+    ``out`` format, its gradient in ``dout``."""
     traced = torch.compiler.is_compiling()
     members = members_of(group, comm)
     layout = check_head_to_seq(x, plan, rank=members.rank, world_size=members.world_size, seq_lens=seq_lens)
     comm = _transport(group, comm, members, x.device, traced)
-    return CallSetup(plan, layout, comm, _kernel_set(kernels, x.device, layout, traced), traced=traced)
+    kern = _kernel_set(kernels, x.device, layout, traced)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
+    return CallSetup(plan, layout, comm, kern, traced=traced, wire=wire)

@@ -338,7 +338,7 @@ class UlyssesAttention(nn.Module):
         return f"q_heads={p.q_heads}, kv_heads={p.kv_heads}, world_size={p.world_size}, causal={self.causal}"
 
 
-def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm=None, kernels=None, check=True):
+def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm=None, kernels=None, check=True, wire_dtype=None):
     """Sequence-sharded -> head-sharded, differentiable (one collective for q, k, v).
 
     ``q`` ``[B, s_r, Hq, D]`` (and ``k`` ``[B, s_r, Hkv, D]``, ``v`` ``[B, s_r, Hkv, Dv]``) -> this
@@ -355,19 +355,23 @@ def seq_to_head(q, k=None, v=None, *, group=None, seq_lens=None, plan=None, comm
     (``documents.documents(cu_seqlens)``; flash-attn's ``flash_attn_varlen_func(q[0], k[0],
     v[0], cu, cu, max_seqlen, max_seqlen, ...)`` with ``cu`` int32 on the device), the same
     on every rank and in every layer: nothing to exchange.
+
+    ``wire_dtype``: as in ``ulysses_attention`` (``None``, ``"fp8"`` or a ``wire.WireSpec``):
+    the tensors move in its ``qkv`` format, their gradients back in its ``grads`` format.
     """
-    call = setup_exchange(q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, kernels=kernels, check=check)
+    call = setup_exchange(q, k, v, group=group, comm=comm, plan=plan, seq_lens=seq_lens, kernels=kernels, check=check, wire_dtype=wire_dtype)
     fn = SeqToHeadTraced if call.traced else SeqToHead
     outs = fn.apply(call, *((q, k, v) if k is not None else (q,)))
     return outs if k is not None else outs[0]
 
 
-def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None, kernels=None):
+def head_to_seq(x, plan: HeadPlan, *, group=None, seq_lens=None, comm=None, kernels=None, wire_dtype=None):
     """Head-sharded ``[B, S, hq, D]`` (this rank's ``plan.q_ranges``) -> ``[B, s_r, Hq, D]``.
 
     The inverse of ``seq_to_head`` for query-head tensors (the attention output).
     ``seq_lens`` as given to ``seq_to_head``; the default assumes equal shards. The checks
-    are rank-local (no collective): ``x`` against ``plan`` and ``seq_lens``.
+    are rank-local (no collective): ``x`` against ``plan`` and ``seq_lens``. ``wire_dtype``: as
+    in ``seq_to_head``; ``x`` moves in its ``out`` format, its gradient in ``dout``.
     """
-    call = setup_head_to_seq(x, plan, group=group, comm=comm, seq_lens=seq_lens, kernels=kernels)
+    call = setup_head_to_seq(x, plan, group=group, comm=comm, seq_lens=seq_lens, kernels=kernels, wire_dtype=wire_dtype)
     return (HeadToSeqTraced if call.traced else HeadToSeq).apply(call, x)

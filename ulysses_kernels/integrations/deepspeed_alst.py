@@ -9,6 +9,7 @@ of that name with the same class method (same arguments, same return: the mpu fo
 
     from ulysses_kernels.integrations.deepspeed import enable_alst
     enable_alst()     # once per process, before the trainer calls DeepSpeed's ALST
+                      # (enable_alst(wire_dtype="fp8"): FP8 on the wire, docs/fp8_wire.md)
     # the script as it was: Trainer / accelerate / ArcticTraining, or directly
     mpu = UlyssesSPAttentionHF.register_with_transformers(model_or_name, "sdpa", sequence_parallel_size=8,
                                                           micro_batch_size=1)
@@ -54,6 +55,7 @@ from ..checks import UlyssesInputError
 from ..comm import LocalCommunicator
 from ..layout import split_lengths
 from ..plan import HeadPlan
+from ..wire import wire_spec
 from . import hf, mesh
 from .hf import audit as hf_audit
 from .hf import model as hf_model
@@ -92,7 +94,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         disable_in_eval: in ``module.eval()``, call ``attn`` on the unsharded input instead.
         core_attn_implementation: the implementation's name (``register_with_transformers``
             sets it, as DeepSpeed does, also as an attribute).
-        attn_fn, kernels, chunks, check: ``ulysses_attention``'s (``hf.apply``'s) options.
+        attn_fn, kernels, chunks, check, wire_dtype: ``ulysses_attention``'s (``hf.apply``'s)
+            options (``register_with_transformers`` passes ``enable_alst``'s ``wire_dtype``).
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         kernels=None,
         chunks: int | str = 1,
         check: str = "step",
+        wire_dtype=None,
     ) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
@@ -137,7 +141,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.plan = HeadPlan.build(attn_head_count, kv_head_count, self.world_size)
         if not seq_length_is_variable and global_seq_length is None:
             raise ALSTIntegrationError("UlyssesSPAttentionHF: seq_length_is_variable=False needs global_seq_length (the fixed length)")
-        self._options = {"attn_fn": attn_fn, "kernels": kernels, "chunks": chunks, "check": check}
+        wire = _wire_spec(wire_dtype, "UlyssesSPAttentionHF")  # a bad value fails at registration
+        self._options = {"attn_fn": attn_fn, "kernels": kernels, "chunks": chunks, "check": check, "wire_dtype": wire}
         self._settings = None  # hf.attention_settings, made at the first call (it knows the implementation by then)
         self._core = core_attn_implementation
         # The step's SequenceShard, keyed by the identity and version of its position_ids
@@ -387,7 +392,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             groups.sp_group, seq_length_is_variable=seq_length_is_variable,
             local_seq_length=None if seq_length_is_variable else seq_length // sequence_parallel_size,
             global_seq_length=None if seq_length_is_variable else seq_length, disable_in_eval=disable_in_eval,
-            core_attn_implementation=core_attn_implementation,
+            core_attn_implementation=core_attn_implementation, wire_dtype=_OPTIONS.get("wire_dtype"),
         )  # fmt: skip
         # As DeepSpeed does: the implementation's own entry, so transformers' code paths that
         # test config._attn_implementation still run; only the call is intercepted.
@@ -504,6 +509,14 @@ def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module | None]:
         raise ALSTIntegrationError(str(e)) from e
 
 
+def _wire_spec(wire_dtype, who: str):
+    """``wire.wire_spec``, a bad value raised as ``ALSTIntegrationError`` (a ``ValueError``)."""
+    try:
+        return wire_spec(wire_dtype, who)
+    except ValueError as e:
+        raise ALSTIntegrationError(str(e)) from None
+
+
 def _implementation_name(fn) -> str:
     """The registered name of a transformers attention function ("" for an unregistered one)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -519,13 +532,16 @@ def _implementation_name(fn) -> str:
 # What enable_alst replaced in DeepSpeed, for disable_alst: the module attribute and the class
 # method of DeepSpeed's class (the switch's own record; nothing here depends on a group).
 _REPLACED: dict[str, Any] = {}
+# enable_alst's options, which register_with_transformers passes on (DeepSpeed's arguments have
+# no room for them; the stacks above call it with those alone).
+_OPTIONS: dict[str, Any] = {}
 
 
 def _delegate(deepspeed_cls, *args, **kwargs):
     return UlyssesSPAttentionHF.register_with_transformers(*args, **kwargs)
 
 
-def enable_alst() -> None:
+def enable_alst(*, wire_dtype=None) -> None:
     """Make DeepSpeed's ALST entry point run ``UlyssesSPAttentionHF`` of this module.
 
     After it, ``deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`` is this
@@ -535,9 +551,15 @@ def enable_alst() -> None:
     code that imported DeepSpeed's class before the switch, like ArcticTraining's trainer).
     DeepSpeed's ``UlyssesSPDataLoaderAdapter`` is kept: it shards the batches our attention
     reads. Idempotent; ``disable_alst()`` undoes it. Needs DeepSpeed.
+
+    ``wire_dtype``: ``None``, ``"fp8"`` or a ``wire.WireSpec``: FP8 on every exchange of the
+    attention calls of models registered from now on (docs/fp8_wire.md; a bad value raises
+    ``ALSTIntegrationError`` here, before anything changes). A later call sets it again.
     """
+    wire = _wire_spec(wire_dtype, "enable_alst")
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
+    _OPTIONS["wire_dtype"] = wire
     if _REPLACED:
         return
     theirs = ulysses_sp.UlyssesSPAttentionHF
@@ -549,6 +571,7 @@ def enable_alst() -> None:
 def disable_alst() -> None:
     """Undo ``enable_alst`` (DeepSpeed's class and method back). Registrations already made
     stay until their objects' ``unregister()``."""
+    _OPTIONS.clear()
     if not _REPLACED:
         return
     from deepspeed.runtime.sequence_parallel import ulysses_sp

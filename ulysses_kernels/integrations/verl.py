@@ -71,6 +71,7 @@ from ..checks import UlyssesInputError
 from ..comm import LocalCommunicator, get_communicator
 from ..documents import Documents, documents
 from ..plan import HeadPlan, PlanError
+from ..wire import WireSpec, wire_spec
 from .hf.audit import check_token_mixers
 from .hf.batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
 from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
@@ -112,6 +113,7 @@ class _Options:
     kernels: object = None
     chunks: int | str = 1
     check: str = "step"
+    wire_dtype: WireSpec | None = None  # checked by ``apply`` (``wire.wire_spec``)
 
 
 @dataclass(eq=False)
@@ -184,7 +186,7 @@ def is_applied() -> bool:
     return mp is not None and hasattr(mp.apply_monkey_patch, _ORIGINAL_ATTR)
 
 
-def apply(*, kernels=None, chunks: int | str = 1, check: str = "step"):
+def apply(*, kernels=None, chunks: int | str = 1, check: str = "step", wire_dtype=None):
     """Make verl's Ulysses run ours in this process (what importing this module does).
 
     Replaces ``apply_monkey_patch`` in ``verl.models.transformers.monkey_patch`` and in every
@@ -194,16 +196,25 @@ def apply(*, kernels=None, chunks: int | str = 1, check: str = "step"):
     ``ulysses_attention``. Idempotent: a second call rebinds with the given options (never
     wraps twice). ``kernels``, ``chunks``: as for ``ulysses_attention``; ``check``:
     ``"step"`` (validate q/k/v across the ranks at the first attention call of each forward),
-    ``"always"`` (every layer) or ``"never"``.
+    ``"always"`` (every layer) or ``"never"``; ``wire_dtype``: ``None``, ``"fp8"`` or a
+    ``wire.WireSpec``, FP8 on every exchange of every attention call (docs/fp8_wire.md; a bad
+    value raises ``VerlIntegrationError`` here). The options hold for models prepared after
+    the call: importing the module applies the defaults, so call ``apply(wire_dtype="fp8")``
+    in the worker (e.g. from a module of your own named by ``external_lib``) before verl
+    builds the model.
 
     Returns our ``apply_monkey_patch``.
     """
     if check not in ("step", "always", "never"):
         raise VerlIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")
+    try:
+        wire = wire_spec(wire_dtype, "apply")
+    except ValueError as e:
+        raise VerlIntegrationError(str(e)) from None
     mp = _verl_monkey_patch_module()
     current = mp.apply_monkey_patch
     original = getattr(current, _ORIGINAL_ATTR, current)
-    ours = _make_apply_monkey_patch(original, _Options(kernels, chunks, check))
+    ours = _make_apply_monkey_patch(original, _Options(kernels, chunks, check, wire))
     _rebind(original, ours)
     _register()
     return ours
@@ -551,7 +562,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     out = ulysses_attention(
         q, k, v, step.group, causal=True, softmax_scale=scaling, seq_lens=step.seq_lens, attn_fn=state.attn_fn,
         plan=plan, comm=comm, kernels=options.kernels, chunks=options.chunks, check=check,
-        cu_seqlens=docs,
+        cu_seqlens=docs, wire_dtype=options.wire_dtype,
     )  # fmt: skip
     if check:
         step.checked.add(sig)

@@ -41,6 +41,7 @@ from ...math_attention import default_scale
 from ...packed import DocMask
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
 from ...ring import SPGroups
+from ...wire import WireSpec, wire_spec
 from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
 from .masks import _GlobalMask, _layer_mask
 
@@ -74,6 +75,7 @@ class _Settings:
     check: str
     inner_impl: str = ""  # the implementation the model was configured with ("sdpa", "eager", ...)
     inner_fn: Callable | None = None  # its attention function (for "eager": the model's own)
+    wire: WireSpec | None = None  # FP8 on the wire (``wire.wire_spec``): every exchange of every path
 
 
 class _ConfigView:
@@ -215,7 +217,7 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     out = ulysses_attention(
         q, k, v, settings.group, causal=causal, softmax_scale=scaling, seq_lens=shard.seq_lens,
         attn_fn=settings.attn_fn, comm=settings.comm, kernels=settings.kernels, chunks=settings.chunks, check=check,
-        cu_seqlens=docs,
+        cu_seqlens=docs, wire_dtype=settings.wire,
     )  # fmt: skip
     if check:
         shard._checked.add(sig)
@@ -375,7 +377,7 @@ def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _G
     check = _check_now(settings, shard, sig)
     q, k, v = seq_to_head(
         *(t.transpose(1, 2) for t in (query, key, value)), group=settings.group, seq_lens=shard.seq_lens, plan=plan,
-        comm=comm, kernels=settings.kernels, check=check,
+        comm=comm, kernels=settings.kernels, check=check, wire_dtype=settings.wire,
     )  # fmt: skip
     if check:
         shard._checked.add(sig)
@@ -384,7 +386,7 @@ def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _G
         scale = default_scale(q.shape[3], kwargs.get("scaling"))
         kernel = resolve_backend(settings.attn_fn, q).packed_kernel(q, doc_mask)
         out = kernel.attend(q, k, v, docs, docs, doc_mask, scale)
-        return head_to_seq(out, plan, group=settings.group, seq_lens=shard.seq_lens, comm=comm, kernels=settings.kernels)
+        return head_to_seq(out, plan, group=settings.group, seq_lens=shard.seq_lens, comm=comm, kernels=settings.kernels, wire_dtype=settings.wire)
     heads = slice(*plan.q_ranges[comm.rank])
     local = _LocalHeads(module, settings.inner_impl, q.shape[2] // k.shape[2], heads, q_heads)
     inner = {n: a for n, a in kwargs.items() if n != "position_ids"}
@@ -398,7 +400,7 @@ def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _G
             f"{name}: the {settings.inner_impl!r} attention returned shape {list(out.shape)}, expected {expected} "
             "([batch, seq, heads, head_dim] over this rank's heads)"
         )
-    return head_to_seq(out, plan, group=settings.group, seq_lens=shard.seq_lens, comm=comm, kernels=settings.kernels)
+    return head_to_seq(out, plan, group=settings.group, seq_lens=shard.seq_lens, comm=comm, kernels=settings.kernels, wire_dtype=settings.wire)
 
 
 def _check_now(settings: _Settings, shard: SequenceShard, sig: tuple) -> bool:
@@ -455,11 +457,12 @@ def _check_sharded_input(name: str, shard: SequenceShard, settings: _Settings, q
 
 
 def attention_settings(group=None, *, impl: str = "", fn: Callable | None = None, attn_fn=None, kernels=None,
-                       chunks: int | str = 1, check: str = "step", comm=None) -> _Settings:  # fmt: skip
+                       chunks: int | str = 1, check: str = "step", comm=None, wire_dtype=None) -> _Settings:  # fmt: skip
     """The frozen settings of sequence-parallel attention calls (``apply`` makes one per
     model; ``sequence_parallel_attention`` takes one).
 
-    ``group``, ``attn_fn``, ``kernels``, ``chunks``, ``check``, ``comm``: as for ``apply``.
+    ``group``, ``attn_fn``, ``kernels``, ``chunks``, ``check``, ``comm``, ``wire_dtype``: as
+    for ``apply`` (a bad ``wire_dtype`` raises ``HFIntegrationError`` here, before any call).
     ``impl``/``fn``: the model's configured attention implementation and its function (what
     runs on each rank's heads when the call is not plain causal). Resolves the communicator
     once (with ``ULYSSES_KERNELS_NATIVE_NCCL=1`` on an NCCL group making a native one, which
@@ -467,6 +470,16 @@ def attention_settings(group=None, *, impl: str = "", fn: Callable | None = None
     """
     if check not in ("step", "always", "never"):
         raise HFIntegrationError(f"attention_settings: check expected 'step', 'always' or 'never', got {check!r}")
+    wire = checked_wire_spec(wire_dtype, "attention_settings")
     # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
     exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
-    return _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check, impl, fn)
+    return _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check, impl, fn, wire)
+
+
+def checked_wire_spec(wire_dtype, who: str) -> WireSpec | None:
+    """``wire.wire_spec(wire_dtype)``, a bad value raised as ``HFIntegrationError`` naming
+    ``who`` (the entry point the user called), so that it fails where the option is set."""
+    try:
+        return wire_spec(wire_dtype, who)
+    except ValueError as e:
+        raise HFIntegrationError(str(e)) from None

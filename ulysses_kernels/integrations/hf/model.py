@@ -17,7 +17,7 @@ from ...comm import get_communicator
 from ...longctx.patches import enable as enable_long_context
 from ...plan import more_ranks_than_heads_flat
 from ...ring import SPGroups
-from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings
+from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings, checked_wire_spec
 from .audit import check_token_mixers
 from .batch import _SHARD_KWARG, HFIntegrationError
 from .masks import _ulysses_mask
@@ -125,7 +125,7 @@ def register() -> None:
 
 
 def apply(
-    model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None,
+    model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None, wire_dtype=None,
     tiled_loss: bool | int = False, tiled_mlp: bool | int = False, tiled_norms: bool | int = False, offload_activations=False,
 ):  # fmt: skip
     """Make a transformers model sequence-parallel over ``group``.
@@ -152,6 +152,11 @@ def apply(
         attn_fn, kernels, chunks: passed to ``ulysses_attention`` (``kernels`` also to the
             exchanges around the model's own attention; ``attn_fn`` and ``chunks`` apply to
             the fused path only).
+        wire_dtype: ``None`` (the attention dtype on the wire), ``"fp8"`` or a
+            ``ulysses_kernels.wire.WireSpec``: FP8 on every exchange of every attention call
+            (the fused op's and those around the model's own attention), as
+            ``ulysses_attention(wire_dtype=...)`` (docs/fp8_wire.md; not exact). A bad value
+            raises ``HFIntegrationError`` here, before the model changes.
         check: ``"step"`` (default): validate the inputs across ranks at the first attention
             call of each step (one tiny all-gather per step and path); ``"always"``: every
             layer; ``"never"``: no exchange.
@@ -180,6 +185,7 @@ def apply(
         )
     if check not in ("step", "always", "never"):
         raise HFIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")
+    wire = checked_wire_spec(wire_dtype, "apply")
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
         raise HFIntegrationError(
@@ -221,7 +227,7 @@ def apply(
     wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
     if wrong:
         raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
-    shared = attention_settings(group, attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, comm=comm)
+    shared = attention_settings(group, attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, comm=comm, wire_dtype=wire)
     for m, impl, fn in inner:
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
