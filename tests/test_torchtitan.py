@@ -257,6 +257,14 @@ def _ulysses(rank, world, heads, ref_path, chunks, packed=False):
     trainer, model = _trainer(config, world, ref["initial"])
     attention = model.layers["0"].attention.inner_attention
     assert type(attention).__name__ == "UlyssesInnerAttention" and attention.group is not None
+    validator = object.__new__(ulysses_titan.UlyssesValidator)
+    validator.parallel_dims = trainer.parallel_dims
+    for input_dict, labels in _batches(packed):  # the validator's batches are the trainer's
+        want = trainer.post_dataloading_process(dict(input_dict), labels)
+        got = validator.post_dataloading_process(dict(input_dict), labels, [model])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2].keys() == want[2].keys()
+        assert torch.equal(got[2]["positions"], want[2]["positions"]) and got[2].get("attention_masks") == want[2].get("attention_masks")
+    trainer.ntokens_seen = 0
     _train(trainer, packed)
     losses = trainer.metrics_processor.losses
     assert len(losses) == STEPS
@@ -331,6 +339,7 @@ def test_enable_refuses_other_attentions_and_twice():
     gpt-oss's sinks ``out_transform`` come in), a model with its own masks (sliding
     windows), ``enable`` applied twice; and ``UlyssesInnerAttention`` itself refuses
     ``score_mod``/``out_transform`` and a scale it would not use."""
+    from torchtitan.components.validate import Validator
     from torchtitan.models.common.attention import GQAttention
     from torchtitan.models.llama3.model import Llama3Model
 
@@ -344,6 +353,11 @@ def test_enable_refuses_other_attentions_and_twice():
     layer = config.model_spec.model.layers[0]
     layer.attention = OtherAttentionConfig(**{f.name: getattr(layer.attention, f.name) for f in dataclasses.fields(GQAttention.Config)})
     assert "OtherAttentionConfig" in _refused(config, "model.layers[0].attention")
+
+    class OtherValidator(Validator):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Validator.Config):
+            pass
 
     class WindowedLlama(Llama3Model):
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -359,7 +373,12 @@ def test_enable_refuses_other_attentions_and_twice():
     _refused(config, "WindowedLlama.get_attention_masks")
 
     config = _titan_config(4, 2, cp=2)
+    config.validator = OtherValidator.Config()
+    assert "OtherValidator.Config" in _refused(config, "validator")
+
+    config = _titan_config(4, 2, cp=2)
     enabled = ulysses_titan.enable(config, chunks=2, kernels="torch")
+    assert type(enabled.validator).__qualname__ == "UlyssesValidator.Config"
     assert type(config).__name__ == "Config" and config.override.imports == [], "enable changed its argument"
     assert enabled.override.imports == [(ulysses_titan.OVERRIDE, {"chunks": 2, "kernels": "torch"})]
     assert type(enabled).__qualname__ == "UlyssesTrainer.Config"

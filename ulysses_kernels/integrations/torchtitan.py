@@ -24,7 +24,8 @@ What ``enable`` changes (torchtitan 0.3.0), and nothing else:
   ranks that use them, never repeated to the query count.
 * the model's ``parallelize_fn``: torchtitan's own, then each ``UlyssesInnerAttention`` is
   given the cp group (``parallel_dims.get_mesh("cp")``).
-* the trainer class (``UlyssesTrainer``): ``post_dataloading_process`` shards inputs, labels
+* the trainer class and the validator's (``UlyssesTrainer``, ``UlyssesValidator``): their
+  ``post_dataloading_process`` (``shard_batch``) shards inputs, labels
   and positions contiguously with torchtitan's ``prepare_context_parallel_input(...,
   load_balancer_type=None)`` and passes the documents of the whole sequence to every
   attention call as ``attention_masks``: FlexAttention's mask in torchtitan's decoder is
@@ -39,7 +40,8 @@ other than ``GQAttention`` (FlexAttention's ``score_mod``, gpt-oss's sinks ``out
 enter through those), an inner attention other than FlexAttention (varlen; SDPA, which
 torchtitan 0.3.0 no longer builds for language models), a model
 whose ``get_attention_masks`` is not the decoder's own causal/document mask (sliding
-windows), a config that is not a plain ``Trainer.Config``. ``UlyssesInnerAttention`` refuses
+windows), a config that is not a plain ``Trainer.Config``, a validator other than
+torchtitan's ``Validator``. ``UlyssesInnerAttention`` refuses
 ``score_mod``/``out_transform`` and a scale other than ``head_dim ** -0.5`` at its first
 call too. See docs/torchtitan.md.
 
@@ -60,6 +62,7 @@ import torch
 from ..attention.interface import UlyssesAttention
 
 try:
+    from torchtitan.components.validate import Validator
     from torchtitan.config.override import override
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
@@ -72,7 +75,7 @@ except ImportError as e:  # torchtitan absent: the module imports, enable() says
 else:
     _MISSING = None
 
-__all__ = ["enable", "TorchtitanIntegrationError", "document_boundaries"]
+__all__ = ["enable", "TorchtitanIntegrationError", "document_boundaries", "shard_batch"]
 
 # The override's import path, as torchtitan's ``override.imports`` names it.
 OVERRIDE = f"{__name__}.ulysses_inner_attention"
@@ -135,6 +138,8 @@ def _check(config) -> None:
         inner = attention.inner_attention
         if type(inner) is not FlexAttention.Config:
             _refuse(f"model.layers[{i}].attention.inner_attention", "FlexAttention.Config (attn_backend='flex')", type(inner).__qualname__)
+    if type(config.validator) is not Validator.Config:
+        _refuse("validator", "torchtitan's Validator.Config (its batches are sharded as the trainer's)", type(config.validator).__qualname__)
     for entry in config.override.imports:
         if (entry if isinstance(entry, str) else entry[0]) == OVERRIDE:
             _refuse("override.imports", f"no {OVERRIDE} before enable (enable adds it once)", entry)
@@ -155,6 +160,7 @@ def enable(config, *, chunks: int | str = 1, kernels: str | None = None):
         spec, model=copy.deepcopy(spec.model), parallelize_fn=functools.partial(_parallelize, parallelize_fn=spec.parallelize_fn)
     )  # fmt: skip
     values["parallelism"] = dataclasses.replace(config.parallelism)
+    values["validator"] = UlyssesValidator.Config(**{f.name: getattr(config.validator, f.name) for f in dataclasses.fields(Validator.Config)})
     values["override"] = dataclasses.replace(config.override, imports=[*config.override.imports, (OVERRIDE, {"chunks": chunks, "kernels": kernels})])
     return UlyssesTrainer.Config(**values)
 
@@ -235,21 +241,40 @@ if _MISSING is None:
             pass
 
         def post_dataloading_process(self, input_dict, labels):
-            """``Trainer.post_dataloading_process`` for Ulysses: positions (default
-            ``arange(S)`` per row, so that RoPE sees global positions), the documents of the
-            whole sequence (FlexAttention models), then torchtitan's own
-            ``prepare_context_parallel_input`` with no load balancer: rank r keeps the r-th
-            contiguous slice of inputs, labels and positions."""
-            inputs = input_dict["input"]
-            extra = {key: value for key, value in input_dict.items() if key != "input"}
-            if extra.get("positions") is None:
-                extra["positions"] = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
-            docs = document_boundaries(extra["positions"])
-            mesh = self.parallel_dims.get_mesh("cp")
-            inputs, labels, extra = prepare_context_parallel_input(inputs, labels, extra, mesh, self.device, load_balancer_type=None)
+            """``Trainer.post_dataloading_process`` for Ulysses: ``shard_batch``, then torchtitan's
+            token count and SPMD annotation."""
+            inputs, labels, extra = shard_batch(input_dict, labels, self.parallel_dims, self.device)
             self.ntokens_seen += labels.numel()
-            if docs is not None:
-                extra["attention_masks"] = docs
             if self.config.parallelism.spmd_backend == "spmd_types":
                 inputs, labels, extra = annotate_input_spmd_types(self.parallel_dims, inputs, labels, extra)
             return inputs, labels, extra
+
+    class UlyssesValidator(Validator):
+        """torchtitan's ``Validator`` whose batches are sharded as ``UlyssesTrainer``'s (``shard_batch``)."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Validator.Config):
+            pass
+
+        def post_dataloading_process(self, input_dict, labels, model_parts):
+            return shard_batch(input_dict, labels, self.parallel_dims, input_dict["input"].device)
+
+
+def shard_batch(input_dict: dict, labels: torch.Tensor, parallel_dims, device: torch.device) -> tuple:
+    """One batch of torchtitan's dataloader (``input_dict["input"]`` ``[B, S]``, maybe
+    ``"positions"``; ``labels`` ``[B, S]``) -> ``(inputs, labels, extra_kwargs)`` for the model on
+    this cp rank: positions (default ``arange(S)`` per row, so that RoPE sees global positions),
+    the documents of the whole sequence (``document_boundaries``, as ``attention_masks``; none
+    when every row is one document), and torchtitan's own ``prepare_context_parallel_input``
+    with no load balancer: rank r keeps the r-th contiguous slice of inputs, labels and
+    positions."""
+    inputs = input_dict["input"]
+    extra = {key: value for key, value in input_dict.items() if key != "input"}
+    if extra.get("positions") is None:
+        extra["positions"] = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
+    docs = document_boundaries(extra["positions"])
+    mesh = parallel_dims.get_mesh("cp")
+    inputs, labels, extra = prepare_context_parallel_input(inputs, labels, extra, mesh, device, load_balancer_type=None)
+    if docs is not None:
+        extra["attention_masks"] = docs
+    return inputs, labels, extra
