@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, 
 STEPS, BATCH, SEQ, VOCAB, DIM = 4, 2, 16, 64, 48
 
 
-def _titan_config(n_heads: int, n_kv_heads: int, cp: int, sdpa: bool = False):
+def _titan_config(n_heads: int, n_kv_heads: int, cp: int, sdpa: bool = False, batch: int = BATCH):
     """torchtitan's ``llama3_debugmodel`` trainer config, shrunk: 2 layers, dim 48, vocab 64,
     ``n_heads``/``n_kv_heads`` heads, sequence 16, batch 2, 4 steps, SAC on (its default).
     FlexAttention, as torchtitan builds language models; ``sdpa``: its SDPA inner attention
@@ -70,7 +70,7 @@ def _titan_config(n_heads: int, n_kv_heads: int, cp: int, sdpa: bool = False):
     spec = model_registry("debugmodel")
     config.model_spec = dataclasses.replace(spec, model=model)
     config.loss = CrossEntropyLoss.Config(global_vocab_size=VOCAB)
-    config.training.local_batch_size, config.training.seq_len, config.training.steps = BATCH, SEQ, STEPS
+    config.training.local_batch_size, config.training.seq_len, config.training.steps = batch, SEQ, STEPS
     config.training.dtype = config.training.mixed_precision_param = "float32"
     config.training.disable_cuda_graphs = True
     config.parallelism.context_parallel_degree = cp
@@ -86,12 +86,15 @@ def _titan_config(n_heads: int, n_kv_heads: int, cp: int, sdpa: bool = False):
 PACKED = torch.tensor([[*range(5), *range(7), *range(4)], list(range(SEQ))])
 
 
-def _batches(packed: bool = False):
+def _batches(packed: bool = False, dp: int = 1, part: int | None = None):
+    """``STEPS`` global batches of ``BATCH * dp`` rows: all of them (``part=None``), or the
+    ``part``-th dp rank's ``BATCH`` rows (what torchtitan's dataloader gives a dp rank)."""
     g = torch.Generator().manual_seed(1)
+    rows = slice(None) if part is None else slice(part * BATCH, (part + 1) * BATCH)
     for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-        positions = PACKED if packed else torch.arange(SEQ).expand(BATCH, -1)
-        yield {"input": tokens[:, :-1], "positions": positions}, tokens[:, 1:]
+        tokens = torch.randint(0, VOCAB, (BATCH * dp, SEQ + 1), generator=g)
+        positions = torch.cat([PACKED] * dp) if packed else torch.arange(SEQ).expand(BATCH * dp, -1)
+        yield {"input": tokens[rows, :-1], "positions": positions[rows]}, tokens[rows, 1:]
 
 
 class _Recorder:
@@ -191,8 +194,8 @@ def _load(model, state: dict) -> None:
             p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
 
 
-def _train(trainer, packed: bool = False) -> None:
-    data = trainer.batch_generator(_batches(packed))
+def _train(trainer, packed: bool = False, dp: int = 1, part: int | None = None) -> None:
+    data = trainer.batch_generator(_batches(packed, dp, part))
     for _ in range(STEPS):
         trainer.step += 1
         trainer.train_step(data)
@@ -227,10 +230,10 @@ def _document_sdpa():
     return DocumentSDPA.Config()
 
 
-def _one_process(rank, world, heads, out_path, packed=False):
+def _one_process(rank, world, heads, out_path, packed=False, dp=1):
     from ulysses_kernels.integrations.torchtitan import document_boundaries
 
-    config = _titan_config(*heads, cp=1, sdpa=True)
+    config = _titan_config(*heads, cp=1, sdpa=True, batch=BATCH * dp)
     if packed:
         for layer in config.model_spec.model.layers:
             layer.attention.inner_attention = _document_sdpa()
@@ -245,27 +248,30 @@ def _one_process(rank, world, heads, out_path, packed=False):
 
         trainer.post_dataloading_process = with_documents
     initial = _full_state(model)
-    _train(trainer, packed)
+    _train(trainer, packed, dp)
     torch.save({"initial": initial, "losses": trainer.metrics_processor.losses, "final": _full_state(model)}, out_path)
 
 
-def _ulysses(rank, world, heads, ref_path, chunks, packed=False):
+def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1):
     from ulysses_kernels.integrations import torchtitan as ulysses_titan
 
     ref = torch.load(ref_path)
-    config = ulysses_titan.enable(_titan_config(*heads, cp=world), chunks=chunks)
+    config = ulysses_titan.enable(_titan_config(*heads, cp=world // dp), chunks=chunks)
     trainer, model = _trainer(config, world, ref["initial"])
     attention = model.layers["0"].attention.inner_attention
     assert type(attention).__name__ == "UlyssesInnerAttention" and attention.group is not None
+    dims = trainer.parallel_dims
+    assert (dims.dp_shard, dims.cp) == (dp, world // dp) and attention.group.size() == world // dp
     validator = object.__new__(ulysses_titan.UlyssesValidator)
     validator.parallel_dims = trainer.parallel_dims
-    for input_dict, labels in _batches(packed):  # the validator's batches are the trainer's
+    part = trainer.parallel_dims.get_mesh("batch").get_local_rank() if dp > 1 else 0
+    for input_dict, labels in _batches(packed, dp, part):  # the validator's batches are the trainer's
         want = trainer.post_dataloading_process(dict(input_dict), labels)
         got = validator.post_dataloading_process(dict(input_dict), labels, [model])
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2].keys() == want[2].keys()
         assert torch.equal(got[2]["positions"], want[2]["positions"]) and got[2].get("attention_masks") == want[2].get("attention_masks")
     trainer.ntokens_seen = 0
-    _train(trainer, packed)
+    _train(trainer, packed, dp, part)
     losses = trainer.metrics_processor.losses
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref["losses"])):
@@ -275,11 +281,11 @@ def _ulysses(rank, world, heads, ref_path, chunks, packed=False):
         torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
 
 
-def _compare(heads, cp, chunks=1, packed=False):
+def _compare(heads, cp, chunks=1, packed=False, dp=1):
     with tempfile.TemporaryDirectory() as tmp:
         ref_path = os.path.join(tmp, "one_process.pt")
-        run_ranks(_one_process, 1, heads, ref_path, packed, fresh=True)
-        run_ranks(_ulysses, cp, heads, ref_path, chunks, packed, fresh=True)
+        run_ranks(_one_process, 1, heads, ref_path, packed, dp, fresh=True)
+        run_ranks(_ulysses, cp * dp, heads, ref_path, chunks, packed, dp, fresh=True)
 
 
 def test_trainer_step_cp2_equals_one_process():
@@ -291,6 +297,12 @@ def test_trainer_step_packed_documents_cp2_equals_one_process():
     ``UlyssesTrainer`` finds reach every attention call; one process runs them under an
     explicit document mask."""
     _compare((4, 2), cp=2, packed=True)
+
+
+def test_trainer_step_dp2_cp2_packed_equals_one_process():
+    """dp 2 x cp 2 (4 ranks; FSDP over the flattened dp x cp mesh, the loss reduced over
+    both): each dp rank trains its half of a batch of 4 packed rows, one process all 4."""
+    _compare((4, 2), cp=2, packed=True, dp=2)
 
 
 def test_trainer_step_uneven_heads_cp4_equals_one_process():
