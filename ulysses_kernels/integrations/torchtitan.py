@@ -42,7 +42,7 @@ torchtitan 0.3.0 no longer builds for language models), a model
 whose ``get_attention_masks`` is not the decoder's own causal/document mask (sliding
 windows), a config that is not a plain ``Trainer.Config``, a validator other than
 torchtitan's ``Validator``. ``UlyssesInnerAttention`` refuses
-``score_mod``/``out_transform`` and a scale other than ``head_dim ** -0.5`` at its first
+``score_mod``/``out_transform`` and a scale other than ``head_dim ** -0.5`` at every
 call too. See docs/torchtitan.md.
 
 torchtitan is imported when this module is (torchtitan's ``import torchtitan.trainer``:
