@@ -71,6 +71,10 @@ PEER_PKGS=(deepspeed==0.19.8 accelerate==1.15.0)
 # 5.23.0: its tests pass); its other requirements as tested, 51 s/0.75 GB uncached.
 VERL_PKGS=(verl==0.9.1 accelerate==1.15.0 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 hydra-core==1.3.8 pandas==3.1.1 peft==0.21.2
   pyarrow==26.0.1 pybind11==3.1.0 pylatexenc==2.11 "ray[default]==2.60.0" torchdata==0.11.0 tensordict==0.10.0 wandb==0.31.0 tensorboard==2.21.0)
+# torchtitan 0.3.0 (tests/test_torchtitan.py, integrations/torchtitan.py): --no-deps, every
+# package of it that its import needs is pinned here (its declared datasets, tensorboard,
+# wandb, torchdata come with verl's set; tokenizers and safetensors with transformers).
+TITAN_PKGS=(torchtitan==0.3.0 torch_checkpointing==0.1.1 tyro==1.0.17 spmd_types==0.2.3 docstring_parser==0.18.0 typeguard==4.6.1)
 PEERS=${ULYSSES_KERNELS_PEERS:-1}
 # The integrations the set-up did not install, and why: tests/conftest.py puts them in pytest's summary.
 SKIPPED_NOTE=build/setup_skipped_integrations.txt
@@ -122,7 +126,7 @@ elif ! has_dists "${BASE_PKGS[@]}"; then
 fi
 if [ "$SYSTEM_TORCH" = "1" ] || [ "$PEERS" = "0" ]; then
   why=$([ "$SYSTEM_TORCH" = "1" ] && echo "ULYSSES_KERNELS_SYSTEM_TORCH=1: the set-up downloads nothing" || echo "ULYSSES_KERNELS_PEERS=0: the set-up left the integrations out")
-  for name in deepspeed accelerate verl; do
+  for name in deepspeed accelerate verl torchtitan; do
     has_dists "$name" || printf '%s\t%s\n' "$name" "$why" >> "$SKIPPED_NOTE"
   done
   [ ! -s "$SKIPPED_NOTE" ] || echo "[setup] not installing $(cut -f1 "$SKIPPED_NOTE" | paste -sd, - | sed 's/,/, /g') ($why); their tests skip"
@@ -140,6 +144,11 @@ else
     install_integration verl --no-deps "${VERL_PKGS[0]}" &&
       install_integration verl "${VERL_PKGS[@]:1}" "$torch_pin" transformers==5.23.0 &&
       { has_dists "${VERL_PKGS[@]/\[default\]/}" || { echo "[setup] verl or its requirements are not at their pinned versions after installing them" >&2; exit 1; }; }
+  fi
+  if ! has_dists "${TITAN_PKGS[@]}"; then
+    echo "[setup] installing ${TITAN_PKGS[*]} (--no-deps: torch and the rest stay as pinned)"
+    install_integration torchtitan --no-deps "${TITAN_PKGS[@]}" &&
+      { has_dists "${TITAN_PKGS[@]}" || { echo "[setup] torchtitan or its requirements are not at their pinned versions after installing them" >&2; exit 1; }; }
   fi
 fi
 # pyproject.toml's SPDX license string needs setuptools >= 77 (torch >= 2.14 requires it anyway;

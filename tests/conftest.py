@@ -30,7 +30,7 @@ from ulysses_kernels.testing import RankPool, set_default_pool  # noqa: E402 - a
 # scripts/setup.sh installs these unless ULYSSES_KERNELS_PEERS=0; without network it goes on
 # without them and notes why in this file. A green run whose integration tests all skipped
 # must say so at its end, not only in the long list of -ra.
-INTEGRATIONS = ("deepspeed", "accelerate", "verl", "transformers")
+INTEGRATIONS = ("deepspeed", "accelerate", "verl", "torchtitan", "transformers")
 SKIPPED_NOTE = Path(__file__).resolve().parents[1] / "build" / "setup_skipped_integrations.txt"
 
 

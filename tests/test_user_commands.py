@@ -392,7 +392,7 @@ def test_pin_check_judges_the_venv_not_what_setuptools_put_on_sys_path(tmp_path,
     assert pin_drift({"zipp": "3.20.0"}, installed_versions(fake_site)) == ["zipp 3.23.0 (constraints: 3.20.0)"]
 
 
-INTEGRATION_DISTS = ("deepspeed", "accelerate", "verl")
+INTEGRATION_DISTS = ("deepspeed", "accelerate", "verl", "torchtitan")
 
 
 @pytest.mark.skipif(os.environ.get("ULYSSES_KERNELS_SYSTEM_TORCH") == "1", reason="a venv borrowing the machine's packages: no pip index to take away")
@@ -430,13 +430,14 @@ def test_setup_without_network_goes_on_and_says_what_it_skipped(tmp_path):
     assert run([repo / ".venv" / "bin" / "python", "-c", code], tmp_path, env=dict(no_ext, TORCH_EXTENSIONS_DIR="/x")).stdout.strip() == "/x"
     assert re.search(r"^\[setup\] skipping deepspeed, accelerate: pip could not download the pinned versions \(no network\?\)", out, re.M), out
     assert re.search(r"^\[setup\] skipping verl: pip could not download", out, re.M), out
+    assert re.search(r"^\[setup\] skipping torchtitan: pip could not download", out, re.M), out
     assert not re.search(r"^ERROR", out, re.M), out
     note = (repo / "build" / "setup_skipped_integrations.txt").read_text().splitlines()
     assert [line.split("\t")[0] for line in note] == list(INTEGRATION_DISTS), note
     assert all("could not download it (no network" in line for line in note), note
     assert f"ulysses_kernels at {repo / 'ulysses_kernels'}" in out, out
     r = run(["bash", "scripts/setup.sh"], repo, env=dict(offline, ULYSSES_KERNELS_PEERS="0"), timeout=600)
-    assert "[setup] not installing deepspeed, accelerate, verl (ULYSSES_KERNELS_PEERS=0" in r.stdout and "skipping" not in r.stdout, r.stdout
+    assert "[setup] not installing deepspeed, accelerate, verl, torchtitan (ULYSSES_KERNELS_PEERS=0" in r.stdout and "skipping" not in r.stdout, r.stdout
     assert "ULYSSES_KERNELS_PEERS=0" in (repo / "build" / "setup_skipped_integrations.txt").read_text()
 
 

@@ -1,0 +1,280 @@
+"""torchtitan's context parallelism on ``ulysses_attention``: ``enable(config)`` is the switch.
+
+::
+
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from ulysses_kernels.integrations import torchtitan as ulysses_titan
+
+    config = llama3_debugmodel()
+    config.parallelism.context_parallel_degree = 4
+    config.parallelism.context_parallel_load_balancer = None   # contiguous shards
+    config = ulysses_titan.enable(config, chunks=1, kernels=None)
+    trainer = config.build()          # an UlyssesTrainer: torchtitan's Trainer, one hook changed
+    trainer.train()
+
+What ``enable`` changes (torchtitan 0.3.0), and nothing else:
+
+* the model's inner attention: an ``override`` (torchtitan's own mechanism,
+  ``config.override.imports``, applied by the Trainer after ``update_from_config``) replaces
+  every ``layers.*.attention.inner_attention`` by ``UlyssesInnerAttention``: ``GQAttention``
+  hands it q ``[B, s_local, Hq, D]``, k and v ``[B, s_local, Hkv, D]`` (this rank's contiguous
+  shard of the sequence, all heads) and it returns ``[B, s_local, Hq, D]``: one
+  ``UlyssesAttention`` over the cp mesh's group. Any head counts with one query head per
+  rank run (6/3 heads at cp 4: the ``HeadPlan`` splits them); KV heads travel once to the
+  ranks that use them, never repeated to the query count.
+* the model's ``parallelize_fn``: torchtitan's own, then each ``UlyssesInnerAttention`` is
+  given the cp group (``parallel_dims.get_mesh("cp")``).
+* the trainer class and the validator's (``UlyssesTrainer``, ``UlyssesValidator``): their
+  ``post_dataloading_process`` (``shard_batch``) shards inputs, labels
+  and positions contiguously with torchtitan's ``prepare_context_parallel_input(...,
+  load_balancer_type=None)`` and passes the documents of the whole sequence to every
+  attention call as ``attention_masks``: FlexAttention's mask in torchtitan's decoder is
+  causal within packed documents, a document starting where ``positions`` is 0; ours is the
+  same mask (rows of one document: plain causal).
+
+Refused in ``enable`` with ``TorchtitanIntegrationError`` naming the setting, what is
+expected and what was given (never silently different from one process): a load balancer,
+``context_parallel_degree`` 1, tensor/pipeline/expert parallelism, an ``spmd_backend``
+other than ``spmd_types``, SPMD type checking, ``torch.compile`` of the model, an attention
+other than ``GQAttention`` (FlexAttention's ``score_mod``, gpt-oss's sinks ``out_transform``
+enter through those), an inner attention other than FlexAttention (varlen; SDPA, which
+torchtitan 0.3.0 no longer builds for language models), a model
+whose ``get_attention_masks`` is not the decoder's own causal/document mask (sliding
+windows), a config that is not a plain ``Trainer.Config``, a validator other than
+torchtitan's ``Validator``. ``UlyssesInnerAttention`` refuses
+``score_mod``/``out_transform`` and a scale other than ``head_dim ** -0.5`` at every
+call too. See docs/torchtitan.md.
+
+torchtitan is imported when this module is (torchtitan's ``import torchtitan.trainer``:
+about 12 s on the shared CPU); without torchtitan the module still imports and ``enable``
+raises ``ImportError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from ..attention.interface import UlyssesAttention
+
+try:
+    from torchtitan.components.validate import Validator
+    from torchtitan.config.override import override
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+    from torchtitan.models.common.attention import FlexAttention, GQAttention
+    from torchtitan.models.common.decoder import Decoder
+    from torchtitan.protocols.module import Module
+    from torchtitan.trainer import Trainer
+except ImportError as e:  # torchtitan absent: the module imports, enable() says why it cannot run
+    _MISSING: ImportError | None = e
+else:
+    _MISSING = None
+
+__all__ = ["enable", "TorchtitanIntegrationError", "document_boundaries", "shard_batch"]
+
+# The override's import path, as torchtitan's ``override.imports`` names it.
+OVERRIDE = f"{__name__}.ulysses_inner_attention"
+INNER_ATTENTION_FQNS = ["*layers.*.attention.inner_attention"]  # under model_spec.model
+
+
+class TorchtitanIntegrationError(ValueError):
+    """A torchtitan setting this integration cannot run exactly (raised before the first step)."""
+
+
+def _refuse(setting: str, expected: str, actual: Any) -> None:
+    raise TorchtitanIntegrationError(f"ulysses_kernels torchtitan: {setting}: expected {expected}, got {actual!r}")
+
+
+def document_boundaries(positions: torch.Tensor) -> list[list[int]] | None:
+    """The packed documents of ``positions`` ``[B, S]`` (the whole sequence, before sharding):
+    a document starts where the position is 0 (torchtitan's rule for its document masks).
+    One boundary list ``[0, ..., S]`` per row, or ``None`` when every row is one document
+    (then plain causal attention is the same mask)."""
+    if positions.dim() != 2:
+        raise TorchtitanIntegrationError(f"ulysses_kernels torchtitan: positions: expected [batch, seq], got shape {tuple(positions.shape)}")
+    seq = positions.shape[1]
+    starts = (positions == 0).cpu()
+    starts[:, 0] = True  # a row that does not start at position 0 is still one document from token 0
+    rows = [[*row.nonzero().flatten().tolist(), seq] for row in starts]
+    return None if all(len(r) == 2 for r in rows) else rows
+
+
+def _check(config) -> None:
+    """Every refusal of ``enable``: settings under which the result would not equal one process."""
+    if type(config) is not Trainer.Config:
+        _refuse("config", "torchtitan.trainer.Trainer.Config (its post_dataloading_process is the one replaced)", type(config).__qualname__)
+    p = config.parallelism
+    if p.context_parallel_load_balancer is not None:
+        _refuse("parallelism.context_parallel_load_balancer", "None (contiguous shards: rank r holds the r-th slice)", p.context_parallel_load_balancer)
+    if p.context_parallel_degree < 2:
+        _refuse("parallelism.context_parallel_degree", "> 1 (Ulysses runs over the cp mesh)", p.context_parallel_degree)
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+        if getattr(p, name) != 1:
+            _refuse(f"parallelism.{name}", "1 (not validated with Ulysses over cp)", getattr(p, name))
+    if p.spmd_backend != "spmd_types":
+        _refuse("parallelism.spmd_backend", "'spmd_types' (the others wrap the inner attention for cp themselves)", p.spmd_backend)
+    if config.debug.spmd_typechecking:
+        _refuse("debug.spmd_typechecking", "False (the Ulysses exchange is not SPMD-typed)", True)
+    if config.compile.enable and "model" in config.compile.components:
+        _refuse("compile.components", "no 'model' (torch.compile of the model is not validated here)", list(config.compile.components))
+    spec = config.model_spec
+    if spec is None:
+        _refuse("model_spec", "a ModelSpec", None)
+    model = spec.model
+    if not isinstance(model, Decoder.Config):
+        _refuse("model_spec.model", "a Decoder.Config", type(model).__qualname__)
+    owner = type(model)._owner
+    if owner is not None and getattr(owner, "get_attention_masks", None) is not Decoder.get_attention_masks:
+        _refuse(f"{owner.__qualname__}.get_attention_masks", "Decoder's causal/packed-document mask", "a model-specific mask")
+    for i, layer in enumerate(model.layers):
+        attention = getattr(layer, "attention", None)
+        if type(attention) is not GQAttention.Config:
+            _refuse(f"model.layers[{i}].attention", "GQAttention.Config (no score_mod, no out_transform)", type(attention).__qualname__)
+        inner = attention.inner_attention
+        if type(inner) is not FlexAttention.Config:
+            _refuse(f"model.layers[{i}].attention.inner_attention", "FlexAttention.Config (attn_backend='flex')", type(inner).__qualname__)
+    if type(config.validator) is not Validator.Config:
+        _refuse("validator", "torchtitan's Validator.Config (its batches are sharded as the trainer's)", type(config.validator).__qualname__)
+    for entry in config.override.imports:
+        if (entry if isinstance(entry, str) else entry[0]) == OVERRIDE:
+            _refuse("override.imports", f"no {OVERRIDE} before enable (enable adds it once)", entry)
+
+
+def enable(config, *, chunks: int | str = 1, kernels: str | None = None):
+    """A copy of torchtitan's ``Trainer.Config`` ``config`` whose attention is
+    ``ulysses_attention`` over the cp mesh (``UlyssesTrainer.Config``; ``config`` itself is
+    not changed). ``chunks`` and ``kernels``: as in ``UlyssesAttention`` (head chunks whose
+    exchanges overlap attention; the pack/unpack kernel set). Raises
+    ``TorchtitanIntegrationError`` for a setting it cannot run exactly (module docstring)."""
+    if _MISSING is not None:
+        raise ImportError("ulysses_kernels.integrations.torchtitan needs torchtitan (pip install torchtitan==0.3.0)") from _MISSING
+    _check(config)
+    spec = config.model_spec
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config)}
+    values["model_spec"] = dataclasses.replace(
+        spec, model=copy.deepcopy(spec.model), parallelize_fn=functools.partial(_parallelize, parallelize_fn=spec.parallelize_fn)
+    )  # fmt: skip
+    values["parallelism"] = dataclasses.replace(config.parallelism)
+    values["validator"] = UlyssesValidator.Config(**{f.name: getattr(config.validator, f.name) for f in dataclasses.fields(Validator.Config)})
+    values["override"] = dataclasses.replace(config.override, imports=[*config.override.imports, (OVERRIDE, {"chunks": chunks, "kernels": kernels})])
+    return UlyssesTrainer.Config(**values)
+
+
+def _parallelize(model, *, parallelize_fn, parallel_dims, **kwargs):
+    """torchtitan's ``parallelize_fn``, then the cp group given to every ``UlyssesInnerAttention``."""
+    model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+    group = parallel_dims.get_mesh("cp").get_group()
+    found = 0
+    for module in model.modules():
+        if isinstance(module, UlyssesInnerAttention):
+            module.group = group
+            found += 1
+    if found == 0:
+        raise TorchtitanIntegrationError(
+            f"ulysses_kernels torchtitan: model: expected UlyssesInnerAttention modules (the override {OVERRIDE} applied), got none"
+        )
+    return model
+
+
+if _MISSING is None:
+
+    class UlyssesInnerAttention(Module):
+        """torchtitan's inner attention as ``UlyssesAttention`` over the cp group.
+
+        ``forward(q, k, v, *, attention_masks, scale, enable_gqa)``: q ``[B, s_local, Hq, D]``,
+        k ``[B, s_local, Hkv, D]``, v ``[B, s_local, Hkv, Dv]``, this rank's contiguous
+        shard; ``attention_masks``: ``None`` (causal) or the documents
+        (``document_boundaries``) ``UlyssesTrainer`` passes. Returns ``[B, s_local, Hq, Dv]``.
+        The group is set by the model's ``parallelize_fn`` (``enable``)."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Module.Config):
+            chunks: int | str = 1
+            kernels: str | None = None
+
+        def __init__(self, config: Config):
+            super().__init__()
+            self.chunks, self.kernels = config.chunks, config.kernels
+            self.group = None
+            # Made at the first call (the head counts come with q and k). Kept outside the
+            # module tree: it has no parameters, and torchtitan's init and sharding walks
+            # expect its own Module protocol of every child.
+            self.__dict__["_op"] = None
+
+        def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+            for name in ("score_mod", "out_transform"):
+                if kwargs.get(name) is not None:
+                    _refuse(f"inner_attention({name}=)", "None", kwargs[name])
+            if scale is not None and scale != q.shape[-1] ** -0.5:
+                _refuse("attention scale", f"head_dim ** -0.5 = {q.shape[-1] ** -0.5!r}", scale)
+            if self.group is None:
+                raise TorchtitanIntegrationError(
+                    "ulysses_kernels torchtitan: UlyssesInnerAttention.group: expected the cp group (set by enable's parallelize_fn), got None"
+                )
+            op = self.__dict__["_op"]
+            if op is None:
+                op = UlyssesAttention(q.shape[2], k.shape[2], self.group, kernels=self.kernels, chunks=self.chunks)
+                self.__dict__["_op"] = op
+            docs = attention_masks
+            if docs is not None and not isinstance(docs, list):
+                _refuse("attention_masks", "None or document boundaries (UlyssesTrainer's)", type(docs).__qualname__)
+            if docs is not None and len(docs) == 1:
+                docs = docs[0]
+            return op(q, k, v, cu_seqlens=docs)
+
+    @override(target=FlexAttention.Config, fqns=INNER_ATTENTION_FQNS, exact=True, description="ulysses_kernels: Ulysses attention over the cp mesh")
+    def ulysses_inner_attention(cfg, *, chunks: int | str = 1, kernels: str | None = None):
+        """The override ``enable`` activates: FlexAttention's config -> ``UlyssesInnerAttention.Config``
+        (its mask, causal within the documents of ``positions``, is what ours runs)."""
+        return UlyssesInnerAttention.Config(chunks=chunks, kernels=kernels)
+
+    class UlyssesTrainer(Trainer):
+        """torchtitan's ``Trainer`` with contiguous cp shards and the documents passed to our attention."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Trainer.Config):
+            pass
+
+        def post_dataloading_process(self, input_dict, labels):
+            """``Trainer.post_dataloading_process`` for Ulysses: ``shard_batch``, then torchtitan's
+            token count and SPMD annotation."""
+            inputs, labels, extra = shard_batch(input_dict, labels, self.parallel_dims, self.device)
+            self.ntokens_seen += labels.numel()
+            if self.config.parallelism.spmd_backend == "spmd_types":
+                inputs, labels, extra = annotate_input_spmd_types(self.parallel_dims, inputs, labels, extra)
+            return inputs, labels, extra
+
+    class UlyssesValidator(Validator):
+        """torchtitan's ``Validator`` whose batches are sharded as ``UlyssesTrainer``'s (``shard_batch``)."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Validator.Config):
+            pass
+
+        def post_dataloading_process(self, input_dict, labels, model_parts):
+            return shard_batch(input_dict, labels, self.parallel_dims, input_dict["input"].device)
+
+
+def shard_batch(input_dict: dict, labels: torch.Tensor, parallel_dims, device: torch.device) -> tuple:
+    """One batch of torchtitan's dataloader (``input_dict["input"]`` ``[B, S]``, maybe
+    ``"positions"``; ``labels`` ``[B, S]``) -> ``(inputs, labels, extra_kwargs)`` for the model on
+    this cp rank: positions (default ``arange(S)`` per row, so that RoPE sees global positions),
+    the documents of the whole sequence (``document_boundaries``, as ``attention_masks``; none
+    when every row is one document), and torchtitan's own ``prepare_context_parallel_input``
+    with no load balancer: rank r keeps the r-th contiguous slice of inputs, labels and
+    positions."""
+    inputs = input_dict["input"]
+    extra = {key: value for key, value in input_dict.items() if key != "input"}
+    if extra.get("positions") is None:
+        extra["positions"] = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
+    docs = document_boundaries(extra["positions"])
+    mesh = parallel_dims.get_mesh("cp")
+    inputs, labels, extra = prepare_context_parallel_input(inputs, labels, extra, mesh, device, load_balancer_type=None)
+    if docs is not None:
+        extra["attention_masks"] = docs
+    return inputs, labels, extra
