@@ -12,6 +12,7 @@
 * DeepSpeed ALST, ``enable_alst(wire_dtype="fp8")``: the same through DeepSpeed's
   ``UlyssesSPAttentionHF.register_with_transformers``.
 * The bare exchanges ``seq_to_head``/``head_to_seq`` with ``wire_dtype``: the op's exchanges.
+* DeepSpeed's interface, ``integrations.deepspeed.DistributedAttention(..., wire_dtype="fp8")``.
 """
 
 from __future__ import annotations
@@ -170,6 +171,39 @@ def _exchange_body(rank, world):
 
 def test_seq_to_head_and_head_to_seq_take_wire_dtype():
     run_ranks(_exchange_body, 2)
+
+
+# ---- DeepSpeed's DistributedAttention interface ------------------------------------------------
+def _local_sdpa(q, k, v):
+    """A local attention in [b, s, h, d], as DeepSpeed's callers hand it."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return out.transpose(1, 2)
+
+
+def _distributed_attention_body(rank, world):
+    from ulysses_kernels.integrations.deepspeed import DeepSpeedIntegrationError, DistributedAttention
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(21 + rank)
+    q, k, v = (torch.randn(2, 6, h, 16, generator=g) for h in (4, 2, 2))  # [b, s/p, h, d], GQA
+    d_out = torch.randn(2, 6, 4, 16, generator=torch.Generator().manual_seed(5 + rank))
+    results = {}
+    for wd in (None, "fp8"):
+        layer = DistributedAttention(_local_sdpa, None, gather_idx=1, wire_dtype=wd)
+        assert (layer.wire_dtype is None) == (wd is None)
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = layer(*qkv)
+        out.backward(d_out)
+        results[wd] = (out.detach(), *(t.grad for t in qkv))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["fp8"], results[None]):
+        assert 0 < _rel(a, b) <= OP_TOL[name], (name, _rel(a, b))
+    for bad in ("fp4", 8):
+        with pytest.raises(DeepSpeedIntegrationError, match=rf"DistributedAttention: wire_dtype={bad!r}; expected None, 'fp8'"):
+            DistributedAttention(_local_sdpa, None, gather_idx=1, wire_dtype=bad)
+
+
+def test_distributed_attention_fp8_close_to_plain_not_equal_and_bad_values_refused():
+    run_ranks(_distributed_attention_body, 2)
 
 
 # ---- verl --------------------------------------------------------------------------------------

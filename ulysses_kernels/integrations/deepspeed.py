@@ -62,6 +62,7 @@ from ..checks import UlyssesInputError
 from ..comm import get_communicator
 from ..gqa import expand_kv
 from ..plan import HeadPlan
+from ..wire import wire_spec
 from .deepspeed_alst import ALSTIntegrationError, UlyssesSPAttentionHF, alst_enabled, disable_alst, enable_alst
 
 __all__ = [
@@ -116,6 +117,8 @@ class DistributedAttention(nn.Module):
             strides (SDPA, flash-attn with a unit last stride).
         check: ``"once"`` (default) validates each new input signature across the ranks
             once (one tiny all-gather), ``"always"`` every call, ``"never"`` not at all.
+        wire_dtype: ``None`` (the attention dtype on the wire), ``"fp8"`` or a
+            ``ulysses_kernels.wire.WireSpec``: both exchanges in FP8 (docs/fp8_wire.md).
 
     Parameters: none. The head plan is built per ``(q_heads, kv_heads)`` on first use and
     kept on this instance.
@@ -133,6 +136,7 @@ class DistributedAttention(nn.Module):
         kernels=None,
         contiguous: bool = True,
         check: str = "once",
+        wire_dtype=None,
     ) -> None:
         super().__init__()
         if scatter_idx != 2:
@@ -143,6 +147,10 @@ class DistributedAttention(nn.Module):
             raise DeepSpeedIntegrationError(f"DistributedAttention: gather_idx expected 0 ([s, b, h, d]) or 1 ([b, s, h, d]), got {gather_idx!r}")
         if check not in ("once", "always", "never"):
             raise DeepSpeedIntegrationError(f"DistributedAttention: check expected 'once', 'always' or 'never', got {check!r}")
+        try:
+            self.wire_dtype = wire_spec(wire_dtype, "DistributedAttention")
+        except ValueError as e:
+            raise DeepSpeedIntegrationError(str(e)) from None
         self.local_attn = local_attention
         self.spg = sequence_process_group
         self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
@@ -204,7 +212,7 @@ class DistributedAttention(nn.Module):
         q, k, v = (t.transpose(0, 1) if seq_dim == 0 else t for t in (query, key, value))  # -> [b, s/p, h, d]
         sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device)
         check = self.check == "always" or (self.check == "once" and sig not in self._checked)
-        q, k, v = seq_to_head(q, k, v, group=self.spg, plan=plan, kernels=self.kernels, check=check)
+        q, k, v = seq_to_head(q, k, v, group=self.spg, plan=plan, kernels=self.kernels, check=check, wire_dtype=self.wire_dtype)
         if check and not torch.compiler.is_compiling():
             self._checked.add(sig)
         k, v = expand_kv(k, v, plan.local_kv_map(self._comm.rank))
@@ -226,7 +234,7 @@ class DistributedAttention(nn.Module):
                 f"DistributedAttention: the local attention returned shape {list(context.shape)}, expected "
                 f"{list(q.shape[:3]) + [head_dim]} (or the last two dimensions flattened)"
             )
-        out = head_to_seq(context.transpose(0, 1) if seq_dim == 0 else context, plan, group=self.spg, kernels=self.kernels)
+        out = head_to_seq(context.transpose(0, 1) if seq_dim == 0 else context, plan, group=self.spg, kernels=self.kernels, wire_dtype=self.wire_dtype)
         if seq_dim == 0:
             out = out.transpose(0, 1).contiguous()
         return out.flatten(2) if flat else out
