@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from test_fp8_wire import OP_TOL  # noqa: E402
+from test_fp8_wire import OP_TOL, CountingComm  # noqa: E402 - CountingComm: counts each collective's bytes on the wire
 
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 from ulysses_kernels.wire import WireSpec, wire_bytes_ratio  # noqa: E402
@@ -59,26 +59,6 @@ def _compare(what: str, got: tuple, want: tuple) -> dict:
     assert worst[0] <= GRAD_TOL, (what, worst)
     assert any(e > 0 for n, e in errs.items() if n != "loss"), (what, "gradients bit-equal: FP8 did not run")
     return errs
-
-
-class CountingComm:
-    """The group's communicator, counting the bytes each all-to-all and send/recv puts on the
-    wire (tests/test_fp8_wire.py's, for a model: every call appends)."""
-
-    def __init__(self, inner):
-        self.inner, self.sent = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
-        own = input_splits[self.inner.rank] if input_splits is not None else input.numel() // self.inner.world_size
-        self.sent.append((input.numel() - own) * input.element_size())
-        return self.inner.all_to_all(output, input, output_splits, input_splits, async_op=async_op)
-
-    def send_recv(self, sends, recvs, async_op=False):
-        self.sent.append(sum(t.numel() * t.element_size() for _, t in sends))
-        return self.inner.send_recv(sends, recvs, async_op=async_op)
 
 
 # ---- hf.apply ----------------------------------------------------------------------------------

@@ -106,17 +106,18 @@ class WireSpec:
         return self.qkv is None and self.out is None and self.dout is None and self.grads is None
 
 
-def wire_spec(wire_dtype, who: str = "ulysses_attention") -> WireSpec | None:
+def wire_spec(wire_dtype, who: str = "ulysses_attention", error: type[ValueError] = ValueError) -> WireSpec | None:
     """``wire_dtype`` as a ``WireSpec``: ``None`` (today), ``"fp8"`` (all four exchanges:
     e4m3 forward, e5m2 backward), or a ``WireSpec``; a spec that names no format is ``None``.
-    ``who``: the entry point named in the error (``hf.apply``, verl's ``apply``, ...)."""
+    ``who``: the entry point named in the error (``hf.apply``, verl's ``apply``, ...);
+    ``error``: the ``ValueError`` subclass raised (the integration's own error class)."""
     if wire_dtype is None:
         return None
     if isinstance(wire_dtype, WireSpec):
         return None if wire_dtype.empty else wire_dtype
     if wire_dtype == "fp8":
         return WireSpec()
-    raise ValueError(f"{who}: wire_dtype={wire_dtype!r}; expected None, 'fp8' or a ulysses_kernels.wire.WireSpec")
+    raise error(f"{who}: wire_dtype={wire_dtype!r}; expected None, 'fp8' or a ulysses_kernels.wire.WireSpec")
 
 
 def resolve_wire(wire_dtype, kernels, world_size: int, traced: bool) -> WireSpec | None:

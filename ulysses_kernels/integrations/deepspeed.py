@@ -147,10 +147,7 @@ class DistributedAttention(nn.Module):
             raise DeepSpeedIntegrationError(f"DistributedAttention: gather_idx expected 0 ([s, b, h, d]) or 1 ([b, s, h, d]), got {gather_idx!r}")
         if check not in ("once", "always", "never"):
             raise DeepSpeedIntegrationError(f"DistributedAttention: check expected 'once', 'always' or 'never', got {check!r}")
-        try:
-            self.wire_dtype = wire_spec(wire_dtype, "DistributedAttention")
-        except ValueError as e:
-            raise DeepSpeedIntegrationError(str(e)) from None
+        self.wire_dtype = wire_spec(wire_dtype, "DistributedAttention", DeepSpeedIntegrationError)
         self.local_attn = local_attention
         self.spg = sequence_process_group
         self.scatter_idx, self.gather_idx = scatter_idx, gather_idx

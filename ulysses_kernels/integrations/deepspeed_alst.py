@@ -141,7 +141,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.plan = HeadPlan.build(attn_head_count, kv_head_count, self.world_size)
         if not seq_length_is_variable and global_seq_length is None:
             raise ALSTIntegrationError("UlyssesSPAttentionHF: seq_length_is_variable=False needs global_seq_length (the fixed length)")
-        wire = _wire_spec(wire_dtype, "UlyssesSPAttentionHF")  # a bad value fails at registration
+        wire = wire_spec(wire_dtype, "UlyssesSPAttentionHF", ALSTIntegrationError)  # a bad value fails at registration
         self._options = {"attn_fn": attn_fn, "kernels": kernels, "chunks": chunks, "check": check, "wire_dtype": wire}
         self._settings = None  # hf.attention_settings, made at the first call (it knows the implementation by then)
         self._core = core_attn_implementation
@@ -509,14 +509,6 @@ def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module | None]:
         raise ALSTIntegrationError(str(e)) from e
 
 
-def _wire_spec(wire_dtype, who: str):
-    """``wire.wire_spec``, a bad value raised as ``ALSTIntegrationError`` (a ``ValueError``)."""
-    try:
-        return wire_spec(wire_dtype, who)
-    except ValueError as e:
-        raise ALSTIntegrationError(str(e)) from None
-
-
 def _implementation_name(fn) -> str:
     """The registered name of a transformers attention function ("" for an unregistered one)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -556,7 +548,7 @@ def enable_alst(*, wire_dtype=None) -> None:
     attention calls of models registered from now on (docs/fp8_wire.md; a bad value raises
     ``ALSTIntegrationError`` here, before anything changes). A later call sets it again.
     """
-    wire = _wire_spec(wire_dtype, "enable_alst")
+    wire = wire_spec(wire_dtype, "enable_alst", ALSTIntegrationError)
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
     _OPTIONS["wire_dtype"] = wire

@@ -207,10 +207,7 @@ def apply(*, kernels=None, chunks: int | str = 1, check: str = "step", wire_dtyp
     """
     if check not in ("step", "always", "never"):
         raise VerlIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")
-    try:
-        wire = wire_spec(wire_dtype, "apply")
-    except ValueError as e:
-        raise VerlIntegrationError(str(e)) from None
+    wire = wire_spec(wire_dtype, "apply", VerlIntegrationError)
     mp = _verl_monkey_patch_module()
     current = mp.apply_monkey_patch
     original = getattr(current, _ORIGINAL_ATTR, current)

@@ -470,16 +470,7 @@ def attention_settings(group=None, *, impl: str = "", fn: Callable | None = None
     """
     if check not in ("step", "always", "never"):
         raise HFIntegrationError(f"attention_settings: check expected 'step', 'always' or 'never', got {check!r}")
-    wire = checked_wire_spec(wire_dtype, "attention_settings")
+    wire = wire_spec(wire_dtype, "attention_settings", HFIntegrationError)  # fails where the option is set
     # An SPGroups: the communicator is its Ulysses group's (the ring level makes its own).
     exchange_group = group.ulysses_group if isinstance(group, SPGroups) else group
     return _Settings(group, get_communicator(exchange_group, comm, native=True), attn_fn, kernels, chunks, check, impl, fn, wire)
-
-
-def checked_wire_spec(wire_dtype, who: str) -> WireSpec | None:
-    """``wire.wire_spec(wire_dtype)``, a bad value raised as ``HFIntegrationError`` naming
-    ``who`` (the entry point the user called), so that it fails where the option is set."""
-    try:
-        return wire_spec(wire_dtype, who)
-    except ValueError as e:
-        raise HFIntegrationError(str(e)) from None

@@ -17,7 +17,8 @@ from ...comm import get_communicator
 from ...longctx.patches import enable as enable_long_context
 from ...plan import more_ranks_than_heads_flat
 from ...ring import SPGroups
-from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings, checked_wire_spec
+from ...wire import wire_spec
+from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings
 from .audit import check_token_mixers
 from .batch import _SHARD_KWARG, HFIntegrationError
 from .masks import _ulysses_mask
@@ -185,7 +186,7 @@ def apply(
         )
     if check not in ("step", "always", "never"):
         raise HFIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")
-    wire = checked_wire_spec(wire_dtype, "apply")
+    wire = wire_spec(wire_dtype, "apply", HFIntegrationError)
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
         raise HFIntegrationError(
