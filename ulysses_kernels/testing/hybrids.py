@@ -137,7 +137,7 @@ def gated_delta_rule_float64(query, key, value, g, beta, initial_state=None, out
         key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
     query = query * query.shape[-1] ** -0.5
     g, beta = g.to(value.dtype), beta.to(value.dtype)
-    state = value.new_zeros(value.shape[0], hv, key.shape[-1], value.shape[-1])
+    state = value.new_zeros(value.shape[0], hv, key.shape[-1], value.shape[-1]) if initial_state is None else initial_state.to(value.dtype)
     outs = []
     for t in range(value.shape[1]):
         # GDN: one decay per head [B, H]; Kimi's KDA: one per key channel [B, H, Dk].
@@ -161,6 +161,8 @@ def mamba2_scan_float64(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=
     B, C = B.repeat_interleave(heads // groups, dim=2), C.repeat_interleave(heads // groups, dim=2)
     A = A.to(hidden_states.dtype)
     state = hidden_states.new_zeros(hidden_states.shape[0], heads, hidden_states.shape[3], B.shape[3])
+    if initial_states is not None:
+        state = initial_states.to(hidden_states.dtype)
     outs = []
     for t in range(hidden_states.shape[1]):
         x, d = hidden_states[:, t], dt[:, t]

@@ -19,6 +19,7 @@ from ...attention.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ...kernels import TorchKernels
 from ...layout import Layout
 from ...plan import HeadPlan
+from ...state_passing import Algebra, local_pieces, preceding, run_sharded
 from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
 
 __all__ = ["GROUP_KWARG"]
@@ -60,12 +61,20 @@ class _ToHeads(torch.autograd.Function):
 @dataclass(frozen=True, eq=False)
 class _MixerSettings:
     """What ``apply`` set on one mixer: the group, its communicator, the head plan
-    (``comm`` ``None``: both come with each step as ``GROUP_KWARG``)."""
+    (``comm`` ``None``: both come with each step as ``GROUP_KWARG``) and the strategy:
+    ``"heads"`` (the exchange to head shards) or ``"state"`` (the sequence stays sharded, the
+    state passes between ranks: ``ulysses_kernels.state_passing``; ``plan`` is then one rank's,
+    holding every head)."""
 
     group: object
     comm: object
     plan: HeadPlan
     family: str
+    strategy: str = "heads"
+
+    @property
+    def state(self) -> bool:
+        return self.strategy == "state"
 
 
 def _kernel(module, name: str) -> Callable:
@@ -101,14 +110,19 @@ def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, Seq
 
 
 def _to_heads(settings: _MixerSettings, shard: SequenceShard, heads, groups=None):
-    """``_ToHeads`` over the layer's plan and the step's shards."""
+    """``_ToHeads`` over the layer's plan and the step's shards (state passing: the tensors as they are)."""
+    if settings.state:
+        return (heads,) if groups is None else (heads, groups)
     lay = Layout(settings.plan, settings.comm.rank, tuple(shard.seq_lens), heads.shape[0], heads.shape[3],
                  groups.shape[3] if groups is not None else None)  # fmt: skip
     return _ToHeads.apply(lay, settings.comm, heads.contiguous(), None if groups is None else groups.contiguous())
 
 
 def _to_sequence(settings: _MixerSettings, shard: SequenceShard, out):
-    """``[B, S, h, D]`` over the rank's heads -> ``[B, s_r, H, D]`` (the library's ``head_to_seq``)."""
+    """``[B, S, h, D]`` over the rank's heads -> ``[B, s_r, H, D]`` (the library's ``head_to_seq``;
+    state passing: already so)."""
+    if settings.state:
+        return out
     return head_to_seq(out, settings.plan, group=settings.group, seq_lens=list(shard.seq_lens), comm=settings.comm)
 
 
@@ -119,6 +133,15 @@ def _spans(shard: SequenceShard) -> list[tuple[int, int]]:
     return shard.documents.spans() if shard.documents is not None else [(0, shard.total)]
 
 
+def _recurrence(settings: _MixerSettings, shard: SequenceShard, run, algebra: Algebra, *tensors):
+    """The layer's recurrence ``run(*tensors, initial_state) -> (out, final_state)`` per
+    document: over the whole sequence of the rank's heads (``"heads"``), or over the rank's
+    shard with the state passed between ranks (``"state"``: ``state_passing.run_sharded``)."""
+    if settings.state:
+        return run_sharded(settings.comm, shard.seq_lens, _spans(shard), run, algebra, tensors)
+    return _per_document(shard, lambda *t: run(*t, None)[0], *tensors)
+
+
 def _per_document(shard: SequenceShard, fn, *tensors, dim: int = 1):
     """``fn`` on each document's slice of ``tensors`` (along ``dim``), joined back."""
     spans = _spans(shard)
@@ -127,7 +150,7 @@ def _per_document(shard: SequenceShard, fn, *tensors, dim: int = 1):
     return torch.cat([fn(*(t.narrow(dim, a, b - a) for t in tensors)) for a, b in spans], dim=dim)
 
 
-def _conv(module, conv: torch.nn.Conv1d, channels: torch.Tensor, shard, x: torch.Tensor, activation) -> torch.Tensor:
+def _conv(settings: _MixerSettings, module, conv: torch.nn.Conv1d, channels: torch.Tensor, shard, x: torch.Tensor, activation) -> torch.Tensor:
     """The layer's causal depthwise conv1d on the rank's ``channels`` (indices into the conv's
     channels) of ``x`` ``[B, S, C_r]``, per document, with the module's ``causal_conv1d_fn``."""
     fn = _kernel(module, "causal_conv1d_fn")
@@ -137,11 +160,21 @@ def _conv(module, conv: torch.nn.Conv1d, channels: torch.Tensor, shard, x: torch
     def run(x):
         return fn(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
 
-    return _per_document(shard, run, x)
+    if not settings.state:
+        return _per_document(shard, run, x)
+    # State passing: the shard's tokens after the ``width - 1`` before it (the halo), per
+    # document piece of that window; the halo's own outputs are dropped.
+    comm = settings.comm
+    before = preceding(comm, shard.seq_lens, x, conv.kernel_size[0] - 1)
+    lead = before.shape[1]
+    window = torch.cat([before, x], dim=1)
+    pieces, _ = local_pieces(shard.seq_lens, comm.rank, _spans(shard), lead)
+    out = torch.cat([run(window[:, a:b]) for a, b in pieces], dim=1) if len(pieces) > 1 else run(window)
+    return out[:, lead:]
 
 
 def _ranges(settings: _MixerSettings) -> tuple[tuple[int, int], tuple[int, int], tuple[int, ...]]:
-    rank = settings.comm.rank
+    rank = 0 if settings.state else settings.comm.rank
     plan = settings.plan
     return plan.q_ranges[rank], plan.kv_ranges[rank], plan.local_kv_map(rank)
 

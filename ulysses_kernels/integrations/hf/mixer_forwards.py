@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from ...gqa import expand_kv
 from .batch import HFIntegrationError
-from .mixer_exchange import _arange, _context, _conv, _kernel, _per_document, _ranges, _to_heads, _to_sequence
+from ...state_passing import DELTA, SSD
+from .mixer_exchange import _arange, _context, _conv, _kernel, _per_document, _ranges, _recurrence, _to_heads, _to_sequence
 
 
 # ---- Gated DeltaNet: Qwen3.5 (dense and MoE), Qwen3-Next, OLMo Hybrid -----------------------------
@@ -55,7 +56,7 @@ def _gdn_forward(project, norm_attr: str = "norm", out_attr: str = "out_proj"):
         # The conv's channels: [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]; the rank's rows of each.
         channels = torch.cat([_arange(g0, g1, dk, 0, dev), _arange(g0, g1, dk, self.key_dim, dev), _arange(h0, h1, dv, 2 * self.key_dim, dev)])
         mixed = torch.cat([q.reshape(bsz, total, -1), k.reshape(bsz, total, -1), v.reshape(bsz, total, -1)], dim=-1)
-        mixed = _conv(self, self.conv1d, channels, shard, mixed, self.activation)
+        mixed = _conv(settings, self, self.conv1d, channels, shard, mixed, self.activation)
         q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(bsz, total, hk, dk), k.reshape(bsz, total, hk, dk), v.reshape(bsz, total, hv, dv)
         q, k = expand_kv(q, k, kv_map)  # value head i reads key head kv_map[i] (uniform groups stay grouped)
@@ -65,10 +66,10 @@ def _gdn_forward(project, norm_attr: str = "norm", out_attr: str = "out_proj"):
         g = -self.A_log[h0:h1].float().exp() * F.softplus(a.squeeze(-1).float() + self.dt_bias[h0:h1])
         rule = _kernel(self, "torch_chunk_gated_delta_rule")
 
-        def run(q, k, v, g, beta):
-            return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+        def run(q, k, v, g, beta, initial_state):
+            return rule(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
-        out = _per_document(shard, run, q, k, v, g, beta)
+        out = _recurrence(settings, shard, run, DELTA, q, k, v, g, beta)
         out = _to_sequence(settings, shard, out)  # [B, s, Hv, Dv]
         z_shape = z.shape
         out = getattr(self, norm_attr)(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(z_shape)
@@ -96,7 +97,7 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     q, k, v, f, b = heads.split([d, d, d, d, 1], dim=-1)
     total, h, dev = q.shape[1], q.shape[2], q.device
     channels = torch.cat([_arange(h0, h1, d, i * self.qkv_dim, dev) for i in range(3)])
-    mixed = _conv(self, self.conv1d, channels, shard, torch.cat([t.reshape(bsz, total, -1) for t in (q, k, v)], -1), self.activation)
+    mixed = _conv(settings, self, self.conv1d, channels, shard, torch.cat([t.reshape(bsz, total, -1) for t in (q, k, v)], -1), self.activation)
     q, k, v = (t.reshape(bsz, total, h, d) for t in mixed.split([h * d] * 3, dim=-1))
     if bailing:  # BailingHybridForgetGate.forward after its projection, on the rank's channels
         g = f.float() + fg.dt_bias[h0 * d : h1 * d].view(1, 1, h, d)
@@ -108,10 +109,10 @@ def _kda_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     beta = b.squeeze(-1).sigmoid()
     rule = _kernel(self, "chunk_kimi_delta_attention")
 
-    def run(q, k, v, g, beta):
-        return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+    def run(q, k, v, g, beta, initial_state):
+        return rule(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
-    out = _to_sequence(settings, shard, _per_document(shard, run, q, k, v, g, beta).contiguous())
+    out = _to_sequence(settings, shard, _recurrence(settings, shard, run, DELTA, q, k, v, g, beta).contiguous())
     gate = (self.g_proj(hidden_states) if bailing else self.g_b_proj(self.g_a_proj(hidden_states))).reshape(bsz, seq, -1, d)
     return self.o_proj(self.o_norm(out, gate).reshape(bsz, seq, -1))
 
@@ -144,18 +145,18 @@ def _mamba2_forward(self, hidden_states, cache_params=None, attention_mask=None,
     # The conv's channels: [x (H*P) | B (G*N) | C (G*N)]; the rank's rows of each.
     channels = torch.cat([_arange(h0, h1, p, 0, dev), _arange(g0, g1, n, self.intermediate_size, dev), _arange(g0, g1, n, self.intermediate_size + gn, dev)])
     mixed = torch.cat([x.reshape(bsz, total, -1), bm.reshape(bsz, total, -1), cm.reshape(bsz, total, -1)], dim=-1)
-    mixed = _conv(self, self.conv1d, channels, shard, mixed, self.activation)
+    mixed = _conv(settings, self, self.conv1d, channels, shard, mixed, self.activation)
     x, bm, cm = torch.split(mixed, [h * p, g * n, g * n], dim=-1)
     x, bm, cm = x.reshape(bsz, total, h, p), bm.reshape(bsz, total, g, n), cm.reshape(bsz, total, g, n)
     bm, cm = expand_kv(bm, cm, kv_map)  # head i reads group kv_map[i]
     a_neg = -torch.exp(self.A_log[h0:h1].float())
     scan = _kernel(self, "mamba2_chunk_scan")
 
-    def run(x, dt, bm, cm):
+    def run(x, dt, bm, cm, initial_states):
         return scan(x, dt, a_neg, bm, cm, chunk_size=self.chunk_size, D=self.D[h0:h1], z=None, dt_bias=self.dt_bias[h0:h1],
-                    dt_softplus=True, initial_states=None, dt_limit=self.time_step_limit)  # fmt: skip
+                    dt_softplus=True, initial_states=initial_states, dt_limit=self.time_step_limit, return_final_states=True)  # fmt: skip
 
-    out = _per_document(shard, run, x, dt.squeeze(-1), bm, cm)
+    out = _recurrence(settings, shard, run, SSD, x, dt.squeeze(-1), bm, cm)
     out = _to_sequence(settings, shard, out.contiguous()).reshape(bsz, seq, -1)
     if not falcon or self.mamba_rms_norm:
         out = self.norm(out, gate)
@@ -179,7 +180,7 @@ def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None,
     (h0, h1), _, _ = _ranges(settings)
     (local,) = _to_heads(settings, shard, x.unsqueeze(-1))  # [B, S, c, 1]
     channels = torch.arange(h0, h1, device=local.device)
-    conv = _conv(self, self.conv1d, channels, shard, local.squeeze(-1), self.activation)  # [B, S, c]
+    conv = _conv(settings, self, self.conv1d, channels, shard, local.squeeze(-1), self.activation)  # [B, S, c]
     x = _to_sequence(settings, shard, conv.unsqueeze(-1).contiguous()).squeeze(-1)  # [B, s, I]
     n = self.ssm_state_size
     time_step, bm, cm = torch.split(self.x_proj(x), [self.time_step_rank, n, n], dim=-1)
@@ -255,7 +256,7 @@ def _zamba_mamba_forward(self, hidden_states, cache_params=None, attention_mask=
     (h0, h1), _, _ = _ranges(settings)
     total, h = local.shape[1], local.shape[2]
     x, gate = local.reshape(bsz, total, h, dim, 2).unbind(-1)  # [B, S, h, P] each
-    x = _conv(self, self.conv1d, torch.arange(h0 * dim, h1 * dim, device=x.device), shard, x.reshape(bsz, total, h * dim), self.activation)
+    x = _conv(settings, self, self.conv1d, torch.arange(h0 * dim, h1 * dim, device=x.device), shard, x.reshape(bsz, total, h * dim), self.activation)
     x = x.reshape(bsz, total, h, dim)
     n, rank = self.ssm_state_size, self.time_step_rank
     a_neg = -torch.exp(self.A_log[h0:h1].float())
@@ -334,6 +335,6 @@ def _short_conv_forward(self, hidden_states, past_key_values=None, attention_mas
     (h0, h1), _, _ = _ranges(settings)
     (local,) = _to_heads(settings, shard, (bmat * x).unsqueeze(-1))  # [B, S, c_r, 1]
     channels = torch.arange(h0, h1, device=local.device)
-    out = _conv(self, self.conv, channels, shard, local.squeeze(-1), None)
+    out = _conv(settings, self, self.conv, channels, shard, local.squeeze(-1), None)
     y = cmat * _to_sequence(settings, shard, out.unsqueeze(-1).contiguous()).squeeze(-1)
     return self.out_proj(y.contiguous())

@@ -76,7 +76,7 @@ from .mixer_forwards import (
     _zamba_mamba_forward,
 )
 
-__all__ = ["GROUP_KWARG", "HANDLED_MIXERS", "mixer_modules", "plan_mixers", "switch_mixers"]
+__all__ = ["GROUP_KWARG", "HANDLED_MIXERS", "MIXER_PARALLEL", "STATE_FAMILIES", "check_mixer_parallel", "mixer_modules", "plan_mixers", "switch_mixers"]
 
 # class name -> (family, forward, (heads, groups) of a module), for every mixer made exact.
 _ADAPTERS: dict[str, tuple[str, Callable, Callable]] = {}
@@ -151,19 +151,56 @@ def mixer_modules(model) -> list[torch.nn.Module]:
     return found
 
 
-def plan_mixers(modules, world_size: int) -> list[tuple[torch.nn.Module, HeadPlan]]:
-    """Each mixer's head plan over ``world_size`` ranks; a layer whose heads cannot be split
-    is refused by name (before ``apply`` changes anything)."""
+# The families whose layer also runs with the sequence kept sharded, the state passed between
+# ranks (``mixer_parallel="state"``: ``ulysses_kernels.state_passing``).
+STATE_FAMILIES = ("gated-deltanet", "kimi-delta", "mamba2", "short-conv")
+MIXER_PARALLEL = ("heads", "state", "auto")
+
+
+def check_mixer_parallel(mixer_parallel, who: str, error=HFIntegrationError) -> str:
+    """``mixer_parallel`` checked (before anything changes): one of ``MIXER_PARALLEL``."""
+    if mixer_parallel not in MIXER_PARALLEL:
+        raise error(f"{who}: mixer_parallel expected 'heads', 'state' or 'auto', got {mixer_parallel!r}")
+    return mixer_parallel
+
+
+def plan_mixers(modules, world_size: int, mixer_parallel: str = "auto") -> list[tuple[torch.nn.Module, HeadPlan, str]]:
+    """Each mixer's strategy and plan over ``world_size`` ranks: ``(module, plan, strategy)``.
+
+    ``mixer_parallel``: ``"heads"``: every layer through the head exchange (its heads split
+    over the ranks); ``"state"``: every layer with the sequence kept sharded and its state
+    passed between ranks (the families of ``STATE_FAMILIES``; its plan is one rank's, all
+    heads); ``"auto"`` (default): per layer, ``"heads"`` where its heads split over the ranks,
+    else ``"state"`` where its family has it. (The head exchange stays the default where both
+    run: which is faster at which length is for a GPU measurement to decide, issue 49; the
+    state path computes the kernel on ``V + K`` value columns.) A layer that no strategy runs
+    is refused by name, before ``apply`` changes anything."""
+    check_mixer_parallel(mixer_parallel, "apply")
     plans = []
     for m in modules:
-        heads, groups = _ADAPTERS[type(m).__name__][2](m)
+        name = type(m).__name__
+        family = _ADAPTERS[name][0]
+        heads, groups = _ADAPTERS[name][2](m)
+        can_state = family in STATE_FAMILIES
+        if mixer_parallel == "state" and not can_state:
+            raise HFIntegrationError(
+                f"apply: {name} ({family}) does not run with mixer_parallel='state' (state passing covers {', '.join(STATE_FAMILIES)}); "
+                "use mixer_parallel='heads' or 'auto'"
+            )
+        if mixer_parallel == "state":
+            plans.append((m, HeadPlan.build(heads, groups, 1), "state"))
+            continue
         try:
-            plans.append((m, HeadPlan.build(heads, groups, world_size)))
+            plans.append((m, HeadPlan.build(heads, groups, world_size), "heads"))
         except PlanError as e:
+            if mixer_parallel == "auto" and can_state:
+                plans.append((m, HeadPlan.build(heads, groups, 1), "state"))
+                continue
             why = "a 2-D group (make_sp_groups) is refused for mixers that are not attention: its ring level does not carry their state"
             why = more_ranks_than_heads_flat(heads, world_size, why)
+            fix = " (mixer_parallel='state' runs it: the sequence stays sharded)" if can_state else ""
             raise HFIntegrationError(
-                f"apply: {type(m).__name__} ({heads} heads, {groups} groups) cannot be split over {world_size} ranks: {why if world_size > heads else e}"
+                f"apply: {name} ({heads} heads, {groups} groups) cannot be split over {world_size} ranks: {why if world_size > heads else e}{fix}"
             ) from e
     return plans
 
@@ -193,12 +230,12 @@ def switch_mixers(plans, group, comm, root: torch.nn.Module | None = None) -> No
     (``GROUP_KWARG``, beside the ``SequenceShard``), as verl's switch passes them. ``root``: the
     model the user calls (``apply``'s), whose call's keywords a mixer that does not receive them
     is handed (``_HANDED``)."""
-    for m, plan in plans:
+    for m, plan, strategy in plans:
         family, forward, _ = _ADAPTERS[type(m).__name__]
         fn = forward if comm is not None else _per_step(forward)
         if type(m).__name__ in _HANDED:
             fn = _hand_over(m, fn, root)
-        object.__setattr__(m, _SETTINGS_ATTR, _MixerSettings(group, comm, plan, family))
+        object.__setattr__(m, _SETTINGS_ATTR, _MixerSettings(group, comm, plan, family, strategy))
         object.__setattr__(m, "forward", types.MethodType(fn, m))
 
 

@@ -22,7 +22,7 @@ from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_for
 from .audit import check_token_mixers
 from .batch import _SHARD_KWARG, HFIntegrationError
 from .masks import _ulysses_mask
-from .mixers import HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
+from .mixers import HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
 from .multimodal import prepare as prepare_multimodal
 from .multimodal import text_config_key, text_model
 
@@ -127,7 +127,7 @@ def register() -> None:
 
 def apply(
     model, group=None, *, attn_fn=None, kernels=None, chunks: int | str = 1, check: str = "step", comm=None, wire_dtype=None,
-    tiled_loss: bool | int = False, tiled_mlp: bool | int = False, tiled_norms: bool | int = False, offload_activations=False,
+    mixer_parallel: str = "auto", tiled_loss: bool | int = False, tiled_mlp: bool | int = False, tiled_norms: bool | int = False, offload_activations=False,
 ):  # fmt: skip
     """Make a transformers model sequence-parallel over ``group``.
 
@@ -158,6 +158,13 @@ def apply(
             (the fused op's and those around the model's own attention), as
             ``ulysses_attention(wire_dtype=...)`` (docs/fp8_wire.md; not exact). A bad value
             raises ``HFIntegrationError`` here, before the model changes.
+        mixer_parallel: how the token mixers that are not attention (``HANDLED_MIXERS``) run:
+            ``"heads"`` (the head exchange: the whole sequence for a slice of the heads),
+            ``"state"`` (the sequence stays sharded, each layer's conv halo and recurrent state
+            pass between the ranks: Gated DeltaNet, Kimi Delta, Mamba2, short convs; no limit
+            from the head count; ``ulysses_kernels.state_passing``), or ``"auto"`` (default):
+            per layer, the head exchange where its heads split over the ranks, else state
+            passing. Exact either way. docs/hf.md, "Hybrid models".
         check: ``"step"`` (default): validate the inputs across ranks at the first attention
             call of each step (one tiny all-gather per step and path); ``"always"``: every
             layer; ``"never"``: no exchange.
@@ -187,6 +194,7 @@ def apply(
     if check not in ("step", "always", "never"):
         raise HFIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")
     wire = wire_spec(wire_dtype, "apply", HFIntegrationError)
+    check_mixer_parallel(mixer_parallel, "apply")
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
         raise HFIntegrationError(
@@ -211,7 +219,7 @@ def apply(
     # Hybrid models' token mixers that are not attention (Gated DeltaNet, Mamba2, short convs:
     # mixers.HANDLED_MIXERS), planned here so that a layer whose heads cannot be split is refused
     # before anything changes.
-    mixers = _plan_mixers(model if texts is None else texts, group, comm, attention=modules)
+    mixers = _plan_mixers(model if texts is None else texts, group, comm, attention=modules, mixer_parallel=mixer_parallel)
     if not modules and not mixers:
         raise HFIntegrationError(f"apply: found no attention modules (nor any other token mixer it runs) in {type(model).__name__}")
     # The long-context pieces (they refuse before changing anything, as the checks above).
@@ -262,7 +270,7 @@ class _GenerateRefused:
         )
 
 
-def _plan_mixers(model, group, comm, attention=()) -> list:
+def _plan_mixers(model, group, comm, attention=(), mixer_parallel: str = "auto") -> list:
     """The head plans of ``model``'s mixers that are not attention (``mixers.plan_mixers``);
     on a 2-D group (``SPGroups``) they are refused: the ring level passes attention's K/V blocks
     only, not a recurrent state. Such a model's ``attention`` layers then run on the flat group
@@ -285,7 +293,7 @@ def _plan_mixers(model, group, comm, attention=()) -> list:
             raise HFIntegrationError(
                 f"apply: {type(m).__name__} ({heads} query heads) cannot be split over {world} ranks: {more_ranks_than_heads_flat(heads, world, why)}"
             )
-    return plan_mixers(modules, world)
+    return plan_mixers(modules, world, mixer_parallel)
 
 
 def _check_sparse_attention(modules) -> None:

@@ -1,0 +1,242 @@
+"""State passing (``ulysses_kernels.state_passing``, ``mixer_parallel="state"``): the sequence
+stays sharded, each layer's conv halo and recurrent state pass between ranks.
+
+* The core on gloo ranks, float64: Gated DeltaNet's recurrence (per-head and per-channel
+  decays: Kimi's), Mamba2's SSD scan and a causal conv, each rank on its shard (uneven, a shard
+  shorter than the conv's halo, packed documents crossing and starting at shard boundaries)
+  against one process per document: outputs and the gradient of every input within 1e-12.
+* Whole models under ``hf.apply(mixer_parallel="state")`` (float64 sequential kernels both
+  runs, as tests/test_hf_hybrid.py): loss, logits and every gradient at that file's
+  tolerances, uneven and packed, 2 and 4 ranks; a one-key-head Qwen3.5 that the head exchange
+  cannot split over 2 ranks runs under ``"auto"``.
+* Bytes on the wire of an attention-free model's step do not grow with the sequence under
+  ``"state"`` (counted at two lengths); under ``"heads"`` they do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ulysses_kernels.state_passing import DELTA, SSD, local_pieces, preceding, run_sharded
+from ulysses_kernels.testing.hybrids import gated_delta_rule_float64, mamba2_scan_float64
+from ulysses_kernels.testing.ranks import run_ranks
+
+TOL = 1e-12
+# Whole models: the head exchange runs each head's recurrence in one process's order (loss
+# within 1e-12, gradients 1e-9: test_hf_hybrid); state passing sums the carried state in
+# another order (A S_0 + c, the correction J S_0): float64 rounding apart (the core: 1e-12,
+# above). Gradients of parameters test_hf_hybrid rounds to float32 (its FLOAT32_NORMS and
+# float32-cast parameters), and the loss, logits and gradients of models whose float32
+# rounding reaches everything (Nemotron-H's final norm, Bailing's unbounded gate:
+# test_hf_hybrid's loss_rtol; Qwen3.5-MoE: its router's float32 softmax) are at
+# STATE_FLOAT32_RTOL, as are packed batches (test_hf_hybrid's PACKED note); everything else
+# (loss, logits, every other gradient) at STATE_RTOL, the issue's bound.
+# NOTE: measured at 2 and 4 ranks, uneven and packed, float64 kernels: loss 0 to 4e-16 (Qwen3.5-MoE
+# 1.2e-10, Nemotron-H 1.2e-7), float32-rounded gradients <= 1.8e-7 (Qwen3.5-MoE 8.7e-6).
+STATE_RTOL = 1e-9
+STATE_FLOAT32_RTOL = 3e-5
+FLOAT32_ROUTED = {"qwen3.5-moe", "nemotron-h", "bailing-hybrid-softplus"}
+
+
+def _gdn(per_channel: bool):
+    def run(q, k, v, g, beta, initial_state):
+        return gated_delta_rule_float64(q, k, v, g, beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def inputs(total, gen):
+        b, h, hk, dk, dv = 1, 4, 2, 5, 3
+        q, k = torch.randn(b, total, hk, dk, generator=gen, dtype=torch.float64), torch.randn(b, total, hk, dk, generator=gen, dtype=torch.float64)
+        v = torch.randn(b, total, h, dv, generator=gen, dtype=torch.float64)
+        g = -torch.rand(b, total, h, *((dk,) if per_channel else ()), generator=gen, dtype=torch.float64)
+        beta = torch.rand(b, total, h, generator=gen, dtype=torch.float64)
+        if per_channel:  # Kimi: one key head per value head
+            q, k = q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2)
+        return [q, k, v, g, beta]
+
+    return run, inputs, DELTA
+
+
+def _ssd():
+    a_neg = -torch.tensor([0.5, 1.0, 0.25])
+    d_skip = torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64)
+
+    def run(x, dt, bm, cm, initial_states):
+        return mamba2_scan_float64(x, dt, a_neg, bm, cm, 4, D=d_skip, dt_softplus=True, initial_states=initial_states, return_final_states=True)
+
+    def inputs(total, gen):
+        b, h, p, n = 2, 3, 4, 6
+        x = torch.randn(b, total, h, p, generator=gen, dtype=torch.float64)
+        dt = torch.randn(b, total, h, generator=gen, dtype=torch.float64)
+        bm, cm = (torch.randn(b, total, h, n, generator=gen, dtype=torch.float64) for _ in range(2))
+        return [x, dt, bm, cm]
+
+    return run, inputs, SSD
+
+
+CASES = {"gdn": lambda: _gdn(False), "kda": lambda: _gdn(True), "ssd": _ssd}
+# (seq_lens, documents' spans): uneven; a document crossing two boundaries; one starting exactly
+# at a shard's start, one inside a shard, one of a single token.
+SHARDS = {
+    2: [((7, 4), None), ((6, 5), [(0, 3), (3, 6), (6, 11)])],
+    3: [((5, 1, 6), None), ((4, 4, 4), [(0, 1), (1, 4), (4, 10), (10, 12)])],
+    4: [((3, 4, 2, 5), None), ((3, 3, 3, 3), [(0, 5), (5, 6), (6, 12)])],
+}
+
+
+def job_core(rank, world):
+    from ulysses_kernels.comm import get_communicator
+
+    comm = get_communicator(None)
+    for name, make in CASES.items():
+        run, inputs, algebra = make()
+        for seq_lens, spans in SHARDS[world]:
+            total = sum(seq_lens)
+            gen = torch.Generator().manual_seed(7)
+            full = inputs(total, gen)
+            weight = None
+            # One process: each document from a zero state.
+            leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in full]
+            docs = spans or [(0, total)]
+            ref = torch.cat([run(*(t[:, a:b] for t in leaves), None)[0] for a, b in docs], dim=1)
+            weight = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+            (ref * weight).sum().backward()
+            # The ranks: this rank's shard of every input.
+            start, s_r = sum(seq_lens[:rank]), seq_lens[rank]
+            mine = [t[:, start : start + s_r].clone().requires_grad_() for t in full]
+            out = run_sharded(comm, seq_lens, docs, run, algebra, mine)
+            what = f"{name}, shards {seq_lens}, documents {spans}"
+            torch.testing.assert_close(out, ref[:, start : start + s_r].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{what}: output: {m}")
+            (out * weight[:, start : start + s_r]).sum().backward()
+            for i, (got, leaf) in enumerate(zip(mine, leaves)):
+                want = leaf.grad[:, start : start + s_r]
+                torch.testing.assert_close(got.grad, want, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: grad of input {i}: {m}")
+    # The conv's halo: the tokens before the shard, from several ranks when shards are short.
+    for seq_lens, _ in SHARDS[world]:
+        total, width = sum(seq_lens), 4
+        x = torch.arange(total, dtype=torch.float64).view(1, total, 1).expand(2, total, 3).contiguous()
+        start = sum(seq_lens[:rank])
+        mine = x[:, start : start + seq_lens[rank]].clone().requires_grad_()
+        before = preceding(comm, seq_lens, mine, width)
+        assert torch.equal(before, x[:, max(0, start - width) : start]), (seq_lens, rank, before[0, :, 0])
+        (before.sum() + mine.sum() * 0).backward()
+        # Each token's gradient: 1 for every later rank whose halo holds it.
+        ends = [sum(seq_lens[: j + 1]) for j in range(world)]
+        pos = torch.arange(start, start + seq_lens[rank])
+        want = sum(((pos >= max(0, ends[j - 1] - width)) & (pos < ends[j - 1])).double() for j in range(1, world))
+        assert torch.equal(mine.grad[0, :, 0], want), (seq_lens, rank, mine.grad[0, :, 0], want)
+
+
+def test_local_pieces():
+    assert local_pieces((4, 4), 1, [(0, 6), (6, 8)]) == ([(0, 2), (2, 4)], True)
+    assert local_pieces((4, 4), 1, [(0, 4), (4, 8)]) == ([(0, 4)], False)
+    assert local_pieces((4, 4), 1, [(0, 8)], lead=3) == ([(0, 7)], True)
+    assert local_pieces((4, 4), 1, [(0, 2), (2, 8)], lead=3) == ([(0, 1), (1, 7)], True)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_core_against_one_process(world):
+    run_ranks(job_core, world)
+
+
+def _state_models():
+    from ulysses_kernels.integrations.hf.mixers import _ADAPTERS, STATE_FAMILIES
+    from ulysses_kernels.testing.hybrids import MODELS
+
+    return [case for case in MODELS if _ADAPTERS[case[3]][0] in STATE_FAMILIES]
+
+
+def job_models(rank, world):
+    """Every model whose mixers state passing covers, under ``mixer_parallel="state"``, against
+    one process (float64 kernels in both runs; ``STATE_RTOL`` and ``STATE_FLOAT32_RTOL``)."""
+    from test_hf import global_batch
+    from test_hf import reference as reference_unpacked
+    from test_hf_hybrid import GRAD_RTOL, _rel, grad_tolerances
+    from test_hf_packed import packed_batch
+    from test_hf_packed import reference as reference_packed
+
+    from ulysses_kernels.integrations import hf
+    from ulysses_kernels.integrations.hf.mixer_exchange import _SETTINGS_ATTR
+    from ulysses_kernels.testing.hybrids import build, float64_kernels, sharded_step
+
+    ids, labels = global_batch()
+    pids, plabels, positions, cu = packed_batch()
+    worst = {}
+    with float64_kernels():
+        for case in _state_models():
+            name = case[0]
+            model = hf.apply(build(case), None, mixer_parallel="state")
+            switched = [m for m in model.modules() if type(m).__name__ == case[3]]
+            assert switched and all(getattr(m, _SETTINGS_ATTR).strategy == "state" for m in switched), name
+            loose = name in FLOAT32_ROUTED
+            strict = set() if loose else {"loss", "logits"} | {n for n, t in grad_tolerances(model).items() if t == GRAD_RTOL}
+            runs = (
+                ("uneven", reference_unpacked(build(case), ids, labels), hf.shard_batch(ids, labels, group=None)),
+                ("packed", reference_packed(build(case), pids, plabels, cu), hf.shard_batch(pids, plabels, group=None, position_ids=positions)),
+            )
+            for kind, ref, batch in runs:
+                loss, grads, logits = sharded_step(model, batch, None)
+                errs = {"loss": _rel(loss, ref[0]), "logits": _rel(logits, ref[2])}
+                errs |= {n: _rel(g, ref[1][n]) for n, g in grads.items()}
+                for what, err in errs.items():
+                    # Packed: everything at the float32 bound, as test_hf_hybrid (its PACKED note).
+                    tol = STATE_RTOL if what in strict and kind != "packed" else STATE_FLOAT32_RTOL
+                    assert err <= tol, f"{name}, world {world}, state passing, {kind}: {what}: relative error {err:.2e} > {tol:.0e}"
+                    key = (name, kind, "strict" if tol == STATE_RTOL else "float32")
+                    worst[key] = max(worst.get(key, 0.0), err)
+    if rank == 0:
+        for key, err in sorted(worst.items()):
+            print(f"state passing, world {world}, {key}: {err:.1e}", flush=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_models_under_state_passing(world):
+    run_ranks(job_models, world)
+
+
+def job_heads_and_bytes(rank, world):
+    """(1) Qwen3.5 whose linear attention has one head: the head exchange cannot split it over 2
+    ranks (refused by name, naming the fix); ``"auto"`` (the default) runs it with state passing,
+    exact. (2) Mamba2 (attention-free): the bytes each rank sends in one forward+backward, at two
+    lengths: constant under ``"state"``, growing under ``"heads"``."""
+    from test_hf import reference as reference_unpacked
+    from test_hf_hybrid import _rel
+    from test_fp8_wire import CountingComm
+
+    from ulysses_kernels.comm import get_communicator
+    from ulysses_kernels.integrations import hf
+    from ulysses_kernels.integrations.hf.mixer_exchange import _SETTINGS_ATTR
+    from ulysses_kernels.testing.hybrids import MODELS, VOCAB, build, float64_kernels, sharded_step
+
+    gen = torch.Generator().manual_seed(3)
+    qwen = next(c for c in MODELS if c[0] == "qwen3.5")
+    one_head = (*qwen[:4], qwen[4] | {"linear_num_value_heads": 1, "linear_num_key_heads": 1})
+    with pytest.raises(hf.HFIntegrationError, match=r"Qwen3_5GatedDeltaNet \(1 heads, 1 groups\) cannot be split over 2 ranks.*mixer_parallel='state'"):
+        hf.apply(build(one_head), None, mixer_parallel="heads")
+    ids = torch.randint(0, VOCAB, (2, 11), generator=gen)
+    labels = ids.clone()
+    with float64_kernels():
+        model = hf.apply(build(one_head), None)  # "auto"
+        assert all(getattr(m, _SETTINGS_ATTR).strategy == "state" for m in model.modules() if type(m).__name__ == qwen[3])
+        ref = reference_unpacked(build(one_head), ids, labels)
+        loss, grads, logits = sharded_step(model, hf.shard_batch(ids, labels, group=None), None)
+        assert _rel(loss, ref[0]) <= STATE_RTOL and _rel(logits, ref[2]) <= STATE_RTOL, (_rel(loss, ref[0]), _rel(logits, ref[2]))
+        for n, g in grads.items():
+            assert _rel(g, ref[1][n]) <= STATE_FLOAT32_RTOL, (n, _rel(g, ref[1][n]))
+    mamba2 = next(c for c in MODELS if c[0] == "mamba2")
+    sent = {}
+    for strategy in ("state", "heads"):
+        for length in (16, 64):
+            comm = CountingComm(get_communicator(None))
+            model = hf.apply(build(mamba2), None, comm=comm, mixer_parallel=strategy)
+            ids = torch.randint(0, VOCAB, (1, length), generator=gen)
+            batch = hf.shard_batch(ids, ids.clone(), group=None)
+            batch.loss(model(**batch.model_inputs(loss=False)).logits).backward()
+            sent[(strategy, length)] = sum(comm.sent)
+    assert sent[("state", 16)] == sent[("state", 64)] > 0, sent
+    assert sent[("heads", 64)] > 3 * sent[("heads", 16)], sent
+    if rank == 0:
+        print(f"bytes sent by rank 0, Mamba2 forward+backward (2 layers): {sent}", flush=True)
+
+
+def test_one_head_and_bytes():
+    run_ranks(job_heads_and_bytes, 2)
