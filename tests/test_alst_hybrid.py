@@ -51,10 +51,27 @@ DOCS = (15, 12, 10)  # 37 tokens: 19 + 18 on 2 ranks, document boundaries inside
 ONE = 36
 
 
-def _job(rank, world, paths=None):
+def _job(rank, world, paths=None, mixer_parallel=None):
+    from ulysses_kernels.integrations.deepspeed import enable_alst
+
+    if mixer_parallel is None:
+        return _check(rank, world, CASES, paths, None)
+    # enable_alst's keyword: the GDN and Mamba2 hybrids with state passing; the rank's switch back
+    # to its defaults afterwards (the ranks of the pool run later tests).
+    alst_classes("ours")
+    enable_alst(mixer_parallel=mixer_parallel)
+    try:
+        _check(rank, world, [c for c in CASES if c[0] in ("qwen3.5", "bamba")], paths, mixer_parallel)
+    finally:
+        enable_alst()
+
+
+def _check(rank, world, cases, paths, mixer_parallel):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    alst, _ = alst_classes("ours")
+    from ulysses_kernels.integrations.hf.mixer_exchange import _SETTINGS_ATTR
+
+    alst = alst_classes("ours")[0] if mixer_parallel is None else _ours()
     vocab = CASES[0][4]["vocab_size"]
     torch.manual_seed(7)
     ids = torch.randint(0, vocab, (1, sum(DOCS)))
@@ -67,7 +84,7 @@ def _job(rank, world, paths=None):
         "packed": (ids, shifted(labels), torch.cat([torch.arange(n) for n in DOCS]).unsqueeze(0), cu),
     }
     with float64_kernels():
-        for case in CASES:
+        for case in cases:
             model, reference = build(case), build(case)
             for m in (model, reference):  # the steps call the models without use_cache=False; a cache is refused
                 m.config.use_cache = False
@@ -95,15 +112,30 @@ def _job(rank, world, paths=None):
                     close(loss, ref_loss, FLOAT32_RTOL if c else loss_rtol(case), f"{label}: loss")
                     for n, g in grads.items():
                         close(g, ref_grads[n], FLOAT32_RTOL if c else tols[n], f"{label}: grad of {n}")
-                # the mixers ran switched (their sequence-parallel forward on the instance)
+                # the mixers ran switched (their sequence-parallel forward on the instance), with the strategy asked for
                 assert all("forward" in vars(m) for m in model.modules() if type(m).__name__ == case[3])
+                strategies = {getattr(m, _SETTINGS_ATTR).strategy for m in model.modules() if type(m).__name__ == case[3]}
+                assert strategies == {"state" if mixer_parallel == "state" else "heads"}, (case[0], strategies)
             finally:
                 uattn.unregister()
             assert type(model.model).__dict__.get("forward") is decoder_forward  # the class as it was
 
 
+def _ours():
+    """Our ``UlyssesSPAttentionHF`` as DeepSpeed's module names it after ``enable_alst`` (no second call)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    return UlyssesSPAttentionHF
+
+
 def test_hybrids_through_alst():
     run_ranks(_job, 2)
+
+
+def test_state_passing_through_alst():
+    """``enable_alst(mixer_parallel="state")``: Qwen3.5's Gated DeltaNet and Bamba's Mamba2 with
+    the sequence kept sharded (tests/test_state_passing.py), at this file's tolerances."""
+    run_ranks(_job, 2, None, "state")
 
 
 def test_hybrids_through_alst_by_path(tmp_path):

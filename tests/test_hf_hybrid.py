@@ -240,12 +240,12 @@ def test_handled_mixers_table():
 
 
 def test_refusals_one_process():
-    """More ranks than a mixer's heads, or a mixer fed without a shard: refused by name."""
+    """More ranks than a mixer's heads (the head exchange), or a mixer fed without a shard: refused by name."""
     from ulysses_kernels.integrations.hf.mixers import mixer_modules, plan_mixers
 
     model = build(MODELS[0])  # Qwen3.5: 6 value heads over 2 key heads
     with pytest.raises(hf.HFIntegrationError, match=r"Qwen3_5GatedDeltaNet \(6 heads, 2 groups\) cannot be split over 8 ranks"):
-        plan_mixers(mixer_modules(model), 8)
+        plan_mixers(mixer_modules(model), 8, "heads")
     model = hf.apply(model)  # a world of one
     ids, _ = global_batch()
     with pytest.raises(hf.HFIntegrationError, match="without a sequence shard"):

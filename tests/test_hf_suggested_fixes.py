@@ -49,13 +49,17 @@ def _job(rank, world):
     ids = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(0))
     pair = dist.new_group([0, 1])  # the fix "a flat group of at most 2 ranks" (every rank makes it)
 
-    # A hybrid whose Gated DeltaNet has 2 heads: refused at apply, with the fix that works.
+    # A hybrid whose Gated DeltaNet has 2 heads: the head exchange refuses it at apply, with the fixes
+    # that work: state passing (what "auto", the default, picks: the step matches one process on all 3
+    # ranks) or a flat group of 2.
     hybrid = lambda: build_tiny("qwen3_5_text", TWO_GDN_HEADS)  # noqa: E731
-    msg = _refusal(lambda: hf.apply(hybrid()))
+    msg = _refusal(lambda: hf.apply(hybrid(), mixer_parallel="heads"))
     assert "Qwen3_5GatedDeltaNet (2 heads, 1 groups) cannot be split over 3 ranks" in msg, msg
     assert "pass a flat sequence-parallel group of at most 2 ranks" in msg and "make_sp_groups(ulysses_size" not in msg, msg
+    assert "mixer_parallel='state' runs it" in msg, msg
     msg = _refusal(lambda: hf.apply(hybrid(), uk.make_sp_groups(1, 3)))  # why the old advice was wrong
     assert "not on a 2-D SPGroups" in msg, msg
+    _step_matches_one_process(hybrid(), ids, None)
     if rank < 2:
         _step_matches_one_process(hybrid(), ids, pair)
 
@@ -93,12 +97,16 @@ def test_suggested_fixes_work_at_3_ranks():
     run_ranks(_job, 3)
 
 
-def test_one_mixer_head_over_two_ranks_says_to_run_without_sequence_parallelism():
-    """The issue's case, one Gated DeltaNet head over 2 ranks: no split helps."""
+def test_one_mixer_head_over_two_ranks_runs_with_state_passing():
+    """The issue's case, one Gated DeltaNet head over 2 ranks: no head split helps; the head
+    exchange's refusal names state passing, which "auto" (the default) picks."""
     model = build_tiny("qwen3_5_text", {"linear_num_key_heads": 1, "linear_num_value_heads": 1})
-    msg = _refusal(lambda: plan_mixers(mixer_modules(model), 2))
+    msg = _refusal(lambda: plan_mixers(mixer_modules(model), 2, "heads"))
     assert "Qwen3_5GatedDeltaNet (1 heads, 1 groups) cannot be split over 2 ranks" in msg, msg
-    assert msg.endswith("run it without sequence parallelism") and "make_sp_groups(ulysses_size" not in msg, msg
+    assert "run it without sequence parallelism" in msg and "make_sp_groups(ulysses_size" not in msg, msg
+    assert msg.endswith("(mixer_parallel='state' runs it: the sequence stays sharded)"), msg
+    (_, _, strategy), *_ = plan_mixers(mixer_modules(model), 2)  # "auto": state passing (tests/test_state_passing.py runs it)
+    assert strategy == "state"
 
 
 def test_generate_is_refused_with_the_kv_cache_message_and_its_fix_works():

@@ -62,11 +62,27 @@ def _grads(model, sp_group=None, sp=1) -> dict:
     return grads
 
 
-def _job(rank, world):
+def _job(rank, world, mixer_parallel=None):
+    from ulysses_kernels.integrations import verl as switch
+
+    _verl_on_cpu()
+    if mixer_parallel is None:
+        return _check(rank, world, CASES, None)
+    # The switch's keyword: the GDN and Mamba2 hybrids with state passing; the rank's switch back
+    # to its defaults afterwards (the ranks of the pool run later tests).
+    switch.apply(mixer_parallel=mixer_parallel)
+    try:
+        _check(rank, world, [c for c in CASES if c[0] in ("qwen3.5", "bamba")], mixer_parallel)
+    finally:
+        switch.apply()
+
+
+def _check(rank, world, cases, mixer_parallel):
     import verl.models.transformers.monkey_patch as mp
     from verl.utils.ulysses import FSDPUlyssesShardingManager
 
-    _verl_on_cpu()
+    from ulysses_kernels.integrations.hf.mixer_exchange import _SETTINGS_ATTR
+
     mesh = _mesh(world, world)
     group = mesh["sp"].get_group()
     vocab = CASES[0][4]["vocab_size"]
@@ -77,11 +93,13 @@ def _job(rank, world):
         "packed": (ids, torch.cat([torch.arange(n) for n in DOCS]).unsqueeze(0), list(DOCS)),
     }
     with float64_kernels():
-        for case in CASES:
+        for case in cases:
             model = build(case)
             reference = copy.deepcopy(model)
             mp.apply_monkey_patch(model, world)
             assert sum(type(m).__name__ == case[3] for m in model.modules()) >= 1
+            strategies = {getattr(m, _SETTINGS_ATTR).strategy for m in model.modules() if type(m).__name__ == case[3]}
+            assert strategies == {"state" if mixer_parallel == "state" else "heads"}, (case[0], strategies)
             tols = grad_tolerances(model)
             for what, (x, pos, docs) in batches.items():
                 with FSDPUlyssesShardingManager(mesh):
@@ -103,3 +121,10 @@ def _job(rank, world):
 
 def test_hybrids_under_verls_switch():
     run_ranks(_job, 2)
+
+
+def test_state_passing_under_verls_switch():
+    """``apply(mixer_parallel="state")``: Qwen3.5's Gated DeltaNet and Bamba's Mamba2 with the
+    sequence kept sharded (tests/test_state_passing.py), at this file's tolerances.
+    NOTE: measured: within them (the same bounds hold through hf.apply at 2 and 4 ranks)."""
+    run_ranks(_job, 2, "state")

@@ -195,10 +195,15 @@ def test_refused_when_preparing(uv):
             shared_expert_intermediate_size=8,
         )  # fmt: skip
     )
-    # A hybrid's mixers run (tests/test_verl_hybrid.py) where their heads split over the ranks;
-    # 2 Gated DeltaNet heads over 4 ranks are refused by the mixer's class before anything changes.
-    with pytest.raises(uv.VerlIntegrationError, match=r"Qwen3NextGatedDeltaNet \(2 heads, 2 groups\) cannot be split over 4 ranks"):
-        _patch(nxt, 4)
+    # A hybrid's mixers run (tests/test_verl_hybrid.py) through the head exchange where their heads split
+    # over the ranks; with mixer_parallel="heads", 2 Gated DeltaNet heads over 4 ranks are refused by the
+    # mixer's class before anything changes, naming state passing (which "auto", the default, picks).
+    uv.apply(mixer_parallel="heads")
+    try:
+        with pytest.raises(uv.VerlIntegrationError, match=r"Qwen3NextGatedDeltaNet \(2 heads, 2 groups\) cannot be split over 4 ranks.*mixer_parallel='state'"):
+            _patch(nxt, 4)
+    finally:
+        uv.apply()
     assert nxt.config._attn_implementation != uv.ATTN_IMPLEMENTATION
     assert all("forward" not in vars(m) for m in nxt.modules())
     # An attention-free model whose mixers hf.apply runs (Mamba2): verl's switch plans attention heads.

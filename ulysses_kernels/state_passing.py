@@ -118,6 +118,11 @@ class Algebra:
     correct: Callable
 
 
+def _eye(like: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, H, n, n]`` identities for ``like`` ``[B, L, H, ...]``."""
+    return torch.eye(n, dtype=like.dtype, device=like.device).expand(like.shape[0], like.shape[2], n, n)
+
+
 # Gated DeltaNet, Kimi Delta, linear attention: S [B, H, K, V], each step S <- M_t S + k_t u_t^T
 # (M_t acts on the key side: a decay, per head or per key channel, and I - beta k k^T); the
 # output reads q^T S. The value columns are independent: V + K columns, the last K from I.
@@ -125,7 +130,7 @@ DELTA = Algebra(
     name="delta",
     value=2,
     width=lambda tensors: tensors[1].shape[-1],
-    init=lambda v, k: torch.cat([v.new_zeros(v.shape[0], v.shape[2], k, v.shape[3]), torch.eye(k, dtype=v.dtype, device=v.device).expand(v.shape[0], v.shape[2], k, k)], -1),
+    init=lambda v, k: torch.cat([v.new_zeros(v.shape[0], v.shape[2], k, v.shape[3]), _eye(v, k)], -1),
     split_state=lambda final, dv: (final[..., :dv], final[..., dv:]),
     compose=lambda a, s: a @ s,
     correct=lambda out0, j, s0: out0 + torch.einsum("blhk,bhkv->blhv", j, s0),
@@ -140,7 +145,7 @@ SSD = Algebra(
     name="ssd",
     value=0,
     width=lambda tensors: tensors[2].shape[-1],
-    init=lambda x, n: torch.cat([x.new_zeros(x.shape[0], x.shape[2], x.shape[3], n), torch.eye(n, dtype=x.dtype, device=x.device).expand(x.shape[0], x.shape[2], n, n)], -2),
+    init=lambda x, n: torch.cat([x.new_zeros(x.shape[0], x.shape[2], x.shape[3], n), _eye(x, n)], -2),
     split_state=lambda final, p: (final[..., :p, :], final[..., p, 0]),
     compose=lambda a, s: s * a[..., None, None],
     correct=lambda out0, j, s0: out0 + torch.einsum("bhpn,blhn->blhp", s0, j),
@@ -159,7 +164,9 @@ def carried_in(comm, algebra: Algebra, a: torch.Tensor, c: torch.Tensor) -> torc
     return state
 
 
-def run_sharded(comm, seq_lens: Sequence[int], spans: Sequence[tuple[int, int]], run: Callable, algebra: Algebra, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def run_sharded(
+    comm, seq_lens: Sequence[int], spans: Sequence[tuple[int, int]], run: Callable, algebra: Algebra, tensors: Sequence[torch.Tensor]
+) -> torch.Tensor:
     """The recurrence over this rank's shard (``tensors`` ``[B, s_r, ...]``, the kernel's inputs
     in its order), exact for the global sequence: ``run(*tensors, initial_state)`` ->
     ``(out [B, L, H, V], final_state)`` is the layer's kernel on one document piece. Returns

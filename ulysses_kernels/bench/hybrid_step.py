@@ -113,6 +113,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--autotune", choices=("one", "full"), default="one", help="flash-linear-attention's autotuners: their smallest config only (default) or all"
     )
+    p.add_argument(
+        "--mixer-parallel", choices=("heads", "state", "auto"), default="auto",
+        help="how the ranks run the mixers: the head exchange, state passing (docs/state_passing.md) or auto (default)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=300, help="seconds the ranks may take (default 300)")
     harness.add_output(p)
     args = p.parse_args(argv)
@@ -261,7 +265,7 @@ def one_process(case, ids, labels, dtype, device, autotune: str) -> tuple[tuple,
     return ref, one, kernels, seconds
 
 
-def _rank_job(rank, world, names, size, seq, dtype, device_type, autotune, out_path):
+def _rank_job(rank, world, names, size, seq, dtype, device_type, autotune, out_path, mixer_parallel="auto"):
     """On each rank: every model under ``hf.apply`` on the world group, one sharded step; rank 0
     saves ``{model: (result, kernels, seconds)}`` to ``out_path``."""
     device = torch.device("cpu")
@@ -272,7 +276,7 @@ def _rank_job(rank, world, names, size, seq, dtype, device_type, autotune, out_p
     results = {}
     for case in cases(names, size):
         ids, labels = batch(seq, case[4]["vocab_size"])
-        model = hf.apply(build(case).to(device=device, dtype=dtype))
+        model = hf.apply(build(case).to(device=device, dtype=dtype), mixer_parallel=mixer_parallel)
         if autotune == "one":
             one_config_autotuners()
         t = time.perf_counter()
@@ -357,7 +361,7 @@ def main(argv=None) -> int:
         # The ranks start first and run beside this process's two runs: their kernels are other
         # specializations (a rank's head counts), so neither waits for the other's compilation.
         ranks_run = _Background(run_ranks, _rank_job, args.world, args.models, args.size, args.seq, dtype, args.device, args.autotune,
-                                out_path, transport=args.transport, timeout_s=args.timeout)  # fmt: skip
+                                out_path, args.mixer_parallel, transport=args.transport, timeout_s=args.timeout)  # fmt: skip
         t0 = time.perf_counter()
         try:
             per_model = {}
@@ -382,7 +386,8 @@ def main(argv=None) -> int:
             "seconds": {**seconds, "ranks_step_rank0": seconds_ranks},
         }
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else record.CPU_LABEL
-    title = (f"# hybrid step on {where}: {args.dtype}, {args.world} {args.transport} ranks vs one process, both vs float64; "
+    title = (f"# hybrid step on {where}: {args.dtype}, {args.world} {args.transport} ranks (mixers: {args.mixer_parallel}) vs one process, "
+             "both vs float64; "
              f"{args.size} sizes, batch {BATCH} x {args.seq} tokens, floor {args.floor:g}")  # fmt: skip
     record.print_table(COLUMNS, summary(rows), title=title)
     found = ", ".join(f"{k} {v}" for k, v in _versions().items() if v is not None)
@@ -396,7 +401,8 @@ def main(argv=None) -> int:
           f"runs {t_one:.1f} s beside the ranks' {t_ranks:.1f} s, wall, start-up and compilation included: not a timing claim)", flush=True)  # fmt: skip
     if not args.no_write:
         env = record.env_record(device, args.world, args.transport, dtype=args.dtype, size=args.size, seq=args.seq, batch=BATCH,
-                                packages=_versions(), autotune=args.autotune, attention_kernels=auto_choice(device)[0].name)  # fmt: skip
+                                packages=_versions(), autotune=args.autotune, attention_kernels=auto_choice(device)[0].name,
+                                mixer_parallel=args.mixer_parallel)  # fmt: skip
         meta = {"floor": args.floor, "rule": "err_ranks <= 2 * err_one + floor; err = max|x - ref| / max|ref|, ref: one process float64",
                 "models": meta_models, "seconds": {"one_process_all_models": t_one, "ranks_wall": t_ranks}, "failed": len(bad)}  # fmt: skip
         paths = record.write_results(args.out_dir, NAME, env, rows, meta)

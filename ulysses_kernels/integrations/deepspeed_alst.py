@@ -61,7 +61,7 @@ from .hf import audit as hf_audit
 from .hf import model as hf_model
 from .hf import multimodal as hf_multimodal
 from .hf.batch import _SHARD_KWARG
-from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
+from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
 
 __all__ = ["ALSTIntegrationError", "UlyssesSPAttentionHF", "enable_alst", "disable_alst", "alst_enabled"]
 
@@ -426,7 +426,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
         def forward(module, *args, **kwargs):
             if not getattr(module, _SWITCHED_ATTR, False):
-                switch_mixers(plan_mixers(mixer_modules(module), sp_size), None, None)
+                switch_mixers(plan_mixers(mixer_modules(module), sp_size, _OPTIONS.get("mixer_parallel", "auto")), None, None)
                 object.__setattr__(module, _SWITCHED_ATTR, True)
             args, kwargs = self._mixer_step(module, args, kwargs)
             return inherited(module, *args, **kwargs)
@@ -503,7 +503,7 @@ def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module | None]:
     modules = [m for m in hf_model._attention_modules(model) if texts is None or m.config is texts.config]
     try:
         hf_audit.check_token_mixers(model, handled, attention=modules, scope=texts, caller="register_with_transformers")
-        mixers = plan_mixers(mixer_modules(model if texts is None else texts), sp_size)
+        mixers = plan_mixers(mixer_modules(model if texts is None else texts), sp_size, _OPTIONS.get("mixer_parallel", "auto"))
         return mixers, ((texts if texts is not None else model.base_model) if mixers else None)
     except hf.HFIntegrationError as e:
         raise ALSTIntegrationError(str(e)) from e
@@ -533,7 +533,7 @@ def _delegate(deepspeed_cls, *args, **kwargs):
     return UlyssesSPAttentionHF.register_with_transformers(*args, **kwargs)
 
 
-def enable_alst(*, wire_dtype=None) -> None:
+def enable_alst(*, wire_dtype=None, mixer_parallel: str = "auto") -> None:
     """Make DeepSpeed's ALST entry point run ``UlyssesSPAttentionHF`` of this module.
 
     After it, ``deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`` is this
@@ -547,8 +547,12 @@ def enable_alst(*, wire_dtype=None) -> None:
     ``wire_dtype``: ``None``, ``"fp8"`` or a ``wire.WireSpec``: FP8 on every exchange of the
     attention calls of models registered from now on (docs/fp8_wire.md; a bad value raises
     ``ALSTIntegrationError`` here, before anything changes). A later call sets it again.
+    ``mixer_parallel``: ``"heads"``, ``"state"`` or ``"auto"``: how a hybrid's linear-attention
+    and SSM layers run in models registered from now on (``hf.apply``'s keyword), set likewise.
     """
     wire = wire_spec(wire_dtype, "enable_alst", ALSTIntegrationError)
+    check_mixer_parallel(mixer_parallel, "enable_alst", ALSTIntegrationError)
+    _OPTIONS["mixer_parallel"] = mixer_parallel
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
     _OPTIONS["wire_dtype"] = wire

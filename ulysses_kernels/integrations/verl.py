@@ -74,7 +74,7 @@ from ..plan import HeadPlan, PlanError
 from ..wire import WireSpec, wire_spec
 from .hf.audit import check_token_mixers
 from .hf.batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
-from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, mixer_modules, plan_mixers, switch_mixers
+from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
 from .hf.model import _attention_modules
 
 __all__ = [
@@ -114,6 +114,7 @@ class _Options:
     chunks: int | str = 1
     check: str = "step"
     wire_dtype: WireSpec | None = None  # checked by ``apply`` (``wire.wire_spec``)
+    mixer_parallel: str = "auto"  # checked by ``apply`` (``hf.mixers.check_mixer_parallel``)
 
 
 @dataclass(eq=False)
@@ -186,7 +187,7 @@ def is_applied() -> bool:
     return mp is not None and hasattr(mp.apply_monkey_patch, _ORIGINAL_ATTR)
 
 
-def apply(*, kernels=None, chunks: int | str = 1, check: str = "step", wire_dtype=None):
+def apply(*, kernels=None, chunks: int | str = 1, check: str = "step", wire_dtype=None, mixer_parallel: str = "auto"):
     """Make verl's Ulysses run ours in this process (what importing this module does).
 
     Replaces ``apply_monkey_patch`` in ``verl.models.transformers.monkey_patch`` and in every
@@ -198,7 +199,9 @@ def apply(*, kernels=None, chunks: int | str = 1, check: str = "step", wire_dtyp
     ``"step"`` (validate q/k/v across the ranks at the first attention call of each forward),
     ``"always"`` (every layer) or ``"never"``; ``wire_dtype``: ``None``, ``"fp8"`` or a
     ``wire.WireSpec``, FP8 on every exchange of every attention call (docs/fp8_wire.md; a bad
-    value raises ``VerlIntegrationError`` here). The options hold for models prepared after
+    value raises ``VerlIntegrationError`` here); ``mixer_parallel``: ``"heads"``, ``"state"``
+    or ``"auto"``, how a hybrid's linear-attention/SSM layers run (``hf.apply``'s keyword:
+    the head exchange or state passing). The options hold for models prepared after
     the call: importing the module applies the defaults, so call ``apply(wire_dtype="fp8")``
     in the worker (e.g. from a module of your own named by ``external_lib``) before verl
     builds the model.
@@ -208,10 +211,11 @@ def apply(*, kernels=None, chunks: int | str = 1, check: str = "step", wire_dtyp
     if check not in ("step", "always", "never"):
         raise VerlIntegrationError(f"apply: check expected 'step', 'always' or 'never', got {check!r}")
     wire = wire_spec(wire_dtype, "apply", VerlIntegrationError)
+    check_mixer_parallel(mixer_parallel, "apply", VerlIntegrationError)
     mp = _verl_monkey_patch_module()
     current = mp.apply_monkey_patch
     original = getattr(current, _ORIGINAL_ATTR, current)
-    ours = _make_apply_monkey_patch(original, _Options(kernels, chunks, check, wire))
+    ours = _make_apply_monkey_patch(original, _Options(kernels, chunks, check, wire, mixer_parallel))
     _rebind(original, ours)
     _register()
     return ours
@@ -301,7 +305,7 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
     # convolutions, planned here at sp_size); anything else is refused by class and place.
     try:
         check_token_mixers(model, HANDLED_MIXERS, attention=_attention_modules(model), caller="apply_monkey_patch")
-        mixers = plan_mixers(mixer_modules(model), sp_size)
+        mixers = plan_mixers(mixer_modules(model), sp_size, options.mixer_parallel)
     except HFIntegrationError as e:
         raise VerlIntegrationError(str(e)) from e
     text = _text_config(config)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ...gqa import expand_kv
-from .batch import HFIntegrationError
 from ...state_passing import DELTA, SSD
+from .batch import HFIntegrationError
 from .mixer_exchange import _arange, _context, _conv, _kernel, _per_document, _ranges, _recurrence, _to_heads, _to_sequence
 
 
