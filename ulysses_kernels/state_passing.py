@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DELTA", "SSD", "Algebra", "carried_in", "gather", "local_pieces", "preceding", "run_sharded"]
+__all__ = ["DELTA", "SSD", "Algebra", "carried_in", "gather", "local_pieces", "preceding", "run_sharded", "selective"]
 
 
 class _Gather(torch.autograd.Function):
@@ -102,18 +102,14 @@ def local_pieces(seq_lens: Sequence[int], rank: int, spans: Sequence[tuple[int, 
 
 @dataclass(frozen=True)
 class Algebra:
-    """How a recurrence's state answers its initial state, for the identity trick of the module
-    docstring. ``value``: the index of the value-side tensor among the kernel's inputs (``[B, L,
-    H, V]``); ``width(tensors)``: ``K``, the identity's size; ``init(v, k)``: the widened initial
-    state ``[0 | I]``; ``split_state(final, V)`` -> ``(c, A)``, ``A`` in the form that travels
-    (Mamba2's ``A`` is a scalar times ``I``: the scalar); ``compose(A, S)``: ``A`` applied to a
-    state; ``correct(out0, J, S0)``: the output from ``S0``."""
+    """How a recurrence's state answers its initial state. ``affine(run, tensors)`` -> ``(out0,
+    J, c, A)``: one document piece from a zero state (``out0``, its final state ``c``), the
+    shard's transition ``A`` in the form that travels and ``J``, the output's response to the
+    initial state; ``compose(A, S)``: ``A`` applied to a state; ``correct(out0, J, S0)``: the
+    output from ``S0``."""
 
     name: str
-    value: int
-    width: Callable
-    init: Callable
-    split_state: Callable
+    affine: Callable
     compose: Callable
     correct: Callable
 
@@ -123,15 +119,33 @@ def _eye(like: torch.Tensor, n: int) -> torch.Tensor:
     return torch.eye(n, dtype=like.dtype, device=like.device).expand(like.shape[0], like.shape[2], n, n)
 
 
-# Gated DeltaNet, Kimi Delta, linear attention: S [B, H, K, V], each step S <- M_t S + k_t u_t^T
+def _widened(value: int, width: Callable, init: Callable, split_state: Callable) -> Callable:
+    """``affine`` by the identity trick (module docstring): the kernel's ``value``-th input
+    ``[B, L, H, V]`` widened by ``width(tensors)`` zero columns, the initial state ``init(v, K)``;
+    ``split_state(final, V)`` -> ``(c, A)``."""
+
+    def affine(run, tensors):
+        tensors = list(tensors)
+        v = tensors[value]
+        dv, k = v.shape[-1], width(tensors)
+        tensors[value] = torch.cat([v, v.new_zeros(*v.shape[:-1], k)], -1)
+        out, final = run(*tensors, init(v, k))
+        return (out[..., :dv], out[..., dv:], *split_state(final, dv))
+
+    return affine
+
+
+# Gated DeltaNet, Kimi Delta, lightning attention: S [B, H, K, V], each step S <- M_t S + k_t u_t^T
 # (M_t acts on the key side: a decay, per head or per key channel, and I - beta k k^T); the
 # output reads q^T S. The value columns are independent: V + K columns, the last K from I.
 DELTA = Algebra(
     name="delta",
-    value=2,
-    width=lambda tensors: tensors[1].shape[-1],
-    init=lambda v, k: torch.cat([v.new_zeros(v.shape[0], v.shape[2], k, v.shape[3]), _eye(v, k)], -1),
-    split_state=lambda final, dv: (final[..., :dv], final[..., dv:]),
+    affine=_widened(
+        2,
+        lambda tensors: tensors[1].shape[-1],
+        lambda v, k: torch.cat([v.new_zeros(v.shape[0], v.shape[2], k, v.shape[3]), _eye(v, k)], -1),
+        lambda final, dv: (final[..., :dv], final[..., dv:]),
+    ),
     compose=lambda a, s: a @ s,
     correct=lambda out0, j, s0: out0 + torch.einsum("blhk,bhkv->blhv", j, s0),
 )
@@ -143,13 +157,39 @@ DELTA = Algebra(
 # its [0, 0] entry is a, exactly, and only that [B, H] travels.
 SSD = Algebra(
     name="ssd",
-    value=0,
-    width=lambda tensors: tensors[2].shape[-1],
-    init=lambda x, n: torch.cat([x.new_zeros(x.shape[0], x.shape[2], x.shape[3], n), _eye(x, n)], -2),
-    split_state=lambda final, p: (final[..., :p, :], final[..., p, 0]),
+    affine=_widened(
+        0,
+        lambda tensors: tensors[2].shape[-1],
+        lambda x, n: torch.cat([x.new_zeros(x.shape[0], x.shape[2], x.shape[3], n), _eye(x, n)], -2),
+        lambda final, p: (final[..., :p, :], final[..., p, 0]),
+    ),
     compose=lambda a, s: s * a[..., None, None],
     correct=lambda out0, j, s0: out0 + torch.einsum("bhpn,blhn->blhp", s0, j),
 )
+
+
+def selective(a_neg: torch.Tensor, delta_bias: torch.Tensor | None) -> Algebra:
+    """Mamba1's selective scan (Jamba, Mamba, Falcon-Mamba, one head of Zamba's): per channel
+    ``c`` and state entry ``n``, ``S <- exp(A[c, n] dt'_t[c]) S + dt'_t x_t B_t[n]``, ``y = S C_t
+    + D x`` with ``dt' = softplus(dt + delta_bias)``: a diagonal decay, so ``A`` and ``J`` are
+    closed forms of the running sum of ``dt'`` (the kernel, transformers' and mamba_ssm's, takes
+    no initial state). The kernel's inputs ``x, dt [B, L, c], B, C [B, L, N]``; its output
+    before the gate ``z`` (applied after the correction); state ``[B, c, N]``."""
+
+    def affine(run, tensors):
+        out0, c = run(*tensors, None)
+        _, dt, _, cm = tensors
+        dt = dt + delta_bias.to(dt.dtype) if delta_bias is not None else dt
+        total = torch.nn.functional.softplus(dt).cumsum(1)  # [B, L, c]
+        decay = torch.exp(a_neg[None, None] * total[..., None])  # [B, L, c, N]
+        return out0, decay * cm[:, :, None, :], c, decay[:, -1]
+
+    return Algebra(
+        name="selective",
+        affine=affine,
+        compose=lambda a, s: a * s,
+        correct=lambda out0, j, s0: out0 + torch.einsum("blcn,bcn->blc", j, s0.to(j.dtype)).to(out0.dtype),
+    )
 
 
 def carried_in(comm, algebra: Algebra, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -169,17 +209,11 @@ def run_sharded(
 ) -> torch.Tensor:
     """The recurrence over this rank's shard (``tensors`` ``[B, s_r, ...]``, the kernel's inputs
     in its order), exact for the global sequence: ``run(*tensors, initial_state)`` ->
-    ``(out [B, L, H, V], final_state)`` is the layer's kernel on one document piece. Returns
-    ``[B, s_r, H, V]``."""
+    ``(out [B, L, ...], final_state)`` is the layer's kernel on one document piece (from a zero
+    state when ``initial_state`` is ``None``). Returns ``[B, s_r, ...]``."""
     pieces, continues = local_pieces(seq_lens, comm.rank, spans)
     a0, b0 = pieces[0]
-    first = [t.narrow(1, a0, b0 - a0) for t in tensors]
-    v = first[algebra.value]
-    dv, k = v.shape[-1], algebra.width(first)
-    first[algebra.value] = torch.cat([v, v.new_zeros(*v.shape[:-1], k)], -1)
-    out, final = run(*first, algebra.init(v, k))
-    out0, j = out[..., :dv], out[..., dv:]
-    c, a = algebra.split_state(final, dv)
+    out0, j, c, a = algebra.affine(run, [t.narrow(1, a0, b0 - a0) for t in tensors])
     outs = [out0]
     for a1, b1 in pieces[1:]:
         o, c = run(*(t.narrow(1, a1, b1 - a1) for t in tensors), None)

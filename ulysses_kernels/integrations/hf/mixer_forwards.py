@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ...gqa import expand_kv
-from ...state_passing import DELTA, SSD
+from ...state_passing import DELTA, SSD, run_sharded, selective
 from .batch import HFIntegrationError
-from .mixer_exchange import _arange, _context, _conv, _kernel, _per_document, _ranges, _recurrence, _to_heads, _to_sequence
+from .mixer_exchange import _arange, _context, _conv, _kernel, _per_document, _ranges, _recurrence, _spans, _to_heads, _to_sequence
 
 
 # ---- Gated DeltaNet: Qwen3.5 (dense and MoE), Qwen3-Next, OLMo Hybrid -----------------------------
@@ -194,12 +194,22 @@ def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None,
     bias = self.dt_proj.bias[h0:h1].float() if self.dt_proj.bias is not None else None
     scan = _kernel(self, "mamba_selective_scan")
 
+    t = lambda v: v.transpose(1, 2)  # noqa: E731 - the kernel's [B, channels, S] layout
+
     def run(x, dt, gate, bm, cm):
-        t = lambda v: v.transpose(1, 2)  # noqa: E731 - the kernel's [B, channels, S] layout
         return t(scan(t(x), t(dt), a_neg, t(bm), t(cm), D=self.D[h0:h1].float(), z=t(gate), delta_bias=bias, delta_softplus=True,
                       return_last_state=False, use_mambapy=self.use_mambapy, use_associative_scan=self.use_associative_scan))  # fmt: skip
 
-    out = _per_document(shard, run, x, dt, gate, bm, cm)  # [B, S, c]
+    def run_from(x, dt, bm, cm, initial_state):  # state passing: no gate (after the correction); the kernel starts from zero
+        y, last = scan(t(x), t(dt), a_neg, t(bm), t(cm), D=self.D[h0:h1].float(), z=None, delta_bias=bias, delta_softplus=True,
+                       return_last_state=True, use_mambapy=self.use_mambapy, use_associative_scan=self.use_associative_scan)  # fmt: skip
+        return t(y), last
+
+    if settings.state:  # [B, s, I] each: the scan's state passed between ranks, then the gate
+        out = run_sharded(settings.comm, shard.seq_lens, _spans(shard), run_from, selective(a_neg, bias), (x, dt, bm, cm))
+        out = out * F.silu(gate)
+    else:
+        out = _per_document(shard, run, x, dt, gate, bm, cm)  # [B, S, c]
     out = _to_sequence(settings, shard, out.unsqueeze(-1).contiguous()).squeeze(-1)
     return self.out_proj(out.to(dtype))
 
@@ -222,10 +232,10 @@ def _lightning_forward(self, hidden_states, position_embeddings=None, attention_
     diag = self.diagonal_decay[:, h0:h1]  # [1, h, block, block]
     block = self.block_size
 
-    def run(qkv):  # one document [B, L, h, 3 D]: MiniMaxLightningAttention.forward's blocked loop, no cache
-        q, k, v = qkv.transpose(1, 2).split(d, dim=-1)  # [B, h, L, D]
+    def run(q, k, v, initial_state):  # one document [B, L, h, D] each: MiniMaxLightningAttention.forward's blocked loop
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, h, L, D]
         length = q.shape[2]
-        state = q.new_zeros(q.shape[0], q.shape[1], d, d)
+        state = q.new_zeros(q.shape[0], q.shape[1], d, v.shape[-1]) if initial_state is None else initial_state
         outs = []
         for start in range(0, length, block):
             n = min(block, length - start)
@@ -233,9 +243,10 @@ def _lightning_forward(self, hidden_states, position_embeddings=None, attention_
             intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * diag[:, :, :n, :n], vb)
             outs.append(torch.matmul(qb * q_decay[:, :n], state) + intra)
             state = state * torch.exp(-slope * n) + torch.matmul((kb * k_decay[:, -n:]).transpose(-1, -2), vb)
-        return torch.cat(outs, dim=-2).transpose(1, 2)  # [B, L, h, D]
+        return torch.cat(outs, dim=-2).transpose(1, 2), state  # [B, L, h, D], [B, h, D, D]
 
-    out = _to_sequence(settings, shard, _per_document(shard, run, local).contiguous()).reshape(bsz, seq, -1)
+    q, k, v = local.split(d, dim=-1)
+    out = _to_sequence(settings, shard, _recurrence(settings, shard, run, DELTA, q, k, v).contiguous()).reshape(bsz, seq, -1)
     out = torch.sigmoid(self.output_gate(hidden_states)) * self.norm(out)
     return self.out_proj(out), None
 

@@ -153,7 +153,7 @@ def mixer_modules(model) -> list[torch.nn.Module]:
 
 # The families whose layer also runs with the sequence kept sharded, the state passed between
 # ranks (``mixer_parallel="state"``: ``ulysses_kernels.state_passing``).
-STATE_FAMILIES = ("gated-deltanet", "kimi-delta", "mamba2", "short-conv")
+STATE_FAMILIES = ("gated-deltanet", "kimi-delta", "mamba2", "short-conv", "lightning", "mamba1")
 MIXER_PARALLEL = ("heads", "state", "auto")
 
 
