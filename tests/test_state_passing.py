@@ -37,9 +37,11 @@ TOL = 1e-12
 STATE_RTOL = 1e-9
 STATE_FLOAT32_RTOL = 3e-5
 # Parameters the mixers cast to float32 before use besides test_hf_hybrid's (``self.D.float()``,
-# ``dt_proj.bias.float()`` in Mamba1's scan; ``a.float() + dt_bias`` in Gated DeltaNet's gate):
+# ``dt_proj.bias.float()`` in Mamba1's scan, Zamba's ``dt_proj_bias.float()``; ``a.float() +
+# dt_bias`` in Gated DeltaNet's gate):
 # their gradient is a float32 sum over the tokens, which the ranks sum in parts.
-CAST = (".D", ".dt_proj.bias", ".dt_bias")
+CAST = (".D", ".dt_proj.bias", ".dt_proj_bias", ".dt_bias")
+ATTENTION_FREE = ("mamba", "falcon-mamba", "mamba2")  # what runs at 8 ranks (12 or 13 tokens: shards of 1 or 2)
 FLOAT32_ROUTED = {"qwen3.5-moe", "nemotron-h", "bailing-hybrid-softplus", "minimax"}
 
 
@@ -101,6 +103,7 @@ CASES = {"gdn": lambda: _gdn(False), "kda": lambda: _gdn(True), "ssd": _ssd, "se
 # (seq_lens, documents' spans): uneven; a document crossing two boundaries; one starting exactly
 # at a shard's start, one inside a shard, one of a single token.
 SHARDS = {
+    8: [((2, 1, 3, 1, 2, 2, 1, 3), None), ((2, 2, 2, 2, 2, 2, 2, 2), [(0, 3), (3, 4), (4, 11), (11, 16)])],
     2: [((7, 4), None), ((6, 5), [(0, 3), (3, 6), (6, 11)])],
     3: [((5, 1, 6), None), ((4, 4, 4), [(0, 1), (1, 4), (4, 10), (10, 12)])],
     4: [((3, 4, 2, 5), None), ((3, 3, 3, 3), [(0, 5), (5, 6), (6, 12)])],
@@ -151,6 +154,24 @@ def job_core(rank, world):
         assert torch.equal(mine.grad[0, :, 0], want), (seq_lens, rank, mine.grad[0, :, 0], want)
 
 
+def test_every_family_has_state_passing_and_a_family_without_is_refused(monkeypatch):
+    """Every family the mixers register runs under ``"state"`` (a new family without it fails
+    here first); one without it is refused by class under ``"state"`` and stays on the head
+    exchange under ``"auto"``."""
+    from ulysses_kernels.integrations import hf
+    from ulysses_kernels.integrations.hf import mixers
+    from ulysses_kernels.testing.hybrids import MODELS, build
+
+    assert {family for family, _, _ in mixers._ADAPTERS.values()} <= set(mixers.STATE_FAMILIES)
+    model = build(next(c for c in MODELS if c[0] == "bamba"))
+    monkeypatch.setattr(mixers, "STATE_FAMILIES", tuple(f for f in mixers.STATE_FAMILIES if f != "mamba2"))
+    with pytest.raises(hf.HFIntegrationError, match=r"BambaMixer \(mamba2\) does not run with mixer_parallel='state'"):
+        mixers.plan_mixers(mixers.mixer_modules(model), 2, "state")
+    assert {strategy for _, _, strategy in mixers.plan_mixers(mixers.mixer_modules(model), 2)} == {"heads"}
+    with pytest.raises(hf.HFIntegrationError, match=r"apply: mixer_parallel expected 'heads', 'state' or 'auto', got 'ring'"):
+        hf.apply(model, mixer_parallel="ring")
+
+
 def test_local_pieces():
     assert local_pieces((4, 4), 1, [(0, 6), (6, 8)]) == ([(0, 2), (2, 4)], True)
     assert local_pieces((4, 4), 1, [(0, 4), (4, 8)]) == ([(0, 4)], False)
@@ -158,7 +179,7 @@ def test_local_pieces():
     assert local_pieces((4, 4), 1, [(0, 2), (2, 8)], lead=3) == ([(0, 1), (1, 7)], True)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_core_against_one_process(world):
     run_ranks(job_core, world)
 
@@ -189,6 +210,8 @@ def job_models(rank, world):
     with float64_kernels():
         for case in _state_models():
             name = case[0]
+            if world > 4 and name not in ATTENTION_FREE:  # the hybrids' attention has 4 heads: at most 4 ranks
+                continue
             model = hf.apply(build(case), None, mixer_parallel="state")
             switched = [m for m in model.modules() if type(m).__name__ == case[3]]
             assert switched and all(getattr(m, _SETTINGS_ATTR).strategy == "state" for m in switched), name
@@ -213,7 +236,7 @@ def job_models(rank, world):
             print(f"state passing, world {world}, {key}: {err:.1e}", flush=True)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_models_under_state_passing(world):
     run_ranks(job_models, world)
 
@@ -221,7 +244,7 @@ def test_models_under_state_passing(world):
 def job_heads_and_bytes(rank, world):
     """(1) Qwen3.5 whose linear attention has one head: the head exchange cannot split it over 2
     ranks (refused by name, naming the fix); ``"auto"`` (the default) runs it with state passing,
-    exact. (2) Mamba2 (attention-free): the bytes each rank sends in one forward+backward, at two
+    exact. (2) Mamba2 and Mamba (attention-free): the bytes each rank sends in one forward+backward, at two
     lengths: constant under ``"state"``, growing under ``"heads"``."""
     from test_fp8_wire import CountingComm
     from test_hf import reference as reference_unpacked
@@ -247,20 +270,21 @@ def job_heads_and_bytes(rank, world):
         assert _rel(loss, ref[0]) <= STATE_RTOL and _rel(logits, ref[2]) <= STATE_RTOL, (_rel(loss, ref[0]), _rel(logits, ref[2]))
         for n, g in grads.items():
             assert _rel(g, ref[1][n]) <= STATE_FLOAT32_RTOL, (n, _rel(g, ref[1][n]))
-    mamba2 = next(c for c in MODELS if c[0] == "mamba2")
-    sent = {}
-    for strategy in ("state", "heads"):
-        for length in (16, 64):
-            comm = CountingComm(get_communicator(None))
-            model = hf.apply(build(mamba2), None, comm=comm, mixer_parallel=strategy)
-            ids = torch.randint(0, VOCAB, (1, length), generator=gen)
-            batch = hf.shard_batch(ids, ids.clone(), group=None)
-            batch.loss(model(**batch.model_inputs(loss=False)).logits).backward()
-            sent[(strategy, length)] = sum(comm.sent)
-    assert sent[("state", 16)] == sent[("state", 64)] > 0, sent
-    assert sent[("heads", 64)] > 3 * sent[("heads", 16)], sent
-    if rank == 0:
-        print(f"bytes sent by rank 0, Mamba2 forward+backward (2 layers): {sent}", flush=True)
+    for name in ("mamba2", "mamba"):
+        case = next(c for c in MODELS if c[0] == name)
+        sent = {}
+        for strategy in ("state", "heads"):
+            for length in (16, 64):
+                comm = CountingComm(get_communicator(None))
+                model = hf.apply(build(case), None, comm=comm, mixer_parallel=strategy)
+                ids = torch.randint(0, VOCAB, (1, length), generator=gen)
+                batch = hf.shard_batch(ids, ids.clone(), group=None)
+                batch.loss(model(**batch.model_inputs(loss=False)).logits).backward()
+                sent[(strategy, length)] = sum(comm.sent)
+        assert sent[("state", 16)] == sent[("state", 64)] > 0, (name, sent)
+        assert sent[("heads", 64)] > 3 * sent[("heads", 16)], (name, sent)
+        if rank == 0:
+            print(f"bytes sent by rank 0, {name} forward+backward (2 layers): {sent}", flush=True)
 
 
 def test_one_head_and_bytes():

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DELTA", "SSD", "Algebra", "carried_in", "gather", "local_pieces", "preceding", "run_sharded", "selective"]
+__all__ = ["DELTA", "DIAGONAL", "SSD", "Algebra", "carried_in", "gather", "local_pieces", "preceding", "run_sharded", "selective"]
 
 
 class _Gather(torch.autograd.Function):
@@ -165,6 +165,27 @@ SSD = Algebra(
     ),
     compose=lambda a, s: s * a[..., None, None],
     correct=lambda out0, j, s0: out0 + torch.einsum("bhpn,blhn->blhp", s0, j),
+)
+
+
+def _diagonal_affine(run, tensors):
+    x, gate, reset = tensors
+    acc = torch.promote_types(x.dtype, torch.float32)
+    init = torch.cat([x.new_zeros(x.shape[0], x.shape[-1], dtype=acc), x.new_ones(x.shape[0], x.shape[-1], dtype=acc)], -1)
+    out, final = run(torch.cat([x, torch.zeros_like(x)], -1), torch.cat([gate, gate], -1), reset, init)
+    n = x.shape[-1]
+    return out[..., :n], out[..., n:], final[..., :n], final[..., n:]
+
+
+# A diagonal linear RNN (RecurrentGemma's RG-LRU): per channel, h <- a_t h + x_t (a_t zeroed where
+# ``reset``). Channels are independent: the kernel runs on 2C channels, the last C with x = 0 and
+# h_0 = 1, whose outputs are J (the running product of a) and final state A. Inputs ``x, a [B,
+# L, C], reset [B, L, 1]``; state ``[B, C]``.
+DIAGONAL = Algebra(
+    name="diagonal",
+    affine=_diagonal_affine,
+    compose=lambda a, s: a * s,
+    correct=lambda out0, j, s0: out0 + (j * s0[:, None].to(j.dtype)).to(out0.dtype),
 )
 
 

@@ -162,10 +162,15 @@ def _conv(settings: _MixerSettings, module, conv: torch.nn.Conv1d, channels: tor
 
     if not settings.state:
         return _per_document(shard, run, x)
-    # State passing: the shard's tokens after the ``width - 1`` before it (the halo), per
-    # document piece of that window; the halo's own outputs are dropped.
+    return _windowed(settings, shard, x, run, conv.kernel_size[0] - 1)
+
+
+def _windowed(settings: _MixerSettings, shard: SequenceShard, x: torch.Tensor, run, halo: int) -> torch.Tensor:
+    """State passing's causal conv: ``run`` (a causal conv of ``halo + 1`` taps on ``[B, L, C]``)
+    on the shard's tokens after the ``halo`` before it (``state_passing.preceding``), per
+    document piece of that window; the halo's own outputs are dropped."""
     comm = settings.comm
-    before = preceding(comm, shard.seq_lens, x, conv.kernel_size[0] - 1)
+    before = preceding(comm, shard.seq_lens, x, halo)
     lead = before.shape[1]
     window = torch.cat([before, x], dim=1)
     pieces, _ = local_pieces(shard.seq_lens, comm.rank, _spans(shard), lead)

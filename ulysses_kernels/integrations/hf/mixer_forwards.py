@@ -9,9 +9,21 @@ import torch
 import torch.nn.functional as F
 
 from ...gqa import expand_kv
-from ...state_passing import DELTA, SSD, run_sharded, selective
+from ...state_passing import DELTA, DIAGONAL, SSD, run_sharded, selective
 from .batch import HFIntegrationError
-from .mixer_exchange import _arange, _context, _conv, _kernel, _per_document, _ranges, _recurrence, _spans, _to_heads, _to_sequence
+from .mixer_exchange import (
+    _arange,
+    _context,
+    _conv,
+    _kernel,
+    _per_document,
+    _ranges,
+    _recurrence,
+    _spans,
+    _to_heads,
+    _to_sequence,
+    _windowed,
+)
 
 
 # ---- Gated DeltaNet: Qwen3.5 (dense and MoE), Qwen3-Next, OLMo Hybrid -----------------------------
@@ -274,18 +286,38 @@ def _zamba_mamba_forward(self, hidden_states, cache_params=None, attention_mask=
     bias = self.dt_proj_bias[h0:h1].float() if self.dt_proj_bias is not None else None
     scan = _kernel(self, "mamba_selective_scan")
 
+    def projected(xi, i):  # head i's x_proj and dt_proj per token: [B, P, L] -> dt [B, P, L], B, C [B, N, L]
+        time_step, bm, cm = torch.split((self.x_proj_weight[h0 + i] @ xi).transpose(1, 2), [rank, n, n], dim=-1)
+        return self.dt_proj_weight[h0 + i] @ time_step.transpose(1, 2), bm.transpose(1, 2), cm.transpose(1, 2)
+
+    def head_scan(i, xi, dt, bm, cm, z, last):
+        return scan(xi, dt, a_neg[i], bm, cm, D=self.D[h0 + i].float(), z=z, delta_bias=None if bias is None else bias[i], delta_softplus=True,
+                    return_last_state=last, use_mambapy=False, use_associative_scan=self.use_associative_scan)  # fmt: skip
+
     def run(x, gate):  # one document, [B, L, h, P]: ZambaMambaMixer's per-head step
         outs = []
         for i in range(h):
             xi = x[:, :, i].transpose(1, 2)  # [B, P, L]
-            time_step, bm, cm = torch.split((self.x_proj_weight[h0 + i] @ xi).transpose(1, 2), [rank, n, n], dim=-1)
-            dt = self.dt_proj_weight[h0 + i] @ time_step.transpose(1, 2)
-            outs.append(scan(xi, dt, a_neg[i], bm.transpose(1, 2), cm.transpose(1, 2), D=self.D[h0 + i].float(), z=gate[:, :, i].transpose(1, 2),
-                             delta_bias=None if bias is None else bias[i], delta_softplus=True, return_last_state=False, use_mambapy=False,
-                             use_associative_scan=self.use_associative_scan))  # fmt: skip
+            outs.append(head_scan(i, xi, *projected(xi, i), gate[:, :, i].transpose(1, 2), False))
         return torch.stack(outs, dim=2).transpose(1, 3)  # [B, L, h, P]
 
-    out = _to_sequence(settings, shard, _per_document(shard, run, x, gate).contiguous())  # [B, s, H, P]
+    if settings.state:  # per head, Mamba1's state passing (state_passing.selective), then the gate
+        t = lambda v: v.transpose(1, 2)  # noqa: E731
+        outs = []
+        for i in range(h):
+            xi = x[:, :, i].transpose(1, 2)
+            dt, bm, cm = projected(xi, i)
+
+            def run_from(x, dt, bm, cm, initial_state, i=i):  # [B, L, P] / [B, L, N]; the kernel starts from zero
+                y, last = head_scan(i, t(x), t(dt), t(bm), t(cm), None, True)
+                return t(y), last
+
+            algebra = selective(a_neg[i], None if bias is None else bias[i])
+            y = run_sharded(settings.comm, shard.seq_lens, _spans(shard), run_from, algebra, (t(xi), t(dt), t(bm), t(cm)))
+            outs.append(y * F.silu(gate[:, :, i]))
+        out = torch.stack(outs, dim=2)  # [B, s, H, P]
+    else:
+        out = _to_sequence(settings, shard, _per_document(shard, run, x, gate).contiguous())  # [B, s, H, P]
     return self.out_proj(out.reshape(bsz, seq, -1).to(dtype))
 
 
@@ -323,16 +355,28 @@ def _rg_lru_forward(self, input_states, position_ids=None, attention_mask=None, 
         blocks = act.reshape(-1, h, width).permute(1, 0, 2)
         return torch.sigmoid(torch.baddbmm(bias[h0:h1, None, :], blocks, weight[h0:h1]).transpose(0, 1).reshape(act.shape))
 
-    def run(x, reset):  # RecurrentGemmaRecurrentBlock's conv, then RecurrentGemmaRglru.forward (from a zero state)
-        length = x.shape[1]
-        x = F.conv1d(x.transpose(1, 2), weight, bias, padding=conv.padding[0], groups=h * width)[..., :length].transpose(1, 2)
-        reset = reset[:, :, None]
+    def causal_conv(x):  # RecurrentGemmaRecurrentBlock's conv on the rank's channels
+        return F.conv1d(x.transpose(1, 2), weight, bias, padding=conv.padding[0], groups=h * width)[..., : x.shape[1]].transpose(1, 2)
+
+    def gates(x, reset):  # RecurrentGemmaRglru.forward up to its scan: the input and the recurrence gate per token
         log_a = -8.0 * gate(x, lru.recurrent_gate_weight, lru.recurrent_gate_bias) * decay
         normalized = x * gate(x, lru.input_gate_weight, lru.input_gate_bias)
-        normalized = normalized * (reset + ~reset * sqrt_bound(1 - torch.exp(2 * log_a))).type(x.dtype)
-        return lru._rnn_scan(hidden_states=normalized, recurrent_gate=torch.exp(log_a), reset=reset, recurrent_states=None)[0]
+        return normalized * (reset + ~reset * sqrt_bound(1 - torch.exp(2 * log_a))).type(x.dtype), torch.exp(log_a)
 
-    out = _per_document(shard, run, x, reset)
+    def run(x, reset):  # one document: the conv, then RecurrentGemmaRglru.forward (from a zero state)
+        reset = reset[:, :, None]
+        normalized, a = gates(causal_conv(x), reset)
+        return lru._rnn_scan(hidden_states=normalized, recurrent_gate=a, reset=reset, recurrent_states=None)[0]
+
+    def scan(normalized, a, reset, initial_state):
+        return lru._rnn_scan(hidden_states=normalized, recurrent_gate=a, reset=reset, recurrent_states=initial_state)
+
+    if settings.state:  # the conv's halo and the recurrence's state from the ranks before
+        reset = reset[:, :, None]
+        normalized, a = gates(_windowed(settings, shard, x, causal_conv, weight.shape[-1] - 1), reset)
+        out = run_sharded(settings.comm, shard.seq_lens, _spans(shard), scan, DIAGONAL, (normalized, a, reset))
+    else:
+        out = _per_document(shard, run, x, reset)
     out = _to_sequence(settings, shard, out.reshape(bsz, total, h, width).contiguous()).reshape(bsz, seq, -1)
     return self.linear_out(out * y), None
 

@@ -44,8 +44,14 @@ the conv and the kernel run once per document (the state starts from zero at eac
 boundary, what the kernels' varlen forms do). transformers' torch fallbacks themselves
 ignore document boundaries in these layers; the reference is each document run alone.
 
+The other strategy, ``mixer_parallel="state"`` (``plan_mixers``; the default ``"auto"`` picks it
+where a layer's heads do not split over the ranks): no exchange, the sequence stays sharded
+and each layer's conv halo and recurrent state pass between the ranks
+(``ulysses_kernels.state_passing``, docs/state_passing.md); the same forwards run it, their
+pieces (``_to_heads``, ``_conv``, ``_recurrence``) switching on the strategy.
+
 Not handled (refused by ``apply``): a KV/conv cache (generation), a padding mask, a 2-D
-group (``SPGroups``), more ranks than a layer's heads.
+group (``SPGroups``), more ranks than a layer's heads under ``mixer_parallel="heads"``.
 
 Three modules: ``mixer_exchange`` (the exchange, the call's context, the conv and the
 per-document runs), ``mixer_forwards`` (each family's forward) and this one (which classes run
@@ -153,7 +159,7 @@ def mixer_modules(model) -> list[torch.nn.Module]:
 
 # The families whose layer also runs with the sequence kept sharded, the state passed between
 # ranks (``mixer_parallel="state"``: ``ulysses_kernels.state_passing``).
-STATE_FAMILIES = ("gated-deltanet", "kimi-delta", "mamba2", "short-conv", "lightning", "mamba1")
+STATE_FAMILIES = ("gated-deltanet", "kimi-delta", "mamba2", "short-conv", "lightning", "mamba1", "zamba-mamba", "rg-lru")
 MIXER_PARALLEL = ("heads", "state", "auto")
 
 

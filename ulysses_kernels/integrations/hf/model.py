@@ -161,8 +161,8 @@ def apply(
         mixer_parallel: how the token mixers that are not attention (``HANDLED_MIXERS``) run:
             ``"heads"`` (the head exchange: the whole sequence for a slice of the heads),
             ``"state"`` (the sequence stays sharded, each layer's conv halo and recurrent state
-            pass between the ranks: Gated DeltaNet, Kimi Delta, Mamba2, short convs; no limit
-            from the head count; ``ulysses_kernels.state_passing``), or ``"auto"`` (default):
+            pass between the ranks: every family of ``HANDLED_MIXERS``; no limit from the head
+            count; ``ulysses_kernels.state_passing``), or ``"auto"`` (default):
             per layer, the head exchange where its heads split over the ranks, else state
             passing. Exact either way. docs/hf.md, "Hybrid models".
         check: ``"step"`` (default): validate the inputs across ranks at the first attention
