@@ -252,7 +252,6 @@ def job_heads_and_bytes(rank, world):
 
     from ulysses_kernels.comm import get_communicator
     from ulysses_kernels.integrations import hf
-    from ulysses_kernels.integrations.hf.mixer_exchange import _SETTINGS_ATTR
     from ulysses_kernels.testing.hybrids import MODELS, VOCAB, build, float64_kernels, sharded_step
 
     gen = torch.Generator().manual_seed(3)
@@ -264,7 +263,8 @@ def job_heads_and_bytes(rank, world):
     labels = ids.clone()
     with float64_kernels():
         model = hf.apply(build(one_head), None)  # "auto"
-        assert all(getattr(m, _SETTINGS_ATTR).strategy == "state" for m in model.modules() if type(m).__name__ == qwen[3])
+        assert hf.mixer_strategies(model) == {"model.layers.0.linear_attn": "state", "model.layers.2.linear_attn": "state"}, hf.mixer_strategies(model)
+        assert hf.mixer_strategies(hf.apply(build(qwen), None)) == dict.fromkeys(("model.layers.0.linear_attn", "model.layers.2.linear_attn"), "heads")
         ref = reference_unpacked(build(one_head), ids, labels)
         loss, grads, logits = sharded_step(model, hf.shard_batch(ids, labels, group=None), None)
         assert _rel(loss, ref[0]) <= STATE_RTOL and _rel(logits, ref[2]) <= STATE_RTOL, (_rel(loss, ref[0]), _rel(logits, ref[2]))

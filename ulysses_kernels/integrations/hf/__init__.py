@@ -77,6 +77,7 @@ attention, KV caches (generation).
 
 from .adapter import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_attention
 from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
+from .mixers import mixer_strategies
 from .model import apply
 from .model import register as register  # hf.register(): public, outside __all__ as before
 from .multimodal import multimodal_inputs
@@ -88,6 +89,7 @@ __all__ = [
     "SequenceShard",
     "ShardedBatch",
     "apply",
+    "mixer_strategies",
     "multimodal_inputs",
     "attention_settings",
     "sequence_parallel_attention",

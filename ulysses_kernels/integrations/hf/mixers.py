@@ -82,7 +82,17 @@ from .mixer_forwards import (
     _zamba_mamba_forward,
 )
 
-__all__ = ["GROUP_KWARG", "HANDLED_MIXERS", "MIXER_PARALLEL", "STATE_FAMILIES", "check_mixer_parallel", "mixer_modules", "plan_mixers", "switch_mixers"]
+__all__ = [
+    "GROUP_KWARG",
+    "HANDLED_MIXERS",
+    "MIXER_PARALLEL",
+    "STATE_FAMILIES",
+    "check_mixer_parallel",
+    "mixer_modules",
+    "mixer_strategies",
+    "plan_mixers",
+    "switch_mixers",
+]
 
 # class name -> (family, forward, (heads, groups) of a module), for every mixer made exact.
 _ADAPTERS: dict[str, tuple[str, Callable, Callable]] = {}
@@ -209,6 +219,13 @@ def plan_mixers(modules, world_size: int, mixer_parallel: str = "auto") -> list[
                 f"apply: {name} ({heads} heads, {groups} groups) cannot be split over {world_size} ranks: {why if world_size > heads else e}{fix}"
             ) from e
     return plans
+
+
+def mixer_strategies(model: torch.nn.Module) -> dict[str, str]:
+    """How each token mixer that is not attention runs in a model ``apply`` (or verl's / ALST's
+    switch) prepared: ``{module path: "heads" | "state"}`` (the head exchange, or state passing:
+    docs/state_passing.md), in module order; ``{}`` for a model without such mixers."""
+    return {name: settings.strategy for name, m in model.named_modules() if isinstance(settings := getattr(m, _SETTINGS_ATTR, None), _MixerSettings)}
 
 
 def _per_step(forward: Callable) -> Callable:
