@@ -14,6 +14,7 @@ from ulysses_kernels.comm import get_communicator
 from ulysses_kernels.kernels.torch_kernels import TorchKernels, dequantize_rows, quantize_rows
 from ulysses_kernels.layout import OUT, QKV, Layout
 from ulysses_kernels.testing import run_ranks
+from ulysses_kernels.traffic import WireCounter
 from ulysses_kernels.wire import E4M3, E5M2, SCALE_BYTES, WireSpec, error_bound, resolve_wire, wire_bytes_ratio, wire_spec
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -174,24 +175,7 @@ def test_each_exchange_is_its_definition_and_within_the_bound(world):
 
 
 # ---- the whole op at 2 and 4 ranks -----------------------------------------------------------
-class CountingComm:
-    """The group's communicator, counting the bytes each collective puts on the wire (a rank's
-    own block never leaves it: not counted)."""
-
-    def __init__(self, inner):
-        self.inner, self.sent = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
-        own = input_splits[self.inner.rank] if input_splits is not None else input.numel() // self.inner.world_size
-        self.sent.append((input.numel() - own) * input.element_size())
-        return self.inner.all_to_all(output, input, output_splits, input_splits, async_op=async_op)
-
-    def send_recv(self, sends, recvs, async_op=False):
-        self.sent.append(sum(t.numel() * t.element_size() for _, t in sends))
-        return self.inner.send_recv(sends, recvs, async_op=async_op)
+CountingComm = WireCounter  # the group's communicator, counting the bytes each collective puts on the wire
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

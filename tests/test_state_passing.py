@@ -246,13 +246,13 @@ def job_heads_and_bytes(rank, world):
     ranks (refused by name, naming the fix); ``"auto"`` (the default) runs it with state passing,
     exact. (2) Mamba2 and Mamba (attention-free): the bytes each rank sends in one forward+backward, at two
     lengths: constant under ``"state"``, growing under ``"heads"``."""
-    from test_fp8_wire import CountingComm
     from test_hf import reference as reference_unpacked
     from test_hf_hybrid import _rel
 
     from ulysses_kernels.comm import get_communicator
     from ulysses_kernels.integrations import hf
     from ulysses_kernels.testing.hybrids import MODELS, VOCAB, build, float64_kernels, sharded_step
+    from ulysses_kernels.traffic import WireCounter as CountingComm
 
     gen = torch.Generator().manual_seed(3)
     qwen = next(c for c in MODELS if c[0] == "qwen3.5")
@@ -289,3 +289,22 @@ def job_heads_and_bytes(rank, world):
 
 def test_one_head_and_bytes():
     run_ranks(job_heads_and_bytes, 2)
+
+
+def test_bench_runs_both_strategies(tmp_path, capfd):
+    """``python -m ulysses_kernels.bench.state_passing --spawn 2`` (the CPU form): a timed row per
+    strategy, the two losses equal within rounding, state passing's bytes the same at both lengths
+    and the head exchange's growing, a record written (CPU-labelled)."""
+    import json
+
+    from ulysses_kernels.bench import state_passing as bench
+
+    assert bench.main(["--spawn", "2", "--models", "mamba2", "--seqs", "32,128", "-n", "2", "--out-dir", str(tmp_path)]) == 0
+    out = capfd.readouterr().out
+    assert "not a GPU claim" in out and "beyond rounding: 0 OK" in out, out
+    (path,) = (p for p in tmp_path.glob("bench_state_passing_*.json") if not p.name.endswith("_latest.json"))
+    rows = {(r["seq"], r["strategy"]): r for r in json.loads(path.read_text())["rows"]}
+    assert all(r["median_ms"] > 0 for r in rows.values()), rows
+    assert rows[(32, "state")]["bytes_sent"] == rows[(128, "state")]["bytes_sent"] > 0, rows
+    assert rows[(128, "heads")]["bytes_sent"] > 3 * rows[(32, "heads")]["bytes_sent"], rows
+    assert rows[(128, "state")]["loss_rel"] <= 1e-5 and rows[(128, "state")]["ratio"] > 0, rows

@@ -32,7 +32,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .gqa import shares_one_kv, uniform_kv_groups
 from .layout import OUT, QKV, Layout
 
-__all__ = ["CopyCounter", "LiveBytes", "ulysses_payload_bytes", "ulysses_buffer_bytes", "s2h_send_elems", "h2s_recv_elems", "ulysses_peak_moments"]
+__all__ = [
+    "CopyCounter",
+    "LiveBytes",
+    "WireCounter",
+    "ulysses_payload_bytes",
+    "ulysses_buffer_bytes",
+    "s2h_send_elems",
+    "h2s_recv_elems",
+    "ulysses_peak_moments",
+]
 
 aten = torch.ops.aten
 
@@ -93,6 +102,27 @@ class CopyCounter(TorchDispatchMode):
                 self.bytes += written
                 self.by_op[str(packet.__name__)] += written
         return out
+
+
+class WireCounter:
+    """A communicator (``inner``) that counts the bytes each collective puts on the wire from
+    this rank: ``sent``, one entry per call (a rank's own block of an all-to-all never leaves
+    it: not counted). Every other attribute is ``inner``'s."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
+        own = input_splits[self.inner.rank] if input_splits is not None else input.numel() // self.inner.world_size
+        self.sent.append((input.numel() - own) * input.element_size())
+        return self.inner.all_to_all(output, input, output_splits, input_splits, async_op=async_op)
+
+    def send_recv(self, sends, recvs, async_op=False):
+        self.sent.append(sum(t.numel() * t.element_size() for _, t in sends))
+        return self.inner.send_recv(sends, recvs, async_op=async_op)
 
 
 def ulysses_payload_bytes(layout: Layout, element_size: int, backward: bool = True) -> int:
