@@ -172,6 +172,14 @@ def test_every_family_has_state_passing_and_a_family_without_is_refused(monkeypa
         hf.apply(model, mixer_parallel="ring")
 
 
+def test_a_rank_without_tokens_is_refused():
+    from ulysses_kernels.comm import get_communicator
+
+    run, inputs, algebra = _ssd()
+    with pytest.raises(ValueError, match=r"every rank needs at least one token, got seq_lens \(3, 0\)"):
+        run_sharded(get_communicator(None), (3, 0), [(0, 3)], run, algebra, inputs(3, torch.Generator().manual_seed(0)))
+
+
 def test_local_pieces():
     assert local_pieces((4, 4), 1, [(0, 6), (6, 8)]) == ([(0, 2), (2, 4)], True)
     assert local_pieces((4, 4), 1, [(0, 4), (4, 8)]) == ([(0, 4)], False)

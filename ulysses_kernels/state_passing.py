@@ -216,7 +216,7 @@ def selective(a_neg: torch.Tensor, delta_bias: torch.Tensor | None) -> Algebra:
 def carried_in(comm, algebra: Algebra, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """This rank's initial state from every rank's ``(A, c)`` (one all-gather of both, flattened):
     ``S_0(r) = fold over j < r of S <- compose(A_j, S) + c_j``, from zero."""
-    both = gather(comm, torch.cat([a.reshape(-1), c.reshape(-1)]))
+    both = gather(comm, torch.cat([a.reshape(-1).to(c.dtype), c.reshape(-1)]))
     maps = both[:, : a.numel()].view(-1, *a.shape)
     states = both[:, a.numel() :].view(-1, *c.shape)
     state = states[0] * 0  # zero, on the graph on every rank (each rank's backward joins the gather's)
@@ -232,6 +232,8 @@ def run_sharded(
     in its order), exact for the global sequence: ``run(*tensors, initial_state)`` ->
     ``(out [B, L, ...], final_state)`` is the layer's kernel on one document piece (from a zero
     state when ``initial_state`` is ``None``). Returns ``[B, s_r, ...]``."""
+    if 0 in seq_lens:  # the same on every rank: every rank raises
+        raise ValueError(f"state passing: every rank needs at least one token, got seq_lens {tuple(seq_lens)}")
     pieces, continues = local_pieces(seq_lens, comm.rank, spans)
     a0, b0 = pieces[0]
     out0, j, c, a = algebra.affine(run, [t.narrow(1, a0, b0 - a0) for t in tensors])
