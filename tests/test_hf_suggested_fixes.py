@@ -57,8 +57,12 @@ def _job(rank, world):
     assert "Qwen3_5GatedDeltaNet (2 heads, 1 groups) cannot be split over 3 ranks" in msg, msg
     assert "pass a flat sequence-parallel group of at most 2 ranks" in msg and "make_sp_groups(ulysses_size" not in msg, msg
     assert "mixer_parallel='state' runs it" in msg, msg
-    msg = _refusal(lambda: hf.apply(hybrid(), uk.make_sp_groups(1, 3)))  # why the old advice was wrong
-    assert "not on a 2-D SPGroups" in msg, msg
+    # The old advice, a 2-D group: its ring level cannot carry the head exchange's mixers (refused by name);
+    # under "auto" they pass their state over the whole group instead, and the step matches one process.
+    sp = uk.make_sp_groups(1, 3)
+    msg = _refusal(lambda: hf.apply(hybrid(), sp, mixer_parallel="heads"))
+    assert "on a 2-D SPGroups they run with state passing" in msg and "not with mixer_parallel='heads'" in msg, msg
+    _step_matches_one_process(hybrid(), ids, sp)
     _step_matches_one_process(hybrid(), ids, None)
     if rank < 2:
         _step_matches_one_process(hybrid(), ids, pair)

@@ -316,3 +316,42 @@ def test_bench_runs_both_strategies(tmp_path, capfd):
     assert rows[(32, "state")]["bytes_sent"] == rows[(128, "state")]["bytes_sent"] > 0, rows
     assert rows[(128, "heads")]["bytes_sent"] > 3 * rows[(32, "heads")]["bytes_sent"], rows
     assert rows[(128, "state")]["loss_rel"] <= 1e-5 and rows[(128, "state")]["ratio"] > 0, rows
+
+
+def job_two_d(rank, world):
+    """A hybrid on a 2-D group, Ulysses x ring for attention (4 heads over 8 ranks: ulysses 4 x
+    ring 2), its mixers with state passing over the whole group: the step against one process
+    (padded equal shards, as a 2-D group takes them). Zigzag shards and ``"heads"`` are refused
+    by name."""
+    from test_hf import global_batch
+    from test_hf import reference as reference_unpacked
+    from test_hf_hybrid import _rel
+
+    import ulysses_kernels as uk
+    from ulysses_kernels.integrations import hf
+    from ulysses_kernels.testing.hybrids import MODELS, build, float64_kernels, sharded_step
+
+    sp = uk.make_sp_groups(ulysses_size=4, ring_size=2)
+    ids, labels = global_batch()
+    with float64_kernels():
+        for name in ("qwen3.5", "bamba"):
+            case = next(c for c in MODELS if c[0] == name)
+            model = hf.apply(build(case), sp)
+            assert set(hf.mixer_strategies(model).values()) == {"state"}, hf.mixer_strategies(model)
+            ref = reference_unpacked(build(case), ids, labels)
+            loss, grads, logits = sharded_step(model, hf.shard_batch(ids, labels, group=sp, pad=True), sp)
+            errs = {"loss": _rel(loss, ref[0]), "logits": _rel(logits, ref[2])} | {n: _rel(g, ref[1][n]) for n, g in grads.items()}
+            worst = max(errs, key=errs.get)
+            assert errs[worst] <= STATE_FLOAT32_RTOL, (name, worst, errs[worst])
+            if rank == 0:
+                print(f"2-D group 4 x 2, {name}: worst {worst} {errs[worst]:.1e}, loss {errs['loss']:.1e}", flush=True)
+        case = next(c for c in MODELS if c[0] == "qwen3.5")
+        with pytest.raises(hf.HFIntegrationError, match=r"on a 2-D SPGroups they run with state passing.*not with mixer_parallel='heads'"):
+            hf.apply(build(case), sp, mixer_parallel="heads")
+        zigzag = uk.make_sp_groups(ulysses_size=4, ring_size=2, seq_layout="zigzag")
+        with pytest.raises(hf.HFIntegrationError, match=r"not with seq_layout 'zigzag'"):
+            hf.apply(build(case), zigzag)
+
+
+def test_hybrid_on_a_two_d_group():
+    run_ranks(job_two_d, 8)

@@ -101,6 +101,8 @@ def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, Seq
         raise HFIntegrationError(f"{name}: a cache (past_key_values / use_cache=True) is not supported sequence-parallel; run with use_cache=False")
     if attention_mask is not None and not bool(attention_mask.all()):
         raise HFIntegrationError(f"{name}: a padding attention_mask is not supported; drop it and set padded labels to -100")
+    if settings.state and shard.ring_layout is not None:
+        raise HFIntegrationError(f"{name}: state passing needs contiguous shards, got a {shard.ring_layout[2]} layout; shard with seq_layout='contiguous'")
     if (shard.rank, shard.world_size) != (settings.comm.rank, settings.comm.world_size):
         raise HFIntegrationError(
             f"{name}: the batch was sharded for rank {shard.rank} of {shard.world_size} but apply() was given a group in which "

@@ -241,7 +241,10 @@ def apply(
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
         object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
-    switch_mixers(mixers, group, shared.comm, root=model)
+    if isinstance(group, SPGroups):  # the mixers pass their state over the whole group (_plan_mixers)
+        switch_mixers(mixers, group.group, get_communicator(group.group), root=model)
+    else:
+        switch_mixers(mixers, group, shared.comm, root=model)
     if texts is not None:
         prepare_multimodal(model)  # the text model's and the top-level model's pre-hooks
     _refuse_generate(model)
@@ -271,20 +274,26 @@ class _GenerateRefused:
 
 
 def _plan_mixers(model, group, comm, attention=(), mixer_parallel: str = "auto") -> list:
-    """The head plans of ``model``'s mixers that are not attention (``mixers.plan_mixers``);
-    on a 2-D group (``SPGroups``) they are refused: the ring level passes attention's K/V blocks
-    only, not a recurrent state. Such a model's ``attention`` layers then run on the flat group
-    too: one with fewer query heads than ranks is refused here, with that fix (the attention
-    call's own error would suggest ``make_sp_groups``)."""
+    """The plans of ``model``'s mixers that are not attention (``mixers.plan_mixers``). On a
+    2-D group (``SPGroups``: Ulysses x ring for attention) they run with state passing over the
+    whole group (its member ranks hold contiguous shards in order), ``"heads"`` and a zigzag
+    layout refused: the ring level moves attention's K/V blocks, not a recurrent state, and a
+    zigzag rank's two chunks are not one span. On a flat group a model's ``attention`` layers
+    with fewer query heads than ranks are refused here, with the fix (the attention call's own
+    error would suggest ``make_sp_groups``, which the mixers then need with state passing)."""
     modules = mixer_modules(model)
     if not modules:
         return []
     names = ", ".join(sorted({type(m).__name__ for m in modules}))
     if isinstance(group, SPGroups):
-        raise HFIntegrationError(
-            f"apply: {type(model).__name__} has token mixers that are not attention ({names}): they run under Ulysses on a "
-            "flat group only, not on a 2-D SPGroups (its ring level moves attention's K/V blocks, not a recurrent state)"
-        )
+        if mixer_parallel == "heads" or group.seq_layout != "contiguous":
+            why = "mixer_parallel='heads'" if mixer_parallel == "heads" else f"seq_layout {group.seq_layout!r}"
+            raise HFIntegrationError(
+                f"apply: {type(model).__name__} has token mixers that are not attention ({names}): on a 2-D SPGroups they run with "
+                f"state passing over the whole group, on contiguous shards (make_sp_groups(..., seq_layout='contiguous'), "
+                f"mixer_parallel 'state' or 'auto'), not with {why} (the ring level moves attention's K/V blocks, not a recurrent state)"
+            )
+        return plan_mixers(modules, group.world_size, "state")
     world = get_communicator(group, comm).world_size
     for m in attention:
         heads = getattr(m.config, "num_attention_heads", None)
