@@ -67,10 +67,15 @@ def _job(rank, world):
     if rank < 2:
         _step_matches_one_process(hybrid(), ids, pair)
 
-    # A hybrid whose attention has 2 heads (its Gated DeltaNet 4): refused at apply, not at the call (whose op
-    # error would suggest a 2-D group, which the Gated DeltaNet refuses).
+    # A hybrid whose attention has 2 heads (its Gated DeltaNet 4): refused at apply, not at the call, with
+    # the 2-D group its mixers run on (state passing over the whole group; the step matches one process);
+    # with mixer_parallel="heads", the flat group of 2 that its head exchange needs.
     msg = _refusal(lambda: hf.apply(build_tiny("qwen3_5_text", TWO_HEADS)))
-    assert "Qwen3_5Attention (2 query heads) cannot be split over 3 ranks" in msg and "at most 2 ranks" in msg, msg
+    assert "Qwen3_5Attention (2 query heads) cannot be split over 3 ranks" in msg, msg
+    assert "group=ulysses_kernels.make_sp_groups(ulysses_size=1, ring_size=3)" in msg, msg
+    _step_matches_one_process(build_tiny("qwen3_5_text", TWO_HEADS), ids, uk.make_sp_groups(ulysses_size=1, ring_size=3))
+    msg = _refusal(lambda: hf.apply(build_tiny("qwen3_5_text", TWO_HEADS), mixer_parallel="heads"))
+    assert "at most 2 ranks" in msg and "make_sp_groups(ulysses_size" not in msg, msg
     if rank < 2:
         _step_matches_one_process(build_tiny("qwen3_5_text", TWO_HEADS), ids, pair)
 

@@ -15,7 +15,7 @@ import torch
 
 from ...comm import get_communicator
 from ...longctx.patches import enable as enable_long_context
-from ...plan import more_ranks_than_heads_flat
+from ...plan import more_ranks_than_heads, more_ranks_than_heads_flat
 from ...ring import SPGroups
 from ...wire import wire_spec
 from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings
@@ -298,10 +298,12 @@ def _plan_mixers(model, group, comm, attention=(), mixer_parallel: str = "auto")
     for m in attention:
         heads = getattr(m.config, "num_attention_heads", None)
         if isinstance(heads, int) and 0 < heads < world:
-            why = f"the model's other token mixers ({names}) need a flat group"
-            raise HFIntegrationError(
-                f"apply: {type(m).__name__} ({heads} query heads) cannot be split over {world} ranks: {more_ranks_than_heads_flat(heads, world, why)}"
-            )
+            if mixer_parallel == "heads":
+                why = f"the model's other token mixers ({names}) need a flat group with mixer_parallel='heads'"
+                fix = more_ranks_than_heads_flat(heads, world, why)
+            else:  # the mixers pass their state over a 2-D group's whole group
+                fix = more_ranks_than_heads(world, heads)
+            raise HFIntegrationError(f"apply: {type(m).__name__} ({heads} query heads) cannot be split over {world} ranks: {fix}")
     return plan_mixers(modules, world, mixer_parallel)
 
 
