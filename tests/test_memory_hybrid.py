@@ -34,8 +34,9 @@ checkpointed 4875736; the calculator 9695360, 4860336, 4860336 (-0.3% each).
 State passing (``mixer_parallel="state"``, ``test_mixer_layer_state_passing_on_2_ranks``): the
 same comparison for Gated DeltaNet, KDA, Mamba2, short conv and Mamba1 (NOTE, measured at 1024
 tokens, rank 0 / 1: Qwen3.5 6270880 / 6277536 B, calculator +0.85%; at 513 rank 0's 257 tokens
-pad the last chunk, +5.7%; Kimi +0.04%, Bamba +0.05% (513: -0.61% / +0.10%), LFM2 and Jamba
-exact; checkpointed exact).
+pad the last chunk, +5.7%; Kimi +0.04%, Bamba +0.05% (513: -0.61% / +0.10%), Falcon-H1 with and
+without its norm +0.05% (513: -0.58% / +0.09%), Nemotron-H's Mamba2 block +0.06% (513: -0.74% /
++0.12%; its attention and MLP blocks exact), LFM2 and Jamba exact; checkpointed exact).
 Not compared: the mixer's backward transients (where the step's peak falls inside a mixer's
 backward the calculator's figure is an estimate; docs/longctx.md).
 """
@@ -154,7 +155,7 @@ def test_mixer_layer_on_2_ranks(family):
     run_ranks(_body, 2, family)
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "bamba", "lfm2", "kimi", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3.5", "bamba", "lfm2", "kimi", "falcon_h1", "falcon_h1_norm", "jamba"])
 def test_mixer_layer_state_passing_on_2_ranks(family):
     """``mixer_parallel="state"`` (docs/state_passing.md): each rank's tokens for every head, the
     conv after its halo, the widened kernel, the fold; no exchange. The same bounds as the head
@@ -173,19 +174,19 @@ def test_mixer_layer_state_passing_on_2_ranks(family):
 _NEMOTRON_BASE = ["mamba", "attention", "mlp"]
 
 
-def _nemotron_body(rank, world):
+def _nemotron_body(rank, world, parallel="heads"):
     restore = _settled_collectives()
     try:
         misses = []
         for seq, ckpt in ((1024, False), (513, False), (513, True)):
-            a = _measure(_NEMOTRON_BASE, seq, ckpt, "nemotron_h")
-            ca = _calculate(_NEMOTRON_BASE, seq, ckpt, world, rank, "nemotron_h")
+            a = _measure(_NEMOTRON_BASE, seq, ckpt, "nemotron_h", parallel)
+            ca = _calculate(_NEMOTRON_BASE, seq, ckpt, world, rank, "nemotron_h", parallel)
             for block in ("mamba", "attention", "mlp"):
                 types = _NEMOTRON_BASE + [block]
-                b, cb = _measure(types, seq, ckpt, "nemotron_h"), _calculate(types, seq, ckpt, world, rank, "nemotron_h")
+                b, cb = _measure(types, seq, ckpt, "nemotron_h", parallel), _calculate(types, seq, ckpt, world, rank, "nemotron_h", parallel)
                 got, calc = b[1] - a[1], cb.forward_end - ca.forward_end
-                print(f"nemotron_h rank {rank}/{world} seq {seq} ckpt {ckpt}: one {block} block's forward end measured {got} B, calculator {calc} B "
-                      f"({(calc - got) / got:+.2%})")  # fmt: skip
+                print(f"nemotron_h {parallel} rank {rank}/{world} seq {seq} ckpt {ckpt}: one {block} block's forward end measured {got} B, "
+                      f"calculator {calc} B ({(calc - got) / got:+.2%})")  # fmt: skip
                 exact = ckpt or block != "mamba"
                 if (calc != got) if exact else abs(calc - got) > TOLERANCE * got:
                     misses.append(f"rank {rank} seq {seq} ckpt {ckpt}: one {block} block's forward end measured {got} B, calculator {calc} B")
@@ -196,8 +197,9 @@ def _nemotron_body(rank, world):
         restore()
 
 
-def test_nemotron_h_blocks_on_2_ranks():
-    run_ranks(_nemotron_body, 2)
+@pytest.mark.parametrize("parallel", ["heads", "state"])
+def test_nemotron_h_blocks_on_2_ranks(parallel):
+    run_ranks(_nemotron_body, 2, parallel)
 
 
 def test_mixer_description_and_refusals():
