@@ -31,11 +31,19 @@ tokens on both ranks, 3187764 / 3183936 at 513 on rank 0 / 1). Its backward's tr
 per-token slices' full-size gradients) is modelled from the code, not traced: the whole tiny
 two-layer step's peak (in a Mamba1 backward) measured 9727240 B at 1024 tokens, 4875736 at 513,
 checkpointed 4875736; the calculator 9695360, 4860336, 4860336 (-0.3% each).
+State passing (``mixer_parallel="state"``, ``test_mixer_layer_state_passing_on_2_ranks``): the
+same comparison for Gated DeltaNet, KDA, Mamba2, short conv and Mamba1 (NOTE, measured at 1024
+tokens, rank 0 / 1: Qwen3.5 6270880 / 6277536 B, calculator +0.85%; at 513 rank 0's 257 tokens
+pad the last chunk, +5.7%; Kimi +0.04%, Bamba +0.05% (513: -0.61% / +0.10%), Falcon-H1 with and
+without its norm +0.05% (513: -0.58% / +0.09%), Nemotron-H's Mamba2 block +0.06% (513: -0.74% /
++0.12%; its attention and MLP blocks exact), LFM2 and Jamba exact; checkpointed exact).
 Not compared: the mixer's backward transients (where the step's peak falls inside a mixer's
 backward the calculator's figure is an estimate; docs/longctx.md).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -98,33 +106,34 @@ _MODELS = {"qwen3.5": "Qwen3_5ForCausalLM", "bamba": "BambaForCausalLM", "lfm2":
            "jamba": "JambaForCausalLM"}  # fmt: skip
 
 
-def _measure(types, seq, ckpt, family="qwen3.5"):
+def _measure(types, seq, ckpt, family="qwen3.5", parallel="heads"):
     torch.manual_seed(0)
     model = getattr(transformers, _MODELS[family])(_config(types, family)).float().train()
     if ckpt:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    hf.apply(model, None)
+    hf.apply(model, None, mixer_parallel=parallel)
+    assert set(hf.mixer_strategies(model).values()) == {parallel}
     ids = torch.randint(0, SIZES["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1))
     return _tracked_step(model, hf.shard_batch(ids, ids.clone()), _ours, ())
 
 
-def _calculate(types, seq, ckpt, world, rank, family="qwen3.5"):
+def _calculate(types, seq, ckpt, world, rank, family="qwen3.5", parallel="heads"):
+    mixer = dataclasses.replace(Mixer.from_config(_config(types, family)), parallel=parallel)
     setup = memory.Setup(layers=len(types), hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, vocab=96, seq=seq, sp=world,
-                         dtype="float32", checkpointing=ckpt, mixer=Mixer.from_config(_config(types, family)),
-                         mlp="plain" if family == "nemotron_h" else "gated")  # fmt: skip
+                         dtype="float32", checkpointing=ckpt, mixer=mixer, mlp="plain" if family == "nemotron_h" else "gated")  # fmt: skip
     return step_memory(setup, rank)
 
 
-def _body(rank, world, family):
+def _body(rank, world, family, parallel="heads"):
     restore = _settled_collectives()
     try:
         misses = []
         for seq, ckpt in ((1024, False), (513, False), (513, True)):  # 513: uneven shards, a padded last chunk
-            a, b = _measure([L, F], seq, ckpt, family), _measure([L, L, F], seq, ckpt, family)
-            ca, cb = _calculate([L, F], seq, ckpt, world, rank, family), _calculate([L, L, F], seq, ckpt, world, rank, family)
+            a, b = _measure([L, F], seq, ckpt, family, parallel), _measure([L, L, F], seq, ckpt, family, parallel)
+            ca, cb = _calculate([L, F], seq, ckpt, world, rank, family, parallel), _calculate([L, L, F], seq, ckpt, world, rank, family, parallel)
             got, calc = b[1] - a[1], cb.forward_end - ca.forward_end
-            print(f"{family} rank {rank}/{world} seq {seq} ckpt {ckpt}: one mixer layer's forward end measured {got} B, calculator {calc} B "
-                  f"({(calc - got) / got:+.2%})")  # fmt: skip
+            print(f"{family} {parallel} rank {rank}/{world} seq {seq} ckpt {ckpt}: one mixer layer's forward end measured {got} B, "
+                  f"calculator {calc} B ({(calc - got) / got:+.2%})")  # fmt: skip
             if ckpt:  # a checkpointed layer keeps its input: exact
                 bad = calc != got
             elif seq % 64 and family == "qwen3.5":
@@ -146,6 +155,14 @@ def test_mixer_layer_on_2_ranks(family):
     run_ranks(_body, 2, family)
 
 
+@pytest.mark.parametrize("family", ["qwen3.5", "bamba", "lfm2", "kimi", "falcon_h1", "falcon_h1_norm", "jamba"])
+def test_mixer_layer_state_passing_on_2_ranks(family):
+    """``mixer_parallel="state"`` (docs/state_passing.md): each rank's tokens for every head, the
+    conv after its halo, the widened kernel, the fold; no exchange. The same bounds as the head
+    exchange's (the 513-token Gated DeltaNet: rank 0's 257 tokens pad the last chunk)."""
+    run_ranks(_body, 2, family, "state")
+
+
 # Nemotron-H, one more block of each kind after [mamba, attention, mlp] (1024 tokens, rank 0/1 alike;
 # 513 on rank 0, rank 1 the same within 0.05%): measured forward end / calculator
 #   mamba      4492826 / 4493850 B (+0.02%; 513: +0.04%: the Mamba2 replay as Bamba's)
@@ -157,19 +174,19 @@ def test_mixer_layer_on_2_ranks(family):
 _NEMOTRON_BASE = ["mamba", "attention", "mlp"]
 
 
-def _nemotron_body(rank, world):
+def _nemotron_body(rank, world, parallel="heads"):
     restore = _settled_collectives()
     try:
         misses = []
         for seq, ckpt in ((1024, False), (513, False), (513, True)):
-            a = _measure(_NEMOTRON_BASE, seq, ckpt, "nemotron_h")
-            ca = _calculate(_NEMOTRON_BASE, seq, ckpt, world, rank, "nemotron_h")
+            a = _measure(_NEMOTRON_BASE, seq, ckpt, "nemotron_h", parallel)
+            ca = _calculate(_NEMOTRON_BASE, seq, ckpt, world, rank, "nemotron_h", parallel)
             for block in ("mamba", "attention", "mlp"):
                 types = _NEMOTRON_BASE + [block]
-                b, cb = _measure(types, seq, ckpt, "nemotron_h"), _calculate(types, seq, ckpt, world, rank, "nemotron_h")
+                b, cb = _measure(types, seq, ckpt, "nemotron_h", parallel), _calculate(types, seq, ckpt, world, rank, "nemotron_h", parallel)
                 got, calc = b[1] - a[1], cb.forward_end - ca.forward_end
-                print(f"nemotron_h rank {rank}/{world} seq {seq} ckpt {ckpt}: one {block} block's forward end measured {got} B, calculator {calc} B "
-                      f"({(calc - got) / got:+.2%})")  # fmt: skip
+                print(f"nemotron_h {parallel} rank {rank}/{world} seq {seq} ckpt {ckpt}: one {block} block's forward end measured {got} B, "
+                      f"calculator {calc} B ({(calc - got) / got:+.2%})")  # fmt: skip
                 exact = ckpt or block != "mamba"
                 if (calc != got) if exact else abs(calc - got) > TOLERANCE * got:
                     misses.append(f"rank {rank} seq {seq} ckpt {ckpt}: one {block} block's forward end measured {got} B, calculator {calc} B")
@@ -180,8 +197,9 @@ def _nemotron_body(rank, world):
         restore()
 
 
-def test_nemotron_h_blocks_on_2_ranks():
-    run_ranks(_nemotron_body, 2)
+@pytest.mark.parametrize("parallel", ["heads", "state"])
+def test_nemotron_h_blocks_on_2_ranks(parallel):
+    run_ranks(_nemotron_body, 2, parallel)
 
 
 def test_mixer_description_and_refusals():
@@ -280,3 +298,38 @@ def test_layer_forms_parameters_are_the_model(family):
                          mlp="plain" if family == "nemotron_h" else "gated", tie_embeddings=model.config.tie_word_embeddings,
                          mixer=Mixer.from_config(_config(types, family)))  # fmt: skip
     assert memory.parameter_count(setup)[0] == sum(p.numel() for p in model.parameters())
+
+
+def test_mixer_parallel_choice(capsys):
+    """``Mixer.parallel`` (the calculator's ``hf.apply(mixer_parallel=)``): checked by name; state
+    passing holds every head on each rank (so more ranks than heads is a setup), its ranks differ
+    (the halo, the fold); ``"auto"`` resolves as ``hf.apply`` does; the CLI's ``--mixer-parallel``."""
+    with pytest.raises(memory.UlyssesInputError, match=r"mixer parallel expected one of \['heads', 'state', 'auto'\].*got 'ring'"):
+        Mixer(4, 2, 8, 8, parallel="ring")
+    m = Mixer.from_config(_config([L, L, F]))
+    state, auto = dataclasses.replace(m, parallel="state"), dataclasses.replace(m, parallel="auto")
+    assert m.parallel == "heads" and (auto.strategy(2), auto.strategy(8), state.strategy(2)) == ("heads", "state", "state")
+    wide = memory.Setup(layers=3, hidden=64, heads=8, vocab=96, seq=64, sp=8, mixer=state)  # 8 ranks, 4 mixer heads
+    assert memory.Setup(layers=3, hidden=64, heads=8, vocab=96, seq=64, sp=8, mixer=auto).mixer.strategy(8) == "state"
+    assert [state.heads_on(wide, r) for r in (0, 7)] == [(4, 2), (4, 2)] and [state.halo_on(wide, r) for r in (0, 1, 7)] == [0, 3, 3]
+    short = dataclasses.replace(wide, seq=16)  # 2 tokens a rank: rank 1's halo is the 2 before it
+    assert [state.halo_on(short, r) for r in (0, 1, 2)] == [0, 2, 3]
+    steps = [step_memory(wide, r) for r in range(3)]
+    assert steps[0].forward_end < steps[1].forward_end < steps[2].forward_end  # the halo, then the fold's states
+    two = memory.Setup(layers=3, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, vocab=96, seq=1024, sp=2, dtype="float32", mixer=m)
+    assert step_memory(two).forward_end != step_memory(dataclasses.replace(two, mixer=state)).forward_end
+    import json
+
+    base = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--kv-heads", "2", "--head-dim", "256", "--vocab", "151936",
+            "--intermediate", "5120", "--seq", "65536", "--sp", "16", "--json", "--mixer", "qwen3.5"]  # fmt: skip
+    assert memory.main(base) == 0
+    heads = json.loads(capsys.readouterr().out)
+    assert memory.main(base + ["--mixer-parallel", "state"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["mixer"]["parallel"] == "state" and heads["setup"]["mixer"]["parallel"] == "heads"
+    again = memory.Setup(**out["setup"])  # the worst rank is the last: its fold keeps the most
+    assert memory.worst_step(again).peak == out["step"]["peak"] == step_memory(again, 15).peak > step_memory(again, 0).peak
+    assert out["step"]["peak"] != heads["step"]["peak"]
+    with pytest.raises(SystemExit):
+        memory.main(base[:-2] + ["--mixer-parallel", "state"])
+    assert "--mixer-parallel needs --mixer" in capsys.readouterr().err

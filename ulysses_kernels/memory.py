@@ -25,7 +25,8 @@ live-bytes tracker for tiny Llama, Qwen2 and Qwen3 models on 2 and 4 gloo ranks
 A hybrid (``--mixer qwen3.5`` or ``--mixer config.json``): its mixer layers (Gated DeltaNet,
 Kimi Delta Attention, Bamba's, Nemotron-H's and Falcon-H1's Mamba2, Jamba's Mamba1, LFM2's short convolution) replayed as
 ``hf.apply`` runs them (``memory_step.mixer``; docs/longctx.md, "Hybrid models in
-the calculator"; measured per layer by tests/test_memory_hybrid.py).
+the calculator"; measured per layer by tests/test_memory_hybrid.py), through the head exchange
+or, ``--mixer-parallel state``, with the sequence kept sharded (docs/state_passing.md).
 
 ``activation_bytes`` (the forward alone, as docs/scaling.md's older figures were made) is
 kept: ``saved`` and ``peak_forward`` per layer type, measured by tests/test_memory_calculator.py.
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from .checks import UlyssesInputError
 from .layout import QKV, Layout, split_lengths
 from .memory_step import StepMemory, rank_key, step_memory
+from .memory_step.mixer import PARALLEL as MIXER_PARALLEL
 from .memory_step.mixer import PRESETS as MIXER_PRESETS
 from .memory_step.mixer import Mixer
 from .plan import HeadPlan
@@ -132,8 +134,11 @@ class Setup:
             if not isinstance(self.mixer, Mixer):
                 raise MemoryInputError(f"memory: mixer expected a memory_step.mixer.Mixer or None, got {type(self.mixer).__name__}")
             self.mixer.check_setup(self)
-            if self.sp > self.mixer.heads:
-                raise MemoryInputError(f"memory: sp ({self.sp}) expected at most the mixer's heads ({self.mixer.heads}): hf.apply splits its heads")
+            if self.sp > self.mixer.heads and self.mixer.strategy(self.sp) == "heads":
+                raise MemoryInputError(
+                    f"memory: sp ({self.sp}) expected at most the mixer's heads ({self.mixer.heads}): the head exchange splits its heads "
+                    "(mixer parallel 'state' keeps the sequence sharded)"
+                )
         if self.offload_activations and not self.checkpointing:
             raise MemoryInputError("memory: offload_activations expected checkpointing (it offloads the inputs checkpointing keeps)")
 
@@ -381,6 +386,13 @@ def _parser() -> argparse.ArgumentParser:
         "attention every 4th layer) or a transformers Qwen3.5 / Qwen3-Next, Kimi-Linear, Bamba, LFM2, Nemotron-H (with --mlp plain) "
         "Falcon-H1 or Jamba (dense MLPs) config.json (its mixer sizes, layer_types); MoE layers are refused by name",
     )
+    p.add_argument(
+        "--mixer-parallel",
+        default=None,
+        choices=MIXER_PARALLEL,
+        help="how hf.apply runs the --mixer layers (its mixer_parallel, docs/state_passing.md): heads (the head exchange, the default "
+        "here), state (the sequence kept sharded, the state passed between ranks) or auto (heads where they split over --sp)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -390,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     as_json, find, gpu_gb, host_gb = args.pop("json"), args.pop("max_seq"), args.pop("gpu_gb"), args.pop("host_gb")
     args["tie_embeddings"] = not args.pop("untied_embeddings")
+    parallel = args.pop("mixer_parallel")
+    if parallel is not None:
+        if args["mixer"] is None:
+            parser.error("--mixer-parallel needs --mixer (a hybrid's mixer layers)")
+        args["mixer"] = replace(args["mixer"], parallel=parallel)
     if find and gpu_gb is None:
         parser.error("--max-seq needs --gpu-gb (the memory per GPU, in GB)")
     if find and args["seq"] is not None:

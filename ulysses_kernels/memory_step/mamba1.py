@@ -15,11 +15,19 @@ a head) of which the rank holds ``c``, ``Ns`` the state, ``R`` dt's rank, ``K`` 
     scan:   float32 dt + bias and softplus [N, c]; exp(A dt) and dt B [N, c, Ns]; the N + B states
             [c, Ns]; the output plus D x and silu(gate) [N, c]
     out     [N, c] -> one all-to-all back -> [n, I] kept (out_proj's input)
+
+State passing (``mixer_parallel="state"``, ``mamba1_state_stages``): no exchange; every tensor
+above over the rank's ``n`` tokens and all ``I`` channels (``N -> n``, ``c -> I``), the conv's
+input and output after its halo (``W = n + B halo`` tokens), the scan with no gate, then
+``state_passing.selective``'s closed form: dt + bias and its running sum ``[n, I]`` float32,
+``exp(A sum)`` and ``J`` (that times C) ``[n, I, Ns]`` float32, the fold
+(``MixerReplay._fold``); the corrected output and silu(gate) ``[n, I]`` kept, their product
+out_proj's input.
 """
 
 from __future__ import annotations
 
-__all__ = ["mamba1_parameters", "mamba1_stages"]
+__all__ = ["mamba1_parameters", "mamba1_stages", "mamba1_state_stages"]
 
 
 def mamba1_parameters(m, hidden: int) -> int:
@@ -57,4 +65,37 @@ def mamba1_stages(m, n: int, N: int, c: int, batch: int, e: int, one: bool) -> l
         ("free", "deltaB_u", 0),
         ("new", "kernel", 2 * N * c * w),  # the output plus D x, silu(gate)
         ("free", "steps", 0),
+    ]
+
+
+def mamba1_state_stages(m, n: int, batch: int, e: int, window: int, fold: int) -> list[tuple[str, str, int]]:
+    """``mamba1_stages`` under state passing (the module docstring): ``window`` the conv's input
+    tokens (the shard after its halo, batch x), ``fold`` the fold's kept bytes."""
+    i, ns, r, k = m.heads, m.key_dim, m.dt_rank, m.conv
+    w = max(e, 4)
+    conv_out = (window + batch * (k - 1)) * i * e
+    return [
+        ("tmp", "proj", n * 2 * i * e),  # x | gate, until the stack
+        ("new", "conv_in", window * i * e),
+        ("new", "conv_w", i * (k * e + 8)),
+        ("new", "conv_out", conv_out),
+        ("tmp", "silu", conv_out),
+        ("new", "x", n * i * e),  # silu's output, contiguous (x_proj's input)
+        ("free", "silu", 0),
+        ("new", "xproj", n * (r + 2 * ns) * e),
+        ("new", "norms", n * (r + 2 * ns) * 4 + 3 * n * 4 + n * r * e),
+        ("tmp", "dt_proj", n * i * e),
+        ("new", "recv", n * (3 * i + 2 * ns) * e),  # x | dt | gate and B | C, stacked: the scan's inputs
+        ("free", "dt_proj", 0),
+        ("free", "proj", 0),
+        ("new", "dt", 2 * n * i * w + 2 * i * ns * 4),
+        ("new", "discrete", 2 * n * i * ns * 4),
+        ("tmp", "deltaB_u", n * i * ns * 4),
+        ("new", "states", n * i * ns * 4 + batch * i * ns * e),
+        ("tmp", "steps", n * i * e),
+        ("free", "deltaB_u", 0),
+        ("free", "steps", 0),
+        ("new", "closed", 2 * n * i * 4 + 2 * n * i * ns * 4),  # dt + bias, its running sum; exp(A sum), J
+        ("new", "fold", fold),
+        ("new", "kernel", 2 * n * i * w),  # the corrected output, silu(gate)
     ]

@@ -67,6 +67,30 @@ counts follow the model's dtype (measured in float32 only).
 Jamba's Mamba1 (``kind="mamba1"``: ``heads`` its channels, ``key_dim`` the state, ``dt_rank``):
 ``memory_step/mamba1.py`` (three exchanges and one back).
 
+State passing (``Mixer.parallel="state"``, ``hf.apply(..., mixer_parallel="state")``,
+docs/state_passing.md): no exchange; each rank runs its ``n`` tokens for every head, so the
+tensors above over ``N`` tokens and the rank's ``h``/``g`` heads are over ``n`` tokens and all
+``H``/``G`` heads (the kernel's chunks padded over the shard's tokens), and:
+
+    conv:   its input after the halo: [n + B w, ch] (w = min(K - 1, tokens before the shard):
+            0 on rank 0), its output [n + B w + B (K - 1), ch]
+    GDN:    the kernel on the value side widened, Dv -> Dv + Dk (its Dv terms, its per-chunk
+            states [Dk, Dv + Dk]), the initial state [0 | I] [B, H, Dk, Dv + Dk] float32
+    KDA:    as GDN (3 of its 13 D terms are the value side's); the kernel's whole output
+            [n, H, 2 D] kept (J, the correction's, is a view of it), the corrected [n, H D]
+    Mamba2: x widened, P -> P + Ns per head (the scan's P terms and states), kept (and its
+            float32 copy) in place of the conv's output; the scan's whole float32 output
+            [n, H, P + Ns] kept (J), the corrected float32 [n, I]
+    Mamba1: ``mamba1.mamba1_state_stages``: the scan with no gate, then the closed form's
+            dt + bias, running sum [n, I], exp(A sum) and J [n, I, Ns] (float32); the
+            corrected output and silu(gate) kept
+    short conv: the halo only
+    fold:   (``MixerReplay._fold``, float32) rank 0 its zero initial state; rank r > 0 the
+            all-gathered (A, c) of the sp ranks and r + 1 states of the fold
+
+measured per layer by tests/test_memory_hybrid.py as the head exchange is (within 2%; the
+Gated DeltaNet whose shard pads its last chunk: an upper bound within 7%).
+
 Not modelled, refused by name (``Mixer.from_config``): MoE layers (Nemotron-H's MoE blocks,
 Jamba's experts), Falcon-H1's gate before its gated norm, projection biases, the attention-free
 Mamba, Falcon-Mamba and Mamba2 models (blocks without an MLP).
@@ -78,7 +102,7 @@ from dataclasses import dataclass
 
 from ..checks import UlyssesInputError
 from ..layout import Layout, split_lengths
-from ..plan import HeadPlan
+from ..plan import HeadPlan, PlanError
 from .mamba1 import mamba1_parameters
 
 __all__ = ["Mixer", "PRESETS"]
@@ -89,6 +113,11 @@ KINDS = ("gated-deltanet", "mamba2", "short-conv", "kimi-delta", "mamba1")
 # RoPE) or an MLP (Nemotron-H); "parallel": norm -> Mamba2 and attention side by side, summed ->
 # norm -> MLP (Falcon-H1, its muP multipliers between them).
 FORMS = ("stacked", "blocks", "parallel")
+# How hf.apply runs the mixer layers (its ``mixer_parallel``, docs/state_passing.md): "heads" the
+# head exchange (the default here: the calculator's figures before state passing), "state" the
+# sequence kept sharded with the conv's halo and the recurrent state passed between ranks,
+# "auto" as hf.apply's: the head exchange where the heads split over the ranks, else state.
+PARALLEL = ("heads", "state", "auto")
 
 
 @dataclass(frozen=True)
@@ -104,7 +133,8 @@ class Mixer:
     per layer; with ``form="blocks"`` also ``"mlp"``) say. ``form``: ``FORMS`` (``"parallel"``: every
     layer has the mixer and attention). ``gated_norm``: Mamba2's gated RMSNorm (Falcon-H1 without
     ``mamba_rms_norm``: the output times silu(gate) alone). ``rope``: the attention layers rotate
-    q and k (not Nemotron-H's, Jamba's). Mamba1: ``heads`` = its channels, ``groups`` 1, ``dt_rank``."""
+    q and k (not Nemotron-H's, Jamba's). Mamba1: ``heads`` = its channels, ``groups`` 1, ``dt_rank``.
+    ``parallel``: ``PARALLEL``, as ``hf.apply(..., mixer_parallel=)`` runs the layers."""
 
     heads: int
     groups: int
@@ -121,8 +151,11 @@ class Mixer:
     gated_norm: bool = True
     rope: bool = True
     dt_rank: int = 0
+    parallel: str = "heads"
 
     def __post_init__(self):
+        if self.parallel not in PARALLEL:
+            raise UlyssesInputError(f"memory: mixer parallel expected one of {list(PARALLEL)} (hf.apply's mixer_parallel), got {self.parallel!r}")
         if self.kind not in KINDS:
             raise UlyssesInputError(f"memory: mixer kind expected one of {list(KINDS)}, got {self.kind!r}")
         if self.form not in FORMS:
@@ -304,10 +337,32 @@ class Mixer:
             return 3 * hidden * hv + 2 * (hidden * d + d * hv) + hidden * self.heads + conv + self.heads + hv + d + hv * hidden
         return hidden * (ch + hv + 2 * self.heads) + conv + 2 * self.heads + self.head_dim + hv * hidden
 
+    def strategy(self, sp: int) -> str:
+        """How ``hf.apply`` runs the layers over ``sp`` ranks: ``"heads"`` or ``"state"``
+        (``"auto"``: the head exchange where the heads split over the ranks, as ``plan_mixers``)."""
+        if self.parallel != "auto":
+            return self.parallel
+        try:
+            HeadPlan.build(self.heads, self.groups, sp)
+        except PlanError:
+            return "state"
+        return "heads"
+
     def heads_on(self, setup, rank: int) -> tuple[int, int]:
-        """``(h, g)``: the value and key heads of ``rank`` (the head plan of ``hf.apply``'s mixers)."""
+        """``(h, g)``: the value and key heads of ``rank`` (the head plan of ``hf.apply``'s
+        mixers; state passing: every head)."""
+        if self.strategy(setup.sp) == "state":
+            return self.heads, self.groups
         lay = Layout(HeadPlan.build(self.heads, self.groups, setup.sp), rank, tuple(split_lengths(setup.seq, setup.sp)), setup.batch, self.head_dim)
         return lay.head_count("q", rank), lay.head_count("kv", rank)
+
+    def halo_on(self, setup, rank: int) -> int:
+        """The tokens (of each sequence) before ``rank``'s shard that its conv takes under state
+        passing (``state_passing.preceding``: ``conv - 1``, fewer where the shards before are
+        shorter); 0 under the head exchange."""
+        if self.strategy(setup.sp) != "state":
+            return 0
+        return min(self.conv - 1, sum(split_lengths(setup.seq, setup.sp)[:rank]))
 
 
 _MODELLED = (

@@ -1,12 +1,14 @@
 """One hybrid mixer layer of a rank's step in the replay (``MixerReplay``): the tensors it keeps
 for the backward, its two exchanges and its backward, per ``Mixer.kind``, as ``hf.apply`` runs it
-(``integrations/hf/mixers.py``); the bytes each kind keeps are listed in ``memory_step.mixer``'s
-docstring."""
+(``integrations/hf/mixers.py``): through the head exchange, or under state passing
+(``Mixer.parallel``: the same tensors over the rank's tokens and every head, no exchange, the
+conv's halo, the widened kernel, the fold); the bytes each kind keeps are listed in
+``memory_step.mixer``'s docstring."""
 
 from __future__ import annotations
 
 from .ledger import Ledger
-from .mamba1 import mamba1_stages
+from .mamba1 import mamba1_stages, mamba1_state_stages
 
 __all__ = ["MixerReplay"]
 
@@ -30,9 +32,10 @@ SCAN_NS, SCAN_P, SCAN_C, SCAN_ONE, SCAN_STATES = 5, 4, 3, 2, 2
 # mask, k_beta x key, each chunk's q x k (3); Dk: key and value padded, k_beta, g's exp, the
 # scaled query, each chunk's two decays (g's exp, the last minus g's exp) and two matmul
 # operands (q * g's exp, v_new), the transposed decayed key, k_cumdecay, k_beta * g's exp,
-# v_beta (13); C: the UT system, each chunk's intra attention (2); per chunk and head: the UT
-# loop's clones (row i of the system and its i x i block for i < C), the state, the last decay.
-KDA_CD, KDA_D, KDA_C = 3, 13, 2
+# v_beta (13: 10 on the key side, 3 on the value side: value, v_new, v_beta, which state
+# passing widens); C: the UT system, each chunk's intra attention (2); per chunk and head: the
+# UT loop's clones (row i of the system and its i x i block for i < C), the state, the last decay.
+KDA_CD, KDA_DK, KDA_DV, KDA_C = 3, 10, 3, 2
 
 
 class MixerReplay:
@@ -46,8 +49,15 @@ class MixerReplay:
         self.t, self.m, self.e = ledger, m, e
         h, g = m.heads_on(setup, rank)
         n = sizes.n
-        N = setup.batch * setup.seq
-        one = setup.sp == 1
+        self.state = m.strategy(setup.sp) == "state"
+        one = setup.sp == 1 or self.state  # no exchange of the tokens
+        # The kernel's tokens: the whole sequence (head exchange) or the rank's shard (state
+        # passing, every head: ``heads_on``); ``seq`` one sequence's, padded to the chunk; ``W``
+        # the conv's input, the shard after its halo (``halo_on``).
+        N = n if self.state else setup.batch * setup.seq
+        self.seq = n // setup.batch if self.state else setup.seq
+        self.W = N + setup.batch * m.halo_on(setup, rank)
+        self.fold = self._fold(setup, rank) if self.state else 0
         self.X = n * setup.hidden * e
         self.weights = m.parameters(setup.hidden) * e
         self.stages = None  # Mamba1's forward, its own order (three exchanges)
@@ -63,17 +73,39 @@ class MixerReplay:
             self._gated_deltanet(n, N, h, g, one, setup)
         self.kept = self.local + self.remote + [("out", self.out)] + self.post
 
+    def _fold(self, setup, rank: int) -> int:
+        """State passing's fold (``state_passing.carried_in``), kept for the backward: rank 0 its
+        zero initial state; rank ``r > 0`` the all-gathered ``(A, c)`` of every rank (float32,
+        read by the compositions) and the ``r + 1`` states of the fold (from zero, after each
+        rank before), the last the initial state the output's correction reads."""
+        m, w, B = self.m, 4, setup.batch
+        if m.kind == "short-conv":
+            return 0
+        if m.kind == "mamba1":  # per channel a state [Ns] with a decay per entry
+            a = c = B * m.heads * m.key_dim
+        elif m.kind == "mamba2":  # per head [P, Ns], a scalar decay
+            a, c = B * m.heads, B * m.heads * m.head_dim * m.key_dim
+        else:  # delta: per value head [Dk, Dv], A [Dk, Dk]
+            a, c = B * m.heads * m.key_dim * m.key_dim, B * m.heads * m.key_dim * m.head_dim
+        if rank == 0:
+            return c * w
+        return setup.sp * (a + c) * w + (rank + 1) * c * w
+
     def _gated_deltanet(self, n, N, h, g, one, setup):
         m, e = self.m, self.e
         hv_local = n * m.heads * m.head_dim
-        padded = -(-setup.seq // m.chunk) * m.chunk * setup.batch
-        kernel = h * (padded * (KERNEL_DK * m.key_dim + KERNEL_DV * m.head_dim + KERNEL_C * m.chunk + KERNEL_ONE)
-                      + padded // m.chunk * KERNEL_STATES * m.key_dim * m.head_dim)  # fmt: skip
+        padded = -(-self.seq // m.chunk) * m.chunk * setup.batch
+        dv = m.head_dim + (m.key_dim if self.state else 0)  # state passing: the value side widened by Dk columns
+        kernel = h * (padded * (KERNEL_DK * m.key_dim + KERNEL_DV * dv + KERNEL_C * m.chunk + KERNEL_ONE)
+                      + padded // m.chunk * KERNEL_STATES * m.key_dim * dv)  # fmt: skip
         ch = 2 * g * m.key_dim + h * m.head_dim
         # (name, bytes) kept for the backward, in the order the forward makes them
         self.local = [("z", hv_local * e)]
-        self.remote = [("conv_in", N * ch * e), ("conv_out", N * ch * e), ("beta", N * h * e), ("sp_in", N * h * 4),
+        conv_out = (self.W + setup.batch * (m.conv - 1)) if self.state else N
+        self.remote = [("conv_in", self.W * ch * e), ("conv_out", conv_out * ch * e), ("beta", N * h * e), ("sp_in", N * h * 4),
                        ("sp_out", N * h * 4), ("kernel", kernel * 4)]  # fmt: skip
+        if self.state:  # the initial state [0 | I] (the kernel's first chunk reads it), the fold
+            self.remote[-1:-1] = [("init", setup.batch * h * m.key_dim * dv * 4), ("fold", self.fold)]
         self.out, self.y = N * h * m.head_dim * e, 0
         self.post = [("norm", GATED_NORM_WIDE * hv_local * max(e, 4) + GATED_NORM_ONE * n * m.heads * 4), ("o_in", hv_local * e)]
         self.send = 0 if one else n * (m.heads * (m.head_dim + 2) + 2 * m.groups * m.key_dim) * e
@@ -84,18 +116,23 @@ class MixerReplay:
     def _mamba2(self, n, N, h, g, one, setup):
         m, e = self.m, self.e
         P, Ns, C, B = m.head_dim, m.key_dim, m.chunk, setup.batch
+        wide = P + (Ns if self.state else 0)  # state passing: each head's x widened by Ns rows
         inner = m.heads * P
         ch = h * P + 2 * g * Ns
-        padded = -(-setup.seq // C) * C * B
+        padded = -(-self.seq // C) * C * B
         chunks = padded // (C * B)
         # float32 model: x.float() is the conv's output (all its channels), else a float32 copy of x
         x32 = N * ch * 4 if e == 4 else N * h * P * 4
-        scan = h * padded * (SCAN_NS * Ns + SCAN_P * P + SCAN_C * C + SCAN_ONE) + SCAN_STATES * B * (chunks + 1) * h * P * Ns
+        scan = h * padded * (SCAN_NS * Ns + SCAN_P * wide + SCAN_C * C + SCAN_ONE) + SCAN_STATES * B * (chunks + 1) * h * wide * Ns
         masks = 2 * C * C + 2 * (chunks + 1) ** 2 + 4 * B * h * (chunks + 1) ** 2  # segment_sum's masks, the chunks' decay
         self.local = [("proj", n * (inner + m.conv_channels + m.heads) * e)]  # in_proj's output (the gate keeps it)
-        self.remote = [("conv_w", ch * (m.conv * e + 8)), ("conv_in", N * ch * e), ("conv_out", (N + B * (m.conv - 1)) * ch * e),
+        self.remote = [("conv_w", ch * (m.conv * e + 8)), ("conv_in", self.W * ch * e), ("conv_out", (self.W + B * (m.conv - 1)) * ch * e),
                        ("dt", 2 * N * h * e + N * h * 4 + 2 * h * 4), ("x32", x32), ("kernel", 4 * scan + masks)]  # fmt: skip
         self.out, self.y = 0, N * h * P * e
+        if self.state:  # x widened (the scan reads it, not the conv's output) and its float32 copy, the fold;
+            # the scan's whole float32 output kept (J is a view of it)
+            self.remote[-2:-1] = [("x32", N * h * wide * (e + (0 if e == 4 else 4))), ("fold", self.fold)]
+            self.out, self.y = N * h * wide * 4, 0
         # gated norm in float32: the gate's silu (and in another dtype its float32 copy), the
         # output's float32 copy, their product, rsqrt, the normalized output in the dtype
         silu = n * inner * 4 * (1 if e == 4 else 2)
@@ -104,35 +141,42 @@ class MixerReplay:
             self.post = [("gate", 2 * n * inner * e), ("o_in", n * inner * e)]
         self.send = 0 if one else n * (m.heads * (P + 1) + 2 * m.groups * Ns) * e
         self.recv = N * (h * (P + 1) + 2 * g * Ns) * e
-        self.back = 0 if one else n * inner * e
+        self.back = n * inner * 4 if self.state else 0 if one else n * inner * e  # state passing: the corrected float32 output
         # Falcon-H1's muP: in_proj's output times mup_vector (kept, ``proj``); the product goes
         self.proj = n * (inner + m.conv_channels + m.heads) * e if m.form == "parallel" else 0
 
     def _kimi_delta(self, n, N, h, one, setup):
         m, e = self.m, self.e
         d, C, B, H = m.head_dim, m.chunk, setup.batch, m.heads
+        dv = d + (d if self.state else 0)  # state passing: the value side widened by Dk columns
         ch = 3 * h * d
-        padded = -(-setup.seq // C) * C * B
+        padded = -(-self.seq // C) * C * B
         chunks = padded // C  # over the batch
         ut = (C - 1) * C // 2 + (C - 1) * C * (2 * C - 1) // 6  # the UT loop's clones per chunk and head
-        kernel = (h * padded * (KDA_CD * C * d + KDA_D * d + KDA_C * C) + h * chunks * (ut + d * d + d)) * 4 + 3 * C * C
+        kernel = (h * padded * (KDA_CD * C * d + KDA_DK * d + KDA_DV * dv + KDA_C * C) + h * chunks * (ut + d * dv + d)) * 4 + 3 * C * C
         kernel += 2 * N * h * d * 4 + 3 * N * h * 4  # q and k (float32) and their l2 norms, beta
         self.local = [("gates_a", 2 * n * d * e)]  # f_a_proj's and g_a_proj's outputs
-        self.remote = [("conv_w", ch * (m.conv * e + 8)), ("conv_in", N * ch * e), ("conv_out", (N + B * (m.conv - 1)) * ch * e),
+        self.remote = [("conv_w", ch * (m.conv * e + 8)), ("conv_in", self.W * ch * e), ("conv_out", (self.W + B * (m.conv - 1)) * ch * e),
                        ("forget", 3 * N * h * d * 4 + N * h * d + 2 * h * 4), ("beta", N * h * e), ("kernel", kernel)]  # fmt: skip
         self.out, self.y = 0, N * h * d * e
+        if self.state:  # the initial state [0 | I], the fold; the kernel's whole output kept (J, the correction's, is a view of it)
+            self.remote[-1:-1] = [("init", B * h * d * dv * 4), ("fold", self.fold)]
+            self.out, self.y = N * h * dv * e, 0
         # o_norm (gated, float32): the output, its product with the gate's sigmoid, the normalized, rsqrt
         self.post = [("norm", n * H * d * e + 3 * n * H * d * 4 + n * H * 4), ("o_in", n * H * d * e)]
         self.send = 0 if one else n * H * (4 * d + 1) * e
         self.recv = N * h * (4 * d + 1) * e
-        self.back = 0 if one else n * H * d * e
+        self.back = n * H * d * e if self.state or not one else 0  # state passing: the corrected output
         self.proj = n * H * (4 * d + 1) * e  # q, k, v, the forget gate's pre-activation, b: joined into the send
 
     def _mamba1(self, n, N, c, one, setup):
         m, e = self.m, self.e
-        self.stages = mamba1_stages(m, n, N, c, setup.batch, e, one)
+        if self.state:
+            self.stages = mamba1_state_stages(m, n, setup.batch, e, self.W, self.fold)
+        else:
+            self.stages = mamba1_stages(m, n, N, c, setup.batch, e, one)
         self.local, self.remote = [], [(name, nbytes) for action, name, nbytes in self.stages if action == "new"]
-        self.out, self.y = 0, 2 * N * c * e  # the output and its contiguous copy, sent back
+        self.out, self.y = 0, 0 if self.state else 2 * N * c * e  # the output and its contiguous copy, sent back
         self.post = [("o_in", n * m.heads * e)]
         self.send = 0 if one else n * (3 * m.heads + 2 * m.key_dim) * e  # the largest exchange, for the backward
         self.recv = N * (3 * c + 2 * m.key_dim) * e
@@ -147,7 +191,7 @@ class MixerReplay:
         e = self.e
         hidden = self.m.heads
         self.local = [("proj", 3 * n * hidden * e)]  # in_proj's output: B, C, x are views of it
-        self.remote = [("conv_w", c * (self.m.conv * e + 8)), ("kernel", N * c * e)]  # the conv's input
+        self.remote = [("conv_w", c * (self.m.conv * e + 8)), ("kernel", self.W * c * e)]  # the conv's input (state passing: after its halo)
         self.out, self.y = 0, N * c * e
         self.post = [("back_kept", n * hidden * e), ("o_in", n * hidden * e)]  # C * back keeps back
         self.send = 0 if one else n * hidden * e

@@ -293,7 +293,10 @@ def rank_key(setup, rank: int) -> tuple:
     x = ExchangeBytes.of(setup, rank)
     n = setup.batch * setup.layout(rank).seq_local
     key = (n, x.hq, x.hkv, x.shared, x.gathered, x.send_qkv, x.recv_qkv, x.send_dout, x.out_recv, x.dqkv_recv)
-    return key if setup.mixer is None else (*key, setup.mixer.heads_on(setup, rank))
+    if setup.mixer is None:
+        return key
+    m = setup.mixer  # state passing: the fold of the (A, c) of the ranks before differs per rank
+    return (*key, m.heads_on(setup, rank), rank if m.strategy(setup.sp) == "state" else None)
 
 
 def step_memory(setup, rank: int = 0) -> StepMemory:
