@@ -3,7 +3,10 @@ all-to-all to the rank's heads (``_ToHeads``, ``_to_heads``) and back (``_to_seq
 call's context (the settings ``switch_mixers`` put on the module, the step's ``SequenceShard``,
 the refusals of a cache and a padding mask), the module's kernel functions as transformers
 resolved them, the causal conv on the rank's channels and the per-document runs of packed
-batches."""
+batches. Under state passing (``_MixerSettings.strategy == "state"``) the same pieces keep the
+sequence sharded: ``_to_heads``/``_to_sequence`` pass the tensors through, ``_conv`` takes its
+halo from the ranks before (``_windowed``), ``_recurrence`` passes the state
+(``ulysses_kernels.state_passing``)."""
 
 from __future__ import annotations
 
