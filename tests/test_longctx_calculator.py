@@ -28,7 +28,8 @@ COMMON = "--untied-embeddings --zero 3 --offload-optimizer --checkpointing --til
 def setup_from(argv: str) -> memory.Setup:
     """The ``Setup`` the command line ``argv`` (flags only) describes, through the CLI's own parser."""
     args = vars(memory._parser().parse_args(shlex.split(argv)))
-    for key in ("json", "max_seq", "gpu_gb", "host_gb"):
+    for key in ("json", "max_seq", "gpu_gb", "host_gb", "mixer_parallel"):  # main's own (mixer_parallel: --mixer's, none here)
+        assert key != "mixer_parallel" or args[key] is None, argv
         args.pop(key)
     args["tie_embeddings"] = not args.pop("untied_embeddings")
     args["seq"] = args["seq"] or args["sp"]
