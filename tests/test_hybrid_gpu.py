@@ -33,9 +33,12 @@ def test_cpu_proxy_with_state_passing(tmp_path, capsys):
     float32, every check within 2x one process + floor, the record saying which strategy ran.
     NOTE: measured in bf16 (this CPU, tiny sizes): 83 of 84 checks pass; Bamba's A_log gradient is
     2.7e-2 from float64 against one process's 7.2e-3 (bound 1.8e-2), the head exchange's bf16
-    step passing all 84. Under state passing every rank holds a part of each head's A_log
-    gradient (under the head exchange one rank holds it whole), and the parts are bf16 before
-    they are summed; not yet isolated, left to the GPU call's bf16 run (hybrid_state_w2)."""
+    step passing all 84. Isolated: under state passing every rank holds a part of each head's
+    A_log gradient (under the head exchange one rank holds it whole), and the parts are bf16
+    before ``sync_gradients`` sums them: Bamba's layer-0 head 2 gets +1.26e-7 on rank 0 and
+    -8.9e-8 on rank 1 (sum 3.68e-8; the head exchange's 3.61e-8 whole on one rank): each part's
+    bf16 rounding is ~1.4% of the sum. A reduction in float32 (FSDP's reduce_dtype) avoids it;
+    the GPU call's bf16 run (hybrid_state_w2) measures it at real sizes."""
     argv = ["--device", "cpu", "--size", "tiny", "--dtype", "float32", "--mixer-parallel", "state", "--out-dir", str(tmp_path)]
     assert hybrid_step.main(argv) == 0
     rec = _record(tmp_path)
