@@ -208,13 +208,15 @@ def _mamba1_forward(self, hidden_states, cache_params=None, attention_mask=None,
 
     t = lambda v: v.transpose(1, 2)  # noqa: E731 - the kernel's [B, channels, S] layout
 
+    def scan_on(x, dt, bm, cm, z, last):  # the model's scan on [B, L, c] inputs (z: the gate, or None)
+        return scan(t(x), t(dt), a_neg, t(bm), t(cm), D=self.D[h0:h1].float(), z=z if z is None else t(z), delta_bias=bias, delta_softplus=True,
+                    return_last_state=last, use_mambapy=self.use_mambapy, use_associative_scan=self.use_associative_scan)  # fmt: skip
+
     def run(x, dt, gate, bm, cm):
-        return t(scan(t(x), t(dt), a_neg, t(bm), t(cm), D=self.D[h0:h1].float(), z=t(gate), delta_bias=bias, delta_softplus=True,
-                      return_last_state=False, use_mambapy=self.use_mambapy, use_associative_scan=self.use_associative_scan))  # fmt: skip
+        return t(scan_on(x, dt, bm, cm, gate, False))
 
     def run_from(x, dt, bm, cm, initial_state):  # state passing: no gate (after the correction); the kernel starts from zero
-        y, last = scan(t(x), t(dt), a_neg, t(bm), t(cm), D=self.D[h0:h1].float(), z=None, delta_bias=bias, delta_softplus=True,
-                       return_last_state=True, use_mambapy=self.use_mambapy, use_associative_scan=self.use_associative_scan)  # fmt: skip
+        y, last = scan_on(x, dt, bm, cm, None, True)
         return t(y), last
 
     if settings.state:  # [B, s, I] each: the scan's state passed between ranks, then the gate
