@@ -295,6 +295,28 @@ def job_heads_and_bytes(rank, world):
             print(f"bytes sent by rank 0, {name} forward+backward (2 layers): {sent}", flush=True)
 
 
+def job_checkpointed(rank, world):
+    """Activation checkpointing (transformers' gradient checkpointing, the layer recomputed in the
+    backward with its gathers) under state passing: the step equals the same model's without it."""
+    from ulysses_kernels.integrations import hf
+    from ulysses_kernels.testing.hybrids import MODELS, VOCAB, build, sharded_step
+
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(5))
+    for name in ("qwen3.5", "bamba", "mamba", "recurrent-gemma"):
+        case = next(c for c in MODELS if c[0] == name)
+        plain = sharded_step(hf.apply(build(case), None, mixer_parallel="state"), hf.shard_batch(ids, ids.clone(), group=None), None)
+        model = hf.apply(build(case), None, mixer_parallel="state")
+        model.gradient_checkpointing_enable()
+        got = sharded_step(model, hf.shard_batch(ids, ids.clone(), group=None), None)
+        assert torch.equal(got[0], plain[0]), (name, got[0], plain[0])
+        for n, g in got[1].items():
+            assert torch.allclose(g, plain[1][n], rtol=1e-12, atol=0), (name, n, (g - plain[1][n]).abs().max())
+
+
+def test_state_passing_under_activation_checkpointing():
+    run_ranks(job_checkpointed, 2)
+
+
 def test_one_head_and_bytes():
     run_ranks(job_heads_and_bytes, 2)
 
