@@ -409,6 +409,58 @@ def test_enable_refuses_other_attentions_and_twice():
         attention(q, q, q)
 
 
+# ---- the zero-code form: torchtitan's own command line ------------------------------------------
+# torchrun --nproc-per-node 8 -m torchtitan.train --module ulysses_kernels.integrations.torchtitan \
+#     --config llama3_debugmodel --parallelism.context_parallel_degree 8   (docs/torchtitan.md)
+ZERO_CODE = ["--module", "ulysses_kernels.integrations.torchtitan", "--config", "llama3_debugmodel"]
+
+
+def _without_addresses(value) -> str:
+    import re
+
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(value))  # two calls of a registry make new partials
+
+
+def test_zero_code_form_is_enable_of_the_stock_config():
+    """torchtitan's ``ConfigManager`` (what ``-m torchtitan.train`` parses its command line with)
+    given our module and a stock config name returns ``enable`` of that stock config with the
+    command line's settings, field for field (the trainer it builds is the one the tests above
+    train); a setting ``enable`` refuses, given on the command line, is refused when the trainer
+    is built, before torchtitan builds anything; a name no model registers is torchtitan's own
+    error."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from ulysses_kernels.integrations import torchtitan as ulysses_titan
+
+    parsed = ConfigManager().parse_args([*ZERO_CODE, "--parallelism.context_parallel_degree", "4", "--training.steps", "3"])
+    stock = llama3_debugmodel()
+    stock.parallelism.context_parallel_degree, stock.parallelism.context_parallel_load_balancer = 4, None
+    stock.training.steps = 3
+    explicit = ulysses_titan.enable(stock)
+    assert type(parsed) is type(explicit) is ulysses_titan.UlyssesTrainer.Config
+    for field in dataclasses.fields(explicit):
+        assert _without_addresses(getattr(parsed, field.name)) == _without_addresses(getattr(explicit, field.name)), field.name
+    assert parsed.override.imports == [(ulysses_titan.OVERRIDE, {"chunks": 1, "kernels": None})]
+
+    cp2 = ("--parallelism.context_parallel_degree", "2")
+    for extra, setting, got in (
+        ((), "parallelism.context_parallel_degree", "got 1"),
+        (("--parallelism.context_parallel_load_balancer", "headtail"), "context_parallel_load_balancer", "'headtail'"),
+        (("--parallelism.tensor_parallel_degree", "2"), "parallelism.tensor_parallel_degree", "got 2"),
+    ):
+        config = ConfigManager().parse_args([*ZERO_CODE, *(cp2 if extra else ()), *extra])
+        with pytest.raises(ulysses_titan.TorchtitanIntegrationError, match="expected") as info:
+            config.build()
+        assert setting in str(info.value) and got in str(info.value), str(info.value)
+    config = ulysses_titan.enable(_titan_config(4, 2, cp=2))
+    config.parallelism.context_parallel_degree = 1  # changed after enable: refused at the build too
+    with pytest.raises(ulysses_titan.TorchtitanIntegrationError, match="context_parallel_degree: expected > 1"):
+        config.build()
+    with pytest.raises(ValueError, match="no_such_config"):
+        ConfigManager().parse_args([*ZERO_CODE[:2], "--config", "no_such_config"])
+
+
 def test_document_boundaries():
     from ulysses_kernels.integrations.torchtitan import document_boundaries
 

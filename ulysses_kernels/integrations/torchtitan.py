@@ -12,6 +12,11 @@
     trainer = config.build()          # an UlyssesTrainer: torchtitan's Trainer, one hook changed
     trainer.train()
 
+Without code, torchtitan's own command line (``zero_code``; the cp degree from the command line)::
+
+    torchrun --nproc-per-node 8 -m torchtitan.train --module ulysses_kernels.integrations.torchtitan \
+        --config llama3_8b --parallelism.context_parallel_degree 8
+
 What ``enable`` changes (torchtitan 0.3.0), and nothing else:
 
 * the model's inner attention: an ``override`` (torchtitan's own mechanism,
@@ -75,7 +80,7 @@ except ImportError as e:  # torchtitan absent: the module imports, enable() says
 else:
     _MISSING = None
 
-__all__ = ["enable", "TorchtitanIntegrationError", "document_boundaries", "shard_batch"]
+__all__ = ["enable", "zero_code", "TorchtitanIntegrationError", "document_boundaries", "shard_batch"]
 
 # The override's import path, as torchtitan's ``override.imports`` names it.
 OVERRIDE = f"{__name__}.ulysses_inner_attention"
@@ -104,14 +109,18 @@ def document_boundaries(positions: torch.Tensor) -> list[list[int]] | None:
     return None if all(len(r) == 2 for r in rows) else rows
 
 
-def _check(config) -> None:
-    """Every refusal of ``enable``: settings under which the result would not equal one process."""
-    if type(config) is not Trainer.Config:
-        _refuse("config", "torchtitan.trainer.Trainer.Config (its post_dataloading_process is the one replaced)", type(config).__qualname__)
+def _check(config, *, enabled: bool = False, deferred: bool = False) -> None:
+    """Every refusal of ``enable``: settings under which the result would not equal one process.
+    ``enabled``: ``config`` is ``enable``'s result, checked again when its trainer is built (after
+    torchtitan's command line has set what it sets). ``deferred``: the zero-code form before the
+    command line: the cp degree and load balancer are checked at the build."""
+    trainer, validator = (UlyssesTrainer, UlyssesValidator) if enabled else (Trainer, Validator)
+    if type(config) is not trainer.Config:
+        _refuse("config", f"{trainer.__module__}.{trainer.__qualname__}.Config (its post_dataloading_process is the one replaced)", type(config).__qualname__)
     p = config.parallelism
-    if p.context_parallel_load_balancer is not None:
+    if not deferred and p.context_parallel_load_balancer is not None:
         _refuse("parallelism.context_parallel_load_balancer", "None (contiguous shards: rank r holds the r-th slice)", p.context_parallel_load_balancer)
-    if p.context_parallel_degree < 2:
+    if not deferred and p.context_parallel_degree < 2:
         _refuse("parallelism.context_parallel_degree", "> 1 (Ulysses runs over the cp mesh)", p.context_parallel_degree)
     for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
         if getattr(p, name) != 1:
@@ -138,11 +147,11 @@ def _check(config) -> None:
         inner = attention.inner_attention
         if type(inner) is not FlexAttention.Config:
             _refuse(f"model.layers[{i}].attention.inner_attention", "FlexAttention.Config (attn_backend='flex')", type(inner).__qualname__)
-    if type(config.validator) is not Validator.Config:
-        _refuse("validator", "torchtitan's Validator.Config (its batches are sharded as the trainer's)", type(config.validator).__qualname__)
-    for entry in config.override.imports:
-        if (entry if isinstance(entry, str) else entry[0]) == OVERRIDE:
-            _refuse("override.imports", f"no {OVERRIDE} before enable (enable adds it once)", entry)
+    if type(config.validator) is not validator.Config:
+        _refuse("validator", f"{validator.__qualname__}.Config (its batches are sharded as the trainer's)", type(config.validator).__qualname__)
+    ours = [entry for entry in config.override.imports if (entry if isinstance(entry, str) else entry[0]) == OVERRIDE]
+    if len(ours) != int(enabled):
+        _refuse("override.imports", f"{OVERRIDE} {'once' if enabled else 'not before enable (enable adds it once)'}", ours)
 
 
 def enable(config, *, chunks: int | str = 1, kernels: str | None = None):
@@ -151,9 +160,13 @@ def enable(config, *, chunks: int | str = 1, kernels: str | None = None):
     not changed). ``chunks`` and ``kernels``: as in ``UlyssesAttention`` (head chunks whose
     exchanges overlap attention; the pack/unpack kernel set). Raises
     ``TorchtitanIntegrationError`` for a setting it cannot run exactly (module docstring)."""
+    return _enable(config, chunks=chunks, kernels=kernels)
+
+
+def _enable(config, *, chunks: int | str = 1, kernels: str | None = None, deferred: bool = False):
     if _MISSING is not None:
         raise ImportError("ulysses_kernels.integrations.torchtitan needs torchtitan (pip install torchtitan==0.3.0)") from _MISSING
-    _check(config)
+    _check(config, deferred=deferred)
     spec = config.model_spec
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config)}
     values["model_spec"] = dataclasses.replace(
@@ -240,6 +253,12 @@ if _MISSING is None:
         class Config(Trainer.Config):
             pass
 
+        def __init__(self, config: Config):
+            # enable's checks again on the config as built: torchtitan's command line (or the
+            # caller) may have changed it since, and the zero-code form leaves two to here.
+            _check(config, enabled=True)
+            super().__init__(config)
+
         def post_dataloading_process(self, input_dict, labels):
             """``Trainer.post_dataloading_process`` for Ulysses: ``shard_batch``, then torchtitan's
             token count and SPMD annotation."""
@@ -278,3 +297,56 @@ def shard_batch(input_dict: dict, labels: torch.Tensor, parallel_dims, device: t
     if docs is not None:
         extra["attention_masks"] = docs
     return inputs, labels, extra
+
+
+# ---- the zero-code form ---------------------------------------------------------------------
+# torchrun ... -m torchtitan.train --module ulysses_kernels.integrations.torchtitan \
+#     --config llama3_8b --parallelism.context_parallel_degree 8
+# torchtitan's ConfigManager imports this module (it has no ``config_registry`` submodule) and
+# calls ``getattr(module, "<config>")()``: the module's ``__getattr__`` answers every stock config
+# name of torchtitan's models with that config through ``zero_code``; the command line's
+# settings apply after it, and ``UlyssesTrainer`` checks the result when it is built.
+
+
+def zero_code(config, *, chunks: int | str = 1, kernels: str | None = None):
+    """``enable`` for a stock config before torchtitan's command line applies: contiguous shards
+    (the load balancer set to ``None``), the cp degree left to the command line
+    (``--parallelism.context_parallel_degree``); both checked, with the rest again, when the
+    trainer is built."""
+    config = copy.copy(config)
+    config.parallelism = dataclasses.replace(config.parallelism, context_parallel_load_balancer=None)
+    return _enable(config, chunks=chunks, kernels=kernels, deferred=True)
+
+
+def stock_config(name: str):
+    """The config function ``name`` of torchtitan's own models' registries
+    (``torchtitan.models.<model>.config_registry``), or ``None``."""
+    import importlib
+
+    from torchtitan.models import _supported_models
+
+    for model in sorted(_supported_models):
+        try:
+            registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except ImportError:
+            continue
+        fn = getattr(registry, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def __getattr__(name: str):
+    """A stock config name (``llama3_debugmodel``, ``llama3_8b``, ``qwen3_...``) -> a function
+    returning that config through ``zero_code`` (what ``--config <name>`` calls)."""
+    if name.startswith("_") or _MISSING is not None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    fn = stock_config(name)
+    if fn is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (no torchtitan model registers a config of that name)")
+
+    @functools.wraps(fn)
+    def config():
+        return zero_code(fn())
+
+    return config
