@@ -37,7 +37,36 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, 
 STEPS, BATCH, SEQ, VOCAB, DIM = 4, 2, 16, 64, 48
 
 
-def _titan_config(n_heads: int, n_kv_heads: int, cp: int, sdpa: bool = False, batch: int = BATCH):
+def _mla_model(n_heads: int):
+    """torchtitan's DeepSeek V3 model (MLA attention), tiny and dense: 2 layers, dim 48, vocab 64,
+    ``n_heads`` heads of q/k head dim 16 + 8 (rope) and v head dim 8 (narrower than q/k), yarn
+    RoPE (so the model's softmax scale is not ``head_dim ** -0.5``), no MoE layers."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import _build_dsv3_layers
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    layers = _build_dsv3_layers(
+        n_layers=2, n_dense_layers=2, dim=DIM, n_heads=n_heads, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=8, mscale=0.7, dense_hidden_dim=64, moe_hidden_dim=32, num_experts=2,
+        num_shared_experts=1, router_top_k=1, router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(
+            dim=8, max_seq_len=4 * SEQ, theta=10000.0, scaling="yarn", rope_factor=40.0, beta_fast=32.0, beta_slow=1.0, original_seq_len=SEQ
+        ),
+    )  # fmt: skip
+    init = {"weight": torch.nn.init.ones_}
+    return DeepSeekV3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": torch.nn.init.normal_}),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=init),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init={"weight": torch.nn.init.trunc_normal_}),
+        layers=layers,
+        mtp_layers=[],
+    )
+
+
+def _titan_config(n_heads: int, n_kv_heads: int, cp: int, sdpa: bool = False, batch: int = BATCH, mla: bool = False):
     """torchtitan's ``llama3_debugmodel`` trainer config, shrunk: 2 layers, dim 48, vocab 64,
     ``n_heads``/``n_kv_heads`` heads, sequence 16, batch 2, 4 steps, SAC on (its default).
     FlexAttention, as torchtitan builds language models; ``sdpa``: its SDPA inner attention
@@ -64,10 +93,14 @@ def _titan_config(n_heads: int, n_kv_heads: int, cp: int, sdpa: bool = False, ba
             rope=ComplexRoPE.Config(dim=DIM // n_heads, max_seq_len=SEQ, theta=500000, scaling="llama"), attn_backend="flex",
         ),
     )  # fmt: skip
+    spec = model_registry("debugmodel")
+    if mla:
+        from torchtitan.models.deepseek_v3 import model_registry as mla_registry
+
+        model, spec = _mla_model(n_heads), mla_registry("debugmodel")
     if sdpa:
         for layer in model.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    spec = model_registry("debugmodel")
     config.model_spec = dataclasses.replace(spec, model=model)
     config.loss = CrossEntropyLoss.Config(global_vocab_size=VOCAB)
     config.training.local_batch_size, config.training.seq_len, config.training.steps = batch, SEQ, STEPS
@@ -230,10 +263,10 @@ def _document_sdpa():
     return DocumentSDPA.Config()
 
 
-def _one_process(rank, world, heads, out_path, packed=False, dp=1):
+def _one_process(rank, world, heads, out_path, packed=False, dp=1, mla=False):
     from ulysses_kernels.integrations.torchtitan import document_boundaries
 
-    config = _titan_config(*heads, cp=1, sdpa=True, batch=BATCH * dp)
+    config = _titan_config(*heads, cp=1, sdpa=True, batch=BATCH * dp, mla=mla)
     if packed:
         for layer in config.model_spec.model.layers:
             layer.attention.inner_attention = _document_sdpa()
@@ -252,16 +285,18 @@ def _one_process(rank, world, heads, out_path, packed=False, dp=1):
     torch.save({"initial": initial, "losses": trainer.metrics_processor.losses, "final": _full_state(model)}, out_path)
 
 
-def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1):
+def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla=False):
     from ulysses_kernels.integrations import torchtitan as ulysses_titan
 
     ref = torch.load(ref_path)
-    config = ulysses_titan.enable(_titan_config(*heads, cp=world // dp), chunks=chunks)
+    config = _titan_config(*heads, cp=world // (dp * tp), mla=mla)
+    config.parallelism.tensor_parallel_degree = tp
+    config = ulysses_titan.enable(config, chunks=chunks)
     trainer, model = _trainer(config, world, ref["initial"])
     attention = model.layers["0"].attention.inner_attention
     assert type(attention).__name__ == "UlyssesInnerAttention" and attention.group is not None
     dims = trainer.parallel_dims
-    assert (dims.dp_shard, dims.cp) == (dp, world // dp) and attention.group.size() == world // dp
+    assert (dims.dp_shard, dims.cp, dims.tp) == (dp, world // (dp * tp), tp) and attention.group.size() == world // (dp * tp)
     validator = object.__new__(ulysses_titan.UlyssesValidator)
     validator.parallel_dims = trainer.parallel_dims
     part = trainer.parallel_dims.get_mesh("batch").get_local_rank() if dp > 1 else 0
@@ -281,11 +316,11 @@ def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1):
         torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
 
 
-def _compare(heads, cp, chunks=1, packed=False, dp=1):
+def _compare(heads, cp, chunks=1, packed=False, dp=1, tp=1, mla=False):
     with tempfile.TemporaryDirectory() as tmp:
         ref_path = os.path.join(tmp, "one_process.pt")
-        run_ranks(_one_process, 1, heads, ref_path, packed, dp, fresh=True)
-        run_ranks(_ulysses, cp * dp, heads, ref_path, chunks, packed, dp, fresh=True)
+        run_ranks(_one_process, 1, heads, ref_path, packed, dp, mla, fresh=True)
+        run_ranks(_ulysses, cp * dp * tp, heads, ref_path, chunks, packed, dp, tp, mla, fresh=True)
 
 
 def test_trainer_step_cp2_equals_one_process():
@@ -303,6 +338,19 @@ def test_trainer_step_dp2_cp2_packed_equals_one_process():
     """dp 2 x cp 2 (4 ranks; FSDP over the flattened dp x cp mesh, the loss reduced over
     both): each dp rank trains its half of a batch of 4 packed rows, one process all 4."""
     _compare((4, 2), cp=2, packed=True, dp=2)
+
+
+def test_trainer_step_tp2_cp2_packed_equals_one_process():
+    """tp 2 x cp 2 (4 ranks): torchtitan's tensor parallelism shards the 4/2 heads over tp (its
+    local_map hands each rank its 2/1 as plain tensors), Ulysses splits those over cp;
+    packed documents crossing the shard edge."""
+    _compare((4, 2), cp=2, packed=True, tp=2)
+
+
+def test_trainer_step_mla_packed_cp2_equals_one_process():
+    """DeepSeek V3's MLA attention (tiny, dense): v narrower than q/k (8 vs 24), the model's own
+    softmax scale (yarn: not ``head_dim ** -0.5``) passed through; packed documents, cp 2."""
+    _compare((4, 4), cp=2, packed=True, mla=True)
 
 
 def test_trainer_step_uneven_heads_cp4_equals_one_process():
@@ -330,7 +378,7 @@ def test_enable_refuses_what_it_cannot_run_exactly():
     config.parallelism.context_parallel_load_balancer = "headtail"
     assert "'headtail'" in _refused(config, "parallelism.context_parallel_load_balancer")
     assert "got 1" in _refused(_titan_config(4, 2, cp=1), "parallelism.context_parallel_degree")
-    for name, value in (("tensor_parallel_degree", 2), ("pipeline_parallel_degree", 2), ("spmd_backend", "full_dtensor")):
+    for name, value in (("pipeline_parallel_degree", 2), ("expert_parallel_degree", 2), ("spmd_backend", "full_dtensor")):
         config = _titan_config(4, 2, cp=2)
         setattr(config.parallelism, name, value)
         assert repr(value) in _refused(config, f"parallelism.{name}")
@@ -350,7 +398,7 @@ def test_enable_refuses_other_attentions_and_twice():
     """An attention other than ``GQAttention`` (where FlexAttention's ``score_mod`` or
     gpt-oss's sinks ``out_transform`` come in), a model with its own masks (sliding
     windows), ``enable`` applied twice; and ``UlyssesInnerAttention`` itself refuses
-    ``score_mod``/``out_transform`` and a scale it would not use."""
+    ``score_mod``/``out_transform`` and a scale other than its first call's."""
     from torchtitan.components.validate import Validator
     from torchtitan.models.common.attention import GQAttention
     from torchtitan.models.llama3.model import Llama3Model
@@ -403,10 +451,12 @@ def test_enable_refuses_other_attentions_and_twice():
         attention(q, q, q, score_mod=lambda *a: a[0])
     with pytest.raises(ulysses_titan.TorchtitanIntegrationError, match=r"inner_attention\(out_transform=\): expected None"):
         attention(q, q, q, out_transform=lambda out, lse: out)
-    with pytest.raises(ulysses_titan.TorchtitanIntegrationError, match="attention scale: expected"):
-        attention(q, q, q, scale=0.5)
     with pytest.raises(ulysses_titan.TorchtitanIntegrationError, match="UlyssesInnerAttention.group: expected the cp group"):
         attention(q, q, q)
+    # A layer runs the scale of its first call (the model's); another one later is refused.
+    attention.group, attention.__dict__["_op"], attention.__dict__["_scale"] = object(), object(), None
+    with pytest.raises(ulysses_titan.TorchtitanIntegrationError, match=r"attention scale: expected None \(the first call's"):
+        attention(q, q, q, scale=0.5)
 
 
 # ---- the zero-code form: torchtitan's own command line ------------------------------------------
@@ -447,7 +497,7 @@ def test_zero_code_form_is_enable_of_the_stock_config():
     for extra, setting, got in (
         ((), "parallelism.context_parallel_degree", "got 1"),
         (("--parallelism.context_parallel_load_balancer", "headtail"), "context_parallel_load_balancer", "'headtail'"),
-        (("--parallelism.tensor_parallel_degree", "2"), "parallelism.tensor_parallel_degree", "got 2"),
+        (("--parallelism.expert_parallel_degree", "2"), "parallelism.expert_parallel_degree", "got 2"),
     ):
         config = ConfigManager().parse_args([*ZERO_CODE, *(cp2 if extra else ()), *extra])
         with pytest.raises(ulysses_titan.TorchtitanIntegrationError, match="expected") as info:

@@ -39,16 +39,18 @@ What ``enable`` changes (torchtitan 0.3.0), and nothing else:
 
 Refused in ``enable`` with ``TorchtitanIntegrationError`` naming the setting, what is
 expected and what was given (never silently different from one process): a load balancer,
-``context_parallel_degree`` 1, tensor/pipeline/expert parallelism, an ``spmd_backend``
+``context_parallel_degree`` 1, pipeline/expert parallelism, an ``spmd_backend``
 other than ``spmd_types``, SPMD type checking, ``torch.compile`` of the model, an attention
-other than ``GQAttention`` (FlexAttention's ``score_mod``, gpt-oss's sinks ``out_transform``
-enter through those), an inner attention other than FlexAttention (varlen; SDPA, which
+other than ``GQAttention`` and DeepSeek V3's MLA ``Attention`` (FlexAttention's ``score_mod``,
+gpt-oss's sinks ``out_transform`` enter through the others), an inner attention other than FlexAttention (varlen; SDPA, which
 torchtitan 0.3.0 no longer builds for language models), a model
 whose ``get_attention_masks`` is not the decoder's own causal/document mask (sliding
 windows), a config that is not a plain ``Trainer.Config``, a validator other than
 torchtitan's ``Validator``. ``UlyssesInnerAttention`` refuses
-``score_mod``/``out_transform`` and a scale other than ``head_dim ** -0.5`` at every
-call too. See docs/torchtitan.md.
+``score_mod``/``out_transform`` at every call too, and a scale other than its first call's
+(each layer runs the scale the model passes: MLA's, with its yarn factor; ``None``: ``head_dim ** -0.5``).
+Tensor parallelism (tp x cp): torchtitan's local_map hands each rank its tp heads as plain
+tensors; Ulysses splits those over cp. See docs/torchtitan.md.
 
 torchtitan is imported when this module is (torchtitan's ``import torchtitan.trainer``:
 about 12 s on the shared CPU); without torchtitan the module still imports and ``enable``
@@ -73,6 +75,7 @@ try:
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.models.common.attention import FlexAttention, GQAttention
     from torchtitan.models.common.decoder import Decoder
+    from torchtitan.models.deepseek_v3.model import Attention as MLAttention
     from torchtitan.protocols.module import Module
     from torchtitan.trainer import Trainer
 except ImportError as e:  # torchtitan absent: the module imports, enable() says why it cannot run
@@ -122,7 +125,7 @@ def _check(config, *, enabled: bool = False, deferred: bool = False) -> None:
         _refuse("parallelism.context_parallel_load_balancer", "None (contiguous shards: rank r holds the r-th slice)", p.context_parallel_load_balancer)
     if not deferred and p.context_parallel_degree < 2:
         _refuse("parallelism.context_parallel_degree", "> 1 (Ulysses runs over the cp mesh)", p.context_parallel_degree)
-    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+    for name in ("pipeline_parallel_degree", "expert_parallel_degree"):
         if getattr(p, name) != 1:
             _refuse(f"parallelism.{name}", "1 (not validated with Ulysses over cp)", getattr(p, name))
     if p.spmd_backend != "spmd_types":
@@ -142,8 +145,12 @@ def _check(config, *, enabled: bool = False, deferred: bool = False) -> None:
         _refuse(f"{owner.__qualname__}.get_attention_masks", "Decoder's causal/packed-document mask", "a model-specific mask")
     for i, layer in enumerate(model.layers):
         attention = getattr(layer, "attention", None)
-        if type(attention) is not GQAttention.Config:
-            _refuse(f"model.layers[{i}].attention", "GQAttention.Config (no score_mod, no out_transform)", type(attention).__qualname__)
+        if type(attention) not in (GQAttention.Config, MLAttention.Config):
+            _refuse(
+                f"model.layers[{i}].attention",
+                "GQAttention.Config or DeepSeek V3's MLA Attention.Config (no score_mod, no out_transform)",
+                type(attention).__qualname__,
+            )
         inner = attention.inner_attention
         if type(inner) is not FlexAttention.Config:
             _refuse(f"model.layers[{i}].attention.inner_attention", "FlexAttention.Config (attn_backend='flex')", type(inner).__qualname__)
@@ -219,20 +226,23 @@ if _MISSING is None:
             # expect its own Module protocol of every child.
             self.__dict__["_op"] = None
 
-        def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+            # The argument names are the ones torchtitan's sharding config keys on: under tensor
+            # parallelism its local_map hands this rank's heads as plain tensors.
+            q, k, v = q_BLNH, k_BLNH, v_BLNH
             for name in ("score_mod", "out_transform"):
                 if kwargs.get(name) is not None:
                     _refuse(f"inner_attention({name}=)", "None", kwargs[name])
-            if scale is not None and scale != q.shape[-1] ** -0.5:
-                _refuse("attention scale", f"head_dim ** -0.5 = {q.shape[-1] ** -0.5!r}", scale)
             if self.group is None:
                 raise TorchtitanIntegrationError(
                     "ulysses_kernels torchtitan: UlyssesInnerAttention.group: expected the cp group (set by enable's parallelize_fn), got None"
                 )
             op = self.__dict__["_op"]
-            if op is None:
-                op = UlyssesAttention(q.shape[2], k.shape[2], self.group, kernels=self.kernels, chunks=self.chunks)
-                self.__dict__["_op"] = op
+            if op is None:  # the model's scale (None: head_dim ** -0.5; MLA's with its yarn factor)
+                op = UlyssesAttention(q.shape[2], k.shape[2], self.group, softmax_scale=scale, kernels=self.kernels, chunks=self.chunks)
+                self.__dict__["_op"], self.__dict__["_scale"] = op, scale
+            elif scale != self.__dict__["_scale"]:
+                _refuse("attention scale", f"{self.__dict__['_scale']!r} (the first call's: one layer, one scale)", scale)
             docs = attention_masks
             if docs is not None and not isinstance(docs, list):
                 _refuse("attention_masks", "None or document boundaries (UlyssesTrainer's)", type(docs).__qualname__)
@@ -244,7 +254,24 @@ if _MISSING is None:
     def ulysses_inner_attention(cfg, *, chunks: int | str = 1, kernels: str | None = None):
         """The override ``enable`` activates: FlexAttention's config -> ``UlyssesInnerAttention.Config``
         (its mask, causal within the documents of ``positions``, is what ours runs)."""
-        return UlyssesInnerAttention.Config(chunks=chunks, kernels=kernels)
+        return UlyssesInnerAttention.Config(chunks=chunks, kernels=kernels, sharding_config=_local_heads(cfg.sharding_config))
+
+    def _local_heads(sharding):
+        """FlexAttention's sharding config for ours: under tensor parallelism its local_map hands
+        the inner attention this rank's heads (sharded over tp) as plain tensors; FlexAttention's
+        also gathers k and v over cp (``Replicate``, gradients ``Partial``): ours takes every
+        tensor as q is (this rank's contiguous shard; the all-to-all is ours)."""
+        if sharding is None or sharding.local_map is None:
+            return sharding
+        q = sharding.in_src_shardings["q_BLNH"]
+        names = ("q_BLNH", "k_BLNH", "v_BLNH")
+        return dataclasses.replace(
+            sharding,
+            in_src_shardings=dict.fromkeys(names, q),
+            in_dst_shardings=dict.fromkeys(names, q),
+            out_src_shardings=q,
+            local_map=dataclasses.replace(sharding.local_map, in_grad_placements=(q, q, q)),
+        )
 
     class UlyssesTrainer(Trainer):
         """torchtitan's ``Trainer`` with contiguous cp shards and the documents passed to our attention."""
