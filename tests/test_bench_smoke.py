@@ -89,6 +89,13 @@ def test_env_record_names_the_transport_and_old_records_still_read(tmp_path):
     env = record.env_record(torch.device("cpu"), 2, "gloo")
     assert env["transport"] == "gloo" and "backend" not in env and record.transport_of(env) == "gloo"
     assert record.transport_of(record.env_record(torch.device("cpu"), 1, None)) is None  # one process, no collective
+    # "nccl" is the NCCL that ran: none over gloo or in one process; torch's build's version named apart.
+    built = record._versions()["nccl"]
+    for transport in ("gloo", None):
+        env_t = record.env_record(torch.device("cpu"), 2, transport)
+        assert env_t["nccl"] is None and env_t["nccl_in_torch_build"] == built, env_t
+    if built is not None:  # an NCCL transport keeps the loaded library's version under "nccl"
+        assert record.env_record(torch.device("cpu"), 2, "nccl")["nccl"] == built
     old = dict(env)
     del old["transport"]
     old["backend"] = "nccl"

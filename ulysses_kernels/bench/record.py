@@ -107,7 +107,9 @@ def env_record(device: torch.device, world_size: int, transport: str | None, **e
     """What a result needs to be compared later: hardware, versions, git sha, date.
 
     ``transport``: the torch.distributed backend the ranks talked over (``"nccl"``,
-    ``"gloo"``), None for a single process that runs no collective."""
+    ``"gloo"``), None for a single process that runs no collective. ``nccl`` is the NCCL
+    that ran (``ncclGetVersion`` of the library loaded): ``None`` unless the transport is
+    NCCL, with torch's build's version as ``nccl_in_torch_build`` then."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rec = {
         "gpu": gpu,
@@ -131,6 +133,8 @@ def env_record(device: torch.device, world_size: int, transport: str | None, **e
         if local > gpus:
             rec["shared_gpu"] = (f"{local} ranks on {gpus} GPU{'s' if gpus > 1 else ''}: they share its HBM and SMs; "
                                  "the rows check code paths and the exposed-communication share, not link bandwidth")  # fmt: skip
+    if transport != "nccl":  # "nccl" is the NCCL that ran: none did; torch's build is kept beside, named so
+        rec["nccl_in_torch_build"], rec["nccl"] = rec["nccl"], None
     rec.update(extra)
     return rec
 
