@@ -295,9 +295,34 @@ def job_heads_and_bytes(rank, world):
             print(f"bytes sent by rank 0, {name} forward+backward (2 layers): {sent}", flush=True)
 
 
+def _sac(saved, asked):
+    """torch's selective activation checkpointing as transformers takes it (``context_fn``): the
+    ops ``saved`` says are kept, every other one recomputed in the backward; ``asked`` counts the
+    policy's calls (torch 2.14 asks in the forward only and keeps the answers for the recompute)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        asked[ctx.is_recompute] += 1
+        return CheckpointPolicy.MUST_SAVE if saved(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+CHECKPOINTING = {  # transformers' gradient_checkpointing_kwargs: full, and SAC saving matmuls / nothing
+    "full": None,
+    "sac-save-matmuls": lambda asked: _sac(lambda op: op in MATMULS, asked),
+    "sac-recompute-all": lambda asked: _sac(lambda op: False, asked),
+}
+
+
 def job_checkpointed(rank, world):
     """Activation checkpointing (transformers' gradient checkpointing, the layer recomputed in the
-    backward with its gathers) under state passing: the step equals the same model's without it."""
+    backward with its gathers; full and torch's selective checkpointing, whose recompute must run
+    once, the gathers' collectives included) under state passing: the step equals the same
+    model's without it."""
     from ulysses_kernels.integrations import hf
     from ulysses_kernels.testing.hybrids import MODELS, VOCAB, build, sharded_step
 
@@ -305,12 +330,20 @@ def job_checkpointed(rank, world):
     for name in ("qwen3.5", "bamba", "mamba", "recurrent-gemma"):
         case = next(c for c in MODELS if c[0] == name)
         plain = sharded_step(hf.apply(build(case), None, mixer_parallel="state"), hf.shard_batch(ids, ids.clone(), group=None), None)
-        model = hf.apply(build(case), None, mixer_parallel="state")
-        model.gradient_checkpointing_enable()
-        got = sharded_step(model, hf.shard_batch(ids, ids.clone(), group=None), None)
-        assert torch.equal(got[0], plain[0]), (name, got[0], plain[0])
-        for n, g in got[1].items():
-            assert torch.allclose(g, plain[1][n], rtol=1e-12, atol=0), (name, n, (g - plain[1][n]).abs().max())
+        for how, kwargs in CHECKPOINTING.items():
+            model = hf.apply(build(case), None, mixer_parallel="state")
+            asked, ran = {False: 0, True: 0}, []
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None if kwargs is None else kwargs(asked))
+            # transformers checkpoints each layer's forward: its children run again in the recompute
+            layers = model.base_model.layers
+            for layer in layers:
+                next(layer.children()).register_forward_pre_hook(lambda m, a, ran=ran: ran.append(m))
+            got = sharded_step(model, hf.shard_batch(ids, ids.clone(), group=None), None)
+            assert len(ran) == 2 * len(layers), (name, how, len(ran))  # each layer recomputed once
+            assert kwargs is None or asked[False] > 0, (name, how, asked)  # SAC's policy chose
+            assert torch.equal(got[0], plain[0]), (name, how, got[0], plain[0])
+            for n, g in got[1].items():
+                assert torch.allclose(g, plain[1][n], rtol=1e-12, atol=0), (name, how, n, (g - plain[1][n]).abs().max())
 
 
 def test_state_passing_under_activation_checkpointing():
