@@ -345,9 +345,10 @@ def zero_code(config, *, chunks: int | str = 1, kernels: str | None = None):
     return _enable(config, chunks=chunks, kernels=kernels, deferred=True)
 
 
-def stock_config(name: str):
+def stock_config(name: str, unreadable: dict | None = None):
     """The config function ``name`` of torchtitan's own models' registries
-    (``torchtitan.models.<model>.config_registry``), or ``None``."""
+    (``torchtitan.models.<model>.config_registry``), or ``None``. A registry that does not
+    import here (a model's optional dependency) is skipped, its error kept in ``unreadable``."""
     import importlib
 
     from torchtitan.models import _supported_models
@@ -355,7 +356,9 @@ def stock_config(name: str):
     for model in sorted(_supported_models):
         try:
             registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
-        except ImportError:
+        except Exception as e:  # noqa: BLE001 - one model's registry must not hide the others'
+            if unreadable is not None:
+                unreadable[model] = f"{type(e).__name__}: {e}"
             continue
         fn = getattr(registry, name, None)
         if callable(fn):
@@ -368,9 +371,11 @@ def __getattr__(name: str):
     returning that config through ``zero_code`` (what ``--config <name>`` calls)."""
     if name.startswith("_") or _MISSING is not None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    fn = stock_config(name)
+    unreadable: dict = {}
+    fn = stock_config(name, unreadable)
     if fn is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (no torchtitan model registers a config of that name)")
+        skipped = f"; registries that did not import: {unreadable}" if unreadable else ""
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (no torchtitan model registers a config of that name{skipped})")
 
     @functools.wraps(fn)
     def config():
