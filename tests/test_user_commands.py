@@ -107,12 +107,20 @@ def test_torchrun_without_a_process_group_fails_on_every_rank(tmp_path):
     """A script under torchrun that forgets init_process_group: every rank raises (before,
     each rank silently attended over its own shard only, as a world of one)."""
     script = tmp_path / "forgot_init.py"
+    # Both ranks reach the call together (a barrier of files, not a process group): torchrun ends
+    # the other workers at its first check after one fails, and a rank still importing torch was
+    # SIGTERMed before it could raise (seen at load 8+, and again on session 16's idle fresh clone,
+    # with --monitor-interval 10: rank 1's stderr empty).
     script.write_text(
-        "import torch, ulysses_kernels as uk\nq = torch.randn(1, 8, 4, 8)\nuk.ulysses_attention(q, q[:, :, :2], q[:, :, :2])\nprint('attended alone')\n"
+        "import os, pathlib, time, torch, ulysses_kernels as uk\n"
+        f"here = pathlib.Path({str(tmp_path)!r})\n"
+        "(here / f\"ready.{os.environ['RANK']}\").touch()\n"
+        "end = time.monotonic() + 240\n"
+        "while len(list(here.glob('ready.*'))) < 2 and time.monotonic() < end:\n"
+        "    time.sleep(0.05)\n"
+        "q = torch.randn(1, 8, 4, 8)\nuk.ulysses_attention(q, q[:, :, :2], q[:, :, :2])\nprint('attended alone')\n"
     )
-    # --monitor-interval 10: torchrun ends the other workers at its first check after one fails; at
-    # load 8+ the fresh-clone CI run saw rank 1 SIGTERMed while still importing torch (1 message of 2).
-    # Each rank raises on its own (no collective), so 10 s between checks lets both get there.
+    # --monitor-interval 10: more time still between the first failure and the ending of the rest.
     # --redirects 3 --log-dir: each rank's stdout/stderr in files of its own (on one shared stderr the
     # two tracebacks interleave mid-line at load, and a count of the message over both undercounts).
     logs = tmp_path / "logs"
