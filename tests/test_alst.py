@@ -535,7 +535,7 @@ def _beyond(rank, world, paths):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
     f64 = {"dtype": torch.float64}
-    load = lambda key, layers=None: AutoModelForCausalLM.from_pretrained(paths[key], **f64, **({} if layers is None else {"num_hidden_layers": layers}))
+    load = lambda key, layers=None, **kw: AutoModelForCausalLM.from_pretrained(paths[key], **f64, **kw, **({} if layers is None else {"num_hidden_layers": layers}))
     # One-process references, before any registration (the interception is process-wide).
     ids, targets, positions, cu = packed_batch()
     refs = {"packed": reference_step(load("llama"), ids, targets, positions, cu)}
@@ -544,6 +544,7 @@ def _beyond(rank, world, paths):
     u_ids, u_targets, u_pos = plain_batch(13, 5)
     refs["uneven"] = reference_step(load("llama_6_2"), u_ids, u_targets, u_pos)
     refs["packed_6_2"] = reference_step(load("llama_6_2"), ids, targets, positions, cu)
+    refs["gemma2"] = reference_step(load("gemma2", attn_implementation="eager"), ids, targets, positions, cu)
 
     measured = {}
     for impl in ("deepspeed", "ours"):
@@ -585,8 +586,17 @@ def _beyond(rank, world, paths):
     packed_labels[0, cu[:-1]] = -100
     measured["ours", "packed_6_2"] = errors(shard_batch_step(model, ids, packed_labels, positions), refs["packed_6_2"])
     forget_registrations()
+    # Gemma 2's softcap with a window of 3 over the packed documents (sdpa cannot softcap: the model runs
+    # FlexAttention, whose entry ours intercepts; the packed-documents kernel runs the mask).
+    model = load("gemma2", attn_implementation="flex_attention")
+    register(alst, model, impl="flex_attention")
+    measured["ours", "gemma2"] = errors(sp_step(model, ids, targets, positions), refs["gemma2"])
+    forget_registrations()
     disable_alst()
 
+    # NOTE: Gemma 2's reference is its eager attention, softmax in float32: measured 1.4e-7 from ours (loss ~10.4;
+    # a window or softcap dropped is off by 1e-2 and more, as DeepSpeed's class is above).
+    assert measured["ours", "gemma2"] < 1e-6, measured
     # NOTE: float64; ours is exact to rounding (measured below 1e-14). DeepSpeed's class attends
     # across documents and ignores the window under sdpa: errors of 1e-2 and more (measured).
     for what in ("packed", "window", "uneven", "packed_6_2"):
@@ -602,7 +612,8 @@ def _beyond(rank, world, paths):
 def test_what_deepspeed_cannot(tmp_path):
     """10/2 and 6/2 heads over 4 ranks (DeepSpeed: ValueError) through DeepSpeed's own test,
     ZeRO-2 and 3; packed documents and an sdpa sliding window exact (DeepSpeed's differ);
-    uneven shards; positions gathered once per step."""
+    uneven shards; Gemma 2's softcap and window over packed documents; positions gathered
+    once per step."""
     paths = {
         "llama": save_llama(str(tmp_path / "llama")),
         "llama_10_2": save_llama(str(tmp_path / "llama_10_2"), heads=10, kv_heads=2),
@@ -613,6 +624,12 @@ def test_what_deepspeed_cannot(tmp_path):
     torch.manual_seed(0)
     transformers.MistralForCausalLM(cfg).save_pretrained(str(tmp_path / "mistral"))
     paths["mistral"] = str(tmp_path / "mistral")
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=4, max_position_embeddings=64, sliding_window=3,
+                                    attn_logit_softcapping=0.5, query_pre_attn_scalar=4)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Gemma2ForCausalLM(cfg).save_pretrained(str(tmp_path / "gemma2"))
+    paths["gemma2"] = str(tmp_path / "gemma2")
     # Ranks of their own: after other DeepSpeed engines on the same ranks (the suite's pool), the plain
     # engine's loss and ALST's came out one float32 ulp apart (10.4051342 vs 10.4051332, measured):
     # DeepSpeed keeps process state across engines that this exact comparison is sensitive to.

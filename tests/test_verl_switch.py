@@ -13,9 +13,11 @@ load it, what it rebinds, that nothing happens without it, and every refusal.
 * A prepared model called with no sequence-parallel group (world 1) equals the model as
   built on packed documents; preparing twice keeps one hook.
 * Refusals, each a ``VerlIntegrationError`` naming the model or module and the setting:
-  vision-language models, linear-attention layers, ``sp`` larger than the query heads, a
-  model switched by hand, and at call time a sliding window shorter than the sequence,
-  logit softcapping, attention sinks, attention dropout, a padding mask, a KV cache.
+  vision-language models, token mixers it does not run, ``sp`` larger than the query heads, a
+  model switched by hand, and at call time a padding mask, a KV cache.
+* What it refused until it ran ``hf.apply``'s attention function runs as the model as built:
+  a sliding window shorter than the packed sequence, Gemma 2's softcap, GPT-OSS's sinks,
+  seeded attention dropout.
   (That they are raised on every rank is shown on 4 gloo ranks in tests/test_verl.py.)
 """
 
@@ -123,6 +125,7 @@ def _patch(model, sp):
 
 PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4]])  # three documents
 IDS = torch.arange(11).unsqueeze(0) * 5 % 64
+DOCS = ((0, 4), (4, 6), (6, 11))
 
 
 def test_prepared_model_without_a_group_equals_the_model_as_built(uv):
@@ -241,28 +244,59 @@ class _ConvBlock(torch.nn.Module):
         return self.mlp(x) + self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
 
 
-def test_refused_at_call_time(uv):
+def test_windows_softcap_sinks_and_dropout_run_as_the_model_as_built(uv):
+    """What verl's switch refused until it ran hf.apply's attention function: a sliding window
+    shorter than the packed sequence (Qwen2, sdpa), Gemma 2's softcap and window (eager),
+    GPT-OSS's sinks (eager) and attention dropout (sdpa, seeded) equal the model as built on
+    the same packed documents (world 1; 4 gloo ranks in tests/test_verl.py)."""
+    import copy
+
     from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
 
     small = {"hidden_size": 16, "head_dim": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
              "intermediate_size": 16, "vocab_size": 64}  # fmt: skip
-    window = _qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    _patch(window, 2)
-    with pytest.raises(uv.VerlIntegrationError, match=r"Qwen2Attention: a sliding window of 4 tokens, shorter than the packed sequence \(11 tokens\)"):
-        window(IDS, position_ids=PACKED, use_cache=False)
-    gemma = AutoModelForCausalLM.from_config(Gemma2Config(**small), attn_implementation="eager")
-    _patch(gemma, 2)
-    with pytest.raises(uv.VerlIntegrationError, match="Gemma2Attention: logit softcapping"):
-        gemma(IDS, position_ids=PACKED, use_cache=False)
-    oss = AutoModelForCausalLM.from_config(GptOssConfig(**small, num_local_experts=2, num_experts_per_tok=1), attn_implementation="eager")
-    _patch(oss, 2)
-    with pytest.raises(uv.VerlIntegrationError, match="GptOssAttention: attention sinks"):
-        oss(IDS, position_ids=PACKED, use_cache=False)
-    dropout = _qwen2(attention_dropout=0.1)
-    _patch(dropout, 2)
-    dropout.train()
-    with pytest.raises(uv.VerlIntegrationError, match="attention dropout 0.1"):
-        dropout(IDS, position_ids=PACKED, use_cache=False)
+
+    def build(config):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="eager")
+
+    def oss(sinks: bool):
+        model = build(GptOssConfig(**small, num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager"))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_() if sinks else layer.self_attn.sinks.fill_(-1e9)  # built as zeros
+        return model
+
+    def gemma2(window: int, softcap: float | None):
+        return build(Gemma2Config(**small, sliding_window=window, attn_logit_softcapping=softcap, query_pre_attn_scalar=4))
+
+    # (the model with the setting, the same weights without it): the setting must matter here.
+    cases = {
+        "window": (_qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0), _qwen2()),
+        "gemma2": (gemma2(3, 0.5), gemma2(11, None)),
+        "sinks": (oss(True), oss(False)),
+        "dropout": (_qwen2(attention_dropout=0.5), _qwen2()),
+    }
+    # NOTE: Gemma 2's eager attention takes its softmax in float32 (measured 4.1e-8 absolute from ours, float64).
+    tolerance = {"gemma2": {"rtol": 1e-6, "atol": 1e-7}}
+    for what, (model, without) in cases.items():
+        reference = copy.deepcopy(model)
+        _patch(model, 2)
+        if what == "dropout":
+            model.train(), reference.train()
+        torch.manual_seed(7)
+        if what == "dropout":  # the same random draws: the packed sequence as one (transformers finds its documents)
+            want = reference(IDS, position_ids=PACKED, use_cache=False).logits
+        else:  # each document alone (transformers' eager attention of GPT-OSS attends across packed documents)
+            want = torch.cat([reference(IDS[:, a:b], position_ids=PACKED[:, a:b], use_cache=False).logits for a, b in DOCS], dim=1)
+        torch.manual_seed(7)
+        got = model(IDS, position_ids=PACKED, use_cache=False).logits
+        tol = tolerance.get(what, {"rtol": 1e-12, "atol": 1e-12})
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, what=what: f"{what}: {m}")
+        assert (got - without(IDS, position_ids=PACKED, use_cache=False).logits).abs().max() > 1e-4, what
+
+
+def test_refused_at_call_time(uv):
     model = _qwen2()
     _patch(model, 2)
     mask = torch.ones(1, 11, dtype=torch.long)

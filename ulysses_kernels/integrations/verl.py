@@ -35,7 +35,7 @@ and eval modes), checks the ranks agree (one all-gather of 6 integers) and gathe
 sharded ``position_ids`` once (one all-gather of ``seq_local`` integers), finds the packed
 documents (a document starts where the position is 0, transformers' rule for flash-attn's
 varlen) and passes them, with the group, down to every attention call as the keyword
-``ulysses_verl_step``. Each attention call is then one ``ulysses_attention``: q, k and v
+``ulysses_verl_step``. A plain causal attention call is then one ``ulysses_attention``: q, k and v
 in one exchange, KV heads sent only to the ranks that use them (never repeated), the
 rank's heads attended over the whole sequence within each document, the output exchanged
 back. verl's data path (packing, padding to a multiple of sp, slicing, gathering the
@@ -48,11 +48,14 @@ was built with decides: ``flash_attention_2/3`` -> flash-attn's varlen kernel wh
 importable on CUDA (else SDPA), ``sdpa`` -> SDPA per document, ``eager`` -> the explicit
 math per document. All are exact for plain causal attention.
 
+Each attention call runs ``hf.sequence_parallel_attention`` (the one attention function of
+``hf.apply`` and the ALST entry point) with the forward's ``SequenceShard``: sliding windows,
+logit softcapping, attention sinks and dropout run as under ``hf.apply``.
+
 Refused with ``VerlIntegrationError`` (never silently wrong): vision-language models (named;
-use verl's own path for them until the model-coverage work lands), linear-attention
-layers, a sliding window shorter than the sequence, logit softcapping, attention sinks,
-attention dropout, non-causal attention, padding masks, KV caches, a group whose size is
-not the configured ``ulysses_sp_size``, ranks that disagree on the batch.
+use verl's own path for them until the model-coverage work lands), token mixers ``hf.apply``
+does not run, non-causal attention, padding masks, KV caches, a group whose size is not the
+configured ``ulysses_sp_size``, ranks that disagree on the batch.
 """
 
 from __future__ import annotations
@@ -66,16 +69,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..attention import ulysses_attention
 from ..checks import UlyssesInputError
 from ..comm import LocalCommunicator, get_communicator
 from ..documents import Documents, documents
 from ..plan import HeadPlan, PlanError
 from ..wire import WireSpec, wire_spec
+from .hf.adapter import attention_settings, sequence_parallel_attention
 from .hf.audit import check_token_mixers
 from .hf.batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
 from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
-from .hf.model import _attention_modules
+from .hf.model import _attention_modules, attention_function
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -127,22 +130,23 @@ class _ModelState:
     inner_impl: str  # the implementation the model was built with ("flash_attention_2", "sdpa", ...)
     options: _Options
     hook: object = None  # the pre-hook's handle on the decoder stack
-    # Head plans per (q_heads, kv_heads, world_size): built once, reused by every layer and step.
-    plans: dict = field(default_factory=dict)
     # Hybrid models' token mixers that are not attention, with their head plans at sp_size
     # (``hf.mixers.plan_mixers``); switched by ``_prepare``, fed by the pre-hook.
     mixers: list = field(default_factory=list)
+    # The model's attention function per attention module class (``hf.model.attention_function``
+    # for ``inner_impl``): what runs on the rank's heads when a call is not plain causal.
+    inner_fns: dict = field(default_factory=dict)
 
     @property
     def attn_fn(self):
         return _BACKENDS.get(self.inner_impl)
 
-    def plan(self, q_heads: int, kv_heads: int, world_size: int) -> HeadPlan:
-        key = (q_heads, kv_heads, world_size)
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = HeadPlan.build(q_heads, kv_heads, world_size)
-        return plan
+    def inner_fn(self, module):
+        kind = type(module)
+        fn = self.inner_fns.get(kind)
+        if fn is None:
+            fn = self.inner_fns[kind] = attention_function(module, self.inner_impl)
+        return fn
 
 
 @dataclass(eq=False)
@@ -160,12 +164,34 @@ class VerlStep:
     comm: object
     seq_lens: tuple[int, ...]
     docs: Documents | None
-    # Input signatures already validated across ranks in this forward (apply(check="step")).
-    checked: set = field(default_factory=set, repr=False)
+    batch: int = 1
+    # hf's step (the same object the hybrids' mixers read; made from the fields above when not
+    # given) and the settings of the one attention function (``hf.sequence_parallel_attention``),
+    # per attention module class. Every field is an ``__init__`` argument: FSDP's input casting
+    # rebuilds the dataclasses it finds in a module's keywords with ``dataclasses.replace``.
+    shard: SequenceShard | None = field(default=None, repr=False)
+    _settings: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.shard is None:
+            total = sum(self.seq_lens)
+            self.shard = SequenceShard(self.seq_lens, self.comm.rank, self.comm.world_size, total, self.batch, self.docs)
 
     @property
     def total(self) -> int:
         return sum(self.seq_lens)
+
+    def settings(self, module):
+        """``hf.attention_settings`` for ``module``'s class in this forward's group."""
+        kind = type(module)
+        made = self._settings.get(kind)
+        if made is None:
+            state, options = self.state, self.state.options
+            made = self._settings[kind] = attention_settings(
+                self.group, impl=state.inner_impl, fn=state.inner_fn(module), attn_fn=state.attn_fn, kernels=options.kernels,
+                chunks=options.chunks, check=options.check, comm=self.comm, wire_dtype=options.wire_dtype,
+            )  # fmt: skip
+        return made
 
 
 # --------------------------------------------------------------------------------------
@@ -440,7 +466,7 @@ def _pre_forward(state: _ModelState, module, args, kwargs):
         header = [seq_local, batch, int(pos_ok), int(padding), int(cache), world]
         _check_header(module, state, [header], world)
         docs = None if positions is None else _documents(positions.expand(batch, seq_local))
-        step = VerlStep(state, None, LocalCommunicator(), (seq_local,), docs)
+        step = VerlStep(state, None, LocalCommunicator(), (seq_local,), docs, batch)
     else:
         comm = get_communicator(group)
         header = [seq_local, batch, int(pos_ok and positions is not None), int(padding), int(cache), world]
@@ -450,11 +476,10 @@ def _pre_forward(state: _ModelState, module, args, kwargs):
         local = positions.expand(batch, seq_local).contiguous()
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local, group=group)
-        step = VerlStep(state, group, comm, (seq_local,) * world, _documents(torch.cat(parts, dim=1)))
+        step = VerlStep(state, group, comm, (seq_local,) * world, _documents(torch.cat(parts, dim=1)), batch)
     extra = {STEP_KWARG: step}
     if state.mixers:  # hf.mixers' forwards read the step as hf.apply's shard and group
-        shard = SequenceShard(step.seq_lens, step.comm.rank, world, step.total, batch, step.docs)
-        extra.update({_SHARD_KWARG: shard, GROUP_KWARG: (step.group, step.comm)})
+        extra.update({_SHARD_KWARG: step.shard, GROUP_KWARG: (step.group, step.comm)})
     return args, {**kwargs, **extra}
 
 
@@ -510,64 +535,33 @@ def _documents(positions: torch.Tensor) -> Documents | None:
 # --------------------------------------------------------------------------------------
 
 
-def _refuse(module, step: VerlStep, attention_mask, kwargs) -> None:
-    """What this attention call needs beyond plain causal attention: refused, the same on
-    every rank (every rank runs the same layer with the same config and sizes)."""
-    name = type(module).__name__
-    if attention_mask is not None:
-        shape = list(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
-        raise VerlIntegrationError(
-            f"{name}: a prepared attention mask ({shape}) reached sequence-parallel attention; the documents come "
-            "from the packed position_ids (verl's remove-padding path passes attention_mask=None)"
-        )
-    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
-        raise VerlIntegrationError(f"{name}: non-causal attention is not supported under verl's sequence parallelism")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < step.total:
-        raise VerlIntegrationError(
-            f"{name}: a sliding window of {window} tokens, shorter than the packed sequence ({step.total} tokens), is not "
-            "supported by ulysses_kernels' Ulysses under verl yet"
-        )
-    found = [
-        what
-        for what, present in (
-            ("logit softcapping", kwargs.get("softcap") is not None),
-            ("attention sinks", kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None),
-            (f"attention dropout {kwargs.get('dropout')}", bool(kwargs.get("dropout"))),
-        )
-        if present
-    ]
-    if found:
-        raise VerlIntegrationError(f"{name}: {', '.join(found)} is not supported by ulysses_kernels' Ulysses under verl yet (plain causal attention only)")
-
-
 def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
     """transformers attention function ``"ulysses_verl"``: ``[B, H, s_local, D]`` q/k/v (RoPE
-    applied with verl's packed positions; k/v un-repeated) -> ``[B, s_local, Hq, D]``."""
-    step = kwargs.get(STEP_KWARG)
+    applied with verl's packed positions; k/v un-repeated) -> ``[B, s_local, Hq, D]``.
+
+    The one attention function of every integration (``hf.sequence_parallel_attention``, what
+    ``hf.apply``'s ``"ulysses"`` runs) with this forward's ``VerlStep`` as its step: plain causal
+    attention on the fused op; a sliding window, logit softcapping, sinks or dropout on the
+    packed-documents kernel or the model's own implementation over the rank's heads."""
+    step = kwargs.pop(STEP_KWARG, None)
     if not isinstance(step, VerlStep):
         raise VerlIntegrationError(
             f"{type(module).__name__}: the model runs {ATTN_IMPLEMENTATION!r} attention but this call carries no "
             "VerlStep: prepare the model with verl's apply_monkey_patch after importing ulysses_kernels.integrations.verl, "
             "and call it as a whole (the decoder stack's pre-hook builds the step)"
         )
-    _refuse(module, step, attention_mask, kwargs)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [B, s_local, H, D]
-    state, comm = step.state, step.comm
-    plan = state.plan(q.shape[2], k.shape[2], comm.world_size)
-    scaling = kwargs.get("scaling")
-    options = state.options
-    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, scaling)
-    check = options.check == "always" or (options.check == "step" and sig not in step.checked)
-    docs = step.docs
-    out = ulysses_attention(
-        q, k, v, step.group, causal=True, softmax_scale=scaling, seq_lens=step.seq_lens, attn_fn=state.attn_fn,
-        plan=plan, comm=comm, kernels=options.kernels, chunks=options.chunks, check=check,
-        cu_seqlens=docs, wire_dtype=options.wire_dtype,
-    )  # fmt: skip
-    if check:
-        step.checked.add(sig)
-    return out, None
+    if attention_mask is not None:
+        shape = list(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise VerlIntegrationError(
+            f"{type(module).__name__}: a prepared attention mask ({shape}) reached sequence-parallel attention; the documents "
+            "come from the packed position_ids (verl's remove-padding path passes attention_mask=None)"
+        )
+    kwargs.pop(_SHARD_KWARG, None)  # the hybrids' mixers' keywords, not the model's attention's
+    kwargs.pop(GROUP_KWARG, None)
+    try:
+        return sequence_parallel_attention(module, query, key, value, settings=step.settings(module), shard=step.shard, **kwargs)
+    except HFIntegrationError as e:
+        raise VerlIntegrationError(str(e)) from e
 
 
 # --------------------------------------------------------------------------------------

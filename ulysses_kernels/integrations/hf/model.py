@@ -77,7 +77,7 @@ def _configured_implementation(module) -> str:
     return previous.inner_impl
 
 
-def _attention_function(module, impl: str) -> Callable:
+def attention_function(module, impl: str) -> Callable:
     """The function transformers would call for ``impl`` in ``module``: the registered one,
     or for ``"eager"`` the model's own ``eager_attention_forward`` (Gemma 2's softcaps,
     GPT-OSS's adds the sinks), found in the module of ``module``'s class or a base's."""
@@ -214,7 +214,7 @@ def apply(
     inner = []
     for m in modules:
         impl = _configured_implementation(m)
-        inner.append((m, impl, _attention_function(m, impl)))
+        inner.append((m, impl, attention_function(m, impl)))
     _check_sparse_attention(modules)
     # Hybrid models' token mixers that are not attention (Gated DeltaNet, Mamba2, short convs:
     # mixers.HANDLED_MIXERS), planned here so that a layer whose heads cannot be split is refused
