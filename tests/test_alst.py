@@ -535,7 +535,10 @@ def _beyond(rank, world, paths):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
     f64 = {"dtype": torch.float64}
-    load = lambda key, layers=None, **kw: AutoModelForCausalLM.from_pretrained(paths[key], **f64, **kw, **({} if layers is None else {"num_hidden_layers": layers}))
+
+    def load(key, layers=None, **kw):
+        return AutoModelForCausalLM.from_pretrained(paths[key], **f64, **kw, **({} if layers is None else {"num_hidden_layers": layers}))
+
     # One-process references, before any registration (the interception is process-wide).
     ids, targets, positions, cu = packed_batch()
     refs = {"packed": reference_step(load("llama"), ids, targets, positions, cu)}

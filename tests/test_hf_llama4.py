@@ -106,8 +106,8 @@ def test_chunked_attention_needs_a_masked_implementation():
     one = hf.shard_batch(ids[:1], labels[:1])
     model(**one.model_inputs(loss=False))  # one row: the packed-documents kernel, whatever the implementation
     from ulysses_kernels.integrations.hf.audit import check_token_mixers
-    from ulysses_kernels.integrations.hf.model import _attention_modules
+    from ulysses_kernels.integrations.hf.model import attention_modules
 
     model = build()
     with pytest.raises(hf.HFIntegrationError, match=r"Llama4TextAttention at model\.layers\.0\.self_attn \(.*chunked attention"):
-        check_token_mixers(model, {}, attention=_attention_modules(model), caller="register_with_transformers")
+        check_token_mixers(model, {}, attention=attention_modules(model), caller="register_with_transformers")

@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 from ulysses_kernels.integrations import hf  # noqa: E402
 from ulysses_kernels.integrations.hf.adapter import _SETTINGS_ATTR  # noqa: E402
 from ulysses_kernels.integrations.hf.audit import EXACT_ATTR, token_mixers  # noqa: E402
-from ulysses_kernels.integrations.hf.model import _attention_modules  # noqa: E402
+from ulysses_kernels.integrations.hf.model import attention_modules  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 from ulysses_kernels.testing.hf_walk import Outcome, _batch, _reference, _rel, audit, exact  # noqa: E402
 from ulysses_kernels.testing.tiny_models import build_tiny, tiny_causal_lms  # noqa: E402
@@ -138,7 +138,7 @@ def _llama_with(mixer_for_layer0):
 
 
 def _mixers(model, handled=None):
-    return token_mixers(model, attention=_attention_modules(model), handled=handled or {})
+    return token_mixers(model, attention=attention_modules(model), handled=handled or {})
 
 
 def test_audit_finds_mixers_by_name_and_by_structure():

@@ -245,6 +245,53 @@ def test_renamed_modules_are_gone():
 MAX_MODULE_LINES = 600
 
 
+def _private_uses(name: str, tree: ast.Module, modules) -> list[str]:
+    """The ``_``-private names of another package of ours that module ``name`` imports
+    (``from pkg.mod import _x``) or reads off a module of another package (``mod._x``)."""
+    own = name if _is_package(name, modules) else name.rpartition(".")[0]
+
+    def package_of(module: str) -> str:
+        return module if _is_package(module, modules) else module.rpartition(".")[0]
+
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = next(iter(_targets(ast.ImportFrom(module=node.module, names=[ast.alias("_")], level=node.level), own, modules)), None)
+            for alias in node.names:
+                sub = f"{source}.{alias.name}" if source else None
+                if sub in modules:  # a module imported by name: its attributes are checked below
+                    aliases[alias.asname or alias.name] = sub
+                elif source and alias.name.startswith("_") and not alias.name.startswith("__") and package_of(source) != own:
+                    found.append(f"{name}: from {source} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            module = aliases[node.value.id]
+            if node.attr.startswith("_") and not node.attr.startswith("__") and package_of(module) != own:
+                found.append(f"{name}: {node.value.id}.{node.attr} ({module})")
+    return found
+
+
+def test_no_private_name_is_used_across_packages():
+    """What one package needs of another is public: no ``_``-private name crosses a package line."""
+    modules = _modules()
+    found = [use for name, path in modules.items() for use in _private_uses(name, ast.parse(path.read_text(), str(path)), modules)]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_name_finder_finds_both_forms():
+    modules = _modules()
+    code = "from .hf.batch import _x\nfrom .hf import model as m\nm._y\nfrom . import verl\nverl._z\n"
+    found = _private_uses("ulysses_kernels.integrations.deepspeed", ast.parse(code), modules)
+    assert found == [
+        "ulysses_kernels.integrations.deepspeed: from ulysses_kernels.integrations.hf.batch import _x",
+        "ulysses_kernels.integrations.deepspeed: m._y (ulysses_kernels.integrations.hf.model)",
+    ], found  # verl is in deepspeed's own package
+
+
 def test_no_module_is_over_the_line_limit():
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"

@@ -28,8 +28,7 @@ COMMON = "--untied-embeddings --zero 3 --offload-optimizer --checkpointing --til
 def setup_from(argv: str) -> memory.Setup:
     """The ``Setup`` the command line ``argv`` (flags only) describes, through the CLI's own parser."""
     args = vars(memory._parser().parse_args(shlex.split(argv)))
-    for key in ("json", "max_seq", "gpu_gb", "host_gb", "mixer_parallel"):  # main's own (mixer_parallel: --mixer's, none here)
-        assert key != "mixer_parallel" or args[key] is None, argv
+    for key in ("json", "max_seq", "gpu_gb", "host_gb", "mixer_parallel"):  # main's own (mixer_parallel: --mixer's)
         args.pop(key)
     args["tie_embeddings"] = not args.pop("untied_embeddings")
     args["seq"] = args["seq"] or args["sp"]
@@ -132,6 +131,31 @@ def test_cli_errors(capsys, extra, needle):
         memory.main(shlex.split(f"{LLAMA_8B} --sp 8 --zero 3 {extra}"))
     out = capsys.readouterr()
     assert exit_.value.code == 2 and needle in out.err and out.out == "", out.err
+
+
+@pytest.mark.parametrize(
+    "argv, gpu_gb, host_gb",
+    [
+        (f"{LLAMA_8B} {COMMON} --sp 8", 80, None),
+        (f"{LLAMA_8B} {COMMON} --sp 8", 80, 100),  # the host binds
+        (f"{LLAMA_8B} --zero 1 --sp 4", 80, None),  # no pieces: activations grow fastest
+        (f"{LLAMA_8B} {COMMON} --sp 6", 80, None),  # 32 heads over 6 ranks: uneven heads
+        ("--layers 8 --hidden 1024 --heads 8 --kv-heads 2 --vocab 32000 --mixer qwen3.5 --checkpointing --sp 4", 24, 30),
+        (f"{LLAMA_8B} --sp 8", 1, None),  # not even sp tokens fit
+    ],
+)
+def test_max_seq_is_the_last_fitting_multiple_of_sp(argv, gpu_gb, host_gb):
+    """The search's answer by its definition: it fits, and sp tokens more do not."""
+    setup = setup_from(argv)
+    host = None if host_gb is None else host_gb * 1e9
+
+    def fits(seq: int) -> bool:
+        rows = memory.memory_rows(replace(setup, seq=seq))
+        return sum(r.gpu for r in rows) <= gpu_gb * 1e9 and (host is None or sum(r.host for r in rows) <= host)
+
+    longest = memory.max_seq(setup, gpu_gb * 1e9, host)
+    assert longest % setup.sp == 0
+    assert longest == 0 and not fits(setup.sp) or fits(longest) and not fits(longest + setup.sp), longest
 
 
 def test_host_cap_shortens():

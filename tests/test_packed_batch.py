@@ -21,7 +21,7 @@ from test_packed import random_cu
 
 import ulysses_kernels as uk
 from ulysses_kernels.checks import UlyssesInputError
-from ulysses_kernels.documents import Documents, documents
+from ulysses_kernels.documents import Documents, documents, documents_of_positions
 from ulysses_kernels.kernels import available_kernels
 from ulysses_kernels.testing import run_ranks
 from ulysses_kernels.testing.reference import contiguous_shard, packed_attention_reference
@@ -124,3 +124,11 @@ def _check_errors(rank, world):
     _raises(r"packed documents at batch 2 on a 2-D group \(SPGroups\)", lambda: uk.ulysses_attention(q, k, v, ring, cu_seqlens=[[0, 8], [0, 3, 8]]))
     # The group still works afterwards.
     assert uk.ulysses_attention(q, k, v, cu_seqlens=[[0, 3, 8], [0, 8]]).shape == q.shape
+
+
+def test_documents_of_positions_one_tuple_per_row():
+    """The integrations' one finder: a document starts at token 0 and where the position is 0."""
+    rows = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]])
+    assert documents_of_positions(rows) == ((0, 3, 5, 6), (0, 2, 6), (0, 6))
+    assert documents_of_positions(rows[:1]) == ((0, 3, 5, 6),)
+    assert rows[1, 0] == 3  # the input is left as it was

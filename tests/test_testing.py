@@ -151,12 +151,14 @@ def test_a_pool_reuses_its_world_and_recovers_from_failures_and_hangs(tmp_path, 
 
 
 def test_a_pool_keeps_at_most_its_processes(tmp_path):
-    with RankPool(timeout_s=60, max_processes=5) as pool:
-        pool.run(_records_pid, 2, str(tmp_path / "a"))
-        pool.run(_records_pid, 3, str(tmp_path / "b"))
-        assert sorted(pool.world_sizes) == [2, 3]
-        pool.run(_records_pid, 4, str(tmp_path / "c"))  # 2 + 3 + 4 > 5: the least recently used worlds close
-        assert pool.world_sizes == [4]
+    with RankPool(timeout_s=60, max_processes=4) as pool:
+        pool.run(_records_pid, 1, str(tmp_path / "a"))
+        pool.run(_records_pid, 2, str(tmp_path / "b"))
+        assert pool.world_sizes == [1, 2]
+        pool.run(_records_pid, 1, str(tmp_path / "a2"))  # the world of 1 used again: the world of 2 is now the oldest
+        assert _pids(tmp_path / "a2", 1)[0][0] == _pids(tmp_path / "a", 1)[0][0]
+        pool.run(_records_pid, 3, str(tmp_path / "c"))  # 1 + 2 + 3 > 4: the least recently used world closes
+        assert pool.world_sizes == [1, 3]
 
 
 def test_run_ranks_fresh_spawns_new_processes(tmp_path):

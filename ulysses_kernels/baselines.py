@@ -24,19 +24,20 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def chain_seq_to_head(x, world, group):
+def chain_seq_to_head(x, world, group, all_to_all=_all_to_all):
     # [B, s, H, D] -> [P, s, B, H/P, D] (copy) -> all-to-all -> [B, P*s, H/P, D] (copy)
+    # ``all_to_all(send, group)``: the collective (bench.host counts the host work with none).
     b, s, h, d = x.shape
     send = x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
-    recv = _all_to_all(send, group)
+    recv = all_to_all(send, group)
     return recv.permute(2, 0, 1, 3, 4).reshape(b, world * s, h // world, d).contiguous()
 
 
-def chain_head_to_seq(x, world, group):
+def chain_head_to_seq(x, world, group, all_to_all=_all_to_all):
     # [B, S, h, D] -> [P, s, B, h, D] (copy) -> all-to-all -> [B, s, P*h, D] (copy)
     b, S, h, d = x.shape
     send = x.reshape(b, world, S // world, h, d).permute(1, 2, 0, 3, 4).contiguous()
-    recv = _all_to_all(send, group)
+    recv = all_to_all(send, group)
     return recv.permute(2, 1, 0, 3, 4).reshape(b, S // world, world * h, d).contiguous()
 
 

@@ -27,7 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Documents", "DocMask", "documents", "pad_documents", "document_ids", "longest_document", "first_unordered", "boundaries_digest"]
+__all__ = [
+    "Documents",
+    "DocMask",
+    "documents",
+    "documents_of_positions",
+    "pad_documents",
+    "document_ids",
+    "longest_document",
+    "first_unordered",
+    "boundaries_digest",
+]
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,23 @@ def documents(cu_seqlens, max_seqlen: int | None = None) -> Documents | None:
         return Documents(cu, longest_document(cu) if max_seqlen is None else int(max_seqlen), len(rows), bad_row)
     cu = _boundaries(cu_seqlens)
     return Documents(cu, longest_document(cu) if max_seqlen is None else int(max_seqlen))
+
+
+def documents_of_positions(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """The documents of ``[rows, seq]`` position ids, one boundary tuple ``(0, ..., seq)`` per
+    row: a document starts at token 0 and wherever the position is 0 (transformers' rule before
+    flash-attn's varlen kernel, so every path sees the same boundaries). The one finder of the
+    integrations: ``hf.shard_batch`` (and the ALST entry point through it) after checking that
+    positions count 0, 1, ... in each document, verl's switch on its packed positions as they
+    are. One host sync per call."""
+    seq = positions.shape[1]
+    starts = positions == 0
+    starts[:, 0] = True
+    found = torch.nonzero(starts).tolist()  # [row, index] pairs, in row order
+    rows = [[] for _ in range(positions.shape[0])]
+    for row, index in found:
+        rows[row].append(index)
+    return tuple(tuple(r) + (seq,) for r in rows)
 
 
 def _is_row(x) -> bool:

@@ -312,25 +312,57 @@ def total_gpu(setup: Setup) -> int:
 def max_seq(setup: Setup, gpu_bytes: float, host_bytes: float | None = None) -> int:
     """The longest sequence (a multiple of ``sp`` tokens) whose rows fit ``gpu_bytes`` per GPU
     (and ``host_bytes`` of host memory per rank, if given); 0 when not even ``sp`` tokens fit.
-    ``setup.seq`` is ignored."""
+    ``setup.seq`` is ignored.
+
+    Each probe replays a whole step, and the bytes grow about linearly with the sequence, so
+    the search interpolates where the room left crosses zero (``_last_fit``): the GPU's bound
+    first, then, where the host's does not hold there, the host's below it. About ten replays
+    per bound instead of forty for a doubling and bisection, with the same answer."""
     step = setup.sp
+    probed: dict[int, tuple[int, int]] = {}
 
-    def fits(k: int) -> bool:
-        rows = memory_rows(replace(setup, seq=k * step))
-        host_ok = host_bytes is None or sum(r.host for r in rows) <= host_bytes
-        return sum(r.gpu for r in rows) <= gpu_bytes and host_ok
+    def used(k: int) -> tuple[int, int]:
+        if k not in probed:
+            rows = memory_rows(replace(setup, seq=k * step))
+            probed[k] = (sum(r.gpu for r in rows), sum(r.host for r in rows))
+        return probed[k]
 
-    if not fits(1):
+    if used(1)[0] > gpu_bytes or (host_bytes is not None and used(1)[1] > host_bytes):
         return 0
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 40:
-            raise MemoryInputError("memory: max_seq found no bound below 2^40 tokens per rank")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * step
+    k = _last_fit(lambda k: gpu_bytes - used(k)[0], None)
+    if host_bytes is not None and used(k)[1] > host_bytes:
+        k = _last_fit(lambda k: host_bytes - used(k)[1], k)
+    return k * step
+
+
+def _last_fit(room, bound: int | None) -> int:
+    """The largest ``k >= 1`` with ``room(k) >= 0``, for a ``room`` that falls as ``k`` grows
+    (about linearly) and ``room(1) >= 0``; ``bound``: a ``k`` known not to fit, if any."""
+    first = lo_room = room(1)
+    lo = 1
+    if bound is None:  # grow past the answer: twice the linear guess from k = 1, at least doubling
+        hi, hi_room = 2, room(2)
+        while hi_room >= 0:
+            lo, lo_room = hi, hi_room
+            per_k = (first - hi_room) / (hi - 1)
+            hi = max(2 * hi, int(2 * (hi + hi_room / per_k)) if per_k > 0 else 0)
+            if hi > 1 << 40:
+                raise MemoryInputError("memory: max_seq found no bound below 2^40 tokens per rank")
+            hi_room = room(hi)
+    else:
+        hi, hi_room = bound, room(bound)
+    while hi - lo > 1:  # room(lo) >= 0 > room(hi): probe the interpolated crossing and its neighbour
+        width = hi - lo
+        guess = lo + int(width * lo_room / (lo_room - hi_room))
+        for k in (guess, guess + 1):
+            if lo < k < hi:
+                r = room(k)
+                lo, lo_room, hi, hi_room = (k, r, hi, hi_room) if r >= 0 else (lo, lo_room, k, r)
+        if hi - lo > max(1, width // 2):  # the guess did not halve the bracket: bisect once
+            mid = (lo + hi) // 2
+            r = room(mid)
+            lo, lo_room, hi, hi_room = (mid, r, hi, hi_room) if r >= 0 else (lo, lo_room, mid, r)
+    return lo
 
 
 def render(setup: Setup, rows: list[Row]) -> str:

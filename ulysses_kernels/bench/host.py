@@ -181,21 +181,17 @@ def chain_layer_counts(B: int, s: int, heads: int, kv_heads: int, world: int, D:
         posts[0] += 1
         return torch.empty_like(x)
 
-    real, B_._all_to_all = B_._all_to_all, null_all_to_all
-    try:
-        with DispatchCount() as fwd:
-            kk = k.repeat_interleave(heads // kv_heads, dim=2) if repeat else k
-            for x in (q, kk, kk):
-                B_.chain_seq_to_head(x, world, None)
-            B_.chain_head_to_seq(local[0], world, None)
-        with DispatchCount() as bwd:
-            B_.chain_seq_to_head(q, world, None)  # dout has q's shape
-            grads = [B_.chain_head_to_seq(x, world, None) for x in local]
-            if repeat:  # the backward of repeat_interleave: sum the copies of dk and dv
-                for g in grads[1:]:
-                    g.view(B, s, kv_heads, heads // kv_heads, D).sum(3)
-    finally:
-        B_._all_to_all = real
+    with DispatchCount() as fwd:
+        kk = k.repeat_interleave(heads // kv_heads, dim=2) if repeat else k
+        for x in (q, kk, kk):
+            B_.chain_seq_to_head(x, world, None, null_all_to_all)
+        B_.chain_head_to_seq(local[0], world, None, null_all_to_all)
+    with DispatchCount() as bwd:
+        B_.chain_seq_to_head(q, world, None, null_all_to_all)  # dout has q's shape
+        grads = [B_.chain_head_to_seq(x, world, None, null_all_to_all) for x in local]
+        if repeat:  # the backward of repeat_interleave: sum the copies of dk and dv
+            for g in grads[1:]:
+                g.view(B, s, kv_heads, heads // kv_heads, D).sum(3)
     return {"fwd": fwd.counts, "bwd": bwd.counts, "collectives": posts[0], "names": _merge(fwd.names, bwd.names)}
 
 

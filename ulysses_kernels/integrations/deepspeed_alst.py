@@ -60,7 +60,7 @@ from . import hf, mesh
 from .hf import audit as hf_audit
 from .hf import model as hf_model
 from .hf import multimodal as hf_multimodal
-from .hf.batch import _SHARD_KWARG
+from .hf.batch import SHARD_KWARG
 from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
 
 __all__ = ["ALSTIntegrationError", "UlyssesSPAttentionHF", "enable_alst", "disable_alst", "alst_enabled"]
@@ -193,7 +193,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         # The mixers' keywords (a hybrid's decoder pre-hook) are not attention's. Its shard is the
         # step's (the same cache, made from the model's position ids before layer 0); a hybrid
         # that does not hand position_ids to its layers (GraniteMoeHybrid) runs on it.
-        fed = kwargs.pop(_SHARD_KWARG, None)
+        fed = kwargs.pop(SHARD_KWARG, None)
         kwargs.pop(GROUP_KWARG, None)
         position_ids = kwargs.get("position_ids")
         if position_ids is None and fed is not None:
@@ -446,7 +446,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if self.disable_in_eval and not module.training:  # the model's own layers on the unsharded input
             return args, {**kwargs, GROUP_KWARG: (None, LocalCommunicator())}
         shard = self._shard_for(int(tokens.shape[0]), int(tokens.shape[1]), named.get("position_ids"))
-        return args, {**kwargs, _SHARD_KWARG: shard, GROUP_KWARG: (self.process_group, self._attention_settings().comm)}
+        return args, {**kwargs, SHARD_KWARG: shard, GROUP_KWARG: (self.process_group, self._attention_settings().comm)}
 
     def unregister(self) -> None:
         """Give the implementation's registry entry back (what it was before
@@ -500,7 +500,7 @@ def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module | None]:
                 f"({type(e).__name__}: {e}); pass the loaded model instead of its name or path"
             ) from e
     texts = hf_multimodal.text_model(model) if hasattr(model, "config") and hasattr(model.config, "get_text_config") else None
-    modules = [m for m in hf_model._attention_modules(model) if texts is None or m.config is texts.config]
+    modules = [m for m in hf_model.attention_modules(model) if texts is None or m.config is texts.config]
     try:
         hf_audit.check_token_mixers(model, handled, attention=modules, scope=texts, caller="register_with_transformers")
         mixers = plan_mixers(mixer_modules(model if texts is None else texts), sp_size, _OPTIONS.get("mixer_parallel", "auto"))

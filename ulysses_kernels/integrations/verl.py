@@ -71,14 +71,14 @@ import torch.distributed as dist
 
 from ..checks import UlyssesInputError
 from ..comm import LocalCommunicator, get_communicator
-from ..documents import Documents, documents
+from ..documents import Documents, documents, documents_of_positions
 from ..plan import HeadPlan, PlanError
 from ..wire import WireSpec, wire_spec
 from .hf.adapter import attention_settings, sequence_parallel_attention
 from .hf.audit import check_token_mixers
-from .hf.batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
+from .hf.batch import SHARD_KWARG, HFIntegrationError, SequenceShard
 from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
-from .hf.model import _attention_modules, attention_function
+from .hf.model import attention_function, attention_modules
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -330,7 +330,7 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
     # or a mixer hf.apply runs (hf.mixers.HANDLED_MIXERS: Gated DeltaNet, Mamba2, short
     # convolutions, planned here at sp_size); anything else is refused by class and place.
     try:
-        check_token_mixers(model, HANDLED_MIXERS, attention=_attention_modules(model), caller="apply_monkey_patch")
+        check_token_mixers(model, HANDLED_MIXERS, attention=attention_modules(model), caller="apply_monkey_patch")
         mixers = plan_mixers(mixer_modules(model), sp_size, options.mixer_parallel)
     except HFIntegrationError as e:
         raise VerlIntegrationError(str(e)) from e
@@ -479,7 +479,7 @@ def _pre_forward(state: _ModelState, module, args, kwargs):
         step = VerlStep(state, group, comm, (seq_local,) * world, _documents(torch.cat(parts, dim=1)), batch)
     extra = {STEP_KWARG: step}
     if state.mixers:  # hf.mixers' forwards read the step as hf.apply's shard and group
-        extra.update({_SHARD_KWARG: step.shard, GROUP_KWARG: (step.group, step.comm)})
+        extra.update({SHARD_KWARG: step.shard, GROUP_KWARG: (step.group, step.comm)})
     return args, {**kwargs, **extra}
 
 
@@ -516,18 +516,13 @@ def _check_header(module, state: _ModelState, everyone: list[list[int]], world: 
 
 
 def _documents(positions: torch.Tensor) -> Documents | None:
-    """The documents of global ``[batch, total]`` position ids: a document starts at token 0
-    and wherever the position is 0 (the rule transformers applies before flash-attn's varlen
-    kernel, so both paths see the same boundaries), each row its own. ``None`` when there is
-    one document per row."""
-    total = positions.shape[1]
-    starts = positions == 0
-    starts[:, 0] = True
-    counts = starts.sum(dim=1)
-    if bool((counts == 1).all()):
+    """The documents of global ``[batch, total]`` position ids (``documents_of_positions``: a
+    document starts at token 0 and wherever the position is 0), each row its own; ``None``
+    when there is one document per row."""
+    rows = documents_of_positions(positions)
+    if all(len(row) == 2 for row in rows):
         return None
-    rows = [torch.nonzero(row).flatten().tolist() + [total] for row in starts]
-    return documents(rows[0] if len(rows) == 1 else rows)
+    return documents(rows[0] if len(rows) == 1 else list(rows))
 
 
 # --------------------------------------------------------------------------------------
@@ -556,7 +551,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             f"{type(module).__name__}: a prepared attention mask ({shape}) reached sequence-parallel attention; the documents "
             "come from the packed position_ids (verl's remove-padding path passes attention_mask=None)"
         )
-    kwargs.pop(_SHARD_KWARG, None)  # the hybrids' mixers' keywords, not the model's attention's
+    kwargs.pop(SHARD_KWARG, None)  # the hybrids' mixers' keywords, not the model's attention's
     kwargs.pop(GROUP_KWARG, None)
     try:
         return sequence_parallel_attention(module, query, key, value, settings=step.settings(module), shard=step.shard, **kwargs)

@@ -42,7 +42,7 @@ from ...packed import DocMask
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
 from ...ring import SPGroups
 from ...wire import WireSpec, wire_spec
-from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
+from .batch import SHARD_KWARG, HFIntegrationError, SequenceShard
 from .masks import _GlobalMask, _layer_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_settings", "sequence_parallel_attention"]
@@ -135,7 +135,7 @@ def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
     (``_model_attention``).
     """
     settings, shard = _call_context(module, kwargs)
-    kwargs.pop(_SHARD_KWARG)
+    kwargs.pop(SHARD_KWARG)
     return _attend(module, settings, shard, _layer_mask(module, attention_mask), query, key, value, kwargs)
 
 
@@ -413,7 +413,7 @@ def _call_context(module, kwargs) -> tuple[_Settings, SequenceShard]:
     settings = getattr(module, _SETTINGS_ATTR, None)
     if settings is None:
         raise _fail_module(module)
-    shard = kwargs.get(_SHARD_KWARG)
+    shard = kwargs.get(SHARD_KWARG)
     if not isinstance(shard, SequenceShard):
         raise HFIntegrationError(
             f"{type(module).__name__}: the model runs sequence-parallel attention but was called without a sequence shard; "

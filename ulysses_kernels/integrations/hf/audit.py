@@ -4,7 +4,7 @@ refuse the model before anything changes when one of them would run on a rank's 
 Under sequence parallelism each rank holds ``seq_lens[r]`` consecutive tokens. A position-wise
 module (an MLP, a norm, an embedding, a rotary table, an MoE router) computes on them exactly
 what it computes on the whole sequence. A module that mixes tokens does not: attention, which
-``apply`` switches to the exchange (``model._attention_modules``), and everything else, which
+``apply`` switches to the exchange (``model.attention_modules``), and everything else, which
 ``apply`` does not switch unless a mixer table says how:
 
 * convolutions over the sequence (``nn.Conv1d`` with a kernel longer than 1: Mamba's and

@@ -29,13 +29,13 @@ import torch.distributed as dist
 
 from ...checks import UlyssesInputError, by_value
 from ...comm import get_communicator
-from ...documents import Documents, boundaries_digest, document_ids, documents, first_unordered, pad_documents
+from ...documents import Documents, boundaries_digest, document_ids, documents, documents_of_positions, first_unordered, pad_documents
 from ...layout import split_lengths  # the project's one rule for uneven shards (re-exported by the package)
 from ...ring import SPGroups, shard_rows
 
 __all__ = ["HFIntegrationError", "SequenceShard", "ShardedBatch", "shard_batch", "split_lengths"]
 
-_SHARD_KWARG = "ulysses_shard"  # the per-step ``SequenceShard`` in the model's kwargs
+SHARD_KWARG = "ulysses_shard"  # the per-step ``SequenceShard`` in the model's kwargs
 
 
 class HFIntegrationError(UlyssesInputError):
@@ -143,7 +143,7 @@ class ShardedBatch:
         add up to the global mean and their gradients add up to its gradient.
         """
         tokens = {"input_ids": self.input_ids} if self.inputs_embeds is None else {"inputs_embeds": self.inputs_embeds}
-        kw = {**tokens, "position_ids": self.position_ids, "use_cache": False, _SHARD_KWARG: self.shard}
+        kw = {**tokens, "position_ids": self.position_ids, "use_cache": False, SHARD_KWARG: self.shard}
         if loss:
             kw.update(labels=self.labels, shift_labels=self.labels, num_items_in_batch=max(self.num_tokens, 1))
         return kw
@@ -380,8 +380,7 @@ def _packed_boundaries(input_ids: torch.Tensor, position_ids, cu_seqlens) -> tup
                 f"shard_batch: packed position_ids must start at 0 in every row (each document counts 0, 1, ...) and be "
                 f"[1 or batch ({bsz}), seq], got shape {list(position_ids.shape)} starting with {pos[:, 0].tolist()}"
             )
-        starts = [torch.nonzero(row == 0).flatten().tolist() for row in pos]
-        rows = tuple(tuple(x) + (seq,) for x in starts)
+        rows = documents_of_positions(pos)
     else:
         docs = documents(cu_seqlens)
         joined, n = docs.cu_seqlens, docs.rows

@@ -23,7 +23,7 @@ from ...kernels import TorchKernels
 from ...layout import Layout
 from ...plan import HeadPlan
 from ...state_passing import Algebra, local_pieces, preceding, run_sharded
-from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard
+from .batch import SHARD_KWARG, HFIntegrationError, SequenceShard
 
 __all__ = ["GROUP_KWARG"]
 
@@ -90,7 +90,7 @@ def _kernel(module, name: str) -> Callable:
 
 def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, SequenceShard]:
     settings = getattr(module, _SETTINGS_ATTR)
-    shard = kwargs.get(_SHARD_KWARG)
+    shard = kwargs.get(SHARD_KWARG)
     name = type(module).__name__
     if settings.comm is None:
         group, comm = kwargs[GROUP_KWARG]  # present: ``_per_step`` checked it

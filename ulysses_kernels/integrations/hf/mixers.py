@@ -66,7 +66,7 @@ from collections.abc import Callable
 import torch
 
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
-from .batch import _SHARD_KWARG, HFIntegrationError
+from .batch import SHARD_KWARG, HFIntegrationError
 from .mixer_exchange import _SETTINGS_ATTR, GROUP_KWARG, _MixerSettings
 from .mixer_forwards import (
     _gdn_forward,
@@ -240,7 +240,7 @@ def _per_step(forward: Callable) -> Callable:
                 "(call the model as a whole: the integration's pre-forward hook supplies it)"
             )
         if pair[1].world_size == 1:
-            rest = {k: v for k, v in kwargs.items() if k not in (GROUP_KWARG, _SHARD_KWARG)}
+            rest = {k: v for k, v in kwargs.items() if k not in (GROUP_KWARG, SHARD_KWARG)}
             return type(self).forward(self, *args, **rest)
         return forward(self, *args, **kwargs)
 
@@ -262,7 +262,7 @@ def switch_mixers(plans, group, comm, root: torch.nn.Module | None = None) -> No
         object.__setattr__(m, "forward", types.MethodType(fn, m))
 
 
-_STEP_KEYS = (_SHARD_KWARG, GROUP_KWARG)
+_STEP_KEYS = (SHARD_KWARG, GROUP_KWARG)
 
 
 def _keep_step(root: torch.nn.Module) -> None:
@@ -299,7 +299,7 @@ def _hand_over(mixer, forward: Callable, root) -> Callable:
 
         def hand(layer, args, kwargs):
             picked = {k: kwargs[k] for k in _STEP_KEYS if k in kwargs}
-            if _SHARD_KWARG not in picked and root is not None:
+            if SHARD_KWARG not in picked and root is not None:
                 picked = getattr(root, _STEP_ATTR, {})
             for m in mixers:
                 object.__setattr__(m, _LAYER_KWARGS, picked)

@@ -20,7 +20,7 @@ from ...ring import SPGroups
 from ...wire import wire_spec
 from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings
 from .audit import check_token_mixers
-from .batch import _SHARD_KWARG, HFIntegrationError
+from .batch import SHARD_KWARG, HFIntegrationError
 from .masks import _ulysses_mask
 from .mixers import HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
 from .multimodal import prepare as prepare_multimodal
@@ -29,10 +29,13 @@ from .multimodal import text_config_key, text_model
 __all__ = ["apply", "register"]
 
 
-def _attention_modules(model) -> list[torch.nn.Module]:
-    # transformers' attention modules carry a config, is_causal and the head size (``head_dim``;
-    # BERT's ``attention_head_size``; MLA's ``qk_head_dim``: DeepSeek-V2, MiniCPM3); the softmax
-    # scale reaches the attention call as ``scaling``.
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The attention modules of ``model`` (what ``apply``, verl's switch and the ALST entry point switch).
+
+    transformers' attention modules carry a config, ``is_causal`` and the head size (``head_dim``;
+    BERT's ``attention_head_size``; MLA's ``qk_head_dim``: DeepSeek-V2, MiniCPM3); the softmax
+    scale reaches the attention call as ``scaling``."""
+
     def is_attention(m) -> bool:
         sizes = ("head_dim", "attention_head_size", "qk_head_dim")
         return hasattr(m, "is_causal") and hasattr(m, "config") and any(hasattr(m, a) for a in sizes)
@@ -207,7 +210,7 @@ def apply(
     texts = text_model(model)  # a vision-language model's text model (None: a text-only model)
     # Only the text model runs sequence-parallel; a vision tower's attention (bidirectional,
     # over whole images before the sequence is sharded) keeps its implementation.
-    modules = [m for m in _attention_modules(model) if texts is None or m.config is texts.config]
+    modules = [m for m in attention_modules(model) if texts is None or m.config is texts.config]
     # Every other module that mixes tokens along the sequence must be one apply makes exact.
     check_token_mixers(model, HANDLED_MIXERS, attention=modules, scope=texts, chunked=True)
     # Resolved before the model is switched, so that a refusal leaves it as it was.
@@ -224,7 +227,7 @@ def apply(
         raise HFIntegrationError(f"apply: found no attention modules (nor any other token mixer it runs) in {type(model).__name__}")
     # The long-context pieces (they refuse before changing anything, as the checks above).
     enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
-                        offload_activations=offload_activations, shard_kwarg=_SHARD_KWARG)  # fmt: skip
+                        offload_activations=offload_activations, shard_kwarg=SHARD_KWARG)  # fmt: skip
     register()
     _own_configs(model)  # the caller's config object stays as it was (another model may share it)
     if texts is not None:

@@ -34,7 +34,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from .batch import _SHARD_KWARG, HFIntegrationError, SequenceShard, _process_group, _rank_world
+from .batch import SHARD_KWARG, HFIntegrationError, SequenceShard, _process_group, _rank_world
 
 __all__ = ["multimodal_inputs"]
 
@@ -115,7 +115,7 @@ def multimodal_inputs(model, input_ids: torch.Tensor, *, vision: str = "replicat
     texts = text_model(model)
     if texts is None:
         raise HFIntegrationError(f"multimodal_inputs: {type(model).__name__} has no separate text model (a text-only model: use shard_batch(input_ids))")
-    if _SHARD_KWARG in inputs:
+    if SHARD_KWARG in inputs:
         raise HFIntegrationError("multimodal_inputs: takes the global batch, not shard_batch's model inputs")
     if inputs.get("attention_mask") is not None and not bool(inputs["attention_mask"].all()):
         raise HFIntegrationError("multimodal_inputs: a padding attention_mask with masked tokens is not supported; set padded labels to -100")
@@ -162,7 +162,7 @@ def prepare(model) -> None:
     name = type(texts).__name__
 
     def hand_over(module, args, kwargs):
-        shard = kwargs.get(_SHARD_KWARG)
+        shard = kwargs.get(SHARD_KWARG)
         if not isinstance(shard, SequenceShard) or not shard.text_inputs:
             return None
         for key in shard.text_inputs:
@@ -173,7 +173,7 @@ def prepare(model) -> None:
         return args, {**kwargs, **shard.text_inputs}
 
     def check_sharded_call(module, args, kwargs):
-        shard = kwargs.get(_SHARD_KWARG)
+        shard = kwargs.get(SHARD_KWARG)
         if not isinstance(shard, SequenceShard):
             return None  # the attention call explains a missing shard
         if shard.world_size > 1 and kwargs.get("position_ids") is None:
