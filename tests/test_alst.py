@@ -862,7 +862,7 @@ def test_errors(tmp_path):
 
 def test_register_refuses_token_mixers(tmp_path):
     """hf.apply's audit runs in register_with_transformers before any group is made: a hybrid
-    whose mixer hf.mixers does not run (xLSTM's mLSTM) given by path (audited as built on the
+    whose mixer layers.mixers does not run (xLSTM's mLSTM) given by path (audited as built on the
     meta device) is refused by its mixer's class and place; nothing is registered. (A hybrid
     whose mixers run is switched by path as well as loaded: tests/test_alst_hybrid.py.)"""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -2,7 +2,7 @@
 ``enable_alst()``: ``UlyssesSPAttentionHF.register_with_transformers(model, ...)`` on 2 gloo CPU
 ranks against one process, float64.
 
-The loaded model's mixers are switched (``hf.mixers``) and fed by a pre-hook on the decoder
+The loaded model's mixers are switched (``layers.mixers``) and fed by a pre-hook on the decoder
 stack with the step's shard (built from the call's position ids before layer 0, which is a
 Gated DeltaNet in Qwen3.5; the first attention call reuses it). The models, the float64
 stand-ins for the mixers' float32 kernels and the tolerances are tests/test_hf_hybrid.py's;
@@ -69,7 +69,7 @@ def _job(rank, world, paths=None, mixer_parallel=None):
 def _check(rank, world, cases, paths, mixer_parallel):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ulysses_kernels.integrations.hf.mixer_exchange import _SETTINGS_ATTR
+    from ulysses_kernels.layers.mixers.exchange import MIXER_SETTINGS_ATTR
 
     alst = alst_classes("ours")[0] if mixer_parallel is None else _ours()
     vocab = CASES[0][4]["vocab_size"]
@@ -114,7 +114,7 @@ def _check(rank, world, cases, paths, mixer_parallel):
                         close(g, ref_grads[n], FLOAT32_RTOL if c else tols[n], f"{label}: grad of {n}")
                 # the mixers ran switched (their sequence-parallel forward on the instance), with the strategy asked for
                 assert all("forward" in vars(m) for m in model.modules() if type(m).__name__ == case[3])
-                strategies = {getattr(m, _SETTINGS_ATTR).strategy for m in model.modules() if type(m).__name__ == case[3]}
+                strategies = {getattr(m, MIXER_SETTINGS_ATTR).strategy for m in model.modules() if type(m).__name__ == case[3]}
                 assert strategies == {"state" if mixer_parallel == "state" else "heads"}, (case[0], strategies)
             finally:
                 uattn.unregister()

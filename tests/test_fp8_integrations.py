@@ -83,7 +83,7 @@ def _hf_step(model, ids, labels):
 def _hf_body(rank, world):
     from ulysses_kernels.comm import get_communicator
     from ulysses_kernels.integrations import hf
-    from ulysses_kernels.integrations.hf.adapter import _SETTINGS_ATTR
+    from ulysses_kernels.layers.attention import ATTENTION_SETTINGS_ATTR
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(5)
@@ -97,8 +97,8 @@ def _hf_body(rank, world):
         for wd in (None, "fp8"):
             comm = CountingComm(get_communicator(None))
             model = hf.apply(_build(model_type, **extra), wire_dtype=wd, comm=comm)
-            attention = [m for m in model.modules() if hasattr(m, _SETTINGS_ATTR)]
-            assert len(attention) == 2 and all(getattr(m, _SETTINGS_ATTR).wire == (WireSpec() if wd else None) for m in attention)
+            attention = [m for m in model.modules() if hasattr(m, ATTENTION_SETTINGS_ATTR)]
+            assert len(attention) == 2 and all(getattr(m, ATTENTION_SETTINGS_ATTR).wire == (WireSpec() if wd else None) for m in attention)
             runs[wd] = _hf_step(model, ids, labels)
             sent[wd] = comm.sent
         errs = _compare(f"hf.apply {model_type}", runs["fp8"], runs[None])

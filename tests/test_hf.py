@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from ulysses_kernels import HeadPlan  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
-from ulysses_kernels.integrations.hf.masks import _GlobalMask, _ulysses_mask  # noqa: E402
+from ulysses_kernels.layers.masks import _GlobalMask, ulysses_mask  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 from ulysses_kernels.testing.reference import one_process_step  # noqa: E402
 
@@ -378,9 +378,9 @@ def test_mask_function():
 
     sizes = {"batch_size": 2, "q_length": 4, "kv_length": 4}
     # Plain causal: no record (the attention call builds causal masks when it gets none).
-    assert _ulysses_mask(**sizes, mask_function=mu.causal_mask_function, allow_is_causal_skip=True) is None
+    assert ulysses_mask(**sizes, mask_function=mu.causal_mask_function, allow_is_causal_skip=True) is None
     causal = _GlobalMask(None, {})
-    sliding = _ulysses_mask(**sizes, mask_function=mu.sliding_window_causal_mask_function(3), local_size=3)
+    sliding = ulysses_mask(**sizes, mask_function=mu.sliding_window_causal_mask_function(3), local_size=3)
     assert sliding.window == 3
     shard = hf.SequenceShard((4, 4), rank=1, world_size=2, valid_len=8, batch_size=2)
     cpu, f64 = torch.device("cpu"), torch.float64
@@ -393,14 +393,14 @@ def test_mask_function():
     eager = causal.build("eager", shard, f64, cpu)
     assert torch.equal(eager[0, 0] == 0, kv <= q) and (eager[0, 0][kv > q] == torch.finfo(f64).min).all()
     assert sliding.build("flash_attention_2", shard, f64, cpu) is None  # the window travels as a parameter
-    _raises("cannot rebuild", _ulysses_mask, **sizes, mask_function=mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: q >= 0))
+    _raises("cannot rebuild", ulysses_mask, **sizes, mask_function=mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: q >= 0))
     # Llama 4's chunked mask: the chunk is recorded and built over global positions (chunks of 3 over 8 tokens)
-    chunked = _ulysses_mask(**sizes, mask_function=mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)))
+    chunked = ulysses_mask(**sizes, mask_function=mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)))
     assert chunked.chunk == 3 and not chunked.covers(8) and chunked.covers(3)
     assert torch.equal(chunked.build("sdpa", shard, f64, cpu)[0, 0], (kv <= q) & (kv // 3 == q // 3))
-    _raises("chunked mask over left padding", _ulysses_mask, **sizes, mask_function=mu.chunked_causal_mask_function(3, torch.tensor([0, 1])))
-    _raises("KV cache", _ulysses_mask, batch_size=2, q_length=1, kv_length=5, q_offset=4)
-    _raises("padding attention_mask", _ulysses_mask, **sizes, attention_mask=torch.tensor([[True] * 4, [False] + [True] * 3]))
+    _raises("chunked mask over left padding", ulysses_mask, **sizes, mask_function=mu.chunked_causal_mask_function(3, torch.tensor([0, 1])))
+    _raises("KV cache", ulysses_mask, batch_size=2, q_length=1, kv_length=5, q_offset=4)
+    _raises("padding attention_mask", ulysses_mask, **sizes, attention_mask=torch.tensor([[True] * 4, [False] + [True] * 3]))
 
 
 def test_apply_errors():

@@ -49,7 +49,7 @@ from test_hf_packed import packed_batch  # noqa: E402
 from test_hf_packed import reference as reference_packed  # noqa: E402
 
 from ulysses_kernels.integrations import hf  # noqa: E402
-from ulysses_kernels.integrations.hf.mixers import HANDLED_MIXERS  # noqa: E402
+from ulysses_kernels.layers.mixers import HANDLED_MIXERS  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 from ulysses_kernels.testing.hybrids import (  # noqa: E402 - MODELS, build, float64_kernels: the verl and ALST hybrid tests' too, from here
     MODELS,
@@ -241,7 +241,7 @@ def test_handled_mixers_table():
 
 def test_refusals_one_process():
     """More ranks than a mixer's heads (the head exchange), or a mixer fed without a shard: refused by name."""
-    from ulysses_kernels.integrations.hf.mixers import mixer_modules, plan_mixers
+    from ulysses_kernels.layers.mixers import mixer_modules, plan_mixers
 
     model = build(MODELS[0])  # Qwen3.5: 6 value heads over 2 key heads
     with pytest.raises(hf.HFIntegrationError, match=r"Qwen3_5GatedDeltaNet \(6 heads, 2 groups\) cannot be split over 8 ranks"):

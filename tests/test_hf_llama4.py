@@ -105,8 +105,8 @@ def test_chunked_attention_needs_a_masked_implementation():
         model(**batch.model_inputs(loss=False))
     one = hf.shard_batch(ids[:1], labels[:1])
     model(**one.model_inputs(loss=False))  # one row: the packed-documents kernel, whatever the implementation
-    from ulysses_kernels.integrations.hf.audit import check_token_mixers
     from ulysses_kernels.integrations.hf.model import attention_modules
+    from ulysses_kernels.layers.audit import check_token_mixers
 
     model = build()
     with pytest.raises(hf.HFIntegrationError, match=r"Llama4TextAttention at model\.layers\.0\.self_attn \(.*chunked attention"):

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from test_hf import FAMILIES, build, check_step, close, global_batch, reference, tolerances  # noqa: E402
 
 from ulysses_kernels.integrations import hf  # noqa: E402
-from ulysses_kernels.integrations.hf import adapter  # noqa: E402
+from ulysses_kernels.layers import attention as adapter  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
 # The MLA shapes of all three: q/k 16 + 8 = 24 (rope 8: the config's head_dim, which the

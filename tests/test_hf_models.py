@@ -28,8 +28,8 @@ from test_hf import check_step, close, global_batch, reference  # noqa: E402
 
 from ulysses_kernels import make_sp_groups  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
-from ulysses_kernels.integrations.hf.adapter import _ulysses_attention_forward  # noqa: E402
-from ulysses_kernels.integrations.hf.masks import _GlobalMask, _ulysses_mask  # noqa: E402
+from ulysses_kernels.layers.attention import ulysses_attention_forward  # noqa: E402
+from ulysses_kernels.layers.masks import _GlobalMask, ulysses_mask  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 
 VOCAB = 61
@@ -365,9 +365,9 @@ def test_bidirectional_masks():
     from transformers import masking_utils as mu
 
     sizes = {"batch_size": 2, "q_length": 4, "kv_length": 4}
-    full = _ulysses_mask(**sizes, mask_function=mu.bidirectional_mask_function, allow_is_bidirectional_skip=True)
+    full = ulysses_mask(**sizes, mask_function=mu.bidirectional_mask_function, allow_is_bidirectional_skip=True)
     assert (full.window, full.causal) == (None, False) and full.covers(5)
-    local = _ulysses_mask(**sizes, mask_function=mu.sliding_window_bidirectional_mask_function(2), local_size=2)
+    local = ulysses_mask(**sizes, mask_function=mu.sliding_window_bidirectional_mask_function(2), local_size=2)
     assert (local.window, local.causal) == (2, False) and local.covers(3) and not local.covers(4)
     shard = hf.SequenceShard((4, 4), rank=1, world_size=2, valid_len=8, batch_size=2)
     q, kv = torch.arange(8).view(8, 1), torch.arange(8).view(1, 8)
@@ -383,9 +383,9 @@ def test_bidirectional_masks():
     ids, _ = mlm_batch()
     shard = hf.shard_batch(ids).shard
     x = torch.zeros(2, 4, SEQ, 16, dtype=torch.float64)
-    _raises("the attention call is bidirectional .* but the model built a causal mask", _ulysses_attention_forward,
+    _raises("the attention call is bidirectional .* but the model built a causal mask", ulysses_attention_forward,
             attn, x, x, x, _GlobalMask(5, {}), ulysses_shard=shard)  # fmt: skip
-    _raises("7 keys for 13 queries: cross-attention", _ulysses_attention_forward, attn, x, x[:, :, :7], x[:, :, :7], full, ulysses_shard=shard)
+    _raises("7 keys for 13 queries: cross-attention", ulysses_attention_forward, attn, x, x[:, :, :7], x[:, :, :7], full, ulysses_shard=shard)
 
 
 def test_apply_refuses_the_router_loss():

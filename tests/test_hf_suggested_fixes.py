@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels.integrations import hf  # noqa: E402
-from ulysses_kernels.integrations.hf.mixers import mixer_modules, plan_mixers  # noqa: E402
+from ulysses_kernels.layers.mixers import mixer_modules, plan_mixers  # noqa: E402
 from ulysses_kernels.testing import build_tiny, run_ranks  # noqa: E402
 
 TWO_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}

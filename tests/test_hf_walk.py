@@ -26,9 +26,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from ulysses_kernels.integrations import hf  # noqa: E402
-from ulysses_kernels.integrations.hf.adapter import _SETTINGS_ATTR  # noqa: E402
-from ulysses_kernels.integrations.hf.audit import EXACT_ATTR, token_mixers  # noqa: E402
 from ulysses_kernels.integrations.hf.model import attention_modules  # noqa: E402
+from ulysses_kernels.layers.attention import ATTENTION_SETTINGS_ATTR  # noqa: E402
+from ulysses_kernels.layers.audit import EXACT_ATTR, token_mixers  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 from ulysses_kernels.testing.hf_walk import Outcome, _batch, _reference, _rel, audit, exact  # noqa: E402
 from ulysses_kernels.testing.tiny_models import build_tiny, tiny_causal_lms  # noqa: E402
@@ -66,9 +66,9 @@ def _docs_table() -> dict[str, str]:
 
 
 def _handled_mixers() -> dict[str, str]:
-    # The mixers apply makes exact (integrations/hf/mixers.py, #38) once that module is merged.
+    # The mixers apply makes exact (layers/mixers/__init__.py, #38) once that module is merged.
     try:
-        from ulysses_kernels.integrations.hf.mixers import HANDLED_MIXERS
+        from ulysses_kernels.layers.mixers import HANDLED_MIXERS
     except ImportError:
         return {}
     return dict(HANDLED_MIXERS)
@@ -96,7 +96,7 @@ def test_audit_refuses_the_hybrids():
             assert f"{cls} at {where} " in msg, (model_type, msg)
         assert "mixes tokens along the sequence" in msg and EXACT_ATTR in msg, msg
         assert model.config._attn_implementation == before, model_type
-        assert not any(hasattr(m, _SETTINGS_ATTR) for m in model.modules()), model_type
+        assert not any(hasattr(m, ATTENTION_SETTINGS_ATTR) for m in model.modules()), model_type
 
 
 class _Retention(torch.nn.Module):

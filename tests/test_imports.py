@@ -161,7 +161,14 @@ def test_no_import_cycle_with_imports_inside_functions():
 # exchanges and the three schedules) sits on top of the layers it uses (layout, kernels, comm,
 # gqa, checkpointing, backends, ring, ...): none of them imports it back. Only the package's
 # face and the users of the op above it do.
-ABOVE_THE_OP = ("ulysses_kernels", "ulysses_kernels.integrations.", "ulysses_kernels.bench.", "ulysses_kernels.selftest", "ulysses_kernels.demo")
+ABOVE_THE_OP = (
+    "ulysses_kernels",
+    "ulysses_kernels.layers",  # the model side: the one attention function and the mixers run the op
+    "ulysses_kernels.integrations.",
+    "ulysses_kernels.bench.",
+    "ulysses_kernels.selftest",
+    "ulysses_kernels.demo",
+)
 
 
 def test_the_op_package_is_imported_only_from_above():
@@ -233,6 +240,13 @@ RENAMED = {
     "ulysses_kernels.reference": "ulysses_kernels.math_attention (and ulysses_kernels.testing.reference)",
     "ulysses_kernels.longctx.install": "ulysses_kernels.longctx.patches",
     "ulysses_kernels.integrations.alst": "ulysses_kernels.integrations.deepspeed_alst",
+    # #47: the model side every framework runs moved out of the transformers integration
+    "ulysses_kernels.integrations.hf.adapter": "ulysses_kernels.layers.attention",
+    "ulysses_kernels.integrations.hf.masks": "ulysses_kernels.layers.masks",
+    "ulysses_kernels.integrations.hf.audit": "ulysses_kernels.layers.audit",
+    "ulysses_kernels.integrations.hf.mixers": "ulysses_kernels.layers.mixers",
+    "ulysses_kernels.integrations.hf.mixer_exchange": "ulysses_kernels.layers.mixers.exchange",
+    "ulysses_kernels.integrations.hf.mixer_forwards": "ulysses_kernels.layers.mixers.forwards",
 }
 
 

@@ -159,7 +159,7 @@ def test_every_family_has_state_passing_and_a_family_without_is_refused(monkeypa
     here first); one without it is refused by class under ``"state"`` and stays on the head
     exchange under ``"auto"``."""
     from ulysses_kernels.integrations import hf
-    from ulysses_kernels.integrations.hf import mixers
+    from ulysses_kernels.layers import mixers
     from ulysses_kernels.testing.hybrids import MODELS, build
 
     assert {family for family, _, _ in mixers._ADAPTERS.values()} <= set(mixers.STATE_FAMILIES)
@@ -193,7 +193,7 @@ def test_core_against_one_process(world):
 
 
 def _state_models():
-    from ulysses_kernels.integrations.hf.mixers import _ADAPTERS, STATE_FAMILIES
+    from ulysses_kernels.layers.mixers import _ADAPTERS, STATE_FAMILIES
     from ulysses_kernels.testing.hybrids import MODELS
 
     return [case for case in MODELS if _ADAPTERS[case[3]][0] in STATE_FAMILIES]
@@ -209,7 +209,7 @@ def job_models(rank, world):
     from test_hf_packed import reference as reference_packed
 
     from ulysses_kernels.integrations import hf
-    from ulysses_kernels.integrations.hf.mixer_exchange import _SETTINGS_ATTR
+    from ulysses_kernels.layers.mixers.exchange import MIXER_SETTINGS_ATTR
     from ulysses_kernels.testing.hybrids import build, float64_kernels, sharded_step
 
     ids, labels = global_batch()
@@ -222,7 +222,7 @@ def job_models(rank, world):
                 continue
             model = hf.apply(build(case), None, mixer_parallel="state")
             switched = [m for m in model.modules() if type(m).__name__ == case[3]]
-            assert switched and all(getattr(m, _SETTINGS_ATTR).strategy == "state" for m in switched), name
+            assert switched and all(getattr(m, MIXER_SETTINGS_ATTR).strategy == "state" for m in switched), name
             loose = name in FLOAT32_ROUTED
             strict = set() if loose else {"loss", "logits"} | {n for n, t in grad_tolerances(model).items() if t == GRAD_RTOL and not n.endswith(CAST)}
             runs = (

@@ -923,7 +923,7 @@ def test_hf_packed_mask_wrapper_of_each_transformers_form_is_taken_off(form):
     ``and_masks(overlay, remap_positions_for_packed_sequence(fn))``, 5.17 (no remapping, which
     the H200 machine of 2026-11-28 has) ``and_masks(fn, overlay)``; both give back ``fn``."""
     mu = pytest.importorskip("transformers.masking_utils")
-    from ulysses_kernels.integrations.hf.masks import _unpacked
+    from ulysses_kernels.layers.masks import _unpacked
 
     fn = mu.sliding_window_causal_mask_function(16)
     overlay = mu.packed_sequence_mask_function(torch.zeros(1, 8, dtype=torch.long))

@@ -81,7 +81,7 @@ def _check(rank, world, cases, mixer_parallel):
     import verl.models.transformers.monkey_patch as mp
     from verl.utils.ulysses import FSDPUlyssesShardingManager
 
-    from ulysses_kernels.integrations.hf.mixer_exchange import _SETTINGS_ATTR
+    from ulysses_kernels.layers.mixers.exchange import MIXER_SETTINGS_ATTR
 
     mesh = _mesh(world, world)
     group = mesh["sp"].get_group()
@@ -98,7 +98,7 @@ def _check(rank, world, cases, mixer_parallel):
             reference = copy.deepcopy(model)
             mp.apply_monkey_patch(model, world)
             assert sum(type(m).__name__ == case[3] for m in model.modules()) >= 1
-            strategies = {getattr(m, _SETTINGS_ATTR).strategy for m in model.modules() if type(m).__name__ == case[3]}
+            strategies = {getattr(m, MIXER_SETTINGS_ATTR).strategy for m in model.modules() if type(m).__name__ == case[3]}
             assert strategies == {"state" if mixer_parallel == "state" else "heads"}, (case[0], strategies)
             tols = grad_tolerances(model)
             for what, (x, pos, docs) in batches.items():

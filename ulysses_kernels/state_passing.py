@@ -1,6 +1,6 @@
 """State passing: a linear-attention or state-space layer with the sequence kept sharded.
 
-The head exchange (``integrations.hf.mixers``) sends every token's q/k/v/gates to head shards
+The head exchange (``layers.mixers``) sends every token's q/k/v/gates to head shards
 and back: bytes that grow with the sequence, and at most one rank per head. Here each rank
 instead runs the layer's own kernel on its own tokens, for all heads, and the ranks exchange
 only what crosses a shard boundary:

@@ -53,15 +53,15 @@ import torch.distributed as dist
 
 from ..checks import UlyssesInputError
 from ..comm import LocalCommunicator
+from ..layers import audit as hf_audit
+from ..layers.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
+from ..layers.step import SHARD_KWARG
 from ..layout import split_lengths
 from ..plan import HeadPlan
 from ..wire import wire_spec
 from . import hf, mesh
-from .hf import audit as hf_audit
 from .hf import model as hf_model
 from .hf import multimodal as hf_multimodal
-from .hf.batch import SHARD_KWARG
-from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
 
 __all__ = ["ALSTIntegrationError", "UlyssesSPAttentionHF", "enable_alst", "disable_alst", "alst_enabled"]
 
@@ -406,7 +406,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         return groups.mpu()
 
     def _feed_mixers(self, decoder: torch.nn.Module, mixers: list) -> None:
-        """A hybrid's token mixers that are not attention (``hf.mixers``): switched on their
+        """A hybrid's token mixers that are not attention (``layers.mixers``): switched on their
         instances, fed by a forward pre-hook on the decoder stack with this step's
         ``SequenceShard`` (from the call's position ids, the cache attention reads too) and the
         group. The shard must be known before layer 0, which is a mixer in Qwen3.5, so it cannot
@@ -477,9 +477,9 @@ _SWITCHED_ATTR = "_ulysses_mixers_switched"  # on a decoder whose mixers ``_feed
 
 
 def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module | None]:
-    """``hf.apply``'s audit of token mixers (``hf.audit``), before any group is made: every module
+    """``hf.apply``'s audit of token mixers (``layers.audit``), before any group is made: every module
     that mixes tokens along the sequence must be attention this entry point intercepts or a
-    mixer ``hf.mixers`` runs. Returns ``(mixers with their head plans at sp_size, the decoder
+    mixer ``layers.mixers`` runs. Returns ``(mixers with their head plans at sp_size, the decoder
     stack or None without mixers)``. A model given by name or path (or a config holder that is
     not a module) is audited as built from its config on the meta device (no memory, no
     weights): its plans say the heads split, its decoder's class is what

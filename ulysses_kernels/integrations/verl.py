@@ -72,12 +72,12 @@ import torch.distributed as dist
 from ..checks import UlyssesInputError
 from ..comm import LocalCommunicator, get_communicator
 from ..documents import Documents, documents, documents_of_positions
+from ..layers.attention import attention_settings, sequence_parallel_attention
+from ..layers.audit import check_token_mixers
+from ..layers.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
+from ..layers.step import SHARD_KWARG, HFIntegrationError, SequenceShard
 from ..plan import HeadPlan, PlanError
 from ..wire import WireSpec, wire_spec
-from .hf.adapter import attention_settings, sequence_parallel_attention
-from .hf.audit import check_token_mixers
-from .hf.batch import SHARD_KWARG, HFIntegrationError, SequenceShard
-from .hf.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
 from .hf.model import attention_function, attention_modules
 
 __all__ = [
@@ -117,7 +117,7 @@ class _Options:
     chunks: int | str = 1
     check: str = "step"
     wire_dtype: WireSpec | None = None  # checked by ``apply`` (``wire.wire_spec``)
-    mixer_parallel: str = "auto"  # checked by ``apply`` (``hf.mixers.check_mixer_parallel``)
+    mixer_parallel: str = "auto"  # checked by ``apply`` (``layers.mixers.check_mixer_parallel``)
 
 
 @dataclass(eq=False)
@@ -131,7 +131,7 @@ class _ModelState:
     options: _Options
     hook: object = None  # the pre-hook's handle on the decoder stack
     # Hybrid models' token mixers that are not attention, with their head plans at sp_size
-    # (``hf.mixers.plan_mixers``); switched by ``_prepare``, fed by the pre-hook.
+    # (``layers.mixers.plan_mixers``); switched by ``_prepare``, fed by the pre-hook.
     mixers: list = field(default_factory=list)
     # The model's attention function per attention module class (``hf.model.attention_function``
     # for ``inner_impl``): what runs on the rank's heads when a call is not plain causal.
@@ -327,7 +327,7 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
             "ulysses_kernels.integrations.verl), which needs num_attention_heads % sp == 0"
         )
     # Every module that mixes tokens along the sequence must be attention that this switch runs
-    # or a mixer hf.apply runs (hf.mixers.HANDLED_MIXERS: Gated DeltaNet, Mamba2, short
+    # or a mixer hf.apply runs (layers.mixers.HANDLED_MIXERS: Gated DeltaNet, Mamba2, short
     # convolutions, planned here at sp_size); anything else is refused by class and place.
     try:
         check_token_mixers(model, HANDLED_MIXERS, attention=attention_modules(model), caller="apply_monkey_patch")
@@ -478,7 +478,7 @@ def _pre_forward(state: _ModelState, module, args, kwargs):
         dist.all_gather(parts, local, group=group)
         step = VerlStep(state, group, comm, (seq_local,) * world, _documents(torch.cat(parts, dim=1)), batch)
     extra = {STEP_KWARG: step}
-    if state.mixers:  # hf.mixers' forwards read the step as hf.apply's shard and group
+    if state.mixers:  # layers.mixers' forwards read the step as hf.apply's shard and group
         extra.update({SHARD_KWARG: step.shard, GROUP_KWARG: (step.group, step.comm)})
     return args, {**kwargs, **extra}
 

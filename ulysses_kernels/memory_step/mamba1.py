@@ -1,4 +1,4 @@
-"""Jamba's Mamba1 mixer in the replay, as ``hf.apply`` runs it (``integrations/hf/mixers.py``,
+"""Jamba's Mamba1 mixer in the replay, as ``hf.apply`` runs it (``layers/mixers/__init__.py``,
 ``_mamba1_forward``): three exchanges and one back, transformers' recurrent
 ``mamba_selective_scan`` (its torch path: one ``[B, c, Ns]`` state per token, all kept).
 

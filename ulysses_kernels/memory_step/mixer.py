@@ -1,6 +1,6 @@
 """The token-mixer layers of a hybrid model in the replay: ``Mixer`` describes them (which
 kind, which layers, heads, dims, conv width, chunk, the layer's form), ``mixer_replay.MixerReplay``
-replays one such layer as ``hf.apply`` runs it (``integrations/hf/mixers.py``). Kinds: Gated
+replays one such layer as ``hf.apply`` runs it (``layers/mixers/__init__.py``). Kinds: Gated
 DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), Kimi Delta Attention (Kimi-Linear), Mamba2 as Bamba,
 Nemotron-H and Falcon-H1 write it, Jamba's Mamba1, LFM2's gated short convolution. Forms
 (``FORMS``): a layer is norm -> mixer or attention -> norm -> MLP (``stacked``), or one block,
@@ -54,7 +54,7 @@ LFM2's short conv, ``c`` of the ``hidden`` channels on the rank (one channel a h
 
 What is modelled: the bytes each of these keeps for the backward (the forward's end without
 checkpointing), counted from transformers 5.23's torch fallbacks (no flash-linear-attention,
-causal-conv1d or mamba_ssm here) and the adapters of ``integrations/hf/mixers.py``;
+causal-conv1d or mamba_ssm here) and the adapters of ``layers/mixers/__init__.py``;
 tests/test_memory_hybrid.py measures a tiny model's per-layer forward end within 2% for each
 kind and the checkpointed layer (its input only) exactly. Not measured: the order of the
 mixer's backward (modelled as each kept tensor's gradient made while the tensor goes, two at

@@ -1,6 +1,6 @@
 """One hybrid mixer layer of a rank's step in the replay (``MixerReplay``): the tensors it keeps
 for the backward, its two exchanges and its backward, per ``Mixer.kind``, as ``hf.apply`` runs it
-(``integrations/hf/mixers.py``): through the head exchange, or under state passing
+(``layers/mixers/__init__.py``): through the head exchange, or under state passing
 (``Mixer.parallel``: the same tensors over the rank's tokens and every head, no exchange, the
 conv's halo, the widened kernel, the fold); the bytes each kind keeps are listed in
 ``memory_step.mixer``'s docstring."""

@@ -75,9 +75,9 @@ documents on the model's own attention with flash or a registered implementation
 attention, KV caches (generation).
 """
 
-from .adapter import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_attention
+from ...layers.attention import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_attention
+from ...layers.mixers import mixer_strategies
 from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
-from .mixers import mixer_strategies
 from .model import apply
 from .model import register as register  # hf.register(): public, outside __all__ as before
 from .multimodal import multimodal_inputs

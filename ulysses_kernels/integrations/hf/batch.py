@@ -22,89 +22,18 @@ segments), recorded on the shard as ``ring_layout``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from ...checks import UlyssesInputError, by_value
+from ...checks import by_value
 from ...comm import get_communicator
 from ...documents import Documents, boundaries_digest, document_ids, documents, documents_of_positions, first_unordered, pad_documents
+from ...layers.step import SHARD_KWARG, HFIntegrationError, SequenceShard, process_group, rank_world
 from ...layout import split_lengths  # the project's one rule for uneven shards (re-exported by the package)
-from ...ring import SPGroups, shard_rows
+from ...ring import SPGroups
 
 __all__ = ["HFIntegrationError", "SequenceShard", "ShardedBatch", "shard_batch", "split_lengths"]
-
-SHARD_KWARG = "ulysses_shard"  # the per-step ``SequenceShard`` in the model's kwargs
-
-
-class HFIntegrationError(UlyssesInputError):
-    """A model, batch or group that the transformers integration cannot run."""
-
-
-@dataclass(eq=False)
-class SequenceShard:
-    """How one step's global sequence is split over the group (the same on every rank).
-
-    ``seq_lens[r]`` tokens live on rank ``r`` (contiguous, in rank order); ``total`` is
-    ``sum(seq_lens)`` (the padded length), ``valid_len`` the length before padding.
-    ``documents``: a packed batch's global document boundaries over ``total`` tokens (the
-    padding, if any, is the last document), ``None`` for ordinary batches.
-    ``ring_layout``: ``(ulysses_size, ring_size, "zigzag")`` for a 2-D group whose
-    ``seq_layout`` is zigzag: rank r then holds ``ring.shard_rows`` of the sequence (two
-    chunks), not a contiguous slice; ``None``: contiguous.
-    Passed to the model as the ``ulysses_shard`` keyword; the attention function reads it.
-    """
-
-    seq_lens: tuple[int, ...]
-    rank: int
-    world_size: int
-    valid_len: int
-    batch_size: int
-    documents: Documents | None = None
-    ring_layout: tuple[int, int, str] | None = None
-    # This rank's share of the per-step inputs a vision-language model's text model takes
-    # besides ``inputs_embeds`` and ``position_ids`` (Qwen3-VL's deepstack:
-    # ``visual_pos_masks`` ``[batch, seq_lens[rank]]`` and ``deepstack_visual_embeds``, the
-    # rows of this rank's visual tokens); ``apply`` hands them to the text model. ``None``: none.
-    text_inputs: dict | None = field(default=None, repr=False)
-    # Input signatures already validated across ranks in this step (one check per step,
-    # not per layer); the same on every rank because every rank runs the same layers.
-    _checked: set = field(default_factory=set, repr=False)
-    # Global attention masks built in this step, one per (implementation, window, dtype,
-    # device): each layer type's mask is built once per step, at its first layer.
-    _masks: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def total(self) -> int:
-        return sum(self.seq_lens)
-
-    @property
-    def start(self) -> int:
-        return sum(self.seq_lens[: self.rank])
-
-    @property
-    def local_len(self) -> int:
-        return self.seq_lens[self.rank]
-
-    def shard(self, x: torch.Tensor, dim: int = 1, pad_value=0) -> torch.Tensor:
-        """This rank's slice of a global per-token tensor (padded with ``pad_value`` first)."""
-        if x.shape[dim] not in (self.valid_len, self.total):
-            raise HFIntegrationError(f"SequenceShard.shard: x.shape[{dim}] expected {self.valid_len} (the global length), got {x.shape[dim]}")
-        if x.shape[dim] < self.total:
-            pad_shape = list(x.shape)
-            pad_shape[dim] = self.total - x.shape[dim]
-            x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
-        if self.ring_layout is not None:
-            return x.index_select(dim, self.rows(self.rank).to(x.device))
-        return x.narrow(dim, self.start, self.local_len).contiguous()
-
-    def rows(self, rank: int) -> torch.Tensor:
-        """The global positions rank ``rank`` holds (int64, ascending)."""
-        if self.ring_layout is not None:
-            return shard_rows(self.total, *self.ring_layout[:2], rank, self.ring_layout[2])
-        start = sum(self.seq_lens[:rank])
-        return torch.arange(start, start + self.seq_lens[rank])
 
 
 @dataclass
@@ -158,26 +87,6 @@ class ShardedBatch:
             logits = logits.float()
         ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), self.labels.flatten().to(logits.device), ignore_index=-100, reduction="sum")
         return ce / max(self.num_tokens, 1)
-
-
-def _process_group(group):
-    """The process group of the whole sequence-parallel group (an ``SPGroups``' ``group``)."""
-    return group.group if isinstance(group, SPGroups) else group
-
-
-def _rank_world(group) -> tuple[int, int]:
-    if isinstance(group, SPGroups):
-        if group.rank is None:
-            raise HFIntegrationError(f"this process (global rank {dist.get_rank()}) is not a member of the given SPGroups")
-        return group.rank, group.world_size
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise HFIntegrationError("a group was given but torch.distributed is not initialized")
-        return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise HFIntegrationError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
-    return rank, dist.get_world_size(group)
 
 
 def shard_batch(
@@ -247,7 +156,7 @@ def shard_batch(
     """
     if comm is not None and isinstance(group, SPGroups):
         raise HFIntegrationError("shard_batch: comm= stands for a flat group; a 2-D group (SPGroups) is given as group= alone")
-    rank, world = _rank_world(group) if comm is None else (comm.rank, comm.world_size)
+    rank, world = rank_world(group) if comm is None else (comm.rank, comm.world_size)
     labels = _checked_labels(input_ids, labels, inputs_embeds)
     mrope = position_ids is not None and position_ids.dim() == 3
     text_positions = _mrope_text_positions(labels, position_ids) if mrope else position_ids
@@ -266,7 +175,7 @@ def shard_batch(
     tokens = input_ids if input_ids is not None else labels
     if check and world > 1:
         _check_same_batch(
-            get_communicator(_process_group(group), comm),
+            get_communicator(process_group(group), comm),
             labels.device,
             bsz,
             seq,

@@ -14,15 +14,15 @@ from dataclasses import replace
 import torch
 
 from ...comm import get_communicator
+from ...layers.attention import ATTENTION_SETTINGS_ATTR, ATTN_IMPLEMENTATION, attention_settings, ulysses_attention_forward
+from ...layers.audit import check_token_mixers
+from ...layers.masks import ulysses_mask
+from ...layers.mixers import HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
+from ...layers.step import SHARD_KWARG, HFIntegrationError
 from ...longctx.patches import enable as enable_long_context
 from ...plan import more_ranks_than_heads, more_ranks_than_heads_flat
 from ...ring import SPGroups
 from ...wire import wire_spec
-from .adapter import _SETTINGS_ATTR, ATTN_IMPLEMENTATION, _ulysses_attention_forward, attention_settings
-from .audit import check_token_mixers
-from .batch import SHARD_KWARG, HFIntegrationError
-from .masks import _ulysses_mask
-from .mixers import HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
 from .multimodal import prepare as prepare_multimodal
 from .multimodal import text_config_key, text_model
 
@@ -70,7 +70,7 @@ def _configured_implementation(module) -> str:
     impl = getattr(module.config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
         return impl or "eager"  # None: transformers falls back to the model's eager attention
-    previous = getattr(module, _SETTINGS_ATTR, None)
+    previous = getattr(module, ATTENTION_SETTINGS_ATTR, None)
     if previous is None:
         raise HFIntegrationError(
             f"apply: {type(module).__name__} is already set to {ATTN_IMPLEMENTATION!r} without apply, so the "
@@ -124,8 +124,8 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _ulysses_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _ulysses_mask)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ulysses_mask)
 
 
 def apply(
@@ -243,7 +243,7 @@ def apply(
     for m, impl, fn in inner:
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
-        object.__setattr__(m, _SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
+        object.__setattr__(m, ATTENTION_SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
     if isinstance(group, SPGroups):  # the mixers pass their state over the whole group (_plan_mixers)
         switch_mixers(mixers, group.group, get_communicator(group.group), root=model)
     else:

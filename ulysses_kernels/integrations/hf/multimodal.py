@@ -34,7 +34,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from .batch import SHARD_KWARG, HFIntegrationError, SequenceShard, _process_group, _rank_world
+from ...layers.step import SHARD_KWARG, HFIntegrationError, SequenceShard, process_group, rank_world
 
 __all__ = ["multimodal_inputs"]
 
@@ -246,7 +246,7 @@ def _split_images(model, group, pixel_values: torch.Tensor, grid_thw) -> _ImageF
             f"multimodal_inputs(vision='split'): {type(model).__name__} is not a Qwen-VL model (a vision tower that takes "
             "image_grid_thw); use vision='replicated'"
         )
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     patches = grid_thw.prod(-1).tolist()
     tokens = [n // merge**2 for n in patches]
     owner = _deal(patches, world)
@@ -269,7 +269,7 @@ def _split_images(model, group, pixel_values: torch.Tensor, grid_thw) -> _ImageF
     trains = torch.is_grad_enabled() and any(p.requires_grad for p in base.visual.parameters())
     local = local.requires_grad_() if trains and not local.requires_grad else local if trains else local.detach()
     counts = [sum(tokens[i] for i in range(len(tokens)) if owner[i] == r) for r in range(world)]
-    gathered = _GatherRows.apply(local, counts, rank, _process_group(group)) if world > 1 and dist.is_initialized() else local
+    gathered = _GatherRows.apply(local, counts, rank, process_group(group)) if world > 1 and dist.is_initialized() else local
     # Rows in rank order (each rank's images in image order) -> per image, in image order.
     offsets, at = {}, 0
     for r in range(world):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .batch import HFIntegrationError, SequenceShard, _process_group
+from ...layers.step import HFIntegrationError, SequenceShard, process_group
 
 __all__ = ["reduce_loss", "sync_gradients", "gather_sequence", "router_loss"]
 
@@ -22,7 +22,7 @@ def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
     """
     total = loss.detach().clone()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=_process_group(group))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group(group))
     return total
 
 
@@ -38,7 +38,7 @@ def sync_gradients(model: torch.nn.Module, group=None) -> None:
     ranks' buffers line up; a parameter no rank reached keeps ``grad = None``. With data
     parallelism on top, reduce over the data-parallel group separately (as usual, averaging there).
     """
-    group = _process_group(group)
+    group = process_group(group)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     params = [p for p in model.parameters() if p.requires_grad]
@@ -78,7 +78,7 @@ def gather_sequence(x: torch.Tensor, shard: SequenceShard, group=None, dim: int 
         pad_shape[dim] = width - x.shape[dim]
         padded = torch.cat([padded, padded.new_zeros(pad_shape)], dim=dim)
     parts = [torch.empty_like(padded) for _ in range(shard.world_size)]
-    dist.all_gather(parts, padded.contiguous(), group=_process_group(group))
+    dist.all_gather(parts, padded.contiguous(), group=process_group(group))
     full = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, shard.seq_lens)], dim=dim)
     if shard.ring_layout is not None:  # zigzag: rank order is not sequence order
         rows = torch.cat([shard.rows(r) for r in range(shard.world_size)])
@@ -133,6 +133,6 @@ def router_loss(router_logits, shard: SequenceShard, group=None, *, num_experts:
         probs = probs + (p * real.unsqueeze(-1)).sum(dim=0)
     stats = torch.cat([counts, (real.sum() * len(layers)).reshape(1)]).detach()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=_process_group(group))
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group(group))
     total = stats[-1]
     return num_experts * ((stats[:-1] / total) * (probs / total)).sum()

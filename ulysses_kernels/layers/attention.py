@@ -1,6 +1,6 @@
 """What transformers calls in every layer once ``apply`` has switched a model: the
-``"ulysses"`` attention function (``_ulysses_attention_forward``; its mask function,
-``_ulysses_mask``, and the global mask it records live in ``masks``).
+``"ulysses"`` attention function (``ulysses_attention_forward``; its mask function,
+``ulysses_mask``, and the global mask it records live in ``masks``).
 
 One attention call, q/k/v ``[B, H, seq_lens[r], D]``:
 
@@ -20,7 +20,7 @@ One attention call, q/k/v ``[B, H, seq_lens[r], D]``:
     documents; more rows, the model's eager/sdpa attention with the chunked mask
 
 The settings ``apply`` chose live on each attention module (``_Settings``, made by
-``attention_settings``, under ``_SETTINGS_ATTR``); the step's ``SequenceShard`` arrives as the
+``attention_settings``, under ``ATTENTION_SETTINGS_ATTR``); the step's ``SequenceShard`` arrives as the
 ``ulysses_shard`` keyword. ``sequence_parallel_attention`` is the same call for a model that
 ``apply`` did not switch (``integrations.deepspeed_alst``), its settings and shard given explicitly.
 """
@@ -32,23 +32,23 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...attention import head_to_seq, seq_to_head, ulysses_attention
-from ...backends import resolve_backend
-from ...comm import get_communicator
-from ...documents import Documents
-from ...gqa import expand_kv
-from ...math_attention import default_scale
-from ...packed import DocMask
-from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
-from ...ring import SPGroups
-from ...wire import WireSpec, wire_spec
-from .batch import SHARD_KWARG, HFIntegrationError, SequenceShard
+from ..attention import head_to_seq, seq_to_head, ulysses_attention
+from ..backends import resolve_backend
+from ..comm import get_communicator
+from ..documents import Documents
+from ..gqa import expand_kv
+from ..math_attention import default_scale
+from ..packed import DocMask
+from ..plan import HeadPlan, PlanError, more_ranks_than_heads_flat
+from ..ring import SPGroups
+from ..wire import WireSpec, wire_spec
 from .masks import _GlobalMask, _layer_mask
+from .step import SHARD_KWARG, HFIntegrationError, SequenceShard
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_settings", "sequence_parallel_attention"]
 
 ATTN_IMPLEMENTATION = "ulysses"
-_SETTINGS_ATTR = "_ulysses_settings"  # set on each attention module by ``apply``
+ATTENTION_SETTINGS_ATTR = "_ulysses_settings"  # set on each attention module by ``apply``
 
 # Implementations whose plain causal attention (softmax(q k^T * scale) v, no window, no
 # softcap, no sinks, no dropout) is exactly what the fused ``ulysses_attention`` computes.
@@ -124,7 +124,7 @@ def _fail_module(module) -> HFIntegrationError:
     )
 
 
-def _ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
+def ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
     """transformers attention function: ``[B, H, s_local, D]`` q/k/v in, ``[B, s_local, Hq, D]`` out.
 
     k/v arrive un-repeated (GQA). ``attention_mask`` is the ``_GlobalMask`` our mask
@@ -173,7 +173,7 @@ def sequence_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask, query, key, value, kwargs):
-    """The attention call of ``_ulysses_attention_forward`` once its settings, shard and mask
+    """The attention call of ``ulysses_attention_forward`` once its settings, shard and mask
     are known: the fused op for plain causal or plain bidirectional attention, else the
     model's own attention."""
     name = type(module).__name__
@@ -410,7 +410,7 @@ def _check_now(settings: _Settings, shard: SequenceShard, sig: tuple) -> bool:
 
 def _call_context(module, kwargs) -> tuple[_Settings, SequenceShard]:
     """What ``apply`` set on ``module`` and the step's ``SequenceShard`` from the model's kwargs."""
-    settings = getattr(module, _SETTINGS_ATTR, None)
+    settings = getattr(module, ATTENTION_SETTINGS_ATTR, None)
     if settings is None:
         raise _fail_module(module)
     shard = kwargs.get(SHARD_KWARG)

@@ -2,7 +2,7 @@
 
 transformers calls a model's mask function once per forward per layer type, with the local
 sizes; under Ulysses each rank attends over the global sequence after the exchange. So the mask
-function (``_ulysses_mask``, registered in ``AttentionMaskInterface``) records the layer type's
+function (``ulysses_mask``, registered in ``AttentionMaskInterface``) records the layer type's
 pattern (causal, sliding-window, chunked, bidirectional) as a ``_GlobalMask``, and the attention
 call builds that mask over global positions once per step (docs/hf.md, "Masks: built once per
 step from global positions"); what cannot be rebuilt raises."""
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...documents import Documents, document_ids
-from .batch import HFIntegrationError, SequenceShard
+from ..documents import Documents, document_ids
+from .step import HFIntegrationError, SequenceShard
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,7 +113,7 @@ def _layer_mask(module, attention_mask) -> _GlobalMask:
     )
 
 
-def _ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+def ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
     """Mask function for ``AttentionMaskInterface``: record the layer type's mask, build nothing.
 
     Called once per forward per layer type (``layer_types``: ``full_attention``,

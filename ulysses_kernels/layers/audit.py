@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import HFIntegrationError
+from .step import HFIntegrationError
 
 __all__ = ["EXACT_ATTR", "TokenMixer", "check_token_mixers", "position_problems", "token_mixers"]
 

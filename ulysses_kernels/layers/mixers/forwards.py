@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from ...gqa import expand_kv
 from ...state_passing import DELTA, DIAGONAL, SSD, run_sharded, selective
-from .batch import HFIntegrationError
-from .mixer_exchange import (
+from ..step import HFIntegrationError
+from .exchange import (
     _arange,
     _context,
     _conv,

@@ -66,9 +66,9 @@ from collections.abc import Callable
 import torch
 
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
-from .batch import SHARD_KWARG, HFIntegrationError
-from .mixer_exchange import _SETTINGS_ATTR, GROUP_KWARG, _MixerSettings
-from .mixer_forwards import (
+from ..step import SHARD_KWARG, HFIntegrationError
+from .exchange import GROUP_KWARG, MIXER_SETTINGS_ATTR, _MixerSettings
+from .forwards import (
     _gdn_forward,
     _gdn_project_olmo_hybrid,
     _gdn_project_qwen3_5,
@@ -225,7 +225,7 @@ def mixer_strategies(model: torch.nn.Module) -> dict[str, str]:
     """How each token mixer that is not attention runs in a model ``apply`` (or verl's / ALST's
     switch) prepared: ``{module path: "heads" | "state"}`` (the head exchange, or state passing:
     docs/state_passing.md), in module order; ``{}`` for a model without such mixers."""
-    return {name: settings.strategy for name, m in model.named_modules() if isinstance(settings := getattr(m, _SETTINGS_ATTR, None), _MixerSettings)}
+    return {name: settings.strategy for name, m in model.named_modules() if isinstance(settings := getattr(m, MIXER_SETTINGS_ATTR, None), _MixerSettings)}
 
 
 def _per_step(forward: Callable) -> Callable:
@@ -258,7 +258,7 @@ def switch_mixers(plans, group, comm, root: torch.nn.Module | None = None) -> No
         fn = forward if comm is not None else _per_step(forward)
         if type(m).__name__ in _HANDED:
             fn = _hand_over(m, fn, root)
-        object.__setattr__(m, _SETTINGS_ATTR, _MixerSettings(group, comm, plan, family, strategy))
+        object.__setattr__(m, MIXER_SETTINGS_ATTR, _MixerSettings(group, comm, plan, family, strategy))
         object.__setattr__(m, "forward", types.MethodType(fn, m))
 
 

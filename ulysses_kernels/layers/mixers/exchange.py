@@ -23,13 +23,13 @@ from ...kernels import TorchKernels
 from ...layout import Layout
 from ...plan import HeadPlan
 from ...state_passing import Algebra, local_pieces, preceding, run_sharded
-from .batch import SHARD_KWARG, HFIntegrationError, SequenceShard
+from ..step import SHARD_KWARG, HFIntegrationError, SequenceShard
 
 __all__ = ["GROUP_KWARG"]
 
 _ROLES = ("q", "v")  # per-head tensors on the plan's query ranges, per-group ones on its KV ranges
 _HEADS_ONLY = ("q",)
-_SETTINGS_ATTR = "_ulysses_mixer"  # set on each switched mixer by ``switch_mixers``
+MIXER_SETTINGS_ATTR = "_ulysses_mixer"  # set on each switched mixer by ``switch_mixers``
 # ``(group, communicator)`` of this step, in the model's kwargs, for mixers switched without a
 # group (verl's switch: its group is known per forward, not when the model is prepared).
 GROUP_KWARG = "ulysses_mixer_group"
@@ -89,7 +89,7 @@ def _kernel(module, name: str) -> Callable:
 
 
 def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, SequenceShard]:
-    settings = getattr(module, _SETTINGS_ATTR)
+    settings = getattr(module, MIXER_SETTINGS_ATTR)
     shard = kwargs.get(SHARD_KWARG)
     name = type(module).__name__
     if settings.comm is None:
