@@ -392,6 +392,9 @@ def test_enable_refuses_what_it_cannot_run_exactly():
     config = _titan_config(4, 2, cp=2)
     config.compile.enable, config.compile.components = True, ["model"]
     _refused(config, "compile.components")
+    config = _titan_config(4, 4, cp=2, mla=True)  # tp x cp runs GQA (tested); tp x MLA is refused until it has a test
+    config.parallelism.tensor_parallel_degree = 2
+    assert "got 2" in _refused(config, "parallelism.tensor_parallel_degree")
     for inner in (ScaledDotProductAttention.Config(), VarlenAttention.Config()):
         config = _titan_config(4, 2, cp=2)
         config.model_spec.model.layers[1].attention.inner_attention = inner

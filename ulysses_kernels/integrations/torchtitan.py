@@ -151,6 +151,8 @@ def _check(config, *, enabled: bool = False, deferred: bool = False) -> None:
                 "GQAttention.Config or DeepSeek V3's MLA Attention.Config (no score_mod, no out_transform)",
                 type(attention).__qualname__,
             )
+        if type(attention) is MLAttention.Config and p.tensor_parallel_degree != 1:
+            _refuse("parallelism.tensor_parallel_degree", "1 with DeepSeek V3's MLA attention (tp x MLA is not validated yet)", p.tensor_parallel_degree)
         inner = attention.inner_attention
         if type(inner) is not FlexAttention.Config:
             _refuse(f"model.layers[{i}].attention.inner_attention", "FlexAttention.Config (attn_backend='flex')", type(inner).__qualname__)
