@@ -246,7 +246,8 @@ RENAMED = {
     "ulysses_kernels.integrations.hf.audit": "ulysses_kernels.layers.audit",
     "ulysses_kernels.integrations.hf.mixers": "ulysses_kernels.layers.mixers",
     "ulysses_kernels.integrations.hf.mixer_exchange": "ulysses_kernels.layers.mixers.exchange",
-    "ulysses_kernels.integrations.hf.mixer_forwards": "ulysses_kernels.layers.mixers.forwards",
+    "ulysses_kernels.integrations.hf.mixer_forwards": "a module per family in ulysses_kernels.layers.mixers",
+    "ulysses_kernels.layers.mixers.forwards": "a module per family in ulysses_kernels.layers.mixers",
 }
 
 

@@ -12,5 +12,5 @@ verl's switch, DeepSpeed ALST's entry point):
 * ``audit``: every module that mixes tokens along the sequence, found and named;
 * ``mixers``: the linear-attention and state-space layers (Gated DeltaNet, Mamba, ...): their
   registry, planning and switching (``mixers``), the head exchange and state passing
-  (``mixers.exchange``) and each family's forward (``mixers.forwards``).
+  (``mixers.exchange``), one module per family (its forward and its ``mixers.registry`` rows).
 """

@@ -48,14 +48,16 @@ The other strategy, ``mixer_parallel="state"`` (``plan_mixers``; the default ``"
 where a layer's heads do not split over the ranks): no exchange, the sequence stays sharded
 and each layer's conv halo and recurrent state pass between the ranks
 (``ulysses_kernels.state_passing``, docs/state_passing.md); the same forwards run it, their
-pieces (``_to_heads``, ``_conv``, ``_recurrence``) switching on the strategy.
+pieces (``to_heads``, ``depthwise_conv``, ``run_recurrence``) switching on the strategy.
 
 Not handled (refused by ``apply``): a KV/conv cache (generation), a padding mask, a 2-D
 group (``SPGroups``), more ranks than a layer's heads under ``mixer_parallel="heads"``.
 
-Three modules: ``mixer_exchange`` (the exchange, the call's context, the conv and the
-per-document runs), ``mixer_forwards`` (each family's forward) and this one (which classes run
-which forward, the audit's table, planning, switching and handing the step's keywords over).
+The modules: ``exchange`` (the exchange, the call's context, the conv and the per-document
+runs), one per family (``gated_deltanet``, ``kimi_delta``, ``mamba2``, ``mamba1``, ``zamba``,
+``lightning``, ``rg_lru``, ``short_conv``: its forward and its ``registry`` rows), ``registry``
+(which classes run which forward) and this one (the audit's table, planning, switching and
+handing the step's keywords over).
 """
 
 from __future__ import annotations
@@ -68,19 +70,6 @@ import torch
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
 from ..step import SHARD_KWARG, HFIntegrationError
 from .exchange import GROUP_KWARG, MIXER_SETTINGS_ATTR, _MixerSettings
-from .forwards import (
-    _gdn_forward,
-    _gdn_project_olmo_hybrid,
-    _gdn_project_qwen3_5,
-    _gdn_project_qwen3_next,
-    _kda_forward,
-    _lightning_forward,
-    _mamba1_forward,
-    _mamba2_forward,
-    _rg_lru_forward,
-    _short_conv_forward,
-    _zamba_mamba_forward,
-)
 
 __all__ = [
     "GROUP_KWARG",
@@ -94,64 +83,17 @@ __all__ = [
     "switch_mixers",
 ]
 
-# class name -> (family, forward, (heads, groups) of a module), for every mixer made exact.
-_ADAPTERS: dict[str, tuple[str, Callable, Callable]] = {}
+# Each family module registers its classes when imported (``registry.register``), in this order.
+from . import gated_deltanet, kimi_delta, mamba2, short_conv, lightning, zamba, rg_lru, mamba1  # noqa: E402, F401, I001
+from .registry import ADAPTERS as _ADAPTERS  # noqa: E402
+from .registry import CLASSES as HANDLED_MIXERS  # noqa: E402  (class -> its family's line; a family registered later is in it)
+from .registry import HANDED as _HANDED  # noqa: E402
 
-
-def _register(names, family: str, forward: Callable, sizes: Callable) -> None:
-    for name in names:
-        _ADAPTERS[name] = (family, forward, sizes)
-
-
-_gdn_sizes = lambda m: (m.num_v_heads, m.num_k_heads)  # noqa: E731
-_register(("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_5), _gdn_sizes)
-_register(("Qwen3NextGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_qwen3_next), _gdn_sizes)
-_register(("OlmoHybridGatedDeltaNet",), "gated-deltanet", _gdn_forward(_gdn_project_olmo_hybrid, "o_norm", "o_proj"), _gdn_sizes)
-_register(("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"), "kimi-delta", _kda_forward, lambda m: (m.num_heads, m.num_heads))
-# GraniteMoeHybridMambaLayer is BambaMixer's code (transformers' modular file derives it, the
-# generated module copies the kernels it calls); Zamba2MambaMixer's torch path is the same
-# arithmetic (dt clamped below at time_step_min: its time_step_limit). Their decoder layers pass
-# the step's keywords on.
-_register(
-    ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer"),
-    "mamba2",
-    _mamba2_forward,
-    lambda m: (m.num_heads, m.n_groups),
-)
-# Lfm2MoeShortConv and Lfm3ShortConv are Lfm2ShortConv's code (LFM3's conv is 7 wide, torch only).
-_register(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), "short-conv", _short_conv_forward, lambda m: (m.conv.in_channels, m.conv.in_channels))
-_register(("MiniMaxLightningAttention",), "lightning", _lightning_forward, lambda m: (m.num_attention_heads, m.num_attention_heads))
-_register(("ZambaMambaMixer",), "zamba-mamba", _zamba_mamba_forward, lambda m: (m.n_mamba_heads, m.n_mamba_heads))
-_register(("RecurrentGemmaRecurrentBlock",), "rg-lru", _rg_lru_forward, lambda m: (m.rg_lru.num_attention_heads, m.rg_lru.num_attention_heads))
-# Falcon-Mamba's mixer is Jamba's (dt/B/C norms, without weights); Mamba's has no norms.
-_register(("JambaMambaMixer", "MambaMixer", "FalconMambaMixer"), "mamba1", _mamba1_forward, lambda m: (m.intermediate_size, 1))
-# Mixers that the step's keyword arguments do not reach: Jamba's decoder layer calls its mixer
-# without them (``self.mamba(hidden_states=, cache_params=, attention_mask=)``); Mamba's and
-# Falcon-Mamba's blocks too, and their model calls the blocks without them; Mamba2's
-# ``Mamba2ForCausalLM`` calls its backbone without them. A pre-hook on the mixer's layer hands it
-# the shard and group of this call: from the layer's own keywords, else from those of the call to
-# the model ``apply`` switched (kept by a pre-hook on it). ``_hand_over``.
-_HANDED = {"JambaMambaMixer", "MambaMixer", "FalconMambaMixer", "Mamba2Mixer"}
 _LAYER_KWARGS = "_ulysses_layer_kwargs"  # on a mixer: the shard and group handed to it
 _PARENT_ATTR = "_ulysses_parent"  # on a mixer: its layer
 _HANDS_ATTR = "_ulysses_hands_to"  # on a layer: the mixers its pre-hook hands the keywords to
 _STEP_ATTR = "_ulysses_step_kwargs"  # on the model: the shard and group of its current call
 _WRAPPED_ATTR = "_ulysses_hands_on_recompute"  # on a layer's checkpoint function: wrapped
-
-_DESCRIBE = {
-    "gated-deltanet": "Gated DeltaNet: conv1d + delta-rule recurrence per value head (key heads as GQA groups), over the whole sequence after one all-to-all",
-    "kimi-delta": "Kimi Delta Attention: conv1d + delta-rule recurrence with a per-channel forget gate per head, over the whole sequence after one all-to-all",
-    "mamba2": "Mamba2: conv1d + SSM chunk scan per head (B/C groups as GQA groups), over the whole sequence after one all-to-all",
-    "mamba1": "Mamba1: conv1d over the rank's channels, x_proj per token on sequence shards, the selective scan per channel "
-    "(B/C one group) over the whole sequence: three all-to-alls",
-    "short-conv": "LFM2 gated short convolution: the depthwise conv over the rank's channels, over the whole sequence after one all-to-all",
-    "lightning": "MiniMax's lightning attention: the blocked causal linear attention with a per-head decay, over the whole sequence after one all-to-all",
-    "zamba-mamba": "Zamba's multi-head Mamba1: conv1d, each head's x_proj/dt_proj and the selective scan per head, over the whole "
-    "sequence after one all-to-all",
-    "rg-lru": "RecurrentGemma's recurrent block: the depthwise conv and the RG-LRU per head block (its gates block-diagonal), over the "
-    "whole sequence after one all-to-all",
-}
-HANDLED_MIXERS: dict[str, str] = {name: _DESCRIBE[family] for name, (family, _, _) in _ADAPTERS.items()}
 
 
 def mixer_modules(model) -> list[torch.nn.Module]:

@@ -1,11 +1,11 @@
 """The pieces every sequence-parallel token mixer of ``mixers`` is built from: the one
-all-to-all to the rank's heads (``_ToHeads``, ``_to_heads``) and back (``_to_sequence``), the
+all-to-all to the rank's heads (``_ToHeads``, ``to_heads``) and back (``to_sequence``), the
 call's context (the settings ``switch_mixers`` put on the module, the step's ``SequenceShard``,
 the refusals of a cache and a padding mask), the module's kernel functions as transformers
 resolved them, the causal conv on the rank's channels and the per-document runs of packed
 batches. Under state passing (``_MixerSettings.strategy == "state"``) the same pieces keep the
-sequence sharded: ``_to_heads``/``_to_sequence`` pass the tensors through, ``_conv`` takes its
-halo from the ranks before (``_windowed``), ``_recurrence`` passes the state
+sequence sharded: ``to_heads``/``to_sequence`` pass the tensors through, ``depthwise_conv`` takes its
+halo from the ranks before (``windowed``), ``run_recurrence`` passes the state
 (``ulysses_kernels.state_passing``)."""
 
 from __future__ import annotations
@@ -25,7 +25,22 @@ from ...plan import HeadPlan
 from ...state_passing import Algebra, local_pieces, preceding, run_sharded
 from ..step import SHARD_KWARG, HFIntegrationError, SequenceShard
 
-__all__ = ["GROUP_KWARG"]
+# What a family's forward is written with (one module per family, docs/extending.md).
+__all__ = [
+    "GROUP_KWARG",
+    "MIXER_SETTINGS_ATTR",
+    "channel_range",
+    "depthwise_conv",
+    "document_spans",
+    "head_ranges",
+    "mixer_context",
+    "model_kernel",
+    "per_document",
+    "run_recurrence",
+    "to_heads",
+    "to_sequence",
+    "windowed",
+]
 
 _ROLES = ("q", "v")  # per-head tensors on the plan's query ranges, per-group ones on its KV ranges
 _HEADS_ONLY = ("q",)
@@ -80,7 +95,7 @@ class _MixerSettings:
         return self.strategy == "state"
 
 
-def _kernel(module, name: str) -> Callable:
+def model_kernel(module, name: str) -> Callable:
     """The kernel function ``name`` of ``module``'s transformers module (what its forward calls)."""
     fn = getattr(sys.modules.get(type(module).__module__), name, None)
     if not callable(fn):
@@ -88,7 +103,10 @@ def _kernel(module, name: str) -> Callable:
     return fn
 
 
-def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, SequenceShard]:
+def mixer_context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, SequenceShard]:
+    """A family forward's first call: ``(the settings switch_mixers put on module, the step's
+    SequenceShard)`` from the forward's keywords, after refusing what no mixer runs (a cache, a
+    padding mask, state passing over a zigzag layout, a shard made for another group)."""
     settings = getattr(module, MIXER_SETTINGS_ATTR)
     shard = kwargs.get(SHARD_KWARG)
     name = type(module).__name__
@@ -114,7 +132,7 @@ def _context(module, kwargs, cache, attention_mask) -> tuple[_MixerSettings, Seq
     return settings, shard
 
 
-def _to_heads(settings: _MixerSettings, shard: SequenceShard, heads, groups=None):
+def to_heads(settings: _MixerSettings, shard: SequenceShard, heads, groups=None):
     """``_ToHeads`` over the layer's plan and the step's shards (state passing: the tensors as they are)."""
     if settings.state:
         return (heads,) if groups is None else (heads, groups)
@@ -123,7 +141,7 @@ def _to_heads(settings: _MixerSettings, shard: SequenceShard, heads, groups=None
     return _ToHeads.apply(lay, settings.comm, heads.contiguous(), None if groups is None else groups.contiguous())
 
 
-def _to_sequence(settings: _MixerSettings, shard: SequenceShard, out):
+def to_sequence(settings: _MixerSettings, shard: SequenceShard, out):
     """``[B, S, h, D]`` over the rank's heads -> ``[B, s_r, H, D]`` (the library's ``head_to_seq``;
     state passing: already so)."""
     if settings.state:
@@ -131,34 +149,34 @@ def _to_sequence(settings: _MixerSettings, shard: SequenceShard, out):
     return head_to_seq(out, settings.plan, group=settings.group, seq_lens=list(shard.seq_lens), comm=settings.comm)
 
 
-def _spans(shard: SequenceShard) -> list[tuple[int, int]]:
+def document_spans(shard: SequenceShard) -> list[tuple[int, int]]:
     """The documents ``(start, end)`` of the global sequence (one span when not packed)."""
     if shard.documents is not None and shard.documents.rows > 1:
         raise HFIntegrationError(f"mixers other than attention (linear attention, SSMs) take packed documents at batch 1, got {shard.documents.rows} rows")
     return shard.documents.spans() if shard.documents is not None else [(0, shard.total)]
 
 
-def _recurrence(settings: _MixerSettings, shard: SequenceShard, run, algebra: Algebra, *tensors):
+def run_recurrence(settings: _MixerSettings, shard: SequenceShard, run, algebra: Algebra, *tensors):
     """The layer's recurrence ``run(*tensors, initial_state) -> (out, final_state)`` per
     document: over the whole sequence of the rank's heads (``"heads"``), or over the rank's
     shard with the state passed between ranks (``"state"``: ``state_passing.run_sharded``)."""
     if settings.state:
-        return run_sharded(settings.comm, shard.seq_lens, _spans(shard), run, algebra, tensors)
-    return _per_document(shard, lambda *t: run(*t, None)[0], *tensors)
+        return run_sharded(settings.comm, shard.seq_lens, document_spans(shard), run, algebra, tensors)
+    return per_document(shard, lambda *t: run(*t, None)[0], *tensors)
 
 
-def _per_document(shard: SequenceShard, fn, *tensors, dim: int = 1):
+def per_document(shard: SequenceShard, fn, *tensors, dim: int = 1):
     """``fn`` on each document's slice of ``tensors`` (along ``dim``), joined back."""
-    spans = _spans(shard)
+    spans = document_spans(shard)
     if len(spans) == 1:
         return fn(*tensors)
     return torch.cat([fn(*(t.narrow(dim, a, b - a) for t in tensors)) for a, b in spans], dim=dim)
 
 
-def _conv(settings: _MixerSettings, module, conv: torch.nn.Conv1d, channels: torch.Tensor, shard, x: torch.Tensor, activation) -> torch.Tensor:
+def depthwise_conv(settings: _MixerSettings, module, conv: torch.nn.Conv1d, channels: torch.Tensor, shard, x: torch.Tensor, activation) -> torch.Tensor:
     """The layer's causal depthwise conv1d on the rank's ``channels`` (indices into the conv's
     channels) of ``x`` ``[B, S, C_r]``, per document, with the module's ``causal_conv1d_fn``."""
-    fn = _kernel(module, "causal_conv1d_fn")
+    fn = model_kernel(module, "causal_conv1d_fn")
     weight = conv.weight.squeeze(1).index_select(0, channels)
     bias = None if conv.bias is None else conv.bias.index_select(0, channels)
 
@@ -166,11 +184,11 @@ def _conv(settings: _MixerSettings, module, conv: torch.nn.Conv1d, channels: tor
         return fn(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
 
     if not settings.state:
-        return _per_document(shard, run, x)
-    return _windowed(settings, shard, x, run, conv.kernel_size[0] - 1)
+        return per_document(shard, run, x)
+    return windowed(settings, shard, x, run, conv.kernel_size[0] - 1)
 
 
-def _windowed(settings: _MixerSettings, shard: SequenceShard, x: torch.Tensor, run, halo: int) -> torch.Tensor:
+def windowed(settings: _MixerSettings, shard: SequenceShard, x: torch.Tensor, run, halo: int) -> torch.Tensor:
     """State passing's causal conv: ``run`` (a causal conv of ``halo + 1`` taps on ``[B, L, C]``)
     on the shard's tokens after the ``halo`` before it (``state_passing.preceding``), per
     document piece of that window; the halo's own outputs are dropped."""
@@ -178,16 +196,20 @@ def _windowed(settings: _MixerSettings, shard: SequenceShard, x: torch.Tensor, r
     before = preceding(comm, shard.seq_lens, x, halo)
     lead = before.shape[1]
     window = torch.cat([before, x], dim=1)
-    pieces, _ = local_pieces(shard.seq_lens, comm.rank, _spans(shard), lead)
+    pieces, _ = local_pieces(shard.seq_lens, comm.rank, document_spans(shard), lead)
     out = torch.cat([run(window[:, a:b]) for a, b in pieces], dim=1) if len(pieces) > 1 else run(window)
     return out[:, lead:]
 
 
-def _ranges(settings: _MixerSettings) -> tuple[tuple[int, int], tuple[int, int], tuple[int, ...]]:
+def head_ranges(settings: _MixerSettings) -> tuple[tuple[int, int], tuple[int, int], tuple[int, ...]]:
+    """This rank's ``(heads [h0, h1), groups [g0, g1), the group of each of its heads)`` (state
+    passing: every head and group, the plan being one rank's)."""
     rank = 0 if settings.state else settings.comm.rank
     plan = settings.plan
     return plan.q_ranges[rank], plan.kv_ranges[rank], plan.local_kv_map(rank)
 
 
-def _arange(a: int, b: int, scale: int, offset: int, device) -> torch.Tensor:
+def channel_range(a: int, b: int, scale: int, offset: int, device) -> torch.Tensor:
+    """The channel indices of heads ``[a, b)`` of ``scale`` channels each, after ``offset``
+    (a conv weight's rows for the rank's heads)."""
     return torch.arange(offset + a * scale, offset + b * scale, device=device)
