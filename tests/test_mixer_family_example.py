@@ -92,3 +92,11 @@ def test_the_worked_mixer_family_runs_exact_at_two_ranks(tmp_path):
 
 def test_without_its_registry_row_the_toy_mixer_stays_on_its_shard(tmp_path):
     run_ranks(_body, 2, _example(tmp_path), False)
+
+
+def test_the_calculator_and_the_registry_name_families_alike():
+    """The memory calculator's mixer kinds are the registry's family names (one vocabulary)."""
+    from ulysses_kernels.layers.mixers.registry import FAMILIES
+    from ulysses_kernels.memory_step.mixer import KINDS
+
+    assert set(KINDS) <= set(FAMILIES), sorted(set(KINDS) - set(FAMILIES))
