@@ -32,6 +32,7 @@ import numbers
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,8 +41,8 @@ from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
 __all__ = [
-    "UlyssesInputError", "softmax_scale_value", "Signature", "signature", "validate", "prepare", "call_key", "check_across_ranks", "planned", "encoded",
-    "check_head_to_seq", "dtype_code", "float_bits", "rank_list", "by_value", "document_summary", "document_problems", "document_text",
+    "UlyssesInputError", "softmax_scale_value", "Signature", "signature", "validate", "prepare", "CallKey", "call_key", "check_across_ranks",
+    "planned", "encoded", "check_head_to_seq", "dtype_code", "float_bits", "rank_list", "by_value", "document_summary", "document_problems", "document_text",
 ]  # fmt: skip
 
 _DTYPES = [
@@ -399,34 +400,55 @@ def softmax_scale_value(softmax_scale) -> float | None:
     return value
 
 
-def call_key(q, k, v, *, rank: int, world_size: int, causal, softmax_scale, seq_lens, plan: HeadPlan | None, docs=None) -> tuple:
-    """What the checks, the plan and the ``Layout`` of a call depend on, as a tuple of values
-    (no tensor): the key of the caches below, and of ``attention.call``'s. Raises (locally,
-    as before any exchange) for non-tensors and a ``seq_lens`` list of the wrong length."""
+class CallKey(NamedTuple):
+    """What the checks, the plan and the ``Layout`` of a call depend on (no tensor): the key
+    of the caches below and of ``attention.call``'s (a tuple: hashable, compared by value)."""
+
+    q_shape: torch.Size
+    k_shape: torch.Size
+    v_shape: torch.Size
+    q_dtype: torch.dtype
+    k_dtype: torch.dtype
+    v_dtype: torch.dtype
+    q_device: torch.device
+    k_device: torch.device
+    v_device: torch.device
+    rank: int
+    world_size: int
+    causal: bool
+    scale: float | None
+    seq_lens: tuple[int, ...] | None
+    plan: HeadPlan | None
+    docs: Documents | None
+
+
+def call_key(q, k, v, *, rank: int, world_size: int, causal, softmax_scale, seq_lens, plan: HeadPlan | None, docs=None) -> CallKey:
+    """The ``CallKey`` of a call. Raises (locally, as before any exchange) for non-tensors and a
+    ``seq_lens`` list of the wrong length."""
     if seq_lens is not None or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         seq_lens = _tensors_and_lens(q, k, v, seq_lens, world_size)
     scale = softmax_scale_value(softmax_scale)
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, rank, world_size, bool(causal), scale,
-            seq_lens, plan, docs)  # fmt: skip
+    return CallKey(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, rank, world_size, bool(causal), scale,
+                   seq_lens, plan, docs)  # fmt: skip
 
 
-def _signature_of(key: tuple) -> Signature:
-    qs, ks, vs, qd, kd, vd, qdev, kdev, vdev, rank, world, causal, scale, seq_lens, plan, docs = key
-    plan_heads = None if plan is None else (plan.q_heads, plan.kv_heads)
-    return _signature((qs, ks, vs), (qd, kd, vd), (qdev, kdev, vdev), rank=rank, world_size=world, causal=causal, scale=scale,
-                      seq_lens=seq_lens, plan_heads=plan_heads, docs=docs)  # fmt: skip
+def _signature_of(key: CallKey) -> Signature:
+    plan_heads = None if key.plan is None else (key.plan.q_heads, key.plan.kv_heads)
+    return _signature((key.q_shape, key.k_shape, key.v_shape), (key.q_dtype, key.k_dtype, key.v_dtype), (key.q_device, key.k_device, key.v_device),
+                      rank=key.rank, world_size=key.world_size, causal=key.causal, scale=key.scale, seq_lens=key.seq_lens,
+                      plan_heads=plan_heads, docs=key.docs)  # fmt: skip
 
 
-def _plan_and_layout(key: tuple) -> tuple[HeadPlan, Layout]:
+def _plan_and_layout(key: CallKey) -> tuple[HeadPlan, Layout]:
     """This rank's checks (``validate`` of its own signature), then the plan and the ``Layout``."""
     validate([_signature_of(key)], gathered=False)
-    qs, ks, vs, _, _, _, _, _, _, rank, world, _, _, seq_lens, plan, _ = key
+    qs, world, plan = key.q_shape, key.world_size, key.plan
     if plan is None:
-        plan = HeadPlan.build(qs[2], ks[2], world)
+        plan = HeadPlan.build(qs[2], key.k_shape[2], world)
     elif plan.world_size != world:
         raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
-    lens = seq_lens if seq_lens is not None else (qs[1],) * world
-    return plan, Layout(plan, rank, lens, qs[0], qs[3], vs[3])
+    lens = key.seq_lens if key.seq_lens is not None else (qs[1],) * world
+    return plan, Layout(plan, key.rank, lens, qs[0], qs[3], key.v_shape[3])
 
 
 # Bounded caches keyed by values (the call key, or every rank's integers): a few hundred input
@@ -436,7 +458,7 @@ _planned = functools.lru_cache(maxsize=512)(_plan_and_layout)
 
 
 @functools.lru_cache(maxsize=512)
-def encoded(key: tuple) -> tuple[int, ...]:
+def encoded(key: CallKey) -> tuple[int, ...]:
     """The integers this rank sends in the cross-rank check of the call ``key``."""
     return tuple(_signature_of(key).encode())
 
@@ -446,7 +468,7 @@ def _validate_gathered(rows: tuple[tuple[int, ...], ...]) -> None:
     validate([Signature.decode(x) for x in rows], gathered=True)
 
 
-def check_across_ranks(key: tuple, comm, device: torch.device) -> None:
+def check_across_ranks(key: CallKey, comm, device: torch.device) -> None:
     """The cross-rank check of ``check=True``: one all-gather of this rank's encoded signature
     over ``comm``, then the same validator over every rank's, so that bad or mismatched inputs
     raise the same ``UlyssesInputError`` on every rank. Collective."""
@@ -454,7 +476,7 @@ def check_across_ranks(key: tuple, comm, device: torch.device) -> None:
     _validate_gathered(tuple(tuple(x) for x in gathered))
 
 
-def planned(key: tuple) -> tuple[HeadPlan, Layout]:
+def planned(key: CallKey) -> tuple[HeadPlan, Layout]:
     """This rank's checks, the plan and the ``Layout`` of the call ``key`` (``call_key``):
     computed once per key (a key that fails raises every time)."""
     return _plan_and_layout(key) if torch.compiler.is_compiling() else _planned(key)

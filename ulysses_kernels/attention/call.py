@@ -43,7 +43,7 @@ import torch
 
 from ..backends import AttentionBackend, for_rank, named_backend, resolve_backend
 from ..checkpointing import chunks_recompute_apart
-from ..checks import UlyssesInputError, call_key, check_across_ranks, check_head_to_seq, float_bits, planned, prepare
+from ..checks import CallKey, UlyssesInputError, call_key, check_across_ranks, check_head_to_seq, float_bits, planned, prepare
 from ..comm import Communicator, get_communicator, native_nccl_enabled
 from ..documents import Documents, documents
 from ..kernels import KernelSet, get_kernels, registry_generation
@@ -235,7 +235,7 @@ def setup_attention(
     return CallSetup(plan, layout, comm, kern, backend, split, bool(causal), scale, kv_map, n, traced, docs, wire)
 
 
-def _resolve_parts(key: tuple, q: torch.Tensor, attn_fn, kernels, traced: bool) -> tuple:
+def _resolve_parts(key: CallKey, q: torch.Tensor, attn_fn, kernels, traced: bool) -> tuple:
     """``(plan, layout, kv_map, base, split_kv_groups, backend, kernel set, scale)`` of the flat
     call ``key`` (``checks.call_key``): the checks with the plan and the ``Layout``
     (``checks.planned``), ``resolve_backend``'s pick, whether it is a built-in
@@ -244,18 +244,18 @@ def _resolve_parts(key: tuple, q: torch.Tensor, attn_fn, kernels, traced: bool) 
     plan, layout = planned(key)
     kv_map = layout.kv_map
     base, split, backend = _backend(attn_fn, q, kv_map, traced)
-    return plan, layout, kv_map, base, split, backend, _kernel_set(kernels, q.device, layout, traced), default_scale(key[0][3], key[12])
+    return plan, layout, kv_map, base, split, backend, _kernel_set(kernels, q.device, layout, traced), default_scale(key.q_shape[3], key.scale)
 
 
 @functools.lru_cache(maxsize=512)
-def _cached_parts(key: tuple, attn_fn: str | None, kernels: str | None, generation: int) -> tuple:
+def _cached_parts(key: CallKey, attn_fn: str | None, kernels: str | None, generation: int) -> tuple:
     """``_resolve_parts`` for a named (or default) backend and kernel set, once per key and
     kernel-set registry generation (only keys that pass the checks are kept)."""
     plan, layout = planned(key)
-    device, dtype = key[6], key[3]
+    device, dtype = key.q_device, key.q_dtype
     base, split, backend = _cached_backend(attn_fn, device, dtype, layout.kv_map)
     kern = _cached_kernel_set(kernels, device, layout, generation)
-    return plan, layout, layout.kv_map, base, split, backend, kern, default_scale(key[0][3], key[12])
+    return plan, layout, layout.kv_map, base, split, backend, kern, default_scale(key.q_shape[3], key.scale)
 
 
 def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check, cu_seqlens,
