@@ -240,15 +240,31 @@ RENAMED = {
     "ulysses_kernels.reference": "ulysses_kernels.math_attention (and ulysses_kernels.testing.reference)",
     "ulysses_kernels.longctx.install": "ulysses_kernels.longctx.patches",
     "ulysses_kernels.integrations.alst": "ulysses_kernels.integrations.deepspeed_alst",
-    # #47: the model side every framework runs moved out of the transformers integration
+    # #47: the families' forwards (private names only) went to one module per family
+    "ulysses_kernels.integrations.hf.mixer_forwards": "a module per family in ulysses_kernels.layers.mixers",
+    "ulysses_kernels.layers.mixers.forwards": "a module per family in ulysses_kernels.layers.mixers",
+}
+
+
+# #47: the model side moved out of the transformers integration; the old names answer with the new modules.
+MOVED = {
     "ulysses_kernels.integrations.hf.adapter": "ulysses_kernels.layers.attention",
     "ulysses_kernels.integrations.hf.masks": "ulysses_kernels.layers.masks",
     "ulysses_kernels.integrations.hf.audit": "ulysses_kernels.layers.audit",
     "ulysses_kernels.integrations.hf.mixers": "ulysses_kernels.layers.mixers",
     "ulysses_kernels.integrations.hf.mixer_exchange": "ulysses_kernels.layers.mixers.exchange",
-    "ulysses_kernels.integrations.hf.mixer_forwards": "a module per family in ulysses_kernels.layers.mixers",
-    "ulysses_kernels.layers.mixers.forwards": "a module per family in ulysses_kernels.layers.mixers",
 }
+
+
+def test_moved_modules_answer_under_their_old_names():
+    from ulysses_kernels.integrations import hf
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert getattr(hf, old.rsplit(".", 1)[1]) is importlib.import_module(new), old
+    from ulysses_kernels.integrations.hf.mixers import HANDLED_MIXERS  # the name docs quoted as hf.mixers.HANDLED_MIXERS
+
+    assert "BambaMixer" in HANDLED_MIXERS
 
 
 def test_renamed_modules_are_gone():

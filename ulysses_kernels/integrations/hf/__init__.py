@@ -75,7 +75,14 @@ documents on the model's own attention with flash or a registered implementation
 attention, KV caches (generation).
 """
 
+import sys as _sys
+
+from ...layers import attention as _attention
+from ...layers import audit as _audit
+from ...layers import masks as _masks
+from ...layers import mixers as _mixers
 from ...layers.attention import ATTN_IMPLEMENTATION, attention_settings, sequence_parallel_attention
+from ...layers.mixers import exchange as _exchange
 from ...layers.mixers import mixer_strategies
 from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
 from .model import apply
@@ -100,3 +107,10 @@ __all__ = [
     "sync_gradients",
     "gather_sequence",
 ]
+
+# The model side every framework runs moved to ulysses_kernels.layers (#47); its modules still
+# answer under their old names here (``import ulysses_kernels.integrations.hf.mixers``, ``hf.mixers``).
+for _old, _new in (("adapter", _attention), ("audit", _audit), ("masks", _masks), ("mixers", _mixers), ("mixer_exchange", _exchange)):
+    _sys.modules.setdefault(f"{__name__}.{_old}", _new)
+    globals().setdefault(_old, _new)
+del _old, _new
