@@ -226,7 +226,11 @@ class _World:
         except (BrokenPipeError, OSError) as e:
             self.kill()
             raise RanksFailed(f"RankPool: a rank of the world of {self.world_size} is gone: {e}") from e
-        replies = self._collect(timeout_s + 30, grace_s=GRACE_S)  # the group's own timeout fires first
+        # A hung collective raises at the group's own timeout (this world's, naming the collective):
+        # waited for past the call's deadline only where it can come first (the call's deadline no
+        # shorter than the group's); a shorter deadline is the call's own.
+        slack = 30 if timeout_s >= self.timeout_s else 0
+        replies = self._collect(timeout_s + slack, grace_s=GRACE_S)
         failed = {r: v for r, v in sorted(replies.items()) if v[0] != "ok"}
         if len(replies) == self.world_size and not failed:
             return
