@@ -414,3 +414,18 @@ def test_features_change_the_encoders():
         alone = build_encoder(ENCODERS[0])(input_ids=ids[:1, :4]).logits
     assert ((local - wide).abs().max() / wide.abs().max()).item() > 1e-3
     assert ((whole[:, :4] - alone).abs().max() / alone.abs().max()).item() > 1e-3
+
+
+def test_torch_compile_of_a_switched_model_is_refused_by_name():
+    """torch.compile of a model hf.apply switched is refused with its own message (it used to
+    fail with the packed-documents one: transformers marks every mask packed while tracing)."""
+    pytest.importorskip("torch._dynamo")
+    from ulysses_kernels.testing import build_tiny
+
+    model = hf.apply(build_tiny("llama"), None)
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    batch = hf.shard_batch(ids, ids)
+    with pytest.raises(hf.HFIntegrationError, match=r"LlamaAttention: torch.compile of a model that hf.apply switched is not supported yet"):
+        torch.compile(model)(**batch.model_inputs())
+    torch._dynamo.reset()
+    assert torch.isfinite(model(**batch.model_inputs()).loss)  # eagerly, the same model runs

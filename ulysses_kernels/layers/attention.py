@@ -177,6 +177,12 @@ def _attend(module, settings: _Settings, shard: SequenceShard, mask: _GlobalMask
     are known: the fused op for plain causal or plain bidirectional attention, else the
     model's own attention."""
     name = type(module).__name__
+    if mask.traced:
+        raise HFIntegrationError(
+            f"{name}: torch.compile of a model that hf.apply switched is not supported yet (not validated: transformers "
+            "builds its masks differently while tracing); run the model eagerly (ulysses_attention itself compiles: "
+            "docs/usage.md)"
+        )
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     mask = _causality(name, causal, mask)

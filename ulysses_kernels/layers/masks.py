@@ -41,6 +41,7 @@ class _GlobalMask:
     packed: bool = False  # transformers saw restarting positions on this rank (packed documents)
     causal: bool = True  # False: bidirectional (an encoder's mask; its window is a distance, both ways)
     chunk: int | None = None  # chunked causal attention (Llama 4): tokens attend within chunks of this many
+    traced: bool = False  # made while torch.compile traced the model (the attention call refuses it)
 
     def covers(self, total: int) -> bool:
         """The mask hides nothing over ``total`` tokens but the causal order (no window, or
@@ -139,6 +140,10 @@ def ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             "(shard_batch does this); for a bidirectional one (an encoder) pack the sequences instead "
             "(shard_batch(..., cu_seqlens=...): each attends only within itself)"
         )
+    if torch.compiler.is_compiling():
+        # transformers marks every mask packed while tracing (find_packed_sequence_indices cannot read the
+        # positions then): the attention call refuses a traced model by name (refuse_compiled).
+        return _GlobalMask(None, {}, traced=True)
     mask_function, packed = _unpacked(mask_function)
     chunk = _chunk_of(mask_function)
     if chunk is not None:
