@@ -72,7 +72,7 @@ Not supported (clear errors): token mixers other than attention that ``apply`` d
 exactly (refused before anything changes: docs/hf.md, "Never silently wrong"), padding/custom masks, padded batches of bidirectional models
 (pack them), cross-attention, the MoE router loss (``output_router_logits``), packed
 documents on the model's own attention with flash or a registered implementation, chunked
-attention, KV caches (generation).
+attention, KV caches (generation), torch.compile of the switched model.
 """
 
 import sys as _sys
