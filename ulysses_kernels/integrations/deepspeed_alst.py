@@ -190,11 +190,11 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                 f"{type(module).__name__} ran in a model whose decoder is not a {self._class_patch[0].__name__}; pass the loaded "
                 "model to register_with_transformers"
             )
-        # The mixers' keywords (a hybrid's decoder pre-hook) are not attention's. Its shard is the
-        # step's (the same cache, made from the model's position ids before layer 0); a hybrid
-        # that does not hand position_ids to its layers (GraniteMoeHybrid) runs on it.
-        fed = kwargs.pop(SHARD_KWARG, None)
-        kwargs.pop(GROUP_KWARG, None)
+        # The mixers' keywords (a hybrid's decoder pre-hook; sequence_parallel_attention passes
+        # neither on). Its shard is the step's (the same cache, made from the model's position
+        # ids before layer 0); a hybrid that does not hand position_ids to its layers
+        # (GraniteMoeHybrid) runs on it.
+        fed = kwargs.get(SHARD_KWARG)
         position_ids = kwargs.get("position_ids")
         if position_ids is None and fed is not None:
             self._check_no_cache(query, key)

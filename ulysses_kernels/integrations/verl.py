@@ -551,8 +551,6 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             f"{type(module).__name__}: a prepared attention mask ({shape}) reached sequence-parallel attention; the documents "
             "come from the packed position_ids (verl's remove-padding path passes attention_mask=None)"
         )
-    kwargs.pop(SHARD_KWARG, None)  # the hybrids' mixers' keywords, not the model's attention's
-    kwargs.pop(GROUP_KWARG, None)
     try:
         return sequence_parallel_attention(module, query, key, value, settings=step.settings(module), shard=step.shard, **kwargs)
     except HFIntegrationError as e:

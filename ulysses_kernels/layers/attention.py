@@ -43,7 +43,7 @@ from ..plan import HeadPlan, PlanError, more_ranks_than_heads_flat
 from ..ring import SPGroups
 from ..wire import WireSpec, wire_spec
 from .masks import _GlobalMask, _layer_mask
-from .step import SHARD_KWARG, HFIntegrationError, SequenceShard
+from .step import SHARD_KWARG, STEP_KWARGS, HFIntegrationError, SequenceShard
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_settings", "sequence_parallel_attention"]
 
@@ -135,7 +135,6 @@ def ulysses_attention_forward(module, query: torch.Tensor, key: torch.Tensor, va
     (``_model_attention``).
     """
     settings, shard = _call_context(module, kwargs)
-    kwargs.pop(SHARD_KWARG)
     return _attend(module, settings, shard, _layer_mask(module, attention_mask), query, key, value, kwargs)
 
 
@@ -395,7 +394,7 @@ def _model_attention(module, settings: _Settings, shard: SequenceShard, mask: _G
         return head_to_seq(out, plan, group=settings.group, seq_lens=shard.seq_lens, comm=comm, kernels=settings.kernels, wire_dtype=settings.wire)
     heads = slice(*plan.q_ranges[comm.rank])
     local = _LocalHeads(module, settings.inner_impl, q.shape[2] // k.shape[2], heads, q_heads)
-    inner = {n: a for n, a in kwargs.items() if n != "position_ids"}
+    inner = {n: a for n, a in kwargs.items() if n != "position_ids" and n not in STEP_KWARGS}
     if kwargs.get("s_aux") is not None:
         inner["s_aux"] = _head_slice(kwargs["s_aux"], q_heads, heads, f"{name}: s_aux")
     global_mask = mask.build(settings.inner_impl, shard, q.dtype, q.device)

@@ -17,9 +17,14 @@ from ..checks import UlyssesInputError
 from ..documents import Documents
 from ..ring import SPGroups, shard_rows
 
-__all__ = ["HFIntegrationError", "SHARD_KWARG", "SequenceShard", "process_group", "rank_world"]
+__all__ = ["GROUP_KWARG", "HFIntegrationError", "SHARD_KWARG", "STEP_KWARGS", "SequenceShard", "process_group", "rank_world"]
 
 SHARD_KWARG = "ulysses_shard"  # the per-step ``SequenceShard`` in the model's kwargs
+# ``(group, communicator)`` of this step, in the model's kwargs, for mixers switched without a
+# group (verl's switch: its group is known per forward, not when the model is prepared).
+GROUP_KWARG = "ulysses_mixer_group"
+# The step's keywords in a model's kwargs: read by this package, never passed to the model's own functions.
+STEP_KWARGS = (SHARD_KWARG, GROUP_KWARG)
 
 
 class HFIntegrationError(UlyssesInputError):

@@ -68,7 +68,7 @@ from collections.abc import Callable
 import torch
 
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
-from ..step import SHARD_KWARG, HFIntegrationError
+from ..step import SHARD_KWARG, STEP_KWARGS, HFIntegrationError
 from .exchange import GROUP_KWARG, MIXER_SETTINGS_ATTR, _MixerSettings
 
 __all__ = [
@@ -182,7 +182,7 @@ def _per_step(forward: Callable) -> Callable:
                 "(call the model as a whole: the integration's pre-forward hook supplies it)"
             )
         if pair[1].world_size == 1:
-            rest = {k: v for k, v in kwargs.items() if k not in (GROUP_KWARG, SHARD_KWARG)}
+            rest = {k: v for k, v in kwargs.items() if k not in STEP_KWARGS}
             return type(self).forward(self, *args, **rest)
         return forward(self, *args, **kwargs)
 
@@ -204,9 +204,6 @@ def switch_mixers(plans, group, comm, root: torch.nn.Module | None = None) -> No
         object.__setattr__(m, "forward", types.MethodType(fn, m))
 
 
-_STEP_KEYS = (SHARD_KWARG, GROUP_KWARG)
-
-
 def _keep_step(root: torch.nn.Module) -> None:
     """A pre-hook on ``root`` (registered once) keeping the shard and group of each call
     (none: an unsharded call, which the mixers then refuse)."""
@@ -214,7 +211,7 @@ def _keep_step(root: torch.nn.Module) -> None:
         return
 
     def keep(model, args, kwargs):
-        object.__setattr__(model, _STEP_ATTR, {k: kwargs[k] for k in _STEP_KEYS if k in kwargs})
+        object.__setattr__(model, _STEP_ATTR, {k: kwargs[k] for k in STEP_KWARGS if k in kwargs})
 
     root.register_forward_pre_hook(keep, with_kwargs=True, prepend=True)
     object.__setattr__(root, "_ulysses_keeps_step", True)
@@ -240,7 +237,7 @@ def _hand_over(mixer, forward: Callable, root) -> Callable:
         mixers = []
 
         def hand(layer, args, kwargs):
-            picked = {k: kwargs[k] for k in _STEP_KEYS if k in kwargs}
+            picked = {k: kwargs[k] for k in STEP_KWARGS if k in kwargs}
             if SHARD_KWARG not in picked and root is not None:
                 picked = getattr(root, _STEP_ATTR, {})
             for m in mixers:

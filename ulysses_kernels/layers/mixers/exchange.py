@@ -23,7 +23,7 @@ from ...kernels import TorchKernels
 from ...layout import Layout
 from ...plan import HeadPlan
 from ...state_passing import Algebra, local_pieces, preceding, run_sharded
-from ..step import SHARD_KWARG, HFIntegrationError, SequenceShard
+from ..step import GROUP_KWARG, SHARD_KWARG, HFIntegrationError, SequenceShard
 
 # What a family's forward is written with (one module per family, docs/extending.md).
 __all__ = [
@@ -45,9 +45,6 @@ __all__ = [
 _ROLES = ("q", "v")  # per-head tensors on the plan's query ranges, per-group ones on its KV ranges
 _HEADS_ONLY = ("q",)
 MIXER_SETTINGS_ATTR = "_ulysses_mixer"  # set on each switched mixer by ``switch_mixers``
-# ``(group, communicator)`` of this step, in the model's kwargs, for mixers switched without a
-# group (verl's switch: its group is known per forward, not when the model is prepared).
-GROUP_KWARG = "ulysses_mixer_group"
 
 
 class _ToHeads(torch.autograd.Function):
