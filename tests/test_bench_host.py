@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import ulysses_kernels as uk
-from ulysses_kernels import checks
 from ulysses_kernels.attention import call as call_module
 from ulysses_kernels.attention import interface
 from ulysses_kernels.bench import host
@@ -56,7 +55,7 @@ def test_a_call_after_the_first_resolves_nothing(monkeypatch):
     """The plan, the kernel set and the backend are resolved once per input signature: the
     functional op's later calls find them by value; the module's skip the set-up entirely."""
     counts = {"plan": 0, "kernels": 0, "backend": 0, "setup": 0}
-    real_build, real_kernels, real_backend, real_setup = HeadPlan.build.__func__, call_module.get_kernels, call_module.named_backend, interface.setup_attention
+    real_build, real_kernels, real_backend, real_setup = HeadPlan.build.__func__, call_module.get_kernels, call_module.backend_of, interface.setup_attention
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -67,13 +66,12 @@ def test_a_call_after_the_first_resolves_nothing(monkeypatch):
 
     monkeypatch.setattr(HeadPlan, "build", classmethod(counted("plan", real_build)))
     monkeypatch.setattr(call_module, "get_kernels", counted("kernels", real_kernels))
-    monkeypatch.setattr(call_module, "named_backend", counted("backend", real_backend))
+    monkeypatch.setattr(call_module, "backend_of", counted("backend", real_backend))
     monkeypatch.setattr(interface, "setup_attention", counted("setup", real_setup))
     comm = LocalCommunicator()
     # The value caches emptied (a test that ran before may have resolved the same backend key:
     # sdpa, cpu, float32, this kv map), so that the first call resolves each piece.
-    for cache in (checks._planned, call_module._cached_parts, call_module._cached_backend, call_module._cached_kernel_set):
-        cache.cache_clear()
+    call_module._kept.cache_clear()
     q, k, v = torch.randn(1, 8, 6, 24), torch.randn(1, 8, 3, 24), torch.randn(1, 8, 3, 24)
     first = uk.ulysses_attention(q, k, v, comm=comm, attn_fn="sdpa")
     assert counts == {"plan": 1, "kernels": 1, "backend": 1, "setup": 1}, counts
@@ -83,7 +81,9 @@ def test_a_call_after_the_first_resolves_nothing(monkeypatch):
     layer = uk.UlyssesAttention(6, 3, comm=comm, attn_fn="sdpa")  # its plan: HeadPlan.build once more
     for _ in range(5):
         assert torch.equal(layer(q, k, v), first)
-    assert counts == {"plan": 2, "kernels": 1, "backend": 1, "setup": 7}, counts  # the module's first call only
+    # The module's first call only: its own plan makes a new call key, resolved once (backend and kernel set
+    # with it: one resolution per key, attention.call.resolve).
+    assert counts == {"plan": 2, "kernels": 2, "backend": 2, "setup": 7}, counts
     # A new signature is resolved once, and the old one is still found.
     layer(q[:, :4], k[:, :4], v[:, :4])
     layer(q, k, v)

@@ -50,6 +50,7 @@ __all__ = [
     "SharedKV",
     "for_rank",
     "resolve_backend",
+    "backend_of",
     "named_backend",
     "BACKENDS",
     "save_tensors",
@@ -383,12 +384,18 @@ def named_backend(attn_fn: str | None, device: torch.device, dtype: torch.dtype)
     return BACKENDS[attn_fn]()
 
 
-def resolve_backend(attn_fn, q: torch.Tensor):
-    """The backend object for ``attn_fn`` (None, a name, a callable or a backend)."""
+def backend_of(attn_fn, device: torch.device, dtype: torch.dtype):
+    """The backend object for ``attn_fn`` (None, a name, a callable or a backend) for tensors on
+    ``device`` of ``dtype`` (a name: ``named_backend``; an object is its own answer)."""
     if attn_fn is None or isinstance(attn_fn, str):
-        return named_backend(attn_fn, q.device, q.dtype)
+        return named_backend(attn_fn, device, dtype)
     if hasattr(attn_fn, "forward") and hasattr(attn_fn, "backward"):
         return attn_fn
     if callable(attn_fn):
         return CallableBackend(attn_fn)
     raise TypeError(f"ulysses_attention: attn_fn must be None, a name, a callable or a backend, got {type(attn_fn).__name__}")
+
+
+def resolve_backend(attn_fn, q: torch.Tensor):
+    """``backend_of`` for ``q``'s device and dtype."""
+    return backend_of(attn_fn, q.device, q.dtype)

@@ -17,11 +17,12 @@ whatever ``check`` says (``ulysses_kernels.attention.traced``).
 Each call checks once per input signature. ``call_key`` turns the inputs into a small key
 of values (shapes, dtypes, devices, options; no tensor), and what follows from the key
 alone is computed once per key and kept in bounded caches keyed by those values (never by a
-group): the encoded signature a rank sends (``_encoded``), the rank-local checks with the
-plan and the ``Layout`` (``_planned``), and the verdict on a gathered set of signatures
-(``_validate_gathered``, keyed by every rank's integers). A key that fails is not kept: it
-raises again, the same error, on its next call. So ``check=True`` costs the one all-gather
-per call and nothing else.
+group): the encoded signature a rank sends (``encoded``) and the verdict on a gathered set of
+signatures (``_validate_gathered``, keyed by every rank's integers); the rank-local checks
+(``check_rank``) run once per key inside ``attention.call.resolve``, whose cache keeps the
+plan and the ``Layout`` they admit. A key that fails is not kept: it raises again, the same
+error, on its next call. So ``check=True`` costs the one all-gather per call and nothing
+else. Checking only: planning is ``attention.call``'s.
 """
 
 from __future__ import annotations
@@ -37,12 +38,11 @@ from typing import NamedTuple
 import torch
 
 from .documents import Documents, boundaries_digest, first_unordered, longest_document
-from .layout import Layout
 from .plan import HeadPlan, more_ranks_than_heads
 
 __all__ = [
-    "UlyssesInputError", "softmax_scale_value", "Signature", "signature", "validate", "prepare", "CallKey", "call_key", "check_across_ranks",
-    "planned", "encoded", "check_head_to_seq", "dtype_code", "float_bits", "rank_list", "by_value", "document_summary", "document_problems", "document_text",
+    "UlyssesInputError", "softmax_scale_value", "Signature", "signature", "validate", "CallKey", "call_key", "check_rank", "check_across_ranks",
+    "encoded", "check_head_to_seq", "dtype_code", "float_bits", "rank_list", "by_value", "document_summary", "document_problems", "document_text",
 ]  # fmt: skip
 
 _DTYPES = [
@@ -439,24 +439,13 @@ def _signature_of(key: CallKey) -> Signature:
                       plan_heads=plan_heads, docs=key.docs)  # fmt: skip
 
 
-def _plan_and_layout(key: CallKey) -> tuple[HeadPlan, Layout]:
-    """This rank's checks (``validate`` of its own signature), then the plan and the ``Layout``."""
+def check_rank(key: CallKey) -> None:
+    """This rank's checks of the call ``key`` (``validate`` of its own signature): every
+    rank-local error, named, before anything is planned (``attention.call.resolve``)."""
     validate([_signature_of(key)], gathered=False)
-    qs, world, plan = key.q_shape, key.world_size, key.plan
-    if plan is None:
-        plan = HeadPlan.build(qs[2], key.k_shape[2], world)
-    elif plan.world_size != world:
-        raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
-    lens = key.seq_lens if key.seq_lens is not None else (qs[1],) * world
-    return plan, Layout(plan, key.rank, lens, qs[0], qs[3], key.v_shape[3])
 
 
-# Bounded caches keyed by values (the call key, or every rank's integers): a few hundred input
-# signatures, a few KB each. Inside torch.compile the functions run uncached (dynamo traces
-# the plain function; shapes are constants of the graph anyway).
-_planned = functools.lru_cache(maxsize=512)(_plan_and_layout)
-
-
+# Bounded caches keyed by values (the call key, or every rank's integers).
 @functools.lru_cache(maxsize=512)
 def encoded(key: CallKey) -> tuple[int, ...]:
     """The integers this rank sends in the cross-rank check of the call ``key``."""
@@ -476,30 +465,9 @@ def check_across_ranks(key: CallKey, comm, device: torch.device) -> None:
     _validate_gathered(tuple(tuple(x) for x in gathered))
 
 
-def planned(key: CallKey) -> tuple[HeadPlan, Layout]:
-    """This rank's checks, the plan and the ``Layout`` of the call ``key`` (``call_key``):
-    computed once per key (a key that fails raises every time)."""
-    return _plan_and_layout(key) if torch.compiler.is_compiling() else _planned(key)
-
-
-def prepare(q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, check, docs=None):
-    """Validate, then build the plan and the ``Layout`` of this rank's call.
-
-    With ``check`` (and more than one rank) the signatures of all ranks are exchanged
-    (``check_across_ranks``), so bad or mismatched inputs raise the same error everywhere;
-    without it, or inside ``torch.compile`` (the decoded exchange is data-dependent, see
-    ``attention.traced``), only this rank's inputs are checked.
-    """
-    key = call_key(q, k, v, rank=comm.rank, world_size=comm.world_size, causal=causal, softmax_scale=softmax_scale,
-                   seq_lens=seq_lens, plan=plan, docs=docs)  # fmt: skip
-    if check and comm.world_size > 1 and not torch.compiler.is_compiling():
-        check_across_ranks(key, comm, q.device)
-    return planned(key)
-
-
-def check_head_to_seq(x, plan: HeadPlan, *, rank: int, world_size: int, seq_lens) -> Layout:
+def check_head_to_seq(x, plan: HeadPlan, *, rank: int, world_size: int, seq_lens) -> tuple[int, ...]:
     """Rank-local checks of ``head_to_seq``'s input ``x`` (``[B, S, hq, D]``, this rank's
-    heads of ``plan``); returns the ``Layout`` of the exchange. ``UlyssesInputError``
+    heads of ``plan``); returns every rank's sequence length. ``UlyssesInputError``
     names the tensor, the expected and the actual value."""
     if plan.world_size != world_size:
         raise UlyssesInputError(f"head_to_seq: plan.world_size expected {world_size} (the group), got {plan.world_size}")
@@ -513,4 +481,4 @@ def check_head_to_seq(x, plan: HeadPlan, *, rank: int, world_size: int, seq_lens
         seq_lens = (x.shape[1] // world_size,) * world_size
     elif len(seq_lens) != world_size or sum(seq_lens) != x.shape[1]:
         raise UlyssesInputError(f"head_to_seq: seq_lens expected {world_size} entries summing to x.shape[1] = {x.shape[1]}, got {list(seq_lens)}")
-    return Layout(plan, rank, tuple(int(s) for s in seq_lens), x.shape[0], x.shape[3])
+    return tuple(int(s) for s in seq_lens)

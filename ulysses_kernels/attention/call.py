@@ -6,27 +6,27 @@ the compiled path and the chunked pipeline) calls ``setup_attention`` or
 the plan, the layout, the communicator, the kernel set, the attention backend (with the
 shared-KV rule of ``backends.for_rank``), the scale, the KV map or the chunk count.
 
-Order of resolution, the same for every entry point:
+Order of resolution, the same for every entry point, top-down in ``setup_attention``:
 
 1. the group's members (``comm`` if given, else torch.distributed on ``group``, or a
-   world of one): rank, world size and the small all-gather of the input checks;
-2. the input checks (``checks.prepare``: the same error on every rank) and, from them,
-   the ``HeadPlan`` and this rank's ``Layout``;
-3. the communicator that moves the data (``comm`` if given, else the group's default
-   for the tensors' device; chosen after the checks because torch creates a group's NCCL
-   communicator at the group's first collective, which the checks' all-gather may be);
-4. the kernel set, the attention backend, the scale and the chunk count.
+   world of one): rank and world size;
+2. the call key (``checks.call_key``: shapes, dtypes, devices, options; no tensor) and,
+   with ``check``, the checks across ranks (``checks.check_across_ranks``: one small
+   all-gather, the same error on every rank);
+3. ``resolve``: what the key and the backend and kernel-set names decide (``Parts``: this
+   rank's checks, the ``HeadPlan`` and this rank's ``Layout``, the backend, the kernel set,
+   the scale), once per key in one bounded cache keyed by values (never by a group; a
+   backend or kernel set given as an object is put in per call around the kept rest);
+4. the chunk count, the communicator that moves the data (``comm`` if given, else the
+   group's default for the tensors' device; chosen after the checks because torch creates a
+   group's NCCL communicator at the group's first collective, which the checks' all-gather
+   may be) and the wire format.
 
-Resolved once per input signature. Steps 2 and 4 depend on values only (shapes, dtypes,
-devices, options, the rank and world size; ``checks.call_key``), so each is computed once
-per key and kept in bounded caches keyed by those values, never by a group (``checks``'
-for the plan and ``Layout``, ``_cached_parts`` here for the backend, kernel set and scale, with a
-backend or kernel set given as an object resolved per call: it is its own answer). What
-remains per call is what cannot be cached by value: the members (the group's rank and world
-size, a few attribute reads), ``check=True``'s all-gather, and the chunk count when
-``chunks`` is not 1 (it depends on saved-tensor hooks being active). ``UlyssesAttention``
-goes further: it keeps each signature's whole ``CallSetup`` (its own group's members and
-communicator included), so its calls after the first resolve nothing.
+What remains per call is what cannot be cached by value: the members (a few attribute
+reads), ``check=True``'s all-gather, and the chunk count when ``chunks`` is not 1 (it
+depends on saved-tensor hooks being active). ``UlyssesAttention`` goes further: it keeps
+each signature's whole ``CallSetup`` (its own group's members and communicator included),
+so its calls after the first resolve nothing.
 
 Inside ``torch.compile`` (``traced``) the checks are rank-local, the kernel set must be
 traceable, the communicator is the members' (torch's functional collectives) and
@@ -41,9 +41,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import AttentionBackend, for_rank, named_backend, resolve_backend
+from ..backends import AttentionBackend, backend_of, for_rank
 from ..checkpointing import chunks_recompute_apart
-from ..checks import CallKey, UlyssesInputError, call_key, check_across_ranks, check_head_to_seq, float_bits, planned, prepare
+from ..checks import CallKey, UlyssesInputError, call_key, check_across_ranks, check_head_to_seq, check_rank, float_bits
 from ..comm import Communicator, get_communicator, native_nccl_enabled
 from ..documents import Documents, documents
 from ..kernels import KernelSet, get_kernels, registry_generation
@@ -54,7 +54,7 @@ from ..ring import SPGroups, check_ring_inputs, ring_backend
 from ..wire import WireSpec, resolve_wire
 from .chunked import choose_chunks, chunk_plans
 
-__all__ = ["CallSetup", "members_of", "setup_attention", "setup_exchange", "setup_head_to_seq"]
+__all__ = ["CallSetup", "Parts", "members_of", "resolve", "setup_attention", "setup_exchange", "setup_head_to_seq"]
 
 
 class CallSetup(NamedTuple):
@@ -117,36 +117,64 @@ def _named(x) -> bool:
     return x is None or isinstance(x, str)
 
 
-def _kernel_set(kernels, device: torch.device, layout: Layout, traced: bool) -> KernelSet:
-    """``get_kernels``' set for the call: once per value key for a name (or None/"auto");
-    a kernel-set object is its own answer."""
-    if traced or not _named(kernels):
-        return get_kernels(kernels, device, layout, traceable=traced)
-    return _cached_kernel_set(kernels, device, layout, registry_generation())
+class Parts(NamedTuple):
+    """What a call's values decide (``checks.CallKey``, the backend and kernel-set names),
+    resolved by ``resolve`` in this order: this rank's checks, the ``HeadPlan`` and this
+    rank's ``Layout``, the backend (``base``: ``backends.backend_of``'s pick; ``split_kv_groups``:
+    it is a built-in ``AttentionBackend``, so the chunked pipeline may split a shared KV head;
+    ``backend``: what this rank runs, ``for_rank``), the kernel set and the softmax scale."""
+
+    plan: HeadPlan
+    layout: Layout
+    base: object
+    split_kv_groups: bool
+    backend: object
+    kernels: KernelSet | None
+    scale: float
 
 
+_GIVEN = object()  # resolve()'s stand-in for a backend or kernel set given as an object
+
+
+def _resolve(key: CallKey, attn_fn, kernels, traced: bool) -> Parts:
+    """``Parts`` of ``key``, computed (``resolve`` keeps them). ``_GIVEN``: left for the caller."""
+    check_rank(key)
+    plan, world = key.plan, key.world_size
+    if plan is None:
+        plan = HeadPlan.build(key.q_shape[2], key.k_shape[2], world)
+    elif plan.world_size != world:
+        raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
+    lens = key.seq_lens if key.seq_lens is not None else (key.q_shape[1],) * world
+    layout = Layout(plan, key.rank, lens, key.q_shape[0], key.q_shape[3], key.v_shape[3])
+    base = None if attn_fn is _GIVEN else backend_of(attn_fn, key.q_device, key.q_dtype)
+    kern = None if kernels is _GIVEN else get_kernels(kernels, key.q_device, layout, traceable=traced)
+    scale = default_scale(key.q_shape[3], key.scale)
+    return Parts(plan, layout, base, isinstance(base, AttentionBackend), for_rank(base, layout.kv_map), kern, scale)
+
+
+# Bounded, keyed by values (a few hundred input signatures, a few KB each; never by a group),
+# and by the kernel-set registry's generation (a set registered or replaced later is seen by
+# later calls). A key that fails is not kept: it raises again, the same error, on its next call.
 @functools.lru_cache(maxsize=512)
-def _cached_kernel_set(name, device: torch.device, layout: Layout, generation: int) -> KernelSet:
-    # The registry's generation: a set registered (or replaced) later is seen by later calls.
-    return get_kernels(name, device, layout)
+def _kept(key: CallKey, attn_fn, kernels, generation: int) -> Parts:
+    return _resolve(key, attn_fn, kernels, False)
 
 
-def _backend(attn_fn, q: torch.Tensor, kv_map: tuple[int, ...], traced: bool):
-    """``(base, split_kv_groups, backend)``: ``resolve_backend``'s pick, whether it is a built-in
-    ``AttentionBackend`` (the chunked pipeline may then split a shared KV head), and the
-    rank's backend (``for_rank``). Once per value key for a name (or None); a backend or a
-    callable given as an object is wrapped per call (nothing to resolve)."""
-    if traced or not _named(attn_fn):
-        base = resolve_backend(attn_fn, q)
-        return base, isinstance(base, AttentionBackend), for_rank(base, kv_map)
-    return _cached_backend(attn_fn, q.device, q.dtype, kv_map)
-
-
-@functools.lru_cache(maxsize=512)
-def _cached_backend(attn_fn: str | None, device: torch.device, dtype: torch.dtype, kv_map: tuple[int, ...]):
-    # Built-in backends hold no state: one object serves every call of a key.
-    base = named_backend(attn_fn, device, dtype)
-    return base, isinstance(base, AttentionBackend), for_rank(base, kv_map)
+def resolve(key: CallKey, attn_fn, kernels, traced: bool = False) -> Parts:
+    """The call's ``Parts``: once per key for a named (or default) backend and kernel set. A
+    backend or kernel set given as an object is its own answer, put in per call around the
+    kept rest (an object is never a cache key: a closure would keep its tensors alive).
+    Inside torch.compile (``traced``) computed per trace, the kernel set a traceable one."""
+    if traced:
+        return _resolve(key, attn_fn, kernels, True)
+    fn_named, kern_named = _named(attn_fn), _named(kernels)
+    parts = _kept(key, attn_fn if fn_named else _GIVEN, kernels if kern_named else _GIVEN, registry_generation())
+    if not fn_named:
+        base = backend_of(attn_fn, key.q_device, key.q_dtype)
+        parts = parts._replace(base=base, split_kv_groups=isinstance(base, AttentionBackend), backend=for_rank(base, parts.layout.kv_map))
+    if not kern_named:
+        parts = parts._replace(kernels=get_kernels(kernels, key.q_device, parts.layout))
+    return parts
 
 
 def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_type: str, split_kv_groups: bool) -> int:
@@ -163,25 +191,10 @@ def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_
             f"ulysses_attention: chunks={chunks!r} runs as 1 chunk under activation checkpointing (saved-tensor hooks) on "
             f"torch {torch.__version__}: before torch 2.9 (torch.utils.checkpoint.GraphExecGroup) the chunked backward "
             "would recompute the region once per chunk, unevenly across ranks (a hang); upgrade torch for the overlap",
-            stacklevel=4,
+            stacklevel=5,
         )
         return 1
     return 1 if n == 1 else len(chunk_plans(layout.plan, n, split_kv_groups=split_kv_groups))
-
-
-def _prepare_2d(sp: SPGroups, q, k, v, *, members, plan, seq_lens, causal, softmax_scale, check, docs):
-    """``prepare`` inside this rank's Ulysses group, then the whole 2-D group's agreement
-    (``ring.check_ring_inputs``: every rank raises when any rank's inputs are bad; packed
-    documents are checked there, against the whole group's length)."""
-    failed = None
-    try:
-        lens = None if seq_lens is None else (int(seq_lens[0]),) * sp.ulysses_size  # equal shards: checked below
-        prepared = prepare(q, k, v, comm=members, plan=plan, seq_lens=lens, causal=causal, softmax_scale=softmax_scale, check=check)
-    except UlyssesInputError as e:
-        failed, prepared = e, None
-    scale = default_scale(q.shape[3], softmax_scale) if q.dim() == 4 else 0.0
-    check_ring_inputs(sp, q, k, causal=causal, scale_bits=float_bits(scale), seq_lens=seq_lens, failed=failed, check=check, docs=docs, v=v)
-    return prepared
 
 
 def setup_attention(
@@ -212,75 +225,59 @@ def setup_attention(
     is ``ring.RingBackend`` around the built-in backend, which the chunked pipeline runs per
     head chunk like any backend; packed documents (``cu_seqlens``) go to it as ``docs=``
     (their checks against the whole group: ``ring.check_ring_inputs``)."""
-    traced = torch.compiler.is_compiling()
     if isinstance(group, SPGroups):
         return _setup_2d(group, q, k, v, comm=comm, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
                          attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          wire_dtype=wire_dtype)  # fmt: skip
+    docs = None if cu_seqlens is None and max_seqlen is None else documents(cu_seqlens, max_seqlen)
+    return _setup_flat(q, k, v, group=group, comm=comm, members=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale,
+                       attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, docs=docs, wire_dtype=wire_dtype)[0]  # fmt: skip
+
+
+def _setup_flat(q, k, v, *, group, comm, members, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check, docs,
+                wire_dtype) -> tuple[CallSetup, Parts]:  # fmt: skip
+    """``setup_attention`` inside one group, in the module docstring's order; with the ``Parts``."""
+    traced = torch.compiler.is_compiling()
     if members is None:
         members = members_of(group, comm)
-    docs = None if cu_seqlens is None and max_seqlen is None else documents(cu_seqlens, max_seqlen)
     key = call_key(q, k, v, rank=members.rank, world_size=members.world_size, causal=causal, softmax_scale=softmax_scale,
                    seq_lens=seq_lens, plan=plan, docs=docs)  # fmt: skip
     if check and not traced and members.world_size > 1:
         check_across_ranks(key, members, q.device)
-    if not traced and (attn_fn is None or type(attn_fn) is str) and (kernels is None or type(kernels) is str):
-        parts = _cached_parts(key, attn_fn, kernels, registry_generation())  # the common case: once per input signature
-    else:
-        parts = _resolve_parts(key, q, attn_fn, kernels, traced)
-    plan, layout, kv_map, base, split, backend, kern, scale = parts
+    parts = resolve(key, attn_fn, kernels, traced)
+    layout, split = parts.layout, parts.split_kv_groups
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     comm = _transport(group, comm, members, q.device, traced)
-    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
-    return CallSetup(plan, layout, comm, kern, backend, split, bool(causal), scale, kv_map, n, traced, docs, wire)
-
-
-def _resolve_parts(key: CallKey, q: torch.Tensor, attn_fn, kernels, traced: bool) -> tuple:
-    """``(plan, layout, kv_map, base, split_kv_groups, backend, kernel set, scale)`` of the flat
-    call ``key`` (``checks.call_key``): the checks with the plan and the ``Layout``
-    (``checks.planned``), ``resolve_backend``'s pick, whether it is a built-in
-    ``AttentionBackend`` (the chunked pipeline may then split a shared KV head), the rank's
-    backend (``for_rank``), ``get_kernels``' set and the softmax scale."""
-    plan, layout = planned(key)
-    kv_map = layout.kv_map
-    base, split, backend = _backend(attn_fn, q, kv_map, traced)
-    return plan, layout, kv_map, base, split, backend, _kernel_set(kernels, q.device, layout, traced), default_scale(key.q_shape[3], key.scale)
-
-
-@functools.lru_cache(maxsize=512)
-def _cached_parts(key: CallKey, attn_fn: str | None, kernels: str | None, generation: int) -> tuple:
-    """``_resolve_parts`` for a named (or default) backend and kernel set, once per key and
-    kernel-set registry generation (only keys that pass the checks are kept)."""
-    plan, layout = planned(key)
-    device, dtype = key.q_device, key.q_dtype
-    base, split, backend = _cached_backend(attn_fn, device, dtype, layout.kv_map)
-    kern = _cached_kernel_set(kernels, device, layout, generation)
-    return plan, layout, layout.kv_map, base, split, backend, kern, default_scale(key.q_shape[3], key.scale)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
+    call = CallSetup(parts.plan, layout, comm, parts.kernels, parts.backend, split, bool(causal), parts.scale, layout.kv_map, n, traced, docs, wire)
+    return call, parts
 
 
 def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check, cu_seqlens,
               max_seqlen, wire_dtype=None) -> CallSetup:  # fmt: skip
-    """``setup_attention`` for a 2-D group (resolved per call: the ring level agrees across
-    the whole group, ``_prepare_2d``)."""
+    """``setup_attention`` for a 2-D group: the flat set-up inside this rank's Ulysses group,
+    then the whole 2-D group's agreement (``ring.check_ring_inputs``: every rank raises when
+    any rank's inputs are bad, the Ulysses group's error included; packed documents are
+    checked there, against the whole group's length); the rank's backend is
+    ``ring.RingBackend`` around the resolved one."""
     if torch.compiler.is_compiling():
         raise NotImplementedError(
             "ulysses_attention: a 2-D group (SPGroups, ring attention) does not run inside torch.compile yet; "
             "run the op eagerly (torch.compiler.disable) or pass a flat group"
         )
     sp.member_rank()
-    group = sp.ulysses_group
-    members = members_of(group, comm)
     docs = documents(cu_seqlens, max_seqlen)
-    plan, layout = _prepare_2d(
-        sp, q, k, v, members=members, plan=plan, seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, check=check, docs=docs,
-    )  # fmt: skip
-    comm = _transport(group, comm, members, q.device, False)
-    base, split, _ = _backend(attn_fn, q, layout.kv_map, False)
-    kern = _kernel_set(kernels, q.device, layout, False)
-    n = 1 if type(chunks) is int and chunks == 1 else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
-    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, False)
-    return CallSetup(plan, layout, comm, kern, ring_backend(sp, base), split, bool(causal), default_scale(q.shape[3], softmax_scale),
-                     layout.kv_map, n, False, docs, wire)  # fmt: skip
+    failed = call = None
+    try:
+        lens = None if seq_lens is None else (int(seq_lens[0]),) * sp.ulysses_size  # equal shards: checked below
+        call, parts = _setup_flat(q, k, v, group=sp.ulysses_group, comm=comm, members=None, plan=plan, seq_lens=lens, causal=causal,
+                                  softmax_scale=softmax_scale, attn_fn=attn_fn, kernels=kernels, chunks=chunks, check=check, docs=None,
+                                  wire_dtype=wire_dtype)  # fmt: skip
+    except UlyssesInputError as e:
+        failed = e
+    scale = call.scale if call is not None else default_scale(q.shape[3], softmax_scale) if q.dim() == 4 else 0.0
+    check_ring_inputs(sp, q, k, causal=causal, scale_bits=float_bits(scale), seq_lens=seq_lens, failed=failed, check=check, docs=docs, v=v)
+    return call._replace(backend=ring_backend(sp, parts.base), docs=docs)
 
 
 def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire_dtype=None) -> CallSetup:
@@ -295,11 +292,13 @@ def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire
         kv_heads = plan.kv_heads if plan is not None else q.shape[2] if q.dim() == 4 else 1
         k = v = q[:, :, :kv_heads] if q.dim() == 4 else q
     members = members_of(group, comm)
-    plan, layout = prepare(q, k, v, comm=members, plan=plan, seq_lens=seq_lens, causal=False, softmax_scale=None, check=check and not traced)
+    key = call_key(q, k, v, rank=members.rank, world_size=members.world_size, causal=False, softmax_scale=None, seq_lens=seq_lens, plan=plan)
+    if check and not traced and members.world_size > 1:
+        check_across_ranks(key, members, q.device)
+    parts = resolve(key, None, kernels, traced)  # the default backend's name: resolved, not run
     comm = _transport(group, comm, members, q.device, traced)
-    kern = _kernel_set(kernels, q.device, layout, traced)
-    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
-    return CallSetup(plan, layout, comm, kern, traced=traced, wire=wire)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
+    return CallSetup(parts.plan, parts.layout, comm, parts.kernels, traced=traced, wire=wire)
 
 
 def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels, wire_dtype=None) -> CallSetup:
@@ -308,8 +307,9 @@ def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels, wire
     ``out`` format, its gradient in ``dout``."""
     traced = torch.compiler.is_compiling()
     members = members_of(group, comm)
-    layout = check_head_to_seq(x, plan, rank=members.rank, world_size=members.world_size, seq_lens=seq_lens)
+    lens = check_head_to_seq(x, plan, rank=members.rank, world_size=members.world_size, seq_lens=seq_lens)
+    layout = Layout(plan, members.rank, lens, x.shape[0], x.shape[3])
     comm = _transport(group, comm, members, x.device, traced)
-    kern = _kernel_set(kernels, x.device, layout, traced)
+    kern = get_kernels(kernels, x.device, layout, traceable=traced)  # per call, as the Layout: ~5 us
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
     return CallSetup(plan, layout, comm, kern, traced=traced, wire=wire)
