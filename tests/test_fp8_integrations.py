@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_fp8_wire import OP_TOL, CountingComm  # noqa: E402 - CountingComm: counts each collective's bytes on the wire
 
+from ulysses_kernels.layers.state import switch_state  # noqa: E402
 from ulysses_kernels.testing import run_ranks  # noqa: E402
 from ulysses_kernels.wire import WireSpec, wire_bytes_ratio  # noqa: E402
 
@@ -200,7 +201,7 @@ def _verl_body(rank, world):
         uv.apply(wire_dtype=wd)  # what a worker's own external_lib module calls
         model, _ = tv._models(tv._config("qwen2", 4, 2), "flash")
         tv._patch(model, world)
-        assert model._ulysses_verl.options.wire_dtype == (WireSpec() if wd else None)
+        assert switch_state(model).verl.options.wire_dtype == (WireSpec() if wd else None)
         logits, _, _ = tv._sp_step(model, mesh, rank, model.config.vocab_size)
         logits.mean().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}

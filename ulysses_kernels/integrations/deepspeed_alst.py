@@ -55,6 +55,7 @@ from ..checks import UlyssesInputError
 from ..comm import LocalCommunicator
 from ..layers import audit as hf_audit
 from ..layers.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
+from ..layers.state import switch_state
 from ..layers.step import SHARD_KWARG
 from ..layout import split_lengths
 from ..plan import HeadPlan
@@ -425,9 +426,10 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         inherited = decoder_cls.forward
 
         def forward(module, *args, **kwargs):
-            if not getattr(module, _SWITCHED_ATTR, False):
+            state = switch_state(module)
+            if not state.mixers_switched:
                 switch_mixers(plan_mixers(mixer_modules(module), sp_size, _OPTIONS.get("mixer_parallel", "auto")), None, None)
-                object.__setattr__(module, _SWITCHED_ATTR, True)
+                state.mixers_switched = True
             args, kwargs = self._mixer_step(module, args, kwargs)
             return inherited(module, *args, **kwargs)
 
@@ -471,9 +473,6 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             else:
                 registry[key] = previous
         self._restore = None
-
-
-_SWITCHED_ATTR = "_ulysses_mixers_switched"  # on a decoder whose mixers ``_feed_mixers_of_class`` switched
 
 
 def _audit(model, config, sp_size: int) -> tuple[list, torch.nn.Module | None]:

@@ -75,6 +75,7 @@ from ..documents import Documents, documents, documents_of_positions
 from ..layers.attention import attention_settings, sequence_parallel_attention
 from ..layers.audit import check_token_mixers
 from ..layers.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
+from ..layers.state import switch_state
 from ..layers.step import SHARD_KWARG, HFIntegrationError, SequenceShard
 from ..plan import HeadPlan, PlanError
 from ..wire import WireSpec, wire_spec
@@ -93,7 +94,6 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "ulysses_verl"
 STEP_KWARG = "ulysses_verl_step"  # the per-forward ``VerlStep`` in the decoder's kwargs
-_MODEL_ATTR = "_ulysses_verl"  # the ``_ModelState`` on a prepared model instance
 _ORIGINAL_ATTR = "__ulysses_verl_original__"  # on our apply_monkey_patch: verl's function
 
 # Implementation the model was built with -> our backend on the rank's heads (attn_fn of
@@ -122,7 +122,7 @@ class _Options:
 
 @dataclass(eq=False)
 class _ModelState:
-    """What our ``apply_monkey_patch`` recorded on one model (instance attribute ``_ulysses_verl``)."""
+    """What our ``apply_monkey_patch`` recorded on one model (its ``layers.state.SwitchState.verl``)."""
 
     sp_size: int
     q_heads: int
@@ -364,7 +364,7 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
             f"apply_monkey_patch: {name} does not dispatch attention through transformers' AttentionInterface, "
             "so its attention cannot be routed to ulysses_attention"
         )
-    previous = getattr(model, _MODEL_ATTR, None)
+    previous = _recorded(model)
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl == ATTN_IMPLEMENTATION:
         if previous is None:
@@ -388,7 +388,7 @@ def _decoder(model):
 
 def _prepare(model, state: _ModelState) -> None:
     _register()
-    previous = getattr(model, _MODEL_ATTR, None)
+    previous = _recorded(model)
     if previous is not None and previous.hook is not None:
         previous.hook.remove()
     if hasattr(model, "set_attn_implementation"):
@@ -400,8 +400,13 @@ def _prepare(model, state: _ModelState) -> None:
     switch_mixers(state.mixers, None, None)
     decoder = _decoder(model)
     state.hook = decoder.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
-    # A plain attribute of this model instance (not a parameter or buffer): nothing process-global.
-    object.__setattr__(model, _MODEL_ATTR, state)
+    switch_state(model).verl = state  # this model instance's: nothing process-global
+
+
+def _recorded(model) -> _ModelState | None:
+    """What ``_prepare`` recorded on ``model`` (None: not prepared)."""
+    kept = switch_state(model, create=False)
+    return None if kept is None else kept.verl
 
 
 def _register() -> None:

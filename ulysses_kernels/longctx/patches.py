@@ -42,13 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import UlyssesInputError
+from ..layers.state import switch_state
 from .loss import loss_tile_rows, tiled_cross_entropy
 from .offload import ActivationOffload
 from .tiling import default_tile_rows, tile_count, tiled_apply
 
 __all__ = ["LongContextError", "LongContext", "enable", "state"]
-
-_STATE_ATTR = "_ulysses_long_context"
 
 
 class LongContextError(UlyssesInputError):
@@ -94,8 +93,9 @@ class LongContext:
 
 
 def state(model: torch.nn.Module) -> LongContext | None:
-    """The ``LongContext`` installed on ``model`` (None if none)."""
-    return getattr(model, _STATE_ATTR, None)
+    """The ``LongContext`` installed on ``model`` (None if none; its ``layers.state.SwitchState``)."""
+    kept = switch_state(model, create=False)
+    return None if kept is None else kept.long_context
 
 
 def _tile_setting(name: str, value) -> tuple[bool, int | None]:
@@ -201,10 +201,10 @@ def enable(
     previous = state(model)
     if previous is not None:
         _undo_all(previous)
-        object.__setattr__(model, _STATE_ATTR, None)
+        switch_state(model).long_context = None
     if not lc.active:
         return None
-    object.__setattr__(model, _STATE_ATTR, lc)
+    switch_state(model).long_context = lc
     lc._undo.append(model.register_forward_pre_hook(_before_hook(lc, model), with_kwargs=True))
     lc._undo.append(model.register_forward_hook(_after_hook(lc), with_kwargs=True, always_call=True))
     if loss_on:

@@ -34,6 +34,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from ...layers.state import switch_state
 from ...layers.step import SHARD_KWARG, HFIntegrationError, SequenceShard, process_group, rank_world
 
 __all__ = ["multimodal_inputs"]
@@ -42,7 +43,6 @@ __all__ = ["multimodal_inputs"]
 # unset: a prepared mask or a KV cache cannot be cut along the sequence).
 _SHARDED = ("inputs_embeds", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
 _UNSET = ("input_ids", "attention_mask", "past_key_values")
-_HOOKS_ATTR = "_ulysses_multimodal_hooks"  # on the text model: the handles of apply's hooks
 
 
 class _Captured(Exception):
@@ -156,7 +156,7 @@ def multimodal_inputs(model, input_ids: torch.Tensor, *, vision: str = "replicat
 def prepare(model) -> None:
     """``apply``'s part for a vision-language model (idempotent): the two pre-hooks above."""
     texts = text_model(model)
-    if texts is None or getattr(texts, _HOOKS_ATTR, None) is not None:
+    if texts is None or "multimodal" in switch_state(model).hooks:
         return
     params = inspect.signature(texts.forward).parameters
     name = type(texts).__name__
@@ -191,8 +191,10 @@ def prepare(model) -> None:
             )
         return None
 
-    handles = (texts.register_forward_pre_hook(hand_over, with_kwargs=True), model.register_forward_pre_hook(check_sharded_call, with_kwargs=True))
-    object.__setattr__(texts, _HOOKS_ATTR, handles)
+    switch_state(model).hook_once(
+        "multimodal",
+        lambda: (texts.register_forward_pre_hook(hand_over, with_kwargs=True), model.register_forward_pre_hook(check_sharded_call, with_kwargs=True)),
+    )
 
 
 class _ImageFeatures:

@@ -68,6 +68,7 @@ from collections.abc import Callable
 import torch
 
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
+from ..state import switch_state
 from ..step import SHARD_KWARG, STEP_KWARGS, HFIntegrationError
 from .exchange import GROUP_KWARG, MIXER_SETTINGS_ATTR, _MixerSettings
 
@@ -92,7 +93,6 @@ from .registry import HANDED as _HANDED  # noqa: E402
 _LAYER_KWARGS = "_ulysses_layer_kwargs"  # on a mixer: the shard and group handed to it
 _PARENT_ATTR = "_ulysses_parent"  # on a mixer: its layer
 _HANDS_ATTR = "_ulysses_hands_to"  # on a layer: the mixers its pre-hook hands the keywords to
-_STEP_ATTR = "_ulysses_step_kwargs"  # on the model: the shard and group of its current call
 _WRAPPED_ATTR = "_ulysses_hands_on_recompute"  # on a layer's checkpoint function: wrapped
 
 
@@ -205,16 +205,14 @@ def switch_mixers(plans, group, comm, root: torch.nn.Module | None = None) -> No
 
 
 def _keep_step(root: torch.nn.Module) -> None:
-    """A pre-hook on ``root`` (registered once) keeping the shard and group of each call
-    (none: an unsharded call, which the mixers then refuse)."""
-    if getattr(root, "_ulysses_keeps_step", False):
-        return
+    """A pre-hook on ``root`` (registered once) keeping the shard and group of each call in its
+    ``SwitchState.step`` (none: an unsharded call, which the mixers then refuse)."""
+    state = switch_state(root)
 
     def keep(model, args, kwargs):
-        object.__setattr__(model, _STEP_ATTR, {k: kwargs[k] for k in STEP_KWARGS if k in kwargs})
+        state.step = {k: kwargs[k] for k in STEP_KWARGS if k in kwargs}
 
-    root.register_forward_pre_hook(keep, with_kwargs=True, prepend=True)
-    object.__setattr__(root, "_ulysses_keeps_step", True)
+    state.hook_once("step", lambda: root.register_forward_pre_hook(keep, with_kwargs=True, prepend=True))
 
 
 def _hand_over(mixer, forward: Callable, root) -> Callable:
@@ -239,7 +237,7 @@ def _hand_over(mixer, forward: Callable, root) -> Callable:
         def hand(layer, args, kwargs):
             picked = {k: kwargs[k] for k in STEP_KWARGS if k in kwargs}
             if SHARD_KWARG not in picked and root is not None:
-                picked = getattr(root, _STEP_ATTR, {})
+                picked = switch_state(root).step
             for m in mixers:
                 object.__setattr__(m, _LAYER_KWARGS, picked)
             _hand_on_recompute(layer, mixers)
