@@ -85,14 +85,19 @@ def pytest_unconfigure(config):
 # ---- a seeded shuffle: the suite must pass in any order ---------------------------------------
 # ULYSSES_KERNELS_TEST_SHUFFLE=<seed> shuffles the test files, and the tests inside each file,
 # with that seed (CI runs one such order; the header line names the seed to replay it).
+def _shuffle_seed() -> str | None:
+    seed = os.environ.get("ULYSSES_KERNELS_TEST_SHUFFLE", "")
+    return None if seed in ("", "0") else seed  # 0: file order (.ci/run shuffles by default)
+
+
 def pytest_report_header(config):
-    seed = os.environ.get("ULYSSES_KERNELS_TEST_SHUFFLE")
+    seed = _shuffle_seed()
     return [f"test order: shuffled with seed {seed} (ULYSSES_KERNELS_TEST_SHUFFLE={seed} replays it)"] if seed else []
 
 
 def pytest_collection_modifyitems(config, items):
-    seed = os.environ.get("ULYSSES_KERNELS_TEST_SHUFFLE")
-    if not seed:
+    seed = _shuffle_seed()
+    if seed is None:
         return
     rng = random.Random(seed)
     by_file = {}
