@@ -121,7 +121,7 @@ def test_one_mixer_head_over_two_ranks_runs_with_state_passing():
 def test_generate_is_refused_with_the_kv_cache_message_and_its_fix_works():
     """``model.generate`` after ``apply`` says generation/KV cache (the docs' words; before, the
     attention call's "called without a sequence shard"), and generating with the trained
-    weights loaded into a model apply did not change, as it says, works."""
+    weights loaded into a model apply did not change, as it says, works; so does ``hf.unapply``."""
     ids = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(0))
     model = build_tiny("llama")
     before = copy.deepcopy(model)
@@ -133,6 +133,9 @@ def test_generate_is_refused_with_the_kv_cache_message_and_its_fix_works():
     fresh.load_state_dict(model.state_dict())
     got = fresh.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert got.shape == (1, 9) and torch.equal(got, before.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
+    assert "hf.unapply(model) puts it back as built" in msg, msg  # the other fix: the same model, unswitched
+    hf.unapply(model)
+    assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0), got)
 
 
 def test_the_docs_refused_example_is_the_real_error():

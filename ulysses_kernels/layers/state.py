@@ -32,13 +32,20 @@ class SwitchState:
     that its pre-hook keeps (``layers.step.STEP_KWARGS``); ``long_context``: the
     ``longctx.LongContext`` installed (None: none); ``verl``: verl's switch's record of this
     model (``integrations.verl``); ``mixers_switched``: DeepSpeed ALST switched this
-    decoder's mixers (at its first call)."""
+    decoder's mixers (at its first call); ``undo``: what puts back each change ``hf.apply``
+    made (``hf.unapply`` runs them, last first).
+
+    On a module inside: a mixer whose layer drops the step's keywords has its ``layer`` (whose
+    pre-hook, ``hooks["hand"]``, hands the ``handed`` mixers the step: each its ``step``)."""
 
     hooks: dict[str, object] = field(default_factory=dict)
     step: dict = field(default_factory=dict)
     long_context: object = None
     verl: object = None
     mixers_switched: bool = False
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    layer: object = None
+    handed: list = field(default_factory=list)
 
     def hook_once(self, name: str, register: Callable[[], object]) -> bool:
         """Register the hook ``name`` (``register()`` returns its handle) unless it is; True if

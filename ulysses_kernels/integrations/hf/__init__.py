@@ -72,7 +72,8 @@ Not supported (clear errors): token mixers other than attention that ``apply`` d
 exactly (refused before anything changes: docs/hf.md, "Never silently wrong"), padding/custom masks, padded batches of bidirectional models
 (pack them), cross-attention, the MoE router loss (``output_router_logits``), packed
 documents on the model's own attention with flash or a registered implementation, chunked
-attention, KV caches (generation), torch.compile of the switched model.
+attention, KV caches (generation: ``unapply`` puts the model back as built, to generate),
+torch.compile of the switched model.
 """
 
 import sys as _sys
@@ -85,7 +86,7 @@ from ...layers.attention import ATTN_IMPLEMENTATION, attention_settings, sequenc
 from ...layers.mixers import exchange as _exchange
 from ...layers.mixers import mixer_strategies
 from .batch import HFIntegrationError, SequenceShard, ShardedBatch, shard_batch, split_lengths
-from .model import apply
+from .model import apply, unapply
 from .model import register as register  # hf.register(): public, outside __all__ as before
 from .multimodal import multimodal_inputs
 from .training import gather_sequence, reduce_loss, router_loss, sync_gradients
@@ -96,6 +97,7 @@ __all__ = [
     "SequenceShard",
     "ShardedBatch",
     "apply",
+    "unapply",
     "mixer_strategies",
     "multimodal_inputs",
     "attention_settings",

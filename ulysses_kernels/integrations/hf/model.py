@@ -18,6 +18,7 @@ from ...layers.attention import ATTENTION_SETTINGS_ATTR, ATTN_IMPLEMENTATION, at
 from ...layers.audit import check_token_mixers
 from ...layers.masks import ulysses_mask
 from ...layers.mixers import HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
+from ...layers.state import STATE_ATTR, switch_state
 from ...layers.step import SHARD_KWARG, HFIntegrationError
 from ...longctx.patches import enable as enable_long_context
 from ...plan import more_ranks_than_heads, more_ranks_than_heads_flat
@@ -26,7 +27,7 @@ from ...wire import wire_spec
 from .multimodal import prepare as prepare_multimodal
 from .multimodal import text_config_key, text_model
 
-__all__ = ["apply", "register"]
+__all__ = ["apply", "register", "unapply"]
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -228,14 +229,23 @@ def apply(
     # The long-context pieces (they refuse before changing anything, as the checks above).
     enable_long_context(model, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, tiled_norms=tiled_norms,
                         offload_activations=offload_activations, shard_kwarg=SHARD_KWARG)  # fmt: skip
+    undo = switch_state(model).undo  # each change below puts what undoes it here (unapply runs them)
+    undo.append(lambda: enable_long_context(model, shard_kwarg=SHARD_KWARG))  # every piece off: removed
     register()
     _own_configs(model)  # the caller's config object stays as it was (another model may share it)
     if texts is not None:
-        model.set_attn_implementation({text_config_key(model): ATTN_IMPLEMENTATION})
+        key = text_config_key(model)
+        built = _built_with(model.config.get_text_config()._attn_implementation, inner)
+        model.set_attn_implementation({key: ATTN_IMPLEMENTATION})
+        undo.append(lambda: model.set_attn_implementation({key: built}))
     elif hasattr(model, "set_attn_implementation"):
+        built = _built_with(model.config._attn_implementation, inner)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        undo.append(lambda: model.set_attn_implementation(built))
     else:
+        built = _built_with(model.config._attn_implementation, inner)
         model.config._attn_implementation = ATTN_IMPLEMENTATION
+        undo.append(lambda: setattr(model.config, "_attn_implementation", built))
     wrong = sorted({type(m).__name__ for m in modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION})
     if wrong:
         raise HFIntegrationError(f"apply: could not switch the attention implementation of {', '.join(wrong)} to {ATTN_IMPLEMENTATION!r}")
@@ -244,6 +254,7 @@ def apply(
         # A plain attribute on the module instance (not a parameter or buffer): the group
         # settings belong to this model, not to the process.
         object.__setattr__(m, ATTENTION_SETTINGS_ATTR, replace(shared, inner_impl=impl, inner_fn=fn))
+    undo.append(lambda: [m.__dict__.pop(ATTENTION_SETTINGS_ATTR, None) for m in modules])
     if isinstance(group, SPGroups):  # the mixers pass their state over the whole group (_plan_mixers)
         switch_mixers(mixers, group.group, get_communicator(group.group), root=model)
     else:
@@ -251,7 +262,34 @@ def apply(
     if texts is not None:
         prepare_multimodal(model)  # the text model's and the top-level model's pre-hooks
     _refuse_generate(model)
+    undo.append(lambda: model.__dict__.pop("generate", None))
     return model
+
+
+def unapply(model):
+    """Undo ``apply``: ``model`` runs as it was built again (its attention implementation, its
+    mixers' forwards, no hook, no long-context piece, ``generate`` its own), e.g. to generate
+    after sequence-parallel training, and ``apply`` may switch it again. It keeps its own copy
+    of its configs (``apply``'s) and its weights as they are now. Returns the model.
+    ``HFIntegrationError`` for a model ``apply`` did not switch."""
+    state = switch_state(model, create=False)
+    if state is None or not state.undo:
+        raise HFIntegrationError(f"unapply: {type(model).__name__} was not switched by apply")
+    while state.undo:
+        state.undo.pop()()
+    for name in list(state.hooks):
+        state.remove_hook(name)
+    model.__dict__.pop(STATE_ATTR, None)
+    return model
+
+
+def _built_with(before, inner) -> str:
+    """The implementation ``unapply`` puts back: the one the model had before ``apply`` (on a
+    second ``apply``, the one the first recorded: what the modules run on their heads, ``inner``)."""
+    if before != ATTN_IMPLEMENTATION:
+        return before
+    impls = {impl for _, impl, _ in inner}
+    return impls.pop() if len(impls) == 1 else "eager"
 
 
 def _refuse_generate(model) -> None:
@@ -270,9 +308,9 @@ class _GenerateRefused:
     def __call__(self, *args, **kwargs):
         raise HFIntegrationError(
             f"{self.model_name}.generate: generation is not supported sequence-parallel: it keeps a KV cache (past_key_values, "
-            "use_cache=True), which would hold this rank's shard of the sequence only; generate with a model apply did not "
-            "change (load this one's weights into it: fresh.load_state_dict(model.state_dict()), or a copy.deepcopy made "
-            "before apply)"
+            "use_cache=True), which would hold this rank's shard of the sequence only; hf.unapply(model) puts it back as built "
+            "(then generate; hf.apply switches it again), or generate with a model apply did not change (load this one's "
+            "weights into it: fresh.load_state_dict(model.state_dict()), or a copy.deepcopy made before apply)"
         )
 
 

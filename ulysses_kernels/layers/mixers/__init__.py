@@ -62,13 +62,14 @@ handing the step's keywords over).
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 
 import torch
 
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
-from ..state import switch_state
+from ..state import STATE_ATTR, switch_state
 from ..step import SHARD_KWARG, STEP_KWARGS, HFIntegrationError
 from .exchange import GROUP_KWARG, MIXER_SETTINGS_ATTR, _MixerSettings
 
@@ -90,10 +91,7 @@ from .registry import ADAPTERS as _ADAPTERS  # noqa: E402
 from .registry import CLASSES as HANDLED_MIXERS  # noqa: E402  (class -> its family's line; a family registered later is in it)
 from .registry import HANDED as _HANDED  # noqa: E402
 
-_LAYER_KWARGS = "_ulysses_layer_kwargs"  # on a mixer: the shard and group handed to it
-_PARENT_ATTR = "_ulysses_parent"  # on a mixer: its layer
-_HANDS_ATTR = "_ulysses_hands_to"  # on a layer: the mixers its pre-hook hands the keywords to
-_WRAPPED_ATTR = "_ulysses_hands_on_recompute"  # on a layer's checkpoint function: wrapped
+_WRAPPED_ATTR = "_ulysses_hands_on_recompute"  # on a layer's checkpoint function: wrapped (its __wrapped__: the original)
 
 
 def mixer_modules(model) -> list[torch.nn.Module]:
@@ -105,7 +103,7 @@ def mixer_modules(model) -> list[torch.nn.Module]:
             if type(child).__name__ in _ADAPTERS:
                 found.append(child)
                 if type(child).__name__ in _HANDED:
-                    object.__setattr__(child, _PARENT_ATTR, parent)
+                    switch_state(child).layer = parent
     return found
 
 
@@ -202,6 +200,22 @@ def switch_mixers(plans, group, comm, root: torch.nn.Module | None = None) -> No
             fn = _hand_over(m, fn, root)
         object.__setattr__(m, MIXER_SETTINGS_ATTR, _MixerSettings(group, comm, plan, family, strategy))
         object.__setattr__(m, "forward", types.MethodType(fn, m))
+        if root is not None:
+            switch_state(root).undo.append(functools.partial(_unswitch, m))
+
+
+def _unswitch(mixer: torch.nn.Module) -> None:
+    """Put ``mixer`` back as it was built (``hf.unapply``): its class's forward, no settings; its
+    layer's hand-over hook removed and its checkpoint function unwrapped."""
+    for name in ("forward", MIXER_SETTINGS_ATTR):
+        mixer.__dict__.pop(name, None)
+    kept = mixer.__dict__.pop(STATE_ATTR, None)
+    layer = None if kept is None else kept.layer
+    if layer is not None and (layer_state := layer.__dict__.pop(STATE_ATTR, None)) is not None:
+        layer_state.remove_hook("hand")
+        checkpoint = layer.__dict__.get("_gradient_checkpointing_func")
+        if getattr(checkpoint, _WRAPPED_ATTR, False):
+            object.__setattr__(layer, "_gradient_checkpointing_func", checkpoint.__wrapped__)
 
 
 def _keep_step(root: torch.nn.Module) -> None:
@@ -225,30 +239,29 @@ def _hand_over(mixer, forward: Callable, root) -> Callable:
     would run on the other batch's shard. The layer's ``_gradient_checkpointing_func`` is wrapped
     (at each call, as the model may turn checkpointing on later) so that the function it
     checkpoints, first run and recompute alike, hands the mixers this call's keywords."""
-    parent = getattr(mixer, _PARENT_ATTR, None)
+    kept = switch_state(mixer, create=False)
+    parent = None if kept is None else kept.layer
     if parent is None:
         raise HFIntegrationError(f"apply: {type(mixer).__name__} was not found inside a layer (its layer passes the step's shard)")
     if root is not None:
         _keep_step(root)
-    mixers = getattr(parent, _HANDS_ATTR, None)
-    if mixers is None:
-        mixers = []
+    layer_state = switch_state(parent)
+    mixers = layer_state.handed
 
-        def hand(layer, args, kwargs):
-            picked = {k: kwargs[k] for k in STEP_KWARGS if k in kwargs}
-            if SHARD_KWARG not in picked and root is not None:
-                picked = switch_state(root).step
-            for m in mixers:
-                object.__setattr__(m, _LAYER_KWARGS, picked)
-            _hand_on_recompute(layer, mixers)
+    def hand(layer, args, kwargs):
+        picked = {k: kwargs[k] for k in STEP_KWARGS if k in kwargs}
+        if SHARD_KWARG not in picked and root is not None:
+            picked = switch_state(root).step
+        for m in mixers:
+            switch_state(m).step = picked
+        _hand_on_recompute(layer, mixers)
 
-        parent.register_forward_pre_hook(hand, with_kwargs=True)
-        object.__setattr__(parent, _HANDS_ATTR, mixers)
+    layer_state.hook_once("hand", lambda: parent.register_forward_pre_hook(hand, with_kwargs=True))
     if all(m is not mixer for m in mixers):
         mixers.append(mixer)
 
     def run(self, *args, **kwargs):
-        return forward(self, *args, **{**getattr(self, _LAYER_KWARGS, {}), **kwargs})
+        return forward(self, *args, **{**switch_state(self).step, **kwargs})
 
     return run
 
@@ -261,14 +274,15 @@ def _hand_on_recompute(layer: torch.nn.Module, mixers: list) -> None:
         return
 
     def checkpointed(function, *args, **kwargs):
-        handed = [(m, getattr(m, _LAYER_KWARGS, {})) for m in mixers]
+        handed = [(m, switch_state(m).step) for m in mixers]
 
         def with_handed(*a, **k):
             for m, kw in handed:
-                object.__setattr__(m, _LAYER_KWARGS, kw)
+                switch_state(m).step = kw
             return function(*a, **k)
 
         return checkpoint(with_handed, *args, **kwargs)
 
     setattr(checkpointed, _WRAPPED_ATTR, True)
+    checkpointed.__wrapped__ = checkpoint  # what unswitch puts back
     object.__setattr__(layer, "_gradient_checkpointing_func", checkpointed)
