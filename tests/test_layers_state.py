@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from ulysses_kernels.layers.state import STATE_ATTR, SwitchState, switch_state
+from ulysses_kernels.layers.state import STATE_ATTR, SwitchState, recorded, switch_state
 
 
 def test_one_state_per_model_and_hooks_once_by_name():
     model = torch.nn.Linear(2, 2)
     assert switch_state(model, create=False) is None and STATE_ATTR not in model.__dict__
+    assert recorded(model, "long_context") is None and STATE_ATTR not in model.__dict__  # reading makes nothing
     state = switch_state(model)
+    state.verl = "record"
+    assert recorded(model, "verl") == "record"
     assert isinstance(state, SwitchState) and switch_state(model) is state and switch_state(torch.nn.Linear(2, 2)) is not state
     calls = []
 

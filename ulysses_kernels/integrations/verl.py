@@ -75,7 +75,7 @@ from ..documents import Documents, documents, documents_of_positions
 from ..layers.attention import attention_settings, sequence_parallel_attention
 from ..layers.audit import check_token_mixers
 from ..layers.mixers import GROUP_KWARG, HANDLED_MIXERS, check_mixer_parallel, mixer_modules, plan_mixers, switch_mixers
-from ..layers.state import switch_state
+from ..layers.state import recorded, switch_state
 from ..layers.step import SHARD_KWARG, HFIntegrationError, SequenceShard
 from ..plan import HeadPlan, PlanError
 from ..wire import WireSpec, wire_spec
@@ -364,7 +364,7 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
             f"apply_monkey_patch: {name} does not dispatch attention through transformers' AttentionInterface, "
             "so its attention cannot be routed to ulysses_attention"
         )
-    previous = _recorded(model)
+    previous = recorded(model, "verl")
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl == ATTN_IMPLEMENTATION:
         if previous is None:
@@ -388,7 +388,7 @@ def _decoder(model):
 
 def _prepare(model, state: _ModelState) -> None:
     _register()
-    previous = _recorded(model)
+    previous = recorded(model, "verl")
     if previous is not None and previous.hook is not None:
         previous.hook.remove()
     if hasattr(model, "set_attn_implementation"):
@@ -401,12 +401,6 @@ def _prepare(model, state: _ModelState) -> None:
     decoder = _decoder(model)
     state.hook = decoder.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True)
     switch_state(model).verl = state  # this model instance's: nothing process-global
-
-
-def _recorded(model) -> _ModelState | None:
-    """What ``_prepare`` recorded on ``model`` (None: not prepared)."""
-    kept = switch_state(model, create=False)
-    return None if kept is None else kept.verl
 
 
 def _register() -> None:

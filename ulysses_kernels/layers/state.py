@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["STATE_ATTR", "SwitchState", "switch_state"]
+__all__ = ["STATE_ATTR", "SwitchState", "recorded", "switch_state"]
 
 STATE_ATTR = "ulysses_kernels_state"
 
@@ -69,3 +69,10 @@ def switch_state(model: torch.nn.Module, create: bool = True) -> SwitchState | N
         state = SwitchState()
         object.__setattr__(model, STATE_ATTR, state)
     return state
+
+
+def recorded(model: torch.nn.Module, name: str):
+    """The field ``name`` of ``model``'s ``SwitchState``; None when it has none (nothing is made:
+    reading leaves a model that was never switched as it is)."""
+    state = model.__dict__.get(STATE_ATTR)
+    return None if state is None else getattr(state, name)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import UlyssesInputError
-from ..layers.state import switch_state
+from ..layers.state import recorded, switch_state
 from .loss import loss_tile_rows, tiled_cross_entropy
 from .offload import ActivationOffload
 from .tiling import default_tile_rows, tile_count, tiled_apply
@@ -94,8 +94,7 @@ class LongContext:
 
 def state(model: torch.nn.Module) -> LongContext | None:
     """The ``LongContext`` installed on ``model`` (None if none; its ``layers.state.SwitchState``)."""
-    kept = switch_state(model, create=False)
-    return None if kept is None else kept.long_context
+    return recorded(model, "long_context")
 
 
 def _tile_setting(name: str, value) -> tuple[bool, int | None]:

@@ -69,7 +69,7 @@ from collections.abc import Callable
 import torch
 
 from ...plan import HeadPlan, PlanError, more_ranks_than_heads_flat
-from ..state import STATE_ATTR, switch_state
+from ..state import STATE_ATTR, recorded, switch_state
 from ..step import SHARD_KWARG, STEP_KWARGS, HFIntegrationError
 from .exchange import GROUP_KWARG, MIXER_SETTINGS_ATTR, _MixerSettings
 
@@ -239,8 +239,7 @@ def _hand_over(mixer, forward: Callable, root) -> Callable:
     would run on the other batch's shard. The layer's ``_gradient_checkpointing_func`` is wrapped
     (at each call, as the model may turn checkpointing on later) so that the function it
     checkpoints, first run and recompute alike, hands the mixers this call's keywords."""
-    kept = switch_state(mixer, create=False)
-    parent = None if kept is None else kept.layer
+    parent = recorded(mixer, "layer")
     if parent is None:
         raise HFIntegrationError(f"apply: {type(mixer).__name__} was not found inside a layer (its layer passes the step's shard)")
     if root is not None:
