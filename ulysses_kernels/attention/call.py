@@ -308,8 +308,19 @@ def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels, wire
     traced = torch.compiler.is_compiling()
     members = members_of(group, comm)
     lens = check_head_to_seq(x, plan, rank=members.rank, world_size=members.world_size, seq_lens=seq_lens)
-    layout = Layout(plan, members.rank, lens, x.shape[0], x.shape[3])
+    if traced or not _named(kernels):
+        layout = Layout(plan, members.rank, lens, x.shape[0], x.shape[3])
+        kern = get_kernels(kernels, x.device, layout, traceable=traced)
+    else:
+        layout, kern = _kept_head_to_seq(plan, members.rank, lens, x.shape[0], x.shape[3], kernels, x.device, registry_generation())
     comm = _transport(group, comm, members, x.device, traced)
-    kern = get_kernels(kernels, x.device, layout, traceable=traced)  # per call, as the Layout: ~5 us
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
     return CallSetup(plan, layout, comm, kern, traced=traced, wire=wire)
+
+
+@functools.lru_cache(maxsize=512)
+def _kept_head_to_seq(plan: HeadPlan, rank: int, lens: tuple[int, ...], batch: int, dim: int, kernels, device: torch.device, generation: int):
+    """``head_to_seq``'s ``Layout`` and kernel set, once per value key (as ``resolve``'s; the
+    ``Layout`` keeps its memoized splits across calls)."""
+    layout = Layout(plan, rank, lens, batch, dim)
+    return layout, get_kernels(kernels, device, layout)
