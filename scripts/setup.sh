@@ -88,6 +88,16 @@ for spec in sys.argv[1:]:
     if want and have != want and not have.startswith(want + "+"):
         sys.exit(f"{name} {have} installed, {want} pinned")' "$@" 2>/dev/null
 }
+# Free space before a download: pip fills a disk without saying so until it fails midway (a CI
+# run stopped at "[Errno 28] No space left on device" halfway through verl's requirements).
+need_space() {  # need_space <GB> <what is installed>
+  local free_kb
+  free_kb=$(df -Pk .venv | awk 'NR==2 {print $4}')
+  if [ "$free_kb" -lt $(( $1 * 1024 * 1024 )) ]; then
+    echo "[setup] $PWD/.venv has $(( free_kb / 1024 / 1024 )) GB free; installing $2 needs about $1 GB. Free some space (or ULYSSES_KERNELS_PEERS=0 leaves the integrations out)" >&2
+    exit 1
+  fi
+}
 # An integration's pip install. It fails without a reachable package index (no network, or an
 # index without the pinned version): then the set-up says so, notes it for pytest's summary
 # and goes on without it (its tests skip). Any other failure stops the set-up.
@@ -111,12 +121,18 @@ install_integration() {  # install_integration "<integrations, e.g. deepspeed ac
     return 1
   fi
   tail -20 "$log" >&2
+  if grep -q "No space left on device" "$log"; then
+    echo "[setup] installing ${names// /, } failed: the disk of $PWD/.venv is full ($(df -Ph .venv | awk 'NR==2 {print $4}') free now; pip's output: $log)" >&2
+    exit 1
+  fi
   echo "[setup] installing ${names// /, } failed (full pip output: $log); ULYSSES_KERNELS_PEERS=0 leaves the integrations out" >&2
   exit 1
 }
 if [ "$SYSTEM_TORCH" = "1" ]; then
   has_dists torch pytest || { echo "[setup] ULYSSES_KERNELS_SYSTEM_TORCH=1 needs torch and pytest in $PY" >&2; exit 1; }
 elif ! has_dists "${BASE_PKGS[@]}"; then
+  # torch with its CUDA libraries is 5.3 GB installed, triton 0.9 GB; pip unpacks beside them.
+  need_space 8 "${BASE_PKGS[*]}"
   echo "[setup] installing ${BASE_PKGS[*]} into .venv"
   if ! "${PIP[@]}" install -q "${PINNED[@]}" "${BASE_PKGS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }; then
     echo "[setup] installing the base packages failed (pip's output above); nothing runs without them. Without network," \
@@ -132,6 +148,8 @@ if [ "$SYSTEM_TORCH" = "1" ] || [ "$PEERS" = "0" ]; then
   [ ! -s "$SKIPPED_NOTE" ] || echo "[setup] not installing $(cut -f1 "$SKIPPED_NOTE" | paste -sd, - | sed 's/,/, /g') ($why); their tests skip"
 else
   torch_pin="torch==$("${VPY[@]}" -c 'import importlib.metadata as m; print(m.version("torch"))')"
+  # DeepSpeed, verl's requirements (ray 0.24 GB, pyarrow, pandas, wandb) and torchtitan: 1.1 GB installed.
+  has_dists "${PEER_PKGS[@]}" "${VERL_PKGS[@]/\[default\]/}" "${TITAN_PKGS[@]}" || need_space 3 "the integrations (deepspeed, accelerate, verl, torchtitan)"
   if ! has_dists "${PEER_PKGS[@]}"; then
     echo "[setup] installing ${PEER_PKGS[*]} (DS_BUILD_OPS=0, keeping $torch_pin); ULYSSES_KERNELS_PEERS=0 skips the integrations"
     DS_BUILD_OPS=0 install_integration "deepspeed accelerate" "${PEER_PKGS[@]}" "$torch_pin" &&
