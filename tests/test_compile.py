@@ -342,3 +342,20 @@ def test_gpu_world_size_1_inductor(kernels):
         eager_err = (eager.double() - want).abs().max().item()
         ulp = 2.0**-7 * want.abs().max().item()
         assert err <= 2 * eager_err + ulp, f"{name}: compiled error {err:.3g} > 2x eager error {eager_err:.3g} + 1 ulp"
+
+
+def test_constant_in_traces_marks_what_torchs_decorator_marks():
+    """kernels._constant_in_traces stands for torch.compiler.assume_constant_result without
+    importing dynamo: it must set exactly what torch's decorator sets on a function."""
+    from ulysses_kernels import kernels
+
+    def plain():
+        return 0
+
+    def ours():
+        return 0
+
+    torch.compiler.assume_constant_result(plain)
+    kernels._constant_in_traces(ours)
+    assert vars(plain) == vars(ours) == {"_dynamo_marked_constant": True}
+    assert vars(kernels._load) == vars(kernels._device_reason) == {"_dynamo_marked_constant": True}

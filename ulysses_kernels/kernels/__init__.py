@@ -266,10 +266,19 @@ register_kernel_set(
 )
 
 
+def _constant_in_traces(fn):
+    """``torch.compiler.assume_constant_result`` without importing torch._dynamo: torch's
+    decorator imports it (2.9 s of the package's 6.6 s import on a 2-core CPU, paid by every
+    rank process and command line), only to set this marker, which dynamo reads when it
+    traces a call (torch 2.14; tests/test_compile.py checks the two agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Inside torch.compile the result is a constant of the trace: dynamo does not trace
 # importlib (it would break the graph), and whether a kernel set can run does not change
 # during a process (the import is attempted once, then cached).
-@torch.compiler.assume_constant_result
+@_constant_in_traces
 def _load(name: str):
     """The kernel-set class for ``name``, or None when it cannot run in this process."""
     return _import_or_why(name)[0]
@@ -291,7 +300,7 @@ def kernel_set_report() -> list[dict]:
 
 # A device's architecture and _C's arch list do not change during a process: inside
 # torch.compile the answer is a constant of the trace (dynamo would not trace the query).
-@torch.compiler.assume_constant_result
+@_constant_in_traces
 def _device_reason(name: str, device: torch.device) -> str:
     check = KERNEL_SETS[name].device_check
     return check(device) if check is not None else ""
