@@ -167,6 +167,38 @@ def test_run_ranks_fresh_spawns_new_processes(tmp_path):
     assert {p[0] for p in _pids(tmp_path / "a", 2)}.isdisjoint(p[0] for p in _pids(tmp_path / "b", 2))
 
 
+def _what_a_rank_sees(rank, world, path):
+    import sys
+
+    with open(f"{path}.{rank}", "w") as fh:
+        fh.write(f"{os.environ.get('ULYSSES_KERNELS_POOL_PROBE', '')}|{os.getcwd()}|{'torch' in sys.modules}|{sys.path[0]}")
+
+
+def test_fresh_ranks_from_the_fork_server_see_the_caller_as_it_is_now(tmp_path, monkeypatch):
+    """Fresh ranks start from multiprocessing's fork server (``rank_context``), whose own
+    environment is that of its start: a rank must still see the caller's environment, working
+    directory and sys.path as they are at the call, as a spawned rank would."""
+    run_ranks(_what_a_rank_sees, 2, str(tmp_path / "a"), fresh=True)  # the server runs from here on
+    monkeypatch.setenv("ULYSSES_KERNELS_POOL_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "first"))
+    run_ranks(_what_a_rank_sees, 2, str(tmp_path / "b"), fresh=True)
+    for rank in range(2):
+        seen = (tmp_path / f"b.{rank}").read_text().split("|")
+        assert seen == ["set after the server started", str(tmp_path), "True", str(tmp_path / "first")], seen
+
+
+def test_rank_start_is_checked(monkeypatch):
+    from ulysses_kernels.testing import rank_context
+
+    assert rank_context().get_start_method() == ("spawn" if torch.cuda.is_available() else "forkserver")
+    monkeypatch.setenv("ULYSSES_KERNELS_RANK_START", "spawn")
+    assert rank_context().get_start_method() == "spawn"
+    monkeypatch.setenv("ULYSSES_KERNELS_RANK_START", "fork")
+    with pytest.raises(ValueError, match="ULYSSES_KERNELS_RANK_START must be 'forkserver' or 'spawn', got 'fork'"):
+        rank_context()
+
+
 def test_build_tiny_is_public_and_builds_the_readme_hybrid():
     """The README's first example builds its hybrid with ``ulysses_kernels.testing.build_tiny``
     (no config from testing/hybrids.py needed): a Qwen3.5 with both of its token mixers."""

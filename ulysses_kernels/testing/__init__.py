@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from .rank_pool import RankPool
-from .ranks import RanksFailed, run_ranks, set_default_pool
+from .ranks import RanksFailed, rank_context, run_ranks, set_default_pool
 from .thread_ranks import FakeCommError, PeerFailed, ThreadCommunicator, ThreadGroup, ThreadRanksFailed
 from .tiny_models import NotBuildable, build_tiny
 
@@ -32,6 +32,7 @@ __all__ = [
     "ThreadGroup",
     "ThreadRanksFailed",
     "build_tiny",
+    "rank_context",
     "run_ranks",
     "set_default_pool",
 ]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import multiprocessing as std_mp
 import os
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from .ranks import RanksFailed
+from .ranks import RanksFailed, rank_context
 
 __all__ = ["RankPool"]
 
@@ -163,7 +162,7 @@ class _World:
         self.timeout_s = timeout_s
         self._tmp = tempfile.TemporaryDirectory()
         self._inits = 0
-        ctx = std_mp.get_context("spawn")
+        ctx = rank_context()
         pipes = [ctx.Pipe() for _ in range(world_size)]
         self.conns = [parent for parent, _ in pipes]
         init = self._init_file()
