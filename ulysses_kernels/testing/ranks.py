@@ -53,12 +53,15 @@ def rank_context():
     A rank started so sees what a spawned one sees: the caller's ``sys.path``, working
     directory and main module (multiprocessing sends them), and the caller's environment
     (``run_ranks`` and the pool send it with each call: the server's is that of its start).
-    The fork server is one per process: its preload list is set here, before it starts."""
+    The fork server is one per process: its preload list is set here, before it starts;
+    ``ULYSSES_KERNELS_RANK_PRELOAD=a,b`` adds modules the caller has not imported but its ranks
+    will (the test suite: the installed peers, which its tests import inside their ranks)."""
     how = os.environ.get("ULYSSES_KERNELS_RANK_START", "forkserver")
     if how not in ("forkserver", "spawn"):
         raise ValueError(f"ULYSSES_KERNELS_RANK_START must be 'forkserver' or 'spawn', got {how!r}")
     if how == "forkserver" and "forkserver" in std_mp.get_all_start_methods() and not torch.cuda.is_available():
-        std_mp.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])
+        extra = [m for m in os.environ.get("ULYSSES_KERNELS_RANK_PRELOAD", "").split(",") if m]
+        std_mp.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules] + extra)
         return std_mp.get_context("forkserver")
     return std_mp.get_context("spawn")
 
