@@ -74,10 +74,10 @@ def pytest_configure(config):
     global _POOL
     # The peers the tests import inside their ranks (DeepSpeed 1.1 s, verl 3.3 s of CPU per rank
     # after torch and transformers): imported once by the ranks' fork server (testing.rank_context).
+    # (Not an environment variable: the suite's command lines would inherit it.)
     peers = [m for m in ("deepspeed", "accelerate", "verl", "torchtitan") if importlib.util.find_spec(m) is not None]
-    os.environ.setdefault("ULYSSES_KERNELS_RANK_PRELOAD", ",".join(peers))
     if os.environ.get("ULYSSES_KERNELS_RANK_POOL", "1") != "0":
-        _POOL = RankPool()
+        _POOL = RankPool(preload=peers)
         set_default_pool(_POOL)
 
 

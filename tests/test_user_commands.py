@@ -43,8 +43,8 @@ SITE_DIRS = list(dict.fromkeys([sysconfig.get_paths()["purelib"], str(Path(torch
 
 
 def user_env(**extra) -> dict:
-    """The environment of a user's shell: no PYTHONPATH, and not the switches conftest sets (the interpreter, the ranks' preload)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET", "ULYSSES_KERNELS_RANK_PRELOAD")}
+    """The environment of a user's shell: no PYTHONPATH, and not the interpreter switch conftest sets."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env

@@ -157,12 +157,12 @@ def _worker(rank, world_size, init_file, timeout_s, conn):
 class _World:
     """``world_size`` live ranks joined by one gloo group."""
 
-    def __init__(self, world_size: int, timeout_s: float):
+    def __init__(self, world_size: int, timeout_s: float, preload=()):
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._tmp = tempfile.TemporaryDirectory()
         self._inits = 0
-        ctx = rank_context()
+        ctx = rank_context(preload)
         pipes = [ctx.Pipe() for _ in range(world_size)]
         self.conns = [parent for parent, _ in pipes]
         init = self._init_file()
@@ -291,10 +291,12 @@ class RankPool:
     """Live gloo worlds, one per world size, reused call after call (see the module's
     docstring). ``timeout_s``: each world's process-group timeout and each call's default
     deadline; ``max_processes``: live ranks over all worlds (the least recently used worlds
-    are closed to make room)."""
+    are closed to make room); ``preload``: modules the ranks' fork server imports before the
+    first world starts (``rank_context``), beyond those this process has imported."""
 
-    def __init__(self, timeout_s: float = 600.0, max_processes: int = MAX_PROCESSES):
+    def __init__(self, timeout_s: float = 600.0, max_processes: int = MAX_PROCESSES, preload=()):
         self.timeout_s = timeout_s
+        self.preload = tuple(preload)
         self.max_processes = max_processes
         self._worlds: dict[int, _World] = {}  # in order of last use
         _OPEN_POOLS.append(self)
@@ -306,7 +308,7 @@ class RankPool:
             if world is not None:
                 world.kill()
             self._make_room(world_size)
-            world = _World(world_size, self.timeout_s)
+            world = _World(world_size, self.timeout_s, self.preload)
         self._worlds[world_size] = world
         world.run(fn, args, self.timeout_s if timeout_s is None else timeout_s)
 

@@ -43,7 +43,7 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("ULYSSES_KERNELS_TEST_TIMEOUT", "600"))
 _PRELOAD = ("torch", "ulysses_kernels", "transformers", "deepspeed", "accelerate", "verl", "torchtitan")
 
 
-def rank_context():
+def rank_context(preload=()):
     """The multiprocessing context ranks start in: the fork server (preloading what of
     ``_PRELOAD`` this process has imported, when the server is started by this call), or
     ``spawn`` where there is none, where CUDA is available (a peer's import may initialize
@@ -54,14 +54,13 @@ def rank_context():
     directory and main module (multiprocessing sends them), and the caller's environment
     (``run_ranks`` and the pool send it with each call: the server's is that of its start).
     The fork server is one per process: its preload list is set here, before it starts;
-    ``ULYSSES_KERNELS_RANK_PRELOAD=a,b`` adds modules the caller has not imported but its ranks
-    will (the test suite: the installed peers, which its tests import inside their ranks)."""
+    ``preload`` adds modules the caller has not imported but its ranks will (the test suite's
+    pool: the installed peers, which its tests import inside their ranks)."""
     how = os.environ.get("ULYSSES_KERNELS_RANK_START", "forkserver")
     if how not in ("forkserver", "spawn"):
         raise ValueError(f"ULYSSES_KERNELS_RANK_START must be 'forkserver' or 'spawn', got {how!r}")
     if how == "forkserver" and "forkserver" in std_mp.get_all_start_methods() and not torch.cuda.is_available():
-        extra = [m for m in os.environ.get("ULYSSES_KERNELS_RANK_PRELOAD", "").split(",") if m]
-        std_mp.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules] + extra)
+        std_mp.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules] + [m for m in preload if m not in _PRELOAD])
         return std_mp.get_context("forkserver")
     return std_mp.get_context("spawn")
 
