@@ -60,7 +60,7 @@ def rank_context(preload=()):
     if how not in ("forkserver", "spawn"):
         raise ValueError(f"ULYSSES_KERNELS_RANK_START must be 'forkserver' or 'spawn', got {how!r}")
     if how == "forkserver" and "forkserver" in std_mp.get_all_start_methods() and not torch.cuda.is_available():
-        std_mp.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules] + [m for m in preload if m not in _PRELOAD])
+        std_mp.set_forkserver_preload(list(dict.fromkeys([m for m in _PRELOAD if m in sys.modules] + list(preload))))
         return std_mp.get_context("forkserver")
     return std_mp.get_context("spawn")
 
