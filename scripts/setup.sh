@@ -58,7 +58,8 @@ VPY=(.venv/bin/python -I)
 # machine must get what CI got): the base, then the integrations the suite tests (the peers;
 # ULYSSES_KERNELS_PEERS=0 leaves them out, and their tests skip, saying so).
 # matplotlib: the benchmarks' PNGs (about 20 s here; without it they skip the plot).
-BASE_PKGS=("$TORCH_SPEC" numpy==2.4.6 pytest==9.2.0 ninja==1.13.2 transformers==5.23.0 matplotlib==3.11.2)
+# pytest-xdist (and its execnet): scripts/test.sh runs the suite on two pytest workers.
+BASE_PKGS=("$TORCH_SPEC" numpy==2.4.6 pytest==9.2.0 pytest-xdist==3.8.0 execnet==2.1.2 ninja==1.13.2 transformers==5.23.0 matplotlib==3.11.2)
 # DeepSpeed: the engine tests, the ALST comparison, examples/deepspeed_zero3 and
 # bench_attention's deepspeed row. An sdist, not a pure-Python wheel (27 s to build here with
 # DS_BUILD_OPS=0; its first call JIT-compiles a C++ shared-memory op). yunchang is not
