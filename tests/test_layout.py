@@ -151,3 +151,41 @@ def test_split_sizes_match_buffer_sizes():
     send, recv = lay.h2s_splits(Q_ONLY)
     assert send == [s * 2 * 16 * 13 for s in (5, 6, 7)]
     assert recv == [6 * 2 * 16 * plan.q_count(p) for p in range(3)]
+
+
+@pytest.mark.parametrize("hq,hkv,P,seq_lens,B", PLANS)
+@pytest.mark.parametrize("v_dim", [8, 12])  # 12: MLA's own v head dim
+@pytest.mark.parametrize("extra", [0, 4])  # 4: an FP8 wire's scale bytes per row
+def test_routes_cut_buffers_as_the_layout_methods_do(hq, hkv, P, seq_lens, B, v_dim, extra):
+    """``s2h_route``/``h2s_route`` (what the movers read) hold the numbers of the layout's
+    own split, piece and view methods, of the padded layout for the buffers, for every rank."""
+    plan = HeadPlan.build(hq, hkv, P)
+    for r in range(P):
+        lay = Layout(plan, r, tuple(seq_lens), B, 8, v_dim)
+        wire = lay.padded_rows(extra)
+        assert (wire.head_dim, wire.v_head_dim) == (8 + extra, v_dim + extra)
+        for roles in (QKV, Q_ONLY, ("o",)):
+            s2h = lay.s2h_route(roles, extra)
+            assert s2h is lay.s2h_route(roles, extra)  # kept on the layout
+            assert list(s2h.send_splits) == wire.s2h_send_splits(roles)
+            assert list(s2h.recv_splits) == wire.s2h_recv_splits(roles)
+            assert s2h.peer_send == sum(wire.s2h_send_splits(roles, own=False))
+            send = torch.arange(float(s2h.peer_send))
+            expected = [x for per in wire.s2h_send_pieces(send, roles, own=False) for x in per]
+            assert [x.numel() for x in expected] == list(s2h.send_pieces)
+            recv = torch.arange(float(sum(s2h.recv_splits)))
+            by_source = wire.s2h_recv_pieces(recv, roles)
+            cut = recv.split_with_sizes(s2h.recv_pieces)
+            assert all(torch.equal(cut[b * P + p], by_source[p][b]) for p in range(P) for b in range(B))
+            # The results' views of an unpadded receive buffer, as the layout's.
+            flat = torch.arange(float(sum(lay.s2h_recv_splits(roles))))
+            parts = flat.view(s2h.recv_shape).split_with_sizes(s2h.role_sizes, dim=2)
+            views = [x.view(shape) for x, shape in zip(parts, s2h.out_shapes)]
+            assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(views, lay.s2h_recv_views(flat, roles)))
+            h2s = lay.h2s_route(roles, extra)
+            assert (list(h2s.send_splits), list(h2s.recv_splits)) == wire.h2s_splits(roles)
+            assert h2s.block_shapes == wire.h2s_block_shapes(roles)
+            assert sum(h2s.block_sizes) == sum(h2s.recv_splits)
+            assert h2s.peer_block_sizes == tuple(h2s.block_sizes[p * len(roles) + i] for p in range(P) if p != r for i in range(len(roles)))
+            assert h2s.offsets == tuple(lay.seq_offset(p) for p in range(P))
+            assert h2s.out_shapes == tuple((B, seq_lens[r], lay.total_heads(s), lay.dim(s)) for s in roles)

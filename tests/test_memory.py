@@ -124,8 +124,8 @@ def _buffer(label: str, peak_phase: str) -> str:
     """A tracker label (``phase/module.function:name``) as the buffer it is."""
     phase, _, site = label.partition("/")
     names = {
-        "exchange.post_seq_to_head:send": "seq->head send",
-        "exchange.post_seq_to_head:recv": "seq->head receive",
+        "exchange._post_s2h:send": "seq->head send",
+        "exchange._post_s2h:recv": "seq->head receive",
         "exchange._h2s_recv:recv": "head->seq receive",
         "exchange.a2a_head_to_seq:outs": "results",
         "function._new_results:": "results",

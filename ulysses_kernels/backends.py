@@ -56,6 +56,7 @@ __all__ = [
     "save_tensors",
     "doc_kwargs",
     "attend_rows",
+    "attend_heads",
     "per_document",
     "packed_kernel",
     "packed_report",
@@ -138,6 +139,13 @@ def attend_rows(attend, q, k, v, causal: bool, scale: float, docs=None) -> torch
     return out.view(B, S, *out.shape[2:])
 
 
+def attend_heads(attend, q, k, v, kv_map, causal: bool, scale: float, docs=None) -> torch.Tensor:
+    """``attend_rows`` over ``k``, ``v`` gathered to ``q``'s heads by ``kv_map`` (``KVGather``:
+    grouped views where the map is uniform): the step the eager backend's ``forward`` and the
+    traced path (``attention.traced``) share."""
+    return attend_rows(attend, q, *KVGather.of(kv_map, k.shape[2]).gather(k, v), causal, scale, docs)
+
+
 def per_document(fn, q, k, v, docs) -> torch.Tensor:
     """``fn(q_d, k_d, v_d)`` on each document's rows of ``[1, S, H, D]`` tensors, joined
     along the sequence: block-diagonal attention from any dense attention ``fn``.
@@ -203,12 +211,12 @@ class AttentionBackend:
         return math_attention_lse_backward(dout, q, k, v, out, lse, causal, scale)
 
     def forward(self, q, k, v, *, causal, scale, kv_map, needs_grad, docs=None):
-        heads = KVGather.of(kv_map, k.shape[2])  # gathered where the map is not uniform
         if not needs_grad:
             if not torch.is_grad_enabled():  # as the op calls it (inside its autograd nodes, or with nothing to differentiate)
-                return attend_rows(self.attend, q, *heads.gather(k, v), causal, scale, docs), None
+                return attend_heads(self.attend, q, k, v, kv_map, causal, scale, docs), None
             with torch.no_grad():
-                return attend_rows(self.attend, q, *heads.gather(k, v), causal, scale, docs), None
+                return attend_heads(self.attend, q, k, v, kv_map, causal, scale, docs), None
+        heads = KVGather.of(kv_map, k.shape[2])  # gathered where the map is not uniform
         # A gathered map: the kernel saves the gathered k, v (dk, dv are summed back to the
         # KV heads in ``backward``), and q leaves the receive buffer (``KVGather.own_q``).
         q = heads.own_q(q, k)

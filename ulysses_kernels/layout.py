@@ -50,7 +50,7 @@ import torch
 
 from .plan import HeadPlan
 
-__all__ = ["Layout", "QKV", "Q_ONLY", "OUT", "split_lengths"]
+__all__ = ["Layout", "S2HRoute", "H2SRoute", "QKV", "Q_ONLY", "OUT", "split_lengths"]
 
 QKV = ("q", "kv", "v")
 Q_ONLY = ("q",)
@@ -125,6 +125,67 @@ class Layout:
         if value is None:
             value = memo[key] = build()
         return value
+
+    def padded_rows(self, extra: int) -> Layout:
+        """This layout with every head ``extra`` elements longer (head dims ``D + extra`` and
+        ``Dv + extra``): an FP8 wire's buffers in bytes, ``D`` values and a 4-byte scale per
+        row (``wire.wire_layout``). Kept on this layout."""
+        if extra == 0:
+            return self
+        return self._memo(("padded", extra), lambda: Layout(self.plan, self.rank, self.seq_lens, self.batch, self.head_dim + extra, self.v_head_dim + extra))
+
+    def s2h_route(self, roles: Sequence[str], extra: int = 0) -> S2HRoute:
+        """Every size the sequence-to-head exchange of ``roles`` cuts its buffers by, from this
+        rank (``S2HRoute``); ``extra``: the buffers' rows are that much longer (an FP8 wire:
+        ``padded_rows``). Computed once per layout, roles and ``extra``."""
+        roles = tuple(roles)
+
+        def build():
+            lay, B, P = self.padded_rows(extra), self.batch, self.world_size
+            peer_splits = lay.s2h_send_splits(roles, own=False)
+            w = lay.width(roles, self.rank)
+            counts, dims = self._roles(roles)[1][self.rank], [self.dim(s) for s in roles]
+            return S2HRoute(
+                layout=self,
+                send_splits=tuple(lay.s2h_send_splits(roles)),
+                recv_splits=tuple(lay.s2h_recv_splits(roles)),
+                peer_send=sum(peer_splits),
+                send_pieces=tuple(n // B for n in peer_splits for _ in range(B)),
+                recv_pieces=tuple(n * w for _ in range(B) for n in self.seq_lens),
+                recv_shape=(B, self.seq_total, sum(counts), self.head_dim) if self.uniform else (B, self.seq_total, self.width(roles, self.rank)),
+                role_sizes=tuple(counts) if self.uniform else tuple(c * d for c, d in zip(counts, dims)),
+                out_shapes=tuple((B, self.seq_total, c, d) for c, d in zip(counts, dims)),
+                peers=tuple(p for p in range(P) if p != self.rank),
+            )
+
+        return self._memo(("s2h_route", roles, extra), build)
+
+    def h2s_route(self, roles: Sequence[str], extra: int = 0) -> H2SRoute:
+        """Every size the head-to-sequence exchange of ``roles`` cuts its buffers by, from this
+        rank (``H2SRoute``; ``extra`` as for ``s2h_route``). Computed once per layout, roles
+        and ``extra``."""
+        roles = tuple(roles)
+
+        def build():
+            lay, B = self.padded_rows(extra), self.batch
+            send, recv = lay.h2s_splits(roles)
+            shapes = lay.h2s_block_shapes(roles)
+            peers = tuple(p for p in range(self.world_size) if p != self.rank)
+            peer_sizes = tuple(math.prod(x) for p in peers for x in shapes[p])
+            return H2SRoute(
+                layout=self,
+                send_splits=tuple(send),
+                recv_splits=tuple(recv),
+                block_shapes=shapes,
+                block_sizes=tuple(math.prod(x) for per in shapes for x in per),
+                peer_block_sizes=peer_sizes,
+                peer_pieces=tuple(x // B for x in peer_sizes for _ in range(B)),
+                offsets=tuple(self.seq_offset(p) for p in range(self.world_size)),
+                out_shapes=tuple((B, self.seq_local, self.total_heads(s), self.dim(s)) for s in roles),
+                peers=peers,
+            )
+
+        return self._memo(("h2s_route", roles, extra), build)
 
     def with_plan(self, plan: HeadPlan) -> Layout:
         """This layout with another plan (a chunk's, a replica sum's): same rank, lengths,
@@ -325,6 +386,58 @@ class Layout:
         if flat:
             return [list(pieces[p * n : (p + 1) * n]) for p in range(self.world_size)]
         return [[pieces[p * n + i].view(shapes[p][i]) for i in range(n)] for p in range(self.world_size)]
+
+
+@dataclass(frozen=True)
+class S2HRoute:
+    """The sequence-to-head exchange of one role set, from one rank: every size its buffers
+    are cut by (``Layout.s2h_route``), in buffer elements (bytes on an FP8 wire). The movers
+    (``attention.exchange``) read these numbers and call nothing back here.
+
+    ``send_splits``: per peer, this rank's own block included (batch 1: one ``all_to_all``);
+    ``recv_splits``: per source; ``peer_send``: the send buffer's elements without this
+    rank's own block (``pack_s2h(recv=...)`` packs it into the receive buffer) and
+    ``send_pieces`` that buffer cut per (peer, batch element); ``recv_pieces``: the receive
+    buffer ``[B][S][width]`` cut per (batch element, source); ``recv_shape``: the receive
+    buffer as ``[B, S, h, D]`` (one head dim) or ``[B, S, width]`` (MLA), and ``role_sizes``
+    its dim 2 cut per role; ``out_shapes``: per role the result ``[B, S, h, D]``;
+    ``peers``: the ranks other than this one."""
+
+    layout: Layout
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    peer_send: int
+    send_pieces: tuple[int, ...]
+    recv_pieces: tuple[int, ...]
+    recv_shape: tuple[int, ...]
+    role_sizes: tuple[int, ...]
+    out_shapes: tuple[tuple[int, int, int, int], ...]
+    peers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class H2SRoute:
+    """The head-to-sequence exchange of one role set, from one rank (``Layout.h2s_route``),
+    in buffer elements (bytes on an FP8 wire).
+
+    ``send_splits``/``recv_splits``: per peer (one ``all_to_all``); ``block_shapes``: per
+    source, per role the ``[B, s_r, h, D]`` wire-format block and ``block_sizes`` their
+    elements, source-major; ``peer_block_sizes``: the same for the sources other than this
+    rank (a grouped send/recv's receive buffer) and ``peer_pieces`` each cut per batch
+    element; ``offsets``: per peer the first token of its rows in a local ``[B, S, h, D]``
+    tensor; ``out_shapes``: per role the result ``[B, s_r, H, D]``; ``peers``: the ranks
+    other than this one."""
+
+    layout: Layout
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    block_shapes: tuple[tuple[tuple[int, int, int, int], ...], ...]
+    block_sizes: tuple[int, ...]
+    peer_block_sizes: tuple[int, ...]
+    peer_pieces: tuple[int, ...]
+    offsets: tuple[int, ...]
+    out_shapes: tuple[tuple[int, int, int, int], ...]
+    peers: tuple[int, ...]
 
 
 def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:

@@ -18,12 +18,17 @@ import torch
 
 from .checks import softmax_scale_value
 
-__all__ = ["math_attention", "math_attention_lse", "math_attention_lse_backward", "default_scale"]
+__all__ = ["math_attention", "math_attention_lse", "math_attention_lse_backward", "default_scale", "checked_scale"]
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:
     """``softmax_scale`` as a float (checked: ``checks.softmax_scale_value``), or ``1/sqrt(head_dim)``."""
-    scale = softmax_scale_value(softmax_scale)
+    return checked_scale(head_dim, softmax_scale_value(softmax_scale))
+
+
+def checked_scale(head_dim: int, scale: float | None) -> float:
+    """A scale already checked (``checks.softmax_scale_value``'s float, as a ``CallKey`` holds
+    it), or ``1/sqrt(head_dim)`` for ``None``."""
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 

@@ -225,7 +225,7 @@ class LiveBytes(TorchDispatchMode):
     inputs) when they should count. ``.peak`` is the highest ``.current`` seen; ``.at_peak`` the bytes alive at that moment per label. A storage's
     label is ``phase/site``: the phase set by ``phase()`` when it was allocated and the
     first frame outside torch that allocated it, as ``module.function:name`` (``name``: the
-    variable the source line assigns, e.g. ``exchange.post_seq_to_head:send``).
+    variable the source line assigns, e.g. ``exchange._post_s2h:send``).
     Kernel-internal scratch that never reaches the dispatcher is not seen.
 
     Host memory: storages allocated at a site that starts with one of ``host_sites``

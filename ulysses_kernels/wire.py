@@ -141,8 +141,7 @@ def resolve_wire(wire_dtype, kernels, world_size: int, traced: bool) -> WireSpec
 def wire_layout(layout: Layout, fmt: Fp8Format) -> Layout:
     """``layout`` in wire bytes: head dims ``D + 4`` and ``Dv + 4`` (see the module docstring),
     kept on the layout (one per layout; the format does not change the byte count)."""
-    return layout._memo(("wire",), lambda: Layout(layout.plan, layout.rank, layout.seq_lens, layout.batch, layout.head_dim + SCALE_BYTES,
-                                                  layout.v_head_dim + SCALE_BYTES))  # fmt: skip
+    return layout.padded_rows(SCALE_BYTES)
 
 
 def wire_bytes_ratio(head_dim: int, itemsize: int) -> float:

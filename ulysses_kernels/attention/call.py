@@ -48,7 +48,7 @@ from ..comm import Communicator, get_communicator, native_nccl_enabled
 from ..documents import Documents, documents
 from ..kernels import KernelSet, get_kernels, registry_generation
 from ..layout import Layout
-from ..math_attention import default_scale
+from ..math_attention import checked_scale
 from ..plan import HeadPlan
 from ..ring import SPGroups, check_ring_inputs, ring_backend
 from ..wire import WireSpec, resolve_wire
@@ -120,36 +120,43 @@ def _named(x) -> bool:
 class Parts(NamedTuple):
     """What a call's values decide (``checks.CallKey``, the backend and kernel-set names),
     resolved by ``resolve`` in this order: this rank's checks, the ``HeadPlan`` and this
-    rank's ``Layout``, the backend (``base``: ``backends.backend_of``'s pick; ``split_kv_groups``:
-    it is a built-in ``AttentionBackend``, so the chunked pipeline may split a shared KV head;
-    ``backend``: what this rank runs, ``for_rank``), the kernel set and the softmax scale."""
+    rank's ``Layout``, the backend (``base``: ``backends.backend_of``'s pick;
+    ``split_kv_groups``: it is a built-in ``AttentionBackend``, so the chunked pipeline may
+    split a shared KV head; ``backend``: what this rank runs, ``for_rank``) and the kernel set.
+    (The softmax scale is the call's: ``checked_scale`` of the key's, a float or the default.)"""
 
     plan: HeadPlan
     layout: Layout
-    base: object
-    split_kv_groups: bool
-    backend: object
-    kernels: KernelSet | None
-    scale: float
+    base: object = None
+    split_kv_groups: bool = False
+    backend: object = None
+    kernels: KernelSet | None = None
 
 
 _GIVEN = object()  # resolve()'s stand-in for a backend or kernel set given as an object
 
 
-def _resolve(key: CallKey, attn_fn, kernels, traced: bool) -> Parts:
-    """``Parts`` of ``key``, computed (``resolve`` keeps them). ``_GIVEN``: left for the caller."""
-    check_rank(key)
-    plan, world = key.plan, key.world_size
-    if plan is None:
-        plan = HeadPlan.build(key.q_shape[2], key.k_shape[2], world)
-    elif plan.world_size != world:
-        raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
-    lens = key.seq_lens if key.seq_lens is not None else (key.q_shape[1],) * world
-    layout = Layout(plan, key.rank, lens, key.q_shape[0], key.q_shape[3], key.v_shape[3])
-    base = None if attn_fn is _GIVEN else backend_of(attn_fn, key.q_device, key.q_dtype)
-    kern = None if kernels is _GIVEN else get_kernels(kernels, key.q_device, layout, traceable=traced)
-    scale = default_scale(key.q_shape[3], key.scale)
-    return Parts(plan, layout, base, isinstance(base, AttentionBackend), for_rank(base, layout.kv_map), kern, scale)
+def _resolve(key: CallKey, attn_fn, kernels, traced: bool, kept: Parts | None = None) -> Parts:
+    """``Parts`` of ``key``, computed (``resolve`` keeps them); ``_GIVEN`` for ``attn_fn`` or
+    ``kernels``: left for the caller. ``kept``: the key's kept parts, into which a backend or
+    kernel set given as an object is put (per call): the one place both are resolved."""
+    parts = kept
+    if parts is None:
+        check_rank(key)
+        plan, world = key.plan, key.world_size
+        if plan is None:
+            plan = HeadPlan.build(key.q_shape[2], key.k_shape[2], world)
+        elif plan.world_size != world:
+            raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
+        lens = key.seq_lens if key.seq_lens is not None else (key.q_shape[1],) * world
+        layout = Layout(plan, key.rank, lens, key.q_shape[0], key.q_shape[3], key.v_shape[3])
+        parts = Parts(plan, layout)
+    if attn_fn is not _GIVEN:
+        base = backend_of(attn_fn, key.q_device, key.q_dtype)
+        parts = parts._replace(base=base, split_kv_groups=isinstance(base, AttentionBackend), backend=for_rank(base, parts.layout.kv_map))
+    if kernels is not _GIVEN:
+        parts = parts._replace(kernels=get_kernels(kernels, key.q_device, parts.layout, traceable=traced))
+    return parts
 
 
 # Bounded, keyed by values (a few hundred input signatures, a few KB each; never by a group),
@@ -169,12 +176,9 @@ def resolve(key: CallKey, attn_fn, kernels, traced: bool = False) -> Parts:
         return _resolve(key, attn_fn, kernels, True)
     fn_named, kern_named = _named(attn_fn), _named(kernels)
     parts = _kept(key, attn_fn if fn_named else _GIVEN, kernels if kern_named else _GIVEN, registry_generation())
-    if not fn_named:
-        base = backend_of(attn_fn, key.q_device, key.q_dtype)
-        parts = parts._replace(base=base, split_kv_groups=isinstance(base, AttentionBackend), backend=for_rank(base, parts.layout.kv_map))
-    if not kern_named:
-        parts = parts._replace(kernels=get_kernels(kernels, key.q_device, parts.layout))
-    return parts
+    if fn_named and kern_named:
+        return parts
+    return _resolve(key, _GIVEN if fn_named else attn_fn, _GIVEN if kern_named else kernels, False, kept=parts)
 
 
 def _resolve_chunks(chunks, layout: Layout, itemsize: int, causal: bool, device_type: str, split_kv_groups: bool) -> int:
@@ -249,7 +253,8 @@ def _setup_flat(q, k, v, *, group, comm, members, plan, seq_lens, causal, softma
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     comm = _transport(group, comm, members, q.device, traced)
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
-    call = CallSetup(parts.plan, layout, comm, parts.kernels, parts.backend, split, bool(causal), parts.scale, layout.kv_map, n, traced, docs, wire)
+    scale = checked_scale(key.q_shape[3], key.scale)
+    call = CallSetup(parts.plan, layout, comm, parts.kernels, parts.backend, split, bool(causal), scale, layout.kv_map, n, traced, docs, wire)
     return call, parts
 
 
@@ -275,8 +280,9 @@ def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_sc
                                   wire_dtype=wire_dtype)  # fmt: skip
     except UlyssesInputError as e:
         failed = e
-    scale = call.scale if call is not None else default_scale(q.shape[3], softmax_scale) if q.dim() == 4 else 0.0
-    check_ring_inputs(sp, q, k, causal=causal, scale_bits=float_bits(scale), seq_lens=seq_lens, failed=failed, check=check, docs=docs, v=v)
+    # A rank whose set-up failed raises its own error in check_ring_inputs: its scale is never compared.
+    scale_bits = float_bits(call.scale) if call is not None else 0
+    check_ring_inputs(sp, q, k, causal=causal, scale_bits=scale_bits, seq_lens=seq_lens, failed=failed, check=check, docs=docs, v=v)
     return call._replace(backend=ring_backend(sp, parts.base), docs=docs)
 
 

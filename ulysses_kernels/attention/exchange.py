@@ -31,15 +31,13 @@ docs/design.md ("Buffers and who owns them") gives the peak of one call as a for
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import torch
 
-from .. import layout as L
 from ..kernels import TorchKernels
-from ..layout import OUT, Q_ONLY, QKV, Layout
-from ..wire import SCALE_BYTES, Fp8Format, wire_layout
+from ..layout import OUT, Q_ONLY, QKV, H2SRoute, Layout, S2HRoute, rows_contiguous
+from ..wire import SCALE_BYTES, Fp8Format
 
 __all__ = [
     "post_seq_to_head",
@@ -79,31 +77,38 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
     is waited. ``wire``: an FP8 format (``ulysses_kernels.wire``): the pack quantizes into
     byte buffers laid out as ``wire_layout(layout, wire)``.
     """
-    like, rank = tensors[0], layout.rank
-    lay = layout if wire is None else wire_layout(layout, wire)  # the buffers' sizes
+    return _post_s2h(layout.s2h_route(roles, _extra(wire)), tensors, roles, comm, kernels, start, wire)
+
+
+def _extra(wire: Fp8Format | None) -> int:
+    """How much longer a head's row is on the wire: the FP8 scale's bytes, or 0."""
+    return 0 if wire is None else SCALE_BYTES
+
+
+def _post_s2h(route: S2HRoute, tensors, roles, comm, kernels, start, wire: Fp8Format | None):
+    """``post_seq_to_head`` along ``route`` (the sizes of its buffers)."""
+    layout, like = route.layout, tensors[0]
     if wire is not None:
         like = like.new_empty(0, dtype=torch.uint8)
         pack = functools.partial(kernels.quant_pack_s2h, fmt=wire)
     else:
         pack = kernels.pack_s2h
-    recv_splits = lay.s2h_recv_splits(roles)
-    recv = _flat(sum(recv_splits), like)
+    recv = _flat(sum(route.recv_splits), like)
     if layout.batch == 1 and layout.world_size > 1:
-        send_splits = lay.s2h_send_splits(roles)
-        send = _flat(sum(send_splits), like)
+        send = _flat(sum(route.send_splits), like)
         pack(layout, tensors, roles, send)
-        collective = lambda a: comm.all_to_all(recv, send, recv_splits, send_splits, async_op=a)  # noqa: E731
+        collective = lambda a: comm.all_to_all(recv, send, route.recv_splits, route.send_splits, async_op=a)  # noqa: E731
     else:
         # One piece per (peer, batch element); our own rows are packed in place, so the
         # send buffer holds the peers' blocks only.
-        send = _flat(sum(lay.s2h_send_splits(roles, own=False)), like)
+        send = _flat(route.peer_send, like)
         pack(layout, tensors, roles, send, recv=recv)
         sends, recvs = [], []
         if layout.world_size > 1:
-            send_p, recv_p = lay.s2h_send_pieces(send, roles, own=False), lay.s2h_recv_pieces(recv, roles)
-            peers = [p for p in range(layout.world_size) if p != rank]
-            sends = [(p, x) for p in peers for x in send_p[p]]
-            recvs = [(p, x) for p in peers for x in recv_p[p]]
+            B, P = layout.batch, layout.world_size
+            send_p, recv_p = send.split_with_sizes(route.send_pieces), recv.split_with_sizes(route.recv_pieces)
+            sends = [(p, send_p[p * B + b]) for p in route.peers for b in range(B)]
+            recvs = [(p, recv_p[b * P + p]) for p in route.peers for b in range(B)]
         collective = lambda a: comm.send_recv(sends, recvs, async_op=a)  # noqa: E731
     return start((recv, send), collective), recv
 
@@ -111,11 +116,15 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
 def s2h_results(layout: Layout, recv: torch.Tensor, roles, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
     """The sequence-to-head results of a waited receive buffer: ``[B, S, h, D]`` views of it,
     or with ``wire`` new tensors in ``like``'s dtype, dequantized by the kernel set."""
+    return _s2h_results(layout.s2h_route(roles, _extra(wire)), recv, roles, kernels, wire, like)
+
+
+def _s2h_results(route: S2HRoute, recv: torch.Tensor, roles, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
     if wire is None:
-        return layout.s2h_recv_views(recv, roles)
-    S, rank = layout.seq_total, layout.rank
-    outs = [like.new_empty(layout.batch, S, layout.head_count(s, rank), layout.dim(s)) for s in roles]
-    kernels.dequant_s2h(layout, recv, roles, outs, wire)
+        parts = recv.view(route.recv_shape).split_with_sizes(route.role_sizes, dim=2)
+        return list(parts) if route.layout.uniform else [x.view(shape) for x, shape in zip(parts, route.out_shapes)]
+    outs = [like.new_empty(shape) for shape in route.out_shapes]
+    kernels.dequant_s2h(route.layout, recv, roles, outs, wire)
     return outs
 
 
@@ -127,53 +136,62 @@ def h2s_unpack(layout: Layout, blocks, roles, outs, kernels, wire: Fp8Format | N
         kernels.dequant_unpack_h2s(layout, blocks, roles, outs, wire)
 
 
-def _one_collective(layout: Layout, n_tensors: int) -> bool:
-    """Head-to-seq of one tensor at batch 1 is one all_to_all (own rows included)."""
-    return n_tensors == 1 and layout.batch == 1 and layout.world_size > 1
-
-
-def _h2s_recv(layout: Layout, roles, like: torch.Tensor, own: bool, flat: bool = False):
+def _h2s_recv(route: H2SRoute, like: torch.Tensor, own: bool, flat: bool = False):
     """The receive side of a head-to-sequence exchange: ``(buffer, blocks, pieces)``.
-    ``blocks``: per source, per role the wire-format block (``layout.h2s_recv_views``:
-    ``[B, s_r, h, D]`` views, or with ``flat`` the 1-D pieces of the buffer, for a kernel set
-    that takes them: ``flat_blocks``). ``own=False`` (grouped send/recv) leaves this rank's
-    blocks out of the buffer (``None``): its rows never touch the wire, so the buffer holds
-    the peers' blocks only; ``pieces`` then lists, per peer other than this rank, per role,
-    per batch element, the 1-D piece it sends (``None`` with ``own``). One
-    ``split_with_sizes`` cuts all of them (two with a batch above 1 and views)."""
+    ``blocks``: per source, per role the wire-format block (``[B, s_r, h, D]`` views, or with
+    ``flat`` the 1-D pieces of the buffer, for a kernel set that takes them: ``flat_blocks``).
+    ``own=False`` (grouped send/recv) leaves this rank's blocks out of the buffer (``None``):
+    its rows never touch the wire, so the buffer holds the peers' blocks only; ``pieces``
+    then lists, per peer other than this rank, per role, per batch element, the 1-D piece it
+    sends (``None`` with ``own``). One ``split_with_sizes`` cuts all of them (two with a
+    batch above 1 and views)."""
+    P, shapes = route.layout.world_size, route.block_shapes
+    n = len(shapes[0])
     if own:
-        recv = _flat(sum(layout.h2s_splits(roles)[1]), like)
-        return recv, layout.h2s_recv_views(recv, roles, flat=flat), None
-    shapes = layout.h2s_block_shapes(roles)
-    B, rank, n = layout.batch, layout.rank, len(roles)
-    peers = [p for p in range(layout.world_size) if p != rank]
-    block_sizes = [math.prod(shapes[p][i]) for p in peers for i in range(n)]
-    recv = _flat(sum(block_sizes), like)
+        recv = _flat(sum(route.recv_splits), like)
+        pieces = recv.split_with_sizes(route.block_sizes)
+        if flat:
+            return recv, [list(pieces[p * n : (p + 1) * n]) for p in range(P)], None
+        return recv, [[pieces[p * n + i].view(shapes[p][i]) for i in range(n)] for p in range(P)], None
+    B, peers = route.layout.batch, route.peers
+    recv = _flat(sum(route.peer_block_sizes), like)
     # Per (peer, role, batch element): the pieces on the wire.
-    pieces = recv.split_with_sizes([x // B for x in block_sizes for _ in range(B)])
+    pieces = recv.split_with_sizes(route.peer_pieces)
     if B == 1 and flat:
         whole = pieces
     else:
-        whole = recv.split_with_sizes(block_sizes)
+        whole = recv.split_with_sizes(route.peer_block_sizes)
         if not flat:
             whole = [x.view(shapes[p][i]) for (p, i), x in zip(((p, i) for p in peers for i in range(n)), whole)]
-    blocks: list = [None] * layout.world_size
+    blocks: list = [None] * P
     for j, p in enumerate(peers):
         blocks[p] = list(whole[j * n : (j + 1) * n])
     by_peer = {p: [list(pieces[(j * n + i) * B : (j * n + i + 1) * B]) for i in range(n)] for j, p in enumerate(peers)}
     return recv, blocks, by_peer
 
 
-def _send_pieces(layout: Layout, x: torch.Tensor) -> list[list[torch.Tensor]]:
+def _one_collective(layout: Layout, n_tensors: int) -> bool:
+    """Head-to-seq of one tensor at batch 1 is one all_to_all (own rows included)."""
+    return n_tensors == 1 and layout.batch == 1 and layout.world_size > 1
+
+
+def _rows_of(route: H2SRoute, x: torch.Tensor, peer: int) -> torch.Tensor:
+    """Rows of a local ``[B, S, h, D]`` tensor bound for ``peer``: ``[B, s_p, h, D]``."""
+    start = route.offsets[peer]
+    return x[:, start : start + route.layout.seq_lens[peer]]
+
+
+def _send_pieces(route: H2SRoute, x: torch.Tensor) -> list[list[torch.Tensor]]:
     """Per peer, per batch element: the 1-D piece of a local ``[B, S, h, D]`` tensor whose
     rows are contiguous (``layout.rows_contiguous``) bound for that peer. A contiguous
     tensor is cut with one ``split_with_sizes``."""
+    layout = route.layout
     B, P = layout.batch, layout.world_size
     w = x.shape[2] * x.shape[3]
     if x.is_contiguous():
         cut = x.view(-1).split_with_sizes([n * w for _ in range(B) for n in layout.seq_lens])
         return [[cut[b * P + p] for b in range(B)] for p in range(P)]
-    return [[layout.h2s_send_blocks(x, p)[b].reshape(-1) for b in range(B)] for p in range(P)]
+    return [[_rows_of(route, x, p)[b].reshape(-1) for b in range(B)] for p in range(P)]
 
 
 def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now, flat: bool = False, wire: Fp8Format | None = None):
@@ -189,32 +207,33 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
     ``wire`` (an FP8 format): every tensor is packed, quantized, into bytes ``[B, S, h, D + 4]``
     (``ulysses_kernels.wire``), and the blocks are blocks of bytes (``h2s_unpack`` takes them).
     """
-    fmt, wire = wire, []
+    return _post_h2s(layout.h2s_route(roles, _extra(wire)), local, comm, kernels, start, flat, wire)
+
+
+def _post_h2s(route: H2SRoute, local, comm, kernels, start, flat: bool, wire: Fp8Format | None):
+    """``post_head_to_seq`` along ``route`` (the sizes of its buffers)."""
+    layout, fmt, wire = route.layout, wire, []
     for x in local:
         if fmt is not None:
             B, S, h, D = x.shape
             packed = x.new_empty(B, S, h, D + SCALE_BYTES, dtype=torch.uint8)
             kernels.quant_pack_h2s(layout, x, packed.view(-1), fmt)
             x = packed
-        elif not L.rows_contiguous(x):
+        elif not rows_contiguous(x):
             # NOTE: a backend that returns rows that are not contiguous costs this copy.
             packed = _flat(x.numel(), x)
             kernels.pack_h2s(layout, x, packed)
             x = packed.view(x.shape)
         wire.append(x)
-    lay = layout if fmt is None else wire_layout(layout, fmt)  # the buffers' sizes
     one = _one_collective(layout, len(wire))
-    recv, blocks, recv_pieces = _h2s_recv(lay, roles, wire[0], own=one, flat=flat)
+    recv, blocks, recv_pieces = _h2s_recv(route, wire[0], own=one, flat=flat)
     if one:
-        send_splits, recv_splits = lay.h2s_splits(roles)
         flat_send = wire[0].reshape(-1)
-        collective = lambda a: comm.all_to_all(recv, flat_send, recv_splits, send_splits, async_op=a)  # noqa: E731
+        collective = lambda a: comm.all_to_all(recv, flat_send, route.recv_splits, route.send_splits, async_op=a)  # noqa: E731
     else:
         sends, recvs = [], []
-        cut = [_send_pieces(layout, x) for x in wire] if layout.world_size > 1 else []
-        for p in range(layout.world_size):
-            if p == layout.rank:
-                continue
+        cut = [_send_pieces(route, x) for x in wire] if layout.world_size > 1 else []
+        for p in route.peers:
             for i in range(len(wire)):
                 sends += [(p, t) for t in cut[i][p]]
                 recvs += [(p, t) for t in recv_pieces[p][i]]
@@ -224,15 +243,16 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
         if flat and layout.batch == 1 and cut:
             blocks[layout.rank] = [cut[i][layout.rank][0] for i in range(len(wire))]
         else:
-            blocks[layout.rank] = [lay.h2s_send_blocks(x, layout.rank) for x in wire]
+            blocks[layout.rank] = [_rows_of(route, x, layout.rank) for x in wire]
     return start((recv, *wire), collective), blocks
 
 
 def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views
     (with ``wire``, an FP8 format: new tensors, dequantized from the receive buffer)."""
-    _, recv = post_seq_to_head(layout, tensors, roles, comm, kernels, wire=wire)
-    return s2h_results(layout, recv, roles, kernels, wire, tensors[0])
+    route = layout.s2h_route(roles, _extra(wire))
+    _, recv = _post_s2h(route, tensors, roles, comm, kernels, _run_now, wire)
+    return _s2h_results(route, recv, roles, kernels, wire, tensors[0])
 
 
 def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
@@ -241,9 +261,9 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
     if layout.world_size == 1:
         return list(local)
     like = local[0]
-    flat = getattr(kernels, "flat_blocks", False)
-    _, blocks = post_head_to_seq(layout, local, roles, comm, kernels, flat=flat, wire=wire)
-    outs = [torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device) for s in roles]
+    route = layout.h2s_route(roles, _extra(wire))
+    _, blocks = _post_h2s(route, local, comm, kernels, _run_now, getattr(kernels, "flat_blocks", False), wire)
+    outs = [torch.empty(shape, dtype=like.dtype, device=like.device) for shape in route.out_shapes]
     h2s_unpack(layout, blocks, roles, outs, kernels, wire)
     return outs
 

@@ -64,8 +64,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends import AttentionBackend, SharedKV, attend_rows, doc_kwargs
-from ..gqa import expand_kv
+from ..backends import AttentionBackend, SharedKV, attend_heads, doc_kwargs
 from .exchange import HeadToSeqTraced, SeqToHeadTraced
 
 __all__ = ["traced_attention"]
@@ -121,8 +120,7 @@ def _attend(backend, q, k, v, causal: bool, scale: float, kv_map: Sequence[int],
     if inner is not backend:
         k, v = _SharedKVExpand.apply(k, v, q.shape[2])
         kv_map = range(q.shape[2])
-    k2, v2 = expand_kv(k, v, kv_map)
-    return attend_rows(inner.attend, q, k2, v2, causal, scale, docs)
+    return attend_heads(inner.attend, q, k, v, kv_map, causal, scale, docs)
 
 
 def traced_attention(q, k, v, call) -> torch.Tensor:
