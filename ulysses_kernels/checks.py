@@ -441,9 +441,14 @@ def _signature_of(key: CallKey) -> Signature:
 
 
 def check_rank(key: CallKey) -> None:
-    """This rank's checks of the call ``key`` (``validate`` of its own signature): every
-    rank-local error, named, before anything is planned (``attention.call.resolve``)."""
-    validate([_signature_of(key)], gathered=False)
+    """This rank's checks of the call ``key``: every rank-local error, named, before anything
+    is planned (``attention.call.resolve``); the text ``validate`` gives for this rank's
+    signature alone (its problems, then the ``[B, H, S, D]`` hint when the shapes suggest one)."""
+    sig = _signature_of(key)
+    hint = _layout_hint(sig)
+    problems = _local_problems(sig)
+    if problems:
+        raise UlyssesInputError("ulysses_attention: " + "; ".join(dict.fromkeys(problems)) + hint)
 
 
 # Bounded caches keyed by values (the call key, or every rank's integers).

@@ -136,18 +136,20 @@ def run_schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallSe
     """Run ``call`` on ``q``, ``k``, ``v`` (shapes as for ``ulysses_attention``) with the
     schedule it takes, chosen here and nowhere else:
 
+    * the default, one chunk outside ``torch.compile``: ``eager_attention`` (below), three
+      autograd nodes;
     * ``call.traced`` (set up inside ``torch.compile``): ``traced.traced_attention``, traceable
       pieces (``chunks`` is ignored there);
-    * ``call.chunks > 1``: ``chunked.chunked_attention``, head chunks whose exchanges overlap
-      attention (looked up in its package per call: a replaced function is the one that runs);
-    * else ``eager_attention`` (below): three autograd nodes.
+    * else (``call.chunks > 1``): ``chunked.chunked_attention``, head chunks whose exchanges
+      overlap attention (looked up in its package per call: a replaced function is the one
+      that runs).
 
     A 2-D group takes the same three: its ring level is ``call.backend``."""
+    if call.chunks == 1 and not call.traced:
+        return eager_attention(q, k, v, call)
     if call.traced:
         return traced_attention(q, k, v, call)
-    if call.chunks > 1:
-        return chunked.chunked_attention(q, k, v, call)
-    return eager_attention(q, k, v, call)
+    return chunked.chunked_attention(q, k, v, call)
 
 
 # ---- the eager schedule (the default) ---------------------------------------------------------
