@@ -285,6 +285,8 @@ def _local_problems(sig: Signature) -> list[str]:
         out.append(f"q_heads ({hq}, q.shape[2]) must be a multiple of kv_heads ({hkv}, k.shape[2])")
     if sig.plan_heads is not None and sig.plan_heads != (hq, hkv):
         out.append(f"(q_heads, kv_heads) expected {sig.plan_heads} (the plan), got ({hq}, {hkv}) from q.shape[2], k.shape[2]")
+    if hq >= 1 and sig.world_size > hq:
+        out.append(more_ranks_than_heads(sig.world_size, hq, f"world_size ({sig.world_size})"))
     if sig.dtypes[0] not in _FLOAT_CODES:
         out.append(f"q.dtype expected a floating-point dtype (float32, bfloat16, float16, float64), got {_dtype_name(sig.dtypes[0])}")
     for name, code in zip(names[1:], sig.dtypes[1:]):
@@ -300,9 +302,6 @@ def _local_problems(sig: Signature) -> list[str]:
             out.append(f"q.shape[1] (seq_local) expected seq_lens[{sig.rank}] = {sig.seq_lens[sig.rank]}, got {s}")
     if sig.docs and not out:
         out += _doc_problems(sig, sum(sig.seq_lens) if sig.seq_lens is not None else s * sig.world_size)
-    # Last, after the inputs' own problems: whether the group can split their heads.
-    if hq >= 1 and sig.world_size > hq:
-        out.append(more_ranks_than_heads(sig.world_size, hq, f"world_size ({sig.world_size})"))
     return out
 
 
@@ -441,14 +440,9 @@ def _signature_of(key: CallKey) -> Signature:
 
 
 def check_rank(key: CallKey) -> None:
-    """This rank's checks of the call ``key``: every rank-local error, named, before anything
-    is planned (``attention.call.resolve``); the text ``validate`` gives for this rank's
-    signature alone (its problems, then the ``[B, H, S, D]`` hint when the shapes suggest one)."""
-    sig = _signature_of(key)
-    hint = _layout_hint(sig)
-    problems = _local_problems(sig)
-    if problems:
-        raise UlyssesInputError("ulysses_attention: " + "; ".join(dict.fromkeys(problems)) + hint)
+    """This rank's checks of the call ``key`` (``validate`` of its own signature): every
+    rank-local error, named, before anything is planned (``attention.call.resolve``)."""
+    validate([_signature_of(key)], gathered=False)
 
 
 # Bounded caches keyed by values (the call key, or every rank's integers).

@@ -144,7 +144,6 @@ class Layout:
             lay, B, P = self.padded_rows(extra), self.batch, self.world_size
             peer_splits = lay.s2h_send_splits(roles, own=False)
             w = lay.width(roles, self.rank)
-            counts, dims = self._roles(roles)[1][self.rank], [self.dim(s) for s in roles]
             return S2HRoute(
                 layout=self,
                 send_splits=tuple(lay.s2h_send_splits(roles)),
@@ -152,9 +151,7 @@ class Layout:
                 peer_send=sum(peer_splits),
                 send_pieces=tuple(n // B for n in peer_splits for _ in range(B)),
                 recv_pieces=tuple(n * w for _ in range(B) for n in self.seq_lens),
-                recv_shape=(B, self.seq_total, sum(counts), self.head_dim) if self.uniform else (B, self.seq_total, self.width(roles, self.rank)),
-                role_sizes=tuple(counts) if self.uniform else tuple(c * d for c, d in zip(counts, dims)),
-                out_shapes=tuple((B, self.seq_total, c, d) for c, d in zip(counts, dims)),
+                out_shapes=tuple((B, self.seq_total, self.head_count(s, self.rank), self.dim(s)) for s in roles),
                 peers=tuple(p for p in range(P) if p != self.rank),
             )
 
@@ -174,13 +171,12 @@ class Layout:
             peer_sizes = tuple(math.prod(x) for p in peers for x in shapes[p])
             return H2SRoute(
                 layout=self,
+                wire=lay,
                 send_splits=tuple(send),
                 recv_splits=tuple(recv),
                 block_shapes=shapes,
-                block_sizes=tuple(math.prod(x) for per in shapes for x in per),
                 peer_block_sizes=peer_sizes,
                 peer_pieces=tuple(x // B for x in peer_sizes for _ in range(B)),
-                offsets=tuple(self.seq_offset(p) for p in range(self.world_size)),
                 out_shapes=tuple((B, self.seq_local, self.total_heads(s), self.dim(s)) for s in roles),
                 peers=peers,
             )
@@ -398,9 +394,8 @@ class S2HRoute:
     ``recv_splits``: per source; ``peer_send``: the send buffer's elements without this
     rank's own block (``pack_s2h(recv=...)`` packs it into the receive buffer) and
     ``send_pieces`` that buffer cut per (peer, batch element); ``recv_pieces``: the receive
-    buffer ``[B][S][width]`` cut per (batch element, source); ``recv_shape``: the receive
-    buffer as ``[B, S, h, D]`` (one head dim) or ``[B, S, width]`` (MLA), and ``role_sizes``
-    its dim 2 cut per role; ``out_shapes``: per role the result ``[B, S, h, D]``;
+    buffer ``[B][S][width]`` cut per (batch element, source); ``out_shapes``: per role the
+    result ``[B, S, h, D]`` (the views of the receive buffer are ``Layout.s2h_recv_views``);
     ``peers``: the ranks other than this one."""
 
     layout: Layout
@@ -409,8 +404,6 @@ class S2HRoute:
     peer_send: int
     send_pieces: tuple[int, ...]
     recv_pieces: tuple[int, ...]
-    recv_shape: tuple[int, ...]
-    role_sizes: tuple[int, ...]
     out_shapes: tuple[tuple[int, int, int, int], ...]
     peers: tuple[int, ...]
 
@@ -420,22 +413,22 @@ class H2SRoute:
     """The head-to-sequence exchange of one role set, from one rank (``Layout.h2s_route``),
     in buffer elements (bytes on an FP8 wire).
 
+    ``wire``: the buffers' layout (``layout``, or with an FP8 wire its ``padded_rows``; the
+    blocks of an all-source receive buffer are its ``h2s_recv_views``);
     ``send_splits``/``recv_splits``: per peer (one ``all_to_all``); ``block_shapes``: per
-    source, per role the ``[B, s_r, h, D]`` wire-format block and ``block_sizes`` their
-    elements, source-major; ``peer_block_sizes``: the same for the sources other than this
-    rank (a grouped send/recv's receive buffer) and ``peer_pieces`` each cut per batch
-    element; ``offsets``: per peer the first token of its rows in a local ``[B, S, h, D]``
-    tensor; ``out_shapes``: per role the result ``[B, s_r, H, D]``; ``peers``: the ranks
-    other than this one."""
+    source, per role the ``[B, s_r, h, D]`` wire-format block; ``peer_block_sizes``: the
+    elements of the blocks of the sources other than this rank, source-major (a grouped
+    send/recv's receive buffer) and ``peer_pieces`` each cut per batch element;
+    ``out_shapes``: per role the result ``[B, s_r, H, D]``; ``peers``: the ranks other than
+    this one."""
 
     layout: Layout
+    wire: Layout
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     block_shapes: tuple[tuple[tuple[int, int, int, int], ...], ...]
-    block_sizes: tuple[int, ...]
     peer_block_sizes: tuple[int, ...]
     peer_pieces: tuple[int, ...]
-    offsets: tuple[int, ...]
     out_shapes: tuple[tuple[int, int, int, int], ...]
     peers: tuple[int, ...]
 

@@ -122,11 +122,12 @@ class Parts(NamedTuple):
     resolved by ``resolve`` in this order: this rank's checks, the ``HeadPlan`` and this
     rank's ``Layout``, the backend (``base``: ``backends.backend_of``'s pick;
     ``split_kv_groups``: it is a built-in ``AttentionBackend``, so the chunked pipeline may
-    split a shared KV head; ``backend``: what this rank runs, ``for_rank``) and the kernel set.
-    (The softmax scale is the call's: ``checked_scale`` of the key's, a float or the default.)"""
+    split a shared KV head; ``backend``: what this rank runs, ``for_rank``), the kernel set and
+    the softmax scale (``checked_scale`` of the key's, already checked: a float or the default)."""
 
     plan: HeadPlan
     layout: Layout
+    scale: float
     base: object = None
     split_kv_groups: bool = False
     backend: object = None
@@ -150,7 +151,7 @@ def _resolve(key: CallKey, attn_fn, kernels, traced: bool, kept: Parts | None = 
             raise UlyssesInputError(f"ulysses_attention: plan.world_size expected {world} (the group), got {plan.world_size}")
         lens = key.seq_lens if key.seq_lens is not None else (key.q_shape[1],) * world
         layout = Layout(plan, key.rank, lens, key.q_shape[0], key.q_shape[3], key.v_shape[3])
-        parts = Parts(plan, layout)
+        parts = Parts(plan, layout, checked_scale(key.q_shape[3], key.scale))
     if attn_fn is not _GIVEN:
         base = backend_of(attn_fn, key.q_device, key.q_dtype)
         parts = parts._replace(base=base, split_kv_groups=isinstance(base, AttentionBackend), backend=for_rank(base, parts.layout.kv_map))
@@ -253,8 +254,7 @@ def _setup_flat(q, k, v, *, group, comm, members, plan, seq_lens, causal, softma
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     comm = _transport(group, comm, members, q.device, traced)
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
-    scale = checked_scale(key.q_shape[3], key.scale)
-    call = CallSetup(parts.plan, layout, comm, parts.kernels, parts.backend, split, bool(causal), scale, layout.kv_map, n, traced, docs, wire)
+    call = CallSetup(parts.plan, layout, comm, parts.kernels, parts.backend, split, bool(causal), parts.scale, layout.kv_map, n, traced, docs, wire)
     return call, parts
 
 

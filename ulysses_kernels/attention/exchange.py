@@ -121,8 +121,7 @@ def s2h_results(layout: Layout, recv: torch.Tensor, roles, kernels, wire: Fp8For
 
 def _s2h_results(route: S2HRoute, recv: torch.Tensor, roles, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
     if wire is None:
-        parts = recv.view(route.recv_shape).split_with_sizes(route.role_sizes, dim=2)
-        return list(parts) if route.layout.uniform else [x.view(shape) for x, shape in zip(parts, route.out_shapes)]
+        return route.layout.s2h_recv_views(recv, roles)
     outs = [like.new_empty(shape) for shape in route.out_shapes]
     kernels.dequant_s2h(route.layout, recv, roles, outs, wire)
     return outs
@@ -136,23 +135,20 @@ def h2s_unpack(layout: Layout, blocks, roles, outs, kernels, wire: Fp8Format | N
         kernels.dequant_unpack_h2s(layout, blocks, roles, outs, wire)
 
 
-def _h2s_recv(route: H2SRoute, like: torch.Tensor, own: bool, flat: bool = False):
+def _h2s_recv(route: H2SRoute, roles, like: torch.Tensor, own: bool, flat: bool = False):
     """The receive side of a head-to-sequence exchange: ``(buffer, blocks, pieces)``.
-    ``blocks``: per source, per role the wire-format block (``[B, s_r, h, D]`` views, or with
-    ``flat`` the 1-D pieces of the buffer, for a kernel set that takes them: ``flat_blocks``).
+    ``blocks``: per source, per role the wire-format block (``layout.h2s_recv_views`` of the
+    buffers' layout: ``[B, s_r, h, D]`` views, or with ``flat`` the 1-D pieces of the buffer,
+    for a kernel set that takes them: ``flat_blocks``).
     ``own=False`` (grouped send/recv) leaves this rank's blocks out of the buffer (``None``):
     its rows never touch the wire, so the buffer holds the peers' blocks only; ``pieces``
     then lists, per peer other than this rank, per role, per batch element, the 1-D piece it
     sends (``None`` with ``own``). One ``split_with_sizes`` cuts all of them (two with a
     batch above 1 and views)."""
-    P, shapes = route.layout.world_size, route.block_shapes
-    n = len(shapes[0])
     if own:
         recv = _flat(sum(route.recv_splits), like)
-        pieces = recv.split_with_sizes(route.block_sizes)
-        if flat:
-            return recv, [list(pieces[p * n : (p + 1) * n]) for p in range(P)], None
-        return recv, [[pieces[p * n + i].view(shapes[p][i]) for i in range(n)] for p in range(P)], None
+        return recv, route.wire.h2s_recv_views(recv, roles, flat=flat), None
+    P, shapes, n = route.layout.world_size, route.block_shapes, len(roles)
     B, peers = route.layout.batch, route.peers
     recv = _flat(sum(route.peer_block_sizes), like)
     # Per (peer, role, batch element): the pieces on the wire.
@@ -175,12 +171,6 @@ def _one_collective(layout: Layout, n_tensors: int) -> bool:
     return n_tensors == 1 and layout.batch == 1 and layout.world_size > 1
 
 
-def _rows_of(route: H2SRoute, x: torch.Tensor, peer: int) -> torch.Tensor:
-    """Rows of a local ``[B, S, h, D]`` tensor bound for ``peer``: ``[B, s_p, h, D]``."""
-    start = route.offsets[peer]
-    return x[:, start : start + route.layout.seq_lens[peer]]
-
-
 def _send_pieces(route: H2SRoute, x: torch.Tensor) -> list[list[torch.Tensor]]:
     """Per peer, per batch element: the 1-D piece of a local ``[B, S, h, D]`` tensor whose
     rows are contiguous (``layout.rows_contiguous``) bound for that peer. A contiguous
@@ -191,7 +181,7 @@ def _send_pieces(route: H2SRoute, x: torch.Tensor) -> list[list[torch.Tensor]]:
     if x.is_contiguous():
         cut = x.view(-1).split_with_sizes([n * w for _ in range(B) for n in layout.seq_lens])
         return [[cut[b * P + p] for b in range(B)] for p in range(P)]
-    return [[_rows_of(route, x, p)[b].reshape(-1) for b in range(B)] for p in range(P)]
+    return [[layout.h2s_send_blocks(x, p)[b].reshape(-1) for b in range(B)] for p in range(P)]
 
 
 def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now, flat: bool = False, wire: Fp8Format | None = None):
@@ -207,10 +197,10 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
     ``wire`` (an FP8 format): every tensor is packed, quantized, into bytes ``[B, S, h, D + 4]``
     (``ulysses_kernels.wire``), and the blocks are blocks of bytes (``h2s_unpack`` takes them).
     """
-    return _post_h2s(layout.h2s_route(roles, _extra(wire)), local, comm, kernels, start, flat, wire)
+    return _post_h2s(layout.h2s_route(roles, _extra(wire)), local, roles, comm, kernels, start, flat, wire)
 
 
-def _post_h2s(route: H2SRoute, local, comm, kernels, start, flat: bool, wire: Fp8Format | None):
+def _post_h2s(route: H2SRoute, local, roles, comm, kernels, start, flat: bool, wire: Fp8Format | None):
     """``post_head_to_seq`` along ``route`` (the sizes of its buffers)."""
     layout, fmt, wire = route.layout, wire, []
     for x in local:
@@ -226,7 +216,7 @@ def _post_h2s(route: H2SRoute, local, comm, kernels, start, flat: bool, wire: Fp
             x = packed.view(x.shape)
         wire.append(x)
     one = _one_collective(layout, len(wire))
-    recv, blocks, recv_pieces = _h2s_recv(route, wire[0], own=one, flat=flat)
+    recv, blocks, recv_pieces = _h2s_recv(route, roles, wire[0], own=one, flat=flat)
     if one:
         flat_send = wire[0].reshape(-1)
         collective = lambda a: comm.all_to_all(recv, flat_send, route.recv_splits, route.send_splits, async_op=a)  # noqa: E731
@@ -243,7 +233,7 @@ def _post_h2s(route: H2SRoute, local, comm, kernels, start, flat: bool, wire: Fp
         if flat and layout.batch == 1 and cut:
             blocks[layout.rank] = [cut[i][layout.rank][0] for i in range(len(wire))]
         else:
-            blocks[layout.rank] = [_rows_of(route, x, layout.rank) for x in wire]
+            blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
     return start((recv, *wire), collective), blocks
 
 
@@ -262,7 +252,7 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
         return list(local)
     like = local[0]
     route = layout.h2s_route(roles, _extra(wire))
-    _, blocks = _post_h2s(route, local, comm, kernels, _run_now, getattr(kernels, "flat_blocks", False), wire)
+    _, blocks = _post_h2s(route, local, roles, comm, kernels, _run_now, getattr(kernels, "flat_blocks", False), wire)
     outs = [torch.empty(shape, dtype=like.dtype, device=like.device) for shape in route.out_shapes]
     h2s_unpack(layout, blocks, roles, outs, kernels, wire)
     return outs
