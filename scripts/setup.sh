@@ -239,5 +239,17 @@ for d in ("torch", "nvidia-nccl-cu13", "nvidia-nccl-cu12"):
     echo "$stamp" > "$stamp_file"
   fi
 fi
+# DeepSpeed's shared-memory op, built here once (into the venv's TORCH_EXTENSIONS_DIR, above)
+# rather than by the first test rank or example that starts a DeepSpeed engine: about a minute
+# of both cores that, in the suite, another worker's ranks also waited for, on the build's lock.
+# What DeepSpeed's own first init does (deepspeed.comm.torch.build_shm_op: nothing where its
+# accelerator has no such op); a failure here is DeepSpeed's to report at that init, so the
+# set-up says so and goes on.
+if has_dists deepspeed && ! compgen -G "${TORCH_EXTENSIONS_DIR:-.venv/torch_extensions}/deepspeed_shm_comm/deepspeed_shm_comm*.so" >/dev/null; then
+  echo "[setup] building DeepSpeed's shared-memory op (once, about a minute on 2 cores)"
+  if ! .venv/bin/python -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()' >build/setup_deepspeed_shm.log 2>&1; then
+    echo "[setup] note: DeepSpeed's shared-memory op did not build here (log: build/setup_deepspeed_shm.log); DeepSpeed will try again at its first init"
+  fi
+fi
 "${VPY[@]}" -c 'import importlib.metadata as m, importlib.util as u
 import os; print("[setup] torch", m.version("torch"), "| ulysses_kernels at", os.path.realpath(u.find_spec("ulysses_kernels").submodule_search_locations[0]))'
