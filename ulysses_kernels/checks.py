@@ -18,11 +18,11 @@ Each call checks once per input signature. ``call_key`` turns the inputs into a 
 of values (shapes, dtypes, devices, options; no tensor), and what follows from the key
 alone is computed once per key and kept in bounded caches keyed by those values (never by a
 group): the encoded signature a rank sends (``encoded``) and the verdict on a gathered set of
-signatures (``_validate_gathered``, keyed by every rank's integers); the rank-local checks
-(``check_rank``) run once per key inside ``attention.call.resolve``, whose cache keeps the
-plan and the ``Layout`` they admit. A key that fails is not kept: it raises again, the same
-error, on its next call. So ``check=True`` costs the one all-gather per call and nothing
-else. Checking only: planning is ``attention.call``'s.
+signatures (``_validate_gathered``, keyed by every rank's integers) and the rank-local
+verdict (``check_rank``, once per key). ``check_call`` is the one entry: every check of a
+call, before ``attention.call.resolve`` plans it. A key that fails is not kept: it raises
+again, the same error, on its next call. So ``check=True`` costs the one all-gather per call
+and nothing else. Checking only: planning is ``attention.call``'s.
 """
 
 from __future__ import annotations
@@ -441,8 +441,25 @@ def _signature_of(key: CallKey) -> Signature:
 
 def check_rank(key: CallKey) -> None:
     """This rank's checks of the call ``key`` (``validate`` of its own signature): every
-    rank-local error, named, before anything is planned (``attention.call.resolve``)."""
+    rank-local error, named, before anything is planned."""
     validate([_signature_of(key)], gathered=False)
+
+
+_check_rank_once = functools.lru_cache(maxsize=512)(check_rank)  # a key that fails is not kept
+
+
+def check_call(key: CallKey, comm=None, device: torch.device | None = None, traced: bool = False) -> None:
+    """The checks of the call ``key``, all of them before anything is planned: with ``comm``
+    (``check=True`` on more than one rank) every rank's signature over it
+    (``check_across_ranks``, which includes each rank's own checks: the same error on every
+    rank); else this rank's own (``check_rank``): once per key, or per trace inside
+    ``torch.compile`` (``traced``: no cache lookup in the graph's code)."""
+    if comm is not None:
+        check_across_ranks(key, comm, device)
+    elif traced:
+        check_rank(key)
+    else:
+        _check_rank_once(key)
 
 
 # Bounded caches keyed by values (the call key, or every rank's integers).

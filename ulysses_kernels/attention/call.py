@@ -10,12 +10,12 @@ Order of resolution, the same for every entry point, top-down in ``setup_attenti
 
 1. the group's members (``comm`` if given, else torch.distributed on ``group``, or a
    world of one): rank and world size;
-2. the call key (``checks.call_key``: shapes, dtypes, devices, options; no tensor) and,
-   with ``check``, the checks across ranks (``checks.check_across_ranks``: one small
-   all-gather, the same error on every rank);
-3. ``resolve``: what the key and the backend and kernel-set names decide (``Parts``: this
-   rank's checks, the ``HeadPlan`` and this rank's ``Layout``, the backend, the kernel set,
-   the scale), once per key in one bounded cache keyed by values (never by a group; a
+2. the call key (``checks.call_key``: shapes, dtypes, devices, options; no tensor) and its
+   checks (``checks.check_call``: with ``check``, across ranks, one small all-gather, the
+   same error on every rank; else this rank's own, once per key), all before planning;
+3. ``resolve``: what the key and the backend and kernel-set names decide (``Parts``: the
+   ``HeadPlan`` and this rank's ``Layout``, the backend, the kernel set, the scale), once
+   per key in one bounded cache keyed by values (never by a group; a
    backend or kernel set given as an object is put in per call around the kept rest);
 4. the chunk count, the communicator that moves the data (``comm`` if given, else the
    group's default for the tensors' device; chosen after the checks because torch creates a
@@ -43,7 +43,7 @@ import torch
 
 from ..backends import AttentionBackend, backend_of, for_rank
 from ..checkpointing import chunks_recompute_apart
-from ..checks import CallKey, UlyssesInputError, call_key, check_across_ranks, check_head_to_seq, check_rank, float_bits
+from ..checks import CallKey, UlyssesInputError, call_key, check_call, check_head_to_seq, float_bits
 from ..comm import Communicator, get_communicator, native_nccl_enabled
 from ..documents import Documents, documents
 from ..kernels import KernelSet, get_kernels, registry_generation
@@ -119,8 +119,8 @@ def _named(x) -> bool:
 
 class Parts(NamedTuple):
     """What a call's values decide (``checks.CallKey``, the backend and kernel-set names),
-    resolved by ``resolve`` in this order: this rank's checks, the ``HeadPlan`` and this
-    rank's ``Layout``, the backend (``base``: ``backends.backend_of``'s pick;
+    resolved by ``resolve`` (after ``checks.check_call``) in this order: the ``HeadPlan`` and
+    this rank's ``Layout``, the backend (``base``: ``backends.backend_of``'s pick;
     ``split_kv_groups``: it is a built-in ``AttentionBackend``, so the chunked pipeline may
     split a shared KV head; ``backend``: what this rank runs, ``for_rank``), the kernel set and
     the softmax scale (``checked_scale`` of the key's, already checked: a float or the default)."""
@@ -143,7 +143,6 @@ def _resolve(key: CallKey, attn_fn, kernels, traced: bool, kept: Parts | None = 
     kernel set given as an object is put (per call): the one place both are resolved."""
     parts = kept
     if parts is None:
-        check_rank(key)
         plan, world = key.plan, key.world_size
         if plan is None:
             plan = HeadPlan.build(key.q_shape[2], key.k_shape[2], world)
@@ -247,8 +246,7 @@ def _setup_flat(q, k, v, *, group, comm, members, plan, seq_lens, causal, softma
         members = members_of(group, comm)
     key = call_key(q, k, v, rank=members.rank, world_size=members.world_size, causal=causal, softmax_scale=softmax_scale,
                    seq_lens=seq_lens, plan=plan, docs=docs)  # fmt: skip
-    if check and not traced and members.world_size > 1:
-        check_across_ranks(key, members, q.device)
+    check_call(key, members if check and not traced and members.world_size > 1 else None, q.device, traced)
     parts = resolve(key, attn_fn, kernels, traced)
     layout, split = parts.layout, parts.split_kv_groups
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
@@ -299,8 +297,7 @@ def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire
         k = v = q[:, :, :kv_heads] if q.dim() == 4 else q
     members = members_of(group, comm)
     key = call_key(q, k, v, rank=members.rank, world_size=members.world_size, causal=False, softmax_scale=None, seq_lens=seq_lens, plan=plan)
-    if check and not traced and members.world_size > 1:
-        check_across_ranks(key, members, q.device)
+    check_call(key, members if check and not traced and members.world_size > 1 else None, q.device, traced)
     parts = resolve(key, None, kernels, traced)  # the default backend's name: resolved, not run
     comm = _transport(group, comm, members, q.device, traced)
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
