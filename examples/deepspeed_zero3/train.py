@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import io
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -84,11 +86,32 @@ def zero3_deprecations_quiet():
         yield
 
 
+@contextlib.contextmanager
+def cpu_init_quiet():
+    """On the CPU, DeepSpeed 0.19.8's ``init_distributed`` loads its shared-memory op on every
+    rank and says so twice per rank (torch's "No CUDA runtime is found" warning and "...
+    deepspeed_shm_comm_op built successfully"), every run, the op built or not. Quiet around
+    that call only: what it printed is shown if it raises."""
+    out = io.StringIO()
+    ext_log = logging.getLogger("torch.utils.cpp_extension")
+    level = ext_log.level
+    ext_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(out):
+            yield
+    except BaseException:
+        sys.stdout.write(out.getvalue())
+        raise
+    finally:
+        ext_log.setLevel(level)
+
+
 def train(rank: int, world: int, args) -> list[float]:
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # set by the deepspeed and torchrun launchers
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    with cpu_init_quiet() if dist.get_backend() == "gloo" else contextlib.nullcontext():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
@@ -160,6 +183,8 @@ def main(argv=None) -> int:
     if args.spawn:
         from ulysses_kernels.testing import run_ranks
 
+        # gloo ranks on the CPU: said to DeepSpeed, which otherwise warns on every rank that it found no GPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         run_ranks(train, args.spawn, args)
         return 0
     if "RANK" in os.environ:  # torchrun or the deepspeed launcher
