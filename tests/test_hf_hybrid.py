@@ -60,6 +60,7 @@ from ulysses_kernels.testing.hybrids import (  # noqa: E402 - MODELS, build, flo
     selective_scan_float64,
     sharded_step,
 )
+from ulysses_kernels.testing.reference import computed_once  # noqa: E402
 
 RTOL, GRAD_RTOL = 1e-12, 1e-9
 # Parameters the models cast to float32 before use, so that their gradient is rounded to
@@ -140,9 +141,12 @@ def check_models(group, results, exact: bool):
     world = dist.get_world_size(group)
     ids, labels = global_batch()
     pids, plabels, positions, cu = packed_batch()
-    for case in MODELS:
+    # The one-process references, each computed on one rank and sent to all (not by every rank).
+    refs = computed_once([lambda c=case: reference_unpacked(build(c), ids, labels) for case in MODELS], group)
+    packed_refs = computed_once([lambda c=case: reference_packed(build(c), pids, plabels, cu) for case in MODELS], group, first=1) if exact else None
+    for i, case in enumerate(MODELS):
         name = case[0]
-        ref = reference_unpacked(build(case), ids, labels)
+        ref = refs[i]
         model = hf.apply(build(case), group)
         assert sum(type(m).__name__ == case[3] for m in model.modules()) >= 1, name
         tols = grad_tolerances(model) if exact else dict.fromkeys(ref[1], OWN_KERNEL_RTOL)
@@ -152,7 +156,7 @@ def check_models(group, results, exact: bool):
             got = sharded_step(model, hf.shard_batch(ids, labels, group=group, pad=pad), group)
             results[(name, world, "padded" if pad else "uneven", exact)] = check_against(got, ref, tols, rtol, what)
         if exact:
-            ref_packed = reference_packed(build(case), pids, plabels, cu)
+            ref_packed = packed_refs[i]
             what = f"{name}, world {world}, packed"
             got = sharded_step(model, hf.shard_batch(pids, plabels, group=group, position_ids=positions), group)
             tols, rtol = dict.fromkeys(tols, FLOAT32_RTOL), FLOAT32_RTOL  # see PACKED below FLOAT32_NORMS
@@ -162,8 +166,8 @@ def check_models(group, results, exact: bool):
 def check_without_mixers(group):
     """Each mixer back on its own forward (attention still switched): far from one process."""
     ids, labels = global_batch()
-    for case in MODELS:
-        ref = reference_unpacked(build(case), ids, labels)
+    refs = computed_once([lambda c=case: reference_unpacked(build(c), ids, labels) for case in MODELS], group)
+    for case, ref in zip(MODELS, refs):
         model = hf.apply(build(case), group)
         for m in model.modules():
             if type(m).__name__ == case[3]:

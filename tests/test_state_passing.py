@@ -211,23 +211,29 @@ def job_models(rank, world):
     from ulysses_kernels.integrations import hf
     from ulysses_kernels.layers.mixers.exchange import MIXER_SETTINGS_ATTR
     from ulysses_kernels.testing.hybrids import build, float64_kernels, sharded_step
+    from ulysses_kernels.testing.reference import computed_once
 
     ids, labels = global_batch()
     pids, plabels, positions, cu = packed_batch()
     worst = {}
+    # The hybrids' attention has 4 heads: at most 4 ranks.
+    cases = [case for case in _state_models() if world <= 4 or case[0] in ATTENTION_FREE]
     with float64_kernels():
-        for case in _state_models():
+        # The one-process references, each computed on one rank and sent to all (not by every rank).
+        refs = computed_once(
+            [lambda c=case: reference_unpacked(build(c), ids, labels) for case in cases]
+            + [lambda c=case: reference_packed(build(c), pids, plabels, cu) for case in cases]
+        )  # fmt: skip
+        for i, case in enumerate(cases):
             name = case[0]
-            if world > 4 and name not in ATTENTION_FREE:  # the hybrids' attention has 4 heads: at most 4 ranks
-                continue
             model = hf.apply(build(case), None, mixer_parallel="state")
             switched = [m for m in model.modules() if type(m).__name__ == case[3]]
             assert switched and all(getattr(m, MIXER_SETTINGS_ATTR).strategy == "state" for m in switched), name
             loose = name in FLOAT32_ROUTED
             strict = set() if loose else {"loss", "logits"} | {n for n, t in grad_tolerances(model).items() if t == GRAD_RTOL and not n.endswith(CAST)}
             runs = (
-                ("uneven", reference_unpacked(build(case), ids, labels), hf.shard_batch(ids, labels, group=None)),
-                ("packed", reference_packed(build(case), pids, plabels, cu), hf.shard_batch(pids, plabels, group=None, position_ids=positions)),
+                ("uneven", refs[i], hf.shard_batch(ids, labels, group=None)),
+                ("packed", refs[len(cases) + i], hf.shard_batch(pids, plabels, group=None, position_ids=positions)),
             )
             for kind, ref, batch in runs:
                 loss, grads, logits = sharded_step(model, batch, None)

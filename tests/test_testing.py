@@ -228,3 +228,39 @@ def test_a_pool_writes_to_the_callers_output_as_it_is_now(capfd):
         assert "rank 0 says hello" in out and "rank 1 says hello" in out
         pool.run(_prints, 2)
         assert capfd.readouterr().out.count("says hello") == 2
+
+
+def _computed_once_job(rank, world):
+    from ulysses_kernels.testing.reference import ComputedElsewhereError, computed_once
+
+    ran = []
+
+    def thunk(i):
+        def run():
+            ran.append(i)
+            return torch.full((2,), float(i)), f"computed by rank {rank}"
+
+        return run
+
+    got = computed_once([thunk(i) for i in range(5)], first=1)
+    # Every rank holds every result; thunk i ran on rank (1 + i) % world only.
+    assert [int(t[0]) for t, _ in got] == list(range(5)), got
+    assert [who for _, who in got] == [f"computed by rank {(1 + i) % world}" for i in range(5)], got
+    assert ran == [i for i in range(5) if (1 + i) % world == rank], ran
+
+    def fails():
+        raise ValueError("no reference here\nsecond line")
+
+    # A thunk that raises on one rank raises on every rank, the same text, and the next collective still pairs.
+    with pytest.raises(ComputedElsewhereError, match=r"^ValueError: no reference here$") as e:
+        computed_once([lambda: 0, fails, lambda: 2])
+    assert (e.value.rank, e.value.index) == (1 % world, 1)
+    assert computed_once([lambda: rank]) == [0]
+
+
+def test_computed_once_spreads_the_thunks_and_raises_everywhere():
+    run_ranks(_computed_once_job, 3)
+    # Without torch.distributed: every thunk here.
+    from ulysses_kernels.testing.reference import computed_once
+
+    assert computed_once([lambda: 1, lambda: 2]) == [1, 2]

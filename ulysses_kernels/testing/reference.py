@@ -7,18 +7,22 @@
 * ``contiguous_shard``: the rows of a global tensor that one rank holds under ``seq_lens``
   (contiguous shards; ``ulysses_kernels.shard_sequence`` shards for a 2-D group);
 * ``one_process_step``: one training step of a transformers model in one process (loss,
-  gradients, logits), what a step under ``hf.apply`` must equal.
+  gradients, logits), what a step under ``hf.apply`` must equal;
+* ``computed_once``: such references computed once per group, spread over its ranks, rather
+  than by every rank (the same values: each is one process's computation either way).
 
 Built from the explicit softmax of ``ulysses_kernels.math_attention``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from ..math_attention import default_scale, math_attention
 
-__all__ = ["attention_reference", "contiguous_shard", "one_process_step", "packed_attention_reference"]
+__all__ = ["ComputedElsewhereError", "attention_reference", "computed_once", "contiguous_shard", "one_process_step", "packed_attention_reference"]
 
 
 def attention_reference(q, k, v, causal=True, softmax_scale=None, dtype=torch.float64):
@@ -56,3 +60,45 @@ def one_process_step(model, ids: torch.Tensor, labels: torch.Tensor, **inputs) -
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads, logits.detach()
+
+
+class ComputedElsewhereError(RuntimeError):
+    """A thunk of ``computed_once`` raised; every rank raises this, the same text: the
+    exception's type and first line (``rank``: where it ran; ``index``: which thunk)."""
+
+    def __init__(self, text: str, rank: int, index: int):
+        super().__init__(text)
+        self.rank, self.index = rank, index
+
+
+def computed_once(thunks: Sequence[Callable[[], object]], group=None, first: int = 0) -> list:
+    """Each thunk's result on every rank of ``group``, each computed on one rank only: thunk
+    ``i`` on rank ``(first + i) % world`` (``first`` spreads single thunks over the ranks),
+    the results sent to all in one ``all_gather_object``. For the one-process references a
+    test would otherwise compute on every rank (at 4 ranks, four times the same float64 step):
+    a reference is one process's computation wherever it runs, so the values are those each
+    rank would have computed. Results must pickle (tensors do). A thunk that raises makes
+    every rank raise ``ComputedElsewhereError`` (no rank is left waiting). Collective; without
+    torch.distributed (or in a world of one) the thunks run here."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [t() for t in thunks]
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = {}
+    for i, thunk in enumerate(thunks):
+        if (first + i) % world == rank:
+            try:
+                mine[i] = ("ok", thunk())
+            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+                text = str(e).splitlines()[0] if str(e) else ""
+                mine[i] = ("raised", f"{type(e).__name__}: {text}"[:1000])
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    results = {}
+    for r, part in enumerate(gathered):
+        for i, (how, value) in part.items():
+            if how == "raised":
+                raise ComputedElsewhereError(value, r, i)
+            results[i] = value
+    return [results[i] for i in range(len(thunks))]
