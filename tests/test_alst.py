@@ -531,6 +531,7 @@ def _beyond(rank, world, paths):
     from transformers import AutoModelForCausalLM
 
     from ulysses_kernels.integrations.deepspeed import disable_alst
+    from ulysses_kernels.testing.reference import computed_once
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
@@ -539,15 +540,19 @@ def _beyond(rank, world, paths):
     def load(key, layers=None, **kw):
         return AutoModelForCausalLM.from_pretrained(paths[key], **f64, **kw, **({} if layers is None else {"num_hidden_layers": layers}))
 
-    # One-process references, before any registration (the interception is process-wide).
+    # One-process references, before any registration (the interception is process-wide), each
+    # computed on one rank and sent to all (testing.reference.computed_once), not by every rank.
     ids, targets, positions, cu = packed_batch()
-    refs = {"packed": reference_step(load("llama"), ids, targets, positions, cu)}
     w_ids, w_targets, w_pos = plain_batch(16, 4)
-    refs["window"] = reference_step(load("mistral"), w_ids, w_targets, w_pos)
     u_ids, u_targets, u_pos = plain_batch(13, 5)
-    refs["uneven"] = reference_step(load("llama_6_2"), u_ids, u_targets, u_pos)
-    refs["packed_6_2"] = reference_step(load("llama_6_2"), ids, targets, positions, cu)
-    refs["gemma2"] = reference_step(load("gemma2", attn_implementation="eager"), ids, targets, positions, cu)
+    steps = {
+        "packed": lambda: reference_step(load("llama"), ids, targets, positions, cu),
+        "window": lambda: reference_step(load("mistral"), w_ids, w_targets, w_pos),
+        "uneven": lambda: reference_step(load("llama_6_2"), u_ids, u_targets, u_pos),
+        "packed_6_2": lambda: reference_step(load("llama_6_2"), ids, targets, positions, cu),
+        "gemma2": lambda: reference_step(load("gemma2", attn_implementation="eager"), ids, targets, positions, cu),
+    }
+    refs = dict(zip(steps, computed_once(list(steps.values()))))
 
     measured = {}
     for impl in ("deepspeed", "ours"):
