@@ -260,7 +260,9 @@ def _computed_once_job(rank, world):
 
 def test_computed_once_spreads_the_thunks_and_raises_everywhere():
     run_ranks(_computed_once_job, 3)
-    # Without torch.distributed: every thunk here.
-    from ulysses_kernels.testing.reference import computed_once
+    # Without torch.distributed: every thunk here, and the same error as on ranks.
+    from ulysses_kernels.testing.reference import ComputedElsewhereError, computed_once
 
     assert computed_once([lambda: 1, lambda: 2]) == [1, 2]
+    with pytest.raises(ComputedElsewhereError, match=r"^ZeroDivisionError: division by zero$"):
+        computed_once([lambda: 1, lambda: 1 / 0])

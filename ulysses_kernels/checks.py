@@ -448,13 +448,13 @@ def check_rank(key: CallKey) -> None:
 _check_rank_once = functools.lru_cache(maxsize=512)(check_rank)  # a key that fails is not kept
 
 
-def check_call(key: CallKey, comm=None, device: torch.device | None = None, traced: bool = False) -> None:
-    """The checks of the call ``key``, all of them before anything is planned: with ``comm``
-    (``check=True`` on more than one rank) every rank's signature over it
-    (``check_across_ranks``, which includes each rank's own checks: the same error on every
-    rank); else this rank's own (``check_rank``): once per key, or per trace inside
+def check_call(key: CallKey, comm, device: torch.device, check: bool, traced: bool) -> None:
+    """The checks of the call ``key``, all of them before anything is planned: with ``check``
+    on more than one rank of ``comm``, outside ``torch.compile``, every rank's signature over
+    ``comm`` (``check_across_ranks``, which includes each rank's own checks: the same error on
+    every rank); else this rank's own (``check_rank``): once per key, or per trace inside
     ``torch.compile`` (``traced``: no cache lookup in the graph's code)."""
-    if comm is not None:
+    if check and not traced and comm.world_size > 1:
         check_across_ranks(key, comm, device)
     elif traced:
         check_rank(key)

@@ -246,7 +246,7 @@ def _setup_flat(q, k, v, *, group, comm, members, plan, seq_lens, causal, softma
         members = members_of(group, comm)
     key = call_key(q, k, v, rank=members.rank, world_size=members.world_size, causal=causal, softmax_scale=softmax_scale,
                    seq_lens=seq_lens, plan=plan, docs=docs)  # fmt: skip
-    check_call(key, members if check and not traced and members.world_size > 1 else None, q.device, traced)
+    check_call(key, members, q.device, check, traced)
     parts = resolve(key, attn_fn, kernels, traced)
     layout, split = parts.layout, parts.split_kv_groups
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
@@ -297,7 +297,7 @@ def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire
         k = v = q[:, :, :kv_heads] if q.dim() == 4 else q
     members = members_of(group, comm)
     key = call_key(q, k, v, rank=members.rank, world_size=members.world_size, causal=False, softmax_scale=None, seq_lens=seq_lens, plan=plan)
-    check_call(key, members if check and not traced and members.world_size > 1 else None, q.device, traced)
+    check_call(key, members, q.device, check, traced)
     parts = resolve(key, None, kernels, traced)  # the default backend's name: resolved, not run
     comm = _transport(group, comm, members, q.device, traced)
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)

@@ -79,12 +79,11 @@ def computed_once(thunks: Sequence[Callable[[], object]], group=None, first: int
     a reference is one process's computation wherever it runs, so the values are those each
     rank would have computed. Results must pickle (tensors do). A thunk that raises makes
     every rank raise ``ComputedElsewhereError`` (no rank is left waiting). Collective; without
-    torch.distributed (or in a world of one) the thunks run here."""
+    torch.distributed (or in a world of one) the thunks run here, with the same error."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [t() for t in thunks]
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if ranks else (1, 0)
     mine = {}
     for i, thunk in enumerate(thunks):
         if (first + i) % world == rank:
@@ -93,8 +92,9 @@ def computed_once(thunks: Sequence[Callable[[], object]], group=None, first: int
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
                 text = str(e).splitlines()[0] if str(e) else ""
                 mine[i] = ("raised", f"{type(e).__name__}: {text}"[:1000])
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered: list = [mine] if world == 1 else [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, mine, group=group)
     results = {}
     for r, part in enumerate(gathered):
         for i, (how, value) in part.items():
