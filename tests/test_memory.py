@@ -269,3 +269,33 @@ def test_peak_at_or_below_deepspeed():
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (an optional baseline; scripts/setup.sh installs it)")
     run_ranks(_body, WORLD, ("deepspeed",))
+
+
+# ---- LiveBytes' own bookkeeping -----------------------------------------------------------------
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    copy = t.clone()
+    return copy
+
+
+def test_live_bytes_breakdown_is_the_moment_of_the_peak():
+    """``at_peak`` is what was alive when the peak was reached: not changed by frees, host copies
+    or smaller allocations after it (the breakdown is copied lazily, once the peak is over), and
+    replaced by the next, higher peak; ``live()`` is what is alive now."""
+    f64 = torch.float64
+    with LiveBytes(host_sites=("test_memory._host_copy",)) as tracker:
+        a = torch.ones(1000, dtype=f64)
+        b = torch.ones(500, dtype=f64)
+        first = {k.rsplit(":", 1)[1]: n for k, n in tracker.live().items()}
+        h = _host_copy(a)  # host bytes: the device peak and its breakdown stay
+        del b
+        c = torch.ones(100, dtype=f64)
+        assert first == {"a": 8000, "b": 4000}
+        assert {k.rsplit(":", 1)[1]: n for k, n in tracker.at_peak.items()} == first
+        assert (tracker.peak, tracker.current, tracker.host_peak) == (12000, 8800, 8000)
+        d = torch.ones(2000, dtype=f64)  # a new peak, with the host copy alive at it
+        assert tracker.peak == 8000 + 800 + 16000
+        tracker.forget(d)
+        at = {k.rsplit(":", 1)[1]: n for k, n in tracker.at_peak.items()}
+        assert at == {"a": 8000, "copy": 8000, "c": 800, "d": 16000}, at
+        assert any(k.startswith("host:") for k in tracker.at_peak) and sum(tracker.live().values()) == 8000 + 8000 + 800
+    del a, c, h

@@ -26,7 +26,6 @@ import weakref
 from collections import Counter
 
 import torch
-import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .gqa import shares_one_kv, uniform_kv_groups
@@ -234,18 +233,38 @@ class LiveBytes(TorchDispatchMode):
     like the rest, and this keeps them apart from the "device" bytes. ``forget(t)`` stops
     counting ``t``'s storage now, as if freed (a test stands in for an engine that reduces a
     gradient and frees it).
+
+    Cost per op: the bytes alive per label are a running sum, and the breakdown at the peak is
+    copied from it once the peak is over (at the next free, host allocation or read of
+    ``.at_peak``), not at each new peak: a forward pass that only allocates reaches a new peak
+    at nearly every op, and recounting every live storage there made a step's tracking grow
+    with the square of its tensors. A site's name is read from its source line once.
     """
 
     def __init__(self, host_sites: tuple[str, ...] = ()):
         super().__init__()
         self.current = 0
         self.peak = 0
-        self.at_peak: Counter[str] = Counter()
         self.host_current = 0
         self.host_peak = 0
         self.host_sites = tuple(host_sites)
         self._live: dict[int, tuple[int, str, weakref.ref]] = {}
+        self._by_label: Counter[str] = Counter()  # the bytes of self._live per label, kept as it changes
+        self._at_peak: Counter[str] = Counter()
+        self._peak_pending = False  # the peak is now: its breakdown is self._by_label, not yet copied
         self._phase = ""
+
+    @property
+    def at_peak(self) -> Counter[str]:
+        """The bytes alive at the peak, per label."""
+        self._settle_peak()
+        return self._at_peak
+
+    def _settle_peak(self) -> None:
+        """Copy the breakdown of the peak before what is alive changes other than by raising it."""
+        if self._peak_pending:
+            self._at_peak = Counter(self._by_label)
+            self._peak_pending = False
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -269,10 +288,7 @@ class LiveBytes(TorchDispatchMode):
 
     def live(self) -> Counter[str]:
         """The bytes alive now, per label."""
-        out: Counter[str] = Counter()
-        for n, label, _ in self._live.values():
-            out[label] += n
-        return out
+        return Counter(self._by_label)
 
     def _add(self, t: torch.Tensor, label: str | None) -> None:
         st = t.untyped_storage()
@@ -287,7 +303,10 @@ class LiveBytes(TorchDispatchMode):
             host = bool(self.host_sites) and site.startswith(self.host_sites)
             if host:
                 label = "host:" + label
+        if host:  # the breakdown changes, the peak does not
+            self._settle_peak()
         self._live[key] = (n, label, weakref.ref(st, functools.partial(self._freed, key)))
+        self._by_label[label] += n
         if host:
             self.host_current += n
             self.host_peak = max(self.host_peak, self.host_current)
@@ -295,6 +314,13 @@ class LiveBytes(TorchDispatchMode):
             self.current += n
 
     def _uncount(self, entry) -> None:
+        self._settle_peak()
+        n, label = entry[0], entry[1]
+        left = self._by_label[label] - n
+        if left:
+            self._by_label[label] = left
+        else:
+            del self._by_label[label]
         if entry[1].startswith("host:"):
             self.host_current -= entry[0]
         else:
@@ -309,7 +335,7 @@ class LiveBytes(TorchDispatchMode):
     def _update_peak(self) -> None:
         if self.current > self.peak:
             self.peak = self.current
-            self.at_peak = self.live()
+            self._peak_pending = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -318,12 +344,25 @@ class LiveBytes(TorchDispatchMode):
         # the input may be a tensor made before the mode (the caller's q, k, v).
         # ``lift_fresh`` is how ``torch.tensor(data)`` hands its new tensor to the dispatcher.
         fresh = func.overloadpacket is aten.lift_fresh
-        inputs = set() if fresh else {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
+        inputs = set() if fresh else {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            if id(t.untyped_storage()) not in inputs:
                 self._add(t, None)
         self._update_peak()
         return out
+
+
+def _tensors(tree):
+    """The tensors of an op's arguments or results (nested tuples, lists and dicts): what
+    ``pytree.tree_leaves`` finds there, at a fraction of its cost per op."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
 
 
 _ASSIGN = re.compile(r"\s*([A-Za-z_][\w, ]*?)\s*(?::[^=]*)?=(?!=)")
@@ -334,21 +373,29 @@ def _site() -> str:
     three frames (a helper such as ``exchange._flat`` returns its allocation to a caller that
     names it) whose source line assigns a name; else the first frame, with no name."""
     frame = sys._getframe(2)
-    torch_dir = os.path.dirname(torch.__file__)
-    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__):
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__):
         frame = frame.f_back
     if frame is None:
         return "?"
     first = frame
     for _ in range(3):
-        code = frame.f_code
-        m = _ASSIGN.match(linecache.getline(code.co_filename, frame.f_lineno))
-        if m:
-            return f"{_module(code)}.{code.co_name}:{m.group(1).replace(' ', '')}"
+        site = _assigning_site(frame.f_code, frame.f_lineno)
+        if site is not None:
+            return site
         frame = frame.f_back
         if frame is None:
             break
     return f"{_module(first.f_code)}.{first.f_code.co_name}:"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@functools.lru_cache(maxsize=4096)
+def _assigning_site(code, lineno: int) -> str | None:
+    """``module.function:name`` where the source line assigns ``name``, else None (read once per line)."""
+    m = _ASSIGN.match(linecache.getline(code.co_filename, lineno))
+    return f"{_module(code)}.{code.co_name}:{m.group(1).replace(' ', '')}" if m else None
 
 
 def _module(code) -> str:
