@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -299,3 +300,29 @@ def test_live_bytes_breakdown_is_the_moment_of_the_peak():
         assert at == {"a": 8000, "copy": 8000, "c": 800, "d": 16000}, at
         assert any(k.startswith("host:") for k in tracker.at_peak) and sum(tracker.live().values()) == 8000 + 8000 + 800
     del a, c, h
+
+
+def test_live_bytes_a_free_while_the_peak_is_copied_keeps_the_peak():
+    """A storage freed while the peak's breakdown is being copied (on a garbage collection that
+    the copy's allocations run) leaves the breakdown as it was at the peak."""
+    f64 = torch.float64
+    with LiveBytes() as tracker:
+        a = torch.ones(1000, dtype=f64)
+        b = torch.ones(500, dtype=f64)
+    held = [b]
+    del b
+
+    class FreesWhenCopied(Counter):  # stands in for the collection: b's last reference goes mid-copy
+        def __iter__(self):
+            held.clear()
+            return super().__iter__()
+
+        def keys(self):
+            held.clear()
+            return super().keys()
+
+    tracker._by_label = FreesWhenCopied(tracker._by_label)
+    at = {k.rsplit(":", 1)[1]: n for k, n in tracker.at_peak.items()}
+    assert not held and tracker.current == 8000
+    assert at == {"a": 8000, "b": 4000}, at
+    del a

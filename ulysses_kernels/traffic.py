@@ -263,8 +263,11 @@ class LiveBytes(TorchDispatchMode):
     def _settle_peak(self) -> None:
         """Copy the breakdown of the peak before what is alive changes other than by raising it."""
         if self._peak_pending:
-            self._at_peak = Counter(self._by_label)
-            self._peak_pending = False
+            snapshot = Counter(dict(self._by_label))
+            # A free seen while copying (a garbage collection run by the copy's allocations calls
+            # _freed) has settled the peak itself, before it changed the counts: keep that copy.
+            if self._peak_pending:
+                self._at_peak, self._peak_pending = snapshot, False
 
     @contextlib.contextmanager
     def phase(self, name: str):
