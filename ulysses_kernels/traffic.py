@@ -306,15 +306,14 @@ class LiveBytes(TorchDispatchMode):
             host = bool(self.host_sites) and site.startswith(self.host_sites)
             if host:
                 label = "host:" + label
-        if host:  # the breakdown changes, the peak does not
-            self._settle_peak()
-        self._live[key] = (n, label, weakref.ref(st, functools.partial(self._freed, key)))
-        self._by_label[label] += n
         if host:
+            self._settle_peak()  # the breakdown changes, the device peak does not
             self.host_current += n
             self.host_peak = max(self.host_peak, self.host_current)
         else:
             self.current += n
+        self._live[key] = (n, label, weakref.ref(st, functools.partial(self._freed, key)))
+        self._by_label[label] += n
 
     def _uncount(self, entry) -> None:
         self._settle_peak()
@@ -324,10 +323,10 @@ class LiveBytes(TorchDispatchMode):
             self._by_label[label] = left
         else:
             del self._by_label[label]
-        if entry[1].startswith("host:"):
-            self.host_current -= entry[0]
+        if label.startswith("host:"):
+            self.host_current -= n
         else:
-            self.current -= entry[0]
+            self.current -= n
 
     def _freed(self, key: int, ref) -> None:
         entry = self._live.get(key)

@@ -92,8 +92,9 @@ def computed_once(thunks: Sequence[Callable[[], object]], group=None, first: int
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
                 text = str(e).splitlines()[0] if str(e) else ""
                 mine[i] = ("raised", f"{type(e).__name__}: {text}"[:1000])
-    gathered: list = [mine] if world == 1 else [None] * world
+    gathered: list = [mine]
     if world > 1:
+        gathered = [None] * world
         dist.all_gather_object(gathered, mine, group=group)
     results = {}
     for r, part in enumerate(gathered):
