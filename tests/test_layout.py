@@ -5,6 +5,8 @@ destination is checked bit-exact for many plans without spawning ranks."""
 import pytest
 import torch
 
+from ulysses_kernels.attention.chunked import chunk_plans
+from ulysses_kernels.attention.exchange import _h2s_blocks, _rows, _s2h_views
 from ulysses_kernels.kernels.torch_kernels import pack_s2h, unpack_h2s
 from ulysses_kernels.layout import Q_ONLY, QKV, Layout
 from ulysses_kernels.plan import HeadPlan
@@ -153,6 +155,40 @@ def test_split_sizes_match_buffer_sizes():
     assert recv == [6 * 2 * 16 * plan.q_count(p) for p in range(3)]
 
 
+def _same_views(xs, ys) -> bool:
+    """The same shapes, strides and offsets: views of one buffer cut the same way."""
+    return [(x.shape, x.stride(), x.storage_offset()) for x in xs] == [(y.shape, y.stride(), y.storage_offset()) for y in ys]
+
+
+def _movers_cut_as_the_layout_views(lay: Layout, roles, extra: int) -> None:
+    """The movers cut their buffers by a route's numbers alone, into the layout's own views
+    (of the padded layout for an FP8 wire)."""
+    s2h, h2s = lay.s2h_route(roles, extra), lay.h2s_route(roles, extra)
+    wire = lay.padded_rows(extra)
+    recv = torch.empty(sum(s2h.recv_splits))
+    assert _same_views(_s2h_views(s2h, recv), wire.s2h_recv_views(recv, roles))
+    blocks = torch.empty(sum(h2s.recv_splits))
+    for flat in (False, True):
+        got, want = _h2s_blocks(h2s, blocks, flat), wire.h2s_recv_views(blocks, roles, flat=flat)
+        assert all(_same_views(g, w) for g, w in zip(got, want, strict=True))
+    local = torch.empty(lay.batch, lay.seq_total, 3, 8)
+    assert all(_same_views([_rows(h2s, local, p)], [lay.h2s_send_blocks(local, p)]) for p in range(lay.world_size))
+
+
+@pytest.mark.parametrize("hq,hkv,P,seq_lens,B", PLANS)
+@pytest.mark.parametrize("v_dim", [8, 12])
+def test_routes_cut_the_chunks_heads_as_the_layout_views(hq, hkv, P, seq_lens, B, v_dim):
+    """Head chunks give a rank no heads of a role (``chunk_plans``): a route's views of it are
+    empty ``[B, S, 0, D]`` views, as the layout's."""
+    plan = HeadPlan.build(hq, hkv, P)
+    for chunks, kv_last in ((2, False), (3, True)):
+        for chunk in chunk_plans(plan, chunks, kv_last=kv_last):
+            for r in range(P):
+                lay = Layout(chunk, r, tuple(seq_lens), B, 8, v_dim)
+                for roles, extra in ((QKV, 0), (QKV, 4), (("o",), 0), (("kv", "v"), 0)):
+                    _movers_cut_as_the_layout_views(lay, roles, extra)
+
+
 @pytest.mark.parametrize("hq,hkv,P,seq_lens,B", PLANS)
 @pytest.mark.parametrize("v_dim", [8, 12])  # 12: MLA's own v head dim
 @pytest.mark.parametrize("extra", [0, 4])  # 4: an FP8 wire's scale bytes per row
@@ -186,3 +222,9 @@ def test_routes_cut_buffers_as_the_layout_methods_do(hq, hkv, P, seq_lens, B, v_
             sizes = [x.numel() for per in wire.h2s_recv_views(torch.empty(sum(h2s.recv_splits)), roles) for x in per]
             assert h2s.peer_block_sizes == tuple(sizes[p * len(roles) + i] for p in range(P) if p != r for i in range(len(roles)))
             assert h2s.out_shapes == tuple((B, seq_lens[r], lay.total_heads(s), lay.dim(s)) for s in roles)
+            _movers_cut_as_the_layout_views(lay, roles, extra)
+    routes = lay.routes(QKV, out=True, extras=(extra, 0, extra, 0))
+    assert routes == (lay.s2h_route(QKV, extra), lay.h2s_route(("o",)), lay.s2h_route(("o",), extra), lay.h2s_route(QKV))
+    assert routes is lay.routes(QKV, out=True, extras=(extra, 0, extra, 0))  # kept on the layout
+    assert lay.routes((), out=True) == (None, lay.h2s_route(("o",)), lay.s2h_route(("o",)), None)
+    assert lay.routes(Q_ONLY, out=False) == (lay.s2h_route(Q_ONLY), None, None, lay.h2s_route(Q_ONLY))

@@ -45,12 +45,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .plan import HeadPlan
 
-__all__ = ["Layout", "S2HRoute", "H2SRoute", "QKV", "Q_ONLY", "OUT", "split_lengths"]
+__all__ = ["Layout", "S2HRoute", "H2SRoute", "Routes", "QKV", "Q_ONLY", "OUT", "split_lengths"]
 
 QKV = ("q", "kv", "v")
 Q_ONLY = ("q",)
@@ -141,18 +142,24 @@ class Layout:
         roles = tuple(roles)
 
         def build():
-            lay, B, P = self.padded_rows(extra), self.batch, self.world_size
+            lay, B, P, r = self.padded_rows(extra), self.batch, self.world_size, self.rank
             peer_splits = lay.s2h_send_splits(roles, own=False)
-            w = lay.width(roles, self.rank)
+            _, counts, heads, widths = lay._roles(roles)
+            w = widths[r]
             return S2HRoute(
                 layout=self,
+                roles=roles,
                 send_splits=tuple(lay.s2h_send_splits(roles)),
                 recv_splits=tuple(lay.s2h_recv_splits(roles)),
                 peer_send=sum(peer_splits),
                 send_pieces=tuple(n // B for n in peer_splits for _ in range(B)),
                 recv_pieces=tuple(n * w for _ in range(B) for n in self.seq_lens),
-                out_shapes=tuple((B, self.seq_total, self.head_count(s, self.rank), self.dim(s)) for s in roles),
-                peers=tuple(p for p in range(P) if p != self.rank),
+                width=w,
+                recv_shape=(B, self.seq_total, heads[r], lay.head_dim) if lay.uniform else (B, self.seq_total, w),
+                role_sizes=counts[r] if lay.uniform else tuple(c * lay.dim(s) for c, s in zip(counts[r], roles)),
+                view_shapes=tuple((B, self.seq_total, c, lay.dim(s)) for c, s in zip(counts[r], roles)),
+                out_shapes=tuple((B, self.seq_total, self.head_count(s, r), self.dim(s)) for s in roles),
+                peers=tuple(p for p in range(P) if p != r),
             )
 
         return self._memo(("s2h_route", roles, extra), build)
@@ -172,16 +179,37 @@ class Layout:
             return H2SRoute(
                 layout=self,
                 wire=lay,
+                roles=roles,
                 send_splits=tuple(send),
                 recv_splits=tuple(recv),
                 block_shapes=shapes,
+                block_sizes=tuple(math.prod(x) for per in shapes for x in per),
                 peer_block_sizes=peer_sizes,
                 peer_pieces=tuple(x // B for x in peer_sizes for _ in range(B)),
+                row_starts=tuple(self.seq_offset(p) for p in range(self.world_size)),
                 out_shapes=tuple((B, self.seq_local, self.total_heads(s), self.dim(s)) for s in roles),
                 peers=peers,
             )
 
         return self._memo(("h2s_route", roles, extra), build)
+
+    def routes(self, roles: Sequence[str], out: bool, extras: tuple[int, int, int, int] = (0, 0, 0, 0)) -> Routes:
+        """The routes of one call's exchanges (``Routes``): ``roles`` to heads and their
+        gradients back (none for an empty ``roles``), with ``out`` the output back and its
+        gradient to heads; ``extras``: per exchange (qkv, out, dout, grads) the ``extra`` of
+        ``s2h_route``/``h2s_route`` (an FP8 wire's scale bytes, or 0). Kept on this layout."""
+        roles = tuple(roles)
+
+        def build():
+            x_qkv, x_out, x_dout, x_grads = extras
+            return Routes(
+                qkv=self.s2h_route(roles, x_qkv) if roles else None,
+                out=self.h2s_route(OUT, x_out) if out else None,
+                dout=self.s2h_route(OUT, x_dout) if out else None,
+                grads=self.h2s_route(roles, x_grads) if roles else None,
+            )
+
+        return self._memo(("routes", roles, out, extras), build)
 
     def with_plan(self, plan: HeadPlan) -> Layout:
         """This layout with another plan (a chunk's, a replica sum's): same rank, lengths,
@@ -390,22 +418,35 @@ class S2HRoute:
     are cut by (``Layout.s2h_route``), in buffer elements (bytes on an FP8 wire). The movers
     (``attention.exchange``) read these numbers and call nothing back here.
 
-    ``send_splits``: per peer, this rank's own block included (batch 1: one ``all_to_all``);
-    ``recv_splits``: per source; ``peer_send``: the send buffer's elements without this
-    rank's own block (``pack_s2h(recv=...)`` packs it into the receive buffer) and
-    ``send_pieces`` that buffer cut per (peer, batch element); ``recv_pieces``: the receive
-    buffer ``[B][S][width]`` cut per (batch element, source); ``out_shapes``: per role the
-    result ``[B, S, h, D]`` (the views of the receive buffer are ``Layout.s2h_recv_views``);
-    ``peers``: the ranks other than this one."""
+    ``roles``: the roles it moves; ``send_splits``: per peer, this rank's own block included
+    (batch 1: one ``all_to_all``); ``recv_splits``: per source; ``peer_send``: the send
+    buffer's elements without this rank's own block (``pack_s2h(recv=...)`` packs it into the
+    receive buffer) and ``send_pieces`` that buffer cut per (peer, batch element);
+    ``recv_pieces``: the receive buffer ``[B][S][width]`` cut per (batch element, source),
+    ``width`` the elements of one of its tokens; ``recv_shape``: the receive buffer as
+    ``[B, S, h, D]`` (``uniform``: the roles share one head dim) or ``[B, S, width]``, cut along
+    dim 2 by ``role_sizes`` into one piece per role, each viewed as its ``view_shapes`` entry
+    (the views of ``Layout.s2h_recv_views``); ``out_shapes``: per role the result ``[B, S, h,
+    D]`` (in values: the dequantized tensor with an FP8 wire, whose ``view_shapes`` are in
+    bytes); ``peers``: the ranks other than this one."""
 
     layout: Layout
+    roles: tuple[str, ...]
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     peer_send: int
     send_pieces: tuple[int, ...]
     recv_pieces: tuple[int, ...]
+    width: int
+    recv_shape: tuple[int, ...]
+    role_sizes: tuple[int, ...]
+    view_shapes: tuple[tuple[int, int, int, int], ...]
     out_shapes: tuple[tuple[int, int, int, int], ...]
     peers: tuple[int, ...]
+
+    @property
+    def uniform(self) -> bool:
+        return len(self.recv_shape) == 4
 
 
 @dataclass(frozen=True)
@@ -413,24 +454,41 @@ class H2SRoute:
     """The head-to-sequence exchange of one role set, from one rank (``Layout.h2s_route``),
     in buffer elements (bytes on an FP8 wire).
 
-    ``wire``: the buffers' layout (``layout``, or with an FP8 wire its ``padded_rows``; the
-    blocks of an all-source receive buffer are its ``h2s_recv_views``);
-    ``send_splits``/``recv_splits``: per peer (one ``all_to_all``); ``block_shapes``: per
-    source, per role the ``[B, s_r, h, D]`` wire-format block; ``peer_block_sizes``: the
-    elements of the blocks of the sources other than this rank, source-major (a grouped
-    send/recv's receive buffer) and ``peer_pieces`` each cut per batch element;
-    ``out_shapes``: per role the result ``[B, s_r, H, D]``; ``peers``: the ranks other than
-    this one."""
+    ``wire``: the buffers' layout (``layout``, or with an FP8 wire its ``padded_rows``);
+    ``roles``: the roles it moves; ``send_splits``/``recv_splits``: per peer (one
+    ``all_to_all``); ``block_shapes``: per source, per role the ``[B, s_r, h, D]`` wire-format
+    block and ``block_sizes`` their elements, source-major (an all-source receive buffer's
+    blocks: ``wire.h2s_recv_views``); ``peer_block_sizes``: the same without this rank's
+    blocks (a grouped send/recv's receive buffer) and ``peer_pieces`` each cut per batch
+    element; ``row_starts``: per rank the first of its rows in a local ``[B, S, h, D]``
+    tensor (``seq_lens[p]`` of them: ``Layout.h2s_send_blocks``); ``out_shapes``: per role the
+    result ``[B, s_r, H, D]``; ``peers``: the ranks other than this one."""
 
     layout: Layout
     wire: Layout
+    roles: tuple[str, ...]
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     block_shapes: tuple[tuple[tuple[int, int, int, int], ...], ...]
+    block_sizes: tuple[int, ...]
     peer_block_sizes: tuple[int, ...]
     peer_pieces: tuple[int, ...]
+    row_starts: tuple[int, ...]
     out_shapes: tuple[tuple[int, int, int, int], ...]
     peers: tuple[int, ...]
+
+
+class Routes(NamedTuple):
+    """The routes of one call's four exchanges from one rank (``Layout.routes``), resolved
+    with the call (``attention.call.CallSetup.routes``): ``qkv`` q/k/v to heads and ``grads``
+    dq/dk/dv back (the public ``seq_to_head``: its roles), ``out`` the attention output back
+    and ``dout`` its gradient to heads (``head_to_seq``: ``"o"``); ``None`` for an exchange the
+    call does not make."""
+
+    qkv: S2HRoute | None
+    out: H2SRoute | None
+    dout: S2HRoute | None
+    grads: H2SRoute | None
 
 
 def _split_heads(x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:

@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout
+from .layout import QKV, Layout, Routes
 
-__all__ = ["Fp8Format", "E4M3", "E5M2", "WireSpec", "SCALE_BYTES", "wire_spec", "wire_layout", "error_bound", "wire_bytes_ratio"]
+__all__ = ["Fp8Format", "E4M3", "E5M2", "WireSpec", "SCALE_BYTES", "wire_spec", "call_routes", "wire_layout", "error_bound", "wire_bytes_ratio"]
 
 SCALE_BYTES = 4  # one float32 scale per (token, head) row
 AMAX_FLOOR = 2.0**-100  # the smallest amax: an all-zero row quantizes to zeros with a finite scale
@@ -136,6 +136,16 @@ def resolve_wire(wire_dtype, kernels, world_size: int, traced: bool) -> WireSpec
             f"kernels={getattr(kernels, 'name', kernels)!r} lacks {', '.join(missing)} (kernels='torch' has it)"
         )
     return spec
+
+
+def call_routes(layout: Layout, spec: WireSpec | None, roles=QKV, out: bool = True) -> Routes:
+    """The routes of a call's exchanges (``Layout.routes``), each in the units of its wire:
+    buffer elements, or bytes for an exchange ``spec`` gives a format (rows ``SCALE_BYTES``
+    longer). ``roles``: what goes to heads (``QKV``; the public ``seq_to_head``'s; none for
+    ``head_to_seq``); ``out``: the call moves the attention output (role ``OUT``) back."""
+    if spec is None:
+        return layout.routes(roles, out)
+    return layout.routes(roles, out, tuple(0 if f is None else SCALE_BYTES for f in (spec.qkv, spec.out, spec.dout, spec.grads)))
 
 
 def wire_layout(layout: Layout, fmt: Fp8Format) -> Layout:

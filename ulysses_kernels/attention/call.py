@@ -20,11 +20,12 @@ Order of resolution, the same for every entry point, top-down in ``setup_attenti
 4. the chunk count, the communicator that moves the data (``comm`` if given, else the
    group's default for the tensors' device; chosen after the checks because torch creates a
    group's NCCL communicator at the group's first collective, which the checks' all-gather
-   may be) and the wire format.
+   may be), the wire format and the route of each exchange in it (``wire.call_routes``: the
+   sizes every buffer is cut by, kept on the layout).
 
 What remains per call is what cannot be cached by value: the members (a few attribute
-reads), ``check=True``'s all-gather, and the chunk count when ``chunks`` is not 1 (it
-depends on saved-tensor hooks being active). ``UlyssesAttention`` goes further: it keeps
+reads), ``check=True``'s all-gather, the look-up of the routes on the layout, and the chunk
+count when ``chunks`` is not 1 (it depends on saved-tensor hooks being active). ``UlyssesAttention`` goes further: it keeps
 each signature's whole ``CallSetup`` (its own group's members and communicator included),
 so its calls after the first resolve nothing.
 
@@ -47,11 +48,11 @@ from ..checks import CallKey, UlyssesInputError, call_key, check_call, check_hea
 from ..comm import Communicator, get_communicator, native_nccl_enabled
 from ..documents import Documents, documents
 from ..kernels import KernelSet, get_kernels, registry_generation
-from ..layout import Layout
+from ..layout import Q_ONLY, QKV, Layout, Routes
 from ..math_attention import checked_scale
 from ..plan import HeadPlan
 from ..ring import SPGroups, check_ring_inputs, ring_backend
-from ..wire import WireSpec, resolve_wire
+from ..wire import WireSpec, call_routes, resolve_wire
 from .chunked import choose_chunks, chunk_plans
 
 __all__ = ["CallSetup", "Parts", "members_of", "resolve", "setup_attention", "setup_exchange", "setup_head_to_seq"]
@@ -72,7 +73,9 @@ class CallSetup(NamedTuple):
     ordinary batches; the backend receives them as ``docs=``. ``traced`` and ``chunks`` say
     which schedule runs the call: ``interface.run_schedule`` reads them (the only place that
     picks one). ``wire``: the FP8 format of each exchange (``wire.WireSpec``), ``None`` for
-    the attention dtype on the wire (the default; always with one rank).
+    the attention dtype on the wire (the default; always with one rank). ``routes``: the
+    route of each exchange the call makes (``layout.Routes``, by ``wire.call_routes``: in the
+    units of its wire), which the movers take (``attention.exchange``).
     """
 
     plan: HeadPlan
@@ -88,6 +91,7 @@ class CallSetup(NamedTuple):
     traced: bool = False
     docs: Documents | None = None
     wire: WireSpec | None = None
+    routes: Routes | None = None
 
 
 def members_of(group, comm) -> Communicator:
@@ -252,7 +256,8 @@ def _setup_flat(q, k, v, *, group, comm, members, plan, seq_lens, causal, softma
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     comm = _transport(group, comm, members, q.device, traced)
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
-    call = CallSetup(parts.plan, layout, comm, parts.kernels, parts.backend, split, bool(causal), parts.scale, layout.kv_map, n, traced, docs, wire)
+    routes = call_routes(layout, wire)
+    call = CallSetup(parts.plan, layout, comm, parts.kernels, parts.backend, split, bool(causal), parts.scale, layout.kv_map, n, traced, docs, wire, routes)
     return call, parts
 
 
@@ -291,6 +296,7 @@ def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire
     traced = torch.compiler.is_compiling()
     if (k is None) != (v is None):
         raise UlyssesInputError("seq_to_head: pass both k and v, or neither")
+    roles = QKV if k is not None else Q_ONLY
     if k is None:
         # q alone: stand-in k/v views with the plan's KV head count, for the checks only.
         kv_heads = plan.kv_heads if plan is not None else q.shape[2] if q.dim() == 4 else 1
@@ -301,7 +307,8 @@ def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire
     parts = resolve(key, None, kernels, traced)  # the default backend's name: resolved, not run
     comm = _transport(group, comm, members, q.device, traced)
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
-    return CallSetup(parts.plan, parts.layout, comm, parts.kernels, traced=traced, wire=wire)
+    routes = call_routes(parts.layout, wire, roles, out=False)
+    return CallSetup(parts.plan, parts.layout, comm, parts.kernels, traced=traced, wire=wire, routes=routes)
 
 
 def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels, wire_dtype=None) -> CallSetup:
@@ -318,7 +325,7 @@ def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels, wire
         layout, kern = _kept_head_to_seq(plan, members.rank, lens, x.shape[0], x.shape[3], kernels, x.device, registry_generation())
     comm = _transport(group, comm, members, x.device, traced)
     wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
-    return CallSetup(plan, layout, comm, kern, traced=traced, wire=wire)
+    return CallSetup(plan, layout, comm, kern, traced=traced, wire=wire, routes=call_routes(layout, wire, (), out=True))
 
 
 @functools.lru_cache(maxsize=512)

@@ -1,15 +1,20 @@
 """The two all-to-alls (the movers) and the differentiable exchanges built on them.
 
-Two pairs of movers with one signature, ``(layout, tensors, roles, comm, kernels)``:
+A mover takes a route (``layout.S2HRoute``/``H2SRoute``: every size its buffers are cut by,
+and the views of them) and reads its numbers; it calls nothing back in the layout. A call
+resolves the routes of its exchanges once (``CallSetup.routes``). Two pairs of movers with
+one signature, ``(route, tensors, comm, kernels, wire)``:
 
-* eager (``a2a_seq_to_head``, ``a2a_head_to_seq``, over ``post_seq_to_head`` and
-  ``post_head_to_seq``, which the chunked schedule starts asynchronously): batch 1 is one
-  ``all_to_all``, a larger batch and the gradients one grouped send/recv, pieces in place;
-* traced (``a2a_seq_to_head_traced``, ``a2a_head_to_seq_traced``): one ``all_to_all`` per
-  exchange, what ``torch.compile`` traces (``attention.traced`` says what differs).
+* eager (``s2h_along``, ``h2s_along``, over ``post_seq_to_head`` and ``post_head_to_seq``,
+  which the chunked schedule starts asynchronously): batch 1 is one ``all_to_all``, a larger
+  batch and the gradients one grouped send/recv, pieces in place;
+* traced (``s2h_along_traced``, ``h2s_along_traced``): one ``all_to_all`` per exchange,
+  what ``torch.compile`` traces (``attention.traced`` says what differs).
 
-``exchange_functions`` turns a pair into two autograd functions, each the other's backward:
-``SeqToHead``/``HeadToSeq`` (eager) and ``SeqToHeadTraced``/``HeadToSeqTraced``.
+``a2a_seq_to_head`` and ``a2a_head_to_seq`` are the eager movers by layout and roles (the
+route looked up on the layout), for callers without a ``CallSetup``: the mixers' exchange,
+the benches. ``exchange_functions`` turns a pair into two autograd functions, each the
+other's backward: ``SeqToHead``/``HeadToSeq`` (eager) and ``SeqToHeadTraced``/``HeadToSeqTraced``.
 
 Data movement per call of the eager movers (the budget of one copy per byte on the wire):
 
@@ -36,16 +41,18 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import TorchKernels
-from ..layout import OUT, Q_ONLY, QKV, H2SRoute, Layout, S2HRoute, rows_contiguous
+from ..layout import H2SRoute, Layout, S2HRoute, rows_contiguous
 from ..wire import SCALE_BYTES, Fp8Format
 
 __all__ = [
     "post_seq_to_head",
     "post_head_to_seq",
+    "s2h_along",
+    "h2s_along",
+    "s2h_along_traced",
+    "h2s_along_traced",
     "a2a_seq_to_head",
     "a2a_head_to_seq",
-    "a2a_seq_to_head_traced",
-    "a2a_head_to_seq_traced",
     "exchange_functions",
     "s2h_results",
     "h2s_unpack",
@@ -67,6 +74,35 @@ def _run_now(tensors, collective):
     return None
 
 
+def _extra(wire: Fp8Format | None) -> int:
+    """How much longer a head's row is on the wire: the FP8 scale's bytes, or 0."""
+    return 0 if wire is None else SCALE_BYTES
+
+
+def _s2h_views(route: S2HRoute, recv: torch.Tensor) -> list[torch.Tensor]:
+    """The results in a sequence-to-head receive buffer ``[B][S][width]``: per role a
+    ``[B, S, h, D]`` view (``Layout.s2h_recv_views``, cut by the route's numbers)."""
+    parts = recv.view(route.recv_shape).split_with_sizes(route.role_sizes, dim=2)
+    return list(parts) if route.uniform else [x.view(shape) for x, shape in zip(parts, route.view_shapes)]
+
+
+def _h2s_blocks(route: H2SRoute, recv: torch.Tensor, flat: bool) -> list[list[torch.Tensor]]:
+    """Per source, per role: the wire-format block of an all-source head-to-sequence receive
+    buffer (``Layout.h2s_recv_views`` of ``route.wire``): a ``[B, s_r, h, D]`` view, or with
+    ``flat`` the 1-D piece itself."""
+    pieces, n = recv.split_with_sizes(route.block_sizes), len(route.roles)
+    if flat:
+        return [list(pieces[p * n : (p + 1) * n]) for p in range(len(route.block_shapes))]
+    return [[pieces[p * n + i].view(shape) for i, shape in enumerate(per)] for p, per in enumerate(route.block_shapes)]
+
+
+def _rows(route: H2SRoute, x: torch.Tensor, peer: int) -> torch.Tensor:
+    """The rows of a local ``[B, S, h, D]`` tensor bound for ``peer``: ``[B, s_p, h, D]``
+    (``Layout.h2s_send_blocks``)."""
+    start = route.row_starts[peer]
+    return x[:, start : start + route.layout.seq_lens[peer]]
+
+
 def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels, start=_run_now, wire: Fp8Format | None = None):
     """Pack ``tensors`` (``[B, s_r, H, D]``) and post the sequence-to-head exchange.
 
@@ -77,17 +113,12 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
     is waited. ``wire``: an FP8 format (``ulysses_kernels.wire``): the pack quantizes into
     byte buffers laid out as ``wire_layout(layout, wire)``.
     """
-    return _post_s2h(layout.s2h_route(roles, _extra(wire)), tensors, roles, comm, kernels, start, wire)
+    return _post_s2h(layout.s2h_route(roles, _extra(wire)), tensors, comm, kernels, start, wire)
 
 
-def _extra(wire: Fp8Format | None) -> int:
-    """How much longer a head's row is on the wire: the FP8 scale's bytes, or 0."""
-    return 0 if wire is None else SCALE_BYTES
-
-
-def _post_s2h(route: S2HRoute, tensors, roles, comm, kernels, start, wire: Fp8Format | None):
+def _post_s2h(route: S2HRoute, tensors, comm, kernels, start, wire: Fp8Format | None):
     """``post_seq_to_head`` along ``route`` (the sizes of its buffers)."""
-    layout, like = route.layout, tensors[0]
+    layout, roles, like = route.layout, route.roles, tensors[0]
     if wire is not None:
         like = like.new_empty(0, dtype=torch.uint8)
         pack = functools.partial(kernels.quant_pack_s2h, fmt=wire)
@@ -116,14 +147,14 @@ def _post_s2h(route: S2HRoute, tensors, roles, comm, kernels, start, wire: Fp8Fo
 def s2h_results(layout: Layout, recv: torch.Tensor, roles, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
     """The sequence-to-head results of a waited receive buffer: ``[B, S, h, D]`` views of it,
     or with ``wire`` new tensors in ``like``'s dtype, dequantized by the kernel set."""
-    return _s2h_results(layout.s2h_route(roles, _extra(wire)), recv, roles, kernels, wire, like)
+    return _s2h_results(layout.s2h_route(roles, _extra(wire)), recv, kernels, wire, like)
 
 
-def _s2h_results(route: S2HRoute, recv: torch.Tensor, roles, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
+def _s2h_results(route: S2HRoute, recv: torch.Tensor, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
     if wire is None:
-        return route.layout.s2h_recv_views(recv, roles)
+        return _s2h_views(route, recv)
     outs = [like.new_empty(shape) for shape in route.out_shapes]
-    kernels.dequant_s2h(route.layout, recv, roles, outs, wire)
+    kernels.dequant_s2h(route.layout, recv, route.roles, outs, wire)
     return outs
 
 
@@ -135,11 +166,11 @@ def h2s_unpack(layout: Layout, blocks, roles, outs, kernels, wire: Fp8Format | N
         kernels.dequant_unpack_h2s(layout, blocks, roles, outs, wire)
 
 
-def _h2s_recv(route: H2SRoute, roles, like: torch.Tensor, own: bool, flat: bool = False):
+def _h2s_recv(route: H2SRoute, like: torch.Tensor, own: bool, flat: bool = False):
     """The receive side of a head-to-sequence exchange: ``(buffer, blocks, pieces)``.
-    ``blocks``: per source, per role the wire-format block (``layout.h2s_recv_views`` of the
-    buffers' layout: ``[B, s_r, h, D]`` views, or with ``flat`` the 1-D pieces of the buffer,
-    for a kernel set that takes them: ``flat_blocks``).
+    ``blocks``: per source, per role the wire-format block (``_h2s_blocks``: ``[B, s_r, h, D]``
+    views, or with ``flat`` the 1-D pieces of the buffer, for a kernel set that takes them:
+    ``flat_blocks``).
     ``own=False`` (grouped send/recv) leaves this rank's blocks out of the buffer (``None``):
     its rows never touch the wire, so the buffer holds the peers' blocks only; ``pieces``
     then lists, per peer other than this rank, per role, per batch element, the 1-D piece it
@@ -147,8 +178,8 @@ def _h2s_recv(route: H2SRoute, roles, like: torch.Tensor, own: bool, flat: bool 
     batch above 1 and views)."""
     if own:
         recv = _flat(sum(route.recv_splits), like)
-        return recv, route.wire.h2s_recv_views(recv, roles, flat=flat), None
-    P, shapes, n = route.layout.world_size, route.block_shapes, len(roles)
+        return recv, _h2s_blocks(route, recv, flat), None
+    P, shapes, n = route.layout.world_size, route.block_shapes, len(route.roles)
     B, peers = route.layout.batch, route.peers
     recv = _flat(sum(route.peer_block_sizes), like)
     # Per (peer, role, batch element): the pieces on the wire.
@@ -181,7 +212,7 @@ def _send_pieces(route: H2SRoute, x: torch.Tensor) -> list[list[torch.Tensor]]:
     if x.is_contiguous():
         cut = x.view(-1).split_with_sizes([n * w for _ in range(B) for n in layout.seq_lens])
         return [[cut[b * P + p] for b in range(B)] for p in range(P)]
-    return [[layout.h2s_send_blocks(x, p)[b].reshape(-1) for b in range(B)] for p in range(P)]
+    return [[_rows(route, x, p)[b].reshape(-1) for b in range(B)] for p in range(P)]
 
 
 def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, start=_run_now, flat: bool = False, wire: Fp8Format | None = None):
@@ -197,10 +228,10 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
     ``wire`` (an FP8 format): every tensor is packed, quantized, into bytes ``[B, S, h, D + 4]``
     (``ulysses_kernels.wire``), and the blocks are blocks of bytes (``h2s_unpack`` takes them).
     """
-    return _post_h2s(layout.h2s_route(roles, _extra(wire)), local, roles, comm, kernels, start, flat, wire)
+    return _post_h2s(layout.h2s_route(roles, _extra(wire)), local, comm, kernels, start, flat, wire)
 
 
-def _post_h2s(route: H2SRoute, local, roles, comm, kernels, start, flat: bool, wire: Fp8Format | None):
+def _post_h2s(route: H2SRoute, local, comm, kernels, start, flat: bool, wire: Fp8Format | None):
     """``post_head_to_seq`` along ``route`` (the sizes of its buffers)."""
     layout, fmt, wire = route.layout, wire, []
     for x in local:
@@ -216,7 +247,7 @@ def _post_h2s(route: H2SRoute, local, roles, comm, kernels, start, flat: bool, w
             x = packed.view(x.shape)
         wire.append(x)
     one = _one_collective(layout, len(wire))
-    recv, blocks, recv_pieces = _h2s_recv(route, roles, wire[0], own=one, flat=flat)
+    recv, blocks, recv_pieces = _h2s_recv(route, wire[0], own=one, flat=flat)
     if one:
         flat_send = wire[0].reshape(-1)
         collective = lambda a: comm.all_to_all(recv, flat_send, route.recv_splits, route.send_splits, async_op=a)  # noqa: E731
@@ -233,58 +264,69 @@ def _post_h2s(route: H2SRoute, local, roles, comm, kernels, start, flat: bool, w
         if flat and layout.batch == 1 and cut:
             blocks[layout.rank] = [cut[i][layout.rank][0] for i in range(len(wire))]
         else:
-            blocks[layout.rank] = [layout.h2s_send_blocks(x, layout.rank) for x in wire]
+            blocks[layout.rank] = [_rows(route, x, layout.rank) for x in wire]
     return start((recv, *wire), collective), blocks
 
 
-def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
-    """Sequence-sharded ``[B, s_r, H, D]`` tensors -> head-sharded ``[B, S, h, D]`` views
-    (with ``wire``, an FP8 format: new tensors, dequantized from the receive buffer)."""
-    route = layout.s2h_route(roles, _extra(wire))
-    _, recv = _post_s2h(route, tensors, roles, comm, kernels, _run_now, wire)
-    return _s2h_results(route, recv, roles, kernels, wire, tensors[0])
+def s2h_along(route: S2HRoute, tensors: Sequence[torch.Tensor], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
+    """Sequence-sharded ``[B, s_r, H, D]`` tensors (one per ``route.roles``) -> head-sharded
+    ``[B, S, h, D]`` views (with ``wire``, an FP8 format: new tensors, dequantized from the
+    receive buffer). ``route``: ``layout.s2h_route(roles, extra)``, ``extra`` the format's
+    scale bytes (``wire.call_routes``)."""
+    _, recv = _post_s2h(route, tensors, comm, kernels, _run_now, wire)
+    return _s2h_results(route, recv, kernels, wire, tensors[0])
 
 
-def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
-    """Head-sharded ``[B, S, h, D]`` tensors -> sequence-sharded ``[B, s_r, H, D]`` (``wire``:
-    an FP8 format on the wire, dequantized into ``local``'s dtype)."""
-    if layout.world_size == 1:
+def h2s_along(route: H2SRoute, local: Sequence[torch.Tensor], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
+    """Head-sharded ``[B, S, h, D]`` tensors (one per ``route.roles``) -> sequence-sharded
+    ``[B, s_r, H, D]`` (``wire``: an FP8 format on the wire, dequantized into ``local``'s dtype;
+    ``route`` as for ``s2h_along``)."""
+    if route.layout.world_size == 1:
         return list(local)
     like = local[0]
-    route = layout.h2s_route(roles, _extra(wire))
-    _, blocks = _post_h2s(route, local, roles, comm, kernels, _run_now, getattr(kernels, "flat_blocks", False), wire)
+    _, blocks = _post_h2s(route, local, comm, kernels, _run_now, getattr(kernels, "flat_blocks", False), wire)
     outs = [torch.empty(shape, dtype=like.dtype, device=like.device) for shape in route.out_shapes]
-    h2s_unpack(layout, blocks, roles, outs, kernels, wire)
+    h2s_unpack(route.layout, blocks, route.roles, outs, kernels, wire)
     return outs
 
 
+def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
+    """``s2h_along`` by layout and roles: the route is ``layout``'s for ``roles`` and ``wire``."""
+    return s2h_along(layout.s2h_route(roles, _extra(wire)), tensors, comm, kernels, wire)
+
+
+def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
+    """``h2s_along`` by layout and roles: the route is ``layout``'s for ``roles`` and ``wire``."""
+    return h2s_along(layout.h2s_route(roles, _extra(wire)), local, comm, kernels, wire)
+
+
 # ---- the traced movers: one all_to_all per exchange (see attention.traced) ----
-def a2a_seq_to_head_traced(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels, wire=None) -> list[torch.Tensor]:
+def s2h_along_traced(route: S2HRoute, tensors: Sequence[torch.Tensor], comm, kernels, wire=None) -> list[torch.Tensor]:
     """``[B, s_r, H, D]`` tensors -> this rank's heads ``[B, S, h, D]`` (views), one all_to_all.
     ``wire`` is always None here (``wire.resolve_wire`` refuses it inside torch.compile)."""
-    like = tensors[0]
-    send = _flat(sum(layout.s2h_send_splits(roles)), like)
-    kernels.pack_s2h(layout, tensors, roles, send)
+    layout, like = route.layout, tensors[0]
+    send = _flat(sum(route.send_splits), like)
+    kernels.pack_s2h(layout, tensors, route.roles, send)
     if layout.world_size == 1:
         # One peer, S = s_r: the send buffer [B][s_r][h][D] is already the receive layout.
-        return layout.s2h_recv_views(send, roles)
-    recv_splits = layout.s2h_recv_splits(roles)
-    got = _flat(sum(recv_splits), like)
-    comm.all_to_all(got, send, recv_splits, layout.s2h_send_splits(roles))
+        return _s2h_views(route, send)
+    got = _flat(sum(route.recv_splits), like)
+    comm.all_to_all(got, send, list(route.recv_splits), list(route.send_splits))
     if layout.batch > 1:
         # Source-major [P][B][s_p][width] -> batch-major [B][S][width] (eager avoids this copy
         # with one send/recv per (peer, batch element), which does not trace: attention.traced).
-        w, pieces, start = layout.width(roles, layout.rank), [], 0
-        for p, n in enumerate(recv_splits):
-            pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], w))
+        pieces, start = [], 0
+        for p, n in enumerate(route.recv_splits):
+            pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], route.width))
             start += n
         got = torch.cat(pieces, dim=1).view(-1)
-    return layout.s2h_recv_views(got, roles)
+    return _s2h_views(route, got)
 
 
-def a2a_head_to_seq_traced(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels, wire=None) -> list[torch.Tensor]:
+def h2s_along_traced(route: H2SRoute, local: Sequence[torch.Tensor], comm, kernels, wire=None) -> list[torch.Tensor]:
     """Local ``[B, S, h, D]`` tensors (one per role) -> ``[B, s_r, H, D]``, one all_to_all;
     replicated KV heads are summed in rank order by the kernel set's unpack, as in eager."""
+    layout = route.layout
     if layout.world_size == 1:
         return list(local)
     like = local[0]
@@ -294,12 +336,11 @@ def a2a_head_to_seq_traced(layout: Layout, local: Sequence[torch.Tensor], roles:
         send = like.reshape(-1)
     else:
         # Wire format: per peer p, per role, the rows of p as [B][s_p][h][D].
-        send = torch.cat([layout.h2s_send_blocks(x, p).reshape(-1) for p in range(layout.world_size) for x in local])
-    send_splits, recv_splits = layout.h2s_splits(roles)
-    recv = _flat(sum(recv_splits), like)
-    comm.all_to_all(recv, send, recv_splits, send_splits)
-    outs = [torch.empty(layout.batch, layout.seq_local, layout.total_heads(s), layout.dim(s), dtype=like.dtype, device=like.device) for s in roles]
-    kernels.unpack_h2s(layout, layout.h2s_recv_views(recv, roles), roles, outs)
+        send = torch.cat([_rows(route, x, p).reshape(-1) for p in range(layout.world_size) for x in local])
+    recv = _flat(sum(route.recv_splits), like)
+    comm.all_to_all(recv, send, list(route.recv_splits), list(route.send_splits))
+    outs = [torch.empty(shape, dtype=like.dtype, device=like.device) for shape in route.out_shapes]
+    kernels.unpack_h2s(layout, _h2s_blocks(route, recv, False), route.roles, outs)
     return outs
 
 
@@ -312,48 +353,46 @@ def wire_of(call, exchange: str) -> Fp8Format | None:
 
 def exchange_functions(s2h, h2s, suffix: str = ""):
     """The two differentiable exchanges, over a pair of data movers with the signatures of
-    ``a2a_seq_to_head`` and ``a2a_head_to_seq`` (eager: those two; inside torch.compile:
-    ``a2a_seq_to_head_traced``/``a2a_head_to_seq_traced``). Each is the other's backward. Both take the
-    call's ``CallSetup`` (layout, communicator, kernel set) first."""
+    ``s2h_along`` and ``h2s_along`` (eager: those two; inside torch.compile:
+    ``s2h_along_traced``/``h2s_along_traced``). Each is the other's backward. Both take the
+    call's ``CallSetup`` first and move along its routes (``CallSetup.routes``) with its
+    communicator and kernel set."""
 
     class SeqToHead(torch.autograd.Function):
-        """``(q[, k, v])`` sequence-sharded -> head-sharded; backward sums KV replicas.
-        A single tensor moves as ``Q_ONLY`` (the public ``seq_to_head(q)``)."""
+        """``(q[, k, v])`` sequence-sharded -> head-sharded (``call.routes.qkv``: ``Q_ONLY``
+        for the public ``seq_to_head(q)``); backward sums KV replicas (``routes.grads``)."""
 
         @staticmethod
         def forward(ctx, call, *tensors):
             ctx.call = call
-            ctx.roles = QKV if len(tensors) == 3 else Q_ONLY
-            return tuple(s2h(call.layout, tensors, ctx.roles, call.comm, call.kernels, wire_of(call, "qkv")))
+            return tuple(s2h(call.routes.qkv, tensors, call.comm, call.kernels, wire_of(call, "qkv")))
 
         @staticmethod
         def backward(ctx, *grads):
             call = ctx.call
-            lay = call.layout
             like = next(g for g in grads if g is not None)
-            grads = [
-                g if g is not None else like.new_zeros(lay.batch, lay.seq_total, lay.head_count(r, lay.rank), lay.dim(r)) for g, r in zip(grads, ctx.roles)
-            ]
-            return (None, *h2s(lay, grads, ctx.roles, call.comm, call.kernels, wire_of(call, "grads")))
+            grads = [g if g is not None else like.new_zeros(shape) for g, shape in zip(grads, call.routes.qkv.out_shapes)]
+            return (None, *h2s(call.routes.grads, grads, call.comm, call.kernels, wire_of(call, "grads")))
 
     class HeadToSeq(torch.autograd.Function):
         """Head-sharded ``[B, S, hq, Dv]`` -> sequence-sharded ``[B, s_r, Hq, Dv]`` (the
-        attention output, role ``"o"``: query heads at ``layout.v_head_dim``)."""
+        attention output, role ``"o"``: query heads at ``layout.v_head_dim``; ``routes.out``,
+        its gradient back along ``routes.dout``)."""
 
         @staticmethod
         def forward(ctx, call, local):
             ctx.call = call
-            return h2s(call.layout, [local], OUT, call.comm, call.kernels, wire_of(call, "out"))[0]
+            return h2s(call.routes.out, [local], call.comm, call.kernels, wire_of(call, "out"))[0]
 
         @staticmethod
         def backward(ctx, grad):
             call = ctx.call
-            return None, s2h(call.layout, [grad], OUT, call.comm, call.kernels, wire_of(call, "dout"))[0]
+            return None, s2h(call.routes.dout, [grad], call.comm, call.kernels, wire_of(call, "dout"))[0]
 
     for cls in (SeqToHead, HeadToSeq):
         cls.__name__ = cls.__qualname__ = cls.__name__ + suffix
     return SeqToHead, HeadToSeq
 
 
-SeqToHead, HeadToSeq = exchange_functions(a2a_seq_to_head, a2a_head_to_seq)
-SeqToHeadTraced, HeadToSeqTraced = exchange_functions(a2a_seq_to_head_traced, a2a_head_to_seq_traced, "Traced")
+SeqToHead, HeadToSeq = exchange_functions(s2h_along, h2s_along)
+SeqToHeadTraced, HeadToSeqTraced = exchange_functions(s2h_along_traced, h2s_along_traced, "Traced")

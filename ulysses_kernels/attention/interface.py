@@ -21,13 +21,12 @@ from ..backends import doc_kwargs
 from ..checkpointing import chunks_recompute_apart, one_recompute
 from ..comm import get_communicator, native_nccl_enabled
 from ..documents import documents
-from ..layout import OUT, QKV
 from ..plan import HeadPlan
 from ..ring import SPGroups
 from ..wire import wire_spec
 from . import chunked
 from .call import CallSetup, members_of, setup_attention, setup_exchange, setup_head_to_seq
-from .exchange import HeadToSeq, HeadToSeqTraced, SeqToHead, SeqToHeadTraced, a2a_head_to_seq, a2a_seq_to_head, wire_of
+from .exchange import HeadToSeq, HeadToSeqTraced, SeqToHead, SeqToHeadTraced, h2s_along, s2h_along, wire_of
 from .traced import traced_attention
 
 __all__ = ["ulysses_attention", "UlyssesAttention", "seq_to_head", "head_to_seq"]
@@ -208,13 +207,13 @@ class LocalAttention(torch.autograd.Function):
 
 def _forward_only(q, k, v, call):
     """``SeqToHead``, ``LocalAttention`` and ``HeadToSeq``'s forwards, as plain calls."""
-    layout, comm, kernels = call.layout, call.comm, call.kernels
-    q_l, k_l, v_l = a2a_seq_to_head(layout, (q, k, v), QKV, comm, kernels, wire_of(call, "qkv"))
+    routes, comm, kernels = call.routes, call.comm, call.kernels
+    q_l, k_l, v_l = s2h_along(routes.qkv, (q, k, v), comm, kernels, wire_of(call, "qkv"))
     out_l, _ = call.backend.forward(
         q_l, k_l, v_l, causal=call.causal, scale=call.scale, kv_map=call.kv_map, needs_grad=False, **doc_kwargs(call.docs)
     )  # fmt: skip
     del q_l, k_l, v_l
-    return a2a_head_to_seq(layout, [out_l], OUT, comm, kernels, wire_of(call, "out"))[0]
+    return h2s_along(routes.out, [out_l], comm, kernels, wire_of(call, "out"))[0]
 
 
 # The resolved calls a module keeps (one per input signature: a few KB each). Packed batches
