@@ -25,9 +25,9 @@ Order of resolution, the same for every entry point, top-down in ``setup_attenti
 
 What remains per call is what cannot be cached by value: the members (a few attribute
 reads), ``check=True``'s all-gather, the look-up of the routes on the layout, and the chunk
-count when ``chunks`` is not 1 (it depends on saved-tensor hooks being active). ``UlyssesAttention`` goes further: it keeps
-each signature's whole ``CallSetup`` (its own group's members and communicator included),
-so its calls after the first resolve nothing.
+count when ``chunks`` is not 1 (it depends on saved-tensor hooks being active).
+``UlyssesAttention`` goes further: it keeps each signature's whole ``CallSetup`` (its own
+group's members and communicator included), so its calls after the first resolve nothing.
 
 Inside ``torch.compile`` (``traced``) the checks are rank-local, the kernel set must be
 traceable, the communicator is the members' (torch's functional collectives) and
