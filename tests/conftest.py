@@ -1,9 +1,7 @@
-import fcntl
 import importlib.util
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -117,42 +115,6 @@ def pytest_collection_modifyitems(config, items):
         tests = by_file[name]
         rng.shuffle(tests)
         items.extend(tests)
-
-
-# ---- tests that run alone -----------------------------------------------------------------------
-# A test marked ``alone`` starts more busy processes than the machine has cores (a command with three
-# or more fresh ranks): while it runs, the other pytest workers start no test. It waits for the test
-# each of them is running to end. Between pytest workers of one run (pytest-xdist's testrunuid):
-# every test takes the gate and then a shared hold on the run lock; an ``alone`` test keeps the gate
-# until it ends and holds the run lock exclusively, so the others queue at the gate.
-def _lock_files(config) -> tuple[Path, Path] | None:
-    uid = getattr(config, "workerinput", {}).get("testrunuid")
-    if uid is None:  # one process: nothing runs beside a test
-        return None
-    base = Path(tempfile.gettempdir()) / f"ulysses_kernels_tests_{uid}"
-    return base.with_suffix(".gate"), base.with_suffix(".run")
-
-
-@pytest.fixture(autouse=True)
-def _alone_or_beside(request):
-    files = _lock_files(request.config)
-    if files is None:
-        yield
-        return
-    alone = request.node.get_closest_marker("alone") is not None
-    with open(files[0], "a") as gate, open(files[1], "a") as run:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            if not alone:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(run, fcntl.LOCK_UN)
-            if alone:
-                fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 # ---- state a test must not leave behind ----------------------------------------------------------

@@ -122,7 +122,6 @@ def test_cpu_run_at_two_gloo_ranks_passes_every_path(tmp_path):
     assert f"{len(expected)} passed, 0 failed" in r.stdout and "every path matches the float64 reference" in r.stdout
 
 
-@pytest.mark.alone  # three fresh ranks and torchrun on 2 cores (tests/conftest.py)
 def test_torchrun_at_three_ranks_quick(tmp_path):
     kernels = [k for k in ("torch", "cuda") if k in available_kernels()]  # cuda: the C++ extension's CPU twin
     argv = [BIN / "torchrun", "--standalone", "--nproc-per-node", "3", "-m", "ulysses_kernels.selftest", "--quick"]

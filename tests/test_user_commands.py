@@ -189,14 +189,7 @@ def test_the_docs_show_example_commands():
     assert any(c.startswith("torchrun ") for c in cmds), cmds
 
 
-def _by_ranks(cmd: str, *values):
-    """``values`` as a test's parameters, marked ``alone`` (tests/conftest.py) when ``cmd`` starts three
-    or more ranks (``--spawn N``, ``--nproc-per-node N``): more busy processes than 2 cores hold."""
-    m = re.search(r"--(?:spawn|nproc-per-node) (\d+)", cmd)
-    return pytest.param(*values, marks=[pytest.mark.alone] if m and int(m.group(1)) >= 3 else [])
-
-
-@pytest.mark.parametrize("cmd", [_by_ranks(c, c) for c in documented_example_commands()])
+@pytest.mark.parametrize("cmd", documented_example_commands())
 def test_documented_example_command(cmd, tmp_path):
     # A copy of the example outside the checkout, run from its parent as the docs write it.
     (tmp_path / "examples").mkdir()
@@ -582,7 +575,7 @@ ENGINE_EXAMPLES = [
 ]
 
 
-@pytest.mark.parametrize(("path", "cmd", "needs"), [_by_ranks(cmd, path, cmd, needs) for path, cmd, needs in ENGINE_EXAMPLES], ids=["fsdp2", "deepspeed_zero3"])
+@pytest.mark.parametrize(("path", "cmd", "needs"), ENGINE_EXAMPLES, ids=["fsdp2", "deepspeed_zero3"])
 def test_engine_example_command(path, cmd, needs, tmp_path):
     if needs is not None and importlib.util.find_spec(needs) is None:
         pytest.skip(f"{needs} is not installed (scripts/setup.sh installs it)")
