@@ -403,9 +403,8 @@ class Layout:
         ``split_with_sizes`` and a view per block); ``flat=True``: the 1-D pieces of ``recv``
         themselves (no view per block), for a kernel set that takes flat blocks
         (``flat_blocks``: the ``cuda`` set)."""
-        shapes = self.h2s_block_shapes(roles)
-        sizes = self._memo(("h2s_sizes", tuple(roles)), lambda: [math.prod(x) for per in shapes for x in per])
-        pieces = recv.split_with_sizes(sizes)
+        route = self.h2s_route(roles)
+        shapes, pieces = route.block_shapes, recv.split_with_sizes(route.block_sizes)
         n = len(roles)
         if flat:
             return [list(pieces[p * n : (p + 1) * n]) for p in range(self.world_size)]

@@ -52,7 +52,7 @@ import torch
 
 from .layout import QKV, Layout, Routes
 
-__all__ = ["Fp8Format", "E4M3", "E5M2", "WireSpec", "SCALE_BYTES", "wire_spec", "call_routes", "wire_layout", "error_bound", "wire_bytes_ratio"]
+__all__ = ["Fp8Format", "E4M3", "E5M2", "WireSpec", "SCALE_BYTES", "row_extra", "wire_spec", "call_routes", "wire_layout", "error_bound", "wire_bytes_ratio"]
 
 SCALE_BYTES = 4  # one float32 scale per (token, head) row
 AMAX_FLOOR = 2.0**-100  # the smallest amax: an all-zero row quantizes to zeros with a finite scale
@@ -138,6 +138,12 @@ def resolve_wire(wire_dtype, kernels, world_size: int, traced: bool) -> WireSpec
     return spec
 
 
+def row_extra(fmt: Fp8Format | None) -> int:
+    """How much longer a head's row is on the wire in format ``fmt``: the scale's bytes, or 0
+    without a format (the ``extra`` of ``Layout.s2h_route``/``h2s_route``)."""
+    return 0 if fmt is None else SCALE_BYTES
+
+
 def call_routes(layout: Layout, spec: WireSpec | None, roles=QKV, out: bool = True) -> Routes:
     """The routes of a call's exchanges (``Layout.routes``), each in the units of its wire:
     buffer elements, or bytes for an exchange ``spec`` gives a format (rows ``SCALE_BYTES``
@@ -145,7 +151,7 @@ def call_routes(layout: Layout, spec: WireSpec | None, roles=QKV, out: bool = Tr
     ``head_to_seq``); ``out``: the call moves the attention output (role ``OUT``) back."""
     if spec is None:
         return layout.routes(roles, out)
-    return layout.routes(roles, out, tuple(0 if f is None else SCALE_BYTES for f in (spec.qkv, spec.out, spec.dout, spec.grads)))
+    return layout.routes(roles, out, tuple(row_extra(f) for f in (spec.qkv, spec.out, spec.dout, spec.grads)))
 
 
 def wire_layout(layout: Layout, fmt: Fp8Format) -> Layout:

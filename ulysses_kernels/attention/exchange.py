@@ -42,7 +42,7 @@ import torch
 
 from ..kernels import TorchKernels
 from ..layout import H2SRoute, Layout, S2HRoute, rows_contiguous
-from ..wire import SCALE_BYTES, Fp8Format
+from ..wire import SCALE_BYTES, Fp8Format, row_extra
 
 __all__ = [
     "post_seq_to_head",
@@ -72,11 +72,6 @@ def _run_now(tensors, collective):
     """``start`` for a blocking exchange: run the collective, no handle."""
     collective(False)
     return None
-
-
-def _extra(wire: Fp8Format | None) -> int:
-    """How much longer a head's row is on the wire: the FP8 scale's bytes, or 0."""
-    return 0 if wire is None else SCALE_BYTES
 
 
 def _s2h_views(route: S2HRoute, recv: torch.Tensor) -> list[torch.Tensor]:
@@ -113,7 +108,7 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
     is waited. ``wire``: an FP8 format (``ulysses_kernels.wire``): the pack quantizes into
     byte buffers laid out as ``wire_layout(layout, wire)``.
     """
-    return _post_s2h(layout.s2h_route(roles, _extra(wire)), tensors, comm, kernels, start, wire)
+    return _post_s2h(layout.s2h_route(roles, row_extra(wire)), tensors, comm, kernels, start, wire)
 
 
 def _post_s2h(route: S2HRoute, tensors, comm, kernels, start, wire: Fp8Format | None):
@@ -147,7 +142,7 @@ def _post_s2h(route: S2HRoute, tensors, comm, kernels, start, wire: Fp8Format | 
 def s2h_results(layout: Layout, recv: torch.Tensor, roles, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
     """The sequence-to-head results of a waited receive buffer: ``[B, S, h, D]`` views of it,
     or with ``wire`` new tensors in ``like``'s dtype, dequantized by the kernel set."""
-    return _s2h_results(layout.s2h_route(roles, _extra(wire)), recv, kernels, wire, like)
+    return _s2h_results(layout.s2h_route(roles, row_extra(wire)), recv, kernels, wire, like)
 
 
 def _s2h_results(route: S2HRoute, recv: torch.Tensor, kernels, wire: Fp8Format | None, like: torch.Tensor) -> list[torch.Tensor]:
@@ -228,7 +223,7 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
     ``wire`` (an FP8 format): every tensor is packed, quantized, into bytes ``[B, S, h, D + 4]``
     (``ulysses_kernels.wire``), and the blocks are blocks of bytes (``h2s_unpack`` takes them).
     """
-    return _post_h2s(layout.h2s_route(roles, _extra(wire)), local, comm, kernels, start, flat, wire)
+    return _post_h2s(layout.h2s_route(roles, row_extra(wire)), local, comm, kernels, start, flat, wire)
 
 
 def _post_h2s(route: H2SRoute, local, comm, kernels, start, flat: bool, wire: Fp8Format | None):
@@ -292,12 +287,12 @@ def h2s_along(route: H2SRoute, local: Sequence[torch.Tensor], comm, kernels=Torc
 
 def a2a_seq_to_head(layout: Layout, tensors: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
     """``s2h_along`` by layout and roles: the route is ``layout``'s for ``roles`` and ``wire``."""
-    return s2h_along(layout.s2h_route(roles, _extra(wire)), tensors, comm, kernels, wire)
+    return s2h_along(layout.s2h_route(roles, row_extra(wire)), tensors, comm, kernels, wire)
 
 
 def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequence[str], comm, kernels=TorchKernels, wire=None) -> list[torch.Tensor]:
     """``h2s_along`` by layout and roles: the route is ``layout``'s for ``roles`` and ``wire``."""
-    return h2s_along(layout.h2s_route(roles, _extra(wire)), local, comm, kernels, wire)
+    return h2s_along(layout.h2s_route(roles, row_extra(wire)), local, comm, kernels, wire)
 
 
 # ---- the traced movers: one all_to_all per exchange (see attention.traced) ----
