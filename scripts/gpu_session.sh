@@ -3,7 +3,7 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled): each `run`
 # call runs one or more stages, in order.
 #
-# NEXT (issue 49): ONE call, `world`: 14 steps, budgets summing to 520 s under one 540 s deadline. Here, first:
+# NEXT (issue 49): ONE call, `world`: 15 steps, budgets summing to 525 s under one 540 s deadline. Here, first:
 #   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels
 #   /work/main/.venv/bin/python scripts/nccl_carry.py   # build/nccl_carry/: NCCL 2.30.7, sm_90 only, 29.4 MiB, checked
 #   GPU_SESSION_DRY_RUN=1 bash scripts/gpu_session.sh world   # the plan: every step, its budget, the sum
@@ -491,8 +491,11 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
   if multi_rank_ok two_ranks; then
     step two_ranks 60 "$PY" -m pytest -q -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
   fi
-  step bench_pack 25 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new,wide}" \
+  step bench_pack 20 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new,wide}" \
     --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
+  # #50: the quantizing pack (bf16 in, e4m3 + scales out) against a device copy; each row checked bit for bit first
+  # shellcheck disable=SC2016  # $0/$1 are bash -c's own arguments
+  step bench_pack_fp8 10 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.pack_fp8 | tee "$1"' "$PY" "$WAVE_DIR/pack_fp8.txt" || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
   step bench_attention 50 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 6 --out-dir "$WAVE_DIR" \
