@@ -88,7 +88,8 @@
 # `info`, every self-test and bench record name the NCCL that ran. GPU_SESSION_NCCL_CARRY=0: ignore the carry; GPU_SESSION_NCCL_CARRY_DIR: another folder.
 # GPU_SESSION_DRY_RUN=1 prints the commands and, at the end, every step's budget and their sum; GPU_SESSION_TINY=1 runs them at tiny sizes without a
 # GPU (CPU check that every command line parses; results stay in build/gpu_session/).
-# Other knobs: GPU_SESSION_TESTS (test files), GPU_SESSION_TEST_TIMEOUT (per test, s),
+# Other knobs: GPU_SESSION_SKIP="step step ..." (steps an earlier call of the same session recorded),
+# GPU_SESSION_TESTS (test files), GPU_SESSION_TEST_TIMEOUT (per test, s),
 # GPU_SESSION_MAXFAIL, GPU_SESSION_XDIST (workers, default 4; 0: no xdist), GPU_SESSION_ATTN_MODELS,
 # GPU_SESSION_ATTN_MAX_SEQ, GPU_SESSION_ARCH, GPU_SESSION_REBUILD=1, GPU_SESSION_STEP_SCALE (every step budget times N:
 # a TINY check on a slow CPU). TINY builds _C for one arch:
@@ -127,6 +128,7 @@ publish() {  # the summary and a tarball of logs + new results into $OUT (again 
 step() {  # step NAME LIMIT_S CMD...: run under timeout, log to $LOG/NAME.log, record the outcome
   local name=$1 limit=$2 left rc t res
   shift 2
+  case " ${GPU_SESSION_SKIP:-} " in *" $name "*) say "SKIPPED  $name (GPU_SESSION_SKIP: recorded by an earlier call)"; return 0 ;; esac
   left=$((DEADLINE - $(date +%s) - 20))
   if [ "$left" -lt 30 ]; then say "SKIPPED  $name (call budget spent)"; FAILED=1; return 1; fi
   limit=$((limit * ${GPU_SESSION_STEP_SCALE:-1}))  # a CPU check (TINY) on slow cores: every budget times this
@@ -195,8 +197,8 @@ stamp() {  # what the build depends on: sources, python, torch, arch, the NCCL h
     cat "${NCCL_HOME:-/nonexistent}/include/nccl.h" 2>/dev/null || true; } | sha256sum | cut -c1-16
 }
 
-nccl_version() {  # the NCCL torch runs in this environment ("2.30.7"), "?" when it cannot say
-  "${1:-$PY}" -c 'import torch; print(".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null || echo "?"
+nccl_version() {  # the NCCL that runs in this environment ("2.30.7": ncclGetVersion of the libnccl mapped, not torch's header), "?"
+  "${1:-$PY}" -c 'from ulysses_kernels.extension import loaded_nccl_version as v; print(".".join(map(str, v())))' 2>/dev/null || echo "?"
 }
 
 use_nccl_carry() {  # the carried NCCL >= 2.30 (build/nccl_carry: scripts/nccl_carry.py) ahead of torch's, if torch runs it
@@ -263,12 +265,15 @@ setup() {
   [ -n "${GPU_SESSION_GIT_SHA:-}" ] && export ULYSSES_KERNELS_GIT_SHA=$GPU_SESSION_GIT_SHA  # bench JSON, without .git
   NCCL_RUNS=$(nccl_version)  # what torch runs in this call, for multi_rank_ok
   local sha
-  if sha=$(git rev-parse --short HEAD 2>/dev/null); then git diff --quiet HEAD || sha="$sha +local edits"
-  else sha=${GPU_SESSION_GIT_SHA:-"unknown (set GPU_SESSION_GIT_SHA)"}; fi
+  # the sha named by the caller first: the GPU machine may hold a stale .git of an earlier call (2026-11-30: aa337a4)
+  if [ -n "${GPU_SESSION_GIT_SHA:-}" ]; then sha=$GPU_SESSION_GIT_SHA
+  elif sha=$(git rev-parse --short HEAD 2>/dev/null); then git diff --quiet HEAD || sha="$sha +local edits"
+  else sha="unknown (set GPU_SESSION_GIT_SHA)"; fi
   say "$TAG | git $sha | $(date -u +%FT%TZ) | $("$PY" -c '
 import torch, triton
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU check)"
-nccl = ".".join(map(str, torch.cuda.nccl.version()))
+from ulysses_kernels.extension import loaded_nccl_version
+nccl = ".".join(map(str, loaded_nccl_version() or ("?",)))
 print(f"{gpu} | torch {torch.__version__} CUDA {torch.version.cuda} | NCCL {nccl} | triton {triton.__version__}")')"
 }
 
@@ -282,7 +287,7 @@ stage_build() {
   if [ "$DRY" != 1 ] && ! timeout -k 5 60 "$PY" -m ulysses_kernels.info --json > "$LOG/info.json" 2> "$LOG/info_json.err"; then
     say "FAILED   info --json (see $LOG/info_json.err; the later stages still run)"; FAILED=1
   fi
-  step device 60 "$PY" -c 'import torch; print(torch.cuda.get_device_properties(0) if torch.cuda.is_available() else "no GPU"); print("torch NCCL", torch.cuda.nccl.version())' || true
+  step device 60 "$PY" -c 'import torch; print(torch.cuda.get_device_properties(0) if torch.cuda.is_available() else "no GPU"); from ulysses_kernels.extension import loaded_nccl_version; print("NCCL that runs", loaded_nccl_version(), "torch built with", torch.cuda.nccl.version())' || true
 }
 
 stage_tests() {
@@ -333,7 +338,7 @@ stage_bench() {
 
 stage_nccl2() {
   local v
-  v=$("$PY" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)), int(tuple(v) >= (2, 30)))' 2>/dev/null || echo "? 1")
+  v=$("$PY" -c 'from ulysses_kernels.extension import loaded_nccl_version; v = loaded_nccl_version(); print(".".join(map(str, v)), int(tuple(v) >= (2, 30)))' 2>/dev/null || echo "? 1")
   if [ "${v#* }" != 1 ] && [ "$DRY" != 1 ]; then say "SKIPPED  nccl2: NCCL ${v% *} < 2.30 has no multi-rank-per-GPU"; return 0; fi
   step selftest_w2 240 env NCCL_MULTI_RANK_GPU_ENABLE=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
     -m ulysses_kernels.selftest --timeout 90 --json "$LOG/selftest_w2.json" || true

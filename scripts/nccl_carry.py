@@ -42,6 +42,7 @@ DIR/nvidia/nccl is also the NCCL_HOME that setup.py builds ``_C`` against (its n
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import lzma
@@ -344,6 +345,14 @@ def _probe_rank(rank: int, store: str) -> None:
     dist.destroy_process_group()
 
 
+def nccl_version_in_process(path: str) -> int:
+    """ncclGetVersion of a libnccl already mapped into this process (dlopen of the same path returns its handle)."""
+    code = ctypes.c_int()
+    if ctypes.CDLL(path).ncclGetVersion(ctypes.byref(code)) != 0:
+        raise RuntimeError(f"ncclGetVersion failed in {path}")
+    return code.value
+
+
 def probe(dest: Path) -> bool:
     """In a process started with this NCCL ahead of torch's (LD_PRELOAD, ``dest`` first on
     PYTHONPATH): torch runs it, one copy is mapped, and with a GPU two ranks on GPU 0 all-reduce
@@ -352,11 +361,15 @@ def probe(dest: Path) -> bool:
     import torch.multiprocessing as mp
 
     lib = (dest / "nvidia" / "nccl" / "lib" / LIB).resolve()
-    version = tuple(torch.cuda.nccl.version())
     with open("/proc/self/maps") as f:
         mapped = sorted({line.split(None, 5)[5].strip() for line in f if "libnccl" in line and len(line.split(None, 5)) == 6})
-    ok = version >= (2, 30) and mapped == [str(lib)]
-    print(f"[nccl_carry] torch {torch.__version__} runs NCCL {'.'.join(map(str, version))}; mapped: {mapped}: {'OK' if ok else 'FAIL'}")
+    # torch.cuda.nccl.version() is the header torch was built with (2.28.9 on the GPU machine), not the library it
+    # runs: the version that counts is ncclGetVersion of the one file mapped (the process's handle, not a new load)
+    code = nccl_version_in_process(mapped[0]) if len(mapped) == 1 else 0
+    header = ".".join(map(str, tuple(torch.cuda.nccl.version())[:3]))
+    ok = mapped == [str(lib)] and code >= 23000
+    version = version_text(code) if code else "?"
+    print(f"[nccl_carry] torch {torch.__version__} (built with NCCL {header}) runs NCCL {version}; mapped: {mapped}: {'OK' if ok else 'FAIL'}")
     if ok and torch.cuda.is_available():
         os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
         with tempfile.TemporaryDirectory(prefix="nccl_probe_") as tmp:

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not (extension.available() and extension.load().
 
 
 def _torch_nccl():
-    return tuple(torch.cuda.nccl.version())[:3]
+    """The NCCL this process runs (a carried one ahead of torch's included), not torch's header version."""
+    return extension.loaded_nccl_version()
 
 
 def test_versions_match_torch():
@@ -32,6 +33,18 @@ def test_versions_match_torch():
     info = extension.build_info()
     assert info["nccl_header_version"] == _torch_nccl()
     assert info["nccl_runtime_version"] == extension.decode_nccl_version(C.nccl_version()) == _torch_nccl()
+
+
+def test_loaded_nccl_version_is_the_mapped_librarys():
+    """torch.cuda.nccl.version() is torch's header; the version that counts is ncclGetVersion of the file mapped."""
+    import ctypes
+
+    libs = extension.nccl_libraries()
+    if len(libs) != 1:
+        pytest.skip(f"{len(libs)} libnccl files mapped")
+    code = ctypes.c_int()
+    assert ctypes.CDLL(libs[0]).ncclGetVersion(ctypes.byref(code)) == 0
+    assert extension.loaded_nccl_version() == extension.decode_nccl_version(code.value)
 
 
 def test_decode_nccl_version():

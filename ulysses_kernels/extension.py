@@ -157,17 +157,43 @@ def check_nccl_versions(linked: tuple[int, ...], loaded: tuple[int, ...]) -> Non
         lv, tv = ".".join(map(str, linked[:3])), ".".join(map(str, loaded[:3]))
         raise ImportError(
             f"ulysses_kernels._C was built against NCCL {lv} but torch {torch.__version__} loaded NCCL {tv} "
-            f"(torch.cuda.nccl.version()); rebuild the extension in this environment so that both use one NCCL: "
+            f"(ncclGetVersion of the libnccl mapped); rebuild the extension in this environment so that both use one NCCL: "
             f"{rebuild_command()}"
         )
 
 
-def _torch_nccl_version():
+def nccl_libraries() -> list[str]:
+    """The libnccl files mapped into this process (Linux; empty elsewhere or before any is loaded)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split(None, 5)[5].strip() for line in f if "libnccl" in line and len(line.split(None, 5)) == 6})
+    except OSError:
+        return []
+
+
+def torch_nccl_header_version() -> tuple[int, int, int] | None:
+    """The NCCL torch was built with (``torch.cuda.nccl.version()`` is its header's NCCL_MAJOR/MINOR/PATCH, not the library loaded)."""
     try:
         v = torch.cuda.nccl.version()
     except (RuntimeError, AttributeError):
         return None
-    return tuple(v) if isinstance(v, tuple) else decode_nccl_version(int(v))
+    return tuple(v)[:3] if isinstance(v, tuple) else decode_nccl_version(int(v))
+
+
+def loaded_nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL this process runs: ``ncclGetVersion`` of the one libnccl mapped (a carried NCCL put ahead of torch's
+    runs instead of the one torch was built with), else torch's header version; None where torch has no NCCL."""
+    libs = nccl_libraries()
+    if len(libs) == 1:
+        import ctypes
+
+        try:
+            code = ctypes.c_int()
+            if ctypes.CDLL(libs[0]).ncclGetVersion(ctypes.byref(code)) == 0:
+                return decode_nccl_version(code.value)
+        except (OSError, AttributeError):
+            pass
+    return torch_nccl_header_version()
 
 
 def _import_checked():
@@ -187,7 +213,7 @@ def _import_checked():
     if "max_peers" not in info or not hasattr(module, "pack_variant"):
         raise ImportError(f"ulysses_kernels._C was built from older sources than this package (its build_info has no limits); rebuild it: {rebuild_command()}")
     if info.get("nccl"):
-        loaded = _torch_nccl_version()
+        loaded = loaded_nccl_version()
         if loaded is not None:
             check_nccl_versions(decode_nccl_version(info["nccl_header_version"]), loaded)
     return module

@@ -29,14 +29,7 @@ from . import extension, toolchain
 from .backends import packed_report
 from .kernels import KERNEL_SETS, auto_choice, kernel_set_report
 
-
-def nccl_libraries() -> list[str]:
-    """The libnccl files mapped into this process (Linux; empty elsewhere or before any is loaded)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({line.split(None, 5)[5].strip() for line in f if "libnccl" in line and len(line.split(None, 5)) == 6})
-    except OSError:
-        return []
+nccl_libraries = extension.nccl_libraries  # the libnccl files mapped into this process
 
 
 def nccl_line(info: dict) -> str:
@@ -55,10 +48,10 @@ def nccl_line(info: dict) -> str:
 
 
 def collect() -> dict:
-    try:
-        torch_nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    except (RuntimeError, AttributeError) as e:
-        torch_nccl = f"unavailable ({e})"
+    loaded, header = extension.loaded_nccl_version(), extension.torch_nccl_header_version()
+    torch_nccl = ".".join(map(str, loaded)) if loaded else "unavailable"
+    if loaded and header and header != loaded:  # a carried NCCL ahead of torch's: the one that runs, then torch's header
+        torch_nccl += f" (torch built with {'.'.join(map(str, header))})"
     try:
         import triton
 

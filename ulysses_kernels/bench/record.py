@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from .. import __version__, extension
 
 __all__ = [
     "CPU_LABEL",
@@ -88,12 +88,9 @@ def _git_dirty(package_dir: Path | str = _PACKAGE_DIR) -> bool | None:
 
 def _versions() -> dict:
     nccl = None
-    if hasattr(torch.cuda, "nccl"):
-        try:
-            v = torch.cuda.nccl.version()
-            nccl = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
-        except (RuntimeError, AttributeError, TypeError):
-            nccl = None
+    loaded = extension.loaded_nccl_version()  # the NCCL that runs (ncclGetVersion of the mapped library), not torch's header
+    if loaded:
+        nccl = ".".join(map(str, loaded))
     try:
         import triton
 
