@@ -34,6 +34,7 @@ CASES = [
     (6, 6, 2, 1, (3, 5), 1, 8, 8),
     (10, 2, 4, 2, (2, 3, 1, 2), 2, 8, 6),  # KV replicas, batch 2, MLA
     (4, 2, 3, 0, (2, 2, 3), 1, 6, 10),  # head dims not a multiple of 4: scales unaligned
+    (2, 2, 2, 1, (2, 1), 1, 136, 66),  # rows past one warp's 128 (vector) and 32 (scalar) elements
 ]
 FORMATS = [E4M3, E5M2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -132,3 +133,24 @@ def test_dequant_unpack_h2s_matches_the_reference(name, case):
                 kern.dequant_unpack_h2s(lay, [[b.reshape(-1) for b in per] for per in blocks], roles, got, fmt)
                 for g, w in zip(got, want):
                     assert torch.equal(g, w), (fmt, dtype, roles, "flat")
+
+
+@pytest.mark.parametrize("name", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quant_and_dequant_of_rows_that_start_unaligned(name, dtype):
+    """Contiguous rows of D % 4 == 0 elements whose starts are not aligned for a 4-element load
+    (a [..., 1:] view of D + 1): the CUDA kernels and their twin take the element path there."""
+    kern, lay = _kernel_set(name), _layout((4, 2, 2, 0, (3, 2), 1, 8, 8))
+    B, S, h, D = lay.batch, lay.seq_total, lay.head_count("o", 0), lay.v_head_dim
+    local = _spread((B, S, h, D + 1), dtype, 5)[..., 1:]
+    assert local.stride(-1) == 1 and local.data_ptr() % (4 * local.element_size()) != 0
+    want, got = (torch.full((B * S * h * (D + SCALE_BYTES),), 7, dtype=torch.uint8, device=DEVICE) for _ in range(2))
+    R.quant_pack_h2s(lay, local, want, E4M3)
+    kern.quant_pack_h2s(lay, local, got, E4M3)
+    assert torch.equal(got, want)
+    s_r, P = lay.seq_local, lay.world_size
+    blocks = [[_wire(_spread((B, s_r, lay.head_count("o", p), D), dtype, 20 + p), E4M3)] for p in range(P)]
+    outs = [_spread((B, s_r, lay.total_heads("o"), D + 1), dtype, 30)[..., 1:] for _ in range(2)]
+    R.dequant_unpack_h2s(lay, blocks, OUT, [outs[0]], E4M3)
+    kern.dequant_unpack_h2s(lay, blocks, OUT, [outs[1]], E4M3)
+    assert torch.equal(outs[1], outs[0])

@@ -107,44 +107,160 @@ UK_HD float fp8_decode(uint8_t b, const Fp8Format& f) {
 
 constexpr uint32_t kAmaxFloorBits = 0x0d800000u;  // 2^-100 (wire.AMAX_FLOOR)
 
-// One row: D elements of dtype `dt` at `src` (stride `sd` bytes) -> D + 4 bytes at `dst`.
-UK_HD void quantize_row(const char* src, int64_t sd, int dt, int64_t D, char* dst, const Fp8Format& f) {
+// ---- rows split over the 32 lanes of a warp ------------------------------------------------
+// fp8.cu runs one row per warp; the CPU twin (fp8_cpu.cpp) runs the same functions for lanes
+// 0..31 in turn, so both run the same lane split, vector test and byte packing. A lane owns
+// the elements {4 * lane + 128 * j .. + 3} on the vector path (contiguous row, D % 4 == 0,
+// the pointers aligned for one 4-element load/store), else {lane + 32 * j}. Each element's
+// arithmetic is the reference's, and a lane handles its own elements only, in source order,
+// so the split changes no bit.
+
+// One element: float32 x of the dtype -> FP8 bits of clamp(x * inv).
+UK_HD uint8_t quantize_elem(float x, float inv, const Fp8Format& f) {
+  float y = mul_rn(x, inv);
+  y = y > f.max ? f.max : (y < -f.max ? -f.max : y);
+  return fp8_encode(y, f);
+}
+
+UK_HD int dtype_bytes(int dt) { return dt == kFp8F32 ? 4 : 2; }
+
+// 4 elements moved as one aligned load/store (device: one vector instruction; host: memcpy).
+struct alignas(16) F32x4 {
+  float v[4];
+};
+struct alignas(8) U16x4 {
+  uint16_t v[4];
+};
+struct alignas(4) U8x4 {
+  uint8_t v[4];
+};
+
+template <class T>
+UK_HD T load_vec(const char* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const T*>(p);
+#else
+  T t;
+  memcpy(&t, p, sizeof(T));
+  return t;
+#endif
+}
+
+template <class T>
+UK_HD void store_vec(char* p, const T& t) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<T*>(p) = t;
+#else
+  memcpy(p, &t, sizeof(T));
+#endif
+}
+
+// 4 consecutive elements of the dtype at `p` (aligned to 4 elements) as float32.
+UK_HD void load4(const char* p, int dt, float x[4]) {
+  if (dt == kFp8F32) {
+    const F32x4 v = load_vec<F32x4>(p);
+    for (int i = 0; i < 4; ++i) x[i] = v.v[i];
+    return;
+  }
+  const U16x4 h = load_vec<U16x4>(p);
+  for (int i = 0; i < 4; ++i) x[i] = dt == kFp8BF16 ? bf16_to_float(h.v[i]) : half_to_float(h.v[i]);
+}
+
+// 4 values of the dtype (already rounded to it) to `p` (aligned to 4 elements).
+UK_HD void store4(char* p, const float x[4], int dt) {
+  if (dt == kFp8F32) {
+    F32x4 v;
+    for (int i = 0; i < 4; ++i) v.v[i] = x[i];
+    store_vec(p, v);
+    return;
+  }
+  U16x4 h;
+  for (int i = 0; i < 4; ++i) h.v[i] = dt == kFp8BF16 ? float_to_bf16(x[i]) : float_to_half(x[i]);
+  store_vec(p, h);
+}
+
+UK_HD bool aligned(const void* p, uintptr_t bytes) { return ((uintptr_t)p & (bytes - 1)) == 0; }
+
+// The vector path of a quantized row: D elements of dt at src (stride sd bytes) <-> D + 4 wire bytes at wire.
+UK_HD bool fp8_row_vector(const char* src, int64_t sd, int dt, int64_t D, const char* wire) {
+  const int es = dtype_bytes(dt);
+  return sd == es && D % 4 == 0 && aligned(src, 4 * (uintptr_t)es) && aligned(wire, 4);
+}
+
+// Quantizing a row, step 1: the largest |x| among this lane's elements (at least 2^-100).
+UK_HD float quantize_row_lane_amax(const char* src, int64_t sd, int dt, int64_t D, bool vec, int lane) {
   float amax = bits_float(kAmaxFloorBits);
-  for (int64_t d = 0; d < D; ++d) {
+  if (vec) {
+    for (int64_t d = 4 * lane; d < D; d += 4 * kWarp) {
+      float x[4];
+      load4(src + d * sd, dt, x);
+      for (int i = 0; i < 4; ++i) {
+        const float ax = x[i] < 0 ? -x[i] : x[i];
+        amax = ax > amax ? ax : amax;
+      }
+    }
+    return amax;
+  }
+  for (int64_t d = lane; d < D; d += kWarp) {
     const float x = load_as_float(src + d * sd, dt);
     const float ax = x < 0 ? -x : x;
     amax = ax > amax ? ax : amax;
   }
-  const float inv = div_rn(f.max, amax), scale = div_rn(amax, f.max);
-  for (int64_t d = 0; d < D; ++d) {
-    float y = mul_rn(load_as_float(src + d * sd, dt), inv);
-    y = y > f.max ? f.max : (y < -f.max ? -f.max : y);
-    dst[d] = (char)fp8_encode(y, f);
-  }
-  memcpy(dst + D, &scale, 4);
+  return amax;
 }
 
-// Element d of a wire row, dequantized and rounded to the dtype (as float32).
-UK_HD float dequantize_elem(const char* row, int64_t D, int64_t d, int dt, const Fp8Format& f) {
-  float scale;
-  memcpy(&scale, row + D, 4);
-  return round_to_dtype(mul_rn(fp8_decode((uint8_t)row[d], f), scale), dt);
+// Step 2, with the row's amax over all lanes: this lane's FP8 bytes; lane 0 also the scale.
+UK_HD void quantize_row_lane_store(const char* src, int64_t sd, int dt, int64_t D, char* dst, float amax, const Fp8Format& f, bool vec,
+                                   int lane) {
+  const float inv = div_rn(f.max, amax);
+  if (vec) {
+    for (int64_t d = 4 * lane; d < D; d += 4 * kWarp) {
+      float x[4];
+      load4(src + d * sd, dt, x);
+      U8x4 q;
+      for (int i = 0; i < 4; ++i) q.v[i] = quantize_elem(x[i], inv, f);
+      store_vec(dst + d, q);
+    }
+  } else {
+    for (int64_t d = lane; d < D; d += kWarp) dst[d] = (char)quantize_elem(load_as_float(src + d * sd, dt), inv, f);
+  }
+  if (lane == 0) {
+    const float scale = div_rn(amax, f.max);
+    memcpy(dst + D, &scale, 4);
+  }
 }
 
 // Output row r of a dequantizing unpack (UnpackParams over wire blocks: byte strides, the
-// blocks' D stride one byte; elem/od: the output's): the first holder of r.head written,
-// each later one added in the dtype (round after every add, as add_). False: no holder.
-UK_HD bool dequantize_out_row(const UnpackParams& p, const OutRow& r, int dt, const Fp8Format& f) {
+// blocks' D stride one byte; elem/od: the output's), this lane's elements: the first holder
+// of r.head written, each later one added in the dtype (round after every add, as add_).
+// False: no holder.
+UK_HD bool dequantize_out_row_lane(const UnpackParams& p, const OutRow& r, int dt, const Fp8Format& f, int lane) {
   char* out = p.out + r.b * p.ob + r.t * p.os + r.head * p.oh;
+  const int es = dtype_bytes(dt);
   bool any = false;
   for (int s = 0; s < p.n_src; ++s) {
     if (!holds(p, s, r.head)) continue;
     const Strided4& k = p.blk[s];
     const char* row = k.ptr + r.b * k.sb + r.t * k.ss + (r.head - (int64_t)p.head0[s]) * k.sh;
-    for (int64_t d = 0; d < p.d; ++d) {
-      float v = dequantize_elem(row, p.d, d, dt, f);
-      if (any) v = round_to_dtype(load_as_float(out + d * p.od, dt) + v, dt);
-      store_dtype(out + d * p.od, v, dt);
+    float scale;
+    memcpy(&scale, row + p.d, 4);
+    if (p.od == es && p.d % 4 == 0 && aligned(out, 4 * (uintptr_t)es) && aligned(row, 4)) {
+      for (int64_t d = 4 * lane; d < p.d; d += 4 * kWarp) {
+        const U8x4 q = load_vec<U8x4>(row + d);
+        float v[4], o[4];
+        if (any) load4(out + d * es, dt, o);
+        for (int i = 0; i < 4; ++i) {
+          v[i] = round_to_dtype(mul_rn(fp8_decode(q.v[i], f), scale), dt);
+          if (any) v[i] = round_to_dtype(o[i] + v[i], dt);
+        }
+        store4(out + d * es, v, dt);
+      }
+    } else {
+      for (int64_t d = lane; d < p.d; d += kWarp) {
+        float v = round_to_dtype(mul_rn(fp8_decode((uint8_t)row[d], f), scale), dt);
+        if (any) v = round_to_dtype(load_as_float(out + d * p.od, dt) + v, dt);
+        store_dtype(out + d * p.od, v, dt);
+      }
     }
     any = true;
   }

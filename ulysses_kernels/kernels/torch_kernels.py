@@ -91,7 +91,8 @@ def _scales(src: torch.Tensor, D: int) -> torch.Tensor:
     when the rows keep them 4-byte aligned, else a copy of the 4 bytes per row."""
     sc = src[..., D:]
     aligned = sc.storage_offset() % SCALE_BYTES == 0 and all(st % SCALE_BYTES == 0 for st in sc.stride()[:-1])
-    return (sc if aligned else sc.contiguous()).view(torch.float32)
+    # a fresh copy (offset 0), not .contiguous(): a one-row block is "contiguous" at any offset and would come back as is
+    return (sc if aligned else sc.clone(memory_format=torch.contiguous_format)).view(torch.float32)
 
 
 def dequantize_rows(src: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
