@@ -15,6 +15,7 @@ outside the checkout, on gloo ranks on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -340,3 +341,33 @@ def test_cases_are_what_their_names_say(world):
         assert cases["gqa"].kv_heads < world  # KV heads replicated across ranks
         assert cases["uneven-heads"].q_heads % world
         assert sum(cases["uneven-shards"].seq_lens) % world
+
+
+def test_replicated_kv_heads_widen_the_dk_dv_bound_by_one_ulp_per_extra_holder():
+    """The bf16 bound of dk/dv: 2x SDPA's error, plus one ulp at the tensor's largest value per
+    extra rank holding a KV head (each holder rounds its piece before the exchange sums them)."""
+    from ulysses_kernels.selftest.judge import replica_roundings, torch_bounds, ulp_at
+
+    cases = {c.name: c for c in selftest.make_cases(8, 8)}
+    assert replica_roundings(cases["mha"]) == 1  # 16 KV heads over 8 ranks: none replicated
+    assert replica_roundings(cases["ring-2x4-packed"]) == 2  # 1 KV head over 2 Ulysses ranks
+    assert replica_roundings(cases["ring-4x2"]) == 2  # 2 KV heads over 4
+    assert ulp_at(10.0, torch.bfloat16) == 2.0**-4 and ulp_at(1.0, torch.bfloat16) == 2.0**-7 and ulp_at(0.0, torch.bfloat16) == 0.0
+    case = cases["ring-2x4-packed"]
+    g = torch.Generator().manual_seed(0)
+    S = sum(case.seq_lens)
+    inputs = [torch.randn(case.batch, S, h, 8, generator=g, dtype=torch.float64) for h in (case.q_heads, case.kv_heads, case.kv_heads, case.q_heads)]
+    full = [x.clone().requires_grad_() for x in inputs[:3]]
+    from ulysses_kernels.selftest.judge import per_document
+    from ulysses_kernels.testing.reference import attention_reference
+
+    out = per_document(case, lambda q, k, v: attention_reference(q, k, v, causal=True), *full)
+    out.backward(inputs[3])
+    ref = [out.detach()] + [x.grad for x in full]
+    alone = dataclasses.replace(case, split=(1, 8))  # the same case over one Ulysses rank: no replica
+    assert replica_roundings(alone) == 1
+    plain = torch_bounds(alone, inputs, ref, torch.device("cpu"), torch.bfloat16)
+    wide = torch_bounds(case, inputs, ref, torch.device("cpu"), torch.bfloat16)
+    assert wide[:2] == plain[:2]
+    for i in (2, 3):
+        assert wide[i] == plain[i] + ulp_at(ref[i].abs().max().item(), torch.bfloat16) > plain[i]

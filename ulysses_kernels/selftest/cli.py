@@ -49,7 +49,9 @@ Each path runs ``ulysses_attention`` forward and backward once on every rank and
 out, dq, dk and dv with single-process float64 attention (``testing.reference.attention_reference``,
 per document for ``packed``) on the same device. Bound: 1e-10 for float64 inputs (the CPU default); in a lower precision
 (bf16, the GPU default) at most 2x PyTorch's own error in that dtype on the same device
-(SDPA in one process against the same reference), per tensor. The time is that of the
+(SDPA in one process against the same reference), per tensor; dk and dv of a case whose KV
+heads are replicated over r ranks one ulp more per extra holder (each holder's gradient is
+rounded before the exchange sums them: ``judge.replica_roundings``). The time is that of the
 one checked call (first-call set-up included): a check, not a benchmark.
 
 Rank 0 prints a progress line per path (stderr), then a table (stdout); ``--json PATH``
