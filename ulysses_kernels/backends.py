@@ -44,6 +44,7 @@ from .checkpointing import save_tensors  # for backends with their own backward 
 from .gqa import KVGather, shares_one_kv
 from .math_attention import math_attention, math_attention_lse, math_attention_lse_backward
 from .packed import KERNELS, DocMask
+from .tracing import in_trace
 
 __all__ = [
     "AttentionBackend",
@@ -86,7 +87,7 @@ def packed_kernel(device: torch.device, dtype: torch.dtype, mask: DocMask | None
     if forced == "auto":
         forced = None
     mask = DocMask(True) if mask is None else mask
-    return _packed_kernel(torch.device(device), dtype, mask, bool(grad), tuple(candidates), forced, torch.compiler.is_compiling())
+    return _packed_kernel(torch.device(device), dtype, mask, bool(grad), tuple(candidates), forced, in_trace())
 
 
 @functools.lru_cache(maxsize=256)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .documents import DocMask, Documents
+from .tracing import in_trace
 
 FLEX_BLOCK = 128  # FlexAttention's default block size (rows and columns of a mask block)
 
@@ -105,6 +106,6 @@ def doc_block_mask(docs_q: Documents, docs_k: Documents, device: torch.device, m
     (``doc_intervals``) in ``O(Tq + blocks^2)`` (never the ``Tq x Tk`` mask), kept per
     (boundaries, device, causal, window) in a small bounded cache, as ``Documents.on``."""
     key = DocMask(mask.causal, mask.window)  # the softcap is a score_mod, not part of the mask
-    if torch.compiler.is_compiling():
+    if in_trace():
         return _build_block_mask(docs_q, docs_k, device, key)
     return _cached_block_mask(docs_q.cu_seqlens, docs_k.cu_seqlens, device, key)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tracing import in_trace
+
 __all__ = [
     "Documents",
     "DocMask",
@@ -74,7 +76,7 @@ class Documents:
         Kept per ``(boundaries, device)`` in a small bounded cache keyed by values: every layer
         and every call of a step reuses one copy (no per-call host-to-device copy, no host work
         beyond hashing the boundaries). Callers read it, never write it."""
-        if torch.compiler.is_compiling():
+        if in_trace():
             return torch.tensor(self.cu_seqlens, dtype=torch.int32, device=device)
         return _device_cu_seqlens(self.cu_seqlens, torch.device(device))
 
@@ -129,7 +131,7 @@ def _is_row(x) -> bool:
 def _boundaries(cu_seqlens) -> tuple[int, ...]:
     """One row's boundaries as a tuple of ints (types checked, values not)."""
     if isinstance(cu_seqlens, torch.Tensor):
-        if torch.compiler.is_compiling():
+        if in_trace():
             # A tensor's values are unknown while tracing; the boundaries shape the graph.
             raise TypeError("ulysses_attention: inside torch.compile pass cu_seqlens as a list of ints, not a tensor")
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tracing import in_trace
+
 __all__ = ["KVGather", "KVGradSum", "expand_kv", "kv_index", "shares_one_kv", "uniform_kv_groups"]
 
 
@@ -56,7 +58,7 @@ def kv_index(kv_map: Sequence[int], device: torch.device) -> torch.Tensor:
     a blocking one would make the host wait for the queued GPU work). As with the Triton
     tables, run a layout once before capturing it. Elsewhere, and inside ``torch.compile``,
     a fresh tensor."""
-    if device.type != "cuda" or torch.compiler.is_compiling():
+    if device.type != "cuda" or in_trace():
         return torch.tensor(list(kv_map), dtype=torch.int64, device=device)
     return _device_index(tuple(int(i) for i in kv_map), device)
 
@@ -125,7 +127,7 @@ class KVGather:
         head uses the one KV head; ``"gathered"`` when the map is not uniform, or always with
         ``gather`` (a chunk of a rank whose whole map is not uniform must run the same kernels
         as the unchunked op, even where the chunk's own map is uniform); else ``"grouped"``."""
-        build = _kv_gather.__wrapped__ if torch.compiler.is_compiling() else _kv_gather  # dynamo traces no cache
+        build = _kv_gather.__wrapped__ if in_trace() else _kv_gather  # dynamo traces no cache
         return build(tuple(kv_map), kv_heads, gather, shared)
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 
 from .plan import HeadPlan
+from .tracing import in_trace
 
 __all__ = ["Layout", "S2HRoute", "H2SRoute", "Routes", "QKV", "Q_ONLY", "OUT", "split_lengths"]
 
@@ -96,7 +97,7 @@ class Layout:
         h = self.__dict__.get("_hash_")
         if h is None:
             h = hash((self.plan, self.rank, self.seq_lens, self.batch, self.head_dim, self.v_head_dim))
-            if not torch.compiler.is_compiling():
+            if not in_trace():
                 self.__dict__["_hash_"] = h
         return h
 
@@ -117,7 +118,7 @@ class Layout:
 
     def _memo(self, key, build):
         """``build()``, computed once per ``key`` for this layout (its sizes never change)."""
-        if torch.compiler.is_compiling():
+        if in_trace():
             return build()
         memo = self.__dict__.get("_memo_")
         if memo is None:

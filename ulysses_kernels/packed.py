@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from .block_masks import doc_block_mask, doc_intervals
 from .documents import DocMask, Documents
 from .math_attention import math_attention_lse
+from .tracing import in_trace
 
 __all__ = ["DocMask", "PackedKernel", "KERNELS", "doc_intervals", "doc_block_mask", "CUDNN_HEAD_DIMS", "cudnn_backward"]
 
@@ -451,7 +452,7 @@ class Flex(PackedKernel):
     def why_not(self, device, dtype, mask, grad):
         if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
             return f"torch {torch.__version__} has no FlexAttention"
-        if torch.compiler.is_compiling():
+        if in_trace():
             return "not inside torch.compile's trace (its block mask is built and cached eagerly)"
         if device.type == "cuda":
             return None if importlib.util.find_spec("triton") is not None else "needs triton on CUDA"

@@ -52,6 +52,7 @@ from ..layout import Q_ONLY, QKV, Layout, Routes
 from ..math_attention import checked_scale
 from ..plan import HeadPlan
 from ..ring import SPGroups, check_ring_inputs, ring_backend
+from ..tracing import in_trace
 from ..wire import WireSpec, call_routes, resolve_wire
 from .chunked import choose_chunks, chunk_plans
 
@@ -245,7 +246,7 @@ def setup_attention(
 def _setup_flat(q, k, v, *, group, comm, members, plan, seq_lens, causal, softmax_scale, attn_fn, kernels, chunks, check, docs,
                 wire_dtype) -> tuple[CallSetup, Parts]:  # fmt: skip
     """``setup_attention`` inside one group, in the module docstring's order; with the ``Parts``."""
-    traced = torch.compiler.is_compiling()
+    traced = in_trace()
     if members is None:
         members = members_of(group, comm)
     key = call_key(q, k, v, rank=members.rank, world_size=members.world_size, causal=causal, softmax_scale=softmax_scale,
@@ -268,7 +269,7 @@ def _setup_2d(sp: SPGroups, q, k, v, *, comm, plan, seq_lens, causal, softmax_sc
     any rank's inputs are bad, the Ulysses group's error included; packed documents are
     checked there, against the whole group's length); the rank's backend is
     ``ring.RingBackend`` around the resolved one."""
-    if torch.compiler.is_compiling():
+    if in_trace():
         raise NotImplementedError(
             "ulysses_attention: a 2-D group (SPGroups, ring attention) does not run inside torch.compile yet; "
             "run the op eagerly (torch.compiler.disable) or pass a flat group"
@@ -293,7 +294,7 @@ def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire
     """The ``CallSetup`` of ``seq_to_head``: ``k``, ``v`` may be None (q moves alone; the
     plan's KV head count is used for the checks). ``wire_dtype``: as for ``setup_attention``
     (``seq_to_head`` moves its tensors in the ``qkv`` format, their gradients in ``grads``)."""
-    traced = torch.compiler.is_compiling()
+    traced = in_trace()
     if (k is None) != (v is None):
         raise UlyssesInputError("seq_to_head: pass both k and v, or neither")
     roles = QKV if k is not None else Q_ONLY
@@ -315,7 +316,7 @@ def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels, wire
     """The ``CallSetup`` of ``head_to_seq``: rank-local checks of ``x`` against ``plan``
     (``UlyssesInputError``, as every entry point raises). ``wire_dtype``: ``x`` moves in the
     ``out`` format, its gradient in ``dout``."""
-    traced = torch.compiler.is_compiling()
+    traced = in_trace()
     members = members_of(group, comm)
     lens = check_head_to_seq(x, plan, rank=members.rank, world_size=members.world_size, seq_lens=seq_lens)
     if traced or not _named(kernels):

@@ -23,6 +23,7 @@ from ..comm import get_communicator, native_nccl_enabled
 from ..documents import documents
 from ..plan import HeadPlan
 from ..ring import SPGroups
+from ..tracing import in_trace
 from ..wire import wire_spec
 from . import chunked
 from .call import CallSetup, members_of, setup_attention, setup_exchange, setup_head_to_seq
@@ -280,7 +281,7 @@ class UlyssesAttention(nn.Module):
         """``ulysses_attention`` with the module's settings; ``seq_lens``, ``cu_seqlens`` and
         ``max_seqlen`` as documented there."""
         docs, key, check = self._signature(q, k, v, seq_lens, cu_seqlens, max_seqlen)
-        if torch.compiler.is_compiling():  # resolved at trace time; the graph keeps it (no cross-rank check)
+        if in_trace():  # resolved at trace time; the graph keeps it (no cross-rank check)
             return self._call(q, k, v, seq_lens, docs, check)
         call = self._resolved(q, k, v, seq_lens, docs, key, check)
         out = run_schedule(q, k, v, call)

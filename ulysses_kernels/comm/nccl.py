@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import extension
+from ..tracing import in_trace
 from .base import Work, transport
 from .torch_dist import TorchCommunicator
 from .watchdog import Watchdog, timeout_from_env
@@ -226,7 +227,7 @@ class NCCLCommunicator:
         watched: inside torch.compile's tracing or a CUDA graph capture the work runs later
         (when the graph does), like torch's own collectives, which its watchdog skips too.
         ``what`` names the work in a timeout's message."""
-        if torch.compiler.is_compiling():
+        if in_trace():
             launch(handle)
             return None
         capturing = torch.cuda.is_current_stream_capturing()

@@ -62,6 +62,7 @@ from ..checks import UlyssesInputError
 from ..comm import get_communicator
 from ..gqa import expand_kv
 from ..plan import HeadPlan
+from ..tracing import in_trace
 from ..wire import wire_spec
 from .deepspeed_alst import ALSTIntegrationError, UlyssesSPAttentionHF, alst_enabled, disable_alst, enable_alst
 
@@ -210,7 +211,7 @@ class DistributedAttention(nn.Module):
         sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device)
         check = self.check == "always" or (self.check == "once" and sig not in self._checked)
         q, k, v = seq_to_head(q, k, v, group=self.spg, plan=plan, kernels=self.kernels, check=check, wire_dtype=self.wire_dtype)
-        if check and not torch.compiler.is_compiling():
+        if check and not in_trace():
             self._checked.add(sig)
         k, v = expand_kv(k, v, plan.local_kv_map(self._comm.rank))
         q, k, v = (t.transpose(0, 1) if seq_dim == 0 else t for t in (q, k, v))  # -> the caller's layout

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..documents import Documents, document_ids
+from ..tracing import in_trace
 from .step import HFIntegrationError, SequenceShard
 
 
@@ -140,7 +141,7 @@ def ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             "(shard_batch does this); for a bidirectional one (an encoder) pack the sequences instead "
             "(shard_batch(..., cu_seqlens=...): each attends only within itself)"
         )
-    if torch.compiler.is_compiling():
+    if in_trace():
         # transformers marks every mask packed while tracing (find_packed_sequence_indices cannot read the
         # positions then): the attention call refuses a traced model by name (refuse_compiled).
         return _GlobalMask(None, {}, traced=True)
