@@ -217,18 +217,23 @@ PyObject* cuda_thread_capture_mode_local(PyObject*, PyObject*) {
 }
 #endif
 
-// pack_variant([variant]) -> int: the variant of the pack/unpack CUDA kernels this process
-// launches (0 old, 1 new; layout_math.h); with an argument, sets it first. Python's face:
-// ulysses_kernels.ops.pack_variant / set_pack_variant.
+// pack_variant([variant]) -> int: the variant of the pack/unpack CUDA kernels (layout_math.h
+// kVariantNew, the only one); ValueError for any other. Python's face:
+// ulysses_kernels.extension.pack_variant / set_pack_variant.
 PyObject* pack_variant(PyObject*, PyObject* args) {
-  int variant = -1;
+  int variant = ulysses_kernels::kVariantNew;
   if (!PyArg_ParseTuple(args, "|i", &variant)) return nullptr;
-  if (variant >= 0) ulysses_kernels::set_pack_variant(variant);
-  return PyLong_FromLong(ulysses_kernels::pack_variant());
+  if (variant != ulysses_kernels::kVariantNew) {
+    PyErr_Format(PyExc_ValueError, "ulysses_kernels._C.pack_variant: variant expected %d (new), got %d",
+                 ulysses_kernels::kVariantNew, variant);
+    return nullptr;
+  }
+  return PyLong_FromLong(ulysses_kernels::kVariantNew);
 }
 
 PyMethodDef methods[] = {
-    {"pack_variant", pack_variant, METH_VARARGS, "pack_variant([variant]) -> int: the CUDA pack/unpack kernel variant (1 new, 2 wide); sets it when given"},
+    {"pack_variant", pack_variant, METH_VARARGS,
+     "pack_variant([variant]) -> int: the CUDA pack/unpack kernel variant (1: new, the only one); ValueError for another"},
     {"build_info", build_info, METH_NOARGS, "How this extension was built (cuda, archs, nccl, nccl_header_version) and its limits (max_peers, max_roles)"},
 #ifdef ULYSSES_KERNELS_WITH_NCCL
     {"nccl_version", nccl_version, METH_NOARGS, "ncclGetVersion() of the NCCL library loaded in this process"},

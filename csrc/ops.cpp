@@ -6,7 +6,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -23,16 +22,6 @@
 #endif
 
 namespace ulysses_kernels {
-
-namespace {
-std::atomic<int> g_pack_variant{kVariantNew};
-}  // namespace
-
-int pack_variant() { return g_pack_variant.load(std::memory_order_relaxed); }
-
-void set_pack_variant(int variant) {
-  g_pack_variant.store(variant == kVariantWide ? kVariantWide : kVariantNew, std::memory_order_relaxed);
-}
 
 namespace {
 
@@ -287,7 +276,6 @@ UnpackMulti unpack_multi(const UnpackLaunch& plan) {
   int64_t unit = 16;
   for (const UnpackParams& p : plan.params) unit = std::min(unit, p.unit);
   m.chunk0[0] = 0;
-  m.row0[0] = 0;
   for (int i = 0; i < m.n_roles; ++i) {
     UnpackParams p = plan.params[static_cast<size_t>(i)];
     p.units_per_row = p.units_per_row * p.unit / unit;
@@ -295,7 +283,6 @@ UnpackMulti unpack_multi(const UnpackLaunch& plan) {
     m.role[i] = p;
     m.span[i] = unpack_head_span(p);
     m.chunk0[i + 1] = m.chunk0[i] + warp_chunks(p.batch * p.seq * m.span[i].heads);
-    m.row0[i + 1] = m.row0[i] + p.batch * p.seq * m.span[i].heads;
   }
   return m;
 }
@@ -330,20 +317,20 @@ void pack_s2h_cuda(at::TensorList tensors, at::IntArrayRef head_ranges, const at
                    const std::optional<at::Tensor>& recv, int64_t rank, int64_t seq_offset) {
   const PackParams p = make_pack_s2h(tensors, head_ranges, send, recv, rank, seq_offset);
   const c10::cuda::CUDAGuard guard(send.device());
-  check_cuda(launch_pack(p, pack_variant(), c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_s2h");
+  check_cuda(launch_pack(p, c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_s2h");
 }
 
 void pack_h2s_cuda(const at::Tensor& local, const at::Tensor& send) {
   const PackParams p = make_pack_h2s(local, send);
   const c10::cuda::CUDAGuard guard(send.device());
-  check_cuda(launch_pack(p, pack_variant(), c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_h2s");
+  check_cuda(launch_pack(p, c10::cuda::getCurrentCUDAStream(send.device().index()).stream()), "pack_h2s");
 }
 
 void unpack_h2s_cuda(at::TensorList blocks, at::IntArrayRef head_ranges, at::TensorList outs) {
   const UnpackLaunch plan = make_unpack(blocks, head_ranges, outs);
   const c10::cuda::CUDAGuard guard(outs[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(outs[0].device().index()).stream();
-  check_cuda(launch_unpack_multi(unpack_multi(plan), multi_add(plan), pack_variant(), stream), "unpack_h2s");
+  check_cuda(launch_unpack_multi(unpack_multi(plan), multi_add(plan), stream), "unpack_h2s");
 }
 #endif
 

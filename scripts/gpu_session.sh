@@ -3,26 +3,26 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled): each `run`
 # call runs one or more stages, in order.
 #
-# NEXT (issue 49): ONE call, `world`: 15 steps, budgets summing to 525 s under one 540 s deadline. Here, first:
-#   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels
+# NEXT (issue 49, after the 2026-11-30 record bench/results/2026-11-30_h200_world): ONE call, `world`: 11 steps, budgets
+# summing to 510 s under one 540 s deadline (the budgets measured that day). Here, first:
 #   /work/main/.venv/bin/python scripts/nccl_carry.py   # build/nccl_carry/: NCCL 2.30.7, sm_90 only, 29.4 MiB, checked
 #   GPU_SESSION_DRY_RUN=1 bash scripts/gpu_session.sh world   # the plan: every step, its budget, the sum
-# The device tool's call (the working tree ~4.3 MB + build/nccl_carry 29.4 MiB + build/wheels 14.6 MiB = ~48 MiB of 64):
+# The device tool's call (the working tree ~5 MB + build/nccl_carry 29.4 MiB):
 #   run(command="GPU_SESSION_GIT_SHA=<git rev-parse --short HEAD> bash scripts/gpu_session.sh world",
-#       carry=["build/nccl_carry", "build/wheels"], timeout_s=600)
+#       carry=["build/nccl_carry"], timeout_s=600)
 # It unpacks the carried NCCL ahead of torch's (LD_PRELOAD, and first on PYTHONPATH so that torch's own preload maps the
-# same file), probes it (2 ranks on GPU 0 all-reduce), builds _C against it, and records into
-# bench/results/<date>_<gpu>_world/: the self-test at 8 NCCL ranks on the one GPU (every kernel set, the native and
-# torch communicators), the two-rank tests, the pack variants (#36), the attention rows of #36/#37 (packed fa2/cudnn,
-# layout, +graph), bench.alltoall and bench.overlap at 8 ranks on one GPU, the self-test at 2 and 4 ranks (--quick),
-# and the hybrid bf16 step over 2 NCCL ranks (#38). Back in $OUT: summary_world.txt and gpu_session_world.tgz
-# (`tar xzf` in the repo root puts the record in place). docs/gpu_validation.md has the plan's table.
+# same file), probes it (ncclGetVersion of the mapped file; 2 ranks on GPU 0 all-reduce), builds _C against it, and
+# records into bench/results/<date>_<gpu>_world/: the self-test at 8 NCCL ranks on the one GPU (all 330 paths), the
+# quantizing pack (#50, the warp-per-row kernels), the two-rank tests (-v -s), bench.alltoall and bench.overlap at 8
+# ranks on one GPU, the self-test at 4 ranks, bench.pack (new and the Triton variants), the cudnn packed rows (#37).
+# Back in $OUT: summary_world.txt and gpu_session_world.tgz (`tar xzf` in the repo root puts the record in place).
+# GPU_SESSION_SKIP="step ..." leaves out steps an earlier call of the session recorded. docs/gpu_validation.md: the table.
 #
 # Before (the 2026-11-28 wave ran; its fixes and candidates wait for a GPU): ONE call, ~5 min,
 #   python3 -m pip download --no-deps transformers==5.23.0 fla-core==0.6.0 einops==0.8.2 huggingface_hub==1.33.0 -d build/wheels  # here
 #   GPU_SESSION_GIT_SHA=<sha of HEAD> GPU_SESSION_XDIST=8 GPU_SESSION_BUDGET_S=340 bash scripts/gpu_session.sh recheck
 #   # (device tool: timeout_s=360, carry=["build/wheels"]). It records into bench/results/<date>_<gpu>_recheck/:
-#   # the cuda `wide` pack variant against `new` (#36: set extension.DEFAULT_PACK_VARIANT to the winner),
+#   # the cuda pack variants (#36: decided on 2026-11-30, `new` kept, `wide` deleted),
 #   # the layout rows at 15 iterations (the 8K outlier), the packed fa2 and cudnn rows (#37: backends.PACKED_DEFAULT),
 #   # the hybrid bf16 step (#38), and the GPU tests of the fixes (SASS per built arch, bf16 bounds, transformers 5.17).
 #
@@ -427,9 +427,9 @@ stage_wave() {
   # shellcheck disable=SC2086  # $tests is a list of paths
   step gpu_tests 240 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true
   step bench_pack_auto 120 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
-  # Every set, and the kernel variants of cuda (new, wide) and triton (old, new) (#36) in one process:
+  # Every set, and the kernel variants of triton (old, new) (#36; cuda has one since 2026-11-30) in one process:
   # the "# variants" lines say which is faster (extension.DEFAULT_PACK_VARIANT follows them).
-  step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new,wide --warmup 10 --iters 40 --out-dir "$WAVE_DIR" && pack_summary || true
+  step bench_pack_sets 150 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new --warmup 10 --iters 40 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
   step bench_attention 180 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 5 --out-dir "$WAVE_DIR" &&
@@ -459,79 +459,59 @@ stage_recheck() {  # a short second call after a wave: what the wave found wrong
   # shellcheck disable=SC2086  # $tests is a list of paths
   step gpu_tests 150 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true
   step bench_pack_auto 60 "$PY" -m ulysses_kernels.bench.pack --kernels auto --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
-  step bench_pack_sets 90 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new,wide}" \
+  step bench_pack_sets 90 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new}" \
     --warmup 10 --iters 100 --out-dir "$WAVE_DIR" && pack_summary || true
   a=(--models llama3-8b --min-seq 4K --max-seq 256K)
   [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
   m=${GPU_SESSION_ATTN_METHODS:-local,local+graph,local-packed,local-packed+graph,local-packed-fa2,layout-cuda,chain-layout,layout-cuda+graph}
   step bench_attention 150 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" --methods "$m" -w 3 -n 15 --out-dir "$WAVE_DIR" || true
   # #37: the cudnn packed kernel in a process of its own (a kernel fault must not cost the rows
-  # above), beside the dense rows it is a fraction of; #36: the layer's layout rows on the wide
-  # pack/unpack variant (the rows above ran the default variant).
+  # above), beside the dense rows it is a fraction of.
   step bench_attention_cudnn 90 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" --methods local,local+graph,local-packed-cudnn,local-packed-cudnn+graph -w 2 -n 8 --out-dir "$WAVE_DIR" || true
   # #38: one bf16 step of two hybrids, hf.apply on 2 gloo ranks sharing the GPU against one process
   # (flash-linear-attention from build/wheels; scripts/gpu_hybrid_step.sh)
   [ "$TINY" = 1 ] || step hybrid_step 200 env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR" || true
-  step bench_layout_wide 60 env ULYSSES_KERNELS_PACK_VARIANT=wide "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" \
-    --methods layout-cuda,chain-layout,layout-cuda+graph -w 3 -n 15 --out-dir "$WAVE_DIR" || true
   if [ -n "${GPU_SESSION_EXTRA:-}" ]; then step extra 90 bash -c "$GPU_SESSION_EXTRA" || true; fi
   wave_record
 }
 
-stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL >= 2.30), then the recheck's decisive rows.
-  # Budgets from the H200 runs (2026-11-28: setup 34 s, info 7 s, the world-1 self-test's 210 paths 24 s, bench.pack's
-  # three sets and variants 8 s, bench.attention 4K..256K every method 101 s); a torchrun of N ranks adds ~10 s of
-  # start-up (torch import, CUDA contexts, NCCL init). Ranks on one GPU share its HBM and SMs: the world rows check
-  # the multi-rank code paths over real NCCL and time how much of the exchange stays exposed; no row is a
-  # bandwidth claim (world_note.txt in the record says so beside the numbers).
-  local a run=("$PY" -m torch.distributed.run --standalone) w8 w2 o x
+stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL >= 2.30), then the rows still undecided.
+  # Budgets measured on 2026-11-30 (bench/results/2026-11-30_h200_world, H200): setup 39-42 s, info 6 s, the self-test at
+  # 8 ranks 232 of its 330 paths in 95 s after ~10 s of start-up (so ~150 s for all), at 2 ranks --quick 93 paths in ~25 s
+  # plus the exit, at 4 ranks --quick 82 paths in 22 s; bench.overlap at 8 ranks 3 of 4 rows in 19 s; bench.pack 8 s.
+  # Recorded that day and not repeated: bench.attention's packed and layout rows, the hybrid bf16 steps over 2 NCCL ranks
+  # (both strategies; fla's kernels refuse this machine's Triton 3.6 on Hopper). Ranks on one GPU share its HBM and SMs:
+  # the world rows check the multi-rank code paths over real NCCL and time how much of the exchange stays exposed; no
+  # row is a bandwidth claim (world_note.txt in the record says so beside the numbers).
+  local run=("$PY" -m torch.distributed.run --standalone) w8 o x
   open_record world "_${GPU_SESSION_RECORD_TAG:-world}"
   step info 20 "$PY" -m ulysses_kernels.info --json-to "$WAVE_DIR/info.json" || true
   [ "$DRY" = 1 ] || world_note > "$WAVE_DIR/world_note.txt"
-  w8=8 w2=2 o=(--heads-sets 32/8 --seqs 8K,32K --chunks 1,2,auto -w 2 -n 5) x=(-b 1M -e 64M -f 4 -w 3 -n 10)
+  w8=8 o=(--heads-sets 32/8 --seqs 8K,32K --chunks 1,2,auto -w 2 -n 5) x=(-b 1M -e 64M -f 4 -w 3 -n 10)
   [ "$TINY" = 1 ] && w8=3 o=(--heads-sets 8/2 --seqs 64,256 --head-dim 16 --chunks 1,2) x=(-b 1K -e 16K -f 4 -w 1 -n 2)
   if multi_rank_ok selftest_w8; then
-    step selftest_w8 105 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.selftest --timeout 30 --json "$WAVE_DIR/selftest_w8.json" || true
+    step selftest_w8 150 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.selftest --timeout 30 --json "$WAVE_DIR/selftest_w8.json" || true
   fi
-  if multi_rank_ok two_ranks; then
-    step two_ranks 60 "$PY" -m pytest -q -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
-  fi
-  step bench_pack 20 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --variants "${GPU_SESSION_PACK_VARIANTS:-old,new,wide}" \
-    --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
   # #50: the quantizing pack (bf16 in, e4m3 + scales out) against a device copy; each row checked bit for bit first
   # shellcheck disable=SC2016  # $0/$1 are bash -c's own arguments
   step bench_pack_fp8 10 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.pack_fp8 | tee "$1"' "$PY" "$WAVE_DIR/pack_fp8.txt" || true
-  a=(--models llama3-8b --min-seq 4K --max-seq 256K)
-  [ "$TINY" = 1 ] && a=(--heads-sets 8/2 --seqs 64,128 --head-dim 16)
-  step bench_attention 50 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 6 --out-dir "$WAVE_DIR" \
-    --methods "${GPU_SESSION_ATTN_METHODS:-local,local+graph,local-packed,local-packed+graph,local-packed-fa2}" || true
-  # #36: the layer's layout rows at 15 iterations (the 8K outlier of 2026-11-27); memory-bound, milliseconds a row
-  step bench_layout 20 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 3 -n 15 --out-dir "$WAVE_DIR" \
-    --methods layout-cuda,chain-layout,layout-cuda+graph || true
-  step bench_attention_cudnn 30 "$PY" -m ulysses_kernels.bench.attention --sp 8 "${a[@]}" -w 2 -n 8 --out-dir "$WAVE_DIR" \
-    --methods local,local-packed-cudnn,local-packed-cudnn+graph || true
+  if multi_rank_ok two_ranks; then  # -v -s: each test's name and its ranks' lines as they come (2026-11-30: nothing in 60 s)
+    step two_ranks 90 "$PY" -m pytest -v -s -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
+  fi
   if multi_rank_ok alltoall_w8; then
-    step alltoall_w8 20 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.bench.alltoall "${x[@]}" --out-dir "$WAVE_DIR/one_gpu_w$w8" || true
+    step alltoall_w8 25 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.bench.alltoall "${x[@]}" --out-dir "$WAVE_DIR/one_gpu_w$w8" || true
   fi
   if multi_rank_ok overlap_w8; then
-    step overlap_w8 25 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.bench.overlap "${o[@]}" --out-dir "$WAVE_DIR/one_gpu_w$w8" || true
-  fi
-  if multi_rank_ok selftest_w2; then
-    step selftest_w2 25 "${run[@]}" --nproc-per-node "$w2" -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w2.json" || true
+    step overlap_w8 45 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.bench.overlap "${o[@]}" --out-dir "$WAVE_DIR/one_gpu_w$w8" || true
   fi
   if multi_rank_ok selftest_w4; then
-    step selftest_w4 30 "${run[@]}" --nproc-per-node 4 -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w4.json" || true
+    step selftest_w4 45 "${run[@]}" --nproc-per-node 4 -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w4.json" || true
   fi
-  # #38: hf.apply's bf16 step of two hybrids over 2 NCCL ranks on the GPU against one process (fla from build/wheels);
-  # last, so it may use what the steps above left of the deadline (its compile of fla's kernels is the unknown)
-  if [ "$TINY" != 1 ] && multi_rank_ok hybrid_nccl_w2; then
-    step hybrid_nccl_w2 "$(at_least 35)" env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR/hybrid_nccl_w2" --transport nccl --world 2 || true
-  fi
-  # #48: the same step with the mixers' state passed between the ranks (mixer_parallel="state"), only when at
-  # least 60 s are left before the deadline (not in the plan's sum: an extra, after the decisive steps)
-  if [ "$TINY" != 1 ] && [ "$DRY" != 1 ] && [ $((DEADLINE - $(date +%s))) -ge 80 ] && multi_rank_ok hybrid_state_w2; then
-    step hybrid_state_w2 "$(at_least 35)" env PYTHON="$PY" bash scripts/gpu_hybrid_step.sh "$WAVE_DIR/hybrid_state_w2" --transport nccl --world 2 \
-      --mixer-parallel state || true
+  step bench_pack 20 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
+  # #37: the cudnn packed kernel, last (2026-11-30: cut at 256K by a 30 s budget); with what the deadline leaves
+  if [ "$TINY" != 1 ]; then
+    step bench_attention_cudnn "$(at_least 30)" "$PY" -m ulysses_kernels.bench.attention --sp 8 --models llama3-8b --min-seq 4K \
+      --max-seq 256K -w 2 -n 8 --out-dir "$WAVE_DIR" --methods local,local-packed-cudnn,local-packed-cudnn+graph || true
   fi
   wave_record
 }

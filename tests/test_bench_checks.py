@@ -163,3 +163,16 @@ def test_overlap_auto_verdict_within_the_run_spread():
     # No auto row: not evaluated, and why.
     none = ov.verdicts([_row(64, 1, 10.0), _row(64, 2, 9.0)], long_from=1 << 30)["auto"]
     assert none["status"] == "not evaluated" and none["reason"] == "no auto row"
+
+
+@pytest.mark.parametrize("uuids, shared", [(["GPU-a", "GPU-a", "GPU-b"], [0, 1]), (["GPU-a", "GPU-b", "GPU-c"], [])])
+def test_symmetric_memory_is_skipped_where_ranks_share_a_gpu(monkeypatch, uuids, shared):
+    """NVSHMEM aborts a process whose GPU another rank uses (2026-11-30, 8 NCCL ranks on one H200):
+    the symm op asks first which ranks share a GPU, from every rank's device UUID."""
+    import types
+
+    me = 1
+    monkeypatch.setattr(alltoall.torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid=uuids[me]))
+    monkeypatch.setattr(alltoall.dist, "get_world_size", lambda: len(uuids))
+    monkeypatch.setattr(alltoall.dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj if r == me else u for r, u in enumerate(uuids)]))
+    assert alltoall.ranks_sharing_a_gpu(torch.device("cuda", 0)) == shared

@@ -6,8 +6,6 @@ Every plan is checked from every rank: world sizes 1..8, MHA/GQA/MQA, uneven hea
 batch > 1, uneven sequence shards, non-contiguous and fused-QKV inputs.
 """
 
-import re
-
 import pytest
 import torch
 
@@ -368,20 +366,24 @@ def test_torch_compile_fullgraph_pack():
 # ---- the kernel variant switch ---------------------------------------------------------------
 def test_pack_variant_switch_reaches_the_extension():
     module = extension.load()
-    previous = extension.set_pack_variant("wide")
+    previous = extension.set_pack_variant("new")
     try:
-        assert extension.pack_variant() == "wide" and module.pack_variant() == 2
-        assert extension.kernel_variant("cuda") == "wide" and extension.kernel_variant("triton") == "new"  # triton has no wide
-        assert extension.set_pack_variant("new") == "wide"
         assert extension.pack_variant() == "new" and module.pack_variant() == 1
+        assert extension.kernel_variant("cuda") == "new" and extension.kernel_variant("triton") == "new"
         # "old" is a triton variant only: the cuda set falls back to "new".
         assert extension.set_pack_variant("old") == "new"
         assert extension.kernel_variant("cuda") == "new" and module.pack_variant() == 1
         assert extension.kernel_variant("triton") == "old"
     finally:
         extension.set_pack_variant(previous)
-    with pytest.raises(ValueError, match=r"set_pack_variant: name expected one of \['old', 'new', 'wide'\], got 'fast'"):
-        extension.set_pack_variant("fast")
+    assert extension.SET_VARIANTS["cuda"] == ("new",)  # "wide" lost on the H200 and was removed (issue 49)
+    for name in ("wide", "fast"):
+        with pytest.raises(ValueError, match=rf"set_pack_variant: name expected one of \['old', 'new'\], got '{name}'"):
+            extension.set_pack_variant(name)
+    assert extension.pack_variant() == previous  # unchanged by a refused name
+    with pytest.raises(ValueError, match=r"_C.pack_variant: variant expected 1 \(new\), got 2"):
+        module.pack_variant(2)  # 2 was the removed wide variant
+    assert module.pack_variant() == 1
 
 
 def test_pack_variant_env_is_read_once_and_checked(monkeypatch):
@@ -397,6 +399,10 @@ def test_pack_variant_env_is_read_once_and_checked(monkeypatch):
     monkeypatch.delenv("ULYSSES_KERNELS_PACK_VARIANT")
     assert extension.pack_variant() == extension.DEFAULT_PACK_VARIANT
     assert extension.DEFAULT_PACK_VARIANT in extension.SET_VARIANTS["cuda"]  # the default names a cuda variant
+    monkeypatch.setattr(extension, "_VARIANT", {})
+    monkeypatch.setenv("ULYSSES_KERNELS_PACK_VARIANT", "wide")  # removed (issue 49)
+    with pytest.raises(ValueError, match=r"ULYSSES_KERNELS_PACK_VARIANT='wide'; expected one of \['old', 'new'\]"):
+        extension.pack_variant()
 
 
 # ---- GPU: CUDA kernels against the CPU twin ------------------------------------------------
@@ -461,49 +467,16 @@ def test_gpu_large_pack_uses_vector_path_and_matches():
         (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv=True)
         torch.cuda.synchronize()
     assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
-    # The 16-byte path was taken: the kernel of the variant in use instantiated with UNIT=16
-    # (pack_kernel_new<16, I> or pack_kernel_wide<16, I>), and no narrower one (aligned bf16
-    # rows of 128 elements, 256 bytes each).
+    # The 16-byte path was taken: pack_kernel_new<16, I>, and no narrower instantiation
+    # (aligned bf16 rows of 128 elements, 256 bytes each).
     packs = {e.name for e in prof.events() if "pack_kernel" in e.name and "unpack" not in e.name}
-    kernel = f"pack_kernel_{extension.kernel_variant('cuda')}<16"
-    assert packs and all(kernel in n for n in packs), packs
-
-
-@pytest.fixture(params=list(extension.SET_VARIANTS["cuda"]))
-def variant(request):
-    """Run a test under each kernel variant (``extension.set_pack_variant``)."""
-    previous = extension.set_pack_variant(request.param)
-    yield request.param
-    extension.set_pack_variant(previous)
-
-
-# One rank of each plan (every world size, GQA replicas, odd head dims, fp64), both variants.
-VARIANT_CASES = [c for c in CASES if c.values[1] == c.values[0].world_size - 1]
+    assert packs and all("pack_kernel_new<16" in n for n in packs), packs
 
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan,rank,batch,d,dtype", VARIANT_CASES)
-def test_gpu_both_variants_match_cpu_twin(plan, rank, batch, d, dtype, variant):
-    lay = _layout(plan, rank, batch, d)
-    for kind in ("fused", "strided"):
-        cpu, gpu = _qkv(lay, dtype, "cpu", kind), _qkv(lay, dtype, "cuda", kind)
-        for with_recv in (False, True):
-            (_, want), (_, want_r) = _pack_both(lay, cpu, QKV, CK, with_recv)
-            (_, got), (_, got_r) = _pack_both(lay, gpu, QKV, CK, with_recv)
-            assert torch.equal(got.cpu(), want) and torch.equal(got_r.cpu(), want_r), (kind, with_recv)
-    for roles in (QKV, Q_ONLY):
-        want = _outs(lay, roles, dtype, "cpu")
-        CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cpu", 5), roles, want)
-        got = _outs(lay, roles, dtype, "cuda")
-        CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cuda", 5), roles, got)
-        assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got)), roles
-
-
-@needs_gpu
-@pytest.mark.gpu
-def test_gpu_new_unpack_is_one_launch_for_qkv(variant):
-    # Both variants unpack q, k and v in one kernel launch (the removed old one launched per role).
+def test_gpu_new_unpack_is_one_launch_for_qkv():
+    # q, k and v unpack in one kernel launch (the removed old variant launched per role).
     lay = Layout(HeadPlan.build(40, 8, 8), 3, (64,) * 8, 1, 128)
     blocks, outs = _blocks(lay, QKV, torch.bfloat16, "cuda", 2), _outs(lay, QKV, torch.bfloat16, "cuda")
     CK.unpack_h2s(lay, blocks, QKV, outs)  # warm-up
@@ -512,7 +485,7 @@ def test_gpu_new_unpack_is_one_launch_for_qkv(variant):
         CK.unpack_h2s(lay, blocks, QKV, outs)
         torch.cuda.synchronize()
     launches = [e.name for e in prof.events() if "unpack_kernel" in e.name]
-    assert len(launches) == 1 and f"unpack_kernel_{variant}<" in launches[0], launches
+    assert len(launches) == 1 and "unpack_kernel_new<" in launches[0], launches
 
 
 class _LoopbackComm:
@@ -540,7 +513,7 @@ class _LoopbackComm:
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2])
-def test_gpu_layer_exchanges_capture_in_cuda_graph(batch, variant):
+def test_gpu_layer_exchanges_capture_in_cuda_graph(batch):
     # One layer's four exchanges (q/k/v and the output forward, dout and dq/dk/dv backward),
     # the eager movers with the "cuda" set, captured in one CUDA graph: no host sync, no
     # host-side value anywhere; a replay on new inputs equals an eager run bit for bit.
@@ -754,12 +727,9 @@ def _sass_by_kernel(path: str, tool: str) -> dict[tuple[str, str], str]:
     return out
 
 
-_MOVES_128 = re.compile(r"\b(?:LDG|STG)\.E\.128")
-
-
 def test_sass_moves_16_bytes_per_access_in_both_kernels():
-    # The 16-byte instantiations of the pack and unpack kernels (both variants, every sum
-    # type) load and store 128 bits at a time (global LDG.E.128 / STG.E.128): docs/performance.md.
+    # The 16-byte instantiations of the pack and unpack kernels (every sum type) load and
+    # store 128 bits at a time (global LDG.E.128 / STG.E.128): docs/performance.md.
     pytest.importorskip("triton")
     tool = _cuobjdump()
     info = extension.build_info()
@@ -774,13 +744,9 @@ def test_sass_moves_16_bytes_per_access_in_both_kernels():
     picked = {
         "pack new": [k for k in sass if "15pack_kernel_newILi16E" in k[1]],
         "unpack new": [k for k in sass if "17unpack_kernel_newI" in k[1] and "ELi16E" in k[1]],
-        "pack wide": [k for k in sass if "16pack_kernel_wideILi16E" in k[1]],
-        "unpack wide": [k for k in sass if "18unpack_kernel_wideI" in k[1] and "ELi16E" in k[1]],
     }
+    assert not [k for k in sass if "kernel_wide" in k[1]]  # the wide variant's code is gone (issue 49)
     for what, kernels in picked.items():
         assert len(kernels) >= 2 * len(built), (what, kernels)  # archs x 2 index widths (x 5 sum types for unpack)
         for key in kernels:  # global 128-bit accesses (LDG.E.128[.CONSTANT], STG.E.128)
             assert "LDG.E.128" in sass[key] and "STG.E.128" in sass[key], (what, key)
-            if what.endswith("wide"):  # a batch's 8 loads all issue before its first store
-                ops = [m.split(".")[0] for m in _MOVES_128.findall(sass[key])]
-                assert ops[:9] == ["LDG"] * 8 + ["STG"], (what, key, ops[:16])

@@ -60,16 +60,15 @@ def test_world_plan_fits_one_deadline_most_decisive_first_and_says_which_nccl(tm
     names = [n for n, _ in rows]
     assert total == sum(b for _, b in rows) and deadline == DEADLINE_S
     assert total <= DEADLINE_S - 15, f"the step budgets ({total} s) leave no room under the {DEADLINE_S} s deadline"
-    assert names[:5] == ["nccl_carry", "setup", "info", "selftest_w8", "two_ranks"]
-    later = ("selftest_w2", "selftest_w4", "alltoall_w8", "overlap_w8", "hybrid_nccl_w2", "bench_pack", "bench_pack_fp8")
-    for step in (*later, "bench_attention", "bench_layout"):
-        assert step in names
+    assert names[:6] == ["nccl_carry", "setup", "info", "selftest_w8", "bench_pack_fp8", "two_ranks"]
+    # what the 2026-11-30 record left undecided; not what it recorded (the hybrid steps, the w2 self-test, the layout rows)
+    assert names[6:] == ["alltoall_w8", "overlap_w8", "selftest_w4", "bench_pack", "bench_attention_cudnn"]
     # each printed command's timeout is its plan row, in the same order
     launched = re.findall(r">>> (\S+) \(timeout (\d+)s\)", out)
     assert [(n, int(t)) for n, t in launched] == rows
-    for world in (8, 2, 4):
+    for world in (8, 4):
         assert re.search(rf">>> selftest_w{world} .*torch.distributed.run --standalone --nproc-per-node {world} -m ulysses_kernels.selftest", out)
-    assert "--transport nccl --world 2" in out and "one_gpu_w8" in out
+    assert "one_gpu_w8" in out and "pytest -v -s -ra -k two_ranks" in out
     assert "the carried one would run ahead of the machine's" in out
     assert "one deadline of 540 s" in out
     # without a carried NCCL (one test: both dry runs write build/gpu_session/world/, so never side by side)

@@ -70,22 +70,24 @@ __all__ = [
 _STATE: dict = {}
 
 # ---- the kernel variant ----------------------------------------------------------------------
-# The pack/unpack kernels of the "cuda" and "triton" sets come in variants, all exact. One
-# name per process selects them (``ULYSSES_KERNELS_PACK_VARIANT``, read once, or
+# The pack/unpack kernels of the "triton" set come in variants, all exact; the "cuda" set has one.
+# One name per process selects them (``ULYSSES_KERNELS_PACK_VARIANT``, read once, or
 # ``set_pack_variant``); each set runs it where it has a variant of that name, else its
 # fallback (``VARIANT_FALLBACK``):
-#   cuda:   "new" (warp chunks of 32 rows, 4 units in flight per lane, one unpack launch for
-#           q, k and v) and "wide" (equal row shares per warp, 8 units in flight per lane;
-#           issue #36); the first kernels ("old") lost to "new" on an H200 and were removed.
+#   cuda:   "new" only (warp chunks of 32 rows, 4 units in flight per lane, one unpack launch
+#           for q, k and v). "old" lost to it on an H200 (2026-11-28), and "wide" (equal row
+#           shares per warp, 8 units in flight) too (issue 49; bench/results/2026-11-30_h200_world:
+#           +0.6..+6.3 points of a copy on the even layouts, 25.1% against 57.6% on the uneven
+#           unpack, 40/8 heads over 5 ranks); both were removed.
 #   triton: "old" (the kernels before issue #36) and "new".
-# ``python -m ulysses_kernels.bench.pack --variants new,wide`` (or old,new,wide) measures them
-# side by side in one process; docs/performance.md.
-PACK_VARIANTS = ("old", "new", "wide")
-SET_VARIANTS = {"cuda": ("new", "wide"), "triton": ("old", "new")}
+# ``python -m ulysses_kernels.bench.pack --variants old,new`` measures them side by side in one
+# process; docs/performance.md.
+PACK_VARIANTS = ("old", "new")
+SET_VARIANTS = {"cuda": ("new",), "triton": ("old", "new")}
 VARIANT_FALLBACK = {"cuda": "new", "triton": "new"}
 DEFAULT_PACK_VARIANT = "new"
 PACK_VARIANT_ENV = "ULYSSES_KERNELS_PACK_VARIANT"
-_CUDA_VARIANT_CODES = {"new": 1, "wide": 2}  # csrc/kernels/layout_math.h kVariantNew, kVariantWide
+_CUDA_VARIANT_CODES = {"new": 1}  # csrc/kernels/layout_math.h kVariantNew
 _VARIANT: dict = {}  # {"name": ...} once read from the environment or set
 
 

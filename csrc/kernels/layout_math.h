@@ -128,8 +128,8 @@ constexpr int kThreads = 256;
 // byte offsets are always int64_t (a rank's send buffer passes 4 GiB at 1M tokens).
 constexpr int64_t kNarrowLimit = int64_t(1) << 31;
 
-// The new kernels' 32-bit chunk index stays below the chunks plus the grid's warps (at most
-// 2^16 x 8), far below 2^32; the wide kernels step over rows in int64_t.
+// The kernels' 32-bit chunk index stays below the chunks plus the grid's warps (at most
+// 2^16 x 8), far below 2^32.
 UK_HD bool narrow_index(int64_t work) { return work < kNarrowLimit; }
 
 // Where send-buffer row `row` comes from and goes to.
@@ -194,43 +194,12 @@ UK_HD void lane_walk_step(LaneWalk<I>& w, I upr, I drow, I du) {
 // Chunks of kWarp rows over `rows` rows.
 UK_HD int64_t warp_chunks(int64_t rows) { return (rows + kWarp - 1) / kWarp; }
 
-// ---- the balanced walk of the "wide" kernels (pack.cu; variant kVariantWide) ---------
-// Warp w of W takes the rows [warp_rows(n, w, W)): equal shares of all n rows (of one
-// launch: every role of an unpack end to end), differing by at most one row, so that no
-// warp is left with a last chunk while the others idle (the "new" kernels hand out whole
-// chunks of kWarp rows: at 96 MiB an H200's resident warps took 2 or 3 chunks each, up to
-// a third of the time on a tail). A warp walks its share in groups of up to kWarp rows
-// (never across a role of an unpack), decoding one row per lane, then copying the group's
-// units as the new kernels do (LaneWalk) with kWideInFlight loads before the stores.
-constexpr int kWideInFlight = 8;
-// Units of the rows held twice (KV replicas) summed at once per lane: every holder's load
-// of these units is issued before the adds.
-constexpr int kWideSumInFlight = 2;
-
-struct RowRange {
-  int64_t begin, end;
-};
-
-// n * (w + 1) / W <= n: no overflow below 2^63 / W rows (W <= 2^31 warps, n < 2^32 rows
-// in any launch the host layer builds).
-UK_HD RowRange warp_rows(int64_t n, int64_t w, int64_t warps) { return RowRange{n * w / warps, n * (w + 1) / warps}; }
-
-// The group starting at row `r` of a share ending at `end`: up to kWarp rows, not past
-// `stop` (the end of r's role in an unpack; the share's end in a pack).
-UK_HD int64_t group_end(int64_t r, int64_t end, int64_t stop) {
-  const int64_t e = r + kWarp < end ? r + kWarp : end;
-  return e < stop ? e : stop;
-}
-
-// The variants of the CUDA pack/unpack kernels (selected at run time through the host
-// layer, csrc/ops.cpp set_pack_variant; Python: ulysses_kernels.extension.set_pack_variant):
-//   kVariantNew:  the warp-chunk walk above for both, the unpack of all roles in one launch.
-//   kVariantWide: the balanced walk above, kWideInFlight loads in flight per lane, the
-//                 replica sums kWideSumInFlight units at a time.
-// (The first kernels, variant 0 "old", lost to "new" on an H200 and were removed.)
-// Both kept selectable so that a GPU run measures them in one process.
+// The variant of the CUDA pack/unpack kernels: the warp-chunk walk above for both, the
+// unpack of all roles in one launch. The only one: "old" lost to it on an H200 (2026-11-28),
+// "wide" on the uneven unpack (2026-11-30: 25.1% of a device copy against 57.6% at 40/8
+// heads over 5 ranks, bench/results/2026-11-30_h200_world; issue 49); both were removed.
+// Python: ulysses_kernels.extension.set_pack_variant ("new" for the cuda set).
 constexpr int kVariantNew = 1;
-constexpr int kVariantWide = 2;
 
 // Output row (b, t, head) of an unpack.
 struct OutRow {
@@ -318,7 +287,6 @@ struct UnpackMulti {
   UnpackParams role[kMaxRoles];
   HeadSpan span[kMaxRoles];
   int64_t chunk0[kMaxRoles + 1];
-  int64_t row0[kMaxRoles + 1];  // the wide kernel: role i owns rows [row0[i], row0[i + 1])
   int32_t n_roles;
 };
 
@@ -326,13 +294,6 @@ struct UnpackMulti {
 UK_HD int unpack_role_of_chunk(const UnpackMulti& m, int64_t c) {
   int i = 0;
   while (i + 1 < m.n_roles && m.chunk0[i + 1] <= c) ++i;
-  return i;
-}
-
-// The role of row `r` of all roles end to end (row0 ascending; empty roles skipped).
-UK_HD int unpack_role_of_row(const UnpackMulti& m, int64_t r) {
-  int i = 0;
-  while (i + 1 < m.n_roles && m.row0[i + 1] <= r) ++i;
   return i;
 }
 

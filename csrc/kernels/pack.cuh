@@ -8,9 +8,8 @@
 
 namespace ulysses_kernels {
 
-// variant: kVariantNew or kVariantWide (layout_math.h).
-cudaError_t launch_pack(const PackParams& p, int variant, cudaStream_t stream);
+cudaError_t launch_pack(const PackParams& p, cudaStream_t stream);
 // The unpack: every role of `m` in one launch.
-cudaError_t launch_unpack_multi(const UnpackMulti& m, AddType add, int variant, cudaStream_t stream);
+cudaError_t launch_unpack_multi(const UnpackMulti& m, AddType add, cudaStream_t stream);
 
 }  // namespace ulysses_kernels

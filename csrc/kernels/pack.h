@@ -14,10 +14,4 @@ enum class AddType { kCopyOnly = 0, kF32, kF64, kF16, kBF16 };
 void pack_cpu(const PackParams& p, bool force_wide_index = false);
 void unpack_cpu(const UnpackParams& p, AddType add, bool force_wide_index = false);
 
-// The variant of the CUDA kernels the host layer launches (kVariantNew, kVariantWide;
-// default kVariantNew), one setting per process (csrc/ops.cpp). Python sets it from
-// ULYSSES_KERNELS_PACK_VARIANT when it loads the extension (ulysses_kernels.ops).
-int pack_variant();
-void set_pack_variant(int variant);
-
 }  // namespace ulysses_kernels

@@ -227,56 +227,6 @@ static void test_pack_warp_walk(int D, int unit, bool redirect, int64_t grid) {
   check_pack_case(c);
 }
 
-// The balanced walk of pack.cu's wide pack kernel, run lane by lane on the host: warp w of
-// `grid` blocks takes the rows warp_rows(rows, w, warps), in groups of up to kWarp rows
-// (group_end); lane l decodes row l of the group, then walks the group's units (LaneWalk)
-// in batches of kWideInFlight. Every row decoded once, every unit copied once, the shares
-// equal to within one row, and the result the layout.
-static void test_pack_wide_walk(int D, int unit, bool redirect, int64_t grid) {
-  PackCase c;
-  make_pack_case(c, D, unit, redirect);
-  const PackParams& p = c.p;
-  const int64_t rows = p.peer_row0[p.n_peers], upr = p.units_per_row, warps = grid * (kThreads / kWarp);
-  std::vector<int> decoded((size_t)rows, 0), copied((size_t)(rows * upr), 0);
-  RowCopy mine[kWarp];
-  const uint32_t u32 = (uint32_t)upr, drow = kWarp / u32, du = kWarp % u32;
-  int64_t covered = 0;
-  for (int64_t w = 0; w < warps; ++w) {
-    const RowRange share = warp_rows(rows, w, warps);
-    EXPECT(share.begin == covered && share.end >= share.begin && share.end - share.begin <= rows / warps + 1);
-    covered = share.end;
-    for (int64_t r = share.begin; r < share.end;) {
-      const int64_t e = group_end(r, share.end, share.end);
-      const uint32_t nr = (uint32_t)(e - r);
-      EXPECT(nr >= 1 && nr <= (uint32_t)kWarp);
-      for (uint32_t lane = 0; lane < nr; ++lane) {
-        mine[lane] = pack_row<uint32_t>(p, (uint32_t)(r + lane));
-        ++decoded[(size_t)(r + lane)];
-      }
-      for (int lane = 0; lane < kWarp; ++lane) {
-        LaneWalk<uint32_t> wk = lane_walk_start<uint32_t>(lane, u32);
-        while (wk.row < nr) {
-          for (int j = 0; j < kWideInFlight; ++j) {
-            if (wk.row < nr) {
-              const RowCopy& rc = mine[wk.row];
-              memcpy(rc.dst + (int64_t)wk.u * unit, rc.src + (int64_t)wk.u * rc.src_unit_stride, (size_t)unit);
-              ++copied[(size_t)((r + wk.row) * upr + wk.u)];
-            }
-            lane_walk_step(wk, u32, drow, du);
-          }
-        }
-      }
-      r = e;
-    }
-  }
-  EXPECT(covered == rows);
-  bool once = true;
-  for (int n : decoded) once = once && n == 1;
-  for (int n : copied) once = once && n == 1;
-  EXPECT(once);
-  check_pack_case(c);
-}
-
 static void test_unpack_sums_in_rank_order(bool wide) {
   // Three sources hold heads [0,2) [1,3) [1,2): head 1 is held three times.
   const int B = 1, s = 2, D = 4, H = 4;
@@ -436,51 +386,6 @@ static void run_unpack_multi(const UnpackMulti& m, int64_t grid) {
       }
 }
 
-// The wide unpack kernel over two roles, run lane by lane on the host: warp shares of all
-// roles' rows end to end (row0), groups cut at the role boundary, the copies of rows held
-// once, then the sums of rows held several times in batches of kWideSumInFlight units
-// (each unit summed in rank order, as unpack_unit; pack.cu unpack_sums_wide).
-template <int UNIT>
-static void run_unpack_wide(const UnpackMulti& m, int64_t grid) {
-  const int64_t warps = grid * (kThreads / kWarp), total = m.row0[m.n_roles];
-  UnpackRowCopy mine[kWarp];
-  for (int64_t w = 0; w < warps; ++w) {
-    const RowRange share = warp_rows(total, w, warps);
-    for (int64_t r = share.begin; r < share.end;) {
-      const int i = unpack_role_of_row(m, r);
-      const UnpackParams& p = m.role[i];
-      const HeadSpan& span = m.span[i];
-      const int64_t e = group_end(r, share.end, m.row0[i + 1]);
-      EXPECT(r >= m.row0[i] && e <= m.row0[i + 1] && e > r);
-      const uint32_t row0 = (uint32_t)(r - m.row0[i]), nr = (uint32_t)(e - r);
-      const uint32_t upr = (uint32_t)p.units_per_row, drow = kWarp / upr, du = kWarp % upr;
-      for (uint32_t lane = 0; lane < nr; ++lane) mine[lane] = unpack_row_copy(p, unpack_out_row<uint32_t>(p, span, row0 + lane));
-      for (int lane = 0; lane < kWarp; ++lane) {
-        LaneWalk<uint32_t> wk = lane_walk_start<uint32_t>(lane, upr);
-        while (wk.row < nr) {
-          for (int j = 0; j < kWideInFlight; ++j) {
-            if (wk.row < nr && mine[wk.row].kind == 1) {
-              const UnpackRowCopy& c = mine[wk.row];
-              memcpy(c.dst + (int64_t)wk.u * c.dst_unit_stride, c.src + (int64_t)wk.u * c.src_unit_stride, UNIT);
-            }
-            lane_walk_step(wk, upr, drow, du);
-          }
-        }
-        wk = lane_walk_start<uint32_t>(lane, upr);
-        while (wk.row < nr) {
-          for (int j = 0; j < kWideSumInFlight; ++j) {
-            if (wk.row < nr && mine[wk.row].kind == 2) {
-              unpack_unit<AddF32, UNIT>(p, unpack_out_row<uint32_t>(p, span, row0 + wk.row), wk.u);
-            }
-            lane_walk_step(wk, upr, drow, du);
-          }
-        }
-      }
-      r = e;
-    }
-  }
-}
-
 static void test_unpack_multi_walk(int unit, int64_t grid) {
   const int B = 2, s = 3, H = 12, D0 = 4, D1 = 8;
   const int a0[4] = {5, 7, 6, 9}, b0[4] = {7, 7, 9, 9}, a1[4] = {0, 2, 0, 0}, b1[4] = {2, 4, 0, 0};
@@ -515,21 +420,6 @@ static void test_unpack_multi_walk(int unit, int64_t grid) {
   }
   EXPECT(out0 == ref0);
   EXPECT(out1 == ref1);
-  // The wide kernel's walk (row0: 24 rows per role, end to end) writes the same.
-  m.row0[0] = 0;
-  for (int i = 0; i < 2; ++i) m.row0[i + 1] = m.row0[i] + m.role[i].batch * m.role[i].seq * m.span[i].heads;
-  EXPECT(m.row0[1] == 24 && m.row0[2] == 48);
-  EXPECT(unpack_role_of_row(m, 23) == 0 && unpack_role_of_row(m, 24) == 1 && unpack_role_of_row(m, 47) == 1);
-  std::vector<float> wide0((size_t)B * s * H * D0, -7.0f), wide1((size_t)B * s * 4 * D1, -7.0f);
-  m.role[0] = unpack_case(wide0, blk0, a0, b0, 4, B, s, H, D0, unit);
-  m.role[1] = unpack_case(wide1, blk1, a1, b1, 4, B, s, 4, D1, unit);
-  if (unit == 16) {
-    run_unpack_wide<16>(m, grid);
-  } else {
-    run_unpack_wide<4>(m, grid);
-  }
-  EXPECT(wide0 == ref0);
-  EXPECT(wide1 == ref1);
 }
 
 // The lane walk visits units lane, lane + 32, ... of a chunk of `rows` rows for any row length.
@@ -738,16 +628,6 @@ int main() {
     test_pack_warp_walk(300, 16, true, grid);
     for (int unit : {4, 16}) test_unpack_multi_walk(unit, grid);
   }
-  // The wide kernels' balanced walk (pack.cu kVariantWide); grid 1: 8 warps share the rows.
-  for (int64_t grid : {int64_t(1), int64_t(3), int64_t(1) << 10}) {
-    for (int unit : {4, 8}) test_pack_wide_walk(6, unit, grid % 2 == 0, grid);
-    test_pack_wide_walk(1, 4, true, grid);
-    test_pack_wide_walk(300, 4, false, grid);
-    test_pack_wide_walk(300, 16, true, grid);
-  }
-  EXPECT(warp_rows(10, 0, 4).begin == 0 && warp_rows(10, 0, 4).end == 2 && warp_rows(10, 3, 4).end == 10);
-  EXPECT(warp_rows(3, 0, 8).begin == 0 && warp_rows(3, 0, 8).end == 0 && warp_rows(3, 7, 8).end == 3);  // more warps than rows: some shares empty
-  EXPECT(group_end(0, 100, 100) == kWarp && group_end(90, 100, 100) == 100 && group_end(0, 100, 7) == 7);
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

@@ -29,6 +29,7 @@ goes to stdout at the end.
 
 from __future__ import annotations
 
+import socket
 import sys
 import warnings
 from collections.abc import Callable
@@ -105,6 +106,16 @@ def native_nccl_comm(device: torch.device):
         raise Skip(f"NCCLCommunicator could not be created ({e})") from None
 
 
+def ranks_sharing_a_gpu(device: torch.device) -> list[int]:
+    """The ranks of the world whose GPU another rank also uses (collective; [] when every
+    rank has its own): NCCL >= 2.30 runs several ranks on one GPU, symmetric memory does not."""
+    props = torch.cuda.get_device_properties(device)
+    mine = str(getattr(props, "uuid", "")) or f"{socket.gethostname()}/{getattr(props, 'pci_bus_id', device.index)}"
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    return [r for r, u in enumerate(seen) if seen.count(u) > 1]
+
+
 def symmetric_all_to_all(flat_in: torch.Tensor, out: torch.Tensor, world: int):
     """A callable running torch's symmetric-memory all-to-all of ``flat_in`` into ``out``
     (equal splits), or ``Skip``. Probed at run time: ``all_to_all_nd`` (NCCL symmetric
@@ -116,6 +127,9 @@ def symmetric_all_to_all(flat_in: torch.Tensor, out: torch.Tensor, world: int):
     except ImportError as e:
         raise Skip(f"torch.distributed._symmetric_memory not importable ({e})") from None
     group_name = dist.group.WORLD.group_name
+    shared = ranks_sharing_a_gpu(flat_in.device)
+    if shared:  # NVSHMEM aborts the process there ("not supported with limited MPG"), it raises nothing
+        raise Skip(f"symmetric memory needs one rank per GPU; ranks {shared} share one (several ranks on one GPU)")
     n = flat_in.numel() // world
     errors = []
     if hasattr(symm, "all_to_all_nd"):

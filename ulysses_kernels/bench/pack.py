@@ -3,7 +3,7 @@
     python -m ulysses_kernels.bench.pack                 # GPU: 96-320 MiB buffers; no GPU: tiny CPU sizes
     python -m ulysses_kernels.bench.pack --device cpu --iters 3 --out /tmp/results
     python -m ulysses_kernels.bench.pack --kernels cuda,triton --configs 32/8/8/1/8192/128
-    python -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new,wide   # A/B of the kernel variants
+    python -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new   # A/B of the kernel variants
 
 A configuration ``Hq/Hkv/P/B/s/D`` (query heads, KV heads, ranks, batch, tokens per rank,
 head_dim) is rank 0's layout of a ``P``-way group (``HeadPlan.build(Hq, Hkv, P)``). Rows:
@@ -39,9 +39,9 @@ run after the timing, with the outputs filled with NaN first so that an element 
 leaves unwritten counts. Any ``#wrong`` > 0 makes the script exit non-zero (after writing
 its files).
 
-Variants (``--variants old,new,wide``): the ``cuda`` and ``triton`` rows are run once per
-listed variant the set has (``extension.SET_VARIANTS``: cuda new and wide, triton old and
-new; ``extension.set_pack_variant``, in this one process), labelled ``fused (<k> <variant>)``;
+Variants (``--variants old,new``): the ``cuda`` and ``triton`` rows are run once per
+listed variant the set has (``extension.SET_VARIANTS``: cuda new, triton old and new;
+``extension.set_pack_variant``, in this one process), labelled ``fused (<k> <variant>)``;
 the JSON's ``meta.variants`` holds, per set and op, each variant's % of copy per
 configuration, the worst, and, when both of a set's variants ran, ``x_<a>_over_<b>``
 (geometric mean of time(a) / time(b) in the set's order: > 1 means <b> is faster) and
@@ -364,6 +364,12 @@ def default_kernels(device: torch.device) -> str:
     return get_kernels(None, device).name
 
 
+def _variant_pair(kern: str) -> tuple[str | None, str | None]:
+    """A set's two variants (``extension.SET_VARIANTS`` order), or (None, None): a set with one has no ratio."""
+    names = extension.SET_VARIANTS.get(kern, ())
+    return (names[0], names[1]) if len(names) == 2 else (None, None)
+
+
 def variant_summary(rows: list[dict]) -> dict:
     """Per kernel set and op, per variant: % of copy of every configuration, the worst, and
     for a set's two variants a, b (``extension.SET_VARIANTS`` order) the geometric mean of
@@ -379,7 +385,7 @@ def variant_summary(rows: list[dict]) -> dict:
             for v in list(ent):
                 ent[v] = {"per_config": ent[v], "worst_pct_copy": min(x["pct_copy"] for x in ent[v].values())}
     for kern, per_op in out.items():
-        a, b = extension.SET_VARIANTS.get(kern, (None, None))
+        a, b = _variant_pair(kern)
         for ent in per_op.values():
             if a in ent and b in ent:
                 both = [c for c in ent[b]["per_config"] if c in ent[a]["per_config"]]
@@ -405,7 +411,7 @@ def report(rows: list[dict], notes: dict, device: torch.device, summary: dict | 
     for kern, per_op in (summary or {}).items():
         for op, ent in per_op.items():
             worst = ", ".join(f"{v} worst {ent[v]['worst_pct_copy']:.1f}%" for v in extension.PACK_VARIANTS if v in ent)
-            a, b = extension.SET_VARIANTS.get(kern, (None, None))
+            a, b = _variant_pair(kern)
             ratio = ent.get(f"x_{a}_over_{b}")
             verdict = f"; time {a}/{b} {ratio:.3f} (geomean): {ent['faster']} faster" if ratio else ""
             print(f"# variants {kern} {op}: {worst} of copy{verdict}{label}", flush=True)
@@ -445,7 +451,7 @@ def parse_args(argv=None, default_out_dir=None):
     p.add_argument("--dtype", "-d", default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
     p.add_argument("--kernels", default="auto", help="comma list of kernel sets for the fused rows: auto (default), cuda, triton, torch")
     p.add_argument("--variants", default=None,
-                   help=f"comma list of kernel variants {'/'.join(extension.PACK_VARIANTS)} for the cuda (new, wide) and triton (old, new) rows, "
+                   help=f"comma list of kernel variants {'/'.join(extension.PACK_VARIANTS)} for the cuda (new) and triton (old, new) rows, "
                         "one row per variant a set has (default: the current one, ULYSSES_KERNELS_PACK_VARIANT, unlabelled)")  # fmt: skip
     p.add_argument("--configs", default=None, help="comma list of Hq/Hkv/P/B/s/D (default: the GPU set, or tiny sizes on the CPU)")
     p.add_argument("-w", "--warmup", "--warmup-iters", dest="warmup", type=int, default=None, help="default 10 (GPU), 1 (CPU)")
