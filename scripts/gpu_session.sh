@@ -3,8 +3,8 @@
 # Staged runbook for a lent GPU (one H100/H200, offline, torch/triton preinstalled): each `run`
 # call runs one or more stages, in order.
 #
-# NEXT (issue 49, after the 2026-11-30 record bench/results/2026-11-30_h200_world): ONE call, `world`: 11 steps, budgets
-# summing to 510 s under one 540 s deadline (the budgets measured that day). Here, first:
+# NEXT (issue 49, after the 2026-11-30 record bench/results/2026-11-30_h200_world): ONE call, `world`: 12 steps, budgets
+# summing to 525 s under one 540 s deadline (the budgets measured that day). Here, first:
 #   /work/main/.venv/bin/python scripts/nccl_carry.py   # build/nccl_carry/: NCCL 2.30.7, sm_90 only, 29.4 MiB, checked
 #   GPU_SESSION_DRY_RUN=1 bash scripts/gpu_session.sh world   # the plan: every step, its budget, the sum
 # The device tool's call (the working tree ~5 MB + build/nccl_carry 29.4 MiB):
@@ -13,7 +13,7 @@
 # It unpacks the carried NCCL ahead of torch's (LD_PRELOAD, and first on PYTHONPATH so that torch's own preload maps the
 # same file), probes it (ncclGetVersion of the mapped file; 2 ranks on GPU 0 all-reduce), builds _C against it, and
 # records into bench/results/<date>_<gpu>_world/: the self-test at 8 NCCL ranks on the one GPU (all 330 paths), the
-# quantizing pack (#50, the warp-per-row kernels), the two-rank tests (-v -s), bench.alltoall and bench.overlap at 8
+# quantizing pack (#50, the warp-per-row kernels), where a packed call's time goes (#37), the two-rank tests (-v -s), bench.alltoall and bench.overlap at 8
 # ranks on one GPU, the self-test at 4 ranks, bench.pack (new and the Triton variants), the cudnn packed rows (#37).
 # Back in $OUT: summary_world.txt and gpu_session_world.tgz (`tar xzf` in the repo root puts the record in place).
 # GPU_SESSION_SKIP="step ..." leaves out steps an earlier call of the session recorded. docs/gpu_validation.md: the table.
@@ -495,6 +495,9 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
   # #50: the quantizing pack (bf16 in, e4m3 + scales out) against a device copy; each row checked bit for bit first
   # shellcheck disable=SC2016  # $0/$1 are bash -c's own arguments
   step bench_pack_fp8 10 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.pack_fp8 | tee "$1"' "$PY" "$WAVE_DIR/pack_fp8.txt" || true
+  # #37: where a packed call's time goes (host, host waits, kernels) at 4K and 32K (2026-11-30: 1.57 ms vs 0.38 as a graph)
+  # shellcheck disable=SC2016
+  step packed_probe 20 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.packed_probe | tee "$1"' "$PY" "$WAVE_DIR/packed_probe.txt" || true
   if multi_rank_ok two_ranks; then  # -v -s: each test's name and its ranks' lines as they come (2026-11-30: nothing in 60 s)
     step two_ranks 90 "$PY" -m pytest -v -s -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
   fi
@@ -507,7 +510,7 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
   if multi_rank_ok selftest_w4; then
     step selftest_w4 45 "${run[@]}" --nproc-per-node 4 -m ulysses_kernels.selftest --quick --timeout 30 --json "$WAVE_DIR/selftest_w4.json" || true
   fi
-  step bench_pack 20 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
+  step bench_pack 15 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton --warmup 10 --iters 50 --out-dir "$WAVE_DIR" && pack_summary || true
   # #37: the cudnn packed kernel, last (2026-11-30: cut at 256K by a 30 s budget); with what the deadline leaves
   if [ "$TINY" != 1 ]; then
     step bench_attention_cudnn "$(at_least 30)" "$PY" -m ulysses_kernels.bench.attention --sp 8 --models llama3-8b --min-seq 4K \

@@ -627,3 +627,15 @@ def test_perf_model_main_prints_a_consistent_table(capsys):
     for (m, P, S, p), (comp, _) in rows.items():
         if S == 65536:
             assert comp == pytest.approx(4 * rows[(m, P, 32768, p)][0], rel=0.01)
+
+
+def test_packed_probe_dry_run_on_the_cpu(capsys):
+    """The packed probe's code paths on the CPU (its GPU numbers come from the next GPU call):
+    both rows per length, labelled as a dry run, the packed row over several documents."""
+    from ulysses_kernels.bench import packed_probe
+
+    assert packed_probe.main(["--device", "cpu", "--seqs", "128", "--head-dim", "8", "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU: a dry run of the code paths, no GPU claim" in out.splitlines()[0]
+    rows = re.findall(r"S=\s+128 (local|local-packed)\s+docs\s+(\d+)\s+host ([0-9.]+) ms\s+device n/a ms\s+syncs 0", out)
+    assert [r[0] for r in rows] == ["local", "local-packed"] and int(rows[1][1]) > 1, out

@@ -60,9 +60,9 @@ def test_world_plan_fits_one_deadline_most_decisive_first_and_says_which_nccl(tm
     names = [n for n, _ in rows]
     assert total == sum(b for _, b in rows) and deadline == DEADLINE_S
     assert total <= DEADLINE_S - 15, f"the step budgets ({total} s) leave no room under the {DEADLINE_S} s deadline"
-    assert names[:6] == ["nccl_carry", "setup", "info", "selftest_w8", "bench_pack_fp8", "two_ranks"]
+    assert names[:7] == ["nccl_carry", "setup", "info", "selftest_w8", "bench_pack_fp8", "packed_probe", "two_ranks"]
     # what the 2026-11-30 record left undecided; not what it recorded (the hybrid steps, the w2 self-test, the layout rows)
-    assert names[6:] == ["alltoall_w8", "overlap_w8", "selftest_w4", "bench_pack", "bench_attention_cudnn"]
+    assert names[7:] == ["alltoall_w8", "overlap_w8", "selftest_w4", "bench_pack", "bench_attention_cudnn"]
     # each printed command's timeout is its plan row, in the same order
     launched = re.findall(r">>> (\S+) \(timeout (\d+)s\)", out)
     assert [(n, int(t)) for n, t in launched] == rows
