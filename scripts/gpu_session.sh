@@ -497,7 +497,9 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
   step bench_pack_fp8 10 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.pack_fp8 | tee "$1"' "$PY" "$WAVE_DIR/pack_fp8.txt" || true
   # #37: where a packed call's time goes (host, host waits, kernels) at 4K and 32K (2026-11-30: 1.57 ms vs 0.38 as a graph)
   # shellcheck disable=SC2016
-  step packed_probe 20 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.packed_probe | tee "$1"' "$PY" "$WAVE_DIR/packed_probe.txt" || true
+  local pp=()
+  [ "$TINY" = 1 ] && pp=(--seqs 256 --head-dim 16 -n 2)
+  step packed_probe 20 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.packed_probe "${@:2}" | tee "$1"' "$PY" "$WAVE_DIR/packed_probe.txt" "${pp[@]}" || true
   if multi_rank_ok two_ranks; then  # -v -s: each test's name and its ranks' lines as they come (2026-11-30: nothing in 60 s)
     step two_ranks 90 "$PY" -m pytest -v -s -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
   fi
