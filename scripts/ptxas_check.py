@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every CUDA kernel compiles with no stack frame and no register spills.
 
-Compiles csrc/kernels/pack.cu (torch-free: it needs only the CUDA toolkit) for each
+Compiles csrc/kernels/pack.cu and fp8.cu (torch-free: they need only the CUDA toolkit) for each
 architecture with ``nvcc -Xptxas -v``, reads ptxas's "N bytes stack frame, N bytes spill
 stores, N bytes spill loads" line of every kernel, prints a summary and fails when any
 number is not zero (a stack frame means local memory: a copy kernel that goes through
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "csrc" / "kernels" / "pack.cu"
-# The kernel flags of setup.py's nvcc build (the torch-specific ones do not apply to pack.cu).
+SOURCES = [ROOT / "csrc" / "kernels" / name for name in ("pack.cu", "fp8.cu")]
+# The kernel flags of setup.py's nvcc build (the torch-specific ones do not apply to these files).
 FLAGS = ["-O3", "--expt-relaxed-constexpr", "-std=c++17"]
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+)'")
@@ -81,15 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         print("[ptxas] skipped: no nvcc found (set CUDA_HOME); no CUDA kernel can be built here either")
         return 0
     start = time.monotonic()
+    kernels = []
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, *FLAGS, f"-I{ROOT / 'csrc'}", "-Xptxas", "-v", "-c", str(SOURCE), "-o", os.path.join(tmp, "pack.o")]
-        for a in archs:
-            cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        print(f"[ptxas] FAILED: nvcc exited with {res.returncode}:\n{res.stdout}{res.stderr}", file=sys.stderr)
-        return 1
-    kernels = parse(res.stdout + res.stderr)
+        for source in SOURCES:
+            cmd = [nvcc, *FLAGS, f"-I{ROOT / 'csrc'}", "-Xptxas", "-v", "-c", str(source), "-o", os.path.join(tmp, source.stem + ".o")]
+            for a in archs:
+                cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                print(f"[ptxas] FAILED: nvcc exited with {res.returncode} on {source.name}:\n{res.stdout}{res.stderr}", file=sys.stderr)
+                return 1
+            kernels += parse(res.stdout + res.stderr)
     names = demangle(sorted({k[0] for k in kernels}), nvcc)
     bad = False
     for a in archs:

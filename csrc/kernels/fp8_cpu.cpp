@@ -1,22 +1,51 @@
-// CPU twin of fp8.cu: the same lane functions (fp8_math.h) and index math (layout_math.h),
-// one row at a time, its 32 lanes in turn (the row's amax: the max over the lanes' amaxes, as
-// the warp's shuffle reduction).
+// CPU twin of fp8.cu: the same lane functions (fp8_math.h), index math (layout_math.h) and
+// row groups, one row at a time, its 32 lanes in turn (the row's amax: the max over the
+// lanes' amaxes, as the warp's shuffle reduction).
 #include "fp8.h"
 
 namespace ulysses_kernels {
 
+namespace {
+
+// One row in two passes (fp8.cu's path for rows that are not register rows).
+void quant_row_two_pass(const RowCopy& r, const Fp8Args& a, const Fp8Format& f) {
+  const bool vec = fp8_row_vector(r.src, r.src_unit_stride, a.dtype, a.d, r.dst);
+  float amax = 0;
+  for (int lane = 0; lane < kWarp; ++lane) {
+    const float m = quantize_row_lane_amax(r.src, r.src_unit_stride, a.dtype, a.d, vec, lane);
+    amax = m > amax ? m : amax;
+  }
+  for (int lane = 0; lane < kWarp; ++lane) quantize_row_lane_store(r.src, r.src_unit_stride, a.dtype, a.d, r.dst, amax, f, vec, lane);
+}
+
+// One register row: each lane's 4 values kept (x), the amax over the lanes, then the stores.
+void quant_row_in_registers(const RowCopy& r, const Fp8Args& a, const Fp8Format& f) {
+  float x[kWarp][4], amax = 0;
+  for (int lane = 0; lane < kWarp; ++lane) {
+    const float m = quantize_regs_load(r, a.dtype, a.d, lane, x[lane]);
+    amax = m > amax ? m : amax;
+  }
+  for (int lane = 0; lane < kWarp; ++lane) quantize_regs_store(r, a.d, lane, x[lane], amax, f);
+}
+
+}  // namespace
+
+// fp8.cu's groups of kFp8RowsInFlight rows: register rows when all rows of the group are.
 void quant_pack_cpu(const PackParams& p, const Fp8Args& a) {
   const Fp8Format f = fp8_format(a.fmt);
   const int64_t rows = p.peer_row0[p.n_peers];
-  for (int64_t row = 0; row < rows; ++row) {
-    const RowCopy r = pack_row<int64_t>(p, row);  // src_unit_stride: the source's D stride (fp8_ops.cpp)
-    const bool vec = fp8_row_vector(r.src, r.src_unit_stride, a.dtype, a.d, r.dst);
-    float amax = 0;
-    for (int lane = 0; lane < kWarp; ++lane) {
-      const float m = quantize_row_lane_amax(r.src, r.src_unit_stride, a.dtype, a.d, vec, lane);
-      amax = m > amax ? m : amax;
+  for (int64_t row0 = 0; row0 < rows; row0 += kFp8RowsInFlight) {
+    const int n = rows - row0 < kFp8RowsInFlight ? (int)(rows - row0) : kFp8RowsInFlight;
+    bool regs = true;
+    for (int i = 0; i < n; ++i) regs = regs && fp8_row_in_registers(pack_row<int64_t>(p, row0 + i), a.dtype, a.d);
+    for (int i = 0; i < n; ++i) {
+      const RowCopy r = pack_row<int64_t>(p, row0 + i);  // src_unit_stride: the source's D stride (fp8_ops.cpp)
+      if (regs) {
+        quant_row_in_registers(r, a, f);
+      } else {
+        quant_row_two_pass(r, a, f);
+      }
     }
-    for (int lane = 0; lane < kWarp; ++lane) quantize_row_lane_store(r.src, r.src_unit_stride, a.dtype, a.d, r.dst, amax, f, vec, lane);
   }
 }
 

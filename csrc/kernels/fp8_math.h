@@ -230,6 +230,48 @@ UK_HD void quantize_row_lane_store(const char* src, int64_t sd, int dt, int64_t 
   }
 }
 
+// ---- short rows held in registers, several rows per warp in flight -----------------------
+// A vector row of at most 4 * kWarp elements is one load of 4 elements per lane (lanes past D
+// idle): its values stay in registers between the amax and the quantization (no second read),
+// and a warp issues the loads of kFp8RowsInFlight rows before it reduces any (pack.cu's
+// kInFlight, for the FP8 pack). The same elements per lane and the same arithmetic as above.
+constexpr int kFp8RowsInFlight = 4;
+
+UK_HD bool fp8_row_in_registers(const RowCopy& r, int dt, int64_t D) {
+  return D <= 4 * kWarp && fp8_row_vector(r.src, r.src_unit_stride, dt, D, r.dst);
+}
+
+// This lane's 4 elements of a register row into x (zeros past D); returns their largest |x| (at least 2^-100).
+UK_HD float quantize_regs_load(const RowCopy& r, int dt, int64_t D, int lane, float x[4]) {
+  float amax = bits_float(kAmaxFloorBits);
+  const int64_t d = 4 * lane;
+  if (d >= D) {
+    x[0] = x[1] = x[2] = x[3] = 0.0f;
+    return amax;
+  }
+  load4(r.src + d * r.src_unit_stride, dt, x);
+  for (int i = 0; i < 4; ++i) {
+    const float ax = x[i] < 0 ? -x[i] : x[i];
+    amax = ax > amax ? ax : amax;
+  }
+  return amax;
+}
+
+// With the row's amax over all lanes: this lane's 4 FP8 bytes from x; lane 0 also the scale.
+UK_HD void quantize_regs_store(const RowCopy& r, int64_t D, int lane, const float x[4], float amax, const Fp8Format& f) {
+  const int64_t d = 4 * lane;
+  if (d < D) {
+    const float inv = div_rn(f.max, amax);
+    U8x4 q;
+    for (int i = 0; i < 4; ++i) q.v[i] = quantize_elem(x[i], inv, f);
+    store_vec(r.dst + d, q);
+  }
+  if (lane == 0) {
+    const float scale = div_rn(amax, f.max);
+    memcpy(r.dst + D, &scale, 4);
+  }
+}
+
 // Output row r of a dequantizing unpack (UnpackParams over wire blocks: byte strides, the
 // blocks' D stride one byte; elem/od: the output's), this lane's elements: the first holder
 // of r.head written, each later one added in the dtype (round after every add, as add_).
