@@ -494,14 +494,14 @@ stage_world() {  # issue 49: several NCCL ranks on the one GPU (the carried NCCL
   fi
   # #50: the quantizing pack (bf16 in, e4m3 + scales out) against a device copy; each row checked bit for bit first
   # shellcheck disable=SC2016  # $0/$1 are bash -c's own arguments
-  step bench_pack_fp8 10 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.pack_fp8 | tee "$1"' "$PY" "$WAVE_DIR/pack_fp8.txt" || true
+  step bench_pack_fp8 15 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.pack_fp8 | tee "$1"' "$PY" "$WAVE_DIR/pack_fp8.txt" || true
   # #37: where a packed call's time goes (host, host waits, kernels) at 4K and 32K (2026-11-30: 1.57 ms vs 0.38 as a graph)
   # shellcheck disable=SC2016
   local pp=()
   [ "$TINY" = 1 ] && pp=(--seqs 256 --head-dim 16 -n 2)
   step packed_probe 20 bash -c 'set -o pipefail; "$0" -m ulysses_kernels.bench.packed_probe "${@:2}" | tee "$1"' "$PY" "$WAVE_DIR/packed_probe.txt" "${pp[@]}" || true
   if multi_rank_ok two_ranks; then  # -v -s: each test's name and its ranks' lines as they come (2026-11-30: nothing in 60 s)
-    step two_ranks 90 "$PY" -m pytest -v -s -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
+    step two_ranks 85 "$PY" -m pytest -v -s -ra -k two_ranks --junitxml "$WAVE_DIR/junit_two_ranks.xml" tests/test_nccl_comm.py tests/test_pipeline.py || true
   fi
   if multi_rank_ok alltoall_w8; then
     step alltoall_w8 25 "${run[@]}" --nproc-per-node "$w8" -m ulysses_kernels.bench.alltoall "${x[@]}" --out-dir "$WAVE_DIR/one_gpu_w$w8" || true

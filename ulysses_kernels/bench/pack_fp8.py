@@ -3,15 +3,17 @@
     python -m ulysses_kernels.bench.pack_fp8                  # GPU: the GPU sizes, kernel sets cuda,triton
     python -m ulysses_kernels.bench.pack_fp8 --device cpu     # CPU dry run: tiny sizes, checks only
 
-Per configuration ``Hq/Hkv/P/B/s/D`` (one rank's q/k/v, bf16) and kernel set, three rows:
+Per configuration ``Hq/Hkv/P/B/s/D`` (one rank's q/k/v, bf16) and kernel set, five rows:
 
 * ``copy``: ``send.copy_(src)`` of the bytes the plain pack reads (the device's copy bandwidth);
 * ``pack``: the plain pack (``pack_s2h``: bf16 in, bf16 out);
-* ``pack-fp8``: the quantizing pack (``quant_pack_s2h``, e4m3: bf16 in, D + 4 bytes per head out).
+* ``pack-fp8``: the quantizing pack (``quant_pack_s2h``, e4m3: bf16 in, D + 4 bytes per head out);
+* ``unpack``, ``unpack-fp8``: the head-to-sequence receive side (``unpack_h2s``, ``dequant_unpack_h2s``:
+  every source's blocks of dq/dk/dv into ``[B, s, H, D]``, replicated KV heads summed), bf16 and e4m3 blocks.
 
 ``GB/s`` = (bytes read + bytes written) / time; ``%copy`` = GB/s / the copy row's GB/s (the goal:
-the quantizing pack >= 80% of a device copy's bandwidth, issue 50). Every pack row is checked
-bit for bit against the torch reference first. CPU timings are labelled as such and mean
+the quantizing pack >= 80% of a device copy's bandwidth, issue 50). Every FP8 row is checked
+bit for bit against the torch reference first (``#wrong``). CPU timings are labelled as such and mean
 nothing for a GPU.
 """
 
@@ -26,7 +28,7 @@ from ..kernels import get_kernels
 from ..kernels import torch_kernels as R
 from ..layout import QKV, Layout
 from ..plan import HeadPlan
-from ..wire import E4M3, wire_layout
+from ..wire import E4M3, SCALE_BYTES, wire_layout
 from .record import print_table
 from .timing import median, time_iters
 
@@ -36,6 +38,13 @@ COLUMNS = [
     ("config", "Hq/Hkv/P/B/s/D", ""), ("kernels", "kernels", ""), ("op", "op", ""), ("bytes", "bytes", "d"),
     ("time_us", "time(us)", ".1f"), ("gbps", "GB/s", ".1f"), ("pct_copy", "%copy", ".1%"), ("ok", "#wrong", ""),
 ]  # fmt: skip
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., D]`` as e4m3 wire rows ``[..., D + 4]`` (the reference's quantization)."""
+    buf = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    R.quantize_rows(x, buf, E4M3)
+    return buf
 
 
 def rows_for(cfg: tuple[int, ...], name: str, device: torch.device, warmup: int, iters: int) -> list[dict]:
@@ -52,17 +61,30 @@ def rows_for(cfg: tuple[int, ...], name: str, device: torch.device, warmup: int,
     R.quant_pack_s2h(lay, (q, k, v), QKV, want, E4M3)
     kern.quant_pack_s2h(lay, (q, k, v), QKV, send8, E4M3)
     wrong = int((send8 != want).sum())
+    # The head-to-sequence receive side (dq/dk/dv of the backward): each source's blocks back into [B, s, H, D],
+    # replicated KV heads summed; plain (bf16 blocks) and dequantizing (wire blocks of D + 4 bytes).
+    blocks = [[torch.randn(B, s, lay.head_count(r, p), D, generator=g, device=device).to(torch.bfloat16) for r in QKV] for p in range(P)]
+    blocks8 = [[_wire(b) for b in per] for per in blocks]
+    outs = [torch.empty(B, s, lay.total_heads(r), D, device=device, dtype=torch.bfloat16) for r in QKV]
+    want_outs = [torch.empty_like(o) for o in outs]
+    R.dequant_unpack_h2s(lay, blocks8, QKV, want_outs, E4M3)
+    kern.dequant_unpack_h2s(lay, blocks8, QKV, outs, E4M3)
+    wrong_unpack = sum(int((o != w).sum()) for o, w in zip(outs, want_outs))
+    n_in = sum(b.numel() for per in blocks for b in per)
+    n_out = sum(o.numel() for o in outs)
     label = f"{Hq}/{Hkv}/{P}/{B}/{s}/{D}"
     ops = {
-        "copy": (lambda: send.copy_(src), 2 * n * 2),
-        "pack": (lambda: kern.pack_s2h(lay, (q, k, v), QKV, send), 2 * n * 2),
-        "pack-fp8": (lambda: kern.quant_pack_s2h(lay, (q, k, v), QKV, send8, E4M3), 2 * n + n8),
-    }
+        "copy": (lambda: send.copy_(src), 2 * n * 2, ""),
+        "pack": (lambda: kern.pack_s2h(lay, (q, k, v), QKV, send), 2 * n * 2, ""),
+        "pack-fp8": (lambda: kern.quant_pack_s2h(lay, (q, k, v), QKV, send8, E4M3), 2 * n + n8, wrong),
+        "unpack": (lambda: kern.unpack_h2s(lay, blocks, QKV, outs), 2 * n_in + 2 * n_out, ""),
+        "unpack-fp8": (lambda: kern.dequant_unpack_h2s(lay, blocks8, QKV, outs, E4M3), sum(b.numel() for per in blocks8 for b in per) + 2 * n_out,
+                       wrong_unpack),
+    }  # fmt: skip
     rows = []
-    for op, (fn, nbytes) in ops.items():
+    for op, (fn, nbytes, ok) in ops.items():
         t = median(time_iters(fn, device=device, warmup=warmup, iters=iters, barrier=False))
-        rows.append({"config": label, "kernels": name, "op": op, "bytes": nbytes, "time_us": t * 1e6, "gbps": nbytes / t / 1e9,
-                     "ok": wrong if op == "pack-fp8" else ""})  # fmt: skip
+        rows.append({"config": label, "kernels": name, "op": op, "bytes": nbytes, "time_us": t * 1e6, "gbps": nbytes / t / 1e9, "ok": ok})
     for r in rows:
         r["pct_copy"] = r["gbps"] / rows[0]["gbps"]
     return rows
@@ -83,7 +105,7 @@ def main(argv=None) -> int:
     rows = [r for cfg in configs for name in names for r in rows_for(cfg, name, device, 10 if gpu else 1, iters)]
     title = f"# quantizing pack (e4m3), bf16 in, {device}" + ("" if gpu else " (CPU: a dry run, the times mean nothing for a GPU)")
     print_table(COLUMNS, rows, title=title)
-    wrong = sum(r["ok"] for r in rows if r["op"] == "pack-fp8")
+    wrong = sum(r["ok"] for r in rows if r["op"] in ("pack-fp8", "unpack-fp8"))
     return 1 if wrong else 0
 
 
