@@ -1,5 +1,5 @@
 // CUDA kernels of the FP8 wire: a warp per row (a (peer, batch, token, head) of the pack, an
-// output (batch, token, head) of the unpack; the pack takes kFp8RowsInFlight rows at once),
+// output (batch, token, head) of the unpack; both take kFp8RowsInFlight rows at once),
 // grid-stride over rows. The lane functions
 // are fp8_math.h's, which the CPU twin runs lane by lane: a lane loads 4 elements at once
 // where the row allows (fp8_row_vector), the warp's loads of one row are consecutive, and
@@ -66,13 +66,41 @@ __global__ void quant_pack_kernel(const PackParams p, const Fp8Args a) {
   }
 }
 
+// As the pack: kFp8RowsInFlight output rows a warp, their first holders' bytes loaded before any store where all
+// are register rows (dequant_row_in_registers), else row by row.
 __global__ void dequant_unpack_kernel(const UnpackParams p, const HeadSpan span, const Fp8Args a) {
+  constexpr int R = kFp8RowsInFlight;
   const Fp8Format f = fp8_format(a.fmt);
   const int64_t rows = p.batch * p.seq * span.heads;
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x / kWarp);
-  for (int64_t row = blockIdx.x * (int64_t)(blockDim.x / kWarp) + threadIdx.x / kWarp; row < rows; row += warps) {
-    dequantize_out_row_lane(p, unpack_out_row<int64_t>(p, span, row), a.dtype, f, lane);
+  for (int64_t row0 = (blockIdx.x * (int64_t)(blockDim.x / kWarp) + threadIdx.x / kWarp) * R; row0 < rows; row0 += warps * R) {
+    const int n = rows - row0 < R ? (int)(rows - row0) : R;
+    OutRow r[R];
+    int s0[R];
+    bool regs = true;  // the same on every lane of the warp
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (i < n) {
+        r[i] = unpack_out_row<int64_t>(p, span, row0 + i);
+        s0[i] = first_holder(p, r[i].head);
+        regs = regs && dequant_row_in_registers(p, r[i], a.dtype, s0[i]);
+      }
+    }
+    if (regs) {
+      U8x4 q[R];
+      float sc[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (i < n) dequant_regs_load(p, r[i], s0[i], lane, q[i], sc[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (i < n) dequant_regs_store(p, r[i], s0[i], a.dtype, f, lane, q[i], sc[i]);
+      }
+      continue;
+    }
+    for (int i = 0; i < n; ++i) dequantize_out_row_lane(p, unpack_out_row<int64_t>(p, span, row0 + i), a.dtype, f, lane);
   }
 }
 
@@ -94,7 +122,7 @@ cudaError_t launch_dequant_unpack(const UnpackParams& p, const Fp8Args& a, cudaS
   const HeadSpan span = unpack_head_span(p);
   const int64_t rows = p.batch * p.seq * span.heads;
   if (rows == 0 || a.d == 0) return cudaSuccess;
-  dequant_unpack_kernel<<<grid_for(rows, 1), kFp8Threads, 0, stream>>>(p, span, a);
+  dequant_unpack_kernel<<<grid_for(rows, kFp8RowsInFlight), kFp8Threads, 0, stream>>>(p, span, a);
   return cudaGetLastError();
 }
 

@@ -53,9 +53,25 @@ void dequant_unpack_cpu(const UnpackParams& p, const Fp8Args& a) {
   const Fp8Format f = fp8_format(a.fmt);
   const HeadSpan span = unpack_head_span(p);
   const int64_t rows = p.batch * p.seq * span.heads;
-  for (int64_t row = 0; row < rows; ++row) {
-    const OutRow r = unpack_out_row<int64_t>(p, span, row);
-    for (int lane = 0; lane < kWarp; ++lane) dequantize_out_row_lane(p, r, a.dtype, f, lane);
+  for (int64_t row0 = 0; row0 < rows; row0 += kFp8RowsInFlight) {  // fp8.cu's row groups
+    const int n = rows - row0 < kFp8RowsInFlight ? (int)(rows - row0) : kFp8RowsInFlight;
+    bool regs = true;
+    for (int i = 0; i < n; ++i) {
+      const OutRow r = unpack_out_row<int64_t>(p, span, row0 + i);
+      regs = regs && dequant_row_in_registers(p, r, a.dtype, first_holder(p, r.head));
+    }
+    for (int i = 0; i < n; ++i) {
+      const OutRow r = unpack_out_row<int64_t>(p, span, row0 + i);
+      if (!regs) {
+        for (int lane = 0; lane < kWarp; ++lane) dequantize_out_row_lane(p, r, a.dtype, f, lane);
+        continue;
+      }
+      const int s0 = first_holder(p, r.head);
+      U8x4 q[kWarp];
+      float sc[kWarp];
+      for (int lane = 0; lane < kWarp; ++lane) dequant_regs_load(p, r, s0, lane, q[lane], sc[lane]);
+      for (int lane = 0; lane < kWarp; ++lane) dequant_regs_store(p, r, s0, a.dtype, f, lane, q[lane], sc[lane]);
+    }
   }
 }
 

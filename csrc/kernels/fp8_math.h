@@ -276,14 +276,20 @@ UK_HD void quantize_regs_store(const RowCopy& r, int64_t D, int lane, const floa
 // blocks' D stride one byte; elem/od: the output's), this lane's elements: the first holder
 // of r.head written, each later one added in the dtype (round after every add, as add_).
 // False: no holder.
-UK_HD bool dequantize_out_row_lane(const UnpackParams& p, const OutRow& r, int dt, const Fp8Format& f, int lane) {
-  char* out = p.out + r.b * p.ob + r.t * p.os + r.head * p.oh;
+UK_HD char* out_row_ptr(const UnpackParams& p, const OutRow& r) { return p.out + r.b * p.ob + r.t * p.os + r.head * p.oh; }
+
+UK_HD const char* wire_row_ptr(const UnpackParams& p, int s, const OutRow& r) {
+  const Strided4& k = p.blk[s];
+  return k.ptr + r.b * k.sb + r.t * k.ss + (r.head - (int64_t)p.head0[s]) * k.sh;
+}
+
+// The sources from `s_begin` on (`any`: an earlier one already wrote the row).
+UK_HD bool dequantize_out_row_lane_from(const UnpackParams& p, const OutRow& r, int dt, const Fp8Format& f, int lane, int s_begin, bool any) {
+  char* out = out_row_ptr(p, r);
   const int es = dtype_bytes(dt);
-  bool any = false;
-  for (int s = 0; s < p.n_src; ++s) {
+  for (int s = s_begin; s < p.n_src; ++s) {
     if (!holds(p, s, r.head)) continue;
-    const Strided4& k = p.blk[s];
-    const char* row = k.ptr + r.b * k.sb + r.t * k.ss + (r.head - (int64_t)p.head0[s]) * k.sh;
+    const char* row = wire_row_ptr(p, s, r);
     float scale;
     memcpy(&scale, row + p.d, 4);
     if (p.od == es && p.d % 4 == 0 && aligned(out, 4 * (uintptr_t)es) && aligned(row, 4)) {
@@ -307,6 +313,43 @@ UK_HD bool dequantize_out_row_lane(const UnpackParams& p, const OutRow& r, int d
     any = true;
   }
   return any;
+}
+
+UK_HD bool dequantize_out_row_lane(const UnpackParams& p, const OutRow& r, int dt, const Fp8Format& f, int lane) {
+  return dequantize_out_row_lane_from(p, r, dt, f, lane, 0, false);
+}
+
+// ---- register rows of the dequantizing unpack (fp8.cu takes kFp8RowsInFlight at a time) ----
+// A row whose first holder is a vector row of at most 4 * kWarp elements: each lane loads its
+// 4 FP8 bytes and the scale of that holder first (every row of the group before any store),
+// then decodes and writes them; later holders (replicated KV heads) are added as above.
+
+UK_HD int first_holder(const UnpackParams& p, int64_t head) {
+  for (int s = 0; s < p.n_src; ++s) {
+    if (holds(p, s, head)) return s;
+  }
+  return -1;
+}
+
+UK_HD bool dequant_row_in_registers(const UnpackParams& p, const OutRow& r, int dt, int s0) {
+  const int es = dtype_bytes(dt);
+  return s0 >= 0 && p.od == es && p.d % 4 == 0 && p.d <= 4 * kWarp && aligned(out_row_ptr(p, r), 4 * (uintptr_t)es) &&
+         aligned(wire_row_ptr(p, s0, r), 4);
+}
+
+UK_HD void dequant_regs_load(const UnpackParams& p, const OutRow& r, int s0, int lane, U8x4& q, float& scale) {
+  const char* row = wire_row_ptr(p, s0, r);
+  if (4 * lane < p.d) q = load_vec<U8x4>(row + 4 * lane);
+  memcpy(&scale, row + p.d, 4);
+}
+
+UK_HD void dequant_regs_store(const UnpackParams& p, const OutRow& r, int s0, int dt, const Fp8Format& f, int lane, const U8x4& q, float scale) {
+  if (4 * lane < p.d) {
+    float v[4];
+    for (int i = 0; i < 4; ++i) v[i] = round_to_dtype(mul_rn(fp8_decode(q.v[i], f), scale), dt);
+    store4(out_row_ptr(p, r) + 4 * lane * dtype_bytes(dt), v, dt);
+  }
+  dequantize_out_row_lane_from(p, r, dt, f, lane, s0 + 1, true);
 }
 
 }  // namespace ulysses_kernels
