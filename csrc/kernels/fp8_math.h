@@ -115,6 +115,15 @@ constexpr uint32_t kAmaxFloorBits = 0x0d800000u;  // 2^-100 (wire.AMAX_FLOOR)
 // arithmetic is the reference's, and a lane handles its own elements only, in source order,
 // so the split changes no bit.
 
+// amax with |x| folded in (the quantization's row maximum).
+UK_HD float fold_abs_max(float amax, float x) {
+  const float ax = x < 0 ? -x : x;
+  return ax > amax ? ax : amax;
+}
+
+// One wire byte, dequantized with its row's scale and rounded to the dtype (as float32).
+UK_HD float dequantize_byte(uint8_t q, float scale, int dt, const Fp8Format& f) { return round_to_dtype(mul_rn(fp8_decode(q, f), scale), dt); }
+
 // One element: float32 x of the dtype -> FP8 bits of clamp(x * inv).
 UK_HD uint8_t quantize_elem(float x, float inv, const Fp8Format& f) {
   float y = mul_rn(x, inv);
@@ -194,17 +203,12 @@ UK_HD float quantize_row_lane_amax(const char* src, int64_t sd, int dt, int64_t 
     for (int64_t d = 4 * lane; d < D; d += 4 * kWarp) {
       float x[4];
       load4(src + d * sd, dt, x);
-      for (int i = 0; i < 4; ++i) {
-        const float ax = x[i] < 0 ? -x[i] : x[i];
-        amax = ax > amax ? ax : amax;
-      }
+      for (int i = 0; i < 4; ++i) amax = fold_abs_max(amax, x[i]);
     }
     return amax;
   }
   for (int64_t d = lane; d < D; d += kWarp) {
-    const float x = load_as_float(src + d * sd, dt);
-    const float ax = x < 0 ? -x : x;
-    amax = ax > amax ? ax : amax;
+    amax = fold_abs_max(amax, load_as_float(src + d * sd, dt));
   }
   return amax;
 }
@@ -250,10 +254,7 @@ UK_HD float quantize_regs_load(const RowCopy& r, int dt, int64_t D, int lane, fl
     return amax;
   }
   load4(r.src + d * r.src_unit_stride, dt, x);
-  for (int i = 0; i < 4; ++i) {
-    const float ax = x[i] < 0 ? -x[i] : x[i];
-    amax = ax > amax ? ax : amax;
-  }
+  for (int i = 0; i < 4; ++i) amax = fold_abs_max(amax, x[i]);
   return amax;
 }
 
@@ -276,20 +277,14 @@ UK_HD void quantize_regs_store(const RowCopy& r, int64_t D, int lane, const floa
 // blocks' D stride one byte; elem/od: the output's), this lane's elements: the first holder
 // of r.head written, each later one added in the dtype (round after every add, as add_).
 // False: no holder.
-UK_HD char* out_row_ptr(const UnpackParams& p, const OutRow& r) { return p.out + r.b * p.ob + r.t * p.os + r.head * p.oh; }
-
-UK_HD const char* wire_row_ptr(const UnpackParams& p, int s, const OutRow& r) {
-  const Strided4& k = p.blk[s];
-  return k.ptr + r.b * k.sb + r.t * k.ss + (r.head - (int64_t)p.head0[s]) * k.sh;
-}
-
-// The sources from `s_begin` on (`any`: an earlier one already wrote the row).
+// The sources from `s_begin` on (`any`: an earlier one already wrote the row). Row starts are
+// layout_math.h's unpack_dst / unpack_src at unit 0.
 UK_HD bool dequantize_out_row_lane_from(const UnpackParams& p, const OutRow& r, int dt, const Fp8Format& f, int lane, int s_begin, bool any) {
-  char* out = out_row_ptr(p, r);
+  char* out = unpack_dst(p, r, 0, 0);
   const int es = dtype_bytes(dt);
   for (int s = s_begin; s < p.n_src; ++s) {
     if (!holds(p, s, r.head)) continue;
-    const char* row = wire_row_ptr(p, s, r);
+    const char* row = unpack_src(p, r, s, 0, 0);
     float scale;
     memcpy(&scale, row + p.d, 4);
     if (p.od == es && p.d % 4 == 0 && aligned(out, 4 * (uintptr_t)es) && aligned(row, 4)) {
@@ -298,14 +293,14 @@ UK_HD bool dequantize_out_row_lane_from(const UnpackParams& p, const OutRow& r, 
         float v[4], o[4];
         if (any) load4(out + d * es, dt, o);
         for (int i = 0; i < 4; ++i) {
-          v[i] = round_to_dtype(mul_rn(fp8_decode(q.v[i], f), scale), dt);
+          v[i] = dequantize_byte(q.v[i], scale, dt, f);
           if (any) v[i] = round_to_dtype(o[i] + v[i], dt);
         }
         store4(out + d * es, v, dt);
       }
     } else {
       for (int64_t d = lane; d < p.d; d += kWarp) {
-        float v = round_to_dtype(mul_rn(fp8_decode((uint8_t)row[d], f), scale), dt);
+        float v = dequantize_byte((uint8_t)row[d], scale, dt, f);
         if (any) v = round_to_dtype(load_as_float(out + d * p.od, dt) + v, dt);
         store_dtype(out + d * p.od, v, dt);
       }
@@ -333,12 +328,12 @@ UK_HD int first_holder(const UnpackParams& p, int64_t head) {
 
 UK_HD bool dequant_row_in_registers(const UnpackParams& p, const OutRow& r, int dt, int s0) {
   const int es = dtype_bytes(dt);
-  return s0 >= 0 && p.od == es && p.d % 4 == 0 && p.d <= 4 * kWarp && aligned(out_row_ptr(p, r), 4 * (uintptr_t)es) &&
-         aligned(wire_row_ptr(p, s0, r), 4);
+  return s0 >= 0 && p.od == es && p.d % 4 == 0 && p.d <= 4 * kWarp && aligned(unpack_dst(p, r, 0, 0), 4 * (uintptr_t)es) &&
+         aligned(unpack_src(p, r, s0, 0, 0), 4);
 }
 
 UK_HD void dequant_regs_load(const UnpackParams& p, const OutRow& r, int s0, int lane, U8x4& q, float& scale) {
-  const char* row = wire_row_ptr(p, s0, r);
+  const char* row = unpack_src(p, r, s0, 0, 0);
   if (4 * lane < p.d) q = load_vec<U8x4>(row + 4 * lane);
   memcpy(&scale, row + p.d, 4);
 }
@@ -346,8 +341,8 @@ UK_HD void dequant_regs_load(const UnpackParams& p, const OutRow& r, int s0, int
 UK_HD void dequant_regs_store(const UnpackParams& p, const OutRow& r, int s0, int dt, const Fp8Format& f, int lane, const U8x4& q, float scale) {
   if (4 * lane < p.d) {
     float v[4];
-    for (int i = 0; i < 4; ++i) v[i] = round_to_dtype(mul_rn(fp8_decode(q.v[i], f), scale), dt);
-    store4(out_row_ptr(p, r) + 4 * lane * dtype_bytes(dt), v, dt);
+    for (int i = 0; i < 4; ++i) v[i] = dequantize_byte(q.v[i], scale, dt, f);
+    store4(unpack_dst(p, r, 0, 0) + 4 * lane * dtype_bytes(dt), v, dt);
   }
   dequantize_out_row_lane_from(p, r, dt, f, lane, s0 + 1, true);
 }
