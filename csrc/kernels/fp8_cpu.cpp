@@ -36,14 +36,17 @@ void quant_pack_cpu(const PackParams& p, const Fp8Args& a) {
   const int64_t rows = p.peer_row0[p.n_peers];
   for (int64_t row0 = 0; row0 < rows; row0 += kFp8RowsInFlight) {
     const int n = rows - row0 < kFp8RowsInFlight ? (int)(rows - row0) : kFp8RowsInFlight;
+    RowCopy r[kFp8RowsInFlight];  // src_unit_stride: the source's D stride (fp8_ops.cpp)
     bool regs = true;
-    for (int i = 0; i < n; ++i) regs = regs && fp8_row_in_registers(pack_row<int64_t>(p, row0 + i), a.dtype, a.d);
     for (int i = 0; i < n; ++i) {
-      const RowCopy r = pack_row<int64_t>(p, row0 + i);  // src_unit_stride: the source's D stride (fp8_ops.cpp)
+      r[i] = pack_row<int64_t>(p, row0 + i);
+      regs = regs && fp8_row_in_registers(r[i], a.dtype, a.d);
+    }
+    for (int i = 0; i < n; ++i) {
       if (regs) {
-        quant_row_in_registers(r, a, f);
+        quant_row_in_registers(r[i], a, f);
       } else {
-        quant_row_two_pass(r, a, f);
+        quant_row_two_pass(r[i], a, f);
       }
     }
   }
@@ -55,22 +58,23 @@ void dequant_unpack_cpu(const UnpackParams& p, const Fp8Args& a) {
   const int64_t rows = p.batch * p.seq * span.heads;
   for (int64_t row0 = 0; row0 < rows; row0 += kFp8RowsInFlight) {  // fp8.cu's row groups
     const int n = rows - row0 < kFp8RowsInFlight ? (int)(rows - row0) : kFp8RowsInFlight;
+    OutRow r[kFp8RowsInFlight];
+    int s0[kFp8RowsInFlight];
     bool regs = true;
     for (int i = 0; i < n; ++i) {
-      const OutRow r = unpack_out_row<int64_t>(p, span, row0 + i);
-      regs = regs && dequant_row_in_registers(p, r, a.dtype, first_holder(p, r.head));
+      r[i] = unpack_out_row<int64_t>(p, span, row0 + i);
+      s0[i] = first_holder(p, r[i].head);
+      regs = regs && dequant_row_in_registers(p, r[i], a.dtype, s0[i]);
     }
     for (int i = 0; i < n; ++i) {
-      const OutRow r = unpack_out_row<int64_t>(p, span, row0 + i);
       if (!regs) {
-        for (int lane = 0; lane < kWarp; ++lane) dequantize_out_row_lane(p, r, a.dtype, f, lane);
+        for (int lane = 0; lane < kWarp; ++lane) dequantize_out_row_lane(p, r[i], a.dtype, f, lane);
         continue;
       }
-      const int s0 = first_holder(p, r.head);
       U8x4 q[kWarp];
       float sc[kWarp];
-      for (int lane = 0; lane < kWarp; ++lane) dequant_regs_load(p, r, s0, lane, q[lane], sc[lane]);
-      for (int lane = 0; lane < kWarp; ++lane) dequant_regs_store(p, r, s0, a.dtype, f, lane, q[lane], sc[lane]);
+      for (int lane = 0; lane < kWarp; ++lane) dequant_regs_load(p, r[i], s0[i], lane, q[lane], sc[lane]);
+      for (int lane = 0; lane < kWarp; ++lane) dequant_regs_store(p, r[i], s0[i], a.dtype, f, lane, q[lane], sc[lane]);
     }
   }
 }
