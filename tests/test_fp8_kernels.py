@@ -154,3 +154,79 @@ def test_quant_and_dequant_of_rows_that_start_unaligned(name, dtype):
     R.dequant_unpack_h2s(lay, blocks, OUT, [outs[0]], E4M3)
     kern.dequant_unpack_h2s(lay, blocks, OUT, [outs[1]], E4M3)
     assert torch.equal(outs[1], outs[0])
+
+
+# ---- Triton's compiled (GPU) path, checked without a GPU ------------------------------------
+_COMPILE_SM90 = r"""
+import re, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ulysses_kernels.kernels import triton_fp8 as F
+
+def compile(fn, sig, const, tables):
+    sig.update({n: "constexpr" for n in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(tables)}
+    options = {"num_warps": 8, "enable_fp_fusion": False}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+def quant(vec, wire_align):
+    sig = {"addr_ptr": "*i64", "col_ptr": "*i64", "n_rows": "i32", "batch": "i32", "n_cols": "i32"}
+    const = dict(D=128, LOAD=tl.uint16, IS_BF16=True, FMT_MAX=448.0, MB=3, BIAS=7, SUB_EXP=-9, MIN_NORMAL=2.0**-6, FLOOR=1e-12,
+                 SRC_CONTIG=True, SRC_VEC=vec, SRC_ALIGN=2 * vec, WIRE_ALIGN=wire_align, BLOCK_R=64, BLOCK_D=128)
+    return compile(F._quant_kernel, sig, const, 2)
+
+def dequant(vec, wire_align):
+    sig = {"addr_ptr": "*i64", "col_ptr": "*i64", "src_ptr": "*i64", "n_rows": "i32", "batch": "i32", "n_cols": "i32"}
+    const = dict(D=128, FLOAT=tl.bfloat16, IS_BF16=True, BF16_NAN=0x7FFF, MB=3, BIAS=7, SUB_STEP=2.0**-9, IS_E4M3=True,
+                 WIRE_ALIGN=wire_align, OUT_VEC=vec, OUT_ALIGN=2 * vec, BLOCK_R=64, BLOCK_D=128)
+    return compile(F._dequant_kernel, sig, const, 3)
+
+def data_accesses(p):  # the int64 tables' reads (b64) left out
+    return sorted(set(re.findall(r"(?:ld|st)\.global(?:\.v\d)?\.b(?:8|16|32)\b", p)))
+
+for vec, wire_align in ((8, 4), (1, 1)):
+    print("quant", vec, wire_align, *data_accesses(quant(vec, wire_align)))
+    print("dequant", vec, wire_align, *data_accesses(dequant(vec, wire_align)))
+"""
+
+
+def test_triton_fp8_kernels_compile_for_sm90_with_vector_accesses_where_aligned():
+    """The quantizing pack and the dequantizing unpack compile for sm_90 (Triton's LLVM and
+    ptxas, no GPU), and their hints take effect: aligned, bf16 is read and written 16 bytes at a
+    time and the wire (rows of D + 4 bytes, so 4-byte aligned) 4 bytes at a time, the scale
+    included; unaligned, every access is one element (before the hints, that was every launch:
+    10% of a copy's bandwidth on an H200, bench/results/2026-11-30_h200_world/pack_fp8.txt)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode and ("ptxas" in res.stderr or "ASTSource" in res.stderr) and "CompilationError" not in res.stderr:
+        pytest.skip(f"cannot compile for sm_90 here: {res.stderr[-500:]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split("\n")[:4] == [
+        "quant 8 4 ld.global.v4.b32 st.global.b32",
+        "dequant 8 4 ld.global.b32 st.global.v4.b32",
+        "quant 1 1 ld.global.b16 st.global.b8",
+        "dequant 1 1 ld.global.b8 st.global.b16",
+    ], res.stdout
+
+
+def test_triton_fp8_launch_geometry_and_alignment():
+    F = pytest.importorskip("ulysses_kernels.kernels.triton_fp8")
+    assert [F._alignment(v) for v in ([132, 264, 0], [12, 8], [10], [6, 64], [])] == [4, 4, 2, 2, 16]
+    grid, block_r, block_d = F._geometry(1000, 24, 136)  # one axis: row blocks x columns
+    assert block_d == 256 and grid == (triton_cdiv(1000, block_r) * 24,)
+    with pytest.raises(ValueError, match="grid limit"):
+        F._geometry(1 << 40, 64, 128)
+    # MLA: q/k columns (D = 8) and v columns (D = 6) are two launches; the wire rows of the
+    # second (pitch 10 bytes) are only 2-byte aligned, the first's (12) 4-byte.
+    cols = [1, 0, 12, 0, 0, 0, 8, 0, 1, 8] + [1, 12, 10, 0, 0, 0, 6, 0, 1, 6]
+    table = F._Launches(cols, vec=8)
+    assert [(g[0], g[4]) for g in table.groups] == [(6, 2), (8, 4)]
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)

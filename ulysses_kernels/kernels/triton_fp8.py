@@ -18,6 +18,10 @@ rows of one head), with descriptor tables built from the layout's own views on m
       src_tensor, src_off, src_s_tok, src_s_batch
 
 Offsets and strides are in elements of each tensor's dtype (bytes for the wire buffers).
+One launch per head dim (D is a constexpr, as in ``triton_kernels``); programs on one axis,
+the column fastest; alignment hints (16-byte float accesses, the wire's rows at the
+alignment of their ``D + 4``-byte pitch, a 4-byte scale) where the host found every offset,
+stride and address aligned (``_Launches``), the byte-by-byte path elsewhere.
 FP8 encoding and decoding are integer operations on float32 bits (round to nearest even,
 as PyTorch's conversion), so the result does not depend on the compiler's or the
 interpreter's conversions; the divisions are ``div_rn`` (correctly rounded, as PyTorch's),
@@ -41,17 +45,18 @@ from ..wire import AMAX_FLOOR, SCALE_BYTES, Fp8Format, wire_layout
 __all__ = ["quant_pack_s2h", "quant_pack_h2s", "dequant_s2h", "dequant_unpack_h2s"]
 
 _TL_FLOAT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_LOAD = {torch.float16: tl.float16, torch.bfloat16: tl.uint16, torch.float32: tl.float32}  # bf16 read by its bits
 _QCOL, _DCOL, _DSRC = 10, 7, 4
 
 
 @triton.jit
-def _load_f32(ptr, mask, FLOAT: tl.constexpr, IS_BF16: tl.constexpr):
-    """Values of FLOAT at ``ptr`` as float32 (exact; bf16 by its bits)."""
+def _load_f32(ptrs, mask, IS_BF16: tl.constexpr):
+    """The values at ``ptrs`` (float16/float32, or bf16 read as uint16) as float32 (exact)."""
     if IS_BF16:
-        x = tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0)
+        x = tl.load(ptrs, mask=mask, other=0)
         return (x.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
-        return tl.load(ptr.to(tl.pointer_type(FLOAT)), mask=mask, other=0.0).to(tl.float32)
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -107,75 +112,98 @@ def _round_to(x, FLOAT: tl.constexpr, IS_BF16: tl.constexpr, BF16_NAN: tl.conste
 
 
 @triton.jit
-def _quant_kernel(addr_ptr, col_ptr, n_rows, batch, FLOAT: tl.constexpr, IS_BF16: tl.constexpr, ITEM: tl.constexpr, FMT_MAX: tl.constexpr,
-                  MB: tl.constexpr,
-                  BIAS: tl.constexpr, SUB_EXP: tl.constexpr, MIN_NORMAL: tl.constexpr, FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_D: tl.constexpr):  # fmt: skip
-    pid_r = tl.program_id(0).to(tl.int64)
-    c = col_ptr + tl.program_id(1).to(tl.int64) * 10
-    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+def _program(n_cols, BLOCK_R: tl.constexpr):
+    """``(rows, column)`` of this program: one axis of ``row blocks x columns`` programs, the
+    column fastest, so programs that run side by side move the heads of the same tokens
+    (neighbouring bytes of the source and of the wire), as triton_kernels' "new" variant."""
+    pid = tl.program_id(0).to(tl.int64)
+    return pid // n_cols * BLOCK_R + tl.arange(0, BLOCK_R), pid % n_cols
+
+
+@triton.jit
+def _quant_kernel(addr_ptr, col_ptr, n_rows, batch, n_cols, D: tl.constexpr, LOAD: tl.constexpr, IS_BF16: tl.constexpr,
+                  FMT_MAX: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, SUB_EXP: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                  FLOOR: tl.constexpr, SRC_CONTIG: tl.constexpr, SRC_VEC: tl.constexpr, SRC_ALIGN: tl.constexpr, WIRE_ALIGN: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    r, col = _program(n_cols, BLOCK_R)
+    c = col_ptr + col * 10
     tok, b = r // batch, r % batch
     d = tl.arange(0, BLOCK_D)
-    D = tl.load(c + 9)
     rmask = r < n_rows
     mask = rmask[:, None] & (d < D)[None, :]
-    src = tl.load(addr_ptr + tl.load(c + 4)).to(tl.pointer_type(tl.uint8))
-    src_row = tl.load(c + 5) + tok * tl.load(c + 6) + b * tl.load(c + 7)
-    x = _load_f32(src + (src_row[:, None] + d[None, :] * tl.load(c + 8)) * ITEM, mask, FLOAT, IS_BF16)
+    # Alignment hints on the pointers, in bytes (see triton_kernels' NOTE): SRC_VEC elements
+    # per 16-byte load and WIRE_ALIGN bytes per store where the host checked every offset,
+    # stride and address; 1 otherwise.
+    src = tl.multiple_of(tl.load(addr_ptr + tl.load(c + 4)).to(tl.pointer_type(LOAD)), SRC_ALIGN)
+    src_row = tl.multiple_of(tl.load(c + 5) + tok * tl.load(c + 6) + b * tl.load(c + 7), SRC_VEC)
+    if SRC_CONTIG:
+        src_d = d
+    else:
+        src_d = d * tl.load(c + 8)
+    x = _load_f32(src + src_row[:, None] + src_d[None, :], mask, IS_BF16)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR)
     mx = tl.zeros_like(amax) + FMT_MAX
     inv = tl.math.div_rn(mx, amax)
     scale = tl.math.div_rn(amax, mx)
     y = tl.minimum(tl.maximum(x * inv[:, None], -FMT_MAX), FMT_MAX)
-    dst = tl.load(addr_ptr + tl.load(c)).to(tl.pointer_type(tl.uint8))
-    dst_row = tl.load(c + 1) + tok * tl.load(c + 2) + b * tl.load(c + 3)
+    dst = tl.multiple_of(tl.load(addr_ptr + tl.load(c)).to(tl.pointer_type(tl.uint8)), WIRE_ALIGN)
+    dst_row = tl.multiple_of(tl.load(c + 1) + tok * tl.load(c + 2) + b * tl.load(c + 3), WIRE_ALIGN)
     tl.store(dst + dst_row[:, None] + d[None, :], _encode(y, MB, BIAS, SUB_EXP, MIN_NORMAL), mask=mask)
-    s = scale.to(tl.uint32, bitcast=True)
-    for j in tl.static_range(4):  # the scale's 4 bytes, little-endian, after the row's D values
-        tl.store(dst + dst_row + D + j, ((s >> (8 * j)) & 0xFF).to(tl.uint8), mask=rmask)
+    if WIRE_ALIGN >= 4:  # the scale after the row's D values: one 4-byte store
+        tl.store((dst + dst_row + D).to(tl.pointer_type(tl.float32)), scale, mask=rmask)
+    else:  # its 4 bytes, little-endian
+        s = scale.to(tl.uint32, bitcast=True)
+        for j in tl.static_range(4):
+            tl.store(dst + dst_row + D + j, ((s >> (8 * j)) & 0xFF).to(tl.uint8), mask=rmask)
 
 
 @triton.jit
-def _dequant_source(addr_ptr, s, tok, b, d, D, mask, rmask, FLOAT: tl.constexpr, IS_BF16: tl.constexpr, BF16_NAN: tl.constexpr,
-                    MB: tl.constexpr, BIAS: tl.constexpr, SUB_STEP: tl.constexpr, IS_E4M3: tl.constexpr):  # fmt: skip
+def _dequant_source(addr_ptr, s, tok, b, d, D: tl.constexpr, mask, rmask, FLOAT: tl.constexpr, IS_BF16: tl.constexpr,
+                    BF16_NAN: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, SUB_STEP: tl.constexpr, IS_E4M3: tl.constexpr,
+                    WIRE_ALIGN: tl.constexpr):  # fmt: skip
     """One wire source's ``[BLOCK_R, BLOCK_D]`` tile, dequantized and rounded to FLOAT, as float32."""
-    base = tl.load(addr_ptr + tl.load(s)).to(tl.pointer_type(tl.uint8))
-    row = tl.load(s + 1) + tok * tl.load(s + 2) + b * tl.load(s + 3)
+    base = tl.multiple_of(tl.load(addr_ptr + tl.load(s)).to(tl.pointer_type(tl.uint8)), WIRE_ALIGN)
+    row = tl.multiple_of(tl.load(s + 1) + tok * tl.load(s + 2) + b * tl.load(s + 3), WIRE_ALIGN)
     bits = tl.load(base + row[:, None] + d[None, :], mask=mask, other=0)
-    sc = tl.zeros_like(row).to(tl.uint32)
-    for j in tl.static_range(4):  # the scale's 4 bytes, little-endian (any alignment)
-        sc = sc | (tl.load(base + row + D + j, mask=rmask, other=0).to(tl.uint32) << (8 * j))
-    x = _decode(bits, MB, BIAS, SUB_STEP, IS_E4M3) * sc.to(tl.float32, bitcast=True)[:, None]
+    if WIRE_ALIGN >= 4:  # the scale after the row's D values: one 4-byte load
+        sc = tl.load((base + row + D).to(tl.pointer_type(tl.float32)), mask=rmask, other=0.0)
+    else:  # its 4 bytes, little-endian (any alignment)
+        u = tl.zeros_like(row).to(tl.uint32)
+        for j in tl.static_range(4):
+            u = u | (tl.load(base + row + D + j, mask=rmask, other=0).to(tl.uint32) << (8 * j))
+        sc = u.to(tl.float32, bitcast=True)
+    x = _decode(bits, MB, BIAS, SUB_STEP, IS_E4M3) * sc[:, None]
     return _round_to(x, FLOAT, IS_BF16, BF16_NAN).to(tl.float32)
 
 
 @triton.jit
-def _dequant_kernel(addr_ptr, col_ptr, src_ptr, n_rows, batch, FLOAT: tl.constexpr, IS_BF16: tl.constexpr, BF16_NAN: tl.constexpr,
-                    MB: tl.constexpr, BIAS: tl.constexpr, SUB_STEP: tl.constexpr, IS_E4M3: tl.constexpr, BLOCK_R: tl.constexpr,
+def _dequant_kernel(addr_ptr, col_ptr, src_ptr, n_rows, batch, n_cols, D: tl.constexpr, FLOAT: tl.constexpr, IS_BF16: tl.constexpr,
+                    BF16_NAN: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, SUB_STEP: tl.constexpr, IS_E4M3: tl.constexpr,
+                    WIRE_ALIGN: tl.constexpr, OUT_VEC: tl.constexpr, OUT_ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr):  # fmt: skip
-    pid_r = tl.program_id(0).to(tl.int64)
-    c = col_ptr + tl.program_id(1).to(tl.int64) * 7
-    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r, col = _program(n_cols, BLOCK_R)
+    c = col_ptr + col * 7
     tok, b = r // batch, r % batch
     d = tl.arange(0, BLOCK_D)
-    D = tl.load(c + 6)
     rmask = r < n_rows
     mask = rmask[:, None] & (d < D)[None, :]
     n_src = tl.load(c + 4)
     s0 = tl.load(c + 5)
-    acc = _dequant_source(addr_ptr, src_ptr + s0 * 4, tok, b, d, D, mask, rmask, FLOAT, IS_BF16, BF16_NAN, MB, BIAS, SUB_STEP, IS_E4M3)
+    acc = _dequant_source(addr_ptr, src_ptr + s0 * 4, tok, b, d, D, mask, rmask, FLOAT, IS_BF16, BF16_NAN, MB, BIAS, SUB_STEP, IS_E4M3,
+                          WIRE_ALIGN)  # fmt: skip
     k = 1
     while k < n_src:  # a while, as in triton_kernels (the interpreter's loop bounds)
-        x = _dequant_source(addr_ptr, src_ptr + (s0 + k) * 4, tok, b, d, D, mask, rmask, FLOAT, IS_BF16, BF16_NAN, MB, BIAS, SUB_STEP, IS_E4M3)
+        x = _dequant_source(addr_ptr, src_ptr + (s0 + k) * 4, tok, b, d, D, mask, rmask, FLOAT, IS_BF16, BF16_NAN, MB, BIAS, SUB_STEP,
+                            IS_E4M3, WIRE_ALIGN)  # fmt: skip
         acc = _round_to(acc + x, FLOAT, IS_BF16, BF16_NAN).to(tl.float32)  # add_'s sum: rounded after every add
         k += 1
-    dst = tl.load(addr_ptr + tl.load(c)).to(tl.pointer_type(FLOAT))
-    dst_row = tl.load(c + 1) + tok * tl.load(c + 2) + b * tl.load(c + 3)
+    dst = tl.multiple_of(tl.load(addr_ptr + tl.load(c)).to(tl.pointer_type(FLOAT)), OUT_ALIGN)
+    dst_row = tl.multiple_of(tl.load(c + 1) + tok * tl.load(c + 2) + b * tl.load(c + 3), OUT_VEC)
     tl.store(dst + dst_row[:, None] + d[None, :], acc.to(FLOAT), mask=mask)
 
 
 # ---- host side ----------------------------------------------------------------------------
-_tables: OrderedDict[tuple, tuple[list[int], list[int]]] = OrderedDict()  # keyed by values (layouts, strides)
+_tables: OrderedDict[tuple, _Launches] = OrderedDict()  # keyed by values (layouts, strides)
 
 
 def _cached(key, build):
@@ -195,15 +223,26 @@ def _float_of(dtype: torch.dtype):
     return _TL_FLOAT[dtype]
 
 
-def _geometry(n_rows: int, n_cols: int, max_d: int) -> tuple[tuple[int, int], int, int]:
-    """``(grid, BLOCK_R, BLOCK_D)``: rows on axis 0, head columns on axis 1 (at most 65535);
-    bigger tiles in the interpreter, whose programs cost ~4 ms each whatever their size."""
-    if n_cols > 65535:
-        raise ValueError(f"TritonKernels: {n_cols} head columns exceed CUDA's grid limit (65535)")
-    block_d = triton.next_power_of_2(max(max_d, 1))
-    target = 1 << 14 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 4096
+def _geometry(n_rows: int, n_cols: int, D: int) -> tuple[tuple[int], int, int]:
+    """``(grid, BLOCK_R, BLOCK_D)``: one axis of ``row blocks x columns`` programs, ~8K elements
+    each (as triton_kernels' "new" variant); bigger tiles in the interpreter, whose programs
+    cost ~4 ms each whatever their size."""
+    block_d = triton.next_power_of_2(max(D, 1))
+    target = 1 << 14 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 8192
     block_r = max(1, min(triton.next_power_of_2(n_rows), max(1, target // block_d)))
-    return (triton.cdiv(n_rows, block_r), n_cols), block_r, block_d
+    programs = triton.cdiv(n_rows, block_r) * n_cols
+    if programs > 2**31 - 1:
+        raise ValueError(f"TritonKernels: {programs} programs ({n_rows} rows x {n_cols} head columns) exceed CUDA's grid limit (2^31 - 1)")
+    return (programs,), block_r, block_d
+
+
+def _alignment(values, cap: int = 16) -> int:
+    """The largest power of two up to ``cap`` that divides every value (0 divides by anything)."""
+    a = cap
+    for v in values:
+        while v % a:
+            a //= 2
+    return a
 
 
 def _int64(values: list[int], device: torch.device) -> torch.Tensor:
@@ -212,35 +251,90 @@ def _int64(values: list[int], device: torch.device) -> torch.Tensor:
     return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
 
-def _launch_quant(cols: list[int], tensors, n_tok: int, batch: int, fmt: Fp8Format, dtype: torch.dtype) -> None:
-    n_cols, n_rows = len(cols) // _QCOL, n_tok * batch
-    if n_cols == 0 or n_rows == 0:
-        return
-    device = tensors[0].device
-    max_d = max(cols[i * _QCOL + 9] for i in range(n_cols))
-    grid, block_r, block_d = _geometry(n_rows, n_cols, max_d)
-    addr, table = _int64([t.data_ptr() for t in tensors], device), _int64(cols, device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _quant_kernel[grid](addr, table, n_rows, batch, FLOAT=_float_of(dtype), IS_BF16=dtype == torch.bfloat16,
-                            ITEM=torch.empty(0, dtype=dtype).element_size(), FMT_MAX=fmt.max,
-                            MB=fmt.mantissa_bits, BIAS=_bias(fmt), SUB_EXP=fmt.min_subnormal_exp, MIN_NORMAL=_min_normal(fmt),
-                            FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_D=block_d, enable_fp_fusion=False)  # fmt: skip
+class _Launches:
+    """One operation's column table split into launches of one head dim each (D is a constexpr:
+    the mask ``d < D`` is then known per vector; MLA's narrower v is a second launch), with what
+    the alignment hints need from the table, found once: per launch, the alignment its offsets
+    and strides allow (elements of the float tensors, bytes of the wire) and which tensors'
+    addresses must be aligned too (checked at each launch: buffers move)."""
+
+    __slots__ = ("groups", "srcs", "device_tables")
+
+    def __init__(self, cols: list[int], srcs: list[int] | None = None, *, vec: int):
+        quant = srcs is None
+        width, d_at = (_QCOL, 9) if quant else (_DCOL, 6)
+        by_d: dict[int, list[int]] = {}
+        for i in range(len(cols) // width):
+            col = cols[i * width : (i + 1) * width]
+            by_d.setdefault(col[d_at], []).extend(col)
+        self.groups = []
+        for D, g in sorted(by_d.items()):
+            rows = [g[i * width : (i + 1) * width] for i in range(len(g) // width)]
+            if quant:  # float source -> wire
+                contig = all(c[8] == 1 for c in rows)
+                floats = [x for c in rows for x in c[5:8]] if contig and D % vec == 0 else [1]
+                wire = [x for c in rows for x in c[1:4]] + [D]
+                float_t, wire_t = {c[4] for c in rows}, {c[0] for c in rows}
+            else:  # wire sources -> float output
+                contig = True
+                floats = [x for c in rows for x in c[1:4]] if D % vec == 0 else [1]
+                used = [srcs[k * _DSRC : (k + 1) * _DSRC] for c in rows for k in range(c[5], c[5] + c[4])]
+                wire = [x for u in used for x in u[1:4]] + [D]
+                float_t, wire_t = {c[0] for c in rows}, {u[0] for u in used}
+            self.groups.append((D, g, contig, _alignment(floats, vec) == vec, _alignment(wire), sorted(float_t), sorted(wire_t)))
+        self.srcs = srcs
+        self.device_tables: dict[torch.device, tuple] = {}
+
+    def tables(self, device: torch.device):
+        if device not in self.device_tables:
+            cols = [_int64(g[1], device) for g in self.groups]
+            self.device_tables[device] = (cols, _int64(self.srcs, device) if self.srcs is not None else None)
+        return self.device_tables[device]
+
+    def launches(self, device: torch.device, addrs: list[int], vec: int, itemsize: int):
+        """Per launch: ``(D, column table, n_cols, contiguous, VEC, float ALIGN bytes, wire ALIGN bytes)``."""
+        col_tables, _ = self.tables(device)
+        for (D, cols, contig, vec_ok, wire_align, float_t, wire_t), col_t in zip(self.groups, col_tables):
+            vec_ok = vec_ok and all(addrs[t] % 16 == 0 for t in float_t)
+            wire_align = _alignment([addrs[t] for t in wire_t], wire_align)
+            width = _QCOL if self.srcs is None else _DCOL
+            yield D, col_t, len(cols) // width, contig, vec if vec_ok else 1, 16 if vec_ok else itemsize, wire_align
 
 
-def _launch_dequant(table: tuple[list[int], list[int]], tensors, n_tok: int, batch: int, fmt: Fp8Format, out: torch.Tensor) -> None:
-    cols, srcs = table
-    n_cols, n_rows = len(cols) // _DCOL, n_tok * batch
-    if n_cols == 0 or n_rows == 0:
+def _launch_quant(table: _Launches, tensors, n_tok: int, batch: int, fmt: Fp8Format, dtype: torch.dtype) -> None:
+    n_rows = n_tok * batch
+    if not table.groups or n_rows == 0:
         return
-    device = out.device
-    max_d = max(cols[i * _DCOL + 6] for i in range(n_cols))
-    grid, block_r, block_d = _geometry(n_rows, n_cols, max_d)
-    addr, col_t, src_t = _int64([t.data_ptr() for t in tensors], device), _int64(cols, device), _int64(srcs, device)
+    device, itemsize = tensors[0].device, tensors[0].element_size()
+    addrs = [t.data_ptr() for t in tensors]
+    addr = _int64(addrs, device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _dequant_kernel[grid](addr, col_t, src_t, n_rows, batch, FLOAT=_float_of(out.dtype), IS_BF16=out.dtype == torch.bfloat16,
-                              BF16_NAN=0x7FFF if device.type == "cuda" else 0xFFFF, MB=fmt.mantissa_bits, BIAS=_bias(fmt),
-                              SUB_STEP=2.0**fmt.min_subnormal_exp, IS_E4M3=fmt.name == "e4m3", BLOCK_R=block_r, BLOCK_D=block_d,
-                              enable_fp_fusion=False)  # fmt: skip
+        for D, col_t, n_cols, contig, vec, align, wire_align in table.launches(device, addrs, 16 // itemsize, itemsize):
+            grid, block_r, block_d = _geometry(n_rows, n_cols, D)
+            _quant_kernel[grid](addr, col_t, n_rows, batch, n_cols, D=D, LOAD=_LOAD[dtype], IS_BF16=dtype == torch.bfloat16,
+                                FMT_MAX=fmt.max, MB=fmt.mantissa_bits, BIAS=_bias(fmt), SUB_EXP=fmt.min_subnormal_exp,
+                                MIN_NORMAL=_min_normal(fmt), FLOOR=AMAX_FLOOR, SRC_CONTIG=contig, SRC_VEC=vec, SRC_ALIGN=align,
+                                WIRE_ALIGN=wire_align, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=8, enable_fp_fusion=False)  # fmt: skip
+    del addr  # kept alive until the launches are queued
+
+
+def _launch_dequant(table: _Launches, tensors, n_tok: int, batch: int, fmt: Fp8Format, out: torch.Tensor) -> None:
+    n_rows = n_tok * batch
+    if not table.groups or n_rows == 0:
+        return
+    device, dtype, itemsize = out.device, out.dtype, out.element_size()
+    addrs = [t.data_ptr() for t in tensors]
+    _, src_t = table.tables(device)
+    addr = _int64(addrs, device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for D, col_t, n_cols, _, vec, align, wire_align in table.launches(device, addrs, 16 // itemsize, itemsize):
+            grid, block_r, block_d = _geometry(n_rows, n_cols, D)
+            _dequant_kernel[grid](addr, col_t, src_t, n_rows, batch, n_cols, D=D, FLOAT=_float_of(dtype), IS_BF16=dtype == torch.bfloat16,
+                                  BF16_NAN=0x7FFF if device.type == "cuda" else 0xFFFF, MB=fmt.mantissa_bits, BIAS=_bias(fmt),
+                                  SUB_STEP=2.0**fmt.min_subnormal_exp, IS_E4M3=fmt.name == "e4m3", WIRE_ALIGN=wire_align,
+                                  OUT_VEC=vec, OUT_ALIGN=align, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=8,
+                                  enable_fp_fusion=False)  # fmt: skip
+    del addr  # kept alive until the launches are queued
 
 
 def _bias(fmt: Fp8Format) -> int:
@@ -257,7 +351,7 @@ def _geom(view: torch.Tensor, base: torch.Tensor):
 
 # ---- the four operations (the kernel set's methods) -------------------------------------------
 def quant_pack_s2h(layout: Layout, tensors, roles, send: torch.Tensor, fmt: Fp8Format, recv: torch.Tensor | None = None) -> None:
-    """``torch_kernels.quant_pack_s2h`` in one launch."""
+    """``torch_kernels.quant_pack_s2h`` in one launch per head dim."""
     roles = tuple(roles)
 
     def build():
@@ -275,11 +369,11 @@ def quant_pack_s2h(layout: Layout, tensors, roles, send: torch.Tensor, fmt: Fp8F
                 off, (db, ds, dh, _) = _geom(dst, rv if on_recv else s)
                 for h in range(a, b):
                     cols += [recv_idx if on_recv else send_idx, off + (h - a) * dh, ds, db, i, h * sh, ss, sb, sd, layout.dim(role)]
-        return cols
+        return _Launches(cols, vec=16 // tensors[0].element_size())
 
-    key = ("qs2h", layout, roles, tuple(t.stride() for t in tensors), recv is not None, fmt)
-    cols = _cached(key, build)
-    _launch_quant(cols, [*tensors, send] + ([recv] if recv is not None else []), layout.seq_local, layout.batch, fmt, tensors[0].dtype)
+    key = ("qs2h", layout, roles, tuple(t.stride() for t in tensors), recv is not None, fmt, tensors[0].dtype)
+    table = _cached(key, build)
+    _launch_quant(table, [*tensors, send] + ([recv] if recv is not None else []), layout.seq_local, layout.batch, fmt, tensors[0].dtype)
 
 
 def quant_pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor, fmt: Fp8Format) -> None:
@@ -289,14 +383,14 @@ def quant_pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor, fmt:
     def build():
         w = D + SCALE_BYTES
         sb, ss, sh, sd = local.stride()
-        return [x for hh in range(h) for x in (1, hh * w, h * w, S * h * w, 0, hh * sh, ss, sb, sd, D)]
+        return _Launches([x for hh in range(h) for x in (1, hh * w, h * w, S * h * w, 0, hh * sh, ss, sb, sd, D)], vec=16 // local.element_size())
 
-    cols = _cached(("qh2s", tuple(local.shape), local.stride()), build)
-    _launch_quant(cols, [local, send], S, B, fmt, local.dtype)
+    table = _cached(("qh2s", tuple(local.shape), local.stride(), local.dtype), build)
+    _launch_quant(table, [local, send], S, B, fmt, local.dtype)
 
 
 def dequant_s2h(layout: Layout, recv: torch.Tensor, roles, outs, fmt: Fp8Format) -> None:
-    """``torch_kernels.dequant_s2h`` in one launch."""
+    """``torch_kernels.dequant_s2h`` in one launch per head dim."""
     roles = tuple(roles)
 
     def build():
@@ -309,14 +403,14 @@ def dequant_s2h(layout: Layout, recv: torch.Tensor, roles, outs, fmt: Fp8Format)
             for h in range(out.shape[2]):
                 cols += [1 + i, h * oh, os_, ob, 1, len(srcs) // _DSRC, layout.dim(role)]
                 srcs += [0, off + h * sh, ss, sb]
-        return cols, srcs
+        return _Launches(cols, srcs, vec=16 // outs[0].element_size())
 
-    table = _cached(("ds2h", layout, roles, tuple(o.stride() for o in outs), fmt), build)
+    table = _cached(("ds2h", layout, roles, tuple(o.stride() for o in outs), fmt, outs[0].dtype), build)
     _launch_dequant(table, [recv, *outs], layout.seq_total, layout.batch, fmt, outs[0])
 
 
 def dequant_unpack_h2s(layout: Layout, blocks, roles, outs, fmt: Fp8Format) -> None:
-    """``torch_kernels.dequant_unpack_h2s`` in one launch: blocks (per source, per role) of
+    """``torch_kernels.dequant_unpack_h2s`` in one launch per head dim: blocks (per source, per role) of
     bytes ``[B, s_r, h, D + 4]``; replicated KV heads summed in rank order."""
     roles, n = tuple(roles), len(roles)
     flat = [blocks[p][i] for p in range(layout.world_size) for i in range(n)]
@@ -346,8 +440,8 @@ def dequant_unpack_h2s(layout: Layout, blocks, roles, outs, fmt: Fp8Format) -> N
                     else:
                         bb, bs, bh, _ = blk.stride()
                     srcs += [t, lh * bh, bs, bb]
-        return cols, srcs
+        return _Launches(cols, srcs, vec=16 // outs[0].element_size())
 
-    key = ("dh2s", layout, roles, tuple((t.shape, t.stride()) for t in flat), tuple(o.stride() for o in outs), fmt)
+    key = ("dh2s", layout, roles, tuple((t.shape, t.stride()) for t in flat), tuple(o.stride() for o in outs), fmt, outs[0].dtype)
     table = _cached(key, build)
     _launch_dequant(table, [*flat, *outs], s_r, B, fmt, outs[0])
