@@ -5,7 +5,7 @@
     python examples/train_hf.py --spawn 2 --model gpt_oss --window 8   # attention sinks, alternating 8-token windows
     python examples/train_hf.py --spawn 4 --sp-size 2       # 2 replicas x 2-rank sequence parallel
     python examples/train_hf.py --spawn 2 --packed          # documents packed into one sequence (padding-free)
-    torchrun --standalone --nproc-per-node 4 examples/train_hf.py --sp-size 2 --seq 1023   # NCCL on 4 GPUs (gloo on the CPU)
+    torchrun --standalone --nproc-per-node 4 examples/train_hf.py --sp-size 2 --seq 255    # NCCL on 4 GPUs (gloo on the CPU)
 
 Every rank of the sequence-parallel group reads the same global batch; ``shard_batch``
 keeps this rank's slice of the sequence (global positions, labels shifted globally),
@@ -74,8 +74,8 @@ def make_batch(step: int, replica: int, args) -> torch.Tensor:
 
     A toy data set of ``args.batches`` batches per data-parallel replica, cycled (the
     default, 1, repeats one batch, so the last step's loss ends below the first, which is
-    what the exit code checks; single steps may rise: with ``--seq 1023`` and the default
-    lr it rose over steps 1-4, 3.57 to 4.02, and ended at 4.03 below step 0's 4.13). A real
+    what the exit code checks; single steps may rise: with ``--seq 255`` on 4 gloo ranks and
+    the default lr it rose over steps 1-5, 3.72 to 4.06, and ended at 4.04 below step 0's 4.13). A real
     loader goes here: every rank of a sequence-parallel group must get the same global
     batch; the replicas get different ones.
     """
