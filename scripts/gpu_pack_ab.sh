@@ -25,7 +25,7 @@ echo "### [gpu_pack_ab] bench.pack, variants old,new"
 timeout 75 "$PY" -m ulysses_kernels.bench.pack --kernels cuda,triton,torch --variants old,new --warmup 5 --iters 40 --out "$OUT" \
   2>&1 | tee "$OUT/bench_pack_variants.txt" || rc=1
 echo "### [gpu_pack_ab] GPU tests of the cuda kernels ($(elapsed) s so far)"
-timeout 30 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_kernels.py \
+timeout 30 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_kernels_gpu.py \
   -k "one_launch or capture or vector_path or sass" 2>&1 | tail -5 || rc=1
 if [ "$(elapsed)" -lt 80 ]; then
   echo "### [gpu_pack_ab] bench.attention layout rows ($(elapsed) s so far)"

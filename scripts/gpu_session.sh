@@ -300,7 +300,7 @@ stage_tests() {
   step selftest 240 "$PY" -m ulysses_kernels.selftest --timeout 90 --json "$LOG/selftest_gpu.json" || true
   # test_large_index last: its CUDA/Triton far views (64-bit offsets, ~30 GiB of GPU memory
   # at peak) and >2^31-unit moves run nowhere else on a GPU; ~1 min with its CPU cases.
-  for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_compile.py tests/test_large_index.py}; do
+  for f in ${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_kernels_gpu.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_compile.py tests/test_large_index.py}; do
     f=$(basename "$f" .py)
     step "$f" 300 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$LOG/junit_$f.xml" "tests/$f.py" || true
   done
@@ -421,7 +421,7 @@ stage_wave() {
   pytest_args
   # All GPU test files in one pytest under xdist: a crash costs one test. Serially they took
   # 15-39 s each on the H200 (test_large_index's far views ~30 GiB at peak: fine beside 3 others).
-  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_large_index.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_varlen_backends.py tests/test_packed_ring.py}
+  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_kernels_gpu.py tests/test_large_index.py tests/test_triton_kernels.py tests/test_nccl_comm.py tests/test_pipeline.py tests/test_stream_safety.py tests/test_varlen_backends.py tests/test_packed_ring.py}
   compile=tests/test_compile.py
   if [ "$TINY" = 1 ]; then tests="tests/test_kernel_registry.py tests/test_watchdog.py"; compile=tests/test_imports.py; fi
   # shellcheck disable=SC2086  # $tests is a list of paths
@@ -454,7 +454,7 @@ stage_recheck() {  # a short second call after a wave: what the wave found wrong
   [ "$TINY" = 1 ] && quick=(--quick --kernels torch,cuda)
   step selftest 120 "$PY" -m ulysses_kernels.selftest --timeout 45 "${quick[@]}" --json "$WAVE_DIR/selftest_w1.json" || true
   pytest_args
-  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_packed_ring.py tests/test_varlen_backends.py tests/test_comm.py}
+  tests=${GPU_SESSION_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_kernels_gpu.py tests/test_packed_ring.py tests/test_varlen_backends.py tests/test_comm.py}
   [ "$TINY" = 1 ] && tests="tests/test_kernel_registry.py"
   # shellcheck disable=SC2086  # $tests is a list of paths
   step gpu_tests 150 "$PY" -m pytest -q -ra -k "not two_ranks" "${PYTEST_ARGS[@]}" --junitxml "$WAVE_DIR/junit_gpu_tests.xml" $tests || true

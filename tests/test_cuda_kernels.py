@@ -1,13 +1,15 @@
 """The "cuda" kernel set (C++ extension) against the pure-PyTorch reference, bit for bit.
 
 On the CPU this runs the CPU twin of the CUDA kernels (the same index math,
-csrc/kernels/layout_math.h); on a GPU the CUDA kernels are also checked against the twin.
+csrc/kernels/layout_math.h); on a GPU, test_cuda_kernels_gpu.py checks the CUDA kernels
+against the twin on the same cases (cuda_cases.py).
 Every plan is checked from every rank: world sizes 1..8, MHA/GQA/MQA, uneven heads,
 batch > 1, uneven sequence shards, non-contiguous and fused-QKV inputs.
 """
 
 import pytest
 import torch
+from cuda_cases import CASES, FILL, blocks_of, check_chunks, layout_of, outs_of, pack_both, qkv
 
 from ulysses_kernels import extension
 from ulysses_kernels.kernels import available_kernels, get_kernels
@@ -20,77 +22,15 @@ pytestmark = pytest.mark.skipif(not cuda_kernels.CudaKernels.available(), reason
 CK = cuda_kernels.CudaKernels
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-FILL = 1234.5  # initial value of every output, so bytes a kernel forgets are caught
-
-# (q_heads, kv_heads, world_size, batch, head_dim, dtype): every world size 1..8.
-PLANS = [
-    (8, 2, 1, 2, 16, torch.float32),
-    (4, 1, 2, 3, 8, torch.bfloat16),  # MQA
-    (40, 8, 3, 2, 16, torch.float16),  # uneven heads
-    (10, 2, 4, 2, 8, torch.float32),
-    (40, 8, 5, 1, 8, torch.bfloat16),
-    (12, 3, 6, 2, 6, torch.float16),  # head_dim 6: 4-byte units in fp16
-    (14, 14, 7, 1, 4, torch.float32),  # MHA
-    (40, 8, 8, 2, 8, torch.float16),
-    (8, 1, 8, 2, 8, torch.float32),  # MQA, one KV head on 8 ranks
-    (6, 6, 4, 2, 5, torch.float64),  # MHA, uneven heads, odd head_dim
-]
-
-
-def _seq_lens(world):
-    return tuple(1 + (3 * r + 1) % 4 for r in range(world))  # uneven, e.g. (2, 1, 4, 3, ...)
-
-
-def _cases():
-    for hq, hkv, world, batch, d, dtype in PLANS:
-        plan = HeadPlan.build(hq, hkv, world)
-        for rank in range(world):
-            yield pytest.param(plan, rank, batch, d, dtype, id=f"{hq}/{hkv}-P{world}-r{rank}-B{batch}-D{d}-{str(dtype)[6:]}")
-
-
-CASES = list(_cases())
-
-
-def _layout(plan, rank, batch, d):
-    return Layout(plan, rank, _seq_lens(plan.world_size), batch, d)
-
-
-def _qkv(lay, dtype, device, kind):
-    """q, k, v ``[B, s_r, H, D]``: contiguous, fused-QKV views, or other strided views."""
-    B, s, D = lay.batch, lay.seq_local, lay.head_dim
-    hq, hkv = lay.plan.q_heads, lay.plan.kv_heads
-    g = torch.Generator().manual_seed(hq * 1000 + lay.rank * 10 + B)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
-    if kind == "fused":
-        x = rnd(B, s, (hq + 2 * hkv) * D)
-        q, k, v = x.split([hq * D, hkv * D, hkv * D], dim=-1)
-        return q.unflatten(-1, (hq, D)), k.unflatten(-1, (hkv, D)), v.unflatten(-1, (hkv, D))
-    if kind == "strided":
-        q = rnd(s, B, hq, D).transpose(0, 1)  # seq-major memory
-        k = rnd(B, s, hkv, 2 * D)[..., ::2]  # head_dim stride 2
-        v = rnd(B, hkv, s, D).transpose(1, 2)  # head-major memory
-        return q, k, v
-    return rnd(B, s, hq, D), rnd(B, s, hkv, D), rnd(B, s, hkv, D)
-
-
-def _pack_both(lay, tensors, roles, kernels, with_recv):
-    dtype, device = tensors[0].dtype, tensors[0].device
-    n = sum(lay.s2h_send_splits(roles, own=not with_recv))  # with recv: the peers' blocks only
-    sends = [torch.full((n,), FILL, dtype=dtype, device=device) for _ in range(2)]
-    recvs = [torch.full((sum(lay.s2h_recv_splits(roles)),), FILL, dtype=dtype, device=device) for _ in range(2)]
-    L.pack_s2h(lay, tensors, roles, sends[0], **({"recv": recvs[0]} if with_recv else {}))
-    kernels.pack_s2h(lay, tensors, roles, sends[1], **({"recv": recvs[1]} if with_recv else {}))
-    return sends, recvs
-
 
 @pytest.mark.parametrize("kind", ["contiguous", "fused", "strided"])
 @pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
 def test_pack_s2h_matches_reference(plan, rank, batch, d, dtype, kind):
-    lay = _layout(plan, rank, batch, d)
-    q, k, v = _qkv(lay, dtype, "cpu", kind)
+    lay = layout_of(plan, rank, batch, d)
+    q, k, v = qkv(lay, dtype, "cpu", kind)
     for tensors, roles in (((q, k, v), QKV), ((q,), Q_ONLY)):
         for with_recv in (False, True):
-            (ref, got), (ref_r, got_r) = _pack_both(lay, tensors, roles, CK, with_recv)
+            (ref, got), (ref_r, got_r) = pack_both(lay, tensors, roles, CK, with_recv)
             assert torch.equal(ref, got), f"send differs ({roles}, recv={with_recv})"
             assert torch.equal(ref_r, got_r), f"recv differs ({roles}, recv={with_recv})"
 
@@ -98,8 +38,8 @@ def test_pack_s2h_matches_reference(plan, rank, batch, d, dtype, kind):
 def test_pack_s2h_with_recv_wants_the_peers_blocks_only():
     # With recv the rank's own block goes to the receive buffer; a send buffer with room
     # for it too is the old contract and is refused by size, by name.
-    lay = _layout(HeadPlan.build(10, 2, 4), 1, 2, 8)
-    q, k, v = _qkv(lay, torch.float32, "cpu", "contiguous")
+    lay = layout_of(HeadPlan.build(10, 2, 4), 1, 2, 8)
+    q, k, v = qkv(lay, torch.float32, "cpu", "contiguous")
     ranges = lay.head_ranges(QKV)
     full, peers = sum(lay.s2h_send_splits(QKV)), sum(lay.s2h_send_splits(QKV, own=False))
     recv = torch.empty(sum(lay.s2h_recv_splits(QKV)))
@@ -107,27 +47,12 @@ def test_pack_s2h_with_recv_wants_the_peers_blocks_only():
         torch.ops.ulysses_kernels.pack_s2h([q, k, v], ranges, torch.empty(full), recv, lay.rank, lay.seq_offset(lay.rank))
 
 
-def _blocks(lay, roles, dtype, device, seed):
-    """What unpack reads: the received blocks (strided views of a receive buffer) and, for
-    this rank, its own rows of local ``[B, S, h, D]`` tensors (batch-strided views)."""
-    g = torch.Generator().manual_seed(seed)
-    recv = torch.randn(sum(lay.h2s_splits(roles)[1]), generator=g).to(dtype).to(device)
-    blocks = lay.h2s_recv_views(recv, roles)
-    local = [torch.randn(lay.batch, lay.seq_total, lay.head_count(s, lay.rank), lay.head_dim, generator=g).to(dtype).to(device) for s in roles]
-    blocks[lay.rank] = [lay.h2s_send_blocks(x, lay.rank) for x in local]
-    return blocks
-
-
-def _outs(lay, roles, dtype, device):
-    return [torch.full((lay.batch, lay.seq_local, lay.total_heads(s), lay.head_dim), FILL, dtype=dtype, device=device) for s in roles]
-
-
 @pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
 def test_unpack_h2s_matches_reference(plan, rank, batch, d, dtype):
-    lay = _layout(plan, rank, batch, d)
+    lay = layout_of(plan, rank, batch, d)
     for roles in (QKV, Q_ONLY):
-        blocks = _blocks(lay, roles, dtype, "cpu", seed=plan.q_heads + 7 * rank)
-        ref, got = _outs(lay, roles, dtype, "cpu"), _outs(lay, roles, dtype, "cpu")
+        blocks = blocks_of(lay, roles, dtype, "cpu", seed=plan.q_heads + 7 * rank)
+        ref, got = outs_of(lay, roles, dtype, "cpu"), outs_of(lay, roles, dtype, "cpu")
         L.unpack_h2s(lay, blocks, roles, ref)
         CK.unpack_h2s(lay, blocks, roles, got)
         for i, (a, b) in enumerate(zip(ref, got)):
@@ -142,11 +67,11 @@ def test_unpack_sums_replicas_in_rank_order():
     lay = Layout(plan, 0, (1,) * 8, 1, 8)
     vals = torch.tensor([2048.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     blocks = [[torch.full((1, 1, 1, 8), float(x), dtype=torch.float16)] for x in vals]
-    (out,) = _outs(lay, ("kv",), torch.float16, "cpu")
+    (out,) = outs_of(lay, ("kv",), torch.float16, "cpu")
     CK.unpack_h2s(lay, blocks, ("kv",), [out])
     # 2048 + 1 rounds to 2048 in fp16 (spacing 2) at every step; summing in fp32 would give 2055 -> 2056.
     assert torch.equal(out, torch.full_like(out, 2048.0))
-    (ref,) = _outs(lay, ("kv",), torch.float16, "cpu")
+    (ref,) = outs_of(lay, ("kv",), torch.float16, "cpu")
     L.unpack_h2s(lay, blocks, ("kv",), [ref])
     assert torch.equal(out, ref)
 
@@ -175,7 +100,7 @@ def test_alignment_fallbacks():
         base = torch.randn(2 * 2 * 10 * 8 + offset)
         x = base[offset:].view(2, 2, 10, 8)
         q, k, v = x[:, :, :6], x[:, :, 6:8], x[:, :, 8:]
-        (ref, got), _ = _pack_both(lay, (q, k, v), QKV, CK, with_recv=False)
+        (ref, got), _ = pack_both(lay, (q, k, v), QKV, CK, with_recv=False)
         assert torch.equal(ref, got), offset
 
 
@@ -184,38 +109,19 @@ def test_rank_with_no_heads():
     plan = HeadPlan(6, 2, 3, ((0, 3), (3, 3), (3, 6)), ((0, 1), (1, 1), (1, 2)))
     for rank in range(3):
         lay = Layout(plan, rank, (2, 3, 1), 2, 8)
-        q, k, v = _qkv(lay, torch.float32, "cpu", "fused")
+        q, k, v = qkv(lay, torch.float32, "cpu", "fused")
         for with_recv in (False, True):
-            (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv)
+            (ref, got), (ref_r, got_r) = pack_both(lay, (q, k, v), QKV, CK, with_recv)
             assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
-        blocks = _blocks(lay, QKV, torch.float32, "cpu", seed=rank)
-        want, got = _outs(lay, QKV, torch.float32, "cpu"), _outs(lay, QKV, torch.float32, "cpu")
+        blocks = blocks_of(lay, QKV, torch.float32, "cpu", seed=rank)
+        want, got = outs_of(lay, QKV, torch.float32, "cpu"), outs_of(lay, QKV, torch.float32, "cpu")
         L.unpack_h2s(lay, blocks, QKV, want)
         CK.unpack_h2s(lay, blocks, QKV, got)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-def _check_chunks(device):
-    """Head chunks (the pipelined path's plans): the unpack visits only the heads its sources
-    hold, so the others keep their value; every chunk and rank against the reference."""
-    from ulysses_kernels.attention.chunked import chunk_plans
-
-    for hq, hkv, world, chunks, dtype in ((40, 8, 3, 3, torch.float16), (12, 2, 4, 4, torch.bfloat16), (8, 1, 3, 2, torch.float32)):
-        plans = chunk_plans(HeadPlan.build(hq, hkv, world), chunks)
-        assert len(plans) >= 2
-        for c, cp in enumerate(plans):
-            for rank in range(world):
-                lay = Layout(cp, rank, _seq_lens(world), 2, 8)
-                blocks = _blocks(lay, QKV, dtype, device, seed=100 * c + rank)
-                want, got = _outs(lay, QKV, dtype, device), _outs(lay, QKV, dtype, device)
-                L.unpack_h2s(lay, blocks, QKV, want)
-                CK.unpack_h2s(lay, blocks, QKV, got)
-                for i, (a, b) in enumerate(zip(want, got)):
-                    assert torch.equal(a, b), f"{hq}/{hkv} P{world} chunk {c} rank {rank} role {i}"
-
-
 def test_unpack_of_head_chunks_leaves_other_heads():
-    _check_chunks("cpu")
+    check_chunks(CK, "cpu")
 
 
 # ---- NaN sums: the bits torch's add_ writes on the same device -----------------------------
@@ -252,7 +158,7 @@ def _nan_case(dtype, device, world=4, d=64):
 
 def _unpack_nan_case(dtype, device):
     lay, blocks = _nan_case(dtype, device)
-    (want,), (got,) = _outs(lay, ("kv",), dtype, device), _outs(lay, ("kv",), dtype, device)
+    (want,), (got,) = outs_of(lay, ("kv",), dtype, device), outs_of(lay, ("kv",), dtype, device)
     L.unpack_h2s(lay, blocks, ("kv",), [want])
     CK.unpack_h2s(lay, blocks, ("kv",), [got])
     nan = torch.isnan(want)
@@ -316,7 +222,7 @@ def test_integer_dtypes_move_bit_exact_without_replicas():
     plan = HeadPlan.build(6, 6, 3)
     lay = Layout(plan, 1, (2, 1, 3), 2, 4)
     q = torch.randint(-(2**31), 2**31 - 1, (2, 1, 6, 4), dtype=torch.int32)
-    (ref, got), _ = _pack_both(lay, (q,), Q_ONLY, CK, with_recv=False)
+    (ref, got), _ = pack_both(lay, (q,), Q_ONLY, CK, with_recv=False)
     assert torch.equal(ref, got)
 
 
@@ -324,13 +230,13 @@ def test_integer_dtypes_move_bit_exact_without_replicas():
 def _op_samples():
     plan = HeadPlan.build(10, 2, 4)
     lay = Layout(plan, 1, (3, 2, 4, 1), 2, 8)
-    q, k, v = _qkv(lay, torch.float32, "cpu", "fused")
+    q, k, v = qkv(lay, torch.float32, "cpu", "fused")
     ranges = lay.head_ranges(QKV)
     send = torch.empty(sum(lay.s2h_send_splits(QKV)))
     send_peers = torch.empty(sum(lay.s2h_send_splits(QKV, own=False)))  # with recv: the peers' blocks only
     recv = torch.empty(sum(lay.s2h_recv_splits(QKV)))
-    blocks = [b for per in _blocks(lay, QKV, torch.float32, "cpu", seed=3) for b in per]
-    outs = _outs(lay, QKV, torch.float32, "cpu")
+    blocks = [b for per in blocks_of(lay, QKV, torch.float32, "cpu", seed=3) for b in per]
+    outs = outs_of(lay, QKV, torch.float32, "cpu")
     local = torch.randn(10, 2, 3, 8).transpose(0, 1)
     ops = torch.ops.ulysses_kernels
     return [
@@ -356,7 +262,7 @@ def test_torch_compile_fullgraph_pack():
         CK.pack_s2h(lay, (q, k, v), QKV, send)
         return send * 2
 
-    q, k, v = _qkv(lay, torch.float32, "cpu", "contiguous")
+    q, k, v = qkv(lay, torch.float32, "cpu", "contiguous")
     send = torch.empty(sum(lay.s2h_send_splits(QKV)))
     L.pack_s2h(lay, (q, k, v), QKV, send)
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
@@ -403,216 +309,6 @@ def test_pack_variant_env_is_read_once_and_checked(monkeypatch):
     monkeypatch.setenv("ULYSSES_KERNELS_PACK_VARIANT", "wide")  # removed (issue 49)
     with pytest.raises(ValueError, match=r"ULYSSES_KERNELS_PACK_VARIANT='wide'; expected one of \['old', 'new'\]"):
         extension.pack_variant()
-
-
-# ---- GPU: CUDA kernels against the CPU twin ------------------------------------------------
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["contiguous", "fused", "strided"])
-@pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
-def test_gpu_pack_matches_cpu_twin(plan, rank, batch, d, dtype, kind):
-    lay = _layout(plan, rank, batch, d)
-    cpu = _qkv(lay, dtype, "cpu", kind)
-    gpu = _qkv(lay, dtype, "cuda", kind)
-    for roles, n in ((QKV, 3), (Q_ONLY, 1)):
-        for with_recv in (False, True):
-            (_, want), (_, want_r) = _pack_both(lay, cpu[:n], roles, CK, with_recv)
-            (ref, got), (ref_r, got_r) = _pack_both(lay, gpu[:n], roles, CK, with_recv)
-            assert torch.equal(got.cpu(), want) and torch.equal(got_r.cpu(), want_r)
-            assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
-
-
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("plan,rank,batch,d,dtype", CASES)
-def test_gpu_unpack_matches_cpu_twin(plan, rank, batch, d, dtype):
-    lay = _layout(plan, rank, batch, d)
-    for roles in (QKV, Q_ONLY):
-        seed = plan.q_heads + 7 * rank
-        want = _outs(lay, roles, dtype, "cpu")
-        CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cpu", seed), roles, want)
-        got = _outs(lay, roles, dtype, "cuda")
-        CK.unpack_h2s(lay, _blocks(lay, roles, dtype, "cuda", seed), roles, got)
-        for a, b in zip(want, got):
-            assert torch.equal(a, b.cpu())
-
-
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("d,dtype", [(8, torch.bfloat16), (72, torch.bfloat16), (1, torch.float32), (600, torch.float32)])
-def test_gpu_pack_row_lengths(d, dtype):
-    # The 2-D pack launch at 1 unit per row (256 rows per block), 9, and 600 units (more
-    # than the block's 256 threads: each lane loops); contiguous and strided sources.
-    lay = Layout(HeadPlan.build(10, 2, 4), 1, (33, 17, 40, 5), 2, d)
-    for kind in ("contiguous", "strided"):
-        q, k, v = _qkv(lay, dtype, "cuda", kind)
-        for with_recv in (False, True):
-            (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv)
-            assert torch.equal(ref, got) and torch.equal(ref_r, got_r), (kind, with_recv)
-
-
-@needs_gpu
-@pytest.mark.gpu
-def test_gpu_unpack_of_head_chunks_leaves_other_heads():
-    _check_chunks("cuda")
-
-
-@needs_gpu
-@pytest.mark.gpu
-def test_gpu_large_pack_uses_vector_path_and_matches():
-    plan = HeadPlan.build(40, 8, 8)
-    lay = Layout(plan, 3, (4096,) * 8, 2, 128)
-    q, k, v = _qkv(lay, torch.bfloat16, "cuda", "fused")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        (ref, got), (ref_r, got_r) = _pack_both(lay, (q, k, v), QKV, CK, with_recv=True)
-        torch.cuda.synchronize()
-    assert torch.equal(ref, got) and torch.equal(ref_r, got_r)
-    # The 16-byte path was taken: pack_kernel_new<16, I>, and no narrower instantiation
-    # (aligned bf16 rows of 128 elements, 256 bytes each).
-    packs = {e.name for e in prof.events() if "pack_kernel" in e.name and "unpack" not in e.name}
-    assert packs and all("pack_kernel_new<16" in n for n in packs), packs
-
-
-@needs_gpu
-@pytest.mark.gpu
-def test_gpu_new_unpack_is_one_launch_for_qkv():
-    # q, k and v unpack in one kernel launch (the removed old variant launched per role).
-    lay = Layout(HeadPlan.build(40, 8, 8), 3, (64,) * 8, 1, 128)
-    blocks, outs = _blocks(lay, QKV, torch.bfloat16, "cuda", 2), _outs(lay, QKV, torch.bfloat16, "cuda")
-    CK.unpack_h2s(lay, blocks, QKV, outs)  # warm-up
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        CK.unpack_h2s(lay, blocks, QKV, outs)
-        torch.cuda.synchronize()
-    launches = [e.name for e in prof.events() if "unpack_kernel" in e.name]
-    assert len(launches) == 1 and "unpack_kernel_new<" in launches[0], launches
-
-
-class _LoopbackComm:
-    """Rank 0 of ``world``, one process: each collective copies what it sends, piece by piece,
-    into what it receives (as far as sizes allow; the rest zeroed). A deterministic stand-in
-    for the transport, so that an eager and a replayed layer can be compared bit for bit."""
-
-    def __init__(self, world):
-        self.rank, self.world_size = 0, world
-
-    @staticmethod
-    def _move(dst, src):
-        dst.zero_()
-        n = min(dst.numel(), src.numel())
-        dst.view(-1)[:n].copy_(src.reshape(-1)[:n])
-
-    def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
-        self._move(output, input)
-
-    def send_recv(self, sends, recvs, async_op=False):
-        for (_, src), (_, dst) in zip(sends, recvs):
-            self._move(dst, src)
-
-
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 2])
-def test_gpu_layer_exchanges_capture_in_cuda_graph(batch):
-    # One layer's four exchanges (q/k/v and the output forward, dout and dq/dk/dv backward),
-    # the eager movers with the "cuda" set, captured in one CUDA graph: no host sync, no
-    # host-side value anywhere; a replay on new inputs equals an eager run bit for bit.
-    from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
-    from ulysses_kernels.layout import OUT
-
-    lay = Layout(HeadPlan.build(32, 8, 8), 0, (64,) * 8, batch, 128)
-    comm, dev, dt = _LoopbackComm(8), "cuda", torch.bfloat16
-    q, k, v = (torch.randn(batch, 64, h, 128, device=dev, dtype=dt) for h in (32, 8, 8))
-    local = [torch.randn(batch, 512, lay.head_count(r, 0), 128, device=dev, dtype=dt) for r in ("q", "kv", "kv")]
-
-    def layer():
-        fwd = a2a_seq_to_head(lay, (q, k, v), QKV, comm, CK) + a2a_head_to_seq(lay, [local[0]], OUT, comm, CK)
-        bwd = a2a_seq_to_head(lay, [q], OUT, comm, CK) + a2a_head_to_seq(lay, local, QKV, comm, CK)
-        return fwd + bwd
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer()  # warm-up: every kernel loaded, the grid sizes cached
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = layer()
-    for x in (q, k, v, *local):
-        x.copy_(torch.randn_like(x))
-    graph.replay()
-    want = layer()
-    torch.cuda.synchronize()
-    assert len(captured) == len(want) == 8
-    for a, b in zip(captured, want):
-        assert torch.equal(a, b)
-
-
-@needs_gpu
-@pytest.mark.gpu
-def test_gpu_pack_unpack_capture_in_cuda_graph():
-    # Role-ordered with no host sync: a captured pack/unpack replays on new inputs.
-    plan = HeadPlan.build(40, 8, 3)
-    lay = Layout(plan, 1, (64, 48, 80), 2, 64)
-    q, k, v = _qkv(lay, torch.bfloat16, "cuda", "fused")
-    send = torch.empty(sum(lay.s2h_send_splits(QKV)), device="cuda", dtype=torch.bfloat16)
-    blocks = _blocks(lay, QKV, torch.bfloat16, "cuda", seed=1)
-    outs = _outs(lay, QKV, torch.bfloat16, "cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the graph: every kernel loaded once
-        CK.pack_s2h(lay, (q, k, v), QKV, send)
-        CK.unpack_h2s(lay, blocks, QKV, outs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        CK.pack_s2h(lay, (q, k, v), QKV, send)
-        CK.unpack_h2s(lay, blocks, QKV, outs)
-    for x in (q, k, v):
-        x.copy_(torch.randn_like(x))
-    for per_source in blocks:
-        for b in per_source:
-            b.copy_(torch.randn_like(b))
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = torch.empty_like(send)
-    L.pack_s2h(lay, (q, k, v), QKV, ref)
-    assert torch.equal(send, ref)
-    want = _outs(lay, QKV, torch.bfloat16, "cuda")
-    L.unpack_h2s(lay, blocks, QKV, want)
-    assert all(torch.equal(a, b) for a, b in zip(want, outs))
-
-
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_attention_world_size_1(dtype):
-    from ulysses_kernels import ulysses_attention
-
-    torch.manual_seed(0)
-    q = torch.randn(2, 64, 8, 64, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(2, 64, 2, 64, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(2, 64, 2, 64, device="cuda", dtype=dtype, requires_grad=True)
-    outs, grads = [], []
-    for kernels in ("cuda", "torch"):
-        out = ulysses_attention(q, k, v, kernels=kernels, attn_fn="sdpa")
-        out.float().square().sum().backward()
-        outs.append(out.detach())
-        grads.append([t.grad.clone() for t in (q, k, v)])
-        for t in (q, k, v):
-            t.grad = None
-    assert torch.equal(outs[0], outs[1])  # same bytes into the same attention kernel
-    for a, b in zip(*grads):
-        # The attention backward may accumulate dq with atomics: allow its rounding noise.
-        torch.testing.assert_close(a, b)
-    # "auto" is the C++ kernels on a GPU whose architecture _C carries code for (it was built
-    # here for this GPU's arch), once their GPU run is recorded (gpu_validated).
-    from ulysses_kernels import extension
-    from ulysses_kernels.kernels import KERNEL_SETS
-
-    assert KERNEL_SETS["cuda"].gpu_validated
-    fits = extension.arch_code_for(torch.cuda.get_device_capability(q.device)) is not None
-    assert get_kernels(None, q.device).name == ("cuda" if fits else "triton" if "triton" in available_kernels() else "torch")
 
 
 # ---- end to end on gloo ranks: the "cuda" kernel set is bit-identical to "torch" -----------
