@@ -18,7 +18,7 @@ is one, on a GPU:
 * the Triton launch geometry as a pure function at 1M tokens.
 
 The C++ index math itself is checked at these sizes without memory in
-tests/cpp/test_layout_math.cpp (scripts/ctest.sh).
+tests/cpp/test_large_offsets.cpp (scripts/ctest.sh).
 """
 
 from __future__ import annotations
