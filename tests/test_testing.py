@@ -76,6 +76,28 @@ def _pids(path, world):
     return [open(f"{path}.{r}").read().split(" ") for r in range(world)]
 
 
+def _makes_a_group(rank, world, destroy):
+    group = dist.new_group(list(range(world)))
+    dist.all_reduce(torch.ones(1), group=group)
+    if destroy:
+        dist.destroy_process_group(group)
+
+
+def test_a_call_that_leaves_process_groups_ends_its_world(tmp_path):
+    """A group left behind keeps a gloo thread polling on every rank for the rest of the run, and
+    a peer may keep it in a module global: the pool ends that world, and the next call gets new
+    processes. A call that destroys what it made keeps its world."""
+    with RankPool(timeout_s=60) as pool:
+        pool.run(_records_pid, 2, str(tmp_path / "a"))
+        pool.run(_makes_a_group, 2, True)
+        pool.run(_records_pid, 2, str(tmp_path / "b"))
+        assert [p[0] for p in _pids(tmp_path / "b", 2)] == [p[0] for p in _pids(tmp_path / "a", 2)]
+        pool.run(_makes_a_group, 2, False)
+        assert pool.world_sizes == []
+        pool.run(_records_pid, 2, str(tmp_path / "c"))
+        assert {p[0] for p in _pids(tmp_path / "c", 2)}.isdisjoint(p[0] for p in _pids(tmp_path / "a", 2))
+
+
 def _leak_check(rank, world):
     assert "ULYSSES_KERNELS_POOL_LEAK" not in os.environ
     assert torch.get_default_dtype() == torch.float32
