@@ -85,10 +85,13 @@ def _fresh_state(env, path, cwd, filters):
 
 
 def _groups_left() -> int:
-    """Process groups besides the world's that exist in this rank (a fresh process has none)."""
+    """Process groups besides the world's that exist in this rank (a fresh process has none).
+    torch keeps them in a private map (``distributed_c10d._world.pg_map``); without it, 0: the world is kept as before
+    (only the idle polling is at stake, not a result)."""
     from torch.distributed import distributed_c10d as c10d
 
-    return max(0, len(c10d._world.pg_map) - 1)
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    return max(0, len(pg_map) - 1) if isinstance(pg_map, dict) else 0
 
 
 def _forget_peers_settings():
