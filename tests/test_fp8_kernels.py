@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_compile import sm90_output
 
 from ulysses_kernels.kernels import torch_kernels as R
 from ulysses_kernels.layout import OUT, QKV, Layout
@@ -196,35 +197,26 @@ def test_triton_fp8_kernels_compile_for_sm90_with_vector_accesses_where_aligned(
     time and the wire (rows of D + 4 bytes, so 4-byte aligned) 4 bytes at a time, the scale
     included; unaligned, every access is one element (before the hints, that was every launch:
     10% of a copy's bandwidth on an H200, bench/results/2026-11-30_h200_world/pack_fp8.txt)."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode and ("ptxas" in res.stderr or "ASTSource" in res.stderr) and "CompilationError" not in res.stderr:
-        pytest.skip(f"cannot compile for sm_90 here: {res.stderr[-500:]}")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split("\n")[:4] == [
+    stdout = sm90_output(_COMPILE_SM90)
+    assert stdout.split("\n")[:4] == [
         "quant 8 4 ld.global.v4.b32 st.global.b32",
         "dequant 8 4 ld.global.b32 st.global.v4.b32",
         "quant 1 1 ld.global.b16 st.global.b8",
         "dequant 1 1 ld.global.b8 st.global.b16",
-    ], res.stdout
+    ], stdout
 
 
 def test_triton_fp8_launch_geometry_and_alignment():
     F = pytest.importorskip("ulysses_kernels.kernels.triton_fp8")
     assert [F._alignment(v) for v in ([132, 264, 0], [12, 8], [10], [6, 64], [])] == [4, 4, 2, 2, 16]
-    grid, block_r, block_d = F._geometry(1000, 24, 136)  # one axis: row blocks x columns
+    grid, block_r, block_d = F._launch_geometry(1000, 24, 136, False)  # one axis: row blocks x columns
     assert block_d == 256 and grid == (triton_cdiv(1000, block_r) * 24,)
-    with pytest.raises(ValueError, match="grid limit"):
-        F._geometry(1 << 40, 64, 128)
+    with pytest.raises(ValueError, match="CUDA's limit"):
+        F._launch_geometry(1 << 40, 64, 128, False)
     # MLA: q/k columns (D = 8) and v columns (D = 6) are two launches; the wire rows of the
     # second (pitch 10 bytes) are only 2-byte aligned, the first's (12) 4-byte.
     cols = [1, 0, 12, 0, 0, 0, 8, 0, 1, 8] + [1, 12, 10, 0, 0, 0, 6, 0, 1, 6]
-    table = F._Launches(cols, vec=8)
+    table = F._Launches(cols, itemsize=2)
     assert [(g[0], g[4]) for g in table.groups] == [(6, 2), (8, 4)]
 
 

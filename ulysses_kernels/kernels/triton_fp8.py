@@ -32,7 +32,6 @@ and the replica sum's add into one FMA, which the reference rounds twice).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import OrderedDict
 
 import torch
@@ -41,6 +40,7 @@ import triton.language as tl
 
 from ..layout import Layout
 from ..wire import AMAX_FLOOR, SCALE_BYTES, Fp8Format, wire_layout
+from .triton_launch import _int64_table, _interpreting, _launch_geometry
 
 __all__ = ["quant_pack_s2h", "quant_pack_h2s", "dequant_s2h", "dequant_unpack_h2s"]
 
@@ -223,19 +223,6 @@ def _float_of(dtype: torch.dtype):
     return _TL_FLOAT[dtype]
 
 
-def _geometry(n_rows: int, n_cols: int, D: int) -> tuple[tuple[int], int, int]:
-    """``(grid, BLOCK_R, BLOCK_D)``: one axis of ``row blocks x columns`` programs, ~8K elements
-    each (as triton_kernels' "new" variant); bigger tiles in the interpreter, whose programs
-    cost ~4 ms each whatever their size."""
-    block_d = triton.next_power_of_2(max(D, 1))
-    target = 1 << 14 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 8192
-    block_r = max(1, min(triton.next_power_of_2(n_rows), max(1, target // block_d)))
-    programs = triton.cdiv(n_rows, block_r) * n_cols
-    if programs > 2**31 - 1:
-        raise ValueError(f"TritonKernels: {programs} programs ({n_rows} rows x {n_cols} head columns) exceed CUDA's grid limit (2^31 - 1)")
-    return (programs,), block_r, block_d
-
-
 def _alignment(values, cap: int = 16) -> int:
     """The largest power of two up to ``cap`` that divides every value (0 divides by anything)."""
     a = cap
@@ -245,12 +232,6 @@ def _alignment(values, cap: int = 16) -> int:
     return a
 
 
-def _int64(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` on ``device`` (on CUDA through pinned memory, no host sync)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
-
-
 class _Launches:
     """One operation's column table split into launches of one head dim each (D is a constexpr:
     the mask ``d < D`` is then known per vector; MLA's narrower v is a second launch), with what
@@ -258,10 +239,10 @@ class _Launches:
     and strides allow (elements of the float tensors, bytes of the wire) and which tensors'
     addresses must be aligned too (checked at each launch: buffers move)."""
 
-    __slots__ = ("groups", "srcs", "device_tables")
+    __slots__ = ("groups", "srcs", "itemsize", "device_tables")
 
-    def __init__(self, cols: list[int], srcs: list[int] | None = None, *, vec: int):
-        quant = srcs is None
+    def __init__(self, cols: list[int], srcs: list[int] | None = None, *, itemsize: int):
+        quant, vec = srcs is None, 16 // itemsize
         width, d_at = (_QCOL, 9) if quant else (_DCOL, 6)
         by_d: dict[int, list[int]] = {}
         for i in range(len(cols) // width):
@@ -282,35 +263,35 @@ class _Launches:
                 wire = [x for u in used for x in u[1:4]] + [D]
                 float_t, wire_t = {c[0] for c in rows}, {u[0] for u in used}
             self.groups.append((D, g, contig, _alignment(floats, vec) == vec, _alignment(wire), sorted(float_t), sorted(wire_t)))
-        self.srcs = srcs
+        self.srcs, self.itemsize = srcs, itemsize
         self.device_tables: dict[torch.device, tuple] = {}
 
     def tables(self, device: torch.device):
         if device not in self.device_tables:
-            cols = [_int64(g[1], device) for g in self.groups]
-            self.device_tables[device] = (cols, _int64(self.srcs, device) if self.srcs is not None else None)
+            cols = [_int64_table(g[1], device) for g in self.groups]
+            self.device_tables[device] = (cols, _int64_table(self.srcs, device) if self.srcs is not None else None)
         return self.device_tables[device]
 
-    def launches(self, device: torch.device, addrs: list[int], vec: int, itemsize: int):
+    def launches(self, device: torch.device, addrs: list[int]):
         """Per launch: ``(D, column table, n_cols, contiguous, VEC, float ALIGN bytes, wire ALIGN bytes)``."""
         col_tables, _ = self.tables(device)
+        width, vec = (_QCOL if self.srcs is None else _DCOL), 16 // self.itemsize
         for (D, cols, contig, vec_ok, wire_align, float_t, wire_t), col_t in zip(self.groups, col_tables):
             vec_ok = vec_ok and all(addrs[t] % 16 == 0 for t in float_t)
             wire_align = _alignment([addrs[t] for t in wire_t], wire_align)
-            width = _QCOL if self.srcs is None else _DCOL
-            yield D, col_t, len(cols) // width, contig, vec if vec_ok else 1, 16 if vec_ok else itemsize, wire_align
+            yield D, col_t, len(cols) // width, contig, vec if vec_ok else 1, 16 if vec_ok else self.itemsize, wire_align
 
 
 def _launch_quant(table: _Launches, tensors, n_tok: int, batch: int, fmt: Fp8Format, dtype: torch.dtype) -> None:
     n_rows = n_tok * batch
     if not table.groups or n_rows == 0:
         return
-    device, itemsize = tensors[0].device, tensors[0].element_size()
+    device = tensors[0].device
     addrs = [t.data_ptr() for t in tensors]
-    addr = _int64(addrs, device)
+    addr = _int64_table(addrs, device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        for D, col_t, n_cols, contig, vec, align, wire_align in table.launches(device, addrs, 16 // itemsize, itemsize):
-            grid, block_r, block_d = _geometry(n_rows, n_cols, D)
+        for D, col_t, n_cols, contig, vec, align, wire_align in table.launches(device, addrs):
+            grid, block_r, block_d = _launch_geometry(n_rows, n_cols, D, _interpreting())
             _quant_kernel[grid](addr, col_t, n_rows, batch, n_cols, D=D, LOAD=_LOAD[dtype], IS_BF16=dtype == torch.bfloat16,
                                 FMT_MAX=fmt.max, MB=fmt.mantissa_bits, BIAS=_bias(fmt), SUB_EXP=fmt.min_subnormal_exp,
                                 MIN_NORMAL=_min_normal(fmt), FLOOR=AMAX_FLOOR, SRC_CONTIG=contig, SRC_VEC=vec, SRC_ALIGN=align,
@@ -322,13 +303,13 @@ def _launch_dequant(table: _Launches, tensors, n_tok: int, batch: int, fmt: Fp8F
     n_rows = n_tok * batch
     if not table.groups or n_rows == 0:
         return
-    device, dtype, itemsize = out.device, out.dtype, out.element_size()
+    device, dtype = out.device, out.dtype
     addrs = [t.data_ptr() for t in tensors]
     _, src_t = table.tables(device)
-    addr = _int64(addrs, device)
+    addr = _int64_table(addrs, device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        for D, col_t, n_cols, _, vec, align, wire_align in table.launches(device, addrs, 16 // itemsize, itemsize):
-            grid, block_r, block_d = _geometry(n_rows, n_cols, D)
+        for D, col_t, n_cols, _, vec, align, wire_align in table.launches(device, addrs):
+            grid, block_r, block_d = _launch_geometry(n_rows, n_cols, D, _interpreting())
             _dequant_kernel[grid](addr, col_t, src_t, n_rows, batch, n_cols, D=D, FLOAT=_float_of(dtype), IS_BF16=dtype == torch.bfloat16,
                                   BF16_NAN=0x7FFF if device.type == "cuda" else 0xFFFF, MB=fmt.mantissa_bits, BIAS=_bias(fmt),
                                   SUB_STEP=2.0**fmt.min_subnormal_exp, IS_E4M3=fmt.name == "e4m3", WIRE_ALIGN=wire_align,
@@ -369,7 +350,7 @@ def quant_pack_s2h(layout: Layout, tensors, roles, send: torch.Tensor, fmt: Fp8F
                 off, (db, ds, dh, _) = _geom(dst, rv if on_recv else s)
                 for h in range(a, b):
                     cols += [recv_idx if on_recv else send_idx, off + (h - a) * dh, ds, db, i, h * sh, ss, sb, sd, layout.dim(role)]
-        return _Launches(cols, vec=16 // tensors[0].element_size())
+        return _Launches(cols, itemsize=tensors[0].element_size())
 
     key = ("qs2h", layout, roles, tuple(t.stride() for t in tensors), recv is not None, fmt, tensors[0].dtype)
     table = _cached(key, build)
@@ -383,7 +364,7 @@ def quant_pack_h2s(layout: Layout, local: torch.Tensor, send: torch.Tensor, fmt:
     def build():
         w = D + SCALE_BYTES
         sb, ss, sh, sd = local.stride()
-        return _Launches([x for hh in range(h) for x in (1, hh * w, h * w, S * h * w, 0, hh * sh, ss, sb, sd, D)], vec=16 // local.element_size())
+        return _Launches([x for hh in range(h) for x in (1, hh * w, h * w, S * h * w, 0, hh * sh, ss, sb, sd, D)], itemsize=local.element_size())
 
     table = _cached(("qh2s", tuple(local.shape), local.stride(), local.dtype), build)
     _launch_quant(table, [local, send], S, B, fmt, local.dtype)
@@ -403,7 +384,7 @@ def dequant_s2h(layout: Layout, recv: torch.Tensor, roles, outs, fmt: Fp8Format)
             for h in range(out.shape[2]):
                 cols += [1 + i, h * oh, os_, ob, 1, len(srcs) // _DSRC, layout.dim(role)]
                 srcs += [0, off + h * sh, ss, sb]
-        return _Launches(cols, srcs, vec=16 // outs[0].element_size())
+        return _Launches(cols, srcs, itemsize=outs[0].element_size())
 
     table = _cached(("ds2h", layout, roles, tuple(o.stride() for o in outs), fmt, outs[0].dtype), build)
     _launch_dequant(table, [recv, *outs], layout.seq_total, layout.batch, fmt, outs[0])
@@ -440,7 +421,7 @@ def dequant_unpack_h2s(layout: Layout, blocks, roles, outs, fmt: Fp8Format) -> N
                     else:
                         bb, bs, bh, _ = blk.stride()
                     srcs += [t, lh * bh, bs, bb]
-        return _Launches(cols, srcs, vec=16 // outs[0].element_size())
+        return _Launches(cols, srcs, itemsize=outs[0].element_size())
 
     key = ("dh2s", layout, roles, tuple((t.shape, t.stride()) for t in flat), tuple(o.stride() for o in outs), fmt, outs[0].dtype)
     table = _cached(key, build)
