@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_compile import sm90_output
 
 from ulysses_kernels import extension
 from ulysses_kernels.kernels import torch_kernels as L
@@ -311,20 +312,11 @@ def test_compiles_for_sm90_with_16_byte_accesses_only_when_aligned():
     Triton drops an integer's divisibility at int_to_ptr, so hints must sit on the pointer.
     Every common head_dim gets 16-byte accesses and no 2-byte ones (bf16): D is constexpr,
     so the mask ``d < D`` is known constant over 8 elements at D = 40 or 72 too."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode and ("ptxas" in res.stderr or "ASTSource" in res.stderr) and "CompilationError" not in res.stderr:
-        pytest.skip(f"cannot compile for sm_90 here: {res.stderr[-500:]}")
-    assert res.returncode == 0, res.stderr[-3000:]
-    lines = res.stdout.split("\n")
-    assert lines[:4] == ["copy 8 v4", "copy 1 scalar", "sum 8 v4", "sum 1 scalar"], res.stdout
-    assert lines[4:14] == [f"D {d} {op} v4" for d in HEAD_DIMS for op in ("copy", "sum")], res.stdout
-    assert lines[14] == "old v4", res.stdout  # the old variant's 2-D grid (ULYSSES_KERNELS_PACK_VARIANT=old)
+    stdout = sm90_output(_COMPILE_SM90)
+    lines = stdout.split("\n")
+    assert lines[:4] == ["copy 8 v4", "copy 1 scalar", "sum 8 v4", "sum 1 scalar"], stdout
+    assert lines[4:14] == [f"D {d} {op} v4" for d in HEAD_DIMS for op in ("copy", "sum")], stdout
+    assert lines[14] == "old v4", stdout  # the old variant's 2-D grid (ULYSSES_KERNELS_PACK_VARIANT=old)
 
 
 def test_too_many_head_columns_for_the_grid():
