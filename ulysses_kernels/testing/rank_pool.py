@@ -45,6 +45,7 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from .ranks import RanksFailed, rank_context
 
@@ -88,9 +89,7 @@ def _groups_left() -> int:
     """Process groups besides the world's that exist in this rank (a fresh process has none).
     torch keeps them in a private map (``distributed_c10d._world.pg_map``); without it, 0: the world is kept as before
     (only the idle polling is at stake, not a result)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    pg_map = getattr(getattr(distributed_c10d, "_world", None), "pg_map", None)
     return max(0, len(pg_map) - 1) if isinstance(pg_map, dict) else 0
 
 
@@ -177,7 +176,6 @@ class _World:
         self.timeout_s = timeout_s
         self._tmp = tempfile.TemporaryDirectory()
         self._inits = 0
-        self.groups_left = 0  # by the last call, on any rank (see the module's docstring)
         ctx = rank_context(preload)
         pipes = [ctx.Pipe() for _ in range(world_size)]
         self.conns = [parent for parent, _ in pipes]
@@ -228,7 +226,8 @@ class _World:
                     grace_end = time.monotonic() + grace_s
         return replies
 
-    def run(self, fn, args, timeout_s):
+    def run(self, fn, args, timeout_s) -> int:
+        """The call on every rank; returns the most process groups it left on a rank."""
         payload = (fn, args, dict(os.environ), list(sys.path), os.getcwd())
         try:
             sys.stdout.flush()
@@ -248,8 +247,7 @@ class _World:
         replies = self._collect(timeout_s + slack, grace_s=GRACE_S)
         failed = {r: v for r, v in sorted(replies.items()) if v[0] != "ok"}
         if len(replies) == self.world_size and not failed:
-            self.groups_left = max(v[1] for v in replies.values())
-            return
+            return max(v[1] for v in replies.values())
         if not failed:
             self.kill()
             raise TimeoutError(f"run_ranks: {getattr(fn, '__name__', fn)} on {self.world_size} ranks did not finish in {timeout_s:.0f} s (a hang?)")
@@ -327,8 +325,7 @@ class RankPool:
             self._make_room(world_size)
             world = _World(world_size, self.timeout_s, self.preload)
         self._worlds[world_size] = world
-        world.run(fn, args, self.timeout_s if timeout_s is None else timeout_s)
-        if world.groups_left:  # see the module's docstring
+        if world.run(fn, args, self.timeout_s if timeout_s is None else timeout_s):  # groups left: see the module's docstring
             self._worlds.pop(world_size).close()
 
     def _make_room(self, world_size):
