@@ -57,13 +57,6 @@ def _layout(case):
     return Layout(HeadPlan.build(hq, hkv, world), rank, seq_lens, B, D, Dv)
 
 
-def _wire(x, fmt):
-    """``x`` ``[..., D]`` as reference wire rows ``[..., D + 4]``."""
-    buf = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.uint8, device=x.device)
-    R.quantize_rows(x, buf, fmt)
-    return buf
-
-
 @pytest.mark.parametrize("name", ["triton", "cuda"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_quant_pack_s2h_matches_the_reference(name, case):
@@ -104,7 +97,7 @@ def test_quant_pack_h2s_and_dequant_s2h_match_the_reference(name, case):
         wl = wire_layout(lay, fmt)
         recv = torch.empty(sum(wl.s2h_recv_splits(QKV)), dtype=torch.uint8, device=DEVICE)
         for i, (role, view) in enumerate(zip(QKV, wl.s2h_recv_views(recv, QKV))):
-            view.copy_(_wire(_spread(view.shape[:-1] + (lay.dim(role),), dtype, 10 + i), fmt))
+            view.copy_(R.wire_rows(_spread(view.shape[:-1] + (lay.dim(role),), dtype, 10 + i), fmt))
         shapes = [(B, S, lay.head_count(r, rank), lay.dim(r)) for r in QKV]
         want = [torch.full(s, 3.0, dtype=dtype, device=DEVICE) for s in shapes]
         got = [torch.full(s, 3.0, dtype=dtype, device=DEVICE) for s in shapes]
@@ -121,7 +114,9 @@ def test_dequant_unpack_h2s_matches_the_reference(name, case):
     B, s_r, P = lay.batch, lay.seq_local, lay.world_size
     for fmt, dtype in zip(FORMATS * 2, DTYPES + DTYPES[:1]):
         for roles in (QKV, OUT):
-            blocks = [[_wire(_spread((B, s_r, lay.head_count(r, p), lay.dim(r)), dtype, 100 * p + i), fmt) for i, r in enumerate(roles)] for p in range(P)]
+            blocks = [
+                [R.wire_rows(_spread((B, s_r, lay.head_count(r, p), lay.dim(r)), dtype, 100 * p + i), fmt) for i, r in enumerate(roles)] for p in range(P)
+            ]
             shapes = [(B, s_r, lay.total_heads(r), lay.dim(r)) for r in roles]
             want = [torch.full(s, 3.0, dtype=dtype, device=DEVICE) for s in shapes]
             got = [torch.full(s, 3.0, dtype=dtype, device=DEVICE) for s in shapes]
@@ -150,7 +145,7 @@ def test_quant_and_dequant_of_rows_that_start_unaligned(name, dtype):
     kern.quant_pack_h2s(lay, local, got, E4M3)
     assert torch.equal(got, want)
     s_r, P = lay.seq_local, lay.world_size
-    blocks = [[_wire(_spread((B, s_r, lay.head_count("o", p), D), dtype, 20 + p), E4M3)] for p in range(P)]
+    blocks = [[R.wire_rows(_spread((B, s_r, lay.head_count("o", p), D), dtype, 20 + p), E4M3)] for p in range(P)]
     outs = [_spread((B, s_r, lay.total_heads("o"), D + 1), dtype, 30)[..., 1:] for _ in range(2)]
     R.dequant_unpack_h2s(lay, blocks, OUT, [outs[0]], E4M3)
     kern.dequant_unpack_h2s(lay, blocks, OUT, [outs[1]], E4M3)

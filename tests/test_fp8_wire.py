@@ -11,20 +11,18 @@ import torch
 import ulysses_kernels as uk
 from ulysses_kernels.attention.exchange import a2a_head_to_seq, a2a_seq_to_head
 from ulysses_kernels.comm import get_communicator
-from ulysses_kernels.kernels.torch_kernels import TorchKernels, dequantize_rows, quantize_rows
+from ulysses_kernels.kernels.torch_kernels import TorchKernels, dequantize_rows, quantize_rows, wire_rows
 from ulysses_kernels.layout import OUT, QKV, Layout
 from ulysses_kernels.testing import run_ranks
 from ulysses_kernels.traffic import WireCounter
-from ulysses_kernels.wire import E4M3, E5M2, SCALE_BYTES, WireSpec, error_bound, resolve_wire, wire_bytes_ratio, wire_spec
+from ulysses_kernels.wire import E4M3, E5M2, WireSpec, error_bound, resolve_wire, wire_bytes_ratio, wire_spec
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def qdq(x: torch.Tensor, fmt) -> torch.Tensor:
     """The quantize-dequantize of ``x`` (``[..., D]``) through one wire row per ``[D]``."""
-    buf = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.uint8)
-    quantize_rows(x, buf, fmt)
-    return dequantize_rows(buf, fmt, x.dtype)
+    return dequantize_rows(wire_rows(x, fmt), fmt, x.dtype)
 
 
 def _spread(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ..kernels import get_kernels
 from ..kernels import torch_kernels as R
 from ..layout import QKV, Layout
 from ..plan import HeadPlan
-from ..wire import E4M3, SCALE_BYTES, wire_layout
+from ..wire import E4M3, wire_layout
 from .record import print_table
 from .timing import median, time_iters
 
@@ -38,13 +38,6 @@ COLUMNS = [
     ("config", "Hq/Hkv/P/B/s/D", ""), ("kernels", "kernels", ""), ("op", "op", ""), ("bytes", "bytes", "d"),
     ("time_us", "time(us)", ".1f"), ("gbps", "GB/s", ".1f"), ("pct_copy", "%copy", ".1%"), ("ok", "#wrong", ""),
 ]  # fmt: skip
-
-
-def _wire(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., D]`` as e4m3 wire rows ``[..., D + 4]`` (the reference's quantization)."""
-    buf = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.uint8, device=x.device)
-    R.quantize_rows(x, buf, E4M3)
-    return buf
 
 
 def rows_for(cfg: tuple[int, ...], name: str, device: torch.device, warmup: int, iters: int) -> list[dict]:
@@ -64,7 +57,7 @@ def rows_for(cfg: tuple[int, ...], name: str, device: torch.device, warmup: int,
     # The head-to-sequence receive side (dq/dk/dv of the backward): each source's blocks back into [B, s, H, D],
     # replicated KV heads summed; plain (bf16 blocks) and dequantizing (wire blocks of D + 4 bytes).
     blocks = [[torch.randn(B, s, lay.head_count(r, p), D, generator=g, device=device).to(torch.bfloat16) for r in QKV] for p in range(P)]
-    blocks8 = [[_wire(b) for b in per] for per in blocks]
+    blocks8 = [[R.wire_rows(b, E4M3) for b in per] for per in blocks]
     outs = [torch.empty(B, s, lay.total_heads(r), D, device=device, dtype=torch.bfloat16) for r in QKV]
     want_outs = [torch.empty_like(o) for o in outs]
     R.dequant_unpack_h2s(lay, blocks8, QKV, want_outs, E4M3)

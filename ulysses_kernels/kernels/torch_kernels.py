@@ -86,6 +86,14 @@ def quantize_rows(x: torch.Tensor, dst: torch.Tensor, fmt: Fp8Format) -> None:
     dst[..., D:].copy_((amax / mx).view(torch.uint8))
 
 
+def wire_rows(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """``x`` (``[..., D]``) quantized into new wire rows ``[..., D + 4]`` (bytes, on ``x``'s
+    device) by ``quantize_rows``: the blocks a peer's quantizing pack would have sent."""
+    dst = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    quantize_rows(x, dst, fmt)
+    return dst
+
+
 def _scales(src: torch.Tensor, D: int) -> torch.Tensor:
     """The float32 scales ``[..., 1]`` of wire rows ``src`` (``[..., D + 4]`` bytes); a view
     when the rows keep them 4-byte aligned, else a copy of the 4 bytes per row."""
