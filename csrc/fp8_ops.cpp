@@ -12,6 +12,7 @@
 
 #include "kernels/fp8.h"
 #include "message.h"
+#include "op_params.h"
 
 #ifdef ULYSSES_KERNELS_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -23,15 +24,6 @@
 namespace ulysses_kernels {
 
 namespace {
-
-int64_t bstride(const at::Tensor& t, int64_t dim) {
-  return t.size(dim) == 1 ? 0 : t.stride(dim) * static_cast<int64_t>(t.element_size());
-}
-
-Strided4 bytes4(const at::Tensor& t) {
-  return Strided4{static_cast<const char*>(t.const_data_ptr()), bstride(t, 0), bstride(t, 1), bstride(t, 2),
-                  t.size(3) == 1 ? static_cast<int64_t>(t.element_size()) : bstride(t, 3)};
-}
 
 int dtype_code(const at::Tensor& t, const char* op, const std::string& name) {
   switch (t.scalar_type()) {
@@ -52,14 +44,6 @@ void check_bytes(const at::Tensor& t, const at::Tensor& like, const char* op, co
            ", got ", t.device().str());
 }
 
-int64_t world_of(const char* op, int64_t n, at::IntArrayRef head_ranges) {
-  UK_CHECK(n >= 1 && n <= kMaxRoles, "ulysses_kernels.", op, ": expected 1 to ", kMaxRoles, " roles, got ", n);
-  const int64_t len = static_cast<int64_t>(head_ranges.size());
-  UK_CHECK(len > 0 && len % (2 * n) == 0 && len / (2 * n) <= kMaxPeers, "ulysses_kernels.", op,
-           ": head_ranges expected 2 * ", n, " * world_size values (world_size at most ", kMaxPeers, "), got ", len);
-  return len / (2 * n);
-}
-
 // quant_pack_s2h: tensors [B, s, H_i, D] (one D) -> send, peer-major wire blocks
 // [B][s][heads of peer p][D + 4] bytes; with recv, peer `rank`'s block goes to recv viewed as
 // [B][S][h(rank)][D + 4] at tokens [seq_offset, seq_offset + s) (as pack_s2h's redirect).
@@ -67,7 +51,7 @@ PackParams make_quant_pack(at::TensorList tensors, at::IntArrayRef head_ranges, 
                            const std::optional<at::Tensor>& recv, int64_t rank, int64_t seq_offset, Fp8Args& args) {
   const char* op = "quant_pack_s2h";
   const int64_t n = static_cast<int64_t>(tensors.size());
-  const int64_t peers = world_of(op, n, head_ranges);
+  const int64_t peers = checked_world_size(op, "tensors", "peer", n, head_ranges);
   const at::Tensor& x0 = tensors[0];
   UK_CHECK(x0.dim() == 4, "ulysses_kernels.quant_pack_s2h: tensors[0] expected 4 dims [B, s, H, D], got shape ",
            list_text(x0.sizes()));
@@ -91,43 +75,13 @@ PackParams make_quant_pack(at::TensorList tensors, at::IntArrayRef head_ranges, 
              "ulysses_kernels.quant_pack_s2h: ", name, " expected [", B, ", ", S, ", *, ", D, "] ",
              c10::toString(x0.scalar_type()), " on ", x0.device().str(), " (as tensors[0]), got ", list_text(x.sizes()), " ",
              c10::toString(x.scalar_type()), " on ", x.device().str());
-    p.src[i] = bytes4(x);
+    p.src[i] = strided4(x);
     p.src_unit_stride[i] = p.src[i].sd;  // the row functions step the source by its D stride
   }
-  int64_t rows = 0;
-  for (int64_t peer = 0; peer < peers; ++peer) {
-    p.peer_row0[peer] = rows;
-    int64_t h = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t a = head_ranges[(peer * n + i) * 2], b = head_ranges[(peer * n + i) * 2 + 1];
-      UK_CHECK(0 <= a && a <= b && b <= tensors[i].size(2) && b <= kMaxHeads, "ulysses_kernels.quant_pack_s2h: head range of peer ",
-               peer, ", tensors[", i, "] expected within [0, ", tensors[i].size(2), "], got [", a, ", ", b, ")");
-      p.head0[peer][i] = static_cast<int32_t>(a);
-      p.heads[peer][i] = static_cast<int32_t>(b - a);
-      h += b - a;
-    }
-    p.peer_heads[peer] = static_cast<int32_t>(h);
-    rows += S * B * h;
-  }
-  p.peer_row0[peers] = rows;
-  p.redirect_peer = -1;
-  p.redirect_rows = 0;
+  const int64_t rows = fill_pack_peers(p, op, tensors, head_ranges);
   if (recv.has_value()) {
-    const at::Tensor& r = *recv;
-    check_bytes(r, x0, op, "recv");
-    UK_CHECK(0 <= rank && rank < peers, "ulysses_kernels.quant_pack_s2h: rank expected in [0, ", peers, "), got ", rank);
-    const int64_t h = p.peer_heads[rank], per_token = B * h * W;
-    UK_CHECK(r.dim() == 1 && r.is_contiguous() && (per_token == 0 ? r.numel() == 0 : r.numel() % per_token == 0),
-             "ulysses_kernels.quant_pack_s2h: recv expected contiguous 1-D bytes, B * S * h * (D + 4) = ", B, " * S * ", h,
-             " * ", W, ", got shape ", list_text(r.sizes()));
-    const int64_t total = per_token == 0 ? S + seq_offset : r.numel() / per_token;
-    UK_CHECK(0 <= seq_offset && seq_offset + S <= total, "ulysses_kernels.quant_pack_s2h: seq_offset expected in [0, ",
-             total - S, "], got ", seq_offset);
-    p.redirect_peer = static_cast<int32_t>(rank);
-    p.redirect_rows = p.peer_row0[rank + 1] - p.peer_row0[rank];
-    p.redirect_ss = h * W;
-    p.redirect_sb = total * p.redirect_ss;
-    p.redirect_ptr = static_cast<char*>(r.mutable_data_ptr()) + seq_offset * p.redirect_ss;
+    check_bytes(*recv, x0, op, "recv");
+    redirect_own_rows(p, op, *recv, rank, seq_offset, W, "(D + 4) bytes");
   }
   UK_CHECK(send.dim() == 1 && send.is_contiguous() && send.numel() == (rows - p.redirect_rows) * W,
            "ulysses_kernels.quant_pack_s2h: send expected contiguous 1-D bytes, ", (rows - p.redirect_rows) * W,
@@ -142,7 +96,7 @@ std::vector<std::pair<UnpackParams, Fp8Args>> make_dequant(at::TensorList blocks
                                                            at::TensorList outs, int64_t fmt) {
   const char* op = "dequant_unpack_h2s";
   const int64_t n = static_cast<int64_t>(outs.size());
-  const int64_t peers = world_of(op, n, head_ranges);
+  const int64_t peers = checked_world_size(op, "outs", "source", n, head_ranges);
   UK_CHECK(static_cast<int64_t>(blocks.size()) == peers * n, "ulysses_kernels.dequant_unpack_h2s: blocks expected ", peers * n,
            " tensors (world_size ", peers, " x ", n, " roles), got ", blocks.size());
   std::vector<std::pair<UnpackParams, Fp8Args>> plan;
@@ -153,25 +107,14 @@ std::vector<std::pair<UnpackParams, Fp8Args>> make_dequant(at::TensorList blocks
              " expected 4 dims [B, s, H, D] on ", outs[0].device().str(), ", got shape ", list_text(out.sizes()));
     const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3), W = D + 4;
     Fp8Args a{D, dtype_code(out, op, oname), static_cast<int>(fmt)};
-    UnpackParams p{};
-    p.out = static_cast<char*>(out.mutable_data_ptr());
-    p.ob = bstride(out, 0);
-    p.os = bstride(out, 1);
-    p.oh = bstride(out, 2);
-    p.od = D == 1 ? out.element_size() : bstride(out, 3);
-    p.batch = B;
-    p.seq = S;
-    p.d = D;
-    p.elem = out.element_size();
+    UnpackParams p = unpack_output(out, peers);
     p.unit = 1;
     p.units_per_row = D;
-    p.n_src = static_cast<int32_t>(peers);
     for (int64_t src = 0; src < peers; ++src) {
       const at::Tensor& blk = blocks[src * n + i];
       const std::string bname = message("blocks[", src * n + i, "] (source ", src, ", role ", i, ")");
       const int64_t a0 = head_ranges[(src * n + i) * 2], a1 = head_ranges[(src * n + i) * 2 + 1], h = a1 - a0;
-      UK_CHECK(0 <= a0 && a0 <= a1 && a1 <= H && a1 <= kMaxHeads, "ulysses_kernels.dequant_unpack_h2s: head range of ", bname,
-               " expected within [0, ", H, "], got [", a0, ", ", a1, ")");
+      check_head_range(op, bname, a0, a1, H);
       check_bytes(blk, out, op, bname.c_str());
       const bool flat = blk.dim() == 1 && blk.is_contiguous() && blk.numel() == B * S * h * W;
       UK_CHECK(flat || (blk.dim() == 4 && blk.size(0) == B && blk.size(1) == S && blk.size(2) == h && blk.size(3) == W &&
@@ -179,7 +122,7 @@ std::vector<std::pair<UnpackParams, Fp8Args>> make_dequant(at::TensorList blocks
                "ulysses_kernels.dequant_unpack_h2s: ", bname, " expected [", B, ", ", S, ", ", h, ", ", W,
                "] bytes with contiguous rows, or their flat piece, got shape ", list_text(blk.sizes()), " strides ",
                list_text(blk.strides()));
-      p.blk[src] = flat ? Strided4{static_cast<const char*>(blk.const_data_ptr()), S * h * W, h * W, W, 1} : bytes4(blk);
+      p.blk[src] = flat ? flat_strided4(blk, B, S, h, W, 1) : strided4(blk);
       p.head0[src] = static_cast<int32_t>(a0);
       p.head1[src] = static_cast<int32_t>(a1);
     }

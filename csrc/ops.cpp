@@ -13,6 +13,7 @@
 
 #include "kernels/pack.h"
 #include "message.h"
+#include "op_params.h"
 
 #ifdef ULYSSES_KERNELS_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -24,25 +25,6 @@
 namespace ulysses_kernels {
 
 namespace {
-
-// Byte stride of `dim`; a dimension of size 1 contributes nothing, so its (arbitrary)
-// stride must not spoil the alignment choice.
-int64_t byte_stride(const at::Tensor& t, int64_t dim) {
-  return t.size(dim) == 1 ? 0 : t.stride(dim) * static_cast<int64_t>(t.element_size());
-}
-
-Strided4 strided4(const at::Tensor& t) {
-  return Strided4{static_cast<const char*>(t.const_data_ptr()), byte_stride(t, 0), byte_stride(t, 1),
-                  byte_stride(t, 2), t.size(3) == 1 ? t.element_size() : byte_stride(t, 3)};
-}
-
-// A flat contiguous block of B * S * h * D elements as the [B][S][h][D] tensor it holds (byte
-// strides as strided4 gives them: none for a dimension of size 1).
-Strided4 wire_strided4(const at::Tensor& t, int64_t B, int64_t S, int64_t h, int64_t D) {
-  const int64_t e = t.element_size(), row = D * e;
-  return Strided4{static_cast<const char*>(t.const_data_ptr()), B == 1 ? 0 : S * h * row, S == 1 ? 0 : h * row,
-                  h == 1 ? 0 : row, e};
-}
 
 // Largest unit (16, 8, 4, 2 or 1 bytes, at least one element) that divides every value
 // in `bits` (pointers, strides, row length ORed together); one element when a row is not
@@ -78,20 +60,6 @@ void check_send(const at::Tensor& send, int64_t expected, const char* op) {
            send.numel());
 }
 
-// The world size implied by head_ranges ([peer][role][start, end] for n roles), checked
-// against the limits of the kernels' parameter structs.
-int64_t checked_world_size(const char* op, const char* what, const char* per, int64_t n, at::IntArrayRef head_ranges) {
-  UK_CHECK(n >= 1 && n <= kMaxRoles, "ulysses_kernels.", op, ": ", what, " expected 1 to ", kMaxRoles,
-           " tensors, got ", n);
-  const int64_t len = static_cast<int64_t>(head_ranges.size());
-  UK_CHECK(len > 0 && len % (2 * n) == 0, "ulysses_kernels.", op, ": head_ranges expected 2 * ", n,
-           " * world_size values ([", per, "][role][start, end]), got ", len);
-  const int64_t peers = len / (2 * n);
-  UK_CHECK(peers <= kMaxPeers, "ulysses_kernels.", op, ": world_size expected at most ", kMaxPeers, ", got ",
-           peers);
-  return peers;
-}
-
 // pack_s2h: tensors [B, s, H_i, D] -> send, peer-major [B][s][heads of peer p][D] blocks;
 // with `recv`, the block of peer `rank` goes to recv viewed as [B][S][h(rank)][D] at
 // tokens [seq_offset, seq_offset + s) instead, and send holds the other peers' blocks only.
@@ -123,46 +91,10 @@ PackParams make_pack_s2h(at::TensorList tensors, at::IntArrayRef head_ranges, co
     rows_contiguous = rows_contiguous && p.src[i].sd == elem;
     bits |= strided_bits(p.src[i]);
   }
-  int64_t rows = 0;
-  for (int64_t peer = 0; peer < peers; ++peer) {
-    p.peer_row0[peer] = rows;
-    int64_t h = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t a = head_ranges[(peer * n + i) * 2], b = head_ranges[(peer * n + i) * 2 + 1];
-      UK_CHECK(0 <= a && a <= b && b <= tensors[i].size(2), "ulysses_kernels.pack_s2h: head range of peer ", peer,
-               ", tensors[", i, "] expected within [0, ", tensors[i].size(2), "], got [", a, ", ", b, ")");
-      UK_CHECK(b <= kMaxHeads, "ulysses_kernels.pack_s2h: head range of peer ", peer, ", tensors[", i,
-               "] expected to end at most at ", kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
-      p.head0[peer][i] = static_cast<int32_t>(a);
-      p.heads[peer][i] = static_cast<int32_t>(b - a);
-      h += b - a;
-    }
-    UK_CHECK(h <= kMaxHeads, "ulysses_kernels.pack_s2h: heads sent to peer ", peer, " expected at most ", kMaxHeads,
-             " (32-bit head counts), got ", h);
-    p.peer_heads[peer] = static_cast<int32_t>(h);
-    rows += S * B * h;
-  }
-  p.peer_row0[peers] = rows;
-  p.redirect_peer = -1;
-  p.redirect_rows = 0;
+  const int64_t rows = fill_pack_peers(p, "pack_s2h", tensors, head_ranges);
   if (recv.has_value()) {
-    const at::Tensor& r = *recv;
-    UK_CHECK(0 <= rank && rank < peers, "ulysses_kernels.pack_s2h: rank expected in [0, ", peers,
-             ") when recv is given, got ", rank);
-    check_same(r, send, "pack_s2h", "recv", "send");
-    const int64_t h = p.peer_heads[rank], per_token = B * h * D;
-    UK_CHECK(r.dim() == 1 && r.is_contiguous() && (per_token == 0 ? r.numel() == 0 : r.numel() % per_token == 0),
-             "ulysses_kernels.pack_s2h: recv expected a contiguous 1-D tensor of B * S * h * D = ", B, " * S * ", h,
-             " * ", D, " elements, got shape ", shape_str(r));
-    // With no heads for this rank (a chunk may give it none) there is nothing to redirect.
-    const int64_t total = per_token == 0 ? S + seq_offset : r.numel() / per_token;
-    UK_CHECK(0 <= seq_offset && seq_offset + S <= total, "ulysses_kernels.pack_s2h: seq_offset expected in [0, ",
-             total - S, "] (recv holds ", total, " tokens, tensors[0] ", S, "), got ", seq_offset);
-    p.redirect_peer = static_cast<int32_t>(rank);
-    p.redirect_rows = p.peer_row0[rank + 1] - p.peer_row0[rank];
-    p.redirect_ss = h * p.row_bytes;
-    p.redirect_sb = total * p.redirect_ss;
-    p.redirect_ptr = static_cast<char*>(r.mutable_data_ptr()) + seq_offset * p.redirect_ss;
+    check_same(*recv, send, "pack_s2h", "recv", "send");
+    redirect_own_rows(p, "pack_s2h", *recv, rank, seq_offset, D, "D");
     bits |= reinterpret_cast<uintptr_t>(p.redirect_ptr);
   }
   // With recv, send holds the other peers' blocks only.
@@ -212,17 +144,7 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
              shape_str(out));
     check_same(out, outs[0], "unpack_h2s", oname, "outs[0]");
     const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3), elem = out.element_size();
-    UnpackParams p{};
-    p.out = static_cast<char*>(out.mutable_data_ptr());
-    p.ob = byte_stride(out, 0);
-    p.os = byte_stride(out, 1);
-    p.oh = byte_stride(out, 2);
-    p.od = D == 1 ? elem : byte_stride(out, 3);
-    p.batch = B;
-    p.seq = S;
-    p.d = D;
-    p.elem = elem;
-    p.n_src = static_cast<int32_t>(peers);
+    UnpackParams p = unpack_output(out, peers);
     bool rows_contiguous = p.od == elem;
     uint64_t bits = reinterpret_cast<uintptr_t>(p.out) | static_cast<uint64_t>(p.ob) | static_cast<uint64_t>(p.os) |
                     static_cast<uint64_t>(p.oh) | static_cast<uint64_t>(D * elem);
@@ -232,10 +154,7 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
       const at::Tensor& blk = blocks[src * n + i];
       const std::string bname = message("blocks[", src * n + i, "] (source ", src, ", role ", i, ")");
       const int64_t a = head_ranges[(src * n + i) * 2], b = head_ranges[(src * n + i) * 2 + 1];
-      UK_CHECK(0 <= a && a <= b && b <= H, "ulysses_kernels.unpack_h2s: head range of ", bname,
-               " expected within [0, ", H, "], got [", a, ", ", b, ")");
-      UK_CHECK(b <= kMaxHeads, "ulysses_kernels.unpack_h2s: head range of ", bname, " expected to end at most at ",
-               kMaxHeads, " (32-bit head indices), got [", a, ", ", b, ")");
+      check_head_range("unpack_h2s", bname, a, b, H);
       // A flat block (1-D, contiguous, B * S * h * D elements) is the wire format [B][S][h][D]
       // itself: the exchange passes the pieces of its receive buffer so, with no view per block.
       const bool flat = blk.dim() == 1 && blk.is_contiguous() && blk.numel() == B * S * (b - a) * D;
@@ -243,7 +162,7 @@ UnpackLaunch make_unpack(at::TensorList blocks, at::IntArrayRef head_ranges, at:
                "ulysses_kernels.unpack_h2s: ", bname, ".shape expected [", B, ", ", S, ", ", b - a, ", ", D,
                "], got ", shape_str(blk));
       check_same(blk, out, "unpack_h2s", bname, oname.c_str());
-      p.blk[src] = flat ? wire_strided4(blk, B, S, b - a, D) : strided4(blk);
+      p.blk[src] = flat ? flat_strided4(blk, B, S, b - a, D * elem, elem) : strided4(blk);
       p.head0[src] = static_cast<int32_t>(a);
       p.head1[src] = static_cast<int32_t>(b);
       rows_contiguous = rows_contiguous && p.blk[src].sd == elem;

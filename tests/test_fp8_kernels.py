@@ -217,3 +217,42 @@ def test_triton_fp8_launch_geometry_and_alignment():
 
 def triton_cdiv(a, b):
     return -(-a // b)
+
+
+def test_fp8_op_errors_name_the_tensor():
+    """The FP8 wire's C++ ops check their inputs as the plain ops do (one host helper for
+    both, csrc/op_params.h): head ranges, world size, recv and seq_offset, byte buffers."""
+    from ulysses_kernels import extension
+
+    if not extension.available():
+        pytest.skip("ulysses_kernels._C is not built")
+    ops = torch.ops.ulysses_kernels
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8)
+    send = torch.empty(2 * 3 * 6 * 12, dtype=torch.uint8)
+    ops.quant_pack_s2h([q, k], [0, 4, 0, 2], send)  # the well-formed call
+    with pytest.raises(RuntimeError, match=r"quant_pack_s2h: head range of peer 0, tensors\[1\] expected within \[0, 2\], got \[0, 3\)"):
+        ops.quant_pack_s2h([q, k], [0, 4, 0, 3], send)
+    with pytest.raises(RuntimeError, match=r"quant_pack_s2h: world_size expected at most 64, got 65"):
+        ops.quant_pack_s2h([q], [0, 1] * 65, send)
+    with pytest.raises(RuntimeError, match=r"quant_pack_s2h: send\.dtype expected uint8 \(wire bytes\), got Float"):
+        ops.quant_pack_s2h([q, k], [0, 4, 0, 2], torch.empty(10))
+    # Two peers, this rank (1) keeps heads [2, 4) of q and [1, 2) of k: 3 heads of 12 bytes a token.
+    ranges = [0, 2, 0, 1, 2, 4, 1, 2]
+    half = torch.empty(2 * 3 * 3 * 12, dtype=torch.uint8)
+    recv = torch.empty(2 * 5 * 3 * 12, dtype=torch.uint8)  # 5 tokens in all
+    ops.quant_pack_s2h([q, k], ranges, half, recv, 1, 2)
+    with pytest.raises(RuntimeError, match=r"quant_pack_s2h: recv expected a contiguous 1-D tensor of B \* S \* h \* \(D \+ 4\) bytes = 2 \* S \* 3 \* 12"):
+        ops.quant_pack_s2h([q, k], ranges, half, recv[:-1], 1, 2)
+    with pytest.raises(RuntimeError, match=r"quant_pack_s2h: seq_offset expected in \[0, 2\] \(recv holds 5 tokens, tensors\[0\] 3\), got 3"):
+        ops.quant_pack_s2h([q, k], ranges, half, recv, 1, 3)
+    with pytest.raises(RuntimeError, match=r"quant_pack_s2h: rank expected in \[0, 2\) when recv is given, got 2"):
+        ops.quant_pack_s2h([q, k], ranges, half, recv, 2, 0)
+    out = torch.empty(2, 3, 4, 8)
+    blocks = [torch.empty(2, 3, 2, 12, dtype=torch.uint8)] * 2
+    ops.dequant_unpack_h2s(blocks, [0, 2, 2, 4], [out])
+    with pytest.raises(RuntimeError, match=r"dequant_unpack_h2s: head range of blocks\[1\] \(source 1, role 0\) expected within \[0, 4\], got \[3, 5\)"):
+        ops.dequant_unpack_h2s(blocks, [0, 2, 3, 5], [out])
+    with pytest.raises(RuntimeError, match=r"dequant_unpack_h2s: outs expected 1 to 3 tensors, got 4"):
+        ops.dequant_unpack_h2s(blocks, [0, 4] * 4, [out] * 4)
+    with pytest.raises(RuntimeError, match=r"fmt expected 0 \(e4m3\) or 1 \(e5m2\), got 2"):
+        ops.dequant_unpack_h2s(blocks, [0, 2, 2, 4], [out], 2)
