@@ -62,6 +62,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.metadata
 from typing import Any
 
 import torch
@@ -84,6 +85,9 @@ else:
     _MISSING = None
 
 __all__ = ["enable", "zero_code", "TorchtitanIntegrationError", "document_boundaries", "shard_batch"]
+
+# The versions the suite passes with (scripts/setup.sh installs them), named in the error of a torchtitan that does not import.
+TESTED_TORCHTITAN, TESTED_TORCH = "0.3.0", "2.14.1"
 
 # The override's import path, as torchtitan's ``override.imports`` names it.
 OVERRIDE = f"{__name__}.ulysses_inner_attention"
@@ -172,9 +176,26 @@ def enable(config, *, chunks: int | str = 1, kernels: str | None = None):
     return _enable(config, chunks=chunks, kernels=kernels)
 
 
+def _missing_reason(error: ImportError) -> str:
+    """Why torchtitan cannot be used: not installed, or installed and failing to import (a
+    torch older than the one it was written for, one of its requirements missing)."""
+    if isinstance(error, ModuleNotFoundError) and error.name == "torchtitan":
+        return f"ulysses_kernels.integrations.torchtitan needs torchtitan (pip install torchtitan=={TESTED_TORCHTITAN})"
+    try:
+        installed = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "(version unknown)"
+    return (
+        f"ulysses_kernels.integrations.torchtitan: torchtitan {installed} is installed but does not import with torch "
+        f"{torch.__version__}: {type(error).__name__}: {error}. This integration is tested with torchtitan {TESTED_TORCHTITAN} "
+        f"on torch {TESTED_TORCH} (torchtitan {TESTED_TORCHTITAN} is written for a recent torch: on torch 2.11 its import "
+        "stops at `from torch.distributed.fsdp import DataParallelMeshDims`, which torch 2.13 has)"
+    )
+
+
 def _enable(config, *, chunks: int | str = 1, kernels: str | None = None, deferred: bool = False):
     if _MISSING is not None:
-        raise ImportError("ulysses_kernels.integrations.torchtitan needs torchtitan (pip install torchtitan==0.3.0)") from _MISSING
+        raise ImportError(_missing_reason(_MISSING)) from _MISSING
     _check(config, deferred=deferred)
     spec = config.model_spec
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config)}
