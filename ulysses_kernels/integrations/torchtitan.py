@@ -62,12 +62,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib.metadata
 from typing import Any
 
 import torch
 
 from ..attention.interface import UlyssesAttention
+from .requirements import unusable
 
 try:
     from torchtitan.components.validate import Validator
@@ -177,20 +177,15 @@ def enable(config, *, chunks: int | str = 1, kernels: str | None = None):
 
 
 def _missing_reason(error: ImportError) -> str:
-    """Why torchtitan cannot be used: not installed, or installed and failing to import (a
-    torch older than the one it was written for, one of its requirements missing)."""
-    if isinstance(error, ModuleNotFoundError) and error.name == "torchtitan":
-        return f"ulysses_kernels.integrations.torchtitan needs torchtitan (pip install torchtitan=={TESTED_TORCHTITAN})"
-    try:
-        installed = importlib.metadata.version("torchtitan")
-    except importlib.metadata.PackageNotFoundError:
-        installed = "(version unknown)"
-    return (
-        f"ulysses_kernels.integrations.torchtitan: torchtitan {installed} is installed but does not import with torch "
-        f"{torch.__version__}: {type(error).__name__}: {error}. This integration is tested with torchtitan {TESTED_TORCHTITAN} "
-        f"on torch {TESTED_TORCH} (torchtitan {TESTED_TORCHTITAN} is written for a recent torch: on torch 2.11 its import "
-        "stops at `from torch.distributed.fsdp import DataParallelMeshDims`, which torch 2.13 has)"
-    )
+    """Why torchtitan cannot be used; for an installed one that does not import, the versions the suite passes with."""
+    reason = unusable("torchtitan", error, f"pip install torchtitan=={TESTED_TORCHTITAN}")
+    if "is installed" in reason:
+        reason += (
+            f". This integration is tested with torchtitan {TESTED_TORCHTITAN} on torch {TESTED_TORCH} (torchtitan {TESTED_TORCHTITAN} is "
+            "written for a recent torch: on torch 2.11 its import stops at `from torch.distributed.fsdp import DataParallelMeshDims`, "
+            "which torch 2.13 has)"
+        )
+    return f"ulysses_kernels.integrations.torchtitan: {reason}"
 
 
 def _enable(config, *, chunks: int | str = 1, kernels: str | None = None, deferred: bool = False):

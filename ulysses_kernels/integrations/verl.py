@@ -80,6 +80,7 @@ from ..layers.step import SHARD_KWARG, HFIntegrationError, SequenceShard
 from ..plan import HeadPlan, PlanError
 from ..wire import WireSpec, wire_spec
 from .hf.model import attention_function, attention_modules
+from .requirements import unusable
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -203,7 +204,7 @@ def _verl_monkey_patch_module():
     try:
         import verl.models.transformers.monkey_patch as mp
     except ImportError as e:
-        raise VerlIntegrationError(f"ulysses_kernels.integrations.verl: verl is not importable ({e}); pip install verl") from e
+        raise VerlIntegrationError(f"ulysses_kernels.integrations.verl: {unusable('verl', e, 'pip install verl')}") from e
     return mp
 
 
@@ -313,7 +314,7 @@ def _checked_state(model, sp_size: int, options: _Options) -> _ModelState:
     try:
         from transformers import PreTrainedModel
     except ImportError as e:  # pragma: no cover - verl requires transformers
-        raise VerlIntegrationError("ulysses_kernels.integrations.verl: transformers is not installed") from e
+        raise VerlIntegrationError(f"ulysses_kernels.integrations.verl: {unusable('transformers', e, 'pip install transformers')}") from e
     name = type(model).__name__
     if not isinstance(model, PreTrainedModel):
         raise VerlIntegrationError(f"apply_monkey_patch: expected a transformers PreTrainedModel, got {name}")

@@ -24,6 +24,7 @@ from ...longctx.patches import enable as enable_long_context
 from ...plan import more_ranks_than_heads, more_ranks_than_heads_flat
 from ...ring import SPGroups
 from ...wire import wire_spec
+from ..requirements import unusable
 from .multimodal import prepare as prepare_multimodal
 from .multimodal import text_config_key, text_model
 
@@ -190,7 +191,7 @@ def apply(
     try:
         from transformers import PreTrainedModel
     except ImportError as e:  # pragma: no cover - exercised only without transformers
-        raise HFIntegrationError("apply: transformers is not installed (pip install transformers)") from e
+        raise HFIntegrationError(f"apply: {unusable('transformers', e, 'pip install transformers')}") from e
     if not isinstance(model, PreTrainedModel):
         raise HFIntegrationError(
             f"apply: expected a transformers PreTrainedModel, got {type(model).__name__}; other modules can call ulysses_kernels.ulysses_attention directly"
