@@ -319,6 +319,51 @@ def test_world_size_2_forward_and_backward_trace():
     run_ranks(_world_2, 2, WORLD_2_CASES, timeout_s=180)
 
 
+# FP8 on the wire inside the graph (wire_dtype="fp8": e4m3 forward, e5m2 backward): the traced
+# movers quantize in the pack, move bytes in the same one all_to_all per exchange and dequantize
+# in the unpack, as eager does. (q_heads, kv_heads, batch, seq_lens, kernels, dtype): batch 1;
+# a KV head on both ranks (its gradient summed over the replicas, dequantized) at batch 2.
+WORLD_2_FP8_CASES = [
+    (4, 2, 1, [4, 3], "torch", BF16),
+    (3, 1, 2, [2, 3], "cuda", torch.float32),
+]
+
+
+def _world_2_fp8(rank, world, cases):
+    torch.set_num_threads(1)
+    for hq, hkv, B, seq_lens, kernels, dtype in cases:
+        if kernels not in uk.kernels.available_kernels():
+            kernels = "torch"
+        q, k, v, do = _inputs(hq, hkv, B, sum(seq_lens), 8, seed=hq * 10 + hkv + B, dtype=dtype)
+        mine = [contiguous_shard(x, seq_lens, rank) for x in (q, k, v)]
+        my_do = contiguous_shard(do, seq_lens, rank)
+
+        def f(q, k, v, seq_lens=seq_lens, kernels=kernels, wire_dtype="fp8"):
+            return uk.ulysses_attention(q, k, v, causal=True, seq_lens=seq_lens, attn_fn="sdpa", kernels=kernels, wire_dtype=wire_dtype)
+
+        graphs = {"fw": [], "bw": []}
+        torch._dynamo.reset()
+        out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), mine, my_do)
+        case = f"rank {rank}, FP8 case {(hq, hkv, B, seq_lens, kernels, dtype)}"
+        assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1, case
+        for kind in ("fw", "bw"):
+            calls = [line for line in graphs[kind][0].splitlines() if "_c10d_functional.all_to_all_single" in line]
+            assert len(calls) == 2, f"{case}: {len(calls)} all_to_all_single in the {kind} graph, expected 2"
+            assert "torch.uint8" in graphs[kind][0], f"{case}: no byte buffer in the {kind} graph"
+        want_out, want_grads = _run(f, mine, my_do)
+        _assert_equal(out, want_out, f"{case} out")
+        for name, got, want in zip("qkv", grads, want_grads):
+            _assert_equal(got, want, f"{case} d{name}")
+        # ... and it is FP8 that crossed: the op without the wire differs.
+        plain_out, _ = _run(lambda q, k, v: f(q, k, v, wire_dtype=None), mine, my_do)
+        assert not torch.equal(out, plain_out), case
+        torch.testing.assert_close(out, plain_out, rtol=0.25, atol=0.25)
+
+
+def test_world_size_2_fp8_wire_traces_and_equals_eager():
+    run_ranks(_world_2_fp8, 2, WORLD_2_FP8_CASES, timeout_s=180)
+
+
 # ---- on a GPU: the inductor backend, bf16 ----------------------------------------------------
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -106,6 +106,9 @@ class WireSpec:
         return self.qkv is None and self.out is None and self.dout is None and self.grads is None
 
 
+FP8_ALL = WireSpec()  # wire_dtype="fp8": e4m3 forward, e5m2 backward
+
+
 def wire_spec(wire_dtype, who: str = "ulysses_attention", error: type[ValueError] = ValueError) -> WireSpec | None:
     """``wire_dtype`` as a ``WireSpec``: ``None`` (today), ``"fp8"`` (all four exchanges:
     e4m3 forward, e5m2 backward), or a ``WireSpec``; a spec that names no format is ``None``.
@@ -116,19 +119,18 @@ def wire_spec(wire_dtype, who: str = "ulysses_attention", error: type[ValueError
     if isinstance(wire_dtype, WireSpec):
         return None if wire_dtype.empty else wire_dtype
     if wire_dtype == "fp8":
-        return WireSpec()
+        return FP8_ALL  # one object: inside torch.compile a global constant, which dynamo reads (it cannot build one)
     raise error(f"{who}: wire_dtype={wire_dtype!r}; expected None, 'fp8' or a ulysses_kernels.wire.WireSpec")
 
 
-def resolve_wire(wire_dtype, kernels, world_size: int, traced: bool) -> WireSpec | None:
+def resolve_wire(wire_dtype, kernels, world_size: int) -> WireSpec | None:
     """The call's ``WireSpec`` (``None`` with one rank: nothing goes on a wire), after
-    refusing by name what cannot run it: ``torch.compile`` (the traced movers move the
-    attention dtype only) and a kernel set without the quantizing pack (``quant_pack_s2h``)."""
+    refusing by name a kernel set without the quantizing pack (``quant_pack_s2h``). Eager and
+    inside ``torch.compile`` alike (the traced movers quantize, move bytes and dequantize as
+    the eager ones do)."""
     spec = wire_spec(wire_dtype)
     if spec is None or world_size == 1:
         return None
-    if traced:
-        raise NotImplementedError("ulysses_attention: wire_dtype does not run inside torch.compile yet; run the op eagerly or pass wire_dtype=None")
     missing = [m for m in ("quant_pack_s2h", "quant_pack_h2s", "dequant_s2h", "dequant_unpack_h2s") if not hasattr(kernels, m)]
     if missing:
         raise ValueError(

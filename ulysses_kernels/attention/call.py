@@ -256,7 +256,7 @@ def _setup_flat(q, k, v, *, group, comm, members, plan, seq_lens, causal, softma
     layout, split = parts.layout, parts.split_kv_groups
     n = 1 if traced or (type(chunks) is int and chunks == 1) else _resolve_chunks(chunks, layout, q.element_size(), causal, q.device.type, split)
     comm = _transport(group, comm, members, q.device, traced)
-    wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size)
     routes = call_routes(layout, wire)
     call = CallSetup(parts.plan, layout, comm, parts.kernels, parts.backend, split, bool(causal), parts.scale, layout.kv_map, n, traced, docs, wire, routes)
     return call, parts
@@ -307,7 +307,7 @@ def setup_exchange(q, k, v, *, group, comm, plan, seq_lens, kernels, check, wire
     check_call(key, members, q.device, check, traced)
     parts = resolve(key, None, kernels, traced)  # the default backend's name: resolved, not run
     comm = _transport(group, comm, members, q.device, traced)
-    wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size, traced)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, parts.kernels, members.world_size)
     routes = call_routes(parts.layout, wire, roles, out=False)
     return CallSetup(parts.plan, parts.layout, comm, parts.kernels, traced=traced, wire=wire, routes=routes)
 
@@ -325,7 +325,7 @@ def setup_head_to_seq(x, plan: HeadPlan, *, group, comm, seq_lens, kernels, wire
     else:
         layout, kern = _kept_head_to_seq(plan, members.rank, lens, x.shape[0], x.shape[3], kernels, x.device, registry_generation())
     comm = _transport(group, comm, members, x.device, traced)
-    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size, traced)
+    wire = None if wire_dtype is None else resolve_wire(wire_dtype, kern, members.world_size)
     return CallSetup(plan, layout, comm, kern, traced=traced, wire=wire, routes=call_routes(layout, wire, (), out=True))
 
 

@@ -226,15 +226,20 @@ def post_head_to_seq(layout: Layout, local, roles, comm, kernels=TorchKernels, s
     return _post_h2s(layout.h2s_route(roles, row_extra(wire)), local, comm, kernels, start, flat, wire)
 
 
+def _quantized(layout: Layout, x: torch.Tensor, kernels, fmt: Fp8Format) -> torch.Tensor:
+    """A local ``[B, S, h, D]`` tensor quantized into wire rows: bytes ``[B, S, h, D + 4]``."""
+    B, S, h, D = x.shape
+    packed = x.new_empty(B, S, h, D + SCALE_BYTES, dtype=torch.uint8)
+    kernels.quant_pack_h2s(layout, x, packed.view(-1), fmt)
+    return packed
+
+
 def _post_h2s(route: H2SRoute, local, comm, kernels, start, flat: bool, wire: Fp8Format | None):
     """``post_head_to_seq`` along ``route`` (the sizes of its buffers)."""
     layout, fmt, wire = route.layout, wire, []
     for x in local:
         if fmt is not None:
-            B, S, h, D = x.shape
-            packed = x.new_empty(B, S, h, D + SCALE_BYTES, dtype=torch.uint8)
-            kernels.quant_pack_h2s(layout, x, packed.view(-1), fmt)
-            x = packed
+            x = _quantized(layout, x, kernels, fmt)
         elif not rows_contiguous(x):
             # NOTE: a backend that returns rows that are not contiguous costs this copy.
             packed = _flat(x.numel(), x)
@@ -298,16 +303,21 @@ def a2a_head_to_seq(layout: Layout, local: Sequence[torch.Tensor], roles: Sequen
 # ---- the traced movers: one all_to_all per exchange (see attention.traced) ----
 def s2h_along_traced(route: S2HRoute, tensors: Sequence[torch.Tensor], comm, kernels, wire=None) -> list[torch.Tensor]:
     """``[B, s_r, H, D]`` tensors -> this rank's heads ``[B, S, h, D]`` (views), one all_to_all.
-    ``wire`` is always None here (``wire.resolve_wire`` refuses it inside torch.compile)."""
+    With ``wire`` (an FP8 format; ``route`` then counts bytes, ``wire_layout``): the pack
+    quantizes into a byte buffer, the bytes cross, and the results are new tensors in the
+    inputs' dtype, dequantized by the kernel set, as in eager."""
     layout, like = route.layout, tensors[0]
-    send = _flat(sum(route.send_splits), like)
-    kernels.pack_s2h(layout, tensors, route.roles, send)
-    if layout.world_size == 1:
-        # One peer, S = s_r: the send buffer [B][s_r][h][D] is already the receive layout.
-        return _s2h_views(route, send)
-    got = _flat(sum(route.recv_splits), like)
-    comm.all_to_all(got, send, list(route.recv_splits), list(route.send_splits))
-    if layout.batch > 1:
+    if wire is None:
+        send = _flat(sum(route.send_splits), like)
+        kernels.pack_s2h(layout, tensors, route.roles, send)
+    else:
+        send = _flat(sum(route.send_splits), like.new_empty(0, dtype=torch.uint8))
+        kernels.quant_pack_s2h(layout, tensors, route.roles, send, fmt=wire)
+    got = send  # one peer, S = s_r: the send buffer [B][s_r][h][D] is already the receive layout
+    if layout.world_size > 1:
+        got = _flat(sum(route.recv_splits), send)
+        comm.all_to_all(got, send, list(route.recv_splits), list(route.send_splits))
+    if layout.world_size > 1 and layout.batch > 1:
         # Source-major [P][B][s_p][width] -> batch-major [B][S][width] (eager avoids this copy
         # with one send/recv per (peer, batch element), which does not trace: attention.traced).
         pieces, start = [], 0
@@ -315,27 +325,31 @@ def s2h_along_traced(route: S2HRoute, tensors: Sequence[torch.Tensor], comm, ker
             pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], route.width))
             start += n
         got = torch.cat(pieces, dim=1).view(-1)
-    return _s2h_views(route, got)
+    return _s2h_results(route, got, kernels, wire, like)
 
 
 def h2s_along_traced(route: H2SRoute, local: Sequence[torch.Tensor], comm, kernels, wire=None) -> list[torch.Tensor]:
     """Local ``[B, S, h, D]`` tensors (one per role) -> ``[B, s_r, H, D]``, one all_to_all;
-    replicated KV heads are summed in rank order by the kernel set's unpack, as in eager."""
+    replicated KV heads are summed in rank order by the kernel set's unpack, as in eager.
+    With ``wire`` (an FP8 format): each tensor is first quantized into bytes ``[B, S, h, D + 4]``
+    and the unpack dequantizes into the tensors' dtype."""
     layout = route.layout
     if layout.world_size == 1:
         return list(local)
     like = local[0]
+    if wire is not None:
+        local = [_quantized(layout, x, kernels, wire) for x in local]
     if len(local) == 1 and layout.batch == 1:
         # Peer p's rows are consecutive: the tensor is the send buffer (a view when its
         # rows are contiguous, as in eager).
-        send = like.reshape(-1)
+        send = local[0].reshape(-1)
     else:
         # Wire format: per peer p, per role, the rows of p as [B][s_p][h][D].
         send = torch.cat([_rows(route, x, p).reshape(-1) for p in range(layout.world_size) for x in local])
-    recv = _flat(sum(route.recv_splits), like)
+    recv = _flat(sum(route.recv_splits), send)
     comm.all_to_all(recv, send, list(route.recv_splits), list(route.send_splits))
     outs = [torch.empty(shape, dtype=like.dtype, device=like.device) for shape in route.out_shapes]
-    kernels.unpack_h2s(layout, _h2s_blocks(route, recv, False), route.roles, outs)
+    h2s_unpack(layout, _h2s_blocks(route, recv, False), route.roles, outs, kernels, wire)
     return outs
 
 

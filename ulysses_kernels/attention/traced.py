@@ -50,6 +50,11 @@ region the op is composed instead of traceable pieces:
   ``ulysses_kernels::nccl_all_to_all`` custom op in the graph; that path is untested under
   compile (it needs GPUs).
 
+* ``wire_dtype`` (FP8 on the wire, ``ulysses_kernels.wire``) runs here too: the traced movers
+  quantize in the pack and move the bytes in the same one ``all_to_all`` per exchange, then
+  dequantize in the unpack, as the eager movers do (bit-identical to eager with ``aot_eager``
+  on 2 gloo ranks; tests/test_compile.py).
+
 Data movement differs from eager in two places, each one extra copy of the bytes on the
 wire, because every exchange here is one ``all_to_all`` (eager's grouped send/recv moves
 pieces in place): with batch > 1 the sequence-to-head receive buffer

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ..layout import Layout
+from ..tracing import in_trace
 from ..wire import AMAX_FLOOR, SCALE_BYTES, Fp8Format, wire_layout
 
 __all__ = [
@@ -98,7 +99,8 @@ def _scales(src: torch.Tensor, D: int) -> torch.Tensor:
     """The float32 scales ``[..., 1]`` of wire rows ``src`` (``[..., D + 4]`` bytes); a view
     when the rows keep them 4-byte aligned, else a copy of the 4 bytes per row."""
     sc = src[..., D:]
-    aligned = sc.storage_offset() % SCALE_BYTES == 0 and all(st % SCALE_BYTES == 0 for st in sc.stride()[:-1])
+    # Inside torch.compile the view's offset is not known to the trace: the copy (same values).
+    aligned = not in_trace() and sc.storage_offset() % SCALE_BYTES == 0 and all(st % SCALE_BYTES == 0 for st in sc.stride()[:-1])
     # a fresh copy (offset 0), not .contiguous(): a one-row block is "contiguous" at any offset and would come back as is
     return (sc if aligned else sc.clone(memory_format=torch.contiguous_format)).view(torch.float32)
 
