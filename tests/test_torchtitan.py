@@ -285,12 +285,17 @@ def _one_process(rank, world, heads, out_path, packed=False, dp=1, mla=False):
     torch.save({"initial": initial, "losses": trainer.metrics_processor.losses, "final": _full_state(model)}, out_path)
 
 
-def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla=False):
+def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla=False, compile_backend=None):
+    from torch._dynamo.utils import counters
+
     from ulysses_kernels.integrations import torchtitan as ulysses_titan
 
     ref = torch.load(ref_path)
     config = _titan_config(*heads, cp=world // (dp * tp), mla=mla)
     config.parallelism.tensor_parallel_degree = tp
+    if compile_backend is not None:  # torchtitan compiles each transformer block (fullgraph) with this backend
+        config.compile.enable, config.compile.components, config.compile.backend = True, ["model"], compile_backend
+        counters.clear()
     config = ulysses_titan.enable(config, chunks=chunks)
     trainer, model = _trainer(config, world, ref["initial"])
     attention = model.layers["0"].attention.inner_attention
@@ -307,6 +312,8 @@ def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla
         assert torch.equal(got[2]["positions"], want[2]["positions"]) and got[2].get("attention_masks") == want[2].get("attention_masks")
     trainer.ntokens_seen = 0
     _train(trainer, packed, dp, part)
+    if compile_backend is not None:  # one graph per block, our exchanges inside (fullgraph: no break)
+        assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["stats"])
     losses = trainer.metrics_processor.losses
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref["losses"])):
@@ -316,7 +323,7 @@ def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla
         torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
 
 
-def _compare(heads, cp, chunks=1, packed=False, dp=1, tp=1, mla=False):
+def _compare(heads, cp, chunks=1, packed=False, dp=1, tp=1, mla=False, compile_backend=None):
     with tempfile.TemporaryDirectory() as tmp:
         ref_path = os.path.join(tmp, "one_process.pt")
         run_ranks(_one_process, 1, heads, ref_path, packed, dp, mla)  # the pool's process (no mesh of its own)
@@ -324,7 +331,7 @@ def _compare(heads, cp, chunks=1, packed=False, dp=1, tp=1, mla=False):
         # parameters on a mesh object other than the one FSDP was given (same axes, same ranks;
         # "Expected param's DTensor mesh to be the same mesh passed to fully_shard"): state kept
         # somewhere in torchtitan/spmd_types between two trainers, not found yet.
-        run_ranks(_ulysses, cp * dp * tp, heads, ref_path, chunks, packed, dp, tp, mla, fresh=True)
+        run_ranks(_ulysses, cp * dp * tp, heads, ref_path, chunks, packed, dp, tp, mla, compile_backend, fresh=True)
 
 
 def test_trainer_step_cp2_equals_one_process():
@@ -375,6 +382,17 @@ def _refused(config, setting: str, **options):
     return str(info.value)
 
 
+def test_trainer_step_compiled_by_inductor_cp2_equals_one_process():
+    """``compile.enable`` with the model compiled (torchtitan's default backend, inductor, which
+    generates C++ on the CPU): our exchanges are nodes of each block's graph; the losses and
+    weights stay within the eager bounds of one process (eager, SDPA)."""
+    _compare((4, 2), cp=2, compile_backend="inductor")
+
+
+def test_trainer_step_compiled_packed_dp2_cp2_equals_one_process():
+    _compare((4, 2), cp=2, packed=True, dp=2, compile_backend="aot_eager")
+
+
 def test_enable_refuses_what_it_cannot_run_exactly():
     from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenAttention
 
@@ -389,9 +407,6 @@ def test_enable_refuses_what_it_cannot_run_exactly():
     config = _titan_config(4, 2, cp=2)
     config.debug.spmd_typechecking = True
     _refused(config, "debug.spmd_typechecking")
-    config = _titan_config(4, 2, cp=2)
-    config.compile.enable, config.compile.components = True, ["model"]
-    _refused(config, "compile.components")
     config = _titan_config(4, 4, cp=2, mla=True)  # tp x cp runs GQA (tested); tp x MLA is refused until it has a test
     config.parallelism.tensor_parallel_degree = 2
     assert "got 2" in _refused(config, "parallelism.tensor_parallel_degree")

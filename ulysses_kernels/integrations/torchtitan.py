@@ -40,7 +40,7 @@ What ``enable`` changes (torchtitan 0.3.0), and nothing else:
 Refused in ``enable`` with ``TorchtitanIntegrationError`` naming the setting, what is
 expected and what was given (never silently different from one process): a load balancer,
 ``context_parallel_degree`` 1, pipeline/expert parallelism, an ``spmd_backend``
-other than ``spmd_types``, SPMD type checking, ``torch.compile`` of the model, an attention
+other than ``spmd_types``, SPMD type checking, an attention
 other than ``GQAttention`` and DeepSeek V3's MLA ``Attention`` (FlexAttention's ``score_mod``,
 gpt-oss's sinks ``out_transform`` enter through the others), an inner attention other than FlexAttention (varlen; SDPA, which
 torchtitan 0.3.0 no longer builds for language models), a model
@@ -50,7 +50,12 @@ torchtitan's ``Validator``. ``UlyssesInnerAttention`` refuses
 ``score_mod``/``out_transform`` at every call too, and a scale other than its first call's
 (each layer runs the scale the model passes: MLA's, with its yarn factor; ``None``: ``head_dim ** -0.5``).
 Tensor parallelism (tp x cp): torchtitan's local_map hands each rank its tp heads as plain
-tensors; Ulysses splits those over cp. See docs/torchtitan.md.
+tensors; Ulysses splits those over cp. ``torch.compile`` of the model (``compile.enable``
+with ``"model"`` in ``compile.components``: torchtitan compiles each transformer block,
+fullgraph): our attention runs its traced path inside each block's graph (one all-to-all
+per exchange as a graph node, ``chunks`` ignored there); packed documents are constants of
+that graph, so each new document layout is a new graph (torch's recompile limit then runs
+the block eagerly). See docs/torchtitan.md.
 
 torchtitan is imported when this module is (torchtitan's ``import torchtitan.trainer``:
 about 12 s on the shared CPU); without torchtitan the module still imports and ``enable``
@@ -136,8 +141,6 @@ def _check(config, *, enabled: bool = False, deferred: bool = False) -> None:
         _refuse("parallelism.spmd_backend", "'spmd_types' (the others wrap the inner attention for cp themselves)", p.spmd_backend)
     if config.debug.spmd_typechecking:
         _refuse("debug.spmd_typechecking", "False (the Ulysses exchange is not SPMD-typed)", True)
-    if config.compile.enable and "model" in config.compile.components:
-        _refuse("compile.components", "no 'model' (torch.compile of the model is not validated here)", list(config.compile.components))
     spec = config.model_spec
     if spec is None:
         _refuse("model_spec", "a ModelSpec", None)
