@@ -285,7 +285,7 @@ def _one_process(rank, world, heads, out_path, packed=False, dp=1, mla=False):
     torch.save({"initial": initial, "losses": trainer.metrics_processor.losses, "final": _full_state(model)}, out_path)
 
 
-def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla=False, compile_backend=None):
+def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla=False, compile_backend=None, wire_dtype=None):
     from torch._dynamo.utils import counters
 
     from ulysses_kernels.integrations import torchtitan as ulysses_titan
@@ -296,7 +296,7 @@ def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla
     if compile_backend is not None:  # torchtitan compiles each transformer block (fullgraph) with this backend
         config.compile.enable, config.compile.components, config.compile.backend = True, ["model"], compile_backend
         counters.clear()
-    config = ulysses_titan.enable(config, chunks=chunks)
+    config = ulysses_titan.enable(config, chunks=chunks, wire_dtype=wire_dtype)
     trainer, model = _trainer(config, world, ref["initial"])
     attention = model.layers["0"].attention.inner_attention
     assert type(attention).__name__ == "UlyssesInnerAttention" and attention.group is not None
@@ -316,6 +316,15 @@ def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla
         assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["stats"])
     losses = trainer.metrics_processor.losses
     assert len(losses) == STEPS
+    if wire_dtype is not None:  # FP8 on the wire: every layer's op holds the spec; the losses within the op's tolerance
+        from test_fp8_wire import OP_TOL
+
+        from ulysses_kernels.wire import wire_spec
+
+        assert all(layer.attention.inner_attention.__dict__["_op"].wire_dtype == wire_spec(wire_dtype) for layer in model.layers.values())
+        errs = [abs(got - want) / abs(want) for got, want in zip(losses, ref["losses"])]
+        assert 0 < max(errs) <= OP_TOL["out"], errs
+        return
     for step, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-6, f"step {step + 1}: loss {got!r} at cp {world}, one process {want!r}"
     final = _full_state(model)
@@ -323,7 +332,7 @@ def _ulysses(rank, world, heads, ref_path, chunks, packed=False, dp=1, tp=1, mla
         torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
 
 
-def _compare(heads, cp, chunks=1, packed=False, dp=1, tp=1, mla=False, compile_backend=None):
+def _compare(heads, cp, chunks=1, packed=False, dp=1, tp=1, mla=False, compile_backend=None, wire_dtype=None):
     with tempfile.TemporaryDirectory() as tmp:
         ref_path = os.path.join(tmp, "one_process.pt")
         run_ranks(_one_process, 1, heads, ref_path, packed, dp, mla)  # the pool's process (no mesh of its own)
@@ -331,7 +340,7 @@ def _compare(heads, cp, chunks=1, packed=False, dp=1, tp=1, mla=False, compile_b
         # parameters on a mesh object other than the one FSDP was given (same axes, same ranks;
         # "Expected param's DTensor mesh to be the same mesh passed to fully_shard"): state kept
         # somewhere in torchtitan/spmd_types between two trainers, not found yet.
-        run_ranks(_ulysses, cp * dp * tp, heads, ref_path, chunks, packed, dp, tp, mla, compile_backend, fresh=True)
+        run_ranks(_ulysses, cp * dp * tp, heads, ref_path, chunks, packed, dp, tp, mla, compile_backend, wire_dtype, fresh=True)
 
 
 def test_trainer_step_cp2_equals_one_process():
@@ -393,6 +402,12 @@ def test_trainer_step_compiled_packed_dp2_cp2_equals_one_process():
     _compare((4, 2), cp=2, packed=True, dp=2, compile_backend="aot_eager")
 
 
+def test_trainer_step_fp8_wire_cp2_close_to_one_process():
+    """``enable(config, wire_dtype="fp8")``: every layer's op sends FP8 (e4m3 forward, e5m2
+    backward); the losses differ from one process, within the op's measured tolerance."""
+    _compare((4, 2), cp=2, packed=True, wire_dtype="fp8")
+
+
 def test_enable_refuses_what_it_cannot_run_exactly():
     from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenAttention
 
@@ -407,6 +422,7 @@ def test_enable_refuses_what_it_cannot_run_exactly():
     config = _titan_config(4, 2, cp=2)
     config.debug.spmd_typechecking = True
     _refused(config, "debug.spmd_typechecking")
+    assert "expected None, 'fp8' or a ulysses_kernels.wire.WireSpec" in _refused(_titan_config(4, 2, cp=2), "enable: wire_dtype='fp4'", wire_dtype="fp4")
     config = _titan_config(4, 4, cp=2, mla=True)  # tp x cp runs GQA (tested); tp x MLA is refused until it has a test
     config.parallelism.tensor_parallel_degree = 2
     assert "got 2" in _refused(config, "parallelism.tensor_parallel_degree")
@@ -462,7 +478,7 @@ def test_enable_refuses_other_attentions_and_twice():
     enabled = ulysses_titan.enable(config, chunks=2, kernels="torch")
     assert type(enabled.validator).__qualname__ == "UlyssesValidator.Config"
     assert type(config).__name__ == "Config" and config.override.imports == [], "enable changed its argument"
-    assert enabled.override.imports == [(ulysses_titan.OVERRIDE, {"chunks": 2, "kernels": "torch"})]
+    assert enabled.override.imports == [(ulysses_titan.OVERRIDE, {"chunks": 2, "kernels": "torch", "wire_dtype": None})]
     assert type(enabled).__qualname__ == "UlyssesTrainer.Config"
     with pytest.raises(ulysses_titan.TorchtitanIntegrationError, match="config: expected"):
         ulysses_titan.enable(enabled)
@@ -513,7 +529,7 @@ def test_zero_code_form_is_enable_of_the_stock_config():
     assert type(parsed) is type(explicit) is ulysses_titan.UlyssesTrainer.Config
     for field in dataclasses.fields(explicit):
         assert _without_addresses(getattr(parsed, field.name)) == _without_addresses(getattr(explicit, field.name)), field.name
-    assert parsed.override.imports == [(ulysses_titan.OVERRIDE, {"chunks": 1, "kernels": None})]
+    assert parsed.override.imports == [(ulysses_titan.OVERRIDE, {"chunks": 1, "kernels": None, "wire_dtype": None})]
 
     cp2 = ("--parallelism.context_parallel_degree", "2")
     for extra, setting, got in (

@@ -72,6 +72,7 @@ from typing import Any
 import torch
 
 from ..attention.interface import UlyssesAttention
+from ..wire import wire_spec
 from .requirements import unusable
 
 try:
@@ -170,13 +171,14 @@ def _check(config, *, enabled: bool = False, deferred: bool = False) -> None:
         _refuse("override.imports", f"{OVERRIDE} {'once' if enabled else 'not before enable (enable adds it once)'}", ours)
 
 
-def enable(config, *, chunks: int | str = 1, kernels: str | None = None):
+def enable(config, *, chunks: int | str = 1, kernels: str | None = None, wire_dtype=None):
     """A copy of torchtitan's ``Trainer.Config`` ``config`` whose attention is
     ``ulysses_attention`` over the cp mesh (``UlyssesTrainer.Config``; ``config`` itself is
-    not changed). ``chunks`` and ``kernels``: as in ``UlyssesAttention`` (head chunks whose
-    exchanges overlap attention; the pack/unpack kernel set). Raises
-    ``TorchtitanIntegrationError`` for a setting it cannot run exactly (module docstring)."""
-    return _enable(config, chunks=chunks, kernels=kernels)
+    not changed). ``chunks``, ``kernels`` and ``wire_dtype``: as in ``UlyssesAttention`` (head
+    chunks whose exchanges overlap attention; the pack/unpack kernel set; ``"fp8"`` or a
+    ``wire.WireSpec``: FP8 on the wire, docs/fp8_wire.md). Raises ``TorchtitanIntegrationError``
+    for a setting it cannot run exactly (module docstring) and for a bad ``wire_dtype``."""
+    return _enable(config, chunks=chunks, kernels=kernels, wire_dtype=wire_dtype)
 
 
 def _missing_reason(error: ImportError) -> str:
@@ -191,9 +193,10 @@ def _missing_reason(error: ImportError) -> str:
     return f"ulysses_kernels.integrations.torchtitan: {reason}"
 
 
-def _enable(config, *, chunks: int | str = 1, kernels: str | None = None, deferred: bool = False):
+def _enable(config, *, chunks: int | str = 1, kernels: str | None = None, wire_dtype=None, deferred: bool = False):
     if _MISSING is not None:
         raise ImportError(_missing_reason(_MISSING)) from _MISSING
+    wire = wire_spec(wire_dtype, "ulysses_kernels torchtitan: enable", TorchtitanIntegrationError)
     _check(config, deferred=deferred)
     spec = config.model_spec
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config)}
@@ -202,7 +205,8 @@ def _enable(config, *, chunks: int | str = 1, kernels: str | None = None, deferr
     )  # fmt: skip
     values["parallelism"] = dataclasses.replace(config.parallelism)
     values["validator"] = UlyssesValidator.Config(**{f.name: getattr(config.validator, f.name) for f in dataclasses.fields(Validator.Config)})
-    values["override"] = dataclasses.replace(config.override, imports=[*config.override.imports, (OVERRIDE, {"chunks": chunks, "kernels": kernels})])
+    ours = (OVERRIDE, {"chunks": chunks, "kernels": kernels, "wire_dtype": wire})
+    values["override"] = dataclasses.replace(config.override, imports=[*config.override.imports, ours])
     return UlyssesTrainer.Config(**values)
 
 
@@ -237,10 +241,11 @@ if _MISSING is None:
         class Config(Module.Config):
             chunks: int | str = 1
             kernels: str | None = None
+            wire_dtype: Any = None  # None or a wire.WireSpec (enable checks and resolves it)
 
         def __init__(self, config: Config):
             super().__init__()
-            self.chunks, self.kernels = config.chunks, config.kernels
+            self.chunks, self.kernels, self.wire_dtype = config.chunks, config.kernels, config.wire_dtype
             self.group = None
             # Made at the first call (the head counts come with q and k). Kept outside the
             # module tree: it has no parameters, and torchtitan's init and sharding walks
@@ -260,7 +265,9 @@ if _MISSING is None:
                 )
             op = self.__dict__["_op"]
             if op is None:  # the model's scale (None: head_dim ** -0.5; MLA's with its yarn factor)
-                op = UlyssesAttention(q.shape[2], k.shape[2], self.group, softmax_scale=scale, kernels=self.kernels, chunks=self.chunks)
+                op = UlyssesAttention(
+                    q.shape[2], k.shape[2], self.group, softmax_scale=scale, kernels=self.kernels, chunks=self.chunks, wire_dtype=self.wire_dtype
+                )
                 self.__dict__["_op"], self.__dict__["_scale"] = op, scale
             elif scale != self.__dict__["_scale"]:
                 _refuse("attention scale", f"{self.__dict__['_scale']!r} (the first call's: one layer, one scale)", scale)
@@ -272,10 +279,10 @@ if _MISSING is None:
             return op(q, k, v, cu_seqlens=docs)
 
     @override(target=FlexAttention.Config, fqns=INNER_ATTENTION_FQNS, exact=True, description="ulysses_kernels: Ulysses attention over the cp mesh")
-    def ulysses_inner_attention(cfg, *, chunks: int | str = 1, kernels: str | None = None):
+    def ulysses_inner_attention(cfg, *, chunks: int | str = 1, kernels: str | None = None, wire_dtype=None):
         """The override ``enable`` activates: FlexAttention's config -> ``UlyssesInnerAttention.Config``
         (its mask, causal within the documents of ``positions``, is what ours runs)."""
-        return UlyssesInnerAttention.Config(chunks=chunks, kernels=kernels, sharding_config=_local_heads(cfg.sharding_config))
+        return UlyssesInnerAttention.Config(chunks=chunks, kernels=kernels, wire_dtype=wire_dtype, sharding_config=_local_heads(cfg.sharding_config))
 
     def _local_heads(sharding):
         """FlexAttention's sharding config for ours: under tensor parallelism its local_map hands
@@ -356,14 +363,14 @@ def shard_batch(input_dict: dict, labels: torch.Tensor, parallel_dims, device: t
 # settings apply after it, and ``UlyssesTrainer`` checks the result when it is built.
 
 
-def zero_code(config, *, chunks: int | str = 1, kernels: str | None = None):
+def zero_code(config, *, chunks: int | str = 1, kernels: str | None = None, wire_dtype=None):
     """``enable`` for a stock config before torchtitan's command line applies: contiguous shards
     (the load balancer set to ``None``), the cp degree left to the command line
     (``--parallelism.context_parallel_degree``); both checked, with the rest again, when the
     trainer is built."""
     config = copy.copy(config)
     config.parallelism = dataclasses.replace(config.parallelism, context_parallel_load_balancer=None)
-    return _enable(config, chunks=chunks, kernels=kernels, deferred=True)
+    return _enable(config, chunks=chunks, kernels=kernels, wire_dtype=wire_dtype, deferred=True)
 
 
 def stock_config(name: str, unreadable: dict | None = None):
