@@ -75,8 +75,39 @@ def test_the_versions_named_are_the_ones_the_set_up_installs():
     import pathlib
     import re
 
-    from ulysses_kernels.integrations import torchtitan as titan
+    from ulysses_kernels.integrations import requirements
 
     setup = (pathlib.Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
-    assert re.search(r"TORCH_SPEC=\$\{ULYSSES_KERNELS_TORCH:-torch==([\d.]+)\}", setup).group(1) == titan.TESTED_TORCH
-    assert re.search(r"TITAN_PKGS=\(torchtitan==([\d.]+) ", setup).group(1) == titan.TESTED_TORCHTITAN
+    pins = dict(re.findall(r"\b([a-z]+)==([\d.]+)\b", setup))
+    assert re.search(r"TORCH_SPEC=\$\{ULYSSES_KERNELS_TORCH:-torch==([\d.]+)\}", setup).group(1) == requirements.TESTED["torch"]
+    for name, version in requirements.TESTED.items():
+        assert pins.get(name) == version, (name, version, pins.get(name))
+    assert {dist for dist, _, _ in requirements.INTEGRATIONS} == set(requirements.TESTED) - {"torch"}
+
+
+def test_report_rows_say_what_is_installed_and_what_the_suite_passes_with():
+    from ulysses_kernels.integrations.requirements import row_text
+
+    assert row_text({"name": "verl", "installed": None, "tested": "0.9.1", "used_by": "integrations.verl"}) == (
+        "not installed (integrations.verl; the suite passes with 0.9.1)"
+    )
+    row = {"name": "torchtitan", "installed": "0.3.0", "tested": "0.3.0", "used_by": ""}
+    assert row_text(row) == "0.3.0"
+    assert row_text({**row, "import_error": None}) == "0.3.0; imports"
+    broken = row_text({**row, "installed": "0.2.1", "import_error": "ImportError: x"})
+    assert broken == "0.2.1 (the suite passes with 0.3.0); does not import here: ImportError: x"
+    assert row_text({**row, "installed": "0.3.0+cu130"}) == "0.3.0+cu130"  # a local version of the tested one
+
+
+def test_info_imports_says_which_library_does_not_import():
+    """``info --imports`` with transformers failing inside its own import: its row says so, with the error."""
+    code = (
+        "LIB, BROKEN = 'transformers', True\n"
+        + textwrap.dedent(PRELUDE)
+        + "from ulysses_kernels.integrations import requirements\n"
+        + "print('ROW:', [requirements.row_text(r) for r in requirements.report(True) if r['name'] == 'transformers'][0])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("ROW: "))
+    assert "; does not import here: ImportError: cannot import name 'DataParallelMeshDims'" in row, row

@@ -83,6 +83,9 @@ def test_info_from_outside_the_checkout_lists_every_kernel_set(tmp_path):
         assert re.search(r"^\s+triton\s+not here\s+\S", out, re.M), out
     ext = next(line for line in out.splitlines() if line.startswith("_C extension"))
     assert ext.split(None, 2)[2].startswith("built" if extension.available() else "NOT BUILT"), ext
+    # The integrations' libraries, by their installed metadata (the set-up installs transformers).
+    assert re.search(r"^integrations\s+versions installed, not imported", out, re.M), out
+    assert re.search(rf"^\s+transformers\s+{re.escape(importlib.metadata.version('transformers'))}", out, re.M), out
 
 
 # The module paths users type (README, docs/performance.md, docs/gpu_validation.md): each must keep

@@ -8,7 +8,8 @@ lost its numbers: ``toolchain``), the NCCL torch loaded, Triton, flash-attn, eve
 set (whether it runs in this process, and why not), the default kernel set
 (``kernels="auto"``) with the GPU runs it was validated on, and the packed-documents kernel
 the chooser picks here (``backends.packed_kernel``; CUDA bf16 where a GPU is visible, else CPU
-float32). ``--json`` prints the same as JSON.
+float32), and the libraries of the integrations: the installed version beside the one the suite
+passes with (``--imports``: each imported too, which takes seconds). ``--json`` prints the same as JSON.
 
 The NCCL row says which NCCL runs in this process: torch's ``ncclGetVersion``, the one ``_C``
 calls, and every libnccl file mapped (``/proc/self/maps``), so that a carried NCCL put ahead of
@@ -27,6 +28,7 @@ import torch
 
 from . import extension, toolchain
 from .backends import packed_report
+from .integrations import requirements
 from .kernels import KERNEL_SETS, auto_choice, kernel_set_report
 
 nccl_libraries = extension.nccl_libraries  # the libnccl files mapped into this process
@@ -47,7 +49,7 @@ def nccl_line(info: dict) -> str:
     return "; ".join(parts)
 
 
-def collect() -> dict:
+def collect(import_integrations: bool = False) -> dict:
     loaded, header = extension.loaded_nccl_version(), extension.torch_nccl_header_version()
     torch_nccl = ".".join(map(str, loaded)) if loaded else "unavailable"
     if loaded and header and header != loaded:  # a carried NCCL ahead of torch's: the one that runs, then torch's header
@@ -91,6 +93,7 @@ def collect() -> dict:
             "device": f"{packed_on[0].type} {str(packed_on[1]).removeprefix('torch.')}",
             "kernels": [{"name": n, "status": why} for n, why in packed_report(*packed_on)],
         },
+        "integrations": requirements.report(import_integrations),
     }
 
 
@@ -171,14 +174,21 @@ def format_report(info: dict) -> str:
     lines.append(f"{packed_row[0]:<{width}}  {packed_row[1]}")  # the packed row after the kernel sets' lines
     for k in packed["kernels"]:
         lines.append(f"{'':<{width}}    {k['name']:<{name_width}}  {k['status']}")
+    libs = info.get("integrations", [])
+    if libs:
+        tried = "each imported" if any("import_error" in r for r in libs) else "not imported (--imports imports each)"
+        lines.append(f"{'integrations':<{width}}  versions installed, {tried}")
+        lib_width = max(len(r["name"]) for r in libs)
+        lines += [f"{'':<{width}}    {r['name']:<{lib_width}}  {requirements.row_text(r)}" for r in libs]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     """``--json``: print JSON instead of the report; ``--json-to PATH``: print the report and write
-    the JSON to PATH (one collection: the GPU runbook's record)."""
+    the JSON to PATH (one collection: the GPU runbook's record); ``--imports``: import each
+    integration's library too (seconds) and say whether it imports."""
     argv = sys.argv[1:] if argv is None else argv
-    info = collect()
+    info = collect(import_integrations="--imports" in argv)
     print(json.dumps(info, indent=2) if "--json" in argv else format_report(info))
     if "--json-to" in argv:
         with open(argv[argv.index("--json-to") + 1], "w") as f:

@@ -73,7 +73,7 @@ import torch
 
 from ..attention.interface import UlyssesAttention
 from ..wire import wire_spec
-from .requirements import unusable
+from .requirements import TESTED, unusable
 
 try:
     from torchtitan.components.validate import Validator
@@ -92,8 +92,8 @@ else:
 
 __all__ = ["enable", "zero_code", "TorchtitanIntegrationError", "document_boundaries", "shard_batch"]
 
-# The versions the suite passes with (scripts/setup.sh installs them), named in the error of a torchtitan that does not import.
-TESTED_TORCHTITAN, TESTED_TORCH = "0.3.0", "2.14.1"
+# The versions the suite passes with, named in the error of a torchtitan that does not import.
+TESTED_TORCHTITAN, TESTED_TORCH = TESTED["torchtitan"], TESTED["torch"]
 
 # The override's import path, as torchtitan's ``override.imports`` names it.
 OVERRIDE = f"{__name__}.ulysses_inner_attention"
