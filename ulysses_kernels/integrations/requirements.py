@@ -27,10 +27,16 @@ INTEGRATIONS = (
 )
 
 
+def absent(module: str, error: ImportError) -> bool:
+    """Whether ``error`` (of ``import <module>`` or a name from it) says ``module`` is not installed,
+    rather than that it failed inside its own import."""
+    return isinstance(error, ModuleNotFoundError) and error.name == module
+
+
 def unusable(module: str, error: ImportError, install: str) -> str:
     """The reason ``import <module>`` (or a name from it) raised ``error``; ``install`` is the
     command that installs it (``"pip install torchtitan==0.3.0"``)."""
-    if isinstance(error, ModuleNotFoundError) and error.name == module:
+    if absent(module, error):
         return f"{module} is not installed ({install})"
     version = installed(module) or "(version unknown)"
     return f"{module} {version} is installed but does not import with torch {torch.__version__}: {type(error).__name__}: {error}"

@@ -73,7 +73,7 @@ import torch
 
 from ..attention.interface import UlyssesAttention
 from ..wire import wire_spec
-from .requirements import TESTED, unusable
+from .requirements import TESTED, absent, unusable
 
 try:
     from torchtitan.components.validate import Validator
@@ -91,9 +91,6 @@ else:
     _MISSING = None
 
 __all__ = ["enable", "zero_code", "TorchtitanIntegrationError", "document_boundaries", "shard_batch"]
-
-# The versions the suite passes with, named in the error of a torchtitan that does not import.
-TESTED_TORCHTITAN, TESTED_TORCH = TESTED["torchtitan"], TESTED["torch"]
 
 # The override's import path, as torchtitan's ``override.imports`` names it.
 OVERRIDE = f"{__name__}.ulysses_inner_attention"
@@ -183,10 +180,11 @@ def enable(config, *, chunks: int | str = 1, kernels: str | None = None, wire_dt
 
 def _missing_reason(error: ImportError) -> str:
     """Why torchtitan cannot be used; for an installed one that does not import, the versions the suite passes with."""
-    reason = unusable("torchtitan", error, f"pip install torchtitan=={TESTED_TORCHTITAN}")
-    if "is installed" in reason:
+    titan, torch_version = TESTED["torchtitan"], TESTED["torch"]
+    reason = unusable("torchtitan", error, f"pip install torchtitan=={titan}")
+    if not absent("torchtitan", error):
         reason += (
-            f". This integration is tested with torchtitan {TESTED_TORCHTITAN} on torch {TESTED_TORCH} (torchtitan {TESTED_TORCHTITAN} is "
+            f". This integration is tested with torchtitan {titan} on torch {torch_version} (torchtitan {titan} is "
             "written for a recent torch: on torch 2.11 its import stops at `from torch.distributed.fsdp import DataParallelMeshDims`, "
             "which torch 2.13 has)"
         )
