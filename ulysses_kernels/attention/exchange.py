@@ -111,14 +111,18 @@ def post_seq_to_head(layout: Layout, tensors, roles, comm, kernels=TorchKernels,
     return _post_s2h(layout.s2h_route(roles, row_extra(wire)), tensors, comm, kernels, start, wire)
 
 
+def _s2h_pack(kernels, wire: Fp8Format | None, like: torch.Tensor):
+    """``(pack, buffer_like)`` of a sequence-to-head exchange: the kernel set's ``pack_s2h`` into
+    buffers of ``like``'s dtype, or with ``wire`` its quantizing twin into bytes."""
+    if wire is None:
+        return kernels.pack_s2h, like
+    return functools.partial(kernels.quant_pack_s2h, fmt=wire), like.new_empty(0, dtype=torch.uint8)
+
+
 def _post_s2h(route: S2HRoute, tensors, comm, kernels, start, wire: Fp8Format | None):
     """``post_seq_to_head`` along ``route`` (the sizes of its buffers)."""
-    layout, roles, like = route.layout, route.roles, tensors[0]
-    if wire is not None:
-        like = like.new_empty(0, dtype=torch.uint8)
-        pack = functools.partial(kernels.quant_pack_s2h, fmt=wire)
-    else:
-        pack = kernels.pack_s2h
+    layout, roles = route.layout, route.roles
+    pack, like = _s2h_pack(kernels, wire, tensors[0])
     recv = _flat(sum(route.recv_splits), like)
     if layout.batch == 1 and layout.world_size > 1:
         send = _flat(sum(route.send_splits), like)
@@ -306,13 +310,10 @@ def s2h_along_traced(route: S2HRoute, tensors: Sequence[torch.Tensor], comm, ker
     With ``wire`` (an FP8 format; ``route`` then counts bytes, ``wire_layout``): the pack
     quantizes into a byte buffer, the bytes cross, and the results are new tensors in the
     inputs' dtype, dequantized by the kernel set, as in eager."""
-    layout, like = route.layout, tensors[0]
-    if wire is None:
-        send = _flat(sum(route.send_splits), like)
-        kernels.pack_s2h(layout, tensors, route.roles, send)
-    else:
-        send = _flat(sum(route.send_splits), like.new_empty(0, dtype=torch.uint8))
-        kernels.quant_pack_s2h(layout, tensors, route.roles, send, fmt=wire)
+    layout = route.layout
+    pack, like = _s2h_pack(kernels, wire, tensors[0])
+    send = _flat(sum(route.send_splits), like)
+    pack(layout, tensors, route.roles, send)
     got = send  # one peer, S = s_r: the send buffer [B][s_r][h][D] is already the receive layout
     if layout.world_size > 1:
         got = _flat(sum(route.recv_splits), send)
@@ -325,7 +326,7 @@ def s2h_along_traced(route: S2HRoute, tensors: Sequence[torch.Tensor], comm, ker
             pieces.append(got[start : start + n].view(layout.batch, layout.seq_lens[p], route.width))
             start += n
         got = torch.cat(pieces, dim=1).view(-1)
-    return _s2h_results(route, got, kernels, wire, like)
+    return _s2h_results(route, got, kernels, wire, tensors[0])
 
 
 def h2s_along_traced(route: H2SRoute, local: Sequence[torch.Tensor], comm, kernels, wire=None) -> list[torch.Tensor]:
