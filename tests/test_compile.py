@@ -274,6 +274,25 @@ def _lower_level(plan, seq_lens, causal):
     return f
 
 
+def _compiled_equals_eager(f, mine, my_do, case: str):
+    """``f`` compiled (fullgraph, recorded aot_eager) and run forward and backward on this rank's
+    shards: one forward and one backward graph, each with its two all_to_alls (q/k/v to heads
+    and out back; dout to heads and dq/dk/dv back), and out and the gradients equal to eager
+    bit for bit. Returns ``(out, grads, graphs)``."""
+    graphs = {"fw": [], "bw": []}
+    torch._dynamo.reset()
+    out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), mine, my_do)
+    assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1, case
+    for kind in ("fw", "bw"):
+        n = graphs[kind][0].count("_c10d_functional.all_to_all_single")
+        assert n == 2, f"{case}: {n} all_to_all_single in the {kind} graph, expected 2"
+    want_out, want_grads = _run(f, mine, my_do)
+    _assert_equal(out, want_out, f"{case} out")
+    for name, got, want in zip("qkv", grads, want_grads):
+        _assert_equal(got, want, f"{case} d{name}")
+    return out, grads, graphs
+
+
 def _world_2(rank, world, cases):
     torch.set_num_threads(1)  # run_ranks does; bit-identity on the CPU needs it
     for hq, hkv, B, seq_lens, causal, kernels, mode, dtype in cases:
@@ -294,20 +313,10 @@ def _world_2(rank, world, cases):
             def f(q, k, v, causal=causal, seq_lens=seq_lens, kernels=kernels):
                 return uk.ulysses_attention(q, k, v, causal=causal, seq_lens=seq_lens, attn_fn="sdpa", kernels=kernels)
 
-        graphs = {"fw": [], "bw": []}
-        torch._dynamo.reset()
-        out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), mine, my_do)
         case = f"rank {rank}, case {(hq, hkv, B, seq_lens, dtype)}"
-        assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1, case
-        # Forward: q/k/v to heads, out to sequence; backward: dout to heads, dq/dk/dv back.
-        for kind in ("fw", "bw"):
-            n = graphs[kind][0].count("_c10d_functional.all_to_all_single")
-            assert n == 2, f"{case}: {n} all_to_all_single in the {kind} graph, expected 2"
-        want_out, want_grads = _run(f, mine, my_do)
-        _assert_equal(out, want_out, f"{case} out")
+        out, grads, _ = _compiled_equals_eager(f, mine, my_do, case)
         tol = REF_TOL[dtype]
-        for name, got, want, x in zip("qkv", grads, want_grads, full):
-            _assert_equal(got, want, f"{case} d{name}")
+        for name, got, x in zip("qkv", grads, full):
             what = f"{case} d{name} vs reference"
             torch.testing.assert_close(got.double(), contiguous_shard(x.grad, seq_lens, rank), rtol=tol, atol=tol, msg=lambda s, what=what: f"{what}: {s}")
         torch.testing.assert_close(out.double(), contiguous_shard(ref, seq_lens, rank).detach(), rtol=tol, atol=tol)
@@ -341,19 +350,10 @@ def _world_2_fp8(rank, world, cases):
         def f(q, k, v, seq_lens=seq_lens, kernels=kernels, wire_dtype="fp8"):
             return uk.ulysses_attention(q, k, v, causal=True, seq_lens=seq_lens, attn_fn="sdpa", kernels=kernels, wire_dtype=wire_dtype)
 
-        graphs = {"fw": [], "bw": []}
-        torch._dynamo.reset()
-        out, grads = _run(torch.compile(f, fullgraph=True, backend=_recording_aot_eager(graphs)), mine, my_do)
         case = f"rank {rank}, FP8 case {(hq, hkv, B, seq_lens, kernels, dtype)}"
-        assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1, case
+        out, _, graphs = _compiled_equals_eager(f, mine, my_do, case)
         for kind in ("fw", "bw"):
-            calls = [line for line in graphs[kind][0].splitlines() if "_c10d_functional.all_to_all_single" in line]
-            assert len(calls) == 2, f"{case}: {len(calls)} all_to_all_single in the {kind} graph, expected 2"
             assert "torch.uint8" in graphs[kind][0], f"{case}: no byte buffer in the {kind} graph"
-        want_out, want_grads = _run(f, mine, my_do)
-        _assert_equal(out, want_out, f"{case} out")
-        for name, got, want in zip("qkv", grads, want_grads):
-            _assert_equal(got, want, f"{case} d{name}")
         # ... and it is FP8 that crossed: the op without the wire differs.
         plain_out, _ = _run(lambda q, k, v: f(q, k, v, wire_dtype=None), mine, my_do)
         assert not torch.equal(out, plain_out), case
